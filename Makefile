@@ -1,0 +1,38 @@
+# dsgpt2: make demo | make test | make bench | make lint
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build; an unpinned torch would pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -x -q
+
+demo: $(STAMP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipelines/demo.sh
+
+bench: $(STAMP)
+	$(PY) -m bench
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@if ls pipelines/*.sh >/dev/null 2>&1; then \
+	  if command -v shellcheck >/dev/null; then shellcheck pipelines/*.sh; \
+	  else echo "shellcheck not installed (apt-get install shellcheck)" >&2; exit 1; fi; fi
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from dsgpt2.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""The MongoDB connection config: JSON file → validated :class:`MongoConfig`.
+
+The file keeps the original toolkit's keys::
+
+    {"MONGO_CONNECTION_STRING": "mongodb://...", "MONGO_CONNECTION_DB": "corpus",
+     "COLLECTIONS": ["news", "wiki"]}
+
+The environment variable ``MONGO_CONNECTION_STRING`` overrides the file's
+connection string, so that a password never has to be written into a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+
+ENV_URI = "MONGO_CONNECTION_STRING"
+SCHEMES = ("mongodb://", "mongodb+srv://", "mongomock://")
+REDACTED = "***"
+
+# JSON key → (dataclass field, expected type(s), description for errors and docs).
+_KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
+    "MONGO_CONNECTION_STRING": ("uri", (str,), "connection string"),
+    "MONGO_CONNECTION_DB": ("db", (str,), "database name"),
+    "COLLECTIONS": ("collections", (list,), "list of collection names, in index order"),
+    "TEXT_FIELD": ("text_field", (str,), "document field holding the text"),
+    "META_COLLECTION": ("meta_collection", (str,), "collection holding per-collection counts"),
+    "SERVER_SELECTION_TIMEOUT_MS": ("server_selection_timeout_ms", (int,), "how long to look for a server"),
+    "SOCKET_TIMEOUT_MS": ("socket_timeout_ms", (int,), "how long one query may take"),
+    "RETRIES": ("retries", (int,), "attempts after a transient error"),
+    "RETRY_BACKOFF_S": ("retry_backoff_s", (int, float), "first backoff, doubled per retry"),
+    "MAX_TEXT_CHARS": ("max_text_chars", (int,), "longer documents are skipped as bad"),
+    "STRICT": ("strict", (bool,), "fail on the first bad document instead of skipping it"),
+}
+_REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
+
+_USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
+_SECRET_OPTIONS = re.compile(r"(?i)((?:password|tlsCertificateKeyFilePassword|secret)[^=&]*=)([^&]*)")
+
+
+@dataclass(frozen=True)
+class MongoConfig:
+    """Where the corpus lives and how to read it.
+
+    Attributes:
+        uri: ``mongodb://``/``mongodb+srv://`` for a server, ``mongomock://`` for the
+            in-process test store (``mongomock://PATH`` persists it in a file).
+        db: database holding the collections and ``meta_collection``.
+        collections: pretraining collections; their documents are indexed in this order.
+        text_field: the field read as a document's text.
+        meta_collection: per-collection counts and ingest progress.
+        server_selection_timeout_ms: how long opening waits for a server before failing.
+        socket_timeout_ms: how long one query may run before it counts as a network error.
+        retries: attempts after a transient error before giving up.
+        retry_backoff_s: first backoff; doubled after each failed attempt.
+        max_text_chars: documents longer than this are skipped as bad.
+        strict: raise on the first bad document instead of skipping and counting it.
+    """
+
+    uri: str = field(repr=False)
+    db: str
+    collections: tuple[str, ...]
+    text_field: str = "filt_text"
+    meta_collection: str = "meta_info"
+    server_selection_timeout_ms: int = 5000
+    socket_timeout_ms: int = 60000
+    retries: int = 5
+    retry_backoff_s: float = 0.5
+    max_text_chars: int = 2_000_000
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
+            raise ConfigError(
+                f"MONGO_CONNECTION_STRING must start with one of {', '.join(SCHEMES)}; "
+                f"got {redact_uri(str(self.uri))!r}"
+            )
+        if not self.db or "/" in self.db or "." in self.db or " " in self.db:
+            raise ConfigError(f"MONGO_CONNECTION_DB must be a database name; got {self.db!r}")
+        names = list(self.collections)
+        if not names:
+            raise ConfigError("COLLECTIONS must list at least one collection")
+        for name in names:
+            if not isinstance(name, str) or not name or name.startswith("system.") or "$" in name:
+                raise ConfigError(f"COLLECTIONS holds an invalid collection name: {name!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"COLLECTIONS names a collection twice: {names}")
+        if self.meta_collection in names:
+            raise ConfigError(
+                f"META_COLLECTION {self.meta_collection!r} is also listed in COLLECTIONS; "
+                "give the meta collection its own name"
+            )
+        for key in ("SERVER_SELECTION_TIMEOUT_MS", "SOCKET_TIMEOUT_MS", "MAX_TEXT_CHARS"):
+            _positive(key, getattr(self, _KEYS[key][0]))
+        if self.retries < 0:
+            raise ConfigError(f"RETRIES must be 0 or more; got {self.retries}")
+        if self.retry_backoff_s < 0:
+            raise ConfigError(f"RETRY_BACKOFF_S must be 0 or more; got {self.retry_backoff_s}")
+
+    def __repr__(self) -> str:
+        return (
+            f"MongoConfig(uri={self.display_uri!r}, db={self.db!r}, collections={list(self.collections)!r})"
+        )
+
+    @property
+    def display_uri(self) -> str:
+        """The connection string with its password replaced by ``***``."""
+        return redact_uri(self.uri)
+
+    @property
+    def hosts(self) -> str:
+        """The host part of the connection string, without credentials."""
+        return uri_hosts(self.uri)
+
+    @property
+    def is_mock(self) -> bool:
+        return self.uri.startswith("mongomock://")
+
+    def scrub(self, text: str) -> str:
+        """Remove every secret of this config from ``text`` (an error message, a log line)."""
+        return scrub(text, self.uri)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as JSON keys, with the password redacted: safe to log or to send to wandb."""
+        values = asdict(self)
+        values["uri"] = self.display_uri
+        values["collections"] = list(self.collections)
+        return {key: values[name] for key, (name, _, _) in _KEYS.items()}
+
+    def with_collections(self, collections: list[str] | tuple[str, ...]) -> MongoConfig:
+        """A copy of this config that reads only ``collections``."""
+        return _replace(self, collections=tuple(collections))
+
+
+def _replace(config: MongoConfig, **changes: Any) -> MongoConfig:
+    values = {name: getattr(config, name) for name, _, _ in _KEYS.values()}
+    values.update(changes)
+    return MongoConfig(**values)
+
+
+def _positive(key: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be a positive integer; got {value}")
+
+
+def config_from_dict(
+    data: Mapping[str, Any], env: Mapping[str, str] | None = None, source: str = "config"
+) -> MongoConfig:
+    """Build a :class:`MongoConfig` from JSON keys, applying the environment override.
+
+    Raises:
+        ConfigError: unknown or missing keys, wrong types, invalid values.
+    """
+    env = os.environ if env is None else env
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object with keys {', '.join(_KEYS)}")
+    unknown = sorted(set(data) - set(_KEYS))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {', '.join(unknown)}; valid keys are {', '.join(_KEYS)}")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name, types, _ = _KEYS[key]
+        # bool is an int in Python; a JSON true is no timeout.
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            expected = " or ".join(t.__name__ for t in types)
+            raise ConfigError(
+                f"{source}: {key} must be {expected}; got {type(value).__name__} {_safe_value(key, value)!r}"
+            )
+        values[name] = tuple(value) if key == "COLLECTIONS" else value
+    override = env.get(ENV_URI, "").strip()
+    if override:
+        values["uri"] = override
+    for key in _REQUIRED:
+        if _KEYS[key][0] not in values:
+            raise ConfigError(f"{source}: missing required key {key} ({_KEYS[key][2]})")
+    if "uri" not in values:
+        raise ConfigError(
+            f"{source}: no connection string; set MONGO_CONNECTION_STRING in the file "
+            f"or in the environment variable {ENV_URI}"
+        )
+    try:
+        return MongoConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _safe_value(key: str, value: Any) -> Any:
+    return redact_uri(value) if key == "MONGO_CONNECTION_STRING" and isinstance(value, str) else value
+
+
+def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> MongoConfig:
+    """Read and validate a connection config file.
+
+    Raises:
+        ConfigError: the file is missing, not JSON, or not a valid config.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} not found; pass an existing file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {exc}") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    return config_from_dict(data, env=env, source=str(p))
+
+
+def redact_uri(uri: str) -> str:
+    """``mongodb://user:pw@host/?password=x`` → ``mongodb://user:***@host/?password=***``."""
+    out = _USERINFO.sub(
+        lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@" if m["pw"] is not None else m[0], uri
+    )
+    return _SECRET_OPTIONS.sub(lambda m: m[1] + REDACTED, out)
+
+
+def uri_hosts(uri: str) -> str:
+    """The host list of a connection string: ``mongodb://u:p@h1,h2/db`` → ``h1,h2``."""
+    rest = uri.split("://", 1)[-1]
+    rest = rest.rsplit("@", 1)[-1] if "@" in rest.split("/", 1)[0] else rest
+    return rest.split("/", 1)[0].split("?", 1)[0] or "(in-process)"
+
+
+def uri_secrets(uri: str) -> list[str]:
+    """Every form in which the connection string's secrets could be echoed."""
+    found: list[str] = []
+    m = _USERINFO.match(uri)
+    if m and m["pw"]:
+        found += [m["pw"], urllib.parse.unquote(m["pw"])]
+    found += [v for _, v in _SECRET_OPTIONS.findall(uri) if v]
+    # Longest first, so that a secret containing another one is replaced whole.
+    return sorted({s for s in found if s}, key=len, reverse=True)
+
+
+def scrub(text: str, uri: str) -> str:
+    """Replace the secrets of ``uri`` anywhere in ``text``."""
+    for secret in uri_secrets(uri):
+        text = text.replace(secret, REDACTED)
+    return text

@@ -1,0 +1,72 @@
+"""What counts as a usable document text, and the tally of those that are not.
+
+Pure functions: no database here, so the rules are tested directly.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, NamedTuple
+
+
+class Doc(NamedTuple):
+    """A usable document: its unified index over all collections and its text."""
+
+    index: int
+    text: str
+
+
+# Why a document was skipped, in the order reports list them.
+SKIP_REASONS = {
+    "missing": "no document with this idx (a gap)",
+    "no_field": "the text field is absent",
+    "null": "the text field is null",
+    "not_string": "the text field is not a string",
+    "empty": "the text is empty or only whitespace",
+    "too_long": "the text is longer than MAX_TEXT_CHARS",
+    "invalid_unicode": "the text holds undecodable bytes or a lone surrogate",
+}
+
+_ABSENT = object()
+
+
+def text_problem(value: Any, max_chars: int) -> str | None:
+    """The skip reason for a text field value, or None when it is usable text.
+
+    ``value`` is what the document holds; pass :data:`ABSENT` for a missing field.
+    Undecodable UTF-8 arrives as lone surrogates (the client decodes with
+    ``surrogateescape``), so one check covers both.
+    """
+    if value is _ABSENT:
+        return "no_field"
+    if value is None:
+        return "null"
+    if not isinstance(value, str):
+        return "not_string"
+    if len(value) > max_chars:
+        return "too_long"
+    if not value.strip():
+        return "empty"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "invalid_unicode"
+    return None
+
+
+ABSENT: Any = _ABSENT
+
+
+class SkipTally(Counter):
+    """How many documents were skipped, by reason."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.values())
+
+    def summary(self) -> str:
+        """``"3 skipped (missing: 1, empty: 2)"`` or ``"none skipped"``."""
+        if not self.total:
+            return "none skipped"
+        parts = ", ".join(f"{r}: {self[r]}" for r in SKIP_REASONS if self[r])
+        return f"{self.total} skipped ({parts})"

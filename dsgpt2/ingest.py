@@ -1,0 +1,447 @@
+"""Ingest: text files or the built-in sample corpus → documents in a collection.
+
+Each source record becomes ``{"idx", "form", "filt_text", "source", "source_pos"}``
+(conversations also keep ``turns``): ``idx`` continues after the collection's
+largest one, ``form`` is the original text and ``filt_text`` its cleaned form.
+
+Exactly once, even when killed: before its first insert a source is recorded
+in meta_info; each batch is inserted in order and then meta_info records how
+far the source has been read. A re-run skips finished sources and resumes an
+unfinished one after the last record that reached the collection, read back
+from the documents themselves (``source``/``source_pos``), so a batch that was
+inserted but not yet recorded is neither lost nor duplicated.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from dsgpt2.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.documents import SkipTally
+from dsgpt2.errors import BadDocumentError, IngestError
+from dsgpt2.mongo import (
+    Connection,
+    ensure_idx_index,
+    insert_batch,
+    max_idx,
+    read_meta,
+    with_retries,
+    write_meta,
+)
+from dsgpt2.sample import sample_version, stdlib_documents
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("auto", "text", "jsonl", "csv", "conversation")
+SPLITS = ("line", "paragraph")
+# Speaker names given to query/reply pairs.
+QUERY_SPEAKER = "user"
+REPLY_SPEAKER = "bot"
+
+
+class BadRecord:
+    """A source record that cannot become a document, and why."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where records come from, and the key that makes its ingest resumable."""
+
+    key: str
+    label: str
+    kind: str  # "text" or "conversation"
+    read: Callable[[], Iterator[Any]] = field(repr=False, compare=False)
+
+
+def _key(*parts: str) -> str:
+    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:20]
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The format a file name implies: ``.jsonl``/``.json`` → jsonl, ``.csv`` → csv, else text."""
+    name = str(path).lower().removesuffix(".gz")
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".csv"):
+        return "csv"
+    return "text"
+
+
+def file_source(
+    path: str | os.PathLike[str],
+    fmt: str = "auto",
+    field: str = "text",
+    column: str = "text",
+    split: str = "line",
+) -> Source:
+    """A file (gzip transparently) read as ``fmt``.
+
+    Raises:
+        IngestError: the file is missing, or the format or its options are invalid.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise IngestError(f"input file {str(p)!r} not found")
+    if fmt not in FORMATS:
+        raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if split not in SPLITS:
+        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(SPLITS)}")
+    fmt = detect_format(p) if fmt == "auto" else fmt
+    option = {"text": split, "jsonl": field, "csv": column, "conversation": ""}[fmt]
+    key = _key("file", str(p.resolve()), fmt, option)
+    label = f"{p.name} ({fmt}{': ' + option if option else ''})"
+    if fmt == "text":
+        return Source(key, label, "text", lambda: _read_text(p, split))
+    if fmt == "jsonl":
+        return Source(key, label, "text", lambda: _read_jsonl(p, field))
+    if fmt == "csv":
+        _check_csv_header(p, column)
+        return Source(key, label, "text", lambda: _read_csv(p, column))
+    return Source(key, label, "conversation", lambda: _read_conversations(p))
+
+
+def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
+    """The built-in sample corpus (see :mod:`dsgpt2.sample`), at most ``limit`` documents."""
+    if name != "stdlib":
+        raise IngestError(f"unknown sample {name!r}; the built-in sample is 'stdlib'")
+    if limit is not None and limit <= 0:
+        raise IngestError(f"--limit must be a positive number of documents; got {limit}")
+    version = sample_version()
+    label = f"sample {version}" + (f" (first {limit})" if limit else "")
+    return Source(_key("sample", version, str(limit)), label, "text", lambda: stdlib_documents(limit))
+
+
+def open_text(path: Path) -> TextIO:
+    """Open a text file, gunzipping it when it is gzip; undecodable bytes become U+FFFD."""
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    try:
+        raw = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise IngestError(f"cannot read {str(path)!r}: {exc}") from None
+    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+
+
+def _read_text(path: Path, split: str) -> Iterator[Any]:
+    with open_text(path) as f:
+        if split == "line":
+            for line in f:
+                yield line.rstrip("\r\n")
+            return
+        para: list[str] = []
+        for line in f:
+            if line.strip():
+                para.append(line)
+            elif para:
+                yield "".join(para)
+                para = []
+        if para:
+            yield "".join(para)
+
+
+def _json_lines(path: Path) -> Iterator[Any]:
+    with open_text(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                yield BadRecord("bad_json")
+
+
+def _read_jsonl(path: Path, field_name: str) -> Iterator[Any]:
+    for obj in _json_lines(path):
+        if isinstance(obj, BadRecord):
+            yield obj
+        elif not isinstance(obj, dict):
+            yield BadRecord("bad_json")
+        elif field_name not in obj:
+            yield BadRecord("no_field")
+        else:
+            yield obj[field_name]
+
+
+def _csv_reader(f: TextIO) -> csv.DictReader:
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+    return csv.DictReader(f)
+
+
+def _check_csv_header(path: Path, column: str) -> None:
+    with open_text(path) as f:
+        header = _csv_reader(f).fieldnames or []
+    if column not in header:
+        raise IngestError(
+            f"{path.name} has no column {column!r}; its columns are {header}; pick one with --column"
+        )
+
+
+def _read_csv(path: Path, column: str) -> Iterator[Any]:
+    with open_text(path) as f:
+        for row in _csv_reader(f):
+            value = row.get(column)
+            yield BadRecord("no_field") if value is None else value
+
+
+def _read_conversations(path: Path) -> Iterator[Any]:
+    for obj in _json_lines(path):
+        yield obj if isinstance(obj, BadRecord) else normalize_conversation(obj)
+
+
+def normalize_conversation(obj: Any) -> dict[str, Any] | BadRecord:
+    """``{"turns": [{speaker, text}, ...]}`` or ``{"query", "reply"}`` → cleaned turns.
+
+    Turns with empty text are dropped; fewer than two turns is not a conversation.
+    """
+    if not isinstance(obj, dict):
+        return BadRecord("bad_conversation")
+    if "turns" in obj:
+        raw = obj["turns"]
+        if not isinstance(raw, list):
+            return BadRecord("bad_conversation")
+    elif "query" in obj and "reply" in obj:
+        raw = [
+            {"speaker": QUERY_SPEAKER, "text": obj["query"]},
+            {"speaker": REPLY_SPEAKER, "text": obj["reply"]},
+        ]
+    else:
+        return BadRecord("bad_conversation")
+    turns = []
+    for turn in raw:
+        if not isinstance(turn, dict):
+            return BadRecord("bad_conversation")
+        speaker, text = turn.get("speaker"), turn.get("text")
+        if not isinstance(speaker, str) or not speaker.strip() or not isinstance(text, str):
+            return BadRecord("bad_conversation")
+        text = clean_text(text)
+        if text:
+            turns.append({"speaker": speaker.strip(), "text": text})
+    if len(turns) < 2:
+        return BadRecord("empty")
+    return {"turns": turns, "form": json.dumps(obj, ensure_ascii=False)}
+
+
+def make_document(record: Any, kind: str) -> dict[str, Any] | str:
+    """The fields of a document for ``record``, or the reason it is skipped."""
+    if isinstance(record, BadRecord):
+        return record.reason
+    if kind == "conversation":
+        text = "\n".join(f"{t['speaker']}: {t['text']}" for t in record["turns"])
+        return {"form": record["form"], "filt_text": text, "turns": record["turns"]}
+    if record is None:
+        return "null"
+    if not isinstance(record, str):
+        return "not_string"
+    filt = clean_text(record)
+    if not filt:
+        return "empty"
+    # A real server refuses strings with lone surrogates; keep the original otherwise.
+    form = record if _encodable(record) else record.encode("utf-8", "replace").decode("utf-8")
+    return {"form": form, "filt_text": filt}
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+@dataclass
+class SourceReport:
+    """What one source contributed in one run."""
+
+    label: str
+    read: int = 0
+    inserted: int = 0
+    skipped: SkipTally = field(default_factory=SkipTally)
+    resumed_at: int = 0
+    already_done: bool = False
+
+
+@dataclass
+class IngestReport:
+    """The outcome of :func:`ingest`."""
+
+    collection: str
+    sources: list[SourceReport]
+    count: int
+    seconds: float
+
+    @property
+    def inserted(self) -> int:
+        return sum(s.inserted for s in self.sources)
+
+    def lines(self) -> list[str]:
+        out = []
+        for s in self.sources:
+            if s.already_done:
+                out.append(f"{s.label}: already ingested, nothing to do")
+                continue
+            resumed = f", resumed after record {s.resumed_at}" if s.resumed_at else ""
+            out.append(
+                f"{s.label}: {s.read} records read{resumed}, {s.inserted} inserted, {s.skipped.summary()}"
+            )
+        out.append(f"{self.collection}: {self.count} documents ({self.seconds:.1f}s)")
+        return out
+
+
+def ingest(
+    conn: Connection,
+    collection: str,
+    sources: list[Source],
+    batch_size: int = 1000,
+    strict: bool = False,
+    progress: bool = False,
+) -> IngestReport:
+    """Append every record of ``sources`` to ``collection`` exactly once (see module doc).
+
+    Raises:
+        IngestError: bad options or unreadable input.
+        BadDocumentError: a record is unusable and ``strict`` is on.
+        CorpusError: the collection's idx is broken, or another writer interferes.
+    """
+    if batch_size <= 0:
+        raise IngestError(f"--batch-size must be positive; got {batch_size}")
+    started = time.monotonic()
+    coll = conn.db[collection]
+    with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
+    reports = []
+    for source in sources:
+        reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress))
+    top = max_idx(coll)
+    count = 0 if top is None else top + 1
+    return IngestReport(collection, reports, count, time.monotonic() - started)
+
+
+def _ingest_source(
+    conn: Connection, collection: str, source: Source, batch_size: int, strict: bool, progress: bool
+) -> SourceReport:
+    coll = conn.db[collection]
+    report = SourceReport(source.label)
+    state = read_meta(conn, [collection]).get(collection, {}).get("sources", {}).get(source.key)
+    top = max_idx(coll)
+    next_idx = 0 if top is None else top + 1
+    if state and state.get("complete"):
+        report.already_done = True
+        log.info("%s: already ingested into %s", source.label, collection)
+        return report
+    if state:
+        start = int(state.get("records", 0))
+        # Documents inserted after meta_info was last updated: the batch in flight at a crash.
+        lag = coll.find_one(
+            {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}},
+            {"_id": 0, "source_pos": 1},
+            sort=[("idx", -1)],
+        )
+        if lag is not None:
+            start = int(lag["source_pos"]) + 1
+        report.resumed_at = start
+        report.skipped.update(state.get("skipped", {}))
+        report.inserted = int(state.get("inserted", 0))
+        if lag is not None:
+            report.inserted += coll.count_documents(
+                {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
+            )
+        log.info("%s: resuming after record %d", source.label, start)
+    else:
+        start = 0
+        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False)
+
+    batch: list[dict[str, Any]] = []
+    pos = -1
+    # disable=None: no bar when stderr is not a terminal (logs, CI).
+    bar = tqdm(desc=source.label[:40], unit="doc", disable=None if progress else True, initial=start)
+    try:
+        for pos, record in enumerate(source.read()):
+            if pos < start:
+                continue
+            report.read += 1
+            bar.update(1)
+            doc = make_document(record, source.kind)
+            if isinstance(doc, str):
+                report.skipped[doc] += 1
+                if strict:
+                    raise BadDocumentError(
+                        f"{source.label}: record {pos} is unusable ({doc}); fix it, or run without --strict"
+                    )
+                continue
+            batch.append({"idx": next_idx, **doc, "source": source.key, "source_pos": pos})
+            next_idx += 1
+            if len(batch) >= batch_size:
+                _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx)
+                batch = []
+        _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx)
+        _record(
+            conn, collection, source, report, records=max(pos + 1, start), idx_end=next_idx, complete=True
+        )
+    finally:
+        bar.close()
+    return report
+
+
+def _flush(
+    conn: Connection,
+    coll: Any,
+    collection: str,
+    source: Source,
+    report: SourceReport,
+    batch: list[dict[str, Any]],
+    records: int,
+    idx_end: int,
+) -> None:
+    if batch:
+        insert_batch(conn, coll, batch)
+        report.inserted += len(batch)
+    _record(conn, collection, source, report, records=records, idx_end=idx_end, complete=False)
+
+
+def _record(
+    conn: Connection,
+    collection: str,
+    source: Source,
+    report: SourceReport,
+    records: int,
+    idx_end: int,
+    complete: bool,
+) -> None:
+    state = {
+        "label": source.label,
+        "kind": source.kind,
+        "records": records,
+        "inserted": report.inserted,
+        "skipped": dict(report.skipped),
+        "idx_end": idx_end,
+        "complete": complete,
+    }
+    write_meta(
+        conn,
+        collection,
+        {
+            "count": idx_end,
+            "cleaner_version": CLEANER_VERSION,
+            f"sources.{source.key}": state,
+            "updated_at": time.time(),
+        },
+    )
+    conn.commit()

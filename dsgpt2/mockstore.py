@@ -1,0 +1,225 @@
+"""The in-process ``mongomock://`` backend used by the tests and the demo.
+
+This is a convenience for machines without a MongoDB server, not a storage
+engine. ``mongomock://`` is an in-memory store shared by every client of the
+process (a forked child gets a copy). ``mongomock://PATH`` also persists the
+store in the file PATH, so that separate processes (the bash pipelines, a
+killed and re-run ingest) see the same database: each client loads the latest
+saved snapshot, and :func:`save` writes a whole new snapshot atomically at the
+commit points of the toolkit (after each ingest batch, after a meta update).
+One writing process at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+import threading
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import bson
+import mongomock
+from mongomock import helpers as _mm_helpers
+from mongomock.collection import Collection as _MockCollection
+from mongomock.store import ServerStore
+
+PREFIX = "mongomock://"
+
+_MEMORY: dict[str, ServerStore] = {}
+# path → (store, (mtime_ns, size) of the snapshot the store reflects)
+_FILES: dict[str, tuple[ServerStore, tuple[int, int] | None]] = {}
+
+
+def store_path(uri: str) -> str | None:
+    """The snapshot file of a ``mongomock://`` URI, or None for the pure in-memory store."""
+    rest = uri[len(PREFIX) :]
+    return os.path.abspath(os.path.expanduser(rest)) if rest else None
+
+
+def client_for(uri: str) -> mongomock.MongoClient:
+    """A mongomock client on the store that ``uri`` names, loading its file if it changed."""
+    _install_fast_unique_inserts()
+    path = store_path(uri)
+    if path is None:
+        store = _MEMORY.setdefault("", ServerStore())
+    else:
+        store, seen = _FILES.get(path, (None, None))
+        stamp = _stamp(path)
+        if store is None or (stamp is not None and stamp != seen):
+            store = _load(path)
+            _FILES[path] = (store, stamp)
+    return mongomock.MongoClient(_store=store)
+
+
+def save(uri: str) -> None:
+    """Write the store of a file-backed URI to its file (atomically); no-op in memory."""
+    path = store_path(uri)
+    if path is None or path not in _FILES:
+        return
+    store, _ = _FILES[path]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        fd, tmp = tempfile.mkstemp(prefix=".snapshot-", dir=os.path.dirname(path))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for record in _dump(store):
+                    f.write(bson.encode(record))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    _FILES[path] = (store, _stamp(path))
+
+
+def reset(uri: str | None = None) -> None:
+    """Forget in-process stores (all of them, or the one ``uri`` names); files stay."""
+    if uri is None:
+        _MEMORY.clear()
+        _FILES.clear()
+        return
+    path = store_path(uri)
+    if path is None:
+        _MEMORY.pop("", None)
+    else:
+        _FILES.pop(path, None)
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    with open(path + ".lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _dump(store: ServerStore) -> Iterable[dict[str, Any]]:
+    client = mongomock.MongoClient(_store=store)
+    for db_name in client.list_database_names():
+        db = client[db_name]
+        for name in db.list_collection_names():
+            coll = db[name]
+            indexes = [
+                {"name": n, "key": [list(k) for k in info["key"]], "unique": bool(info.get("unique"))}
+                for n, info in coll.index_information().items()
+                if n != "_id_"
+            ]
+            yield {"collection": [db_name, name], "indexes": indexes}
+            for doc in coll.find({}):
+                yield {"doc": doc}
+
+
+def _load(path: str) -> ServerStore:
+    store = ServerStore()
+    client = mongomock.MongoClient(_store=store)
+    if not os.path.exists(path):
+        return store
+    with _locked(path), open(path, "rb") as f:
+        records = list(bson.decode_file_iter(f))
+    pending: list[dict[str, Any]] = []
+    target = None
+    indexes: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if target is None:
+            return
+        if pending:
+            target.insert_many(pending)
+        else:
+            target.database.create_collection(target.name)
+        # Indexes after the documents: one uniqueness check instead of one per insert.
+        for ix in indexes:
+            target.create_index([tuple(k) for k in ix["key"]], name=ix["name"], unique=ix["unique"])
+
+    for record in records:
+        if "collection" in record:
+            flush()
+            db_name, name = record["collection"]
+            target, indexes, pending = client[db_name][name], record["indexes"], []
+        else:
+            pending.append(record["doc"])
+    flush()
+    return store
+
+
+# mongomock checks a unique index by scanning the whole collection once per
+# inserted document, which makes a bulk load quadratic (minutes for 10k
+# documents). insert_many below checks the batch against the collection once,
+# then inserts without the per-document scan; any doubt falls back to
+# mongomock's own path so that errors keep mongomock's exact semantics.
+_patch_lock = threading.Lock()
+_unchecked = threading.local()
+
+
+def _install_fast_unique_inserts() -> None:
+    with _patch_lock:
+        if getattr(_MockCollection, "_dsgpt2_fast_unique", False):
+            return
+        original_ensure = _MockCollection._ensure_uniques
+        original_insert_many = _MockCollection.insert_many
+
+        def _ensure_uniques(self: _MockCollection, new_data: Any) -> None:
+            if getattr(_unchecked, "store", None) is self._store:
+                return
+            original_ensure(self, new_data)
+
+        def insert_many(self: _MockCollection, documents: Any, *args: Any, **kwargs: Any) -> Any:
+            documents = list(documents) if isinstance(documents, Iterable) else documents
+            if not documents or not _batch_is_unique(self, documents):
+                return original_insert_many(self, documents, *args, **kwargs)
+            _unchecked.store = self._store
+            try:
+                return original_insert_many(self, documents, *args, **kwargs)
+            finally:
+                _unchecked.store = None
+
+        _MockCollection._ensure_uniques = _ensure_uniques
+        _MockCollection.insert_many = insert_many
+        _MockCollection._dsgpt2_fast_unique = True
+
+
+def _batch_is_unique(coll: _MockCollection, documents: list[Any]) -> bool:
+    """True when no unique index of ``coll`` is violated by ``documents``; False if unsure."""
+    indexes = [ix for ix in coll._store.indexes.values() if ix.get("unique")]
+    if any(ix.get("sparse") or ix.get("partialFilterExpression") for ix in indexes):
+        return False
+    try:
+        for ix in indexes:
+            fields = [k for k, _ in ix["key"]]
+            seen = {_key(d, fields) for d in coll._store.documents}
+            for d in documents:
+                k = _key(d, fields)
+                if k in seen:
+                    return False
+                seen.add(k)
+    except TypeError:  # an unhashable key value (a dict or list): let mongomock decide
+        return False
+    return True
+
+
+def _key(doc: Any, fields: list[str]) -> tuple[Any, ...]:
+    out = []
+    for name in fields:
+        try:
+            value = _mm_helpers.get_value_by_dot(doc, name)
+        except KeyError:
+            value = None
+        # 7 and 7.0 collide in a set as they do in MongoDB; True and 1 must not.
+        out.append((type(value) is bool, value))
+    return tuple(out)

@@ -1,0 +1,447 @@
+"""MongoDB access: connections, retries, meta_info and the :class:`MongoWrapper`.
+
+This is the only module (with :mod:`dsgpt2.mockstore`) that talks to pymongo.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import pymongo
+from pymongo.errors import (
+    AutoReconnect,
+    ConfigurationError,
+    OperationFailure,
+    PyMongoError,
+    ServerSelectionTimeoutError,
+)
+
+from dsgpt2 import mockstore
+from dsgpt2.config import ENV_URI, MongoConfig
+from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem
+from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, MongoUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# AutoReconnect covers NetworkTimeout and ServerSelectionTimeoutError: a primary
+# stepping down, a dropped socket, a server restarting. Reads are idempotent,
+# so retrying them is safe.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (AutoReconnect,)
+_MAX_BACKOFF_S = 30.0
+
+
+def unreachable_message(config: MongoConfig, exc: BaseException | None = None) -> str:
+    timeout = config.server_selection_timeout_ms
+    reason = f" ({config.scrub(_first_line(exc))})" if exc is not None else ""
+    return (
+        f"cannot reach MongoDB at {config.hosts} within {timeout} ms{reason}; "
+        f"check that the server is running and reachable from here, and the host and port "
+        f"in MONGO_CONNECTION_STRING (config file or the {ENV_URI} environment variable)"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def with_retries(
+    fn: Callable[[], T],
+    config: MongoConfig,
+    what: str,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run the read ``fn``, retrying transient errors with exponential backoff.
+
+    Raises:
+        MongoUnavailableError: still failing after ``config.retries`` retries.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except TRANSIENT_ERRORS as exc:
+            if attempt >= config.retries:
+                raise MongoUnavailableError(
+                    f"{what} failed {attempt + 1} times on MongoDB at {config.hosts}: "
+                    f"{config.scrub(_first_line(exc))}; check the server and the network, "
+                    f"or raise RETRIES in the config"
+                ) from None
+            delay = min(_MAX_BACKOFF_S, config.retry_backoff_s * 2**attempt)
+            delay *= 1 + random.random() * 0.1  # jitter, so that ranks do not retry in lockstep
+            log.warning(
+                "%s: transient MongoDB error (%s); retry %d/%d in %.1fs",
+                what, config.scrub(_first_line(exc)), attempt + 1, config.retries, delay,
+            )  # fmt: skip
+            sleep(delay)
+            attempt += 1
+
+
+class Connection:
+    """A lazily made client for the current process, and the database to use.
+
+    The client is created on first use in the process that uses it. After a
+    fork (DataLoader workers, launcher ranks) the child makes its own instead
+    of reusing the parent's, and a pickled connection carries no client.
+    """
+
+    def __init__(self, config: MongoConfig) -> None:
+        self.config = config
+        self._client: Any = None
+        self._pid: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "_client": None, "_pid": None}
+
+    def __repr__(self) -> str:
+        return f"Connection({self.config.display_uri!r}, db={self.config.db!r})"
+
+    @property
+    def client(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            self._client = self._make_client()
+            self._pid = os.getpid()
+        return self._client
+
+    @property
+    def client_pid(self) -> int | None:
+        """The process that made the current client (None before first use)."""
+        return self._pid
+
+    @property
+    def db(self) -> Any:
+        return self.client[self.config.db]
+
+    def _make_client(self) -> Any:
+        if self.config.is_mock:
+            return mockstore.client_for(self.config.uri)
+        try:
+            return pymongo.MongoClient(
+                self.config.uri,
+                serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
+                connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
+                socketTimeoutMS=self.config.socket_timeout_ms,
+                # Undecodable UTF-8 becomes lone surrogates instead of failing a whole batch;
+                # the document is then skipped as invalid_unicode.
+                unicode_decode_error_handler="surrogateescape",
+                appname="dsgpt2",
+                connect=False,
+            )
+        except ConfigurationError as exc:
+            raise ConfigError(
+                f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: "
+                f"{self.config.scrub(_first_line(exc))}"
+            ) from None
+
+    def ping(self) -> None:
+        """Check that the server answers; fail fast with a clear message if not.
+
+        Raises:
+            MongoUnavailableError: no server within the selection timeout, or login refused.
+        """
+        if self.config.is_mock:
+            return
+        try:
+            self.client.admin.command("ping")
+        except ServerSelectionTimeoutError as exc:
+            raise MongoUnavailableError(unreachable_message(self.config, exc)) from None
+        except OperationFailure as exc:
+            if exc.code in (18, 8000) or "auth" in str(exc).lower():
+                raise MongoUnavailableError(
+                    f"MongoDB at {self.config.hosts} refused the login: "
+                    f"{self.config.scrub(_first_line(exc))}; check the user and password in "
+                    f"MONGO_CONNECTION_STRING (or the {ENV_URI} environment variable)"
+                ) from None
+            raise MongoUnavailableError(
+                f"MongoDB at {self.config.hosts}: {self.config.scrub(_first_line(exc))}"
+            ) from None
+        except PyMongoError as exc:
+            raise MongoUnavailableError(unreachable_message(self.config, exc)) from None
+
+    def commit(self) -> None:
+        """Make writes so far durable for other processes (saves a file-backed mock store)."""
+        if self.config.is_mock:
+            mockstore.save(self.config.uri)
+
+    def close(self) -> None:
+        if self._client is not None and self._pid == os.getpid() and not self.config.is_mock:
+            self._client.close()
+        self._client = None
+        self._pid = None
+
+
+def connect(config: MongoConfig) -> Connection:
+    """Open a connection and check that the server answers."""
+    conn = Connection(config)
+    conn.ping()
+    return conn
+
+
+# ---------------------------------------------------------------- meta_info
+
+
+def read_meta(conn: Connection, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """The meta_info entries of ``names`` (one query), keyed by collection name."""
+    meta = conn.db[conn.config.meta_collection]
+    docs = with_retries(
+        lambda: list(meta.find({"collection": {"$in": list(names)}}, {"_id": 0})),
+        conn.config,
+        "reading meta_info",
+    )
+    return {d["collection"]: d for d in docs}
+
+
+def write_meta(conn: Connection, name: str, fields: dict[str, Any]) -> None:
+    """Set ``fields`` on the meta_info entry of collection ``name`` (created if absent)."""
+    meta = conn.db[conn.config.meta_collection]
+    meta.update_one({"collection": name}, {"$set": fields}, upsert=True)
+
+
+def idx_index_name(coll: Any) -> str | None:
+    """The name of the unique ascending index on ``idx`` alone, or None."""
+    for name, info in coll.index_information().items():
+        if [tuple(k) for k in info["key"]] == [("idx", 1)] and info.get("unique"):
+            return name
+    return None
+
+
+# ---------------------------------------------------------------- the wrapper
+
+
+class MongoWrapper:
+    """All configured collections as one indexed sequence of document texts.
+
+    Global index ``i`` maps to ``(collection, idx)`` by binary search over the
+    cumulative counts, in config order. Opening reads only the counts; texts
+    are fetched on demand, one query per collection touched by a batch.
+
+    Args:
+        config: where the corpus lives.
+        connection: reuse this connection (default: a new lazy one).
+        counts: per-collection counts to use instead of reading meta_info.
+        strict: override ``config.strict``.
+    """
+
+    def __init__(
+        self,
+        config: MongoConfig,
+        connection: Connection | None = None,
+        counts: Sequence[int] | None = None,
+        strict: bool | None = None,
+    ) -> None:
+        self.config = config
+        self.collections: tuple[str, ...] = tuple(config.collections)
+        self.strict = config.strict if strict is None else strict
+        self.skipped = SkipTally()
+        self.queries: Counter[str] = Counter()
+        if connection is None:
+            connection = Connection(config)
+            connection.ping()
+        self._conn = connection
+        self.counts: tuple[int, ...] = tuple(counts) if counts is not None else self._read_counts()
+        if len(self.counts) != len(self.collections) or any(c < 0 for c in self.counts):
+            raise ConfigError(f"counts {list(self.counts)} do not match {list(self.collections)}")
+        self.offsets: tuple[int, ...] = tuple(_cumulative(self.counts))
+
+    def __repr__(self) -> str:
+        counts = dict(zip(self.collections, self.counts, strict=True))
+        return f"MongoWrapper({self.config.display_uri!r}, {counts})"
+
+    @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    def _read_counts(self) -> tuple[int, ...]:
+        meta = read_meta(self._conn, self.collections)
+        self.queries["meta"] += 1
+        counts = []
+        for name in self.collections:
+            count = meta.get(name, {}).get("count")
+            if not isinstance(count, int) or isinstance(count, bool):
+                coll = self._conn.db[name]
+                count = with_retries(lambda c=coll: c.count_documents({}), self.config, f"counting {name}")
+                self.queries[name] += 1
+                log.warning(
+                    "meta_info has no count for %r; counted %d documents "
+                    "(run `dsgpt2 validate --fix` to record it)", name, count,
+                )  # fmt: skip
+            counts.append(count)
+        return tuple(counts)
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def total_queries(self) -> int:
+        return sum(self.queries.values())
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global index → (position of the collection in config order, local idx)."""
+        n = len(self)
+        if index < 0:
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(f"document index {index} out of range for a corpus of {n}")
+        pos = bisect.bisect_right(self.offsets, index) - 1
+        return pos, index - self.offsets[pos]
+
+    def __getitem__(self, index: int) -> str | None:
+        """The text of document ``index``, or None when it is bad (counted in ``skipped``)."""
+        pos, local = self.locate(index)
+        if index < 0:
+            index += len(self)
+        found = self._query(pos, {"idx": local})
+        doc = found.get(local)
+        return self._check(index, pos, local, doc)
+
+    def get_many(self, indices: Iterable[int]) -> list[Doc]:
+        """The usable documents among ``indices``, in the order asked.
+
+        One query per collection touched: a range query when that collection's
+        indices are consecutive, ``$in`` otherwise. Bad documents are left out
+        and counted in ``skipped`` (or raise in strict mode).
+        """
+        wanted = [self._normalize(i) for i in indices]
+        by_coll: dict[int, set[int]] = {}
+        for i in wanted:
+            pos, local = self.locate(i)
+            by_coll.setdefault(pos, set()).add(local)
+        fetched: dict[int, dict[int, dict[str, Any]]] = {}
+        for pos, locals_ in sorted(by_coll.items()):
+            lo, hi = min(locals_), max(locals_)
+            if hi - lo + 1 == len(locals_):
+                filt: dict[str, Any] = {"idx": {"$gte": lo, "$lt": hi + 1}}
+            else:
+                filt = {"idx": {"$in": sorted(locals_)}}
+            fetched[pos] = self._query(pos, filt, batch=len(locals_))
+        out = []
+        for i in wanted:
+            pos, local = self.locate(i)
+            text = self._check(i, pos, local, fetched[pos].get(local))
+            if text is not None:
+                out.append(Doc(i, text))
+        return out
+
+    def get_range(self, start: int, stop: int) -> list[Doc]:
+        """The usable documents with global index in ``[start, stop)``, in order."""
+        start, stop = max(0, start), min(len(self), stop)
+        return self.get_many(range(start, stop)) if start < stop else []
+
+    def iter_range(self, start: int = 0, stop: int | None = None, chunk: int = 1000) -> Iterator[list[Doc]]:
+        """Chunks of usable documents over ``[start, stop)``, ``chunk`` indices at a time."""
+        if chunk <= 0:
+            raise ValueError(f"chunk must be positive, got {chunk}")
+        stop = len(self) if stop is None else min(stop, len(self))
+        for lo in range(max(0, start), stop, chunk):
+            yield self.get_range(lo, min(lo + chunk, stop))
+
+    def _normalize(self, index: int) -> int:
+        return index + len(self) if index < 0 else index
+
+    def _query(self, pos: int, filt: dict[str, Any], batch: int = 1) -> dict[int, dict[str, Any]]:
+        name = self.collections[pos]
+        coll = self._conn.db[name]
+        projection = {"_id": 0, "idx": 1, self.config.text_field: 1}
+
+        def run() -> list[dict[str, Any]]:
+            # One batch for the whole answer: no getMore round trip under 16 MB.
+            return list(coll.find(filt, projection).batch_size(max(batch, 1)))
+
+        docs = with_retries(run, self.config, f"reading {name}")
+        self.queries[name] += 1
+        out: dict[int, dict[str, Any]] = {}
+        for d in docs:
+            idx = d.get("idx")
+            if isinstance(idx, int) and not isinstance(idx, bool):
+                out.setdefault(idx, d)
+        return out
+
+    def _check(self, index: int, pos: int, local: int, doc: dict[str, Any] | None) -> str | None:
+        if doc is None:
+            reason = "missing"
+            value = None
+        else:
+            value = doc.get(self.config.text_field, ABSENT)
+            reason = text_problem(value, self.config.max_text_chars)
+        if reason is None:
+            return value
+        self.skipped[reason] += 1
+        if self.strict:
+            raise BadDocumentError(
+                f"{self.collections[pos]} idx={local} (document {index}) is unusable: {reason}; "
+                f"fix or remove it, or turn strict mode off (STRICT: false)"
+            )
+        return None
+
+
+def _cumulative(counts: Sequence[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def require_nonempty(wrapper: MongoWrapper) -> None:
+    """Raise when the configured collections hold no document at all."""
+    if len(wrapper) == 0:
+        raise CorpusError(
+            f"collections {list(wrapper.collections)} in database {wrapper.config.db!r} are empty; "
+            f"ingest documents first (dsgpt2 ingest)"
+        )
+
+
+# ---------------------------------------------------------------- writing
+
+
+def ensure_idx_index(coll: Any) -> None:
+    """Create the unique index on ``idx`` unless it exists.
+
+    Raises:
+        CorpusError: the collection holds duplicate idx values, so no unique index can exist.
+    """
+    if idx_index_name(coll) is not None:
+        return
+    try:
+        coll.create_index([("idx", pymongo.ASCENDING)], unique=True, name="idx_unique")
+    except (OperationFailure, PyMongoError) as exc:
+        raise CorpusError(
+            f"cannot create the unique idx index on {coll.name!r}: {_first_line(exc)}; "
+            f"run `dsgpt2 validate` to find the duplicate idx values"
+        ) from None
+
+
+def max_idx(coll: Any) -> int | None:
+    """The largest numeric idx in ``coll`` (one indexed query), or None when there is none."""
+    doc = coll.find_one({"idx": {"$type": "number"}}, {"_id": 0, "idx": 1}, sort=[("idx", -1)])
+    return None if doc is None else int(doc["idx"])
+
+
+def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> None:
+    """Insert ``docs`` in order; a failure ends the run with a message that says how to resume.
+
+    Raises:
+        CorpusError: another writer took one of these idx values.
+        MongoUnavailableError: the server failed mid-batch.
+    """
+    try:
+        coll.insert_many(docs, ordered=True)
+    except pymongo.errors.BulkWriteError as exc:
+        first = (exc.details.get("writeErrors") or [{}])[0]
+        raise CorpusError(
+            f"insert into {coll.name!r} failed at idx {docs[first.get('index', 0)].get('idx')}: "
+            f"{first.get('errmsg', exc)}; is another ingest writing to this collection? "
+            f"Run one ingest per collection at a time, then re-run this command to resume"
+        ) from None
+    except PyMongoError as exc:
+        raise MongoUnavailableError(
+            f"insert into {coll.name!r} on {conn.config.hosts} failed: "
+            f"{conn.config.scrub(_first_line(exc))}; re-run the same command to resume"
+        ) from None

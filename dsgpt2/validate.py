@@ -1,0 +1,256 @@
+"""Check that collections satisfy what the :class:`~dsgpt2.mongo.MongoWrapper` relies on.
+
+A collection is valid when its documents carry integer ``idx`` values
+0..n-1, each once, under a unique index, and meta_info records n. Every
+problem found comes with the fix. The checks run on the server (counts,
+aggregations, indexed lookups), never by reading the documents here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dsgpt2.errors import CorpusError
+from dsgpt2.mongo import Connection, ensure_idx_index, idx_index_name, read_meta, with_retries, write_meta
+
+log = logging.getLogger(__name__)
+
+INT_IDX: dict[str, Any] = {"$or": [{"idx": {"$type": "int"}}, {"idx": {"$type": "long"}}]}
+NOT_INT_IDX: dict[str, Any] = {"$nor": [{"idx": {"$type": "int"}}, {"idx": {"$type": "long"}}]}
+_EXAMPLES = 5
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a collection, and how to fix it."""
+
+    kind: str
+    message: str
+    fix: str
+    severity: str = "error"  # "error" blocks training; "warning" does not
+
+
+@dataclass
+class CollectionReport:
+    """The validation result of one collection."""
+
+    name: str
+    documents: int
+    meta_count: int | None
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+    def lines(self) -> list[str]:
+        errors = sum(p.severity == "error" for p in self.problems)
+        status = "OK" if errors == 0 else f"{errors} problem{'s' * (errors != 1)}"
+        out = [f"{self.name}: {self.documents} documents, {status}"]
+        for p in self.problems:
+            out.append(f"  {p.severity}: {p.kind}: {p.message}")
+            out.append(f"    fix: {p.fix}")
+        return out
+
+
+def validate_collection(conn: Connection, name: str) -> CollectionReport:
+    """Run every check on collection ``name``."""
+    db = conn.db
+    coll = db[name]
+
+    def run(what: str, fn: Any) -> Any:
+        return with_retries(fn, conn.config, f"validating {name}: {what}")
+
+    documents = run("count", lambda: coll.count_documents({}))
+    meta = run("meta", lambda: read_meta(conn, [name])).get(name)
+    meta_count = meta.get("count") if meta else None
+    report = CollectionReport(name, documents, meta_count)
+    problems = report.problems
+    if documents == 0:
+        problems.append(
+            Problem(
+                "empty",
+                f"collection {name!r} holds no document (or does not exist)",
+                f"ingest documents: dsgpt2 ingest --collection {name} FILE...",
+            )
+        )
+        return report
+
+    not_int = run("idx types", lambda: coll.count_documents(NOT_INT_IDX))
+    if not_int:
+        examples = run("idx examples", lambda: list(coll.find(NOT_INT_IDX, {"idx": 1}).limit(_EXAMPLES)))
+        shown = ", ".join(f"{d.get('idx', '<missing>')!r} ({type(d.get('idx')).__name__})" for d in examples)
+        problems.append(
+            Problem(
+                "non_integer_idx",
+                f"{not_int} document(s) have a missing or non-integer idx, e.g. {shown}",
+                'store idx as an integer ("7" → 7): '
+                f"db.{name}.find({{idx: {{$type: 'string'}}}}).forEach(d => db.{name}.updateOne("
+                "{_id: d._id}, {$set: {idx: NumberLong(d.idx)}})), or re-ingest the collection",
+            )
+        )
+
+    index_name = run("indexes", lambda: idx_index_name(coll))
+    duplicates = run("duplicates", lambda: _duplicates(coll)) if index_name is None else (0, [])
+    if duplicates[0]:
+        n, values = duplicates
+        problems.append(
+            Problem(
+                "duplicate_idx",
+                f"{n} idx value(s) are used by more than one document, e.g. {values}",
+                f"delete or renumber the extra documents (db.{name}.find({{idx: {values[0]}}})), "
+                "then run dsgpt2 validate --fix to create the unique index",
+            )
+        )
+    if index_name is None:
+        problems.append(
+            Problem(
+                "missing_idx_index",
+                "no unique index on idx: lookups scan the collection and duplicates go unnoticed",
+                f"dsgpt2 validate --fix (or db.{name}.createIndex({{idx: 1}}, {{unique: true}}))",
+            )
+        )
+
+    stats = run("idx range", lambda: _int_stats(coll))
+    if stats is not None:
+        lo, hi, n_int = stats
+        distinct = n_int - (run("copies", lambda: _extra_copies(coll)) if duplicates[0] else 0)
+        if lo < 0:
+            problems.append(
+                Problem(
+                    "negative_idx",
+                    f"idx values start at {lo}; they must run from 0",
+                    "renumber the documents from 0, or re-ingest the collection",
+                )
+            )
+        missing = hi + 1 - distinct if lo >= 0 else 0
+        if missing > 0:
+            first = run("first gap", lambda: _first_gap(coll, hi)) if not duplicates[0] else None
+            at = f"; the first missing idx is {first}" if first is not None else ""
+            problems.append(
+                Problem(
+                    "gaps",
+                    f"{missing} idx value(s) between 0 and {hi} have no document{at}",
+                    "insert the missing documents or renumber idx to run 0..n-1 without holes; "
+                    "until then each gap is skipped and counted as 'missing'",
+                )
+            )
+
+    if meta_count is None:
+        problems.append(
+            Problem(
+                "no_meta_count",
+                f"{conn.config.meta_collection} has no count for {name!r}; it will be counted at each open",
+                "dsgpt2 validate --fix records it",
+                severity="warning",
+            )
+        )
+    elif meta_count != documents:
+        problems.append(
+            Problem(
+                "meta_count_mismatch",
+                f"{conn.config.meta_collection} says {meta_count} documents, "
+                f"the collection holds {documents}",
+                "dsgpt2 validate --fix rewrites the count (after the other problems are fixed)",
+            )
+        )
+    return report
+
+
+def _duplicates(coll: Any) -> tuple[int, list[Any]]:
+    pipeline = [
+        {"$match": INT_IDX},
+        {"$group": {"_id": "$idx", "n": {"$sum": 1}}},
+        {"$match": {"n": {"$gt": 1}}},
+        {"$sort": {"_id": 1}},
+    ]
+    dups = list(coll.aggregate(pipeline, allowDiskUse=True))
+    return len(dups), [d["_id"] for d in dups[:_EXAMPLES]]
+
+
+def _extra_copies(coll: Any) -> int:
+    pipeline = [
+        {"$match": INT_IDX},
+        {"$group": {"_id": "$idx", "n": {"$sum": 1}}},
+        {"$match": {"n": {"$gt": 1}}},
+        {"$group": {"_id": None, "extra": {"$sum": {"$subtract": ["$n", 1]}}}},
+    ]
+    out = list(coll.aggregate(pipeline, allowDiskUse=True))
+    return int(out[0]["extra"]) if out else 0
+
+
+def _int_stats(coll: Any) -> tuple[int, int, int] | None:
+    lo = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", 1)])
+    if lo is None:
+        return None
+    hi = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", -1)])
+    return int(lo["idx"]), int(hi["idx"]), coll.count_documents(INT_IDX)
+
+
+def _first_gap(coll: Any, hi: int) -> int | None:
+    """The smallest missing idx in 0..hi, by binary search on indexed counts (no duplicates)."""
+    lo_, hi_ = 0, hi + 1  # invariant: count(idx < lo_) == lo_
+    if coll.count_documents({"idx": {"$gte": 0, "$lt": hi_}}) == hi_:
+        return None
+    while hi_ - lo_ > 1:
+        mid = (lo_ + hi_) // 2
+        if coll.count_documents({"idx": {"$gte": 0, "$lt": mid}}) == mid:
+            lo_ = mid
+        else:
+            hi_ = mid
+    return lo_
+
+
+def validate_corpus(conn: Connection, names: list[str] | None = None) -> list[CollectionReport]:
+    """Validate each of ``names`` (default: the configured collections)."""
+    return [validate_collection(conn, n) for n in (names or list(conn.config.collections))]
+
+
+def require_valid(conn: Connection, names: list[str] | None = None) -> list[CollectionReport]:
+    """Validate, and refuse a corpus with errors (what training calls before it starts).
+
+    Raises:
+        CorpusError: naming each problem and its fix.
+    """
+    reports = validate_corpus(conn, names)
+    bad = [r for r in reports if not r.ok]
+    if bad:
+        details = "; ".join(
+            f"{r.name}: {p.kind} ({p.message}; fix: {p.fix})"
+            for r in bad
+            for p in r.problems
+            if p.severity == "error"
+        )
+        raise CorpusError(
+            f"the corpus has problems: {details}. Run `dsgpt2 validate` for details, "
+            "or override the check if you accept skipping the bad documents"
+        )
+    return reports
+
+
+def fix_collection(conn: Connection, name: str) -> list[str]:
+    """Repair what is safe to repair automatically; return what was done.
+
+    Creates the unique idx index when there are no duplicates, and records the
+    document count in meta_info when idx is otherwise clean. Renumbering or
+    deleting documents is left to the user: that changes the corpus.
+    """
+    done: list[str] = []
+    report = validate_collection(conn, name)
+    kinds = {p.kind for p in report.problems}
+    coll = conn.db[name]
+    if "missing_idx_index" in kinds and "duplicate_idx" not in kinds:
+        ensure_idx_index(coll)
+        done.append(f"{name}: created the unique index on idx")
+    blocking = kinds & {"non_integer_idx", "duplicate_idx", "gaps", "negative_idx", "empty"}
+    if kinds & {"no_meta_count", "meta_count_mismatch"} and not blocking:
+        write_meta(conn, name, {"count": report.documents})
+        done.append(f"{name}: recorded count {report.documents} in {conn.config.meta_collection}")
+    if done:
+        conn.commit()
+    return done
