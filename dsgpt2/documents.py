@@ -25,6 +25,8 @@ SKIP_REASONS = {
     "empty": "the text is empty or only whitespace",
     "too_long": "the text is longer than MAX_TEXT_CHARS",
     "invalid_unicode": "the text holds undecodable bytes or a lone surrogate",
+    "bad_json": "an input line is not a JSON object",
+    "bad_conversation": "not a list of {speaker, text} turns nor a query/reply pair",
 }
 
 _ABSENT = object()
@@ -68,5 +70,6 @@ class SkipTally(Counter):
         """``"3 skipped (missing: 1, empty: 2)"`` or ``"none skipped"``."""
         if not self.total:
             return "none skipped"
-        parts = ", ".join(f"{r}: {self[r]}" for r in SKIP_REASONS if self[r])
+        order = [r for r in SKIP_REASONS if self[r]] + sorted(r for r in self if r not in SKIP_REASONS)
+        parts = ", ".join(f"{r}: {self[r]}" for r in order)
         return f"{self.total} skipped ({parts})"

@@ -14,13 +14,16 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import bson
 import pymongo
+from bson.codec_options import CodecOptions
+from bson.errors import InvalidBSON
+from bson.raw_bson import RawBSONDocument
 from pymongo.errors import (
     AutoReconnect,
     ConfigurationError,
     OperationFailure,
     PyMongoError,
-    ServerSelectionTimeoutError,
 )
 
 from dsgpt2 import mockstore
@@ -46,6 +49,19 @@ def unreachable_message(config: MongoConfig, exc: BaseException | None = None) -
         f"check that the server is running and reachable from here, and the host and port "
         f"in MONGO_CONNECTION_STRING (config file or the {ENV_URI} environment variable)"
     )
+
+
+def unavailable_error(config: MongoConfig, exc: BaseException) -> MongoUnavailableError:
+    """The error to show for a failed ping: unreachable, login refused, or other."""
+    if isinstance(exc, OperationFailure):
+        if exc.code in (18, 8000) or "auth" in str(exc).lower():
+            return MongoUnavailableError(
+                f"MongoDB at {config.hosts} refused the login: {config.scrub(_first_line(exc))}; "
+                f"check the user and password in MONGO_CONNECTION_STRING "
+                f"(or the {ENV_URI} environment variable)"
+            )
+        return MongoUnavailableError(f"MongoDB at {config.hosts}: {config.scrub(_first_line(exc))}")
+    return MongoUnavailableError(unreachable_message(config, exc))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -129,9 +145,6 @@ class Connection:
                 serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
                 connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
                 socketTimeoutMS=self.config.socket_timeout_ms,
-                # Undecodable UTF-8 becomes lone surrogates instead of failing a whole batch;
-                # the document is then skipped as invalid_unicode.
-                unicode_decode_error_handler="surrogateescape",
                 appname="dsgpt2",
                 connect=False,
             )
@@ -151,20 +164,9 @@ class Connection:
             return
         try:
             self.client.admin.command("ping")
-        except ServerSelectionTimeoutError as exc:
-            raise MongoUnavailableError(unreachable_message(self.config, exc)) from None
-        except OperationFailure as exc:
-            if exc.code in (18, 8000) or "auth" in str(exc).lower():
-                raise MongoUnavailableError(
-                    f"MongoDB at {self.config.hosts} refused the login: "
-                    f"{self.config.scrub(_first_line(exc))}; check the user and password in "
-                    f"MONGO_CONNECTION_STRING (or the {ENV_URI} environment variable)"
-                ) from None
-            raise MongoUnavailableError(
-                f"MongoDB at {self.config.hosts}: {self.config.scrub(_first_line(exc))}"
-            ) from None
         except PyMongoError as exc:
-            raise MongoUnavailableError(unreachable_message(self.config, exc)) from None
+            self.close()
+            raise unavailable_error(self.config, exc) from None
 
     def commit(self) -> None:
         """Make writes so far durable for other processes (saves a file-backed mock store)."""
@@ -351,14 +353,20 @@ class MongoWrapper:
         coll = self._conn.db[name]
         projection = {"_id": 0, "idx": 1, self.config.text_field: 1}
 
-        def run() -> list[dict[str, Any]]:
+        if not self.config.is_mock:
+            # Raw documents, decoded one by one below: a single document with
+            # undecodable UTF-8 must not fail the whole batch.
+            coll = coll.with_options(codec_options=_RAW)
+
+        def run() -> list[Any]:
             # One batch for the whole answer: no getMore round trip under 16 MB.
             return list(coll.find(filt, projection).batch_size(max(batch, 1)))
 
         docs = with_retries(run, self.config, f"reading {name}")
         self.queries[name] += 1
         out: dict[int, dict[str, Any]] = {}
-        for d in docs:
+        for raw in docs:
+            d = decode_document(raw, self.config.text_field)
             idx = d.get("idx")
             if isinstance(idx, int) and not isinstance(idx, bool):
                 out.setdefault(idx, d)
@@ -380,6 +388,24 @@ class MongoWrapper:
                 f"fix or remove it, or turn strict mode off (STRICT: false)"
             )
         return None
+
+
+_RAW: CodecOptions = CodecOptions(document_class=RawBSONDocument)
+_LENIENT: CodecOptions = CodecOptions(unicode_decode_error_handler="replace")
+INVALID_TEXT = "\udcff"  # a lone surrogate: text_problem() classifies it as invalid_unicode
+
+
+def decode_document(raw: Any, text_field: str) -> dict[str, Any]:
+    """A fetched document as a dict; raw BSON with undecodable UTF-8 keeps its idx and
+    gets a text that :func:`~dsgpt2.documents.text_problem` rejects as invalid_unicode."""
+    if not isinstance(raw, RawBSONDocument):
+        return raw
+    try:
+        return bson.decode(raw.raw)
+    except (InvalidBSON, UnicodeDecodeError):
+        doc = bson.decode(raw.raw, codec_options=_LENIENT)
+        doc[text_field] = INVALID_TEXT
+        return doc
 
 
 def _cumulative(counts: Sequence[int]) -> list[int]:

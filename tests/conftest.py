@@ -1,0 +1,75 @@
+"""Shared fixtures: an isolated in-process MongoDB (mongomock) per test, and corpus helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsgpt2 import mockstore
+from dsgpt2.config import MongoConfig, config_from_dict
+from dsgpt2.mongo import Connection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mock_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    mockstore.reset()
+    monkeypatch.delenv("MONGO_CONNECTION_STRING", raising=False)
+
+
+def make_config(collections: list[str] | tuple[str, ...] = ("a",), **overrides: Any) -> MongoConfig:
+    data: dict[str, Any] = {
+        "MONGO_CONNECTION_STRING": "mongomock://",
+        "MONGO_CONNECTION_DB": "testdb",
+        "COLLECTIONS": list(collections),
+        "RETRY_BACKOFF_S": 0.001,
+    }
+    data.update(overrides)
+    return config_from_dict(data, env={})
+
+
+def write_config(path: Path, **data: Any) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index: bool = True) -> None:
+    """Put ``texts`` into collection ``name`` as idx 0..n-1, with meta count and unique index."""
+    coll = conn.db[name]
+    if index:
+        coll.create_index("idx", unique=True)
+    if texts:
+        coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    if meta:
+        conn.db[conn.config.meta_collection].update_one(
+            {"collection": name}, {"$set": {"count": len(texts)}}, upsert=True
+        )
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Any:
+    """Run the dsgpt2 command in a fresh process, as a user would."""
+    import subprocess
+
+    full_env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "dsgpt2", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd or ROOT,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="session")
+def sample_texts() -> list[str]:
+    from dsgpt2.sample import stdlib_documents
+
+    return list(stdlib_documents())

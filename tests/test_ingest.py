@@ -1,0 +1,261 @@
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, make_config, seed, write_config
+from dsgpt2 import ingest as ingest_mod
+from dsgpt2 import mockstore
+from dsgpt2.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.errors import BadDocumentError, IngestError
+from dsgpt2.ingest import file_source, ingest, normalize_conversation, sample_source
+from dsgpt2.mongo import Connection, MongoWrapper, read_meta
+from dsgpt2.sample import stdlib_documents
+from dsgpt2.validate import validate_collection
+
+
+def _conn() -> Connection:
+    return Connection(make_config(["a"]))
+
+
+def _texts(conn: Connection, name: str = "a") -> list[str]:
+    return [d["filt_text"] for d in conn.db[name].find({}, sort=[("idx", 1)])]
+
+
+def _assert_contiguous(conn: Connection, name: str = "a") -> None:
+    idx = sorted(d["idx"] for d in conn.db[name].find({}, {"idx": 1}))
+    assert idx == list(range(len(idx)))
+    assert validate_collection(conn, name).ok
+
+
+def test_text_lines_and_paragraphs(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("first line\n\nsecond  line\r\nthird\n\n\nfourth para\nstill fourth\n")
+    conn = _conn()
+    report = ingest(conn, "a", [file_source(f)])
+    assert _texts(conn) == ["first line", "second line", "third", "fourth para", "still fourth"]
+    assert report.sources[0].skipped == {"empty": 3}
+    ingest(conn, "b", [file_source(f, split="paragraph")])
+    assert _texts(conn, "b") == ["first line", "second line\nthird", "fourth para\nstill fourth"]
+
+
+def test_jsonl_csv_and_gzip(tmp_path: Path) -> None:
+    rows = [{"body": "alpha doc", "n": 1}, {"body": "beta doc"}]
+    gz = tmp_path / "x.jsonl.gz"
+    with gzip.open(gz, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    c = tmp_path / "x.csv"
+    with open(c, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "content"])
+        w.writerows([[1, "gamma, with comma"], [2, "delta\nmultiline"]])
+    conn = _conn()
+    ingest(conn, "a", [file_source(gz, field="body"), file_source(c, column="content")])
+    assert _texts(conn) == ["alpha doc", "beta doc", "gamma, with comma", "delta\nmultiline"]
+    docs = list(conn.db["a"].find({}, sort=[("idx", 1)]))
+    assert docs[0]["form"] == "alpha doc" and docs[0]["idx"] == 0
+    _assert_contiguous(conn)
+
+
+def test_bad_records_are_skipped_and_counted(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text(
+        "\n".join(
+            [
+                json.dumps({"text": "good"}),
+                "{not json",
+                json.dumps({"other": "x"}),
+                json.dumps({"text": None}),
+                json.dumps({"text": 12}),
+                json.dumps({"text": "  \t "}),
+                json.dumps(["list"]),
+                json.dumps({"text": "also good"}),
+            ]
+        )
+        + "\n"
+    )
+    f.write_bytes(f.read_bytes() + b'{"text": "broken \xff bytes"}\n')
+    conn = _conn()
+    report = ingest(conn, "a", [file_source(f)])
+    assert _texts(conn) == ["good", "also good", "broken \ufffd bytes"]
+    assert dict(report.sources[0].skipped) == {
+        "bad_json": 2,
+        "no_field": 1,
+        "null": 1,
+        "not_string": 1,
+        "empty": 1,
+    }
+    with pytest.raises(BadDocumentError, match="record 1 is unusable"):
+        ingest(conn, "b", [file_source(f)], strict=True)
+
+
+def test_conversations_turns_and_query_reply(tmp_path: Path) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text(
+        "\n".join(
+            json.dumps(o)
+            for o in [
+                {"turns": [{"speaker": "user", "text": "hi  there"}, {"speaker": "bot", "text": "hello"}]},
+                {"query": "what is 2+2?", "reply": "4"},
+                {"turns": [{"speaker": "user", "text": "alone"}]},
+                {"turns": "nope"},
+            ]
+        )
+    )
+    conn = _conn()
+    report = ingest(conn, "chat", [file_source(f, fmt="conversation")])
+    docs = list(conn.db["chat"].find({}, sort=[("idx", 1)]))
+    assert docs[0]["turns"] == [{"speaker": "user", "text": "hi there"}, {"speaker": "bot", "text": "hello"}]
+    assert docs[1]["turns"][1] == {"speaker": "bot", "text": "4"}
+    assert docs[1]["filt_text"] == "user: what is 2+2?\nbot: 4"
+    assert dict(report.sources[0].skipped) == {"empty": 1, "bad_conversation": 1}
+    assert normalize_conversation([1]).reason == "bad_conversation"
+
+
+def test_appends_after_existing_documents_and_records_meta(tmp_path: Path) -> None:
+    conn = _conn()
+    seed(conn, "a", ["old0", "old1"])
+    f = tmp_path / "t.txt"
+    f.write_text("new0\nnew1\nnew2\n")
+    report = ingest(conn, "a", [file_source(f)], batch_size=2)
+    assert _texts(conn) == ["old0", "old1", "new0", "new1", "new2"]
+    assert report.count == 5 and report.inserted == 3
+    meta = read_meta(conn, ["a"])["a"]
+    assert meta["count"] == 5 and meta["cleaner_version"] == CLEANER_VERSION
+    (state,) = meta["sources"].values()
+    assert state["complete"] and state["records"] == 3 and state["inserted"] == 3
+    assert len(MongoWrapper(conn.config, connection=conn)) == 5
+    # Re-running the same command finds the source complete and adds nothing.
+    again = ingest(conn, "a", [file_source(f)])
+    assert again.sources[0].already_done and _texts(conn)[-1] == "new2" and again.count == 5
+
+
+class Crash(Exception):
+    pass
+
+
+def _lines(tmp_path: Path, n: int) -> Path:
+    f = tmp_path / "lines.txt"
+    f.write_text("".join(f"document number {i}\n" if i % 7 else "\n" for i in range(n)))
+    return f
+
+
+def _expected(n: int) -> list[str]:
+    return [f"document number {i}" for i in range(n) if i % 7]
+
+
+@pytest.mark.parametrize("where", ["after_insert_before_meta", "half_of_a_batch", "before_insert"])
+def test_interrupted_ingest_resumes_exactly_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    f = _lines(tmp_path, 100)
+    conn = _conn()
+    original_insert = ingest_mod.insert_batch
+    original_record = ingest_mod._record
+    calls = {"insert": 0, "record": 0}
+
+    def insert(conn_, coll, docs):
+        calls["insert"] += 1
+        if calls["insert"] == 3:
+            if where == "half_of_a_batch":
+                original_insert(conn_, coll, docs[: len(docs) // 2])
+                raise Crash
+            if where == "before_insert":
+                raise Crash
+        original_insert(conn_, coll, docs)
+
+    def record(*args, **kwargs):
+        calls["record"] += 1
+        # Records: 1 = source start, 2..: one per batch. Crash after the 3rd batch's insert.
+        if where == "after_insert_before_meta" and calls["record"] == 4:
+            raise Crash
+        original_record(*args, **kwargs)
+
+    monkeypatch.setattr(ingest_mod, "insert_batch", insert)
+    monkeypatch.setattr(ingest_mod, "_record", record)
+    with pytest.raises(Crash):
+        ingest(conn, "a", [file_source(f)], batch_size=10)
+    partial = _texts(conn)
+    assert 0 < len(partial) < len(_expected(100))
+    monkeypatch.setattr(ingest_mod, "insert_batch", original_insert)
+    monkeypatch.setattr(ingest_mod, "_record", original_record)
+    report = ingest(conn, "a", [file_source(f)], batch_size=10)
+    assert report.sources[0].resumed_at > 0
+    assert _texts(conn) == _expected(100)
+    _assert_contiguous(conn)
+    assert read_meta(conn, ["a"])["a"]["count"] == len(_expected(100))
+
+
+def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
+    n = 5000
+    f = _lines(tmp_path, n)
+    store = tmp_path / "db.mongo"
+    cfg = write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_STRING=f"mongomock://{store}",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=["a"],
+    )
+    args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch-size", "200", str(f)]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    # Wait until some batches have been committed, then kill without warning.
+    while time.monotonic() < deadline and proc.poll() is None:
+        if store.exists() and store.stat().st_size > 50_000:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the ingest finished before it could be killed"
+    conn = Connection(
+        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
+    )
+    partial = conn.db["a"].count_documents({})
+    assert 0 < partial < len(_expected(n))
+
+    mockstore.reset()
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resumed after record" in rerun.stdout
+    mockstore.reset()
+    conn = Connection(conn.config)
+    assert _texts(conn) == _expected(n)
+    _assert_contiguous(conn)
+
+
+def test_input_errors_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(IngestError, match="not found"):
+        file_source(tmp_path / "missing.txt")
+    c = tmp_path / "x.csv"
+    c.write_text("id,body\n1,hello\n")
+    with pytest.raises(IngestError, match=r"no column 'text'.*\['id', 'body'\].*--column"):
+        file_source(c)
+    with pytest.raises(IngestError, match="--batch-size"):
+        ingest(_conn(), "a", [], batch_size=0)
+    with pytest.raises(IngestError, match="unknown sample"):
+        sample_source("nope")
+
+
+def test_sample_corpus_is_real_deterministic_text(sample_texts: list[str]) -> None:
+    assert len(sample_texts) > 5000
+    size = sum(len(t.encode()) for t in sample_texts)
+    assert size > 2_000_000
+    assert list(stdlib_documents(50)) == sample_texts[:50]
+    words = " ".join(sample_texts[:200]).split()
+    common = {"the", "of", "a", "to", "is", "and"}
+    assert sum(w in common for w in words) > 0.08 * len(words)  # English prose, not code
+
+
+def test_sample_ingest(sample_texts: list[str]) -> None:
+    conn = _conn()
+    report = ingest(conn, "a", [sample_source("stdlib", limit=300)], batch_size=100)
+    assert report.inserted == 300
+    assert _texts(conn)[:3] == [clean_text(t) for t in sample_texts[:3]]

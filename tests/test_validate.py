@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config, run_cli, seed, write_config
+from dsgpt2.errors import CorpusError
+from dsgpt2.mongo import Connection
+from dsgpt2.validate import fix_collection, require_valid, validate_collection
+
+
+def _conn(*names: str) -> Connection:
+    return Connection(make_config(list(names) or ["a"]))
+
+
+def _kinds(conn: Connection, name: str) -> dict[str, str]:
+    return {p.kind: p.message + " | " + p.fix for p in validate_collection(conn, name).problems}
+
+
+def test_clean_collection_passes() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["x", "y", "z"])
+    report = validate_collection(conn, "a")
+    assert report.ok and report.problems == [] and report.documents == 3
+
+
+def test_missing_idx_index_is_named_with_the_fix() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["x", "y"], index=False)
+    kinds = _kinds(conn, "a")
+    assert list(kinds) == ["missing_idx_index"]
+    assert "createIndex({idx: 1}, {unique: true})" in kinds["missing_idx_index"]
+    assert "validate --fix" in kinds["missing_idx_index"]
+
+
+def test_gaps_report_count_and_first_missing() -> None:
+    conn = _conn("a")
+    seed(conn, "a", [f"t{i}" for i in range(10)])
+    conn.db["a"].delete_many({"idx": {"$in": [3, 7]}})
+    conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"count": 8}})
+    kinds = _kinds(conn, "a")
+    assert list(kinds) == ["gaps"]
+    assert "2 idx value(s) between 0 and 9" in kinds["gaps"]
+    assert "first missing idx is 3" in kinds["gaps"]
+
+
+def test_duplicates_and_string_idx_and_meta_mismatch() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["a", "b", "c"], index=False)
+    conn.db["a"].insert_many([{"idx": 1, "filt_text": "dup"}, {"idx": "7", "filt_text": "str"}])
+    kinds = _kinds(conn, "a")
+    assert set(kinds) == {"duplicate_idx", "non_integer_idx", "missing_idx_index", "meta_count_mismatch"}
+    assert "e.g. [1]" in kinds["duplicate_idx"]
+    assert "'7' (str)" in kinds["non_integer_idx"] and "NumberLong" in kinds["non_integer_idx"]
+    assert "says 3 documents, the collection holds 5" in kinds["meta_count_mismatch"]
+
+
+def test_empty_and_missing_meta() -> None:
+    conn = _conn("a", "b")
+    seed(conn, "a", ["x"], meta=False)
+    assert _kinds(conn, "b").keys() == {"empty"}
+    report = validate_collection(conn, "a")
+    assert report.ok  # a missing meta count is a warning: the wrapper counts instead
+    assert [p.kind for p in report.problems] == ["no_meta_count"]
+
+
+def test_training_refuses_a_broken_corpus() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["x", "y", "z"])
+    conn.db["a"].delete_one({"idx": 1})
+    with pytest.raises(CorpusError, match=r"a: gaps .*fix: .*validate"):
+        require_valid(conn)
+    conn.db["a"].insert_one({"idx": 1, "filt_text": "back"})
+    assert [r.name for r in require_valid(conn)] == ["a"]
+
+
+def test_fix_creates_index_and_records_count() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["x", "y"], index=False, meta=False)
+    done = fix_collection(conn, "a")
+    assert done == ["a: created the unique index on idx", "a: recorded count 2 in meta_info"]
+    assert validate_collection(conn, "a").problems == []
+
+
+def test_fix_does_not_paper_over_duplicates() -> None:
+    conn = _conn("a")
+    seed(conn, "a", ["x", "y"], index=False)
+    conn.db["a"].insert_one({"idx": 0, "filt_text": "dup"})
+    assert fix_collection(conn, "a") == []
+    assert "duplicate_idx" in _kinds(conn, "a")
+
+
+def test_validate_cli_exit_codes_and_json(tmp_path: Path) -> None:
+    store = tmp_path / "db.mongo"
+    cfg = write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_STRING=f"mongomock://{store}",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=["a"],
+    )
+    from dsgpt2 import mockstore
+    from dsgpt2.config import load_config
+
+    conn = Connection(load_config(cfg))
+    seed(conn, "a", ["x", "y", "z"])
+    conn.commit()
+    ok = run_cli("validate", "--config", str(cfg))
+    assert ok.returncode == 0, ok.stderr
+    assert "a: 3 documents, OK" in ok.stdout
+
+    conn.db["a"].delete_one({"idx": 1})
+    conn.commit()
+    mockstore.reset()
+    bad = run_cli("validate", "--config", str(cfg), "--json")
+    assert bad.returncode == 1
+    report = json.loads(bad.stdout)
+    assert report[0]["ok"] is False
+    assert {p["kind"] for p in report[0]["problems"]} == {"gaps", "meta_count_mismatch"}
+    assert bad.stderr.strip().splitlines()[-1].startswith("dsgpt2: error: problems found in a")
+    assert "Traceback" not in bad.stderr
