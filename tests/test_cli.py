@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli, write_config
+from dsgpt2.cli import build_parser, main
+
+
+def _subcommands() -> list[str]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return sorted(action.choices)
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in _subcommands():
+        assert name in out
+    assert "MONGO_CONNECTION_STRING" in out
+
+
+@pytest.mark.parametrize("name", _subcommands())
+def test_each_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    assert "--config" in capsys.readouterr().out
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Path:
+    return write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_STRING=f"mongomock://{tmp_path / 'db.mongo'}",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=["a"],
+    )
+
+
+def _one_line_error(result, *needles: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_cli_input_is_one_line_and_exit_2(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("hello\n")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{oops")
+    unknown = write_config(tmp_path / "u.json", MONGO_CONNECTION_DB="d", COLLECTIONS=["a"], COLECTIONS=["a"])
+    cases = [
+        (["ingest", "--config", str(cfg), "--batch-size", "-3", str(txt)], ["--batch-size", "positive"]),
+        (["ingest", "--config", str(cfg), "--batch-size", "x", str(txt)], ["--batch-size", "'x'"]),
+        (["ingest", "--config", str(tmp_path / "none.json"), str(txt)], ["none.json", "not found"]),
+        (["ingest", "--config", str(bad_json), str(txt)], ["not valid JSON", "line 1"]),
+        (["ingest", "--config", str(unknown), str(txt)], ["COLECTIONS", "valid keys"]),
+        (["ingest", "--config", str(cfg), "--format", "xml", str(txt)], ["--format", "invalid choice"]),
+        (["ingest", "--config", str(cfg)], ["FILE", "--sample"]),
+        (["ingest", "--config", str(cfg), str(tmp_path / "missing.txt")], ["missing.txt", "not found"]),
+        (["ingest", "--config", str(cfg), "--limit", "5", str(txt)], ["--limit", "--sample"]),
+        (["validate"], ["--config"]),
+        (["nonsense"], ["invalid choice"]),
+    ]
+    for args, needles in cases:
+        _one_line_error(run_cli(*args), *needles)
+
+
+def test_unreachable_server_via_cli_never_prints_the_password(tmp_path: Path) -> None:
+    cfg = write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=["a"],
+        SERVER_SELECTION_TIMEOUT_MS=300,
+    )
+    env = {"MONGO_CONNECTION_STRING": "mongodb://user:secret@127.0.0.1:1/"}
+    for command in ("info", "validate"):
+        result = run_cli(command, "--config", str(cfg), "-v", env=env)
+        _one_line_error(result, "127.0.0.1:1", "MONGO_CONNECTION_STRING")
+        assert "secret" not in result.stdout + result.stderr
+
+
+def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\ntwo\n\nthree\n")
+    result = run_cli("ingest", "--config", str(cfg), str(txt))
+    assert result.returncode == 0, result.stderr
+    assert "3 inserted, 1 skipped (empty: 1)" in result.stdout
+    info = run_cli("info", "--config", str(cfg), "--json")
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["documents"] == 3
+    assert data["collections"][0]["sources"][0]["complete"] is True
