@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -x -q
 
 demo: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" bash pipelines/demo.sh
+	$(VENV)/bin/dsgpt2 demo --out runs/demo
 
 bench: $(STAMP)
 	$(PY) -m bench

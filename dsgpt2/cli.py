@@ -139,6 +139,20 @@ def build_parser() -> Parser:
     _add_config(p)
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser(
+        "demo",
+        help="run the whole pipeline on the built-in sample corpus, in process",
+        description=(
+            "Run every stage on the built-in sample corpus against an in-process mongomock "
+            "database: no server, no download. Prints a summary and writes OUT/summary.json."
+        ),
+    )
+    p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument("--limit", type=positive_int, help="only the first N sample documents")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_demo)
     return parser
 
 
@@ -234,6 +248,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dsgpt2.demo import run_demo, summary_lines
+
+    out = Path(args.out)
+    summary = run_demo(out, limit=args.limit, progress=not args.no_progress)
+    print("\n".join(summary_lines(summary, out)))
     return 0
 
 

@@ -335,7 +335,18 @@ class MongoWrapper:
     def get_range(self, start: int, stop: int) -> list[Doc]:
         """The usable documents with global index in ``[start, stop)``, in order."""
         start, stop = max(0, start), min(len(self), stop)
-        return self.get_many(range(start, stop)) if start < stop else []
+        out: list[Doc] = []
+        while start < stop:
+            pos, lo = self.locate(start)
+            hi = min(stop, self.offsets[pos + 1]) - self.offsets[pos]
+            fetched = self._query(pos, {"idx": {"$gte": lo, "$lt": hi}}, batch=hi - lo)
+            for local in range(lo, hi):
+                index = self.offsets[pos] + local
+                text = self._check(index, pos, local, fetched.get(local))
+                if text is not None:
+                    out.append(Doc(index, text))
+            start = self.offsets[pos] + hi
+        return out
 
     def iter_range(self, start: int = 0, stop: int | None = None, chunk: int = 1000) -> Iterator[list[Doc]]:
         """Chunks of usable documents over ``[start, stop)``, ``chunk`` indices at a time."""

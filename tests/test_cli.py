@@ -30,7 +30,9 @@ def test_each_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exit_:
         main([name, "--help"])
     assert exit_.value.code == 0
-    assert "--config" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"usage: dsgpt2 {name}" in out
+    assert "--config" in out or name == "demo"
 
 
 @pytest.fixture
@@ -100,3 +102,14 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
     data = json.loads(info.stdout)
     assert data["documents"] == 3
     assert data["collections"][0]["sources"][0]["complete"] is True
+
+
+def test_demo_runs_every_stage(tmp_path: Path) -> None:
+    result = run_cli("demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["ingest"]["documents"] == 1500
+    assert summary["validate"] == "ok"
+    assert summary["read"]["documents"] == 1500
+    assert summary["read"]["queries_per_1000_docs"] <= 2
+    assert "dsgpt2 demo: summary" in result.stdout

@@ -1,0 +1,1 @@
+"""dsgpt2 benchmarks: every figure is a ratio against an anchor measured in the same run."""
