@@ -39,6 +39,18 @@ def write_config(path: Path, **data: Any) -> Path:
     return path
 
 
+def store_config(tmp_path: Path, collections: list[str] | None = None) -> tuple[Path, Path]:
+    """A config file for a file-backed mongomock store in ``tmp_path``: (config path, store path)."""
+    store = tmp_path / "db.mongo"
+    cfg = write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_STRING=f"mongomock://{store}",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=collections or ["a"],
+    )
+    return cfg, store
+
+
 def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index: bool = True) -> None:
     """Put ``texts`` into collection ``name`` as idx 0..n-1, with meta count and unique index."""
     coll = conn.db[name]

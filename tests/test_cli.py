@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, write_config
+from conftest import run_cli, store_config, write_config
 from dsgpt2.cli import build_parser, main
 
 
@@ -37,12 +37,7 @@ def test_each_subcommand_has_help(name: str, capsys: pytest.CaptureFixture[str])
 
 @pytest.fixture
 def cfg(tmp_path: Path) -> Path:
-    return write_config(
-        tmp_path / "c.json",
-        MONGO_CONNECTION_STRING=f"mongomock://{tmp_path / 'db.mongo'}",
-        MONGO_CONNECTION_DB="d",
-        COLLECTIONS=["a"],
-    )
+    return store_config(tmp_path)[0]
 
 
 def _one_line_error(result, *needles: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_config, seed, write_config
+from conftest import ROOT, make_config, seed, store_config
 from dsgpt2 import ingest as ingest_mod
 from dsgpt2 import mockstore
 from dsgpt2.cleaning import CLEANER_VERSION, clean_text
@@ -197,13 +197,7 @@ def test_interrupted_ingest_resumes_exactly_once(
 def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
     n = 5000
     f = _lines(tmp_path, n)
-    store = tmp_path / "db.mongo"
-    cfg = write_config(
-        tmp_path / "c.json",
-        MONGO_CONNECTION_STRING=f"mongomock://{store}",
-        MONGO_CONNECTION_DB="d",
-        COLLECTIONS=["a"],
-    )
+    cfg, store = store_config(tmp_path)
     args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch-size", "200", str(f)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120

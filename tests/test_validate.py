@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_config, run_cli, seed, write_config
+from conftest import make_config, run_cli, seed, store_config
 from dsgpt2.errors import CorpusError
 from dsgpt2.mongo import Connection
 from dsgpt2.validate import fix_collection, require_valid, validate_collection
@@ -93,13 +93,7 @@ def test_fix_does_not_paper_over_duplicates() -> None:
 
 
 def test_validate_cli_exit_codes_and_json(tmp_path: Path) -> None:
-    store = tmp_path / "db.mongo"
-    cfg = write_config(
-        tmp_path / "c.json",
-        MONGO_CONNECTION_STRING=f"mongomock://{store}",
-        MONGO_CONNECTION_DB="d",
-        COLLECTIONS=["a"],
-    )
+    cfg, _ = store_config(tmp_path)
     from dsgpt2 import mockstore
     from dsgpt2.config import load_config
 
