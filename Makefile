@@ -30,9 +30,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	@if ls pipelines/*.sh >/dev/null 2>&1; then \
-	  if command -v shellcheck >/dev/null; then shellcheck pipelines/*.sh; \
-	  else echo "shellcheck not installed (apt-get install shellcheck)" >&2; exit 1; fi; fi
+	$(VENV)/bin/shellcheck pipelines/*.sh .ci/run
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

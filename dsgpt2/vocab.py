@@ -1,0 +1,434 @@
+"""The vocabulary: export a text corpus from MongoDB to shards, train a byte-level BPE on it.
+
+``download`` cuts the unified index into contiguous shards and writes each in
+a worker process with its own MongoDB client, reading ranges in batches. A
+shard is written to a temporary file and renamed when complete, and
+``manifest.json`` records the finished ones, so a re-run redoes only what
+was not finished. ``train`` streams texts from the shards or straight from
+MongoDB into ``ByteLevelBPETokenizer.train_from_iterator``: nothing holds
+the whole corpus in memory.
+
+Special tokens take the first ids, in a fixed order, whatever the corpus:
+``<|endoftext|>`` 0, ``<|pad|>`` 1, one ``<|SPEAKER|>`` per conversation
+speaker, then ``<unused0>``... reserved for later use.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from dsgpt2.config import MongoConfig
+from dsgpt2.documents import SkipTally, text_problem
+from dsgpt2.errors import ConfigError
+from dsgpt2.mongo import MongoWrapper, require_nonempty
+from dsgpt2.sampling import select, shard_ranges
+
+log = logging.getLogger(__name__)
+
+EOT = "<|endoftext|>"
+PAD = "<|pad|>"
+DEFAULT_SPEAKERS = ("user", "bot")
+MANIFEST = "manifest.json"
+VOCAB_META = "dsgpt2_vocab.json"
+_SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+_SHARD_DOCS = 50_000
+
+
+def speaker_token(name: str) -> str:
+    """The special token that opens a turn of speaker ``name``."""
+    return f"<|{name}|>"
+
+
+def special_tokens(speakers: Iterable[str] = DEFAULT_SPEAKERS, reserved: int = 0) -> list[str]:
+    """The special tokens in id order: end-of-text, pad, speakers, reserved."""
+    return [EOT, PAD, *(speaker_token(s) for s in speakers), *(f"<unused{i}>" for i in range(reserved))]
+
+
+def sample_fraction(total: int, fraction: float | None, count: int | None) -> float:
+    """The per-document probability that draws ``fraction`` of, or about ``count`` of, ``total``."""
+    if fraction is not None and count is not None:
+        raise ConfigError("give --fraction or --count, not both")
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"--fraction must be in (0, 1]; got {fraction}")
+        return fraction
+    if count is not None:
+        if count <= 0:
+            raise ConfigError(f"--count must be a positive number of documents; got {count}")
+        return min(1.0, count / total) if total else 1.0
+    return 1.0
+
+
+# ---------------------------------------------------------------- download
+
+
+@dataclass
+class DownloadReport:
+    """What ``download`` wrote."""
+
+    out: Path
+    shards: int
+    written: int = 0
+    already_done: int = 0
+    documents: int = 0
+    bytes: int = 0
+    skipped: SkipTally = field(default_factory=SkipTally)
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        return [
+            f"{self.out}: {self.shards} shards "
+            f"({self.written} written now, {self.already_done} already done)",
+            f"documents: {self.documents}, {self.bytes / 1e6:.2f} MB, {self.skipped.summary()} "
+            f"({self.seconds:.1f}s)",
+        ]
+
+
+def _shard_path(out: Path, k: int) -> Path:
+    return out / f"shard-{k:05d}.jsonl"
+
+
+def download(
+    config: MongoConfig,
+    out: Path,
+    fraction: float | None = None,
+    count: int | None = None,
+    seed: int = 0,
+    workers: int = 2,
+    shards: int | None = None,
+    chunk: int = 1000,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> DownloadReport:
+    """Export the (sampled) corpus to ``out/shard-NNNNN.jsonl`` files, ``{"idx", "text"}`` per line.
+
+    Raises:
+        ConfigError: bad options, or ``out`` holds a different download and ``overwrite`` is off.
+    """
+    if workers <= 0 or chunk <= 0 or (shards is not None and shards <= 0):
+        raise ConfigError("--workers, --shards and --chunk must be positive")
+    started = time.monotonic()
+    wrapper = MongoWrapper(config)
+    require_nonempty(wrapper)
+    total = len(wrapper)
+    p = sample_fraction(total, fraction, count)
+    ranges = shard_ranges(total, shards or max(workers, -(-total // _SHARD_DOCS)))
+    plan = {
+        "db": config.db,
+        "collections": list(config.collections),
+        "counts": list(wrapper.counts),
+        "text_field": config.text_field,
+        "fraction": p,
+        "seed": seed,
+        "shards": [list(r) for r in ranges],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = _read_manifest(out)
+    if manifest and manifest.get("plan") != plan:
+        if not overwrite:
+            raise ConfigError(
+                f"{out} holds shards of a different download (other collections, counts, sample or "
+                f"shard layout); pass --overwrite to replace them, or choose another --out"
+            )
+        for old in out.glob("shard-*.jsonl"):
+            old.unlink()
+        manifest = None
+    manifest = manifest or {"plan": plan, "done": {}}
+    report = DownloadReport(out, len(ranges))
+    pending = []
+    for k, (start, stop) in enumerate(ranges):
+        done = manifest["done"].get(str(k))
+        if done and _shard_path(out, k).exists():
+            report.already_done += 1
+            report.documents += done["documents"]
+            report.bytes += done["bytes"]
+            report.skipped.update(done["skipped"])
+        else:
+            pending.append((config, wrapper.counts, k, start, stop, p, seed, str(_shard_path(out, k)), chunk))
+    bar = tqdm(total=total, unit="doc", desc="vocab download", disable=None if progress else True)
+    bar.update(sum(stop - start for k, (start, stop) in enumerate(ranges) if str(k) in manifest["done"]))
+    try:
+        for k, stats in _run(pending, workers):
+            manifest["done"][str(k)] = stats
+            _write_json(out / MANIFEST, manifest)
+            report.written += 1
+            report.documents += stats["documents"]
+            report.bytes += stats["bytes"]
+            report.skipped.update(stats["skipped"])
+            bar.update(ranges[k][1] - ranges[k][0])
+    finally:
+        bar.close()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    if workers == 1 or len(tasks) <= 1:
+        yield from map(_download_shard, tasks)
+        return
+    # fork: the in-process mongomock store is inherited; each worker still makes its own client.
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(min(workers, len(tasks))) as pool:
+        yield from pool.imap_unordered(_download_shard, tasks)
+
+
+def _download_shard(task: tuple[Any, ...]) -> tuple[int, dict[str, Any]]:
+    config, counts, k, start, stop, fraction, seed, path, chunk = task
+    wrapper = MongoWrapper(config, counts=counts)
+    documents = size = 0
+    fd, tmp = tempfile.mkstemp(prefix=".shard-", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            for lo in range(start, stop, chunk):
+                hi = min(lo + chunk, stop)
+                wanted = select(lo, hi, fraction, seed)
+                docs = (
+                    wrapper.get_range(lo, hi) if len(wanted) == hi - lo else wrapper.get_many(wanted.tolist())
+                )
+                for d in docs:
+                    line = json.dumps({"idx": d.index, "text": d.text}, ensure_ascii=False)
+                    f.write(line + "\n")
+                    documents += 1
+                    size += len(d.text.encode("utf-8"))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        wrapper.connection.close()
+    return k, {"documents": documents, "bytes": size, "skipped": dict(wrapper.skipped)}
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    path = out / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        log.warning("%s is unreadable; starting the download over", path)
+        return None
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- texts
+
+
+class TextStream:
+    """Texts passed through on their way to the trainer, counted (documents, bytes, skipped)."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        self._texts = texts
+        self.documents = 0
+        self.bytes = 0
+        self.skipped = SkipTally()
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self._texts:
+            self.documents += 1
+            self.bytes += len(text.encode("utf-8"))
+            yield text
+
+
+def shard_texts(
+    directory: Path, max_chars: int = 2_000_000, skipped: SkipTally | None = None
+) -> Iterator[str]:
+    """The texts of every shard in ``directory``, in shard order, one line at a time.
+
+    Raises:
+        ConfigError: the directory holds no shard.
+    """
+    files = sorted(directory.glob("shard-*.jsonl"))
+    if not files:
+        raise ConfigError(f"no shard-*.jsonl files in {directory}; run `dsgpt2 vocab download` first")
+    skipped = SkipTally() if skipped is None else skipped
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    skipped["bad_json"] += 1
+                    continue
+                reason = text_problem(text, max_chars)
+                if reason:
+                    skipped[reason] += 1
+                    continue
+                yield text
+
+
+def mongo_texts(
+    config: MongoConfig,
+    fraction: float | None = None,
+    count: int | None = None,
+    seed: int = 0,
+    chunk: int = 1000,
+) -> tuple[Iterator[str], MongoWrapper]:
+    """Texts streamed from the collections (sampled like ``download``), and the wrapper reading them."""
+    wrapper = MongoWrapper(config)
+    require_nonempty(wrapper)
+    p = sample_fraction(len(wrapper), fraction, count)
+
+    def gen() -> Iterator[str]:
+        for lo in range(0, len(wrapper), chunk):
+            hi = min(lo + chunk, len(wrapper))
+            wanted = select(lo, hi, p, seed)
+            docs = wrapper.get_range(lo, hi) if len(wanted) == hi - lo else wrapper.get_many(wanted.tolist())
+            for d in docs:
+                yield d.text
+
+    return gen(), wrapper
+
+
+# ---------------------------------------------------------------- train
+
+
+@dataclass(frozen=True)
+class VocabSettings:
+    """How to train the tokenizer.
+
+    Attributes:
+        vocab_size: the largest vocabulary to learn, special tokens included.
+        min_frequency: a pair must occur this often to be merged.
+        speakers: conversation speakers, each with a ``<|name|>`` token.
+        reserved: how many ``<unusedN>`` tokens to reserve.
+        lowercase: lowercase texts before learning (off: GPT-2 keeps case).
+        context_length: the model's context, recorded as ``model_max_length``.
+    """
+
+    vocab_size: int = 50257
+    min_frequency: int = 2
+    speakers: tuple[str, ...] = DEFAULT_SPEAKERS
+    reserved: int = 0
+    lowercase: bool = False
+    context_length: int = 1024
+
+    def __post_init__(self) -> None:
+        floor = 256 + len(self.specials)
+        if self.vocab_size < floor:
+            raise ConfigError(
+                f"--vocab-size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
+                f"got {self.vocab_size}"
+            )
+        if self.min_frequency < 1:
+            raise ConfigError(f"--min-frequency must be at least 1; got {self.min_frequency}")
+        if self.reserved < 0:
+            raise ConfigError(f"--reserved must be 0 or more; got {self.reserved}")
+        if self.context_length <= 0:
+            raise ConfigError(f"--context-length must be positive; got {self.context_length}")
+        for s in self.speakers:
+            if not _SPEAKER_NAME.match(s):
+                raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")
+        if len(set(self.speakers)) != len(self.speakers):
+            raise ConfigError(f"--speakers names a speaker twice: {list(self.speakers)}")
+
+    @property
+    def specials(self) -> list[str]:
+        return special_tokens(self.speakers, self.reserved)
+
+
+@dataclass
+class VocabReport:
+    """What ``train_vocab`` learnt from what."""
+
+    out: Path
+    source: str
+    documents: int
+    bytes: int
+    vocab_size: int
+    requested: int
+    skipped: SkipTally
+    seconds: float
+
+    def lines(self) -> list[str]:
+        short = (
+            f" (asked for {self.requested}: the corpus has no more merges)"
+            if self.vocab_size < self.requested
+            else ""
+        )
+        return [
+            f"tokenizer: {self.out}",
+            f"from {self.source}: {self.documents} documents, {self.bytes / 1e6:.2f} MB, "
+            f"{self.skipped.summary()}",
+            f"vocabulary: {self.vocab_size} tokens{short}, trained in {self.seconds:.1f}s",
+        ]
+
+
+def train_vocab(
+    texts: Iterable[str],
+    out: Path,
+    settings: VocabSettings,
+    source: str,
+    skipped: SkipTally | None = None,
+    progress: bool = True,
+) -> VocabReport:
+    """Train a byte-level BPE on ``texts`` (streamed) and save a ``transformers``-loadable directory."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+    from transformers import GPT2TokenizerFast
+
+    started = time.monotonic()
+    stream = TextStream(texts)
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False, lowercase=settings.lowercase)
+    bpe.train_from_iterator(
+        stream,
+        vocab_size=settings.vocab_size,
+        min_frequency=settings.min_frequency,
+        special_tokens=settings.specials,
+        show_progress=progress,
+    )
+    if stream.documents == 0:
+        raise ConfigError(f"no usable text in {source}; nothing to learn a vocabulary from")
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "tokenizer.json"
+        bpe.save(str(raw))
+        hf = GPT2TokenizerFast(
+            tokenizer_object=Tokenizer.from_file(str(raw)),
+            eos_token=EOT,
+            bos_token=EOT,
+            unk_token=EOT,
+            pad_token=PAD,
+            additional_special_tokens=settings.specials[2:],
+            model_max_length=settings.context_length,
+            add_prefix_space=False,
+        )
+        hf.save_pretrained(str(out))
+    bpe.save_model(str(out))  # vocab.json and merges.txt, for tools that read the GPT-2 files
+    report = VocabReport(
+        out=out,
+        source=source,
+        documents=stream.documents,
+        bytes=stream.bytes,
+        vocab_size=bpe.get_vocab_size(),
+        requested=settings.vocab_size,
+        skipped=skipped if skipped is not None else SkipTally(),
+        seconds=time.monotonic() - started,
+    )
+    meta = {
+        "settings": {**asdict(settings), "speakers": list(settings.speakers)},
+        "special_tokens": {tok: i for i, tok in enumerate(settings.specials)},
+        "source": source,
+        "documents": report.documents,
+        "bytes": report.bytes,
+        "vocab_size": report.vocab_size,
+        "skipped": dict(report.skipped),
+    }
+    _write_json(out / VOCAB_META, meta)
+    return report
