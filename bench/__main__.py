@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch
+from bench import bench_fetch, bench_vocab
 from bench.common import write_results
 from dsgpt2.cleaning import clean_text
 from dsgpt2.sample import stdlib_documents
@@ -16,10 +16,17 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     texts = [clean_text(t) for t in stdlib_documents()]
     print(f"corpus: {len(texts)} sample documents, {sum(map(len, texts)) / 1e6:.1f} M characters")
-    metrics = bench_fetch.run(texts)
-    for m in metrics:
-        print(m.line())
-    out = Path(__file__).parent / "results" / "latest.json"
+    results = Path(__file__).parent / "results"
+    metrics = []
+    for name, bench in (
+        ("fetch", lambda: bench_fetch.run(texts)),
+        ("vocab", lambda: bench_vocab.run(texts, results)),
+    ):
+        print(f"-- {name}", flush=True)
+        for m in bench():
+            print(m.line(), flush=True)
+            metrics.append(m)
+    out = results / "latest.json"
     write_results(metrics, out)
     print(f"written to {out}")
     return 0 if all(m.passed for m in metrics) else 1

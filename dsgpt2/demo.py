@@ -17,11 +17,14 @@ from dsgpt2.config import config_from_dict
 from dsgpt2.ingest import ingest, sample_source
 from dsgpt2.mongo import Connection, MongoWrapper
 from dsgpt2.validate import require_valid
+from dsgpt2.vocab import VocabSettings, download, shard_texts, train_vocab
 
 log = logging.getLogger(__name__)
 
 DEMO_DB = "dsgpt2_demo"
 DEMO_COLLECTION = "stdlib"
+DEMO_VOCAB_SIZE = 8192  # small: the demo model's embedding stays cheap on a CPU
+STAGES = 5
 
 
 def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict[str, Any]:
@@ -44,7 +47,7 @@ def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict
     conn = Connection(config)
     summary: dict[str, Any] = {"database": f"{config.display_uri} / {DEMO_DB}"}
 
-    log.info("stage 1/3: ingest the sample corpus (Python standard library documentation)")
+    log.info(f"stage 1/{STAGES}: ingest the sample corpus (Python standard library documentation)")
     report = ingest(conn, DEMO_COLLECTION, [sample_source("stdlib", limit)], progress=progress)
     summary["ingest"] = {
         "documents": report.count,
@@ -52,11 +55,11 @@ def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict
         "seconds": round(report.seconds, 2),
     }
 
-    log.info("stage 2/3: validate idx, index and counts")
+    log.info(f"stage 2/{STAGES}: validate idx, index and counts")
     require_valid(conn)
     summary["validate"] = "ok"
 
-    log.info("stage 3/3: read the corpus back through the MongoWrapper, 1000 documents per query")
+    log.info(f"stage 3/{STAGES}: read the corpus back through the MongoWrapper, 1000 documents per query")
     wrapper = MongoWrapper(config, connection=conn)
     start = time.monotonic()
     docs = chars = 0
@@ -72,8 +75,40 @@ def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict
         "skipped": dict(wrapper.skipped),
         "seconds": round(seconds, 2),
     }
+
+    log.info(f"stage 4/{STAGES}: export the vocabulary corpus to shards (2 worker processes)")
+    shards = download(config, out / "vocab_corpus", workers=2, progress=progress)
+    summary["vocab_download"] = {
+        "shards": shards.shards,
+        "documents": shards.documents,
+        "dir": str(shards.out),
+    }
+
+    log.info(f"stage 5/{STAGES}: train the byte-level BPE tokenizer ({DEMO_VOCAB_SIZE} tokens)")
+    vocab = train_vocab(
+        shard_texts(out / "vocab_corpus"),
+        out / "tokenizer",
+        VocabSettings(vocab_size=DEMO_VOCAB_SIZE),
+        source=f"shards in {out / 'vocab_corpus'}",
+        progress=progress,
+    )
+    summary["vocab"] = {
+        "vocab_size": vocab.vocab_size,
+        "seconds": round(vocab.seconds, 2),
+        "dir": str(vocab.out),
+        "example": _tokenize_example(vocab.out),
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _tokenize_example(directory: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    text = "Return a new list containing all items from the iterable in ascending order."
+    pieces = tok.convert_ids_to_tokens(tok(text).input_ids)
+    return {"text": text, "tokens": len(pieces), "pieces": [p.replace("Ġ", "_") for p in pieces]}
 
 
 def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
@@ -87,5 +122,12 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"  validate      {summary['validate']}",
         f"  read back     {read['documents']} documents, {read['megabytes']} MB of text "
         f"in {read['seconds']}s, {read['queries_per_1000_docs']} queries per 1000 documents",
+        f"  vocab shards  {summary['vocab_download']['shards']} shards, "
+        f"{summary['vocab_download']['documents']} documents in {summary['vocab_download']['dir']}",
+        f"  tokenizer     {summary['vocab']['vocab_size']} tokens in {summary['vocab']['dir']} "
+        f"(trained in {summary['vocab']['seconds']}s)",
+        f"  example       {summary['vocab']['example']['text']!r}",
+        f"                → {summary['vocab']['example']['tokens']} tokens: "
+        f"{' '.join(summary['vocab']['example']['pieces'])}",
         f"  outputs       {out}/summary.json",
     ]

@@ -49,11 +49,18 @@ def text_problem(value: Any, max_chars: int) -> str | None:
         return "too_long"
     if not value.strip():
         return "empty"
+    if value.isascii():  # no copy: ASCII text cannot hold a surrogate
+        return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
         return "invalid_unicode"
     return None
+
+
+def utf8_length(text: str) -> int:
+    """The UTF-8 size of ``text`` in bytes, without encoding it when it is ASCII."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 ABSENT: Any = _ABSENT

@@ -244,6 +244,7 @@ class MongoWrapper:
         self.strict = config.strict if strict is None else strict
         self.skipped = SkipTally()
         self.queries: Counter[str] = Counter()
+        self.query_seconds = 0.0  # time spent waiting for the server (and decoding), for benchmarks
         if connection is None:
             connection = Connection(config)
             connection.ping()
@@ -373,6 +374,7 @@ class MongoWrapper:
             # One batch for the whole answer: no getMore round trip under 16 MB.
             return list(coll.find(filt, projection).batch_size(max(batch, 1)))
 
+        started = time.perf_counter()
         docs = with_retries(run, self.config, f"reading {name}")
         self.queries[name] += 1
         out: dict[int, dict[str, Any]] = {}
@@ -381,6 +383,7 @@ class MongoWrapper:
             idx = d.get("idx")
             if isinstance(idx, int) and not isinstance(idx, bool):
                 out.setdefault(idx, d)
+        self.query_seconds += time.perf_counter() - started
         return out
 
     def _check(self, index: int, pos: int, local: int, doc: dict[str, Any] | None) -> str | None:

@@ -107,4 +107,9 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     assert summary["validate"] == "ok"
     assert summary["read"]["documents"] == 1500
     assert summary["read"]["queries_per_1000_docs"] <= 2
+    assert summary["vocab_download"]["documents"] == 1500
+    assert summary["vocab"]["vocab_size"] > 1000
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(summary["vocab"]["dir"])) == summary["vocab"]["vocab_size"]
     assert "dsgpt2 demo: summary" in result.stdout

@@ -1,0 +1,265 @@
+"""Vocabulary training and raw tokenization baselines.
+
+- vocab training: MB/s and peak memory of ``dsgpt2 vocab train --from-mongo``
+  (texts streamed from the database) ÷ ``ByteLevelBPETokenizer.train_from_iterator``
+  on the same texts held in a Python list (targets: speed ≥ 0.9, memory ≤ 1.2).
+  On mongomock, whose every query scans the whole collection in Python, the
+  target applies to a run whose queries are answered from a recording (a
+  server at no cost), so that what is timed is our path and the trainer. The
+  end-to-end mongomock figure is printed beside it; with DSGPT2_BENCH_MONGO_URI
+  the target applies end to end against the real server.
+  Each side runs in a fresh process; memory is the peak RSS sampled during
+  the run above the RSS before it. The anchor's before is taken before it
+  loads its list, ours after the in-process mongomock store is loaded: that
+  store stands in for the server, whose memory is not the trainer's.
+- tokenize baseline: MB/s of HF ``Tokenizer.encode_batch`` on our vocabulary
+  ÷ tiktoken built from the same vocab.json/merges.txt (information for the
+  tokenize + pack benchmark; no target of its own).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import Metric
+
+VOCAB_SIZE = 8192
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+class PeakRss:
+    """Samples this process's RSS every few milliseconds while active."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.005)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = _rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
+    """One measured run, in a process of its own."""
+    import tokenizers  # noqa: F401  (both sides import their libraries before the clock starts)
+
+    if mode == "anchor":
+        from tokenizers import ByteLevelBPETokenizer
+
+        before = _rss()
+        with PeakRss() as peak:
+            with open(texts_file, encoding="utf-8") as f:
+                texts = [json.loads(line) for line in f]
+            start = time.perf_counter()
+            bpe = ByteLevelBPETokenizer()
+            bpe.train_from_iterator(
+                texts,
+                vocab_size=VOCAB_SIZE,
+                min_frequency=2,
+                special_tokens=["<|endoftext|>"],
+                show_progress=False,
+            )
+            seconds = time.perf_counter() - start
+        return {
+            "seconds": seconds,
+            "bytes": sum(len(t.encode("utf-8")) for t in texts),
+            "mem": peak.peak - before,
+        }
+
+    from transformers import GPT2TokenizerFast  # noqa: F401  (lazy module: load it before the clock)
+
+    from dsgpt2.mongo import MongoWrapper
+    from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+
+    _STORE[:] = [store]
+    config = _config(store)
+    MongoWrapper(config)  # loads a mongomock store: the stand-in for the server
+    # The store's objects would sit in a server's memory, not in our heap: keep the
+    # garbage collector from walking them again and again during the run.
+    gc.freeze()
+    before = _rss()
+
+    def timed() -> tuple[float, int]:
+        start = time.perf_counter()
+        texts_iter, _ = mongo_texts(config)
+        report = train_vocab(
+            texts_iter, Path(out), VocabSettings(vocab_size=VOCAB_SIZE), "bench", progress=False
+        )
+        return time.perf_counter() - start, report.bytes
+
+    if mode == "ours-end-to-end":
+        with PeakRss() as peak:
+            seconds, size = timed()
+    else:
+        with instant_backend(), PeakRss() as peak:
+            seconds, size = timed()
+    return {"seconds": seconds, "bytes": size, "mem": peak.peak - before}
+
+
+class _Answer:
+    def __init__(self, docs: list[Any]) -> None:
+        self._docs = docs
+
+    def batch_size(self, _n: int) -> _Answer:
+        return self
+
+    def __iter__(self) -> Any:
+        return iter(self._docs)
+
+
+class instant_backend:
+    """Answer every find() from answers recorded beforehand: a server with no cost at all.
+
+    What remains to be timed is dsgpt2's own path (wrapper, prefetch thread,
+    counting, saving) and the BPE trainer, which is what the target is about;
+    mongomock's scans are not a server's cost and would drown it.
+    """
+
+    def __enter__(self) -> instant_backend:
+        from mongomock.collection import Collection
+
+        from dsgpt2.vocab import mongo_texts
+
+        self._cls, self._find = Collection, Collection.find
+        answers: dict[str, list[Any]] = {}
+        real = self._find
+
+        def record(coll: Any, filt: Any = None, *a: Any, **k: Any) -> Any:
+            docs = list(real(coll, filt, *a, **k))
+            answers[repr((coll.name, filt))] = docs
+            return _Answer(docs)
+
+        Collection.find = record
+        texts_iter, _ = mongo_texts(_config(_STORE[0]))
+        for _ in texts_iter:
+            pass
+        Collection.find = lambda coll, filt=None, *a, **k: _Answer(answers[repr((coll.name, filt))])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cls.find = self._find
+
+
+_STORE: list[str] = []
+
+
+def _config(store: str) -> Any:
+    from dsgpt2.config import config_from_dict
+
+    uri = os.environ.get("DSGPT2_BENCH_MONGO_URI") or f"mongomock://{store}"
+    return config_from_dict(
+        {"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "dsgpt2_bench_vocab", "COLLECTIONS": ["s"]},
+        env={},
+    )
+
+
+def _spawn(mode: str, store: Path, texts_file: Path, out: Path) -> dict[str, Any]:
+    args = ", ".join(repr(str(a)) for a in (mode, store, texts_file, out))
+    code = f"import json, bench.bench_vocab as b; print(json.dumps(b.child({args})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> list[Metric]:
+    """Both sides train on ``copies`` copies of ``texts``: long enough that start-up costs fade."""
+    from dsgpt2.mongo import Connection
+
+    texts = texts * copies
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = workdir / "vocab_bench.mongo"
+    store.unlink(missing_ok=True)
+    config = _config(str(store))
+    conn = Connection(config)
+    conn.client.drop_database(config.db)
+    conn.db["s"].create_index("idx", unique=True)
+    conn.db["s"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    conn.db["meta_info"].insert_one({"collection": "s", "count": len(texts)})
+    conn.commit()
+    texts_file = workdir / "vocab_bench_texts.jsonl"
+    with open(texts_file, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps(t, ensure_ascii=False) + "\n")
+
+    ours, anchor, e2e = [], [], []
+    for _ in range(repeats):
+        if config.is_mock:
+            ours.append(_spawn("ours", store, texts_file, workdir / "vocab_bench_tok"))
+        e2e.append(_spawn("ours-end-to-end", store, texts_file, workdir / "vocab_bench_tok"))
+        anchor.append(_spawn("anchor", store, texts_file, workdir / "vocab_bench_tok"))
+    if not config.is_mock:
+        conn.client.drop_database(config.db)
+    mb = e2e[0]["bytes"] / 1e6
+    end_to_end = statistics.median(mb / r["seconds"] for r in e2e)
+    own = statistics.median(mb / r["seconds"] for r in ours) if ours else end_to_end
+    base = statistics.median(r["bytes"] / 1e6 / r["seconds"] for r in anchor)
+    mem_ours = statistics.median(r["mem"] for r in e2e) / 1e6  # the replayed answers would count
+    mem_anchor = statistics.median(r["mem"] for r in anchor) / 1e6
+    if config.is_mock:
+        metrics = [
+            Metric("vocab training speed (end to end)", end_to_end, base, "MB/s", "info", True,
+                   "mongomock scans on every query: its time is not a server's"),
+            Metric("vocab training speed", own, base, "MB/s", ">= 0.9", own / base >= 0.9,
+                   "backend answers replayed at no cost: our path + the trainer"),
+        ]  # fmt: skip
+    else:
+        metrics = [
+            Metric("vocab training speed", end_to_end, base, "MB/s", ">= 0.9", end_to_end / base >= 0.9,
+                   "real server, end to end"),
+        ]  # fmt: skip
+    metrics.append(
+        Metric(
+            "vocab training memory",
+            mem_ours,
+            mem_anchor,
+            "MB",
+            "<= 1.2",
+            mem_ours / mem_anchor <= 1.2,
+            "peak RSS above the start of training",
+        )
+    )
+    metrics.append(_tokenize_baseline(texts, workdir / "vocab_bench_tok"))
+    return metrics
+
+
+def _tokenize_baseline(texts: list[str], directory: Path, repeats: int = 5) -> Metric:
+    from tokenizers import Tokenizer
+
+    from bench.common import paired_times
+    from bench.tiktoken_vocab import encoding_from_vocab
+
+    hf = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    enc = encoding_from_vocab(directory)
+    size = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    t_hf, t_tk = paired_times(
+        lambda: hf.encode_batch(texts, add_special_tokens=False),
+        lambda: enc.encode_ordinary_batch(texts, num_threads=os.cpu_count() or 1),
+        repeats,
+    )
+    return Metric("tokenize baseline (HF ÷ tiktoken)", size / t_hf, size / t_tk, "MB/s", "baseline", True,
+                  "raw encode_batch vs tiktoken on our vocab; packing is measured against HF")  # fmt: skip
