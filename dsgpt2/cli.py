@@ -300,6 +300,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.limit and not args.sample:
         raise _usage("ingest", "--limit goes with --sample")
     config = _load(args)
+    if config.uri == "mongomock://":
+        log.warning(
+            "MONGO_CONNECTION_STRING is mongomock:// (in memory): the documents vanish when this "
+            "command ends; use mongomock://PATH to keep them in a file, or a real server"
+        )
     collection = args.collection or config.collections[0]
     sources = [sample_source(args.sample, args.limit)] if args.sample else []
     sources += [
