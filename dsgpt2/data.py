@@ -1,0 +1,351 @@
+"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+
+A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.schedule`) is
+the unit of work: a DataLoader worker fetches it with one query per
+collection, keeps the documents of the requested split, tokenizes and packs
+them. Two sources give the same blocks for the same chunk:
+
+- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
+  starts within seconds);
+- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
+  memory-mapped files, checked against a fingerprint of the corpus,
+  tokenizer and split.
+
+:class:`BlockStream` deals each rank its chunks in the epoch's order and
+turns them into micro-batches, keeping the small :class:`Position` that
+makes resuming exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dsgpt2.config import MongoConfig
+from dsgpt2.errors import CorpusError
+from dsgpt2.packing import labels_and_mask, pack
+from dsgpt2.schedule import Position, chunk_range, eval_chunks, num_chunks, rank_chunks, split_mask
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What decides the blocks: change any of it and the batches change."""
+
+    context: int
+    chunk_docs: int
+    tr_ratio: float
+    seed: int
+    eot: int
+    pad: int
+
+
+def tokenizer_digest(tokenizer_dir: Path) -> str:
+    """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
+    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def fingerprint(
+    config: MongoConfig, counts: tuple[int, ...], tokenizer_dir: Path, spec: DataSpec
+) -> dict[str, Any]:
+    """Everything the batches depend on; a checkpoint or cache made under another one is stale."""
+    return {
+        "db": config.db,
+        "collections": list(config.collections),
+        "counts": list(counts),
+        "text_field": config.text_field,
+        "tokenizer": tokenizer_digest(tokenizer_dir),
+        **asdict(spec),
+    }
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    # A document that contains the text "<|endoftext|>" must not inject the real token.
+    tok.encode_special_tokens = True
+    return tok
+
+
+@dataclass
+class Chunk:
+    """The packed blocks of one chunk of one split."""
+
+    chunk: int
+    blocks: np.ndarray  # (n, T) int32
+    last: int  # real tokens in the last block
+    documents: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def valid(self) -> np.ndarray:
+        """Real tokens per block: all of them but in the last."""
+        v = np.full(len(self.blocks), self.blocks.shape[1], dtype=np.int64)
+        if len(v):
+            v[-1] = self.last
+        return v
+
+
+class StreamingChunks(Dataset):
+    """Chunk ``i`` of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
+
+    The wrapper and tokenizer are made lazily in the process that uses them.
+    """
+
+    def __init__(
+        self, config: MongoConfig, counts: tuple[int, ...], tokenizer_dir: Path, spec: DataSpec, split: str
+    ) -> None:
+        self.config = config
+        self.counts = counts
+        self.tokenizer_dir = tokenizer_dir
+        self.spec = spec
+        self.split = split
+        self.total = sum(counts)
+        self._wrapper: Any = None
+        self._tokenizer: Any = None
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return num_chunks(self.total, self.spec.chunk_docs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_wrapper": None, "_tokenizer": None, "_pid": -1}
+
+    def _ready(self) -> None:
+        if self._pid != os.getpid():
+            from dsgpt2.mongo import MongoWrapper
+
+            self._wrapper = MongoWrapper(self.config, counts=self.counts)
+            self._tokenizer = load_tokenizer(self.tokenizer_dir)
+            self._pid = os.getpid()
+
+    def __getitem__(self, chunk: int) -> Chunk:
+        self._ready()
+        lo, hi = chunk_range(chunk, self.total, self.spec.chunk_docs)
+        indices = np.arange(lo, hi)
+        train = split_mask(indices, self.spec.tr_ratio, self.spec.seed)
+        wanted = indices[train] if self.split == "train" else indices[~train]
+        before = dict(self._wrapper.skipped)
+        if len(wanted) == 0:
+            docs = []
+        elif len(wanted) > (hi - lo) // 2:
+            keep = set(wanted.tolist())
+            docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
+        else:
+            docs = self._wrapper.get_many(wanted.tolist())
+        ids = [e.ids for e in self._tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
+        blocks, last = pack(ids, self.spec.context, self.spec.eot, self.spec.pad)
+        skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
+        return Chunk(chunk, blocks, last, len(docs), skipped)
+
+
+class CachedChunks(Dataset):
+    """Chunk ``i`` of a split, read from the memory-mapped files of ``dsgpt2 tokenize``."""
+
+    def __init__(self, cache_dir: Path, split: str) -> None:
+        self.cache_dir = cache_dir
+        self.split = split
+        meta = json.loads((cache_dir / "cache.json").read_text())
+        self.context = meta["fingerprint"]["context"]
+        self.dtype = np.dtype(meta["dtype"])
+        self.offsets = np.load(cache_dir / f"{split}.offsets.npy")
+        self.lasts = np.load(cache_dir / f"{split}.last.npy")
+        self._blocks: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return len(self.lasts)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_blocks": None}
+
+    def __getitem__(self, chunk: int) -> Chunk:
+        if self._blocks is None:
+            path = self.cache_dir / f"{self.split}.bin"
+            n = int(self.offsets[-1])
+            self._blocks = (
+                np.memmap(path, dtype=self.dtype, mode="r", shape=(n, self.context))
+                if n
+                else np.empty((0, self.context), dtype=self.dtype)
+            )
+        lo, hi = int(self.offsets[chunk]), int(self.offsets[chunk + 1])
+        return Chunk(chunk, np.asarray(self._blocks[lo:hi], dtype=np.int32), int(self.lasts[chunk]))
+
+
+def build_cache(
+    sources: dict[str, StreamingChunks],
+    cache_dir: Path,
+    fp: dict[str, Any],
+    vocab_size: int,
+    workers: int = 2,
+) -> dict[str, int]:
+    """Tokenize every chunk of each split into ``cache_dir`` (one pass); return blocks per split."""
+    from tqdm import tqdm
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "cache.json").unlink(missing_ok=True)  # written last: its presence means complete
+    dtype = np.uint16 if vocab_size <= 2**16 else np.uint32
+    totals = {}
+    for split, source in sources.items():
+        offsets = [0]
+        lasts = []
+        with open(cache_dir / f"{split}.bin", "wb") as f:
+            loader = _loader(source, range(len(source)), workers)
+            for item in tqdm(loader, total=len(source), desc=f"tokenize {split}", unit="chunk", disable=None):
+                f.write(item.blocks.astype(dtype).tobytes())
+                offsets.append(offsets[-1] + len(item.blocks))
+                lasts.append(item.last)
+        np.save(cache_dir / f"{split}.offsets.npy", np.array(offsets, dtype=np.int64))
+        np.save(cache_dir / f"{split}.last.npy", np.array(lasts, dtype=np.int64))
+        totals[split] = offsets[-1]
+    meta = {"fingerprint": fp, "dtype": np.dtype(dtype).name, "blocks": totals}
+    (cache_dir / "cache.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return totals
+
+
+def cache_fingerprint(cache_dir: Path) -> dict[str, Any] | None:
+    """The fingerprint of a complete cache in ``cache_dir``, or None."""
+    path = cache_dir / "cache.json"
+    return json.loads(path.read_text())["fingerprint"] if path.exists() else None
+
+
+def _collate(item: Chunk) -> Chunk:
+    return item
+
+
+def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> DataLoader:
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        extra = {"multiprocessing_context": "fork", "prefetch_factor": prefetch}
+    return DataLoader(
+        dataset, batch_size=None, sampler=list(order), num_workers=workers, collate_fn=_collate, **extra
+    )
+
+
+@dataclass
+class Batch:
+    """One micro-batch, and where its blocks came from."""
+
+    input_ids: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T), -100 on padding
+    attention_mask: torch.Tensor  # (B, T)
+    block_ids: list[tuple[int, int, int]]  # (epoch, chunk, block in chunk)
+    tokens: int  # real tokens
+
+
+def _make_batch(rows: list[np.ndarray], valid: list[int], ids: list[tuple[int, int, int]]) -> Batch:
+    blocks = np.stack(rows)
+    labels, mask = labels_and_mask(blocks, np.array(valid))
+    return Batch(
+        torch.from_numpy(blocks.astype(np.int64)),
+        torch.from_numpy(labels),
+        torch.from_numpy(mask),
+        ids,
+        int(sum(valid)),
+    )
+
+
+class BlockStream:
+    """Micro-batches of training blocks for one rank, endless over epochs, resumable exactly.
+
+    ``position`` always names the next block not yet handed out, so that a
+    checkpoint taken between two batches resumes with the very next one.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        seed: int,
+        rank: int,
+        world: int,
+        micro_batch: int,
+        position: Position | None = None,
+        workers: int = 2,
+    ) -> None:
+        self.dataset = dataset
+        self.n_chunks = len(dataset)
+        self.seed = seed
+        self.rank = rank
+        self.world = world
+        self.micro_batch = micro_batch
+        self.position = position or Position()
+        self.workers = workers
+        self.documents = 0
+        self.skipped: dict[str, int] = {}
+
+    def __iter__(self) -> Iterator[Batch]:
+        pos = self.position
+        rows: list[np.ndarray] = []
+        valid: list[int] = []
+        ids: list[tuple[int, int, int]] = []
+        epoch, start, skip = pos.epoch, pos.chunk, pos.block
+        while True:
+            order = rank_chunks(self.n_chunks, self.seed, epoch, self.rank, self.world)
+            produced = False
+            for k, item in enumerate(_loader(self.dataset, order[start:], self.workers), start=start):
+                self.documents += item.documents
+                for reason, n in item.skipped.items():
+                    self.skipped[reason] = self.skipped.get(reason, 0) + n
+                v = item.valid
+                for b in range(skip, len(item.blocks)):
+                    produced = True
+                    rows.append(item.blocks[b])
+                    valid.append(int(v[b]))
+                    ids.append((epoch, int(item.chunk), b))
+                    if len(rows) == self.micro_batch:
+                        batch = _make_batch(rows, valid, ids)
+                        rows, valid, ids = [], [], []
+                        # The next block is b + 1 of this chunk (possibly past its end).
+                        self.position = _normalize(Position(epoch, k, b + 1), len(item.blocks))
+                        yield batch
+                skip = 0
+            if not produced and start == 0:
+                raise CorpusError(
+                    f"rank {self.rank} has no training block in a whole epoch: the split is empty "
+                    "(too few documents, or --tr_ratio leaves none for training)"
+                )
+            epoch, start = epoch + 1, 0
+
+
+def _normalize(pos: Position, blocks_in_chunk: int) -> Position:
+    if pos.block >= blocks_in_chunk:
+        return Position(pos.epoch, pos.chunk + 1, 0)
+    return pos
+
+
+def eval_batches(
+    dataset: Dataset, rank: int, world: int, micro_batch: int, limit: int, workers: int = 0
+) -> list[Batch]:
+    """The first ``limit`` validation micro-batches of this rank: the same at every evaluation."""
+    out: list[Batch] = []
+    rows: list[np.ndarray] = []
+    valid: list[int] = []
+    ids: list[tuple[int, int, int]] = []
+    for item in _loader(dataset, eval_chunks(len(dataset), rank, world), workers):
+        v = item.valid
+        for b in range(len(item.blocks)):
+            rows.append(item.blocks[b])
+            valid.append(int(v[b]))
+            ids.append((0, int(item.chunk), b))
+            if len(rows) == micro_batch:
+                out.append(_make_batch(rows, valid, ids))
+                rows, valid, ids = [], [], []
+                if len(out) >= limit:
+                    return out
+    if rows and len(out) < limit:
+        out.append(_make_batch(rows, valid, ids))
+    return out

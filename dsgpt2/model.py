@@ -1,0 +1,98 @@
+"""The GPT-2 model: presets, construction and optimizer parameter groups.
+
+Imports torch and transformers only (never deepspeed or pymongo).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model size: layers, width, heads, and the context it is meant for."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    context: int
+    note: str
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(2, 64, 2, 128, "CPU runs and tests"),
+    "112m_half": Preset(6, 768, 12, 1024, "GPT-2 small width, half the layers"),
+    "112m": Preset(12, 768, 12, 1024, "GPT-2 small"),
+    "345m": Preset(24, 1024, 16, 1024, "GPT-2 medium"),
+    "762m": Preset(36, 1280, 20, 1024, "GPT-2 large (memory experiments)"),
+    "1.5b": Preset(48, 1600, 25, 1024, "GPT-2 XL (memory experiments)"),
+}
+
+
+def gpt2_config(
+    preset: str | None, vocab_size: int, context: int, eot: int, pad: int, config_json: Path | None = None
+) -> Any:
+    """A ``GPT2Config`` from a preset or an HF config JSON, sized for the tokenizer.
+
+    Raises:
+        ConfigError: unknown preset, unreadable JSON, or a context the model cannot hold.
+    """
+    from transformers import GPT2Config
+
+    if config_json is not None:
+        try:
+            data = json.loads(Path(config_json).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"--model_config {config_json}: {exc}") from None
+        cfg = GPT2Config(**{k: v for k, v in data.items() if k not in ("architectures", "transformers_version")})
+    else:
+        if preset not in PRESETS:
+            raise ConfigError(f"--model_select {preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+        p = PRESETS[preset]
+        cfg = GPT2Config(n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head)
+    cfg.vocab_size = vocab_size
+    cfg.n_positions = max(context, getattr(cfg, "n_positions", context)) if config_json else context
+    cfg.bos_token_id = eot
+    cfg.eos_token_id = eot
+    cfg.pad_token_id = pad
+    cfg.tie_word_embeddings = True
+    if context > cfg.n_positions:
+        raise ConfigError(f"--context_length {context} exceeds the model's n_positions {cfg.n_positions}")
+    if cfg.n_embd % cfg.n_head:
+        raise ConfigError(f"n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
+    return cfg
+
+
+def build_model(cfg: Any) -> Any:
+    """A freshly initialised ``GPT2LMHeadModel``."""
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel(cfg)
+
+
+def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: decay on matrices and embeddings; none on biases and layer norms.
+
+    Tied weights appear once (``named_parameters`` deduplicates them).
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.dim() < 2 or name.endswith(".bias") or ".ln_" in name or name.startswith("transformer.ln_f"):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def count_parameters(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
