@@ -231,8 +231,16 @@ def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> Da
     extra: dict[str, Any] = {}
     if workers > 0:
         extra = {"multiprocessing_context": "fork", "prefetch_factor": prefetch}
+    # A generator of its own: the loader must not draw from torch's global RNG, whose state
+    # is part of a checkpoint (dropout) and would otherwise depend on when loaders are made.
     return DataLoader(
-        dataset, batch_size=None, sampler=list(order), num_workers=workers, collate_fn=_collate, **extra
+        dataset,
+        batch_size=None,
+        sampler=list(order),
+        num_workers=workers,
+        collate_fn=_collate,
+        generator=torch.Generator().manual_seed(0),
+        **extra,
     )
 
 

@@ -49,10 +49,14 @@ def gpt2_config(
             data = json.loads(Path(config_json).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ConfigError(f"--model_config {config_json}: {exc}") from None
-        cfg = GPT2Config(**{k: v for k, v in data.items() if k not in ("architectures", "transformers_version")})
+        cfg = GPT2Config(
+            **{k: v for k, v in data.items() if k not in ("architectures", "transformers_version")}
+        )
     else:
         if preset not in PRESETS:
-            raise ConfigError(f"--model_select {preset!r} is not a preset; choose one of {', '.join(PRESETS)}")
+            raise ConfigError(
+                f"--model_select {preset!r} is not a preset; choose one of {', '.join(PRESETS)}"
+            )
         p = PRESETS[preset]
         cfg = GPT2Config(n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head)
     cfg.vocab_size = vocab_size

@@ -1,0 +1,91 @@
+"""Run metrics: JSON lines in the run directory, wandb (offline by default), the loss plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLog:
+    """Writes one JSON object per event to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
+
+    def __init__(
+        self, run_dir: Path, wandb_mode: str, wandb_dir: Path | None, config: dict[str, Any]
+    ) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (open for the whole run)
+        self._wandb: Any = None
+        if wandb_mode != "off":
+            self._wandb = _start_wandb(wandb_mode, wandb_dir or run_dir, config)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {"time": round(time.time(), 3), **record}
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._wandb is not None:
+            numbers = {
+                k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("time", "step")
+            }
+            if numbers:
+                self._wandb.log(numbers, step=record.get("step"))
+
+    def close(self) -> None:
+        self._f.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _start_wandb(mode: str, directory: Path, config: dict[str, Any]) -> Any:
+    # Never prompt: offline unless asked, and no login questions in any mode.
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ["WANDB_MODE"] = mode
+    try:
+        import wandb
+
+        directory.mkdir(parents=True, exist_ok=True)
+        return wandb.init(project="dsgpt2", dir=str(directory), config=config, mode=mode, reinit=True)
+    except Exception as exc:  # wandb is optional to a run: its failure must not end training
+        log.warning("wandb disabled: %s", exc)
+        return None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_losses(metrics_path: Path, out: Path) -> Path | None:
+    """Plot training and validation loss against step into ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = [
+        (r["step"], r["loss"]) for r in records if r.get("event") == "train" and math.isfinite(r["loss"])
+    ]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("event") == "eval"]
+    if not train and not val:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss")
+    if val:
+        ax.plot(*zip(*val, strict=True), marker="o", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
