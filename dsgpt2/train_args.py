@@ -96,7 +96,9 @@ def build_parser() -> TrainParser:
     )
     g.add_argument("--wandb", choices=["offline", "online", "off"], default="offline", help="wandb mode")
     g.add_argument("--wandb_dir", type=Path, help="wandb directory (default: WORKSPACE)")
+    # Fault injection for the test suite: a NaN loss at these micro-batches; a hard exit after a step.
     g.add_argument("--debug_nonfinite_at", type=_non_negative, nargs="*", default=[], help=argparse.SUPPRESS)
+    g.add_argument("--debug_exit_after", type=_positive, help=argparse.SUPPRESS)
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--ckpt_dir", type=Path, default=Path("runs/ckpt"), help="where checkpoints are saved")

@@ -348,6 +348,8 @@ class Trainer:
                         )
                 if state.step % args.save_interval == 0 and state.step < args.train_iters:
                     self.save(state, stream.position)
+                if args.debug_exit_after == state.step:
+                    _crash()
         except MongoUnavailableError as exc:
             if state.step > start_step:
                 self.save(state, stream.position)
@@ -441,6 +443,15 @@ def _all_finite(loss: torch.Tensor) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
+
+
+def _crash() -> None:
+    """Die like a killed job: no cleanup, no final checkpoint (workers go down with us)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(17)
 
 
 def _barrier() -> None:

@@ -1,0 +1,228 @@
+"""Real DeepSpeed runs of the tiny preset on CPU, through ds_trainer.py as a user starts it."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, store_config
+from dsgpt2 import mockstore
+from dsgpt2.config import load_config
+from dsgpt2.ingest import ingest, sample_source
+from dsgpt2.metrics import read_metrics
+from dsgpt2.mongo import Connection
+from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2,000 sample documents in a file-backed store, and a 512-token vocabulary."""
+    base = tmp_path_factory.mktemp("train")
+    cfg, _ = store_config(base, ["stdlib"])
+    conn = Connection(load_config(cfg))
+    ingest(conn, "stdlib", [sample_source("stdlib", 2000)])
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
+    ds = base / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 2,
+                "gradient_clipping": 1.0,
+                "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+                "scheduler": {
+                    "type": "WarmupDecayLR",
+                    "params": {"warmup_num_steps": 2, "warmup_max_lr": 3e-3},
+                },
+                "zero_optimization": {"stage": 0},
+                "steps_per_print": 1000000,
+            }
+        )
+    )
+    mockstore.reset()
+    return {"config": cfg, "tok": base / "tok", "ds": ds, "base": base}
+
+
+def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
+    return [
+        "--deepspeed_config", str(corpus["ds"]),
+        "--config_train", str(corpus["config"]),
+        "--vocab_dir", str(corpus["tok"]),
+        "--model_select", "tiny",
+        "--context_length", "64",
+        "--tr_ratio", "0.9",
+        "--chunk_docs", "100",
+        "--num_workers", "2",
+        "--seed", "7",
+        "--wandb", "off",
+        "--eval_interval", "1000",
+        "--eval_iters", "2",
+        "--log_interval", "1",
+        "--log_block_ids",
+        "--ckpt_dir", str(run / "ckpt"),
+        "--workspace", str(run / "ws"),
+        *extra,
+    ]  # fmt: skip
+
+
+def train(corpus: dict[str, Path], run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def steps(run: Path) -> dict[int, dict]:
+    """The last train record of each step (a resumed run repeats the steps after its checkpoint)."""
+    return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
+
+
+@pytest.mark.parametrize("mode", ["streaming", "cached"])
+def test_crash_and_resume_sees_the_same_batches(corpus: dict[str, Path], tmp_path: Path, mode: str) -> None:
+    common = ("--train_iters", "8", "--save_interval", "4", "--data_mode", mode)
+    train(corpus, tmp_path / "straight", *common)
+    crashed = train(corpus, tmp_path / "split", *common, "--debug_exit_after", "6", check=False)
+    assert crashed.returncode == 17
+    assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "global_step4"
+    train(corpus, tmp_path / "split", *common)
+    a, b = steps(tmp_path / "straight"), steps(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert a[step]["block_ids"] == b[step]["block_ids"], step
+        for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
+            assert abs(x - y) <= 1e-6, (step, x, y)
+    if mode == "cached":
+        # Both data modes deal the same blocks in the same order.
+        streaming = steps(tmp_path.parent / tmp_path.name.replace("cached", "streaming") / "straight")
+        if streaming:
+            assert [streaming[s]["block_ids"] for s in range(1, 9)] == [
+                a[s]["block_ids"] for s in range(1, 9)
+            ]
+
+
+def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path: Path) -> None:
+    result = train(corpus, tmp_path, "--train_iters", "40", "--eval_interval", "20", "--save_interval", "100")
+    records = read_metrics(tmp_path / "ws" / "metrics.jsonl")
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [20, 40]
+    first = next(r for r in records if r["event"] == "train")
+    assert first["loss"] > math.log(512) - 0.5  # a fresh model is near uniform over the vocabulary
+    assert evals[-1]["val_loss"] < first["loss"] - 1.0
+    assert math.isclose(evals[-1]["val_ppl"], math.exp(evals[-1]["val_loss"]), rel_tol=1e-9)
+    assert (tmp_path / "ws" / "loss.png").stat().st_size > 1000
+    assert "validation: loss" in result.stdout and "perplexity" in result.stdout
+    # Validation and training blocks never overlap: the split is decided per document.
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"
+
+
+def test_sigterm_saves_and_exits_then_resumes(corpus: dict[str, Path], tmp_path: Path) -> None:
+    run = trainer_args(corpus, tmp_path, "--train_iters", "100000", "--save_interval", "100000")
+    args = [sys.executable, str(ROOT / "ds_trainer.py"), *run]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "ws" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(steps(tmp_path)) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    assert proc.wait(timeout=60) == 0
+    assert time.monotonic() - sent < 30
+    last = max(steps(tmp_path))
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{last}"
+    end = [r for r in read_metrics(metrics) if r["event"] == "end"][-1]
+    assert end["stopped"] == "SIGTERM" and end["step"] == last
+    train(corpus, tmp_path, "--train_iters", str(last + 2), "--save_interval", "100000")
+    assert max(steps(tmp_path)) == last + 2
+
+
+def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path: Path) -> None:
+    result = train(corpus, tmp_path / "once", "--train_iters", "4", "--save_interval", "2",
+                   "--debug_nonfinite_at", "3")  # fmt: skip
+    records = read_metrics(tmp_path / "once" / "ws" / "metrics.jsonl")
+    (event,) = [r for r in records if r["event"] == "nonfinite"]
+    assert event["micro"] == 3 and event["params_before"] == event["params_after"]
+    assert all(math.isfinite(r["loss"]) for r in records if r["event"] == "train")
+    assert "non-finite losses skipped: 1" in result.stdout
+
+    bad = train(corpus, tmp_path / "run", "--train_iters", "10", "--save_interval", "1",
+                "--debug_nonfinite_at", "5", "6", "7", "--max_nonfinite", "3", check=False)  # fmt: skip
+    assert bad.returncode == 3
+    assert "3 non-finite losses in a row" in bad.stderr
+    # Step 2 completed (micro-batches 3, 4); micro-batch 5 onwards were all bad: nothing after step 2.
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text() == "global_step2"
+    assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir() if p.is_dir())[-1] == "global_step2"
+
+
+def test_resume_refuses_other_data(corpus: dict[str, Path], tmp_path: Path) -> None:
+    train(corpus, tmp_path, "--train_iters", "2", "--save_interval", "100")
+    other_tok = tmp_path / "tok2"
+    conn = Connection(load_config(corpus["config"]))
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, other_tok, VocabSettings(vocab_size=520), "test", progress=False)
+    changed = dict(corpus, tok=other_tok)
+    result = train(changed, tmp_path, "--train_iters", "4", check=False)
+    assert result.returncode == 2
+    assert "saved for other data" in result.stderr and "tokenizer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path], tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = train(corpus, tmp_path / "a", "--train_iters", "2", "--load_dir", str(empty), check=False)
+    assert result.returncode == 2 and "no checkpoint to resume from" in result.stderr
+    train(corpus, tmp_path / "b", "--train_iters", "2", "--save_interval", "100")
+    latest = tmp_path / "b" / "ckpt" / "latest"
+    for content, needle in (("", "empty or corrupt"), ("global_step99", "missing or incomplete")):
+        latest.write_text(content)
+        result = train(corpus, tmp_path / "b", "--train_iters", "4", check=False)
+        assert result.returncode == 2 and needle in result.stderr, result.stderr
+    result = train(corpus, tmp_path / "b", "--train_iters", "4", "--ckpt_id", "nope", check=False)
+    assert result.returncode == 2 and "--ckpt_id 'nope'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--model_select", "huge"], "--model_select"),
+        (["--train_iters", "-5"], "--train_iters"),
+        (["--tr_ratio", "1.5"], "--tr_ratio"),
+        (["--tr_ratio", "0"], "--tr_ratio"),
+        (["--config_train", "/nonexistent.json"], "--config_train"),
+        (["--vocab_dir", "/nonexistent"], "--vocab_dir"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    corpus: dict[str, Path], tmp_path: Path, flags: list[str], needle: str
+) -> None:
+    result = train(corpus, tmp_path, *flags, check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in result.stderr
+
+
+def test_deepspeed_config_problems_are_one_line_errors(corpus: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}')
+    malformed = tmp_path / "malformed.json"
+    malformed.write_text("{nope")
+    for path, needle in ((bad, "train_batch_size 10"), (malformed, "not valid JSON")):
+        result = train(dict(corpus, ds=path), tmp_path, check=False)
+        assert result.returncode == 2, result.stderr
+        assert needle in result.stderr and "--deepspeed_config" in result.stderr
+        assert "Traceback" not in result.stderr
