@@ -143,6 +143,22 @@ def build_parser() -> Parser:
     _add_vocab(sub)
 
     p = sub.add_parser(
+        "export",
+        help="turn a training checkpoint into a Hugging Face model directory",
+        description=(
+            "Export a checkpoint (any ZeRO stage) as safetensors weights, config and tokenizer: the "
+            "directory loads with transformers' GPT2LMHeadModel.from_pretrained and "
+            "pipeline('text-generation'), without dsgpt2."
+        ),
+    )
+    p.add_argument("--ckpt_dir", required=True, help="checkpoint directory of a training run")
+    p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--vocab_dir", help="tokenizer directory (default: the one the run trained with)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
         "demo",
         help="run the whole pipeline on the built-in sample corpus, in process",
         description=(
@@ -382,6 +398,21 @@ def cmd_info(args: argparse.Namespace) -> int:
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dsgpt2.export import export
+
+    result = export(
+        Path(args.ckpt_dir), Path(args.out), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None
+    )
+    print(
+        f"exported {args.ckpt_dir}/{result['tag']} (step {result['step']}, "
+        f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"
+    )
     return 0
 
 

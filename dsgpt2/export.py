@@ -1,0 +1,85 @@
+"""Export a checkpoint (any ZeRO stage) as a Hugging Face model directory.
+
+The directory holds ``model.safetensors``, ``config.json``,
+``generation_config.json`` and the tokenizer files: ``transformers`` loads
+it with ``GPT2LMHeadModel.from_pretrained`` or ``pipeline("text-generation")``,
+without dsgpt2.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsgpt2 import checkpoint
+
+log = logging.getLogger(__name__)
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
+    blob = torch.load(ckpt_dir / tag / MODEL_STATES, map_location="cpu", weights_only=False)
+    client = blob.get("dsgpt2")
+    if client is None:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_dir / tag} was not written by dsgpt2 (no training state in it)"
+        )
+    if _is_partitioned(ckpt_dir, tag):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        weights = {k: v.float() for k, v in blob["module"].items()}
+    return weights, client
+
+
+def _is_partitioned(ckpt_dir: Path, tag: str) -> bool:
+    """ZeRO 1-3 keep the fp32 master weights in per-rank optimizer shards."""
+    return any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt"))
+
+
+def export(
+    ckpt_dir: Path, out: Path, tag: str | None = None, vocab_dir: Path | None = None
+) -> dict[str, Any]:
+    """Write the checkpoint ``tag`` (default: latest) of ``ckpt_dir`` to ``out``.
+
+    Raises:
+        CheckpointError: no complete checkpoint, or not one of dsgpt2's.
+    """
+    from transformers import AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel
+
+    tag = checkpoint.resolve(ckpt_dir, tag)
+    weights, client = checkpoint_state(ckpt_dir, tag)
+    config = GPT2Config.from_dict(client["model_config"])
+    model = GPT2LMHeadModel(config)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # The output projection is the input embedding (tied): a checkpoint may store it once.
+    if set(missing) - {"lm_head.weight"} or unexpected:
+        raise checkpoint.CheckpointError(
+            f"{ckpt_dir / tag} does not match its model config: missing {missing}, unexpected {unexpected}"
+        )
+    model.tie_weights()
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+    vocab = Path(vocab_dir or client["vocab_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(str(vocab))
+    tokenizer.model_max_length = config.n_positions
+    tokenizer.save_pretrained(str(out))
+    for name in ("vocab.json", "merges.txt", "dsgpt2_vocab.json"):
+        if (vocab / name).exists():
+            shutil.copyfile(vocab / name, out / name)
+    return {
+        "tag": tag,
+        "step": client["step"],
+        "out": str(out),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
