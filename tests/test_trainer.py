@@ -235,7 +235,8 @@ model = GPT2LMHeadModel.from_pretrained(sys.argv[1]).eval()
 ids = torch.tensor([json.loads(sys.argv[2])])
 with torch.no_grad():
     logits = model(input_ids=ids).logits[0].tolist()
-text = pipeline("text-generation", model=sys.argv[1])("def", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+generate = pipeline("text-generation", model=sys.argv[1])
+text = generate("def", max_new_tokens=5, do_sample=False)[0]["generated_text"]
 print(json.dumps({"logits": logits, "dsgpt2": "dsgpt2" in sys.modules, "text": text,
                   "tied": model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()}))
 """
