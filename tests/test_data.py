@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import make_config
+from dsgpt2.data import (
+    BlockStream,
+    CachedChunks,
+    DataSpec,
+    StreamingChunks,
+    build_cache,
+    eval_batches,
+    fingerprint,
+)
+from dsgpt2.ingest import ingest, sample_source
+from dsgpt2.mongo import Connection, MongoWrapper
+from dsgpt2.schedule import Position, chunk_range, rank_chunks, split_mask
+from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dsgpt2 import mockstore
+
+    mockstore.reset()
+    conn = Connection(make_config(["s"]))
+    ingest(conn, "s", [sample_source("stdlib", 400)])
+    out = tmp_path_factory.mktemp("tok") / "tok"
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, out, VocabSettings(vocab_size=400), "test", progress=False)
+    mockstore.reset()
+    return out
+
+
+@pytest.fixture
+def source(tokenizer: Path):
+    conn = Connection(make_config(["s", "t"]))
+    ingest(conn, "s", [sample_source("stdlib", 300)])
+    ingest(conn, "t", [sample_source("stdlib", 250)])
+    counts = MongoWrapper(conn.config, connection=conn).counts
+    spec = DataSpec(context=32, chunk_docs=40, tr_ratio=0.8, seed=3, eot=0, pad=1)
+    return conn, counts, spec
+
+
+def _train_docs(total: int, spec: DataSpec) -> set[int]:
+    idx = np.arange(total)
+    return set(idx[split_mask(idx, spec.tr_ratio, spec.seed)].tolist())
+
+
+def test_chunks_hold_only_their_split(source, tokenizer: Path) -> None:
+    conn, counts, spec = source
+    train = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    val = StreamingChunks(conn.config, counts, tokenizer, spec, "val")
+    train_docs = _train_docs(sum(counts), spec)
+    seen_train = seen_val = 0
+    for c in range(len(train)):
+        lo, hi = chunk_range(c, sum(counts), spec.chunk_docs)
+        t, v = train[c], val[c]
+        in_chunk = set(range(lo, hi))
+        assert t.documents == len(in_chunk & train_docs)
+        assert v.documents == len(in_chunk - train_docs)
+        seen_train += t.documents
+        seen_val += v.documents
+        assert t.blocks.shape[1] == 32 and (t.blocks[:-1] != 1).all()  # only the last block may pad
+    assert seen_train + seen_val == 550 and seen_val > 50
+
+
+def test_two_ranks_read_disjoint_shards_covering_the_split(source, tokenizer: Path) -> None:
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    per_rank = []
+    for rank in range(2):
+        stream = BlockStream(data, spec.seed, rank, 2, micro_batch=3, workers=0)
+        chunks = set()
+        for batch in stream:
+            if any(epoch > 0 for epoch, _, _ in batch.block_ids):
+                break
+            chunks |= {c for _, c, _ in batch.block_ids}
+        per_rank.append(chunks)
+    assert per_rank[0].isdisjoint(per_rank[1])
+    expected = set(rank_chunks(len(data), spec.seed, 0, 0, 2)) | set(
+        rank_chunks(len(data), spec.seed, 0, 1, 2)
+    )
+    # Every chunk that holds training blocks is read by exactly one rank (the last, partial
+    # batch of an epoch may carry a few blocks over into the next).
+    nonempty = {c for c in range(len(data)) if len(data[c].blocks)}
+    assert (per_rank[0] | per_rank[1]) <= expected
+    assert len(nonempty - (per_rank[0] | per_rank[1])) <= 2
+
+
+def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    straight = BlockStream(data, spec.seed, 0, 1, micro_batch=5, workers=2)
+    it = iter(straight)
+    first = [next(it) for _ in range(7)]
+    saved = Position(**straight.position.to_dict())
+    rest = [next(it) for _ in range(6)]
+    resumed = BlockStream(data, spec.seed, 0, 1, micro_batch=5, position=saved, workers=0)
+    again = [b for _, b in zip(range(6), resumed, strict=False)]
+    assert [b.block_ids for b in again] == [b.block_ids for b in rest]
+    for a, b in zip(again, rest, strict=True):
+        assert (a.input_ids == b.input_ids).all() and (a.labels == b.labels).all()
+    assert len({tuple(i) for b in first + rest for i in b.block_ids}) == 13 * 5  # no block twice
+
+
+def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path) -> None:
+    conn, counts, spec = source
+    streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
+    fp = fingerprint(conn.config, counts, tokenizer, spec)
+    totals = build_cache(streaming, tmp_path, fp, vocab_size=400, workers=0)
+    assert totals["train"] > 0 and (tmp_path / "train.bin").stat().st_size == totals["train"] * 32 * 2
+    for split in ("train", "val"):
+        cached = CachedChunks(tmp_path, split)
+        for c in range(len(cached)):
+            a, b = streaming[split][c], cached[c]
+            assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
+    va = eval_batches(streaming["val"], 0, 1, 4, limit=3)
+    vb = eval_batches(CachedChunks(tmp_path, "val"), 0, 1, 4, limit=3)
+    assert [x.block_ids for x in va] == [x.block_ids for x in vb]
+
+
+def test_index_state_does_not_grow_with_the_corpus() -> None:
+    """A reader's state for 100M documents: the chunk order only, never a list of documents."""
+
+    def peak(total: int) -> int:
+        tracemalloc.start()
+        n = -(-total // 1000)
+        order = rank_chunks(n, seed=1, epoch=0, rank=0, world=8)
+        lo, hi = chunk_range(int(order[0]), total, 1000)
+        split_mask(np.arange(lo, hi), 0.99, seed=1)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    small, huge = peak(10_000), peak(100_000_000)
+    assert huge < 4 * 1024 * 1024  # a permutation of 100k chunk ids, not of 100M documents
+    assert small < 200 * 1024
