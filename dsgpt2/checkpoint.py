@@ -134,11 +134,30 @@ def resolve(load_dir: Path, ckpt_id: str | None) -> str:
     return tag
 
 
+def read_client_state(load_dir: Path, tag: str) -> dict[str, Any]:
+    """dsgpt2's training state in a checkpoint, read without building an engine.
+
+    Lets a run check the checkpoint's fingerprint before loading weights that may not fit.
+    """
+    path = load_dir / tag / "mp_rank_00_model_states.pt"
+    blob = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    if "dsgpt2" not in blob:
+        raise CheckpointError(f"{load_dir / tag} was not written by dsgpt2 (no training state in it)")
+    return blob["dsgpt2"]
+
+
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler state; return the client state."""
-    path, client_state = engine.load_checkpoint(
-        str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-    )
+    try:
+        path, client_state = engine.load_checkpoint(
+            str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0][:300]
+        raise CheckpointError(
+            f"{load_dir / tag} does not fit this model ({first}); resume with the model and tokenizer "
+            "it was trained with"
+        ) from None
     if path is None or client_state is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
     return client_state

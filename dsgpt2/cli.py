@@ -143,6 +143,51 @@ def build_parser() -> Parser:
     _add_vocab(sub)
 
     p = sub.add_parser(
+        "tokenize",
+        help="build the token cache that `ds_trainer.py --data_mode cached` reads",
+        description=(
+            "Tokenize and pack the training and validation splits into memory-mapped files, ahead of "
+            "training. Use the data flags the training run will use: the cache is fingerprinted by the "
+            "collections, their counts, the tokenizer, the context, the split and the seed, and a run "
+            "with other settings rebuilds it."
+        ),
+    )
+    from dsgpt2.model import PRESETS
+
+    p.add_argument("--config_train", required=True, metavar="JSON", help="MongoDB connection config")
+    p.add_argument(
+        "--vocab_dir", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)"
+    )
+    p.add_argument("--model_select", default="112m", choices=list(PRESETS), help="preset, for its context")
+    p.add_argument("--context_length", type=positive_int, help="tokens per block (default: the preset's)")
+    p.add_argument(
+        "--tr_ratio", type=float, default=0.99, help="share of documents that train (default 0.99)"
+    )
+    p.add_argument("--seed", type=int, default=1234, help="split seed (default 1234)")
+    p.add_argument("--chunk_docs", type=positive_int, default=1000, help="documents per chunk (default 1000)")
+    p.add_argument("--cache_dir", default="runs/train/cache", help="output (default: runs/train/cache)")
+    p.add_argument("--num_workers", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser(
+        "plan",
+        help="estimate GPU and CPU memory per ZeRO stage for a model preset",
+        description=(
+            "Estimate the memory the model states of a preset need under each ZeRO stage and offload "
+            "choice (DeepSpeed's estimators), to pick a DeepSpeed config before training. "
+            "Activations come on top."
+        ),
+    )
+    p.add_argument("--model_select", required=True, choices=list(PRESETS), help="model size preset")
+    p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default 50257)")
+    p.add_argument("--num_gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--num_nodes", type=positive_int, default=1, help="nodes (default 1)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
         "export",
         help="turn a training checkpoint into a Hugging Face model directory",
         description=(
@@ -398,6 +443,40 @@ def cmd_info(args: argparse.Namespace) -> int:
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dsgpt2.config import load_config
+    from dsgpt2.data import make_spec, prepare_cache
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.model import PRESETS
+
+    if not 0 < args.tr_ratio <= 1:
+        raise ConfigError(f"--tr_ratio must be in (0, 1]; got {args.tr_ratio}")
+    vocab = Path(args.vocab_dir)
+    if not (vocab / "tokenizer.json").is_file():
+        raise ConfigError(f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)")
+    context = args.context_length or PRESETS[args.model_select].context
+    spec = make_spec(vocab, context, args.chunk_docs, args.tr_ratio, args.seed)
+    meta, built = prepare_cache(
+        load_config(args.config_train), vocab, spec, Path(args.cache_dir), args.num_workers, args.force
+    )
+    state = "built" if built else "already up to date"
+    print(
+        f"{args.cache_dir}: {state}; blocks of {context} tokens: "
+        f"{meta['blocks']['train']} train, {meta['blocks']['val']} validation"
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dsgpt2.plan import plan, plan_lines
+
+    total, rows = plan(args.model_select, args.vocab_size, args.num_gpus, args.num_nodes)
+    print("\n".join(plan_lines(args.model_select, total, rows, args.num_gpus, args.num_nodes)))
     return 0
 
 

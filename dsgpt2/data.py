@@ -53,6 +53,19 @@ class DataSpec:
     pad: int
 
 
+def make_spec(tokenizer_dir: Path, context: int, chunk_docs: int, tr_ratio: float, seed: int) -> DataSpec:
+    """The data spec of a run, with end-of-text and pad ids read from the tokenizer."""
+    from dsgpt2.vocab import EOT, PAD
+
+    tok = load_tokenizer(tokenizer_dir)
+    eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
+    if eot is None:
+        raise CorpusError(
+            f"{tokenizer_dir}: the tokenizer has no {EOT} token; train it with dsgpt2 vocab train"
+        )
+    return DataSpec(context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad)
+
+
 def tokenizer_digest(tokenizer_dir: Path) -> str:
     """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
     return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
@@ -215,6 +228,27 @@ def build_cache(
     meta = {"fingerprint": fp, "dtype": np.dtype(dtype).name, "blocks": totals}
     (cache_dir / "cache.json").write_text(json.dumps(meta, indent=1) + "\n")
     return totals
+
+
+def prepare_cache(
+    config: MongoConfig,
+    tokenizer_dir: Path,
+    spec: DataSpec,
+    cache_dir: Path,
+    workers: int = 2,
+    force: bool = False,
+) -> tuple[dict[str, Any], bool]:
+    """Build the token cache for ``spec`` unless an up-to-date one exists; return (meta, built)."""
+    from dsgpt2.mongo import MongoWrapper
+    from dsgpt2.vocab import load_vocab_size
+
+    counts = MongoWrapper(config).counts
+    fp = fingerprint(config, counts, tokenizer_dir, spec)
+    if not force and cache_fingerprint(cache_dir) == fp:
+        return json.loads((cache_dir / "cache.json").read_text()), False
+    sources = {split: StreamingChunks(config, counts, tokenizer_dir, spec, split) for split in SPLITS}
+    build_cache(sources, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers)
+    return json.loads((cache_dir / "cache.json").read_text()), True
 
 
 def cache_fingerprint(cache_dir: Path) -> dict[str, Any] | None:

@@ -25,15 +25,15 @@ import torch
 from dsgpt2 import checkpoint
 from dsgpt2.config import ENV_URI, load_config, scrub
 from dsgpt2.data import (
+    SPLITS,
     BlockStream,
     CachedChunks,
-    DataSpec,
     StreamingChunks,
-    build_cache,
-    cache_fingerprint,
     eval_batches,
     fingerprint,
     load_tokenizer,
+    make_spec,
+    prepare_cache,
 )
 from dsgpt2.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
 from dsgpt2.errors import DsGpt2Error, MongoUnavailableError
@@ -42,9 +42,19 @@ from dsgpt2.metrics import MetricsLog, plot_losses
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups
 from dsgpt2.schedule import Position
 from dsgpt2.train_args import parse
-from dsgpt2.vocab import EOT, PAD
 
 log = logging.getLogger("dsgpt2.trainer")
+
+
+def run_context(args: Any) -> int:
+    """Tokens per block: --context_length, else the model config's n_positions, else the preset's."""
+    if args.context_length:
+        return args.context_length
+    if args.model_config is not None:
+        import json
+
+        return int(json.loads(Path(args.model_config).read_text()).get("n_positions", 1024))
+    return PRESETS[args.model_select].context
 
 
 class TrainingAborted(DsGpt2Error):
@@ -102,27 +112,20 @@ class Trainer:
 
         args = self.args
         self.mongo = load_config(args.config_train)
-        tok = load_tokenizer(args.vocab_dir)
-        self.vocab_size = tok.get_vocab_size()
-        eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
-        if eot is None:
-            raise DsGpt2Error(f"--vocab_dir {args.vocab_dir}: the tokenizer has no {EOT} token")
+        self.vocab_size = load_tokenizer(args.vocab_dir).get_vocab_size()
         conn = Connection(self.mongo)
         conn.ping()
         if not args.allow_corpus_problems:
             require_valid(conn)
         self.counts = MongoWrapper(self.mongo, connection=conn).counts
-        preset_context = PRESETS[args.model_select].context if args.model_config is None else None
-        context = args.context_length or preset_context or 1024
-        self.spec = DataSpec(
-            context, args.chunk_docs, args.tr_ratio, args.seed, eot, pad if pad is not None else eot
-        )
+        context = run_context(args)
+        self.spec = make_spec(args.vocab_dir, context, args.chunk_docs, args.tr_ratio, args.seed)
         self.fingerprint = fingerprint(self.mongo, self.counts, args.vocab_dir, self.spec)
         self.train_data, self.val_data = self._datasets()
 
         _seed_all(args.seed)
         self.model_config = gpt2_config(
-            args.model_select, self.vocab_size, context, eot, self.spec.pad, args.model_config
+            args.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, args.model_config
         )
         model = build_model(self.model_config)
         self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
@@ -152,23 +155,17 @@ class Trainer:
 
     def _datasets(self) -> tuple[Any, Any]:
         args = self.args
-        streaming = {
-            split: StreamingChunks(self.mongo, self.counts, args.vocab_dir, self.spec, split)
-            for split in ("train", "val")
-        }
         if args.data_mode == "streaming":
-            return streaming["train"], streaming["val"]
+            return tuple(
+                StreamingChunks(self.mongo, self.counts, args.vocab_dir, self.spec, s) for s in SPLITS
+            )
         cache_dir = args.cache_dir or args.workspace / "cache"
-        if cache_fingerprint(cache_dir) != self.fingerprint:
-            if self.rank == 0:
-                state = (
-                    "stale (the corpus, tokenizer or split changed)"
-                    if cache_fingerprint(cache_dir)
-                    else "missing"
-                )
-                log.info("token cache in %s is %s: building it", cache_dir, state)
-                build_cache(streaming, cache_dir, self.fingerprint, self.vocab_size, workers=args.num_workers)
-            _barrier()
+        if self.rank == 0:
+            _, built = prepare_cache(
+                self.mongo, args.vocab_dir, self.spec, cache_dir, workers=args.num_workers
+            )
+            log.info("token cache %s: %s", cache_dir, "built" if built else "up to date, reused")
+        _barrier()
         return CachedChunks(cache_dir, "train"), CachedChunks(cache_dir, "val")
 
     # ------------------------------------------------------------ resume
@@ -208,7 +205,7 @@ class Trainer:
         if load_dir is None:
             return TrainState(), Position()
         tag = checkpoint.resolve(load_dir, args.ckpt_id)
-        saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
+        saved = checkpoint.read_client_state(load_dir, tag)
         if saved["fingerprint"] != self.fingerprint:
             changed = sorted(
                 k for k in self.fingerprint if saved["fingerprint"].get(k) != self.fingerprint[k]
@@ -220,6 +217,7 @@ class Trainer:
                     "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
                 )
             log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
+        saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
         positions = saved.get("rank_positions") or [saved["position"]]
         position = (
             Position(**positions[self.rank]) if self.rank < len(positions) else Position(**saved["position"])

@@ -492,3 +492,10 @@ def train_vocab(
     }
     _write_json(out / VOCAB_META, meta)
     return report
+
+
+def load_vocab_size(directory: Path) -> int:
+    """The vocabulary size of a tokenizer directory (special tokens included)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()
