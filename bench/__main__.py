@@ -6,10 +6,37 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch, bench_vocab
+from bench import bench_fetch, bench_train, bench_vocab
 from bench.common import write_results
 from dsgpt2.cleaning import clean_text
 from dsgpt2.sample import stdlib_documents
+
+
+def _train_data(texts: list[str], results: Path) -> list:
+    """Tokenize + pack and the cached loader, on the vocabulary the vocab benchmark trained."""
+    from dsgpt2.config import config_from_dict
+    from dsgpt2.data import make_spec, prepare_cache
+    from dsgpt2.mongo import Connection
+
+    tokenizer = results / "vocab_bench_tok"
+    metrics = bench_train.tokenize_pack(texts, tokenizer)
+    config = config_from_dict(
+        {
+            "MONGO_CONNECTION_STRING": "mongomock://",
+            "MONGO_CONNECTION_DB": "bench_cache",
+            "COLLECTIONS": ["s"],
+        },
+        env={},
+    )
+    conn = Connection(config)
+    conn.db["s"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    conn.db["meta_info"].insert_one({"collection": "s", "count": len(texts)})
+    spec = make_spec(tokenizer, context=128, chunk_docs=1000, tr_ratio=0.99, seed=0)
+    prepare_cache(config, tokenizer, spec, results / "cache", workers=2, force=True)
+    metrics.append(bench_train.cached_loader(results / "cache", context=128))
+    metrics.append(bench_train.data_stall(texts, tokenizer))
+    metrics.append(bench_train.index_memory())
+    return metrics
 
 
 def main() -> int:

@@ -24,16 +24,20 @@ log = logging.getLogger(__name__)
 DEMO_DB = "dsgpt2_demo"
 DEMO_COLLECTION = "stdlib"
 DEMO_VOCAB_SIZE = 8192  # small: the demo model's embedding stays cheap on a CPU
-STAGES = 5
+STAGES = 7
+DEMO_STEPS = 300
 
 
-def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict[str, Any]:
+def run_demo(
+    out: Path, limit: int | None = None, progress: bool = True, steps: int = DEMO_STEPS
+) -> dict[str, Any]:
     """Run every stage on the sample corpus; return the summary.
 
     Args:
         out: directory for the outputs and ``summary.json``.
         limit: only the first ``limit`` sample documents (quicker runs).
         progress: show progress bars.
+        steps: training steps.
     """
     out.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(
@@ -98,8 +102,68 @@ def run_demo(out: Path, limit: int | None = None, progress: bool = True) -> dict
         "dir": str(vocab.out),
         "example": _tokenize_example(vocab.out),
     }
+
+    log.info(f"stage 6/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
+    summary["train"] = _train(config, out, steps)
+
+    log.info(f"stage 7/{STAGES}: export the last checkpoint as a Hugging Face model")
+    from dsgpt2.export import export
+
+    exported = export(out / "ckpt", out / "model")
+    summary["export"] = {"dir": exported["out"], "step": exported["step"]}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _train(config: Any, out: Path, steps: int) -> dict[str, Any]:
+    from dsgpt2.metrics import read_metrics
+    from dsgpt2.train_args import parse
+    from dsgpt2.trainer import Trainer
+
+    (out / "mongo.json").write_text(json.dumps(config.to_dict()))
+    args = parse(
+        [
+            "--deepspeed_config",
+            str(Path(__file__).resolve().parents[1] / "configs" / "ds_config_cpu.json"),
+            "--config_train",
+            str(out / "mongo.json"),
+            "--vocab_dir",
+            str(out / "tokenizer"),
+            "--model_select",
+            "tiny",
+            "--train_iters",
+            str(DEMO_STEPS),
+            "--tr_ratio",
+            "0.95",
+            "--eval_interval",
+            "50",
+            "--eval_iters",
+            "8",
+            "--save_interval",
+            "100",
+            "--ckpt_dir",
+            str(out / "ckpt"),
+            "--workspace",
+            str(out / "train"),
+            "--wandb",
+            "off",
+            "--no_resume",
+        ]
+    )
+    trainer = Trainer(args)
+    trainer.build()
+    result = trainer.train()
+    evals = [r for r in read_metrics(out / "train" / "metrics.jsonl") if r["event"] == "eval"]
+    return {
+        "steps": result["step"],
+        "tokens": result["tokens"],
+        "tokens_per_s": round(result["tokens_per_s"]),
+        "val_ppl_first": round(evals[0]["val_ppl"], 1) if evals else None,
+        "val_ppl_first_step": evals[0]["step"] if evals else None,
+        "val_ppl": round(result["val_ppl"], 1) if result["val_ppl"] else None,
+        "plot": result.get("plot"),
+        "checkpoint": result["checkpoint"],
+    }
 
 
 def _tokenize_example(directory: Path) -> dict[str, Any]:
@@ -129,5 +193,13 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"  example       {summary['vocab']['example']['text']!r}",
         f"                → {summary['vocab']['example']['tokens']} tokens: "
         f"{' '.join(summary['vocab']['example']['pieces'])}",
+        f"  training      {summary['train']['steps']} steps, {summary['train']['tokens']:,} tokens, "
+        f"{summary['train']['tokens_per_s']:,} tokens/s (tiny preset, CPU)",
+        f"  validation    perplexity {summary['train']['val_ppl_first']} at step "
+        f"{summary['train']['val_ppl_first_step']} → {summary['train']['val_ppl']} at the end "
+        f"(uniform guess: {summary['vocab']['vocab_size']})",
+        f"  loss plot     {summary['train']['plot']}",
+        f"  checkpoint    {summary['train']['checkpoint']}",
+        f"  model         {summary['export']['dir']} (loads with transformers' from_pretrained)",
         f"  outputs       {out}/summary.json",
     ]

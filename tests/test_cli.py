@@ -107,7 +107,9 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
 
 
 def test_demo_runs_every_stage(tmp_path: Path) -> None:
-    result = run_cli("demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--no-progress")
+    result = run_cli(
+        "demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--steps", "12", "--no-progress"
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ingest"]["documents"] == 1500
@@ -119,4 +121,7 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
     assert len(AutoTokenizer.from_pretrained(summary["vocab"]["dir"])) == summary["vocab"]["vocab_size"]
+    assert summary["train"]["steps"] == 12 and summary["train"]["val_ppl"] < summary["vocab"]["vocab_size"]
+    assert Path(summary["train"]["plot"]).exists()
+    assert (Path(summary["export"]["dir"]) / "model.safetensors").exists()
     assert "dsgpt2 demo: summary" in result.stdout

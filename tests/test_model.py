@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from dsgpt2.ds_config import load_ds_config, zero_stage
+from dsgpt2.errors import ConfigError
+from dsgpt2.model import PRESETS, build_model, gpt2_config, param_groups
+from dsgpt2.plan import gpt2_parameters, plan
+
+DS_CONFIGS = sorted((ROOT / "configs").glob("ds_config*.json"))
+
+
+@pytest.mark.parametrize("path", DS_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_deepspeed_config_loads(path: Path) -> None:
+    device = "cpu" if path.name == "ds_config_cpu.json" else "cuda"
+    for world in (1, 8):
+        cfg = load_ds_config(path, world_size=world, train_iters=500, device=device)
+        assert (
+            cfg["train_batch_size"]
+            == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
+        )
+        assert cfg["scheduler"]["params"]["total_num_steps"] == 500
+    assert zero_stage(cfg) in (0, 1, 2, 3)
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_batch_arithmetic_and_precision_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train_batch_size 10 ≠ .* 4 × .* 1 × world size 2 = 8"):
+        load_ds_config(
+            _write(tmp_path, {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}), 2, 10, "cpu"
+        )
+    cfg = load_ds_config(
+        _write(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 2}), 4, 10, "cpu"
+    )
+    assert cfg["train_micro_batch_size_per_gpu"] == 4
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_ds_config(
+            _write(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4}), 1, 10, "cpu"
+        )
+    with pytest.raises(ConfigError, match="must be a positive integer"):
+        load_ds_config(_write(tmp_path, {"train_micro_batch_size_per_gpu": 0}), 1, 10, "cpu")
+    with pytest.raises(ConfigError, match=r"bf16 needs a GPU.*ds_config_cpu\.json"):
+        load_ds_config(ROOT / "configs" / "ds_config.json", 1, 10, "cpu")
+    both = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}, "bf16": {"enabled": True}}
+    with pytest.raises(ConfigError, match="both enabled"):
+        load_ds_config(_write(tmp_path, both), 1, 10, "cuda")
+    with pytest.raises(ConfigError, match="file not found"):
+        load_ds_config(tmp_path / "none.json", 1, 10, "cpu")
+
+
+def test_presets_and_tokenizer_sizes() -> None:
+    cfg = gpt2_config("tiny", vocab_size=777, context=64, eot=0, pad=1)
+    assert (cfg.vocab_size, cfg.n_positions, cfg.eos_token_id, cfg.pad_token_id) == (777, 64, 0, 1)
+    assert cfg.tie_word_embeddings
+    with pytest.raises(ConfigError, match="--model_select 'huge'"):
+        gpt2_config("huge", 100, 64, 0, 1)
+    model = build_model(cfg)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
+    total, _ = gpt2_parameters(cfg.n_layer, cfg.n_embd, 777, 64)
+    assert total == sum(p.numel() for p in model.parameters())
+
+
+def test_weight_decay_spares_biases_and_layer_norms() -> None:
+    model = build_model(gpt2_config("tiny", 300, 32, 0, 1))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert all(
+        names[id(p)].endswith(".bias") or ".ln_" in names[id(p)] or "ln_f" in names[id(p)]
+        for p in no_decay["params"]
+    )
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_plan_orders_the_options_sensibly() -> None:
+    total, rows = plan("112m")
+    assert 120e6 < total < 130e6  # GPT-2 small
+    by = {r.option: r for r in rows}
+    assert by["stage 2 + optimizer offload"].gpu_bytes < by["stage 2"].gpu_bytes
+    assert (
+        by["stage 3 + optimizer offload + param offload"].gpu_bytes < by["stage 0 (data parallel)"].gpu_bytes
+    )
+    assert set(PRESETS) >= {"tiny", "112m", "112m_half", "345m"}
