@@ -13,12 +13,14 @@ from dsgpt2.sample import stdlib_documents
 
 
 def _train_data(texts: list[str], results: Path) -> list:
-    """Tokenize + pack and the cached loader, on the vocabulary the vocab benchmark trained."""
+    """Tokenize + pack, cached loader, data stall, memory: on the vocabulary of the vocab benchmark."""
     from dsgpt2.config import config_from_dict
     from dsgpt2.data import make_spec, prepare_cache
     from dsgpt2.mongo import Connection
 
     tokenizer = results / "vocab_bench_tok"
+    if not (tokenizer / "tokenizer.json").exists():
+        bench_vocab.run(texts, results, repeats=1)
     metrics = bench_train.tokenize_pack(texts, tokenizer)
     config = config_from_dict(
         {
@@ -44,11 +46,20 @@ def main() -> int:
     texts = [clean_text(t) for t in stdlib_documents()]
     print(f"corpus: {len(texts)} sample documents, {sum(map(len, texts)) / 1e6:.1f} M characters")
     results = Path(__file__).parent / "results"
+    suites = {
+        "fetch": lambda: bench_fetch.run(texts),
+        "vocab": lambda: bench_vocab.run(texts, results),
+        "train_data": lambda: _train_data(texts, results),
+        "deepspeed": bench_train.deepspeed_overhead,
+    }
+    chosen = sys.argv[1:] or list(suites)
+    unknown = set(chosen) - set(suites)
+    if unknown:
+        print(f"unknown benchmark(s) {sorted(unknown)}; choose from {list(suites)}", file=sys.stderr)
+        return 2
     metrics = []
-    for name, bench in (
-        ("fetch", lambda: bench_fetch.run(texts)),
-        ("vocab", lambda: bench_vocab.run(texts, results)),
-    ):
+    for name in chosen:
+        bench = suites[name]
         print(f"-- {name}", flush=True)
         for m in bench():
             print(m.line(), flush=True)

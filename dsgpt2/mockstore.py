@@ -40,9 +40,13 @@ def store_path(uri: str) -> str | None:
     return os.path.abspath(os.path.expanduser(rest)) if rest else None
 
 
+FAULT_ENV = "DSGPT2_MOCKSTORE_FAULT"
+
+
 def client_for(uri: str) -> mongomock.MongoClient:
     """A mongomock client on the store that ``uri`` names, loading its file if it changed."""
     _install_fast_unique_inserts()
+    _install_faults(os.environ.get(FAULT_ENV, ""))
     path = store_path(uri)
     if path is None:
         store = _MEMORY.setdefault("", ServerStore())
@@ -223,3 +227,30 @@ def _key(doc: Any, fields: list[str]) -> tuple[Any, ...]:
         # 7 and 7.0 collide in a set as they do in MongoDB; True and 1 must not.
         out.append((type(value) is bool, value))
     return tuple(out)
+
+
+# Fault injection for tests that run whole processes (the trainer and its DataLoader
+# workers): DSGPT2_MOCKSTORE_FAULT="after=N,count=K" makes find() raise AutoReconnect
+# for calls N+1..N+K of each process (count=-1: from then on). Unset, nothing changes.
+_fault_state = {"calls": 0, "after": 0, "count": 0}
+
+
+def _install_faults(spec: str) -> None:
+    if not spec or getattr(_MockCollection, "_dsgpt2_faults", False):
+        return
+    from pymongo.errors import AutoReconnect
+
+    fields = dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+    _fault_state.update(after=int(fields.get("after", 0)), count=int(fields.get("count", 1)))
+    original_find = _MockCollection.find
+
+    def find(self: _MockCollection, *args: Any, **kwargs: Any) -> Any:
+        if self.name != "meta_info":
+            _fault_state["calls"] += 1
+            n, after, count = _fault_state["calls"], _fault_state["after"], _fault_state["count"]
+            if n > after and (count < 0 or n <= after + count):
+                raise AutoReconnect(f"injected fault on find #{n}")
+        return original_find(self, *args, **kwargs)
+
+    _MockCollection.find = find
+    _MockCollection._dsgpt2_faults = True

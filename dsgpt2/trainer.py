@@ -6,6 +6,7 @@ process. Only this module and :mod:`dsgpt2.checkpoint` touch DeepSpeed.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -252,6 +253,10 @@ class Trainer:
         run_of_bad = 0
         last_val: float | None = None
         bar = _progress(self.rank, args.train_iters, state.step)
+        blocks_log = None
+        if args.log_block_ids:
+            args.workspace.mkdir(parents=True, exist_ok=True)
+            blocks_log = open(args.workspace / f"block_ids_rank{self.rank}.jsonl", "a")  # noqa: SIM115
         it = iter(stream)
         try:
             while state.step < args.train_iters and not self.stop_requested:
@@ -312,6 +317,9 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
+                if blocks_log is not None:
+                    blocks_log.write(json.dumps({"step": state.step, "block_ids": ids}) + "\n")
+                    blocks_log.flush()
                 if metrics and (state.step % args.log_interval == 0 or args.log_block_ids or state.step == 1):
                     record = {
                         "event": "train",
@@ -349,14 +357,18 @@ class Trainer:
                 if args.debug_exit_after == state.step:
                     _crash()
         except MongoUnavailableError as exc:
+            # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
+            reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
+            saved = ""
             if state.step > start_step:
                 self.save(state, stream.position)
-            raise TrainingAborted(
-                f"{exc}; a checkpoint at step {state.step} was saved: re-run to resume"
-            ) from None
+                saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+            raise TrainingAborted(f"{reason}{saved}") from None
         finally:
             if bar is not None:
                 bar.close()
+            if blocks_log is not None:
+                blocks_log.close()
         self.save(state, stream.position)
         reason = "SIGTERM" if self.stop_requested else "done"
         summary = {

@@ -55,31 +55,49 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
     return [
-        "--deepspeed_config", str(corpus["ds"]),
-        "--config_train", str(corpus["config"]),
-        "--vocab_dir", str(corpus["tok"]),
-        "--model_select", "tiny",
-        "--context_length", "64",
-        "--tr_ratio", "0.9",
-        "--chunk_docs", "100",
-        "--num_workers", "2",
-        "--seed", "7",
-        "--wandb", "off",
-        "--eval_interval", "1000",
-        "--eval_iters", "2",
-        "--log_interval", "1",
+        "--deepspeed_config",
+        str(corpus["ds"]),
+        "--config_train",
+        str(corpus["config"]),
+        "--vocab_dir",
+        str(corpus["tok"]),
+        "--model_select",
+        "tiny",
+        "--context_length",
+        "64",
+        "--tr_ratio",
+        "0.9",
+        "--chunk_docs",
+        "100",
+        "--num_workers",
+        "2",
+        "--seed",
+        "7",
+        "--wandb",
+        "off",
+        "--eval_interval",
+        "1000",
+        "--eval_iters",
+        "2",
+        "--log_interval",
+        "1",
         "--log_block_ids",
-        "--ckpt_dir", str(run / "ckpt"),
-        "--workspace", str(run / "ws"),
+        "--ckpt_dir",
+        str(run / "ckpt"),
+        "--workspace",
+        str(run / "ws"),
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def train(corpus: dict[str, Path], run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -151,16 +169,30 @@ def test_sigterm_saves_and_exits_then_resumes(corpus: dict[str, Path], tmp_path:
 
 
 def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path: Path) -> None:
-    result = train(corpus, tmp_path / "once", "--train_iters", "4", "--save_interval", "2",
-                   "--debug_nonfinite_at", "3")  # fmt: skip
+    result = train(
+        corpus, tmp_path / "once", "--train_iters", "4", "--save_interval", "2", "--debug_nonfinite_at", "3"
+    )
     records = read_metrics(tmp_path / "once" / "ws" / "metrics.jsonl")
     (event,) = [r for r in records if r["event"] == "nonfinite"]
     assert event["micro"] == 3 and event["params_before"] == event["params_after"]
     assert all(math.isfinite(r["loss"]) for r in records if r["event"] == "train")
     assert "non-finite losses skipped: 1" in result.stdout
 
-    bad = train(corpus, tmp_path / "run", "--train_iters", "10", "--save_interval", "1",
-                "--debug_nonfinite_at", "5", "6", "7", "--max_nonfinite", "3", check=False)  # fmt: skip
+    bad = train(
+        corpus,
+        tmp_path / "run",
+        "--train_iters",
+        "10",
+        "--save_interval",
+        "1",
+        "--debug_nonfinite_at",
+        "5",
+        "6",
+        "7",
+        "--max_nonfinite",
+        "3",
+        check=False,
+    )
     assert bad.returncode == 3
     assert "3 non-finite losses in a row" in bad.stderr
     # Step 2 completed (micro-batches 3, 4); micro-batch 5 onwards were all bad: nothing after step 2.
@@ -269,10 +301,209 @@ def test_export_loads_with_plain_transformers(corpus: dict[str, Path], tmp_path:
         expected = reference(input_ids=torch.tensor([ids])).logits[0]
     check = subprocess.run(
         [sys.executable, "-c", EXPORT_CHECK, str(tmp_path / "hf"), json.dumps(ids)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert check.returncode == 0, check.stderr[-2000:]
     got = json.loads(check.stdout.strip().splitlines()[-1])
     assert got["dsgpt2"] is False and got["tied"] is True
     assert got["text"].startswith("def")
     assert torch.allclose(torch.tensor(got["logits"]), expected, atol=1e-5)
+
+
+def test_two_ranks_read_disjoint_shards(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """Two processes with gloo, as the launcher starts them: disjoint chunks, one run."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **__import__("os").environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        args = trainer_args(
+            corpus, tmp_path, "--train_iters", "6", "--save_interval", "100", "--num_workers", "1"
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(ROOT / "ds_trainer.py"), *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    chunks = []
+    for rank in range(2):
+        records = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(1, 7))
+        chunks.append({c for r in records for _, c, _ in r["block_ids"]})
+    assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
+
+
+def test_transient_database_errors_do_not_stop_training(corpus: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    env = {**os.environ, "DSGPT2_MOCKSTORE_FAULT": "after=0,count=2"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "ds_trainer.py"),
+            *trainer_args(corpus, tmp_path, "--train_iters", "3", "--save_interval", "100"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "transient MongoDB error" in result.stderr and "retry 1/" in result.stderr
+
+
+def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    cfg = json.loads(corpus["config"].read_text())
+    flaky = tmp_path / "flaky.json"
+    flaky.write_text(json.dumps({**cfg, "RETRIES": 2, "RETRY_BACKOFF_S": 0.01}))
+    env = {**os.environ, "DSGPT2_MOCKSTORE_FAULT": "after=4,count=-1"}
+    args = trainer_args(
+        dict(corpus, config=flaky),
+        tmp_path,
+        "--train_iters",
+        "100000",
+        "--save_interval",
+        "100000",
+        "--chunk_docs",
+        "50",
+        "--num_workers",
+        "1",
+    )
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ds_trainer.py"), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 3, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert (
+        last.startswith("ds_trainer.py: error:") and "failed 3 times" in last and "re-run to resume" in last
+    )
+    step = max(steps(tmp_path))
+    assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{step}"
+    # The database is back: the same command resumes from that checkpoint.
+    args = trainer_args(
+        dict(corpus, config=flaky),
+        tmp_path,
+        "--train_iters",
+        str(step + 2),
+        "--chunk_docs",
+        "50",
+        "--num_workers",
+        "1",
+    )
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "ds_trainer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert max(steps(tmp_path)) == step + 2
+
+
+def test_tokenize_ahead_then_cached_training_reuses_it(corpus: dict[str, Path], tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    cache = tmp_path / "cache"
+    made = run_cli(
+        "tokenize",
+        "--config_train",
+        str(corpus["config"]),
+        "--vocab_dir",
+        str(corpus["tok"]),
+        "--context_length",
+        "64",
+        "--tr_ratio",
+        "0.9",
+        "--chunk_docs",
+        "100",
+        "--seed",
+        "7",
+        "--cache_dir",
+        str(cache),
+    )
+    assert made.returncode == 0 and "built" in made.stdout, made.stderr
+    stamp = (cache / "train.bin").stat().st_mtime_ns
+    result = train(corpus, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
+    assert "up to date, reused" in result.stderr
+    assert (cache / "train.bin").stat().st_mtime_ns == stamp
+
+
+def test_wandb_offline_gets_no_password(tmp_path: Path) -> None:
+    from dsgpt2.config import config_from_dict
+    from dsgpt2.metrics import MetricsLog
+
+    cfg = config_from_dict(
+        {
+            "MONGO_CONNECTION_STRING": "mongodb://u:hunter2secret@h:1/",
+            "MONGO_CONNECTION_DB": "d",
+            "COLLECTIONS": ["a"],
+        },
+        env={},
+    )
+    log = MetricsLog(tmp_path / "run", "offline", tmp_path / "wandb", {"mongo": cfg.to_dict()})
+    log.write({"event": "train", "step": 1, "loss": 3.0})
+    log.close()
+    files = [p for p in (tmp_path / "wandb").rglob("*") if p.is_file()]
+    assert files, "wandb wrote nothing offline"
+    for p in files:
+        assert b"hunter2secret" not in p.read_bytes(), p
+    assert any(b"u:***@h:1" in p.read_bytes() for p in files)
+
+
+def test_train_model_script(corpus: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    env = {
+        **os.environ,
+        "CONFIG": str(corpus["config"]),
+        "TOKENIZER": str(corpus["tok"]),
+        "DS_CONFIG": str(corpus["ds"]),
+        "MODEL": "tiny",
+        "TRAIN_ITERS": "2",
+        "TR_RATIO": "0.9",
+        "CKPT_DIR": str(tmp_path / "ckpt"),
+        "WORKSPACE": str(tmp_path / "ws"),
+        "LAUNCHER": "python",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "pipelines" / "train_model.sh"), "--wandb", "off"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
