@@ -108,7 +108,9 @@ def cached_loader(
     )
 
 
-def deepspeed_overhead(steps: int = 30, repeats: int = 3) -> list[Metric]:
+def deepspeed_overhead(rounds: int = 8, window: int = 10) -> list[Metric]:
+    """Each engine and the plain loop train side by side: ``rounds`` alternating windows of
+    ``window`` steps each, so that the machine's noise hits all of them alike; medians compared."""
     import deepspeed
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -121,26 +123,25 @@ def deepspeed_overhead(steps: int = 30, repeats: int = 3) -> list[Metric]:
     cfg = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128, vocab_size=4096)
     micro, context = 8, 128
     gen = torch.Generator().manual_seed(0)
-    data = [torch.randint(0, 4096, (micro, context), generator=gen) for _ in range(steps)]
+    data = [torch.randint(0, 4096, (micro, context), generator=gen) for _ in range(window)]
     lr, wd = 1e-3, 0.1
 
     def fresh() -> Any:
         torch.manual_seed(0)
         return GPT2LMHeadModel(cfg)
 
-    def plain() -> float:
-        model = fresh()
-        opt = torch.optim.AdamW(param_groups(model, wd), lr=lr, betas=(0.9, 0.95))
-        start = time.perf_counter()
+    plain_model = fresh()
+    opt = torch.optim.AdamW(param_groups(plain_model, wd), lr=lr, betas=(0.9, 0.95))
+
+    def plain() -> None:
         for x in data:
-            loss = model(input_ids=x, labels=x).loss
+            loss = plain_model(input_ids=x, labels=x).loss
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(plain_model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
 
-    def engine(stage: int) -> float:
+    def make_engine(stage: int) -> Any:
         model = fresh()
         ds = {
             "train_micro_batch_size_per_gpu": micro,
@@ -151,23 +152,29 @@ def deepspeed_overhead(steps: int = 30, repeats: int = 3) -> list[Metric]:
             "steps_per_print": 10**9,
         }
         eng, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, wd), config=ds)
-        start = time.perf_counter()
-        for x in data:
-            loss = eng(input_ids=x, labels=x).loss
-            eng.backward(loss)
-            eng.step()
-        return time.perf_counter() - start
 
-    tokens = steps * micro * context
-    plain()  # warm-up: first allocations, kernels
+        def run() -> None:
+            for x in data:
+                loss = eng(input_ids=x, labels=x).loss
+                eng.backward(loss)
+                eng.step()
+
+        return run
+
+    runs = {"plain": plain, **{f"zero{s}": make_engine(s) for s in (0, 1, 2)}}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    tokens = window * micro * context
+    t_anchor = statistics.median(times["plain"])
     metrics = []
     for stage in (0, 1, 2):
-        engine(stage)
-        ours, anchor = [], []
-        for _ in range(repeats):
-            ours.append(engine(stage))
-            anchor.append(plain())
-        t_ours, t_anchor = statistics.median(ours), statistics.median(anchor)
+        t_ours = statistics.median(times[f"zero{stage}"])
         metrics.append(
             Metric(
                 f"DeepSpeed overhead (ZeRO {stage})",

@@ -143,6 +143,11 @@ class StreamingChunks(Dataset):
         if self._pid != os.getpid():
             from dsgpt2.mongo import MongoWrapper
 
+            if torch.utils.data.get_worker_info() is not None:
+                # Each worker tokenizes one chunk at a time on one thread: several workers with a
+                # thread pool each would fight the training step for the cores.
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
             self._wrapper = MongoWrapper(self.config, counts=self.counts)
             self._tokenizer = load_tokenizer(self.tokenizer_dir)
             self._pid = os.getpid()
