@@ -1,6 +1,6 @@
 """Training-path benchmarks.
 
-- tokenize + pack: MB/s of our chunk path (fast tokenizer ``encode_batch`` + packing into
+- tokenize + pack: MB/s of our chunk path (``encode_batch_fast``, ids, packing into
   blocks) ÷ raw ``Tokenizer.encode_batch`` on the same texts (target ≥ 0.9); tiktoken on
   the same vocabulary is printed as a second anchor.
 - cached loader: tokens/s of micro-batches from the token cache (``CachedChunks`` through
@@ -36,7 +36,7 @@ def tokenize_pack(texts: list[str], tokenizer_dir: Path, repeats: int = 5) -> li
 
     def ours() -> None:
         for chunk in chunks:
-            ids = [e.ids for e in ours_tok.encode_batch(chunk, add_special_tokens=False)]
+            ids = [e.ids for e in ours_tok.encode_batch_fast(chunk, add_special_tokens=False)]
             pack(ids, 1024, 0, 1)
 
     def anchor() -> None:

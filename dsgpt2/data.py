@@ -166,7 +166,10 @@ class StreamingChunks(Dataset):
             docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
         else:
             docs = self._wrapper.get_many(wanted.tolist())
-        ids = [e.ids for e in self._tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
+        # encode_batch_fast: no character offsets, which packing never needs.
+        ids = [
+            e.ids for e in self._tokenizer.encode_batch_fast([d.text for d in docs], add_special_tokens=False)
+        ]
         blocks, last = pack(ids, self.spec.context, self.spec.eot, self.spec.pad)
         skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
         return Chunk(chunk, blocks, last, len(docs), skipped)
