@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsgpt2 import __version__
+from dsgpt2.argtypes import OneLineErrorParser, positive_int
 from dsgpt2.config import ENV_URI, scrub
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.log import setup_logging
@@ -34,21 +35,7 @@ Typical first steps:
 """
 
 
-class Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line: what is wrong and where to look."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+Parser = OneLineErrorParser
 
 
 def _add_config(p: argparse.ArgumentParser) -> None:

@@ -6,35 +6,9 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
+from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, positive_int
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS
-
-
-class TrainParser(argparse.ArgumentParser):
-    """Errors are one line naming the flag; exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"ds_trainer.py: error: {message} (see `python ds_trainer.py --help`)\n")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
 
 
 def _ratio(text: str) -> float:
@@ -49,8 +23,8 @@ def _ratio(text: str) -> float:
     return value
 
 
-def build_parser() -> TrainParser:
-    p = TrainParser(
+def build_parser() -> OneLineErrorParser:
+    p = OneLineErrorParser(
         prog="ds_trainer.py",
         description=(
             "Train GPT-2 with DeepSpeed on the MongoDB corpus named by --config_train. Runs under the "
@@ -65,7 +39,7 @@ def build_parser() -> TrainParser:
     )
     g.add_argument("--model_config", type=Path, help="a GPT-2 config JSON instead of a preset")
     g.add_argument("--loss_type", default="lm_loss", choices=["lm_loss"], help="training objective")
-    g.add_argument("--context_length", type=_positive, help="tokens per block (default: the preset's)")
+    g.add_argument("--context_length", type=positive_int, help="tokens per block (default: the preset's)")
 
     g = p.add_argument_group("data")
     g.add_argument("--config_train", required=True, type=Path, help="MongoDB connection config JSON")
@@ -76,34 +50,40 @@ def build_parser() -> TrainParser:
     g.add_argument("--data_mode", choices=["streaming", "cached"], default="streaming",
                    help="streaming: read MongoDB on the fly; cached: memory-mapped token files")  # fmt: skip
     g.add_argument("--cache_dir", type=Path, help="token cache (default: WORKSPACE/cache)")
-    g.add_argument("--chunk_docs", type=_positive, default=1000, help="documents per chunk (default 1000)")
-    g.add_argument("--num_workers", type=_non_negative, default=2, help="DataLoader workers per rank")
+    g.add_argument("--chunk_docs", type=positive_int, default=1000, help="documents per chunk (default 1000)")
+    g.add_argument("--num_workers", type=non_negative_int, default=2, help="DataLoader workers per rank")
     g.add_argument(
         "--allow_corpus_problems", action="store_true", help="train even if validate finds problems"
     )
 
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=1234, help="seed of init, split and order (default 1234)")
-    g.add_argument("--train_iters", type=_positive, default=1000, help="optimizer steps (default 1000)")
+    g.add_argument("--train_iters", type=positive_int, default=1000, help="optimizer steps (default 1000)")
     g.add_argument("--workspace", type=Path, default=Path("runs/train"), help="run directory: metrics, plot")
-    g.add_argument("--eval_interval", type=_positive, default=100, help="validate every N steps")
-    g.add_argument("--eval_iters", type=_positive, default=10, help="validation batches per evaluation")
-    g.add_argument("--eval_batch_size", type=_positive, help="validation micro-batch (default: training's)")
-    g.add_argument("--log_interval", type=_positive, default=10, help="log metrics every N steps")
+    g.add_argument("--eval_interval", type=positive_int, default=100, help="validate every N steps")
+    g.add_argument("--eval_iters", type=positive_int, default=10, help="validation batches per evaluation")
+    g.add_argument(
+        "--eval_batch_size", type=positive_int, help="validation micro-batch (default: training's)"
+    )
+    g.add_argument("--log_interval", type=positive_int, default=10, help="log metrics every N steps")
     g.add_argument("--log_block_ids", action="store_true", help="record every batch's block ids in metrics")
     g.add_argument(
-        "--max_nonfinite", type=_positive, default=5, help="abort after this many bad losses in a row"
+        "--max_nonfinite", type=positive_int, default=5, help="abort after this many bad losses in a row"
     )
     g.add_argument("--wandb", choices=["offline", "online", "off"], default="offline", help="wandb mode")
     g.add_argument("--wandb_dir", type=Path, help="wandb directory (default: WORKSPACE)")
     # Fault injection for the test suite: a NaN loss at these micro-batches; a hard exit after a step.
-    g.add_argument("--debug_nonfinite_at", type=_non_negative, nargs="*", default=[], help=argparse.SUPPRESS)
-    g.add_argument("--debug_exit_after", type=_positive, help=argparse.SUPPRESS)
+    g.add_argument(
+        "--debug_nonfinite_at", type=non_negative_int, nargs="*", default=[], help=argparse.SUPPRESS
+    )
+    g.add_argument("--debug_exit_after", type=positive_int, help=argparse.SUPPRESS)
 
     g = p.add_argument_group("checkpoints")
     g.add_argument("--ckpt_dir", type=Path, default=Path("runs/ckpt"), help="where checkpoints are saved")
-    g.add_argument("--save_interval", type=_positive, default=500, help="save every N steps")
-    g.add_argument("--keep_last", type=_non_negative, default=3, help="keep the last K checkpoints (0: all)")
+    g.add_argument("--save_interval", type=positive_int, default=500, help="save every N steps")
+    g.add_argument(
+        "--keep_last", type=non_negative_int, default=3, help="keep the last K checkpoints (0: all)"
+    )
     g.add_argument("--load_dir", type=Path, help="resume from this directory (an error if it holds none)")
     g.add_argument("--ckpt_id", help="resume from this tag instead of `latest`")
     g.add_argument(

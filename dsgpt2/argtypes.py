@@ -1,0 +1,32 @@
+"""Argument parsing shared by the ``dsgpt2`` command and ``ds_trainer.py``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (what is wrong, where to look) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
