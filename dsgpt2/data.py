@@ -33,12 +33,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from dsgpt2.config import MongoConfig
 from dsgpt2.errors import CorpusError
-from dsgpt2.packing import labels_and_mask, pack
+from dsgpt2.packing import labels_and_mask, pack, pack_with_loss
 from dsgpt2.schedule import Position, chunk_range, eval_chunks, num_chunks, rank_chunks, split_mask
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val")
+TASKS = ("lm", "conversation")
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,28 @@ class DataSpec:
     seed: int
     eot: int
     pad: int
+    task: str = "lm"  # "conversation": the documents' turns, loss on the replies only
+    reply_speakers: str = "bot"  # comma-separated; used by the conversation task
+
+    @property
+    def replies(self) -> frozenset[str]:
+        return frozenset(s for s in self.reply_speakers.split(",") if s)
 
 
-def make_spec(tokenizer_dir: Path, context: int, chunk_docs: int, tr_ratio: float, seed: int) -> DataSpec:
-    """The data spec of a run, with end-of-text and pad ids read from the tokenizer."""
+def make_spec(
+    tokenizer_dir: Path,
+    context: int,
+    chunk_docs: int,
+    tr_ratio: float,
+    seed: int,
+    task: str = "lm",
+    reply_speakers: str = "bot",
+) -> DataSpec:
+    """The data spec of a run, with end-of-text and pad ids read from the tokenizer.
+
+    Raises:
+        CorpusError: the tokenizer lacks end-of-text, or a reply speaker has no token.
+    """
     from dsgpt2.vocab import EOT, PAD
 
     tok = load_tokenizer(tokenizer_dir)
@@ -63,7 +82,20 @@ def make_spec(tokenizer_dir: Path, context: int, chunk_docs: int, tr_ratio: floa
         raise CorpusError(
             f"{tokenizer_dir}: the tokenizer has no {EOT} token; train it with dsgpt2 vocab train"
         )
-    return DataSpec(context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad)
+    if task == "conversation":
+        from dsgpt2.conversation import speaker_ids
+
+        known = speaker_ids(tok)
+        missing = [s for s in reply_speakers.split(",") if s and s not in known]
+        if missing or not reply_speakers.strip(","):
+            raise CorpusError(
+                f"reply speaker(s) {missing or [reply_speakers]} have no <|speaker|> token in "
+                f"{tokenizer_dir} (it knows {sorted(known)}); pick among those or retrain the vocabulary "
+                "with `dsgpt2 vocab train --speakers ...`"
+            )
+    return DataSpec(
+        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers
+    )
 
 
 def tokenizer_digest(tokenizer_dir: Path) -> str:
@@ -104,6 +136,7 @@ class Chunk:
     last: int  # real tokens in the last block
     documents: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    loss: np.ndarray | None = None  # (n, T) bool: tokens the loss covers (None: all real ones)
 
     @property
     def valid(self) -> np.ndarray:
@@ -118,19 +151,31 @@ class StreamingChunks(Dataset):
     """Chunk ``i`` of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
 
     The wrapper and tokenizer are made lazily in the process that uses them.
+
+    Args:
+        split: ``train``, ``val``, or ``all`` (every document, for evaluation).
+        window: only the unified indices ``[lo, hi)``; chunks then count from ``lo``.
     """
 
     def __init__(
-        self, config: MongoConfig, counts: tuple[int, ...], tokenizer_dir: Path, spec: DataSpec, split: str
+        self,
+        config: MongoConfig,
+        counts: tuple[int, ...],
+        tokenizer_dir: Path,
+        spec: DataSpec,
+        split: str,
+        window: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
         self.counts = counts
         self.tokenizer_dir = tokenizer_dir
         self.spec = spec
         self.split = split
-        self.total = sum(counts)
+        self.lo, self.hi = window if window is not None else (0, sum(counts))
+        self.total = self.hi - self.lo
         self._wrapper: Any = None
         self._tokenizer: Any = None
+        self._speakers: dict[str, int] = {}
         self._pid = -1
 
     def __len__(self) -> int:
@@ -148,16 +193,29 @@ class StreamingChunks(Dataset):
                 # thread pool each would fight the training step for the cores.
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-            self._wrapper = MongoWrapper(self.config, counts=self.counts)
+            conversations = self.spec.task == "conversation"
+            self._wrapper = MongoWrapper(self.config, counts=self.counts, conversations=conversations)
             self._tokenizer = load_tokenizer(self.tokenizer_dir)
+            if conversations:
+                from dsgpt2.conversation import speaker_ids
+
+                self._speakers = speaker_ids(self._tokenizer)
             self._pid = os.getpid()
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast: no character offsets, which packing never needs.
+        return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
     def __getitem__(self, chunk: int) -> Chunk:
         self._ready()
         lo, hi = chunk_range(chunk, self.total, self.spec.chunk_docs)
+        lo, hi = lo + self.lo, hi + self.lo
         indices = np.arange(lo, hi)
-        train = split_mask(indices, self.spec.tr_ratio, self.spec.seed)
-        wanted = indices[train] if self.split == "train" else indices[~train]
+        if self.split == "all":
+            wanted = indices
+        else:
+            train = split_mask(indices, self.spec.tr_ratio, self.spec.seed)
+            wanted = indices[train] if self.split == "train" else indices[~train]
         before = dict(self._wrapper.skipped)
         if len(wanted) == 0:
             docs = []
@@ -166,13 +224,22 @@ class StreamingChunks(Dataset):
             docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
         else:
             docs = self._wrapper.get_many(wanted.tolist())
-        # encode_batch_fast: no character offsets, which packing never needs.
-        ids = [
-            e.ids for e in self._tokenizer.encode_batch_fast([d.text for d in docs], add_special_tokens=False)
-        ]
-        blocks, last = pack(ids, self.spec.context, self.spec.eot, self.spec.pad)
         skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
-        return Chunk(chunk, blocks, last, len(docs), skipped)
+        if self.spec.task != "conversation":
+            blocks, last = pack(self._encode([d.text for d in docs]), self.spec.context, *self._ids())
+            return Chunk(chunk, blocks, last, len(docs), skipped)
+        from dsgpt2.conversation import encode_conversations
+
+        ids, flags, unknown = encode_conversations(
+            [d.text for d in docs], self._encode, self._speakers, self.spec.replies
+        )
+        if unknown:
+            skipped["unknown_speaker"] = unknown
+        blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
+        return Chunk(chunk, blocks, last, len(ids), skipped, loss)
+
+    def _ids(self) -> tuple[int, int]:
+        return self.spec.eot, self.spec.pad
 
 
 class CachedChunks(Dataset):
@@ -186,25 +253,32 @@ class CachedChunks(Dataset):
         self.dtype = np.dtype(meta["dtype"])
         self.offsets = np.load(cache_dir / f"{split}.offsets.npy")
         self.lasts = np.load(cache_dir / f"{split}.last.npy")
+        self.has_loss = meta["fingerprint"].get("task", "lm") == "conversation"
         self._blocks: np.memmap | None = None
+        self._loss: np.memmap | None = None
 
     def __len__(self) -> int:
         return len(self.lasts)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_blocks": None}
+        return {**self.__dict__, "_blocks": None, "_loss": None}
+
+    def _map(self, suffix: str, dtype: Any) -> np.ndarray:
+        n = int(self.offsets[-1])
+        if not n:
+            return np.empty((0, self.context), dtype=dtype)
+        path = self.cache_dir / f"{self.split}{suffix}"
+        return np.memmap(path, dtype=dtype, mode="r", shape=(n, self.context))
 
     def __getitem__(self, chunk: int) -> Chunk:
         if self._blocks is None:
-            path = self.cache_dir / f"{self.split}.bin"
-            n = int(self.offsets[-1])
-            self._blocks = (
-                np.memmap(path, dtype=self.dtype, mode="r", shape=(n, self.context))
-                if n
-                else np.empty((0, self.context), dtype=self.dtype)
-            )
+            self._blocks = self._map(".bin", self.dtype)
+            if self.has_loss:
+                self._loss = self._map(".loss.bin", np.bool_)
         lo, hi = int(self.offsets[chunk]), int(self.offsets[chunk + 1])
-        return Chunk(chunk, np.asarray(self._blocks[lo:hi], dtype=np.int32), int(self.lasts[chunk]))
+        loss = np.asarray(self._loss[lo:hi]) if self._loss is not None else None
+        blocks = np.asarray(self._blocks[lo:hi], dtype=np.int32)
+        return Chunk(chunk, blocks, int(self.lasts[chunk]), loss=loss)
 
 
 def build_cache(
@@ -224,12 +298,18 @@ def build_cache(
     for split, source in sources.items():
         offsets = [0]
         lasts = []
+        conversation = source.spec.task == "conversation"
+        loss_file = open(cache_dir / f"{split}.loss.bin", "wb") if conversation else None  # noqa: SIM115
         with open(cache_dir / f"{split}.bin", "wb") as f:
             loader = _loader(source, range(len(source)), workers)
             for item in tqdm(loader, total=len(source), desc=f"tokenize {split}", unit="chunk", disable=None):
                 f.write(item.blocks.astype(dtype).tobytes())
+                if loss_file is not None and item.loss is not None:
+                    loss_file.write(item.loss.astype(np.bool_).tobytes())
                 offsets.append(offsets[-1] + len(item.blocks))
                 lasts.append(item.last)
+        if loss_file is not None:
+            loss_file.close()
         np.save(cache_dir / f"{split}.offsets.npy", np.array(offsets, dtype=np.int64))
         np.save(cache_dir / f"{split}.last.npy", np.array(lasts, dtype=np.int64))
         totals[split] = offsets[-1]
@@ -297,9 +377,37 @@ class Batch:
     tokens: int  # real tokens
 
 
-def _make_batch(rows: list[np.ndarray], valid: list[int], ids: list[tuple[int, int, int]]) -> Batch:
+class _Rows:
+    """Blocks gathered for the next micro-batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.valid: list[int] = []
+        self.ids: list[tuple[int, int, int]] = []
+        self.loss: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, item: Chunk, b: int, valid: int, block_id: tuple[int, int, int]) -> None:
+        self.rows.append(item.blocks[b])
+        self.valid.append(valid)
+        self.ids.append(block_id)
+        if item.loss is not None:
+            self.loss.append(item.loss[b])
+
+    def batch(self) -> Batch:
+        return _make_batch(self.rows, self.valid, self.ids, self.loss or None)
+
+
+def _make_batch(
+    rows: list[np.ndarray],
+    valid: list[int],
+    ids: list[tuple[int, int, int]],
+    loss: list[np.ndarray] | None = None,
+) -> Batch:
     blocks = np.stack(rows)
-    labels, mask = labels_and_mask(blocks, np.array(valid))
+    labels, mask = labels_and_mask(blocks, np.array(valid), np.stack(loss) if loss else None)
     return Batch(
         torch.from_numpy(blocks.astype(np.int64)),
         torch.from_numpy(labels),
@@ -339,9 +447,7 @@ class BlockStream:
 
     def __iter__(self) -> Iterator[Batch]:
         pos = self.position
-        rows: list[np.ndarray] = []
-        valid: list[int] = []
-        ids: list[tuple[int, int, int]] = []
+        rows = _Rows()
         epoch, start, skip = pos.epoch, pos.chunk, pos.block
         while True:
             order = rank_chunks(self.n_chunks, self.seed, epoch, self.rank, self.world)
@@ -353,12 +459,10 @@ class BlockStream:
                 v = item.valid
                 for b in range(skip, len(item.blocks)):
                     produced = True
-                    rows.append(item.blocks[b])
-                    valid.append(int(v[b]))
-                    ids.append((epoch, int(item.chunk), b))
+                    rows.add(item, b, int(v[b]), (epoch, int(item.chunk), b))
                     if len(rows) == self.micro_batch:
-                        batch = _make_batch(rows, valid, ids)
-                        rows, valid, ids = [], [], []
+                        batch = rows.batch()
+                        rows = _Rows()
                         # The next block is b + 1 of this chunk (possibly past its end).
                         self.position = _normalize(Position(epoch, k, b + 1), len(item.blocks))
                         yield batch
@@ -382,20 +486,33 @@ def eval_batches(
 ) -> list[Batch]:
     """The first ``limit`` validation micro-batches of this rank: the same at every evaluation."""
     out: list[Batch] = []
-    rows: list[np.ndarray] = []
-    valid: list[int] = []
-    ids: list[tuple[int, int, int]] = []
+    for batch in iter_eval_batches(dataset, rank, world, micro_batch, workers):
+        out.append(batch)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def iter_eval_batches(
+    dataset: Dataset, rank: int, world: int, micro_batch: int, workers: int = 0, stats: Any = None
+) -> Iterator[Batch]:
+    """Every block of this rank's evaluation chunks, in micro-batches, in a fixed order.
+
+    ``stats`` (a dict), when given, gathers ``chunks``, ``documents`` and ``skipped`` as chunks arrive.
+    """
+    rows = _Rows()
     for item in _loader(dataset, eval_chunks(len(dataset), rank, world), workers):
+        if stats is not None:
+            stats["chunks"] = stats.get("chunks", 0) + 1
+            stats["documents"] = stats.get("documents", 0) + item.documents
+            skipped = stats.setdefault("skipped", {})
+            for reason, n in item.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
         v = item.valid
         for b in range(len(item.blocks)):
-            rows.append(item.blocks[b])
-            valid.append(int(v[b]))
-            ids.append((0, int(item.chunk), b))
+            rows.add(item, b, int(v[b]), (0, int(item.chunk), b))
             if len(rows) == micro_batch:
-                out.append(_make_batch(rows, valid, ids))
-                rows, valid, ids = [], [], []
-                if len(out) >= limit:
-                    return out
-    if rows and len(out) < limit:
-        out.append(_make_batch(rows, valid, ids))
-    return out
+                yield rows.batch()
+                rows = _Rows()
+    if len(rows):
+        yield rows.batch()

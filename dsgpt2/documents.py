@@ -10,10 +10,14 @@ from typing import Any, NamedTuple
 
 
 class Doc(NamedTuple):
-    """A usable document: its unified index over all collections and its text."""
+    """A usable document: its unified index over all collections and its text.
+
+    A wrapper reading conversations puts the document's ``turns`` (a list of
+    ``{"speaker", "text"}``) in ``text``.
+    """
 
     index: int
-    text: str
+    text: Any
 
 
 # Why a document was skipped, in the order reports list them.
@@ -27,6 +31,7 @@ SKIP_REASONS = {
     "invalid_unicode": "the text holds undecodable bytes or a lone surrogate",
     "bad_json": "an input line is not a JSON object",
     "bad_conversation": "not a list of {speaker, text} turns nor a query/reply pair",
+    "unknown_speaker": "a turn's speaker has no <|speaker|> token in the vocabulary",
 }
 
 _ABSENT = object()
@@ -56,6 +61,30 @@ def text_problem(value: Any, max_chars: int) -> str | None:
     except UnicodeEncodeError:
         return "invalid_unicode"
     return None
+
+
+def turns_problem(value: Any, max_chars: int) -> str | None:
+    """The skip reason for a conversation's ``turns`` field, or None when it is usable.
+
+    Usable: a list of at least two ``{"speaker": str, "text": str}`` whose texts pass
+    :func:`text_problem`, at most ``max_chars`` characters of text in all.
+    """
+    if value is _ABSENT:
+        return "no_field"
+    if value is None:
+        return "null"
+    if not isinstance(value, list) or len(value) < 2:
+        return "bad_conversation"
+    total = 0
+    for turn in value:
+        if not isinstance(turn, dict) or not isinstance(turn.get("speaker"), str):
+            return "bad_conversation"
+        text = turn.get("text", _ABSENT)
+        reason = text_problem(text, max_chars)
+        if reason is not None:
+            return reason
+        total += len(text)
+    return "too_long" if total > max_chars else None
 
 
 def utf8_length(text: str) -> int:

@@ -8,6 +8,7 @@ without dsgpt2.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from dsgpt2 import checkpoint
+from dsgpt2.loading import RUN_INFO, build_with_weights
 
 log = logging.getLogger(__name__)
 
@@ -52,19 +54,12 @@ def export(
     Raises:
         CheckpointError: no complete checkpoint, or not one of dsgpt2's.
     """
-    from transformers import AutoTokenizer, GenerationConfig, GPT2Config, GPT2LMHeadModel
+    from transformers import AutoTokenizer, GenerationConfig, GPT2Config
 
     tag = checkpoint.resolve(ckpt_dir, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
-    model = GPT2LMHeadModel(config)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # The output projection is the input embedding (tied): a checkpoint may store it once.
-    if set(missing) - {"lm_head.weight"} or unexpected:
-        raise checkpoint.CheckpointError(
-            f"{ckpt_dir / tag} does not match its model config: missing {missing}, unexpected {unexpected}"
-        )
-    model.tie_weights()
+    model = build_with_weights(config, weights, str(ckpt_dir / tag))
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
@@ -77,6 +72,9 @@ def export(
     for name in ("vocab.json", "merges.txt", "dsgpt2_vocab.json"):
         if (vocab / name).exists():
             shutil.copyfile(vocab / name, out / name)
+    # What evaluation needs to find the run's validation split again; nothing secret.
+    run = {"step": client["step"], "fingerprint": client["fingerprint"], "checkpoint": str(ckpt_dir / tag)}
+    (out / RUN_INFO).write_text(json.dumps(run, indent=1) + "\n")
     return {
         "tag": tag,
         "step": client["step"],

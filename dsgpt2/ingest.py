@@ -42,7 +42,7 @@ from dsgpt2.mongo import (
     with_retries,
     write_meta,
 )
-from dsgpt2.sample import sample_version, stdlib_documents
+from dsgpt2.sample import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +120,23 @@ def file_source(
 
 
 def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
-    """The built-in sample corpus (see :mod:`dsgpt2.sample`), at most ``limit`` documents."""
-    if name != "stdlib":
-        raise IngestError(f"unknown sample {name!r}; the built-in sample is 'stdlib'")
+    """A built-in sample (see :mod:`dsgpt2.sample`), at most ``limit`` records.
+
+    ``stdlib`` is the pretraining sample; ``stdlib-chat`` its conversation sample.
+    """
+    if name not in SAMPLES:
+        raise IngestError(f"unknown sample {name!r}; the built-in samples are {', '.join(SAMPLES)}")
     if limit is not None and limit <= 0:
         raise IngestError(f"--limit must be a positive number of documents; got {limit}")
     version = sample_version()
-    label = f"sample {version}" + (f" (first {limit})" if limit else "")
+    label = f"sample {name} {version}" + (f" (first {limit})" if limit else "")
+    if name == "stdlib-chat":
+        return Source(
+            _key("sample", name, version, str(limit)),
+            label,
+            "conversation",
+            lambda: (normalize_conversation(c) for c in stdlib_conversations(limit)),
+        )
     return Source(_key("sample", version, str(limit)), label, "text", lambda: stdlib_documents(limit))
 
 

@@ -28,7 +28,7 @@ from pymongo.errors import (
 
 from dsgpt2 import mockstore
 from dsgpt2.config import ENV_URI, MongoConfig
-from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem
+from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, MongoUnavailableError
 
 log = logging.getLogger(__name__)
@@ -230,6 +230,8 @@ class MongoWrapper:
         connection: reuse this connection (default: a new lazy one).
         counts: per-collection counts to use instead of reading meta_info.
         strict: override ``config.strict``.
+        conversations: read each document's ``turns`` (see :mod:`dsgpt2.ingest`)
+            instead of its text field; ``Doc.text`` then holds the turns.
     """
 
     def __init__(
@@ -238,8 +240,11 @@ class MongoWrapper:
         connection: Connection | None = None,
         counts: Sequence[int] | None = None,
         strict: bool | None = None,
+        conversations: bool = False,
     ) -> None:
         self.config = config
+        self.field = CONVERSATION_FIELD if conversations else config.text_field
+        self._problem = turns_problem if conversations else text_problem
         self.collections: tuple[str, ...] = tuple(config.collections)
         self.strict = config.strict if strict is None else strict
         self.skipped = SkipTally()
@@ -296,8 +301,8 @@ class MongoWrapper:
         pos = bisect.bisect_right(self.offsets, index) - 1
         return pos, index - self.offsets[pos]
 
-    def __getitem__(self, index: int) -> str | None:
-        """The text of document ``index``, or None when it is bad (counted in ``skipped``)."""
+    def __getitem__(self, index: int) -> Any:
+        """The text (or turns) of document ``index``, or None when it is bad (counted in ``skipped``)."""
         pos, local = self.locate(index)
         if index < 0:
             index += len(self)
@@ -363,7 +368,7 @@ class MongoWrapper:
     def _query(self, pos: int, filt: dict[str, Any], batch: int = 1) -> dict[int, dict[str, Any]]:
         name = self.collections[pos]
         coll = self._conn.db[name]
-        projection = {"_id": 0, "idx": 1, self.config.text_field: 1}
+        projection = {"_id": 0, "idx": 1, self.field: 1}
 
         if not self.config.is_mock:
             # Raw documents, decoded one by one below: a single document with
@@ -379,20 +384,20 @@ class MongoWrapper:
         self.queries[name] += 1
         out: dict[int, dict[str, Any]] = {}
         for raw in docs:
-            d = decode_document(raw, self.config.text_field)
+            d = decode_document(raw, self.field)
             idx = d.get("idx")
             if isinstance(idx, int) and not isinstance(idx, bool):
                 out.setdefault(idx, d)
         self.query_seconds += time.perf_counter() - started
         return out
 
-    def _check(self, index: int, pos: int, local: int, doc: dict[str, Any] | None) -> str | None:
+    def _check(self, index: int, pos: int, local: int, doc: dict[str, Any] | None) -> Any:
         if doc is None:
             reason = "missing"
             value = None
         else:
-            value = doc.get(self.config.text_field, ABSENT)
-            reason = text_problem(value, self.config.max_text_chars)
+            value = doc.get(self.field, ABSENT)
+            reason = self._problem(value, self.config.max_text_chars)
         if reason is None:
             return value
         self.skipped[reason] += 1
@@ -404,6 +409,8 @@ class MongoWrapper:
         return None
 
 
+CONVERSATION_FIELD = "turns"
+EVAL_RESULTS = "eval_results"
 _RAW: CodecOptions = CodecOptions(document_class=RawBSONDocument)
 _LENIENT: CodecOptions = CodecOptions(unicode_decode_error_handler="replace")
 INVALID_TEXT = "\udcff"  # a lone surrogate: text_problem() classifies it as invalid_unicode
@@ -485,3 +492,17 @@ def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> Non
             f"insert into {coll.name!r} on {conn.config.hosts} failed: "
             f"{conn.config.scrub(_first_line(exc))}; re-run the same command to resume"
         ) from None
+
+
+def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL_RESULTS) -> Any:
+    """Store an evaluation result in ``collection`` beside the corpus; return its id."""
+    import uuid
+
+    coll = conn.db[collection]
+    doc = {"_id": uuid.uuid4().hex, **result}
+    # An upsert by a fixed _id: retrying after a lost acknowledgement cannot store it twice.
+    with_retries(
+        lambda: coll.replace_one({"_id": doc["_id"]}, doc, upsert=True), conn.config, f"writing {collection}"
+    )
+    conn.commit()
+    return doc["_id"]

@@ -47,14 +47,37 @@ def pack(docs: Sequence[Sequence[int]], context: int, eot: int, pad: int) -> tup
     return flat.reshape(n, context), last
 
 
-def labels_and_mask(blocks: np.ndarray, valid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def pack_with_loss(
+    docs: Sequence[Sequence[int]], loss: Sequence[Sequence[bool]], context: int, eot: int, pad: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`pack`, carrying a per-token loss flag along (``len(loss[i]) == len(docs[i]) + 1``,
+    the last flag for the end-of-text token).
+
+    Returns:
+        ``(blocks, loss_mask, last_len)``: the mask is ``(n, context)`` bool, False on padding.
+    """
+    blocks, last = pack(docs, context, eot, pad)
+    flat = np.zeros(blocks.size, dtype=bool)
+    pos = 0
+    for d, flags in zip(docs, loss, strict=True):
+        if len(flags) != len(d) + 1:
+            raise ValueError(f"loss flags: expected {len(d) + 1}, got {len(flags)}")
+        flat[pos : pos + len(flags)] = flags
+        pos += len(flags)
+    return blocks, flat.reshape(blocks.shape), last
+
+
+def labels_and_mask(
+    blocks: np.ndarray, valid: np.ndarray, loss: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Labels (input ids, ``IGNORE`` on padding) and attention mask for ``blocks``.
 
     Args:
         blocks: ``(B, T)`` token ids.
         valid: ``(B,)`` how many leading tokens of each block are real.
+        loss: ``(B, T)`` which tokens the loss covers (default: every real one).
     """
     positions = np.arange(blocks.shape[1])[None, :]  # (1, T)
     mask = positions < valid[:, None]  # (B, T)
-    labels = np.where(mask, blocks, IGNORE)
+    labels = np.where(mask if loss is None else mask & loss, blocks, IGNORE)
     return labels.astype(np.int64), mask.astype(np.int64)

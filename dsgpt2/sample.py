@@ -8,6 +8,11 @@ Documents, in a fixed order (sorted file paths, then source order):
 Read from the stdlib's source files with :mod:`ast` (nothing is imported), so
 the corpus is identical for a given Python version: about 2.7 MB of text in
 9,200 documents on CPython 3.11. Test suites are left out (mostly code).
+
+The conversation sample (``stdlib-chat``) asks about each public function and
+class of the same files and answers with the first paragraph of its
+docstring; when the docstring goes on, the user asks for more and the second
+paragraph answers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-SAMPLES = ("stdlib",)
+SAMPLES = ("stdlib", "stdlib-chat")
 _MIN_DOC_CHARS = 40
 _MIN_COMMENT_LINES = 3
 _MIN_COMMENT_CHARS = 120
@@ -103,3 +108,62 @@ def _pydoc_topics() -> Iterator[str]:
             for _, text in sorted(items):
                 yield text
             return
+
+
+_QUESTIONS = ("What does {} do?", "What is {} for?", "Can you explain {}?", "How does {} work?")
+_FOLLOW_UP = "Tell me more."
+_MAX_REPLY_CHARS = 600
+
+
+def stdlib_conversations(limit: int | None = None) -> Iterator[dict[str, object]]:
+    """Yield question/answer conversations about the stdlib's API, ``{"turns": [...]}`` each."""
+    return itertools.islice(_all_conversations(), limit)
+
+
+def _all_conversations() -> Iterator[dict[str, object]]:
+    root = stdlib_root()
+    for path in _source_files(root):
+        module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        if any(part.startswith("_") for part in module.split(".")):
+            continue
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for name, doc in _public_docstrings(tree, module):
+            paragraphs = _prose_paragraphs(doc)
+            if not paragraphs:
+                continue
+            # The question's wording varies with the name, not at random: the sample stays fixed.
+            question = _QUESTIONS[sum(map(ord, name)) % len(_QUESTIONS)].format(f"`{name}`")
+            turns = [{"speaker": "user", "text": question}, {"speaker": "bot", "text": paragraphs[0]}]
+            if len(paragraphs) > 1:
+                turns += [{"speaker": "user", "text": _FOLLOW_UP}, {"speaker": "bot", "text": paragraphs[1]}]
+            yield {"turns": turns}
+
+
+def _public_docstrings(tree: ast.Module, module: str) -> Iterator[tuple[str, str]]:
+    for node in tree.body:
+        if not isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node, clean=True)
+        if doc and len(doc) >= _MIN_DOC_CHARS:
+            yield f"{module}.{node.name}", doc
+
+
+def _prose_paragraphs(doc: str) -> list[str]:
+    """The docstring's paragraphs that read as sentences (not signatures, examples or tables)."""
+    out = []
+    for block in re.split(r"\n\s*\n", doc):
+        text = " ".join(line.strip() for line in block.splitlines()).strip()
+        if len(text) < 20 or text.startswith((">>>", "..", "|", "-", "*", "+")):
+            continue
+        if len(_LETTERS.findall(text)) < 0.8 * len(text):
+            continue
+        if len(text) > _MAX_REPLY_CHARS:
+            cut = text.rfind(". ", 0, _MAX_REPLY_CHARS)
+            text = text[: cut + 1] if cut > 0 else text[:_MAX_REPLY_CHARS]
+        out.append(text)
+    return out

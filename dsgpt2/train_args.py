@@ -40,10 +40,32 @@ def build_parser() -> OneLineErrorParser:
     g.add_argument("--model_config", type=Path, help="a GPT-2 config JSON instead of a preset")
     g.add_argument("--loss_type", default="lm_loss", choices=["lm_loss"], help="training objective")
     g.add_argument("--context_length", type=positive_int, help="tokens per block (default: the preset's)")
+    g.add_argument(
+        "--init_from",
+        type=Path,
+        help="start from these weights (an export or a checkpoint directory): finetuning; "
+        "the model config comes with them and --model_select is ignored",
+    )
+    g.add_argument(
+        "--task",
+        choices=["lm", "conversation"],
+        default="lm",
+        help="lm: next-token loss on every token; conversation: the documents' turns with speaker "
+        "tokens, loss on the replies only (default: lm)",
+    )
+    g.add_argument(
+        "--reply_speakers",
+        default="bot",
+        help="conversation task: speakers whose turns the loss covers, comma-separated (default: bot)",
+    )
 
     g = p.add_argument_group("data")
     g.add_argument("--config_train", required=True, type=Path, help="MongoDB connection config JSON")
-    g.add_argument("--vocab_dir", type=Path, default=Path("runs/tokenizer"), help="tokenizer directory")
+    g.add_argument(
+        "--vocab_dir",
+        type=Path,
+        help="tokenizer directory (default: the --init_from model's, else runs/tokenizer)",
+    )
     g.add_argument(
         "--tr_ratio", type=_ratio, default=0.99, help="share of documents that train (default 0.99)"
     )
@@ -114,6 +136,14 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
     if not args.config_train.is_file():
         raise ConfigError(f"--config_train {args.config_train}: file not found")
+    if args.init_from is not None and not args.init_from.exists():
+        raise ConfigError(f"--init_from {args.init_from}: not found (an exported model or a checkpoint dir)")
+    if args.vocab_dir is None:
+        args.vocab_dir = Path("runs/tokenizer")
+        if args.init_from is not None:
+            from dsgpt2.loading import init_tokenizer_dir
+
+            args.vocab_dir = init_tokenizer_dir(args.init_from)
     if not (args.vocab_dir / "tokenizer.json").is_file():
         raise ConfigError(
             f"--vocab_dir {args.vocab_dir}: no tokenizer.json; train one first (dsgpt2 vocab train)"

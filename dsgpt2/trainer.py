@@ -37,7 +37,7 @@ from dsgpt2.data import (
     prepare_cache,
 )
 from dsgpt2.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
-from dsgpt2.errors import DsGpt2Error, MongoUnavailableError
+from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
 from dsgpt2.metrics import MetricsLog, plot_losses
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups
@@ -56,6 +56,16 @@ def run_context(args: Any) -> int:
 
         return int(json.loads(Path(args.model_config).read_text()).get("n_positions", 1024))
     return PRESETS[args.model_select].context
+
+
+def _init_context(args: Any, config: Any) -> int:
+    context = args.context_length or config.n_positions
+    if context > config.n_positions:
+        raise ConfigError(
+            f"--context_length {context} is longer than the {config.n_positions} positions of "
+            f"--init_from {args.init_from}; use at most {config.n_positions}"
+        )
+    return int(context)
 
 
 class TrainingAborted(DsGpt2Error):
@@ -119,16 +129,26 @@ class Trainer:
         if not args.allow_corpus_problems:
             require_valid(conn)
         self.counts = MongoWrapper(self.mongo, connection=conn).counts
-        context = run_context(args)
-        self.spec = make_spec(args.vocab_dir, context, args.chunk_docs, args.tr_ratio, args.seed)
+        init = self._init_weights()
+        context = run_context(args) if init is None else _init_context(args, init[0])
+        self.spec = make_spec(
+            args.vocab_dir, context, args.chunk_docs, args.tr_ratio, args.seed, args.task, args.reply_speakers
+        )
         self.fingerprint = fingerprint(self.mongo, self.counts, args.vocab_dir, self.spec)
         self.train_data, self.val_data = self._datasets()
 
         _seed_all(args.seed)
-        self.model_config = gpt2_config(
-            args.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, args.model_config
-        )
-        model = build_model(self.model_config)
+        if init is None:
+            self.model_config = gpt2_config(
+                args.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, args.model_config
+            )
+            model = build_model(self.model_config)
+        else:
+            from dsgpt2.loading import build_with_weights
+
+            self.model_config = init[0]
+            model = build_with_weights(init[0], init[1], str(args.init_from))
+            log.info("initialised from %s", args.init_from)
         self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
         import deepspeed
 
@@ -153,6 +173,21 @@ class Trainer:
             zero_stage(self.ds_config),
             self.device,
         )
+
+    def _init_weights(self) -> tuple[Any, dict[str, Any]] | None:
+        """The config and weights of --init_from, checked against the tokenizer."""
+        if self.args.init_from is None:
+            return None
+        from dsgpt2.loading import load_weights
+
+        config, weights, _, _ = load_weights(self.args.init_from)
+        if config.vocab_size != self.vocab_size:
+            raise ConfigError(
+                f"--init_from {self.args.init_from} has a vocabulary of {config.vocab_size} tokens but "
+                f"--vocab_dir {self.args.vocab_dir} has {self.vocab_size}; use the tokenizer the model "
+                "was trained with (the default when --vocab_dir is left out)"
+            )
+        return config, weights
 
     def _datasets(self) -> tuple[Any, Any]:
         args = self.args
@@ -271,6 +306,10 @@ class Trainer:
                         labels=batch.labels.to(self.engine.device),
                     )
                     loss = out.loss
+                    if not bool((batch.labels[:, 1:] != -100).any()):
+                        # Context only (a conversation block without reply tokens): the mean over
+                        # no tokens is NaN; a zero loss keeps every rank stepping together.
+                        loss = out.logits.sum() * 0.0
                     if state.micro in args.debug_nonfinite_at:
                         loss = loss * float("nan")
                     if not _all_finite(loss):
@@ -404,6 +443,8 @@ class Trainer:
                 )
                 # The loss is a mean over the predicted tokens; weigh batches by their count.
                 n = int((batch.labels[:, 1:] != -100).sum())
+                if n == 0:
+                    continue
                 total += torch.tensor([float(out.loss) * n, n], dtype=torch.float64)
         if dist.is_initialized() and self.world > 1:
             total = total.to(self.engine.device)

@@ -85,3 +85,22 @@ def sample_texts() -> list[str]:
     from dsgpt2.sample import stdlib_documents
 
     return list(stdlib_documents())
+
+
+def tiny_export(out: Path, texts: list[str], context: int = 64) -> Path:
+    """An untrained one-layer GPT-2 with a small tokenizer trained on ``texts``, saved as an export."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from dsgpt2.vocab import VocabSettings, train_vocab
+
+    train_vocab(iter(texts), out / "tok", VocabSettings(vocab_size=300), "test", progress=False)
+    tok = AutoTokenizer.from_pretrained(str(out / "tok"))
+    config = GPT2Config(
+        vocab_size=len(tok), n_positions=context, n_embd=32, n_layer=1, n_head=2,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(str(out / "model"))
+    tok.save_pretrained(str(out / "model"))
+    return out / "model"

@@ -1,0 +1,91 @@
+"""``dsgpt2 chat``: a dialogue with a conversation-finetuned model.
+
+The history is formatted as in finetuning (:mod:`dsgpt2.conversation`) and
+ends with the bot's speaker token; the reply stops at end-of-text or at the
+next speaker token. When the history and the reply would not fit the
+context, the oldest turns are dropped first. Lines starting with ``/`` are
+commands: ``/reset`` forgets the history, ``/quit`` ends the session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+
+from dsgpt2.conversation import prompt_ids, speaker_ids
+from dsgpt2.errors import ConfigError
+from dsgpt2.generate import Generator, SamplingParams
+
+HELP = "commands: /reset forgets the conversation, /quit ends it"
+
+
+class ChatSession:
+    """One conversation: the turns so far and how to ask for the next reply."""
+
+    def __init__(
+        self, generator: Generator, params: SamplingParams, user: str = "user", bot: str = "bot"
+    ) -> None:
+        self.generator = generator
+        self.params = params
+        self.speakers = speaker_ids(generator.tokenizer)
+        for name in (user, bot):
+            if name not in self.speakers:
+                raise ConfigError(
+                    f"speaker {name!r} has no <|{name}|> token in {generator.loaded.tokenizer_dir} "
+                    f"(it has {sorted(self.speakers) or 'none'}); a chat model needs a tokenizer "
+                    "trained with `dsgpt2 vocab train --speakers ...`"
+                )
+        self.user, self.bot = user, bot
+        self.history: list[dict[str, str]] = []
+        self.last_prompt_tokens = 0
+        self.last_dropped_turns = 0
+        self._turn = 0
+
+    def reset(self) -> None:
+        self.history = []
+
+    def prompt(self, turns: list[dict[str, str]]) -> list[int]:
+        """The prompt for the bot's next turn: the latest turns that leave room for a reply."""
+        budget = self.generator.context - self.params.max_new_tokens
+        encoded = [self.generator.encode(t["text"]) for t in turns]
+        start = 0
+        while True:
+            ids = prompt_ids(turns[start:], encoded[start:], self.speakers, self.bot)
+            if len(ids) <= budget or start == len(turns) - 1:
+                self.last_dropped_turns = start
+                # A single turn longer than the context keeps its end.
+                return ids[-budget:]
+            start += 1
+
+    def reply(self, text: str) -> str:
+        """Add the user's ``text``, generate the bot's answer, add it too, and return it."""
+        turns = [*self.history, {"speaker": self.user, "text": text}]
+        ids = self.prompt(turns)
+        self.last_prompt_tokens = len(ids)
+        # Each turn samples with its own seed, so that a session replays identically.
+        params = replace(self.params, num_samples=1, seed=self.params.seed + self._turn)
+        self._turn += 1
+        completion = self.generator.generate_ids(ids, params, stop_ids=list(self.speakers.values()))[0]
+        answer = completion.text.strip()
+        self.history = [*turns, {"speaker": self.bot, "text": answer}]
+        return answer
+
+
+def run_chat(session: ChatSession, lines: Iterable[str], interactive: bool) -> Iterator[str]:
+    """Answer each input line; yield what to print. Ends at ``/quit`` or the end of input."""
+    if interactive:
+        yield f"chatting with {session.generator.loaded.name}; {HELP}"
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        if line == "/quit":
+            return
+        if line == "/reset":
+            session.reset()
+            yield "(conversation reset)"
+            continue
+        if line.startswith("/"):
+            yield f"(unknown command {line.split()[0]}; {HELP})"
+            continue
+        yield f"{session.bot}: {session.reply(line)}"

@@ -1,0 +1,205 @@
+"""``dsgpt2 evaluate``: loss and perplexity of a model on a split of the corpus.
+
+The blocks are made exactly as in training (same chunks, split, packing and,
+for conversations, reply-only labels): by default the validation split of the
+run that trained the model, read back from the run's data fingerprint. The
+loss is the mean negative log-likelihood per predicted token over every
+block, summed in float64; perplexity is its exponential. No dropout, a fixed
+order: the same model and data give the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsgpt2.config import MongoConfig
+from dsgpt2.data import Batch, DataSpec, StreamingChunks, fingerprint, iter_eval_batches, make_spec
+from dsgpt2.errors import ConfigError
+from dsgpt2.loading import LoadedModel
+from dsgpt2.packing import IGNORE
+
+log = logging.getLogger(__name__)
+
+EVAL_SPLITS = ("val", "train", "all")
+
+
+@dataclass
+class EvalMetrics:
+    loss: float  # mean negative log-likelihood per predicted token (nats)
+    perplexity: float
+    tokens: int  # predicted tokens
+    blocks: int
+    documents: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def batch_nll(model: Any, batch: Batch, device: str) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of ``batch`` and how many tokens it covers."""
+    input_ids = batch.input_ids.to(device)
+    labels = batch.labels.to(device)
+    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+    # Position t predicts token t + 1.
+    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    nll = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE, reduction="sum")
+    return float(nll.double()), int((shift_labels != IGNORE).sum())
+
+
+def evaluate_batches(
+    model: Any, batches: Iterable[Batch], max_batches: int | None = None, progress: bool = True
+) -> EvalMetrics:
+    """Loss and perplexity of ``model`` over ``batches``."""
+    from tqdm import tqdm
+
+    device = str(next(model.parameters()).device)
+    model.eval()
+    total, tokens, blocks = 0.0, 0, 0
+    started = time.monotonic()
+    bar = tqdm(total=max_batches, unit="batch", desc="evaluate", disable=None if progress else True)
+    with torch.no_grad():
+        for i, batch in enumerate(batches):
+            if max_batches is not None and i >= max_batches:
+                break
+            nll, n = batch_nll(model, batch, device)
+            total += nll
+            tokens += n
+            blocks += len(batch.input_ids)
+            bar.update(1)
+            if tokens:
+                bar.set_postfix(loss=f"{total / tokens:.4f}")
+    bar.close()
+    if tokens == 0:
+        raise ConfigError(
+            "nothing to evaluate: the selected split holds no tokens with a label (an empty split, "
+            "or --tr_ratio 1 leaves no validation documents: try --split all)"
+        )
+    loss = total / tokens
+    return EvalMetrics(loss, math.exp(min(loss, 700.0)), tokens, blocks, seconds=time.monotonic() - started)
+
+
+@dataclass
+class EvalRequest:
+    """What to evaluate on; a field left None comes from the model's training run."""
+
+    split: str = "val"
+    collections: tuple[str, ...] | None = None
+    window: tuple[int, int] | None = None
+    task: str | None = None
+    reply_speakers: str | None = None
+    tr_ratio: float | None = None
+    seed: int | None = None
+    chunk_docs: int | None = None
+    context: int | None = None
+    batch_size: int = 8
+    max_batches: int | None = None
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.split not in EVAL_SPLITS:
+            raise ConfigError(f"--split {self.split!r}: choose one of {', '.join(EVAL_SPLITS)}")
+        if self.tr_ratio is not None and not 0 < self.tr_ratio <= 1:
+            raise ConfigError(f"--tr_ratio must be in (0, 1]; got {self.tr_ratio}")
+        if self.window is not None and not 0 <= self.window[0] < self.window[1]:
+            raise ConfigError(f"--start/--stop: need 0 <= start < stop; got {self.window}")
+
+
+def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
+    """The data spec: the request's choices over the training run's, over defaults."""
+    run = loaded.run.get("fingerprint", {})
+    context = request.context or run.get("context") or loaded.context
+    if context > loaded.context:
+        raise ConfigError(f"--context_length {context}: the model has {loaded.context} positions")
+    return make_spec(
+        loaded.tokenizer_dir,
+        context,
+        request.chunk_docs or run.get("chunk_docs", 1000),
+        request.tr_ratio or run.get("tr_ratio", 0.99),
+        request.seed if request.seed is not None else run.get("seed", 1234),
+        request.task or run.get("task", "lm"),
+        request.reply_speakers or run.get("reply_speakers", "bot"),
+    )
+
+
+def evaluate(
+    loaded: LoadedModel, config: MongoConfig, request: EvalRequest, progress: bool = True
+) -> dict[str, Any]:
+    """Evaluate ``loaded`` on the corpus of ``config``; return the report."""
+    from dataclasses import replace
+
+    from dsgpt2.mongo import MongoWrapper
+
+    if request.collections:
+        config = replace(config, collections=tuple(request.collections))
+    counts = MongoWrapper(config).counts
+    spec = eval_spec(loaded, request)
+    window = request.window
+    if window is not None:
+        window = (window[0], min(window[1], sum(counts)))
+        if window[0] >= window[1]:
+            raise ConfigError(f"--start {window[0]} is past the end of the corpus ({sum(counts)} documents)")
+    run_fp = loaded.run.get("fingerprint")
+    if request.split != "all" and run_fp and run_fp.get("collections") != list(config.collections):
+        log.warning(
+            "the model trained on %s, not %s: its %s split of these collections is not the one it "
+            "held out (use --split all to evaluate on every document)",
+            run_fp.get("collections"),
+            list(config.collections),
+            request.split,
+        )
+    dataset = StreamingChunks(config, counts, loaded.tokenizer_dir, spec, request.split, window)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = loaded.model.to(device)
+    stats: dict[str, Any] = {}
+    batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats)
+    metrics = evaluate_batches(model, batches, request.max_batches, progress)
+    metrics.documents = stats.get("documents", 0)
+    metrics.skipped = stats.get("skipped", {})
+    return {
+        "model": loaded.name,
+        "step": loaded.run.get("step"),
+        "task": spec.task,
+        "split": request.split,
+        "window": list(window) if window else None,
+        "db": config.db,
+        "collections": list(config.collections),
+        "data_fingerprint": fingerprint(config, counts, loaded.tokenizer_dir, spec),
+        "batch_size": request.batch_size,
+        "max_batches": request.max_batches,
+        "metrics": asdict(metrics),
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def default_report_path(model_name: str, split: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name.strip("/")).strip("_.")[-80:] or "model"
+    return Path("runs/eval") / f"{slug}-{split}.json"
+
+
+def write_report(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def report_lines(report: dict[str, Any]) -> list[str]:
+    m = report["metrics"]
+    lines = [
+        f"{report['model']} (step {report['step']}) on the {report['split']} split of "
+        f"{report['db']}.{','.join(report['collections'])} [{report['task']}]",
+        f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f} over {m['tokens']:,} tokens "
+        f"({m['blocks']} blocks, {m['documents']} documents) in {m['seconds']:.1f}s",
+    ]
+    if m["skipped"]:
+        lines.append(f"skipped documents: {m['skipped']}")
+    return lines

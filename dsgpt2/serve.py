@@ -1,0 +1,182 @@
+"""``dsgpt2 serve``: generation over HTTP (Starlette app, served by uvicorn).
+
+Endpoints:
+- ``GET /generate?sentence=...`` (the original toolkit's) with optional
+  sampling settings as query parameters;
+- ``POST /generate`` with a JSON body ``{"prompt": ..., "max_new_tokens": ...}``;
+- ``GET /health``: the model and the limits.
+
+Limits guard the process: prompt length, ``max_new_tokens`` and the number of
+generations running at once (more get 503 at once rather than queueing).
+A bad request gets 400 with the reason; an error inside one request is
+answered with 500 and the server goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.generate import Generator, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask for, and how many may generate at once."""
+
+    max_prompt_chars: int = 4000
+    max_new_tokens: int = 256
+    max_concurrent: int = 2
+    max_body_bytes: int = 64_000
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
+
+
+class BadRequest(Exception):
+    """A request the server refuses with 400."""
+
+
+def parse_request(
+    values: dict[str, Any], prompt_key: str, limits: ServeLimits, defaults: SamplingParams
+) -> tuple[str, SamplingParams]:
+    """The prompt and sampling settings of a request.
+
+    Raises:
+        BadRequest: a missing or oversized prompt, an unknown setting, a bad value, or more
+            tokens than the server allows.
+    """
+    values = dict(values)
+    prompt = values.pop(prompt_key, None)
+    if not isinstance(prompt, str):
+        raise BadRequest(f"{prompt_key!r} is required and must be a string")
+    if len(prompt) > limits.max_prompt_chars:
+        raise BadRequest(
+            f"{prompt_key!r} is {len(prompt)} characters long; this server accepts at most "
+            f"{limits.max_prompt_chars}"
+        )
+    try:
+        params = SamplingParams.from_mapping(values, defaults)
+    except ConfigError as exc:
+        raise BadRequest(str(exc)) from None
+    if params.max_new_tokens > limits.max_new_tokens:
+        raise BadRequest(
+            f"max_new_tokens {params.max_new_tokens} is more than this server allows "
+            f"({limits.max_new_tokens})"
+        )
+    return prompt, params
+
+
+def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams | None = None) -> Starlette:
+    """The HTTP application around ``generator``."""
+    defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
+    running = 0
+    count_lock = threading.Lock()
+    # One generation at a time per model: the threads would only fight over the same cores,
+    # and the model is not meant to run concurrent forward passes from several threads.
+    model_lock = threading.Lock()
+
+    def _generate(prompt: str, params: SamplingParams) -> list[Any]:
+        with model_lock:
+            return generator.generate(prompt, params)
+
+    async def generate(request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
+        nonlocal running
+        try:
+            prompt, params = parse_request(values, prompt_key, limits, defaults)
+        except BadRequest as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        with count_lock:
+            if running >= limits.max_concurrent:
+                return JSONResponse(
+                    {"error": f"busy: {limits.max_concurrent} generations already running; retry later"},
+                    status_code=503,
+                    headers={"Retry-After": "1"},
+                )
+            running += 1
+        try:
+            completions = await run_in_threadpool(_generate, prompt, params)
+        except DsGpt2Error as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        except Exception:
+            log.exception("generation failed for a request")
+            return JSONResponse({"error": "generation failed; see the server log"}, status_code=500)
+        finally:
+            with count_lock:
+                running -= 1
+        return JSONResponse(
+            {
+                "prompt": prompt,
+                "generated": completions[0].text,
+                "completions": [asdict(c) for c in completions],
+                "settings": asdict(params),
+            }
+        )
+
+    async def get_generate(request: Request) -> JSONResponse:
+        return await generate(request, "sentence", dict(request.query_params))
+
+    async def post_generate(request: Request) -> JSONResponse:
+        body = await _read_body(request, limits.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return body
+        return await generate(request, "prompt", body)
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": generator.loaded.name,
+                "context": generator.context,
+                "limits": asdict(limits),
+                "running": running,
+            }
+        )
+
+    return Starlette(
+        routes=[
+            Route("/generate", get_generate, methods=["GET"]),
+            Route("/generate", post_generate, methods=["POST"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
+
+
+async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONResponse:
+    import json
+
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return JSONResponse({"error": f"request body over {max_bytes} bytes"}, status_code=413)
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks) or b"null")
+    except (ValueError, UnicodeDecodeError):
+        return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+    return body
+
+
+def serve(app: Starlette, host: str, port: int) -> None:
+    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM)."""
+    import uvicorn
+
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving on %s: reachable from other machines, with no authentication", host)
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)

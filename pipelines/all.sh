@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# all.sh: the whole pipeline on the built-in sample corpus (or your own collections):
+# ingest → vocab download → vocab train → train → export → evaluate and a generated sample.
+#
+# Usage: [VAR=value ...] bash pipelines/all.sh
+#
+# A stage whose output exists is skipped, so a re-run (after a crash, or with more TRAIN_ITERS)
+# redoes no finished work; stage timings are printed at the end. SIGTERM reaches the running stage
+# (training saves a checkpoint) and the pipeline stops after it.
+#
+# Settings (environment variables, with defaults):
+#   CONFIG         connection config (password in MONGO_CONNECTION_STRING)  configs/sample.json
+#   RUN_DIR        every output of the run                                  runs/pipeline
+#   SAMPLE         built-in sample to ingest; empty: use what CONFIG holds   stdlib
+#   SAMPLE_LIMIT   ingest only the first N sample documents                 (all)
+#   VOCAB_SIZE     vocabulary size                                          8192
+#   MODEL          model preset                                             tiny
+#   TRAIN_ITERS    optimizer steps                                          300
+#   TR_RATIO       share of documents that train                            0.95
+#   DS_CONFIG      DeepSpeed config                                         configs/ds_config_cpu.json
+#   LAUNCHER       python (one process) or deepspeed                        python
+#   TRAIN_EXTRA    more ds_trainer.py flags, space-separated                (none)
+#   PROMPT         prompt of the generated sample                           "The"
+set -euo pipefail
+
+CONFIG="${CONFIG:-configs/sample.json}"
+RUN_DIR="${RUN_DIR:-runs/pipeline}"
+SAMPLE="${SAMPLE-stdlib}"
+SAMPLE_LIMIT="${SAMPLE_LIMIT:-}"
+VOCAB_SIZE="${VOCAB_SIZE:-8192}"
+MODEL="${MODEL:-tiny}"
+TRAIN_ITERS="${TRAIN_ITERS:-300}"
+TR_RATIO="${TR_RATIO:-0.95}"
+DS_CONFIG="${DS_CONFIG:-configs/ds_config_cpu.json}"
+LAUNCHER="${LAUNCHER:-python}"
+TRAIN_EXTRA="${TRAIN_EXTRA:-}"
+PROMPT="${PROMPT:-The}"
+export CONFIG
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+stages="$RUN_DIR/stages"
+mkdir -p "$stages"
+timings=()
+child=0
+stopping=0
+
+on_signal() {
+  stopping=1
+  if [[ "$child" -ne 0 ]]; then
+    kill -TERM "$child" 2>/dev/null || true
+  fi
+}
+trap on_signal TERM INT
+
+# stage NAME OUTPUT COMMAND...: run COMMAND unless OUTPUT exists; OUTPUT may be a marker the stage
+# leaves in $stages when its result lives in the database.
+stage() {
+  local name="$1" output="$2"
+  shift 2
+  if [[ -e "$output" ]]; then
+    echo "== $name: done before ($output), skipped"
+    timings+=("$(printf '%-14s %8s  %s' "$name" "skipped" "$output")")
+    return 0
+  fi
+  echo "== $name"
+  local start=$SECONDS rc=0
+  # In the background and waited for: a signal interrupts `wait`, not the stage, which gets the
+  # signal from on_signal and is waited for again until it has finished (saved its checkpoint).
+  "$@" &
+  child=$!
+  while true; do
+    rc=0
+    wait "$child" || rc=$?
+    if ! kill -0 "$child" 2>/dev/null; then
+      break
+    fi
+  done
+  child=0
+  timings+=("$(printf '%-14s %7ss  %s' "$name" "$((SECONDS - start))" "$output")")
+  if [[ "$rc" -ne 0 ]]; then
+    echo "== $name failed (exit $rc)" >&2
+    exit "$rc"
+  fi
+  if [[ "$output" == "$stages"/* ]]; then
+    touch "$output"
+  fi
+  if [[ "$stopping" -eq 1 ]]; then
+    echo "== stopped after $name; run again to continue" >&2
+    exit 143
+  fi
+}
+
+ingest_args=(ingest --config "$CONFIG" --sample "$SAMPLE" --no-progress)
+if [[ -n "$SAMPLE_LIMIT" ]]; then
+  ingest_args+=(--limit "$SAMPLE_LIMIT")
+fi
+if [[ -n "$SAMPLE" ]]; then
+  stage ingest "$stages/ingest.done" dsgpt2 "${ingest_args[@]}"
+fi
+
+stage vocab-download "$RUN_DIR/vocab_corpus/manifest.json" \
+  env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" bash "$here/download_vocab.sh" --no-progress
+
+stage vocab-train "$RUN_DIR/tokenizer/tokenizer.json" \
+  env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" TOKENIZER="$RUN_DIR/tokenizer" VOCAB_SIZE="$VOCAB_SIZE" \
+  bash "$here/train_vocab.sh" --no-progress
+
+read -r -a train_extra <<< "$TRAIN_EXTRA"
+stage train "$RUN_DIR/ckpt/global_step$TRAIN_ITERS/dsgpt2_complete.json" \
+  env TOKENIZER="$RUN_DIR/tokenizer" DS_CONFIG="$DS_CONFIG" MODEL="$MODEL" TRAIN_ITERS="$TRAIN_ITERS" \
+  TR_RATIO="$TR_RATIO" CKPT_DIR="$RUN_DIR/ckpt" WORKSPACE="$RUN_DIR/train" LAUNCHER="$LAUNCHER" \
+  bash "$here/train_model.sh" "${train_extra[@]}"
+
+stage export "$RUN_DIR/model/config.json" \
+  dsgpt2 export --ckpt_dir "$RUN_DIR/ckpt" --out "$RUN_DIR/model"
+
+stage evaluate "$RUN_DIR/eval/sample.txt" \
+  env MODEL_DIR="$RUN_DIR/model" REPORT="$RUN_DIR/eval/report.json" SAMPLE_OUT="$RUN_DIR/eval/sample.txt" \
+  PROMPT="$PROMPT" bash "$here/evaluate.sh" --no-progress
+
+echo
+echo "== stages"
+printf '%s\n' "${timings[@]}"
+echo "outputs: $RUN_DIR (model: $RUN_DIR/model, loss plot: $RUN_DIR/train/loss.png)"

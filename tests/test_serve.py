@@ -1,0 +1,159 @@
+"""dsgpt2 serve: a real HTTP client against a server on 127.0.0.1; QUALITY.md row 15."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from conftest import ROOT, tiny_export
+from dsgpt2.generate import Completion, SamplingParams
+from dsgpt2.serve import BadRequest, ServeLimits, make_app, parse_request
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
+    base = tmp_path_factory.mktemp("serve")
+    model = tiny_export(base, sample_texts[:400])
+    port = _free_port()
+    log = open(base / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port),
+         "--max_prompt_chars", "200", "--max_tokens_limit", "32", "--max_new_tokens", "8"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            log.close()
+            pytest.fail(f"server did not start: {(base / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+    assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
+
+
+def test_both_endpoints_answer(server: str) -> None:
+    r = httpx.get(f"{server}/generate", params={"sentence": "Return the", "max_new_tokens": "5"}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt"] == "Return the" and isinstance(body["generated"], str)
+    assert body["completions"][0]["tokens"] <= 5
+    post = {"prompt": "Return the", "max_new_tokens": 6, "seed": 4, "temperature": 0.9}
+    a = httpx.post(f"{server}/generate", json=post, timeout=30)
+    b = httpx.post(f"{server}/generate", json=post, timeout=30)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["generated"] == b.json()["generated"]
+    assert a.json()["settings"]["max_new_tokens"] == 6
+    health = httpx.get(f"{server}/health", timeout=5).json()
+    assert health["status"] == "ok" and health["limits"]["max_new_tokens"] == 32
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "reason"),
+    [
+        ("get", {"sentence": "x" * 201}, "at most 200"),
+        ("post", {"prompt": "x" * 201}, "at most 200"),
+        ("get", {"sentence": "hi", "max_new_tokens": "1000000000"}, "more than this server allows"),
+        ("post", {"prompt": "hi", "max_new_tokens": 10**12}, "more than this server allows"),
+        ("get", {"sentence": "hi", "temperature": "hot"}, "temperature must be a number"),
+        ("post", {"prompt": "hi", "temperature": "hot"}, "temperature must be a number"),
+        ("get", {"sentence": "hi", "temperature": "nan"}, "temperature must be a number"),
+        ("post", {"prompt": "hi", "top_p": 7}, "top_p must be a number in (0.0, 1.0]"),
+        ("post", {"prompt": "hi", "max_new_tokens": -3}, "max_new_tokens must be an integer"),
+        ("post", {"prompt": "hi", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ("post", {"prompt": "hi", "stream": True}, "unknown setting 'stream'"),
+        ("get", {}, "'sentence' is required"),
+        ("post", {"prompt": 42}, "'prompt' is required and must be a string"),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(
+    server: str, method: str, payload: dict, reason: str
+) -> None:
+    if method == "get":
+        r = httpx.get(f"{server}/generate", params=payload, timeout=30)
+    else:
+        r = httpx.post(f"{server}/generate", json=payload, timeout=30)
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]
+    ok = httpx.get(f"{server}/generate", params={"sentence": "The", "max_new_tokens": "2"}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_malformed_bodies_get_400(server: str) -> None:
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+        r = httpx.post(f"{server}/generate", content=body, timeout=10)
+        assert r.status_code == 400, body
+    r = httpx.post(f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=10)
+    assert r.status_code == 413
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_defaults_bind_to_localhost() -> None:
+    from dsgpt2.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert args.host == "127.0.0.1"
+
+
+def test_requests_beyond_the_concurrency_limit_get_503() -> None:
+    from starlette.testclient import TestClient
+
+    release = threading.Event()
+
+    class SlowGenerator:
+        loaded = SimpleNamespace(name="stub")
+        context = 64
+
+        def generate(self, prompt: str, params: SamplingParams) -> list[Completion]:
+            release.wait(30)
+            return [Completion("done", 1, "stop")]
+
+    app = make_app(SlowGenerator(), ServeLimits(max_concurrent=1))  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        first: dict = {}
+        t = threading.Thread(target=lambda: first.update(r=client.get("/generate?sentence=a")))
+        t.start()
+        deadline = time.monotonic() + 10
+        while client.get("/health").json()["running"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        busy = client.post("/generate", json={"prompt": "b"})
+        assert busy.status_code == 503 and "busy" in busy.json()["error"]
+        release.set()
+        t.join(10)
+        assert first["r"].status_code == 200 and first["r"].json()["generated"] == "done"
+        assert client.get("/generate?sentence=c").status_code == 200
+
+
+def test_parse_request_applies_limits_and_defaults() -> None:
+    limits = ServeLimits(max_prompt_chars=10, max_new_tokens=8)
+    defaults = SamplingParams(max_new_tokens=4, temperature=0.5)
+    prompt, params = parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults)
+    assert prompt == "hi" and params.top_k == 3 and params.temperature == 0.5 and params.max_new_tokens == 4
+    with pytest.raises(BadRequest, match="at most 10"):
+        parse_request({"prompt": "x" * 11}, "prompt", limits, defaults)
+    with pytest.raises(BadRequest, match="seed must be a number"):
+        parse_request({"prompt": "x", "seed": True}, "prompt", limits, defaults)
