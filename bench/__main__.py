@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch, bench_train, bench_vocab
+from bench import bench_fetch, bench_generate, bench_train, bench_vocab
 from bench.common import write_results
 from dsgpt2.cleaning import clean_text
 from dsgpt2.sample import stdlib_documents
@@ -51,6 +51,7 @@ def main() -> int:
         "vocab": lambda: bench_vocab.run(texts, results),
         "train_data": lambda: _train_data(texts, results),
         "deepspeed": bench_train.deepspeed_overhead,
+        "generate": lambda: bench_generate.generation_speed(texts, results),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

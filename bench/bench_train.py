@@ -147,7 +147,10 @@ def deepspeed_overhead(rounds: int = 8, window: int = 10) -> list[Metric]:
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 1.0,
-            "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": wd}},
+            "optimizer": {
+                "type": "AdamW",
+                "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": wd, "torch_adam": True},
+            },
             "zero_optimization": {"stage": stage},
             "steps_per_print": 10**9,
         }
@@ -222,7 +225,7 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     ds = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 0},
         "steps_per_print": 10**9,
     }

@@ -207,6 +207,9 @@ def build_parser() -> Parser:
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
     p.add_argument("--limit", type=positive_int, help="only the first N sample documents")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
+    p.add_argument(
+        "--chat_steps", type=positive_int, default=150, help="conversation finetuning steps (default 150)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_demo)
@@ -758,7 +761,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dsgpt2.demo import run_demo, summary_lines
 
     out = Path(args.out)
-    summary = run_demo(out, limit=args.limit, progress=not args.no_progress, steps=args.steps)
+    summary = run_demo(
+        out, limit=args.limit, progress=not args.no_progress, steps=args.steps, chat_steps=args.chat_steps
+    )
     print("\n".join(summary_lines(summary, out)))
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +24,31 @@ log = logging.getLogger(__name__)
 
 DEMO_DB = "dsgpt2_demo"
 DEMO_COLLECTION = "stdlib"
+CHAT_COLLECTION = "stdlib_chat"
 DEMO_VOCAB_SIZE = 8192  # small: the demo model's embedding stays cheap on a CPU
-STAGES = 7
+STAGES = 10
 DEMO_STEPS = 300
+TR_RATIO = 0.95
+CHAT_STEPS = 150
+PROMPT = "Return a new list"
+QUESTION = "What does `json.dumps` do?"
 
 
 def run_demo(
-    out: Path, limit: int | None = None, progress: bool = True, steps: int = DEMO_STEPS
+    out: Path,
+    limit: int | None = None,
+    progress: bool = True,
+    steps: int = DEMO_STEPS,
+    chat_steps: int = CHAT_STEPS,
 ) -> dict[str, Any]:
     """Run every stage on the sample corpus; return the summary.
 
     Args:
         out: directory for the outputs and ``summary.json``.
-        limit: only the first ``limit`` sample documents (quicker runs).
+        limit: only the first ``limit`` sample documents and conversations (quicker runs).
         progress: show progress bars.
         steps: training steps.
+        chat_steps: conversation finetuning steps.
     """
     out.mkdir(parents=True, exist_ok=True)
     config = config_from_dict(
@@ -103,38 +114,115 @@ def run_demo(
         "example": _tokenize_example(vocab.out),
     }
 
-    log.info(f"stage 6/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
-    summary["train"] = _train(config, out, steps)
+    log.info(f"stage 6/{STAGES}: validation perplexity of the untrained model")
+    summary["eval_before"] = _evaluate_untrained(config, conn, out / "tokenizer", progress)
 
-    log.info(f"stage 7/{STAGES}: export the last checkpoint as a Hugging Face model")
+    log.info(f"stage 7/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
+    summary["train"] = _train(config, out, steps, "train", "--model_select", "tiny",
+                              "--vocab_dir", str(out / "tokenizer"))  # fmt: skip
+
+    log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
     from dsgpt2.export import export
 
     exported = export(out / "ckpt", out / "model")
     summary["export"] = {"dir": exported["out"], "step": exported["step"]}
+    summary["eval_after"] = _evaluate(out / "model", config, conn, progress)
+    summary["sample"] = _sample(out / "model")
+
+    log.info(f"stage 9/{STAGES}: ingest the conversation sample (questions about the stdlib's API)")
+    chat_config = replace(config, collections=(CHAT_COLLECTION,))
+    report = ingest(conn, CHAT_COLLECTION, [sample_source("stdlib-chat", limit)], progress=progress)
+    summary["chat_ingest"] = {"conversations": report.count}
+
+    log.info(f"stage 10/{STAGES}: finetune on the replies ({chat_steps} steps), export, chat")
+    chat = {"reply_loss_before": _evaluate(out / "model", chat_config, conn, progress, "conversation")}
+    chat["train"] = _train(chat_config, out, chat_steps, "chat", "--init_from", str(out / "model"),
+                           "--task", "conversation")  # fmt: skip
+    export(out / "chat" / "ckpt", out / "chat_model")
+    chat["reply_loss_after"] = _evaluate(out / "chat_model", chat_config, conn, progress, "conversation")
+    chat["dir"] = str(out / "chat_model")
+    chat["exchange"] = _chat(out / "chat_model")
+    summary["chat"] = chat
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _train(config: Any, out: Path, steps: int) -> dict[str, Any]:
+def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress: bool) -> dict[str, Any]:
+    """The same architecture before any step: the perplexity training starts from."""
+    import torch
+
+    from dsgpt2.data import load_tokenizer
+    from dsgpt2.loading import LoadedModel
+    from dsgpt2.model import PRESETS, build_model, gpt2_config
+    from dsgpt2.vocab import EOT, PAD
+
+    tok = load_tokenizer(tokenizer)
+    torch.manual_seed(1234)
+    model = build_model(
+        gpt2_config("tiny", tok.get_vocab_size(), PRESETS["tiny"].context, tok.token_to_id(EOT),
+                    tok.token_to_id(PAD))
+    )  # fmt: skip
+    fp = {"context": PRESETS["tiny"].context, "chunk_docs": 1000, "tr_ratio": TR_RATIO, "seed": 1234}
+    loaded = LoadedModel(model.eval(), tokenizer, "untrained tiny", {"step": 0, "fingerprint": fp})
+    return _evaluate_loaded(loaded, config, conn, progress)
+
+
+def _evaluate(
+    model: Path, config: Any, conn: Connection, progress: bool, task: str | None = None
+) -> dict[str, Any]:
+    from dsgpt2.loading import load_model
+
+    return _evaluate_loaded(load_model(model), config, conn, progress, task)
+
+
+def _evaluate_loaded(
+    loaded: Any, config: Any, conn: Connection, progress: bool, task: str | None = None
+) -> dict[str, Any]:
+    from dsgpt2.evaluate import EvalRequest, evaluate
+    from dsgpt2.mongo import record_eval
+
+    report = evaluate(loaded, config, EvalRequest(task=task, workers=0), progress=progress)
+    record_eval(conn, report)
+    m = report["metrics"]
+    return {"loss": round(m["loss"], 4), "perplexity": round(m["perplexity"], 1), "tokens": m["tokens"]}
+
+
+def _sample(model: Path) -> dict[str, Any]:
+    from dsgpt2.generate import Generator, SamplingParams
+    from dsgpt2.loading import load_model
+
+    (c,) = Generator(load_model(model)).generate(PROMPT, SamplingParams(max_new_tokens=40, seed=0))
+    return {"prompt": PROMPT, "text": c.text, "tokens": c.tokens}
+
+
+def _chat(model: Path) -> dict[str, str]:
+    from dsgpt2.chat import ChatSession
+    from dsgpt2.generate import Generator, SamplingParams
+    from dsgpt2.loading import load_model
+
+    session = ChatSession(Generator(load_model(model)), SamplingParams(max_new_tokens=40, seed=0))
+    return {"user": QUESTION, "bot": session.reply(QUESTION)}
+
+
+def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[str, Any]:
     from dsgpt2.metrics import read_metrics
     from dsgpt2.train_args import parse
     from dsgpt2.trainer import Trainer
 
-    (out / "mongo.json").write_text(json.dumps(config.to_dict()))
+    run = out if name == "train" else out / name
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "mongo.json").write_text(json.dumps(config.to_dict()))
     args = parse(
         [
             "--deepspeed_config",
             str(Path(__file__).resolve().parents[1] / "configs" / "ds_config_cpu.json"),
             "--config_train",
-            str(out / "mongo.json"),
-            "--vocab_dir",
-            str(out / "tokenizer"),
-            "--model_select",
-            "tiny",
+            str(run / "mongo.json"),
+            *extra,
             "--train_iters",
             str(steps),
             "--tr_ratio",
-            "0.95",
+            str(TR_RATIO),
             "--eval_interval",
             str(max(1, steps // 6)),
             "--eval_iters",
@@ -142,9 +230,9 @@ def _train(config: Any, out: Path, steps: int) -> dict[str, Any]:
             "--save_interval",
             str(max(1, steps // 3)),
             "--ckpt_dir",
-            str(out / "ckpt"),
+            str(run / "ckpt"),
             "--workspace",
-            str(out / "train"),
+            str(run / "train"),
             "--wandb",
             "off",
             "--no_resume",
@@ -153,7 +241,7 @@ def _train(config: Any, out: Path, steps: int) -> dict[str, Any]:
     trainer = Trainer(args)
     trainer.build()
     result = trainer.train()
-    evals = [r for r in read_metrics(out / "train" / "metrics.jsonl") if r["event"] == "eval"]
+    evals = [r for r in read_metrics(run / "train" / "metrics.jsonl") if r["event"] == "eval"]
     return {
         "steps": result["step"],
         "tokens": result["tokens"],
@@ -176,30 +264,34 @@ def _tokenize_example(directory: Path) -> dict[str, Any]:
 
 
 def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
-    ing, read = summary["ingest"], summary["read"]
+    ing, read, train = summary["ingest"], summary["read"], summary["train"]
+    before, after, chat = summary["eval_before"], summary["eval_after"], summary["chat"]
     skipped = ing["skipped"] or "none"
+    vocab = summary["vocab"]
     return [
         "",
         "dsgpt2 demo: summary",
         f"  database      {summary['database']}",
-        f"  ingest        {ing['documents']} documents in {ing['seconds']}s, skipped: {skipped}",
-        f"  validate      {summary['validate']}",
-        f"  read back     {read['documents']} documents, {read['megabytes']} MB of text "
-        f"in {read['seconds']}s, {read['queries_per_1000_docs']} queries per 1000 documents",
-        f"  vocab shards  {summary['vocab_download']['shards']} shards, "
-        f"{summary['vocab_download']['documents']} documents in {summary['vocab_download']['dir']}",
-        f"  tokenizer     {summary['vocab']['vocab_size']} tokens in {summary['vocab']['dir']} "
-        f"(trained in {summary['vocab']['seconds']}s)",
-        f"  example       {summary['vocab']['example']['text']!r}",
-        f"                → {summary['vocab']['example']['tokens']} tokens: "
-        f"{' '.join(summary['vocab']['example']['pieces'])}",
-        f"  training      {summary['train']['steps']} steps, {summary['train']['tokens']:,} tokens, "
-        f"{summary['train']['tokens_per_s']:,} tokens/s (tiny preset, CPU)",
-        f"  validation    perplexity {summary['train']['val_ppl_first']} at step "
-        f"{summary['train']['val_ppl_first_step']} → {summary['train']['val_ppl']} at the end "
-        f"(uniform guess: {summary['vocab']['vocab_size']})",
-        f"  loss plot     {summary['train']['plot']}",
-        f"  checkpoint    {summary['train']['checkpoint']}",
+        f"  corpus        {ing['documents']:,} documents, {read['megabytes']} MB of text "
+        f"(ingested in {ing['seconds']}s, skipped: {skipped})",
+        f"  read back     {read['documents']:,} documents in {read['seconds']}s, "
+        f"{read['queries_per_1000_docs']} queries per 1000 documents",
+        f"  vocabulary    {vocab['vocab_size']:,} tokens in {vocab['dir']} (trained in {vocab['seconds']}s "
+        f"from {summary['vocab_download']['shards']} shards)",
+        f"  example       {vocab['example']['text']!r}",
+        f"                → {vocab['example']['tokens']} tokens: {' '.join(vocab['example']['pieces'])}",
+        f"  training      {train['steps']} steps, {train['tokens']:,} tokens, "
+        f"{train['tokens_per_s']:,} tokens/s (tiny preset, DeepSpeed on the CPU)",
+        f"  validation    perplexity {before['perplexity']:,} untrained → {after['perplexity']:,} after "
+        f"{train['steps']} steps ({after['tokens']:,} tokens; uniform guess: {vocab['vocab_size']:,})",
+        f"  sample        {summary['sample']['prompt']}{summary['sample']['text']!r}",
+        f"  loss plot     {train['plot']}",
         f"  model         {summary['export']['dir']} (loads with transformers' from_pretrained)",
-        f"  outputs       {out}/summary.json",
+        f"  chat          {summary['chat_ingest']['conversations']:,} conversations, "
+        f"{chat['train']['steps']} finetuning steps: reply loss {chat['reply_loss_before']['loss']} → "
+        f"{chat['reply_loss_after']['loss']}",
+        f"                user: {chat['exchange']['user']}",
+        f"                bot:  {chat['exchange']['bot']}",
+        f"  chat model    {chat['dir']} (try: dsgpt2 chat --model {chat['dir']})",
+        f"  outputs       {out}/summary.json; evaluations recorded in {DEMO_DB}.eval_results",
     ]

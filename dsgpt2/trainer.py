@@ -135,6 +135,8 @@ class Trainer:
             args.vocab_dir, context, args.chunk_docs, args.tr_ratio, args.seed, args.task, args.reply_speakers
         )
         self.fingerprint = fingerprint(self.mongo, self.counts, args.vocab_dir, self.spec)
+        # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
+        self.resume_from = self._resume_point()
         self.train_data, self.val_data = self._datasets()
 
         _seed_all(args.seed)
@@ -233,13 +235,18 @@ class Trainer:
         dist.all_gather_object(out, position.to_dict())
         return out
 
-    def resume(self) -> tuple[TrainState, Position]:
+    def _resume_point(self) -> tuple[Path, str] | None:
+        """The checkpoint to resume from, checked against this run's data; None for a fresh start.
+
+        Raises:
+            CheckpointError: none where one was asked for, a broken one, or one of other data.
+        """
         args = self.args
         load_dir: Path | None = args.load_dir
         if load_dir is None and not args.no_resume and (args.ckpt_dir / checkpoint.LATEST).exists():
             load_dir = args.ckpt_dir
         if load_dir is None:
-            return TrainState(), Position()
+            return None
         tag = checkpoint.resolve(load_dir, args.ckpt_id)
         saved = checkpoint.read_client_state(load_dir, tag)
         if saved["fingerprint"] != self.fingerprint:
@@ -253,6 +260,12 @@ class Trainer:
                     "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
                 )
             log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
+        return load_dir, tag
+
+    def resume(self) -> tuple[TrainState, Position]:
+        if self.resume_from is None:
+            return TrainState(), Position()
+        load_dir, tag = self.resume_from
         saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
         positions = saved.get("rank_positions") or [saved["position"]]
         position = (

@@ -108,8 +108,9 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
 
 def test_demo_runs_every_stage(tmp_path: Path) -> None:
     result = run_cli(
-        "demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--steps", "12", "--no-progress"
-    )
+        "demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--steps", "12", "--chat_steps", "6",
+        "--no-progress",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ingest"]["documents"] == 1500
@@ -124,4 +125,17 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     assert summary["train"]["steps"] == 12 and summary["train"]["val_ppl"] < summary["vocab"]["vocab_size"]
     assert Path(summary["train"]["plot"]).exists()
     assert (Path(summary["export"]["dir"]) / "model.safetensors").exists()
-    assert "dsgpt2 demo: summary" in result.stdout
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert before["tokens"] == after["tokens"] > 0
+    assert after["perplexity"] < before["perplexity"]
+    assert 0.7 * summary["vocab"]["vocab_size"] < before["perplexity"] < 1.5 * summary["vocab"]["vocab_size"]
+    assert summary["sample"]["prompt"] and 0 < summary["sample"]["tokens"] <= 40
+    chat = summary["chat"]
+    assert summary["chat_ingest"]["conversations"] == 1500 and chat["train"]["steps"] == 6
+    assert chat["reply_loss_after"]["loss"] < chat["reply_loss_before"]["loss"]
+    assert chat["exchange"]["user"] and isinstance(chat["exchange"]["bot"], str)
+    assert (Path(chat["dir"]) / "model.safetensors").exists()
+    lines = result.stdout.splitlines()
+    assert "dsgpt2 demo: summary" in lines
+    assert any(line.strip().startswith("validation    perplexity") for line in lines)
+    assert any(line.strip().startswith("sample") for line in lines)

@@ -1,0 +1,107 @@
+"""pipelines/all.sh end to end on a file-backed mongomock store: stages, skips, timings, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, write_config
+from dsgpt2 import mockstore
+from dsgpt2.config import load_config
+from dsgpt2.mongo import EVAL_RESULTS, Connection
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["ingest", "vocab-download", "vocab-train", "train", "export", "evaluate"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        CONFIG=str(tmp_path / "c.json"),
+        RUN_DIR=str(tmp_path / "run"),
+        SAMPLE_LIMIT="1500",
+        VOCAB_SIZE="400",
+        TRAIN_ITERS="12",
+        TRAIN_EXTRA="--context_length 64 --eval_interval 6 --eval_iters 2 --wandb off --num_workers 1 "
+        "--chunk_docs 200 --save_interval 4",
+        PROMPT="Return the",
+    )
+    env.update(extra)
+    return env
+
+
+def _run(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "pipelines" / "all.sh")],
+        env=_env(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def _stage_lines(stdout: str) -> dict[str, str]:
+    lines = stdout.split("== stages\n", 1)[1].splitlines()
+    return {line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in STAGES}
+
+
+def _eval_results(tmp_path: Path) -> list[dict]:
+    mockstore.reset()
+    return list(Connection(load_config(tmp_path / "c.json")).db[EVAL_RESULTS].find())
+
+
+def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"mongomock://{tmp_path / 'db.mongo'}",
+                 MONGO_CONNECTION_DB="d", COLLECTIONS=["stdlib"])  # fmt: skip
+    run = tmp_path / "run"
+    first = _run(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    timings = _stage_lines(first.stdout)
+    assert list(timings) == STAGES and all(t.endswith("s") and t != "skipped" for t in timings.values())
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["split"] == "val" and report["step"] == 12
+    assert math.isfinite(report["metrics"]["perplexity"]) and report["metrics"]["tokens"] > 0
+    assert (run / "eval" / "sample.txt").read_text().startswith("Return the")
+    assert (run / "model" / "model.safetensors").is_file() and (run / "train" / "loss.png").is_file()
+    assert len(_eval_results(tmp_path)) == 1
+
+    started = time.monotonic()
+    again = _run(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert set(_stage_lines(again.stdout).values()) == {"skipped"}
+    assert time.monotonic() - started < 20
+    assert len(_eval_results(tmp_path)) == 1  # nothing redone
+    assert Connection(load_config(tmp_path / "c.json")).db["stdlib"].count_documents({}) == 1500
+
+    # More steps: training resumes from its checkpoint; SIGTERM then saves and stops the pipeline.
+    log = tmp_path / "all.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "pipelines" / "all.sh")],
+            env=_env(tmp_path, TRAIN_ITERS="100000"),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        metrics = run / "train" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while sum(1 for line in metrics.read_text().splitlines() if '"train"' in line) < 16:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+    assert "stopped after train" in log.read_text()
+    latest = (run / "ckpt" / "latest").read_text()
+    assert int(latest.removeprefix("global_step")) > 12
+    assert (run / "ckpt" / latest / "dsgpt2_complete.json").is_file()
