@@ -501,8 +501,16 @@ def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL
     coll = conn.db[collection]
     doc = {"_id": uuid.uuid4().hex, **result}
     # An upsert by a fixed _id: retrying after a lost acknowledgement cannot store it twice.
-    with_retries(
-        lambda: coll.replace_one({"_id": doc["_id"]}, doc, upsert=True), conn.config, f"writing {collection}"
-    )
+    try:
+        with_retries(
+            lambda: coll.replace_one({"_id": doc["_id"]}, doc, upsert=True),
+            conn.config,
+            f"writing {collection}",
+        )
+    except OperationFailure as exc:
+        raise MongoUnavailableError(
+            f"could not write to {conn.config.db}.{collection}: {conn.config.scrub(_first_line(exc))}; "
+            "the user needs the readWrite role on the database (or skip recording)"
+        ) from None
     conn.commit()
     return doc["_id"]

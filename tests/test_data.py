@@ -124,6 +124,27 @@ def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_p
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
 
 
+def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, tmp_path: Path) -> None:
+    conn = Connection(make_config(["chat"]))
+    ingest(conn, "chat", [sample_source("stdlib-chat", 120)])
+    counts = MongoWrapper(conn.config, connection=conn).counts
+    spec = DataSpec(context=32, chunk_docs=50, tr_ratio=0.8, seed=3, eot=0, pad=1, task="conversation")
+    streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
+    chunk = streaming["train"][0]
+    assert chunk.loss is not None and chunk.loss.shape == chunk.blocks.shape
+    assert 0 < chunk.loss.mean() < 1  # replies learned, questions and speaker tokens not
+    build_cache(streaming, tmp_path, fingerprint(conn.config, counts, tokenizer, spec), 400, workers=0)
+    for split in ("train", "val"):
+        cached = CachedChunks(tmp_path, split)
+        for c in range(len(cached)):
+            a, b = streaming[split][c], cached[c]
+            assert np.array_equal(a.blocks, b.blocks) and np.array_equal(a.loss, b.loss)
+    (batch,) = eval_batches(CachedChunks(tmp_path, "train"), 0, 1, 4, limit=1)
+    rows = [streaming["train"][c] for c in sorted({c for _, c, _ in batch.block_ids})]
+    expected = np.concatenate([r.loss for r in rows])[: len(batch.labels)]
+    assert np.array_equal((batch.labels.numpy() != -100), expected)
+
+
 def test_index_state_does_not_grow_with_the_corpus() -> None:
     """A reader's state for 100M documents: the chunk order only, never a list of documents."""
 

