@@ -313,3 +313,19 @@ def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp
     with pytest.raises(CorpusError, match="no <\\|speaker\\|> token"):
         make_spec(models["lm"], 64, 100, 0.9, 1, "conversation", "assistant")
     assert np.array_equal(np.arange(3), np.arange(3))
+
+
+def test_a_checkpoint_directory_serves_like_its_export(models: dict[str, Path]) -> None:
+    ckpt = models["base"] / "lm" / "ckpt"
+    from_ckpt, from_export = load_model(ckpt), load_model(models["lm"])
+    assert from_ckpt.name.endswith("global_step100") and from_ckpt.run["step"] == 100
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        a, b = from_ckpt.model(ids).logits, from_export.model(ids).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    by_tag = load_model(ckpt / "global_step100")
+    assert by_tag.name == from_ckpt.name
+    report = _evaluate(ckpt, models["lm_config"], max_batches=3)
+    assert report["metrics"]["loss"] == pytest.approx(
+        _evaluate(models["lm"], models["lm_config"], max_batches=3)["metrics"]["loss"], rel=1e-5
+    )
