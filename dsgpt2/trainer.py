@@ -165,7 +165,7 @@ class Trainer:
         log.info(
             "model %s: %.1fM parameters, context %d, vocab %d; %d rank(s), micro-batch %d × accumulation %d, "
             "ZeRO stage %d, %s",
-            args.model_config or args.model_select,
+            args.init_from or args.model_config or args.model_select,
             count_parameters(model) / 1e6,
             context,
             self.vocab_size,
