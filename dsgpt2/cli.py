@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsgpt2 import __version__
-from dsgpt2.argtypes import OneLineErrorParser, positive_int
+from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, port, positive_int
 from dsgpt2.config import ENV_URI, scrub
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.log import setup_logging
@@ -299,13 +299,13 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
 
-def _add_generation(p: argparse.ArgumentParser, max_new_tokens: int = 64) -> None:
+def _add_generation(p: argparse.ArgumentParser, max_new_tokens: int | None = 64) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument(
         "--max_new_tokens",
         type=positive_int,
         default=max_new_tokens,
-        help=f"tokens to generate at most (default {max_new_tokens})",
+        help=f"tokens to generate at most (default {max_new_tokens or '64, at most --max_tokens_limit'})",
     )
     g.add_argument("--temperature", type=float, default=0.8, help="0: greedy; higher: more random (0.8)")
     g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest; 0: all (50)")
@@ -363,7 +363,9 @@ def _add_inference(sub: Any) -> None:
     p.add_argument("--context_length", type=positive_int, help="tokens per block (default: the run's)")
     p.add_argument("--batch_size", type=positive_int, default=8, help="blocks per forward pass (default 8)")
     p.add_argument("--max_batches", type=positive_int, help="stop after this many batches (default: all)")
-    p.add_argument("--num_workers", type=int, default=2, help="tokenizing worker processes (default 2)")
+    p.add_argument(
+        "--num_workers", type=non_negative_int, default=2, help="tokenizing worker processes (default 2)"
+    )
     p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
     p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -412,7 +414,7 @@ def _add_inference(sub: Any) -> None:
     )
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
     p.add_argument(
         "--max_prompt_chars", type=positive_int, default=4000, help="longest prompt accepted (default 4000)"
     )
@@ -428,8 +430,22 @@ def _add_inference(sub: Any) -> None:
         default=2,
         help="requests in flight at once; more get 503 (default 2)",
     )
-    _add_generation(p)
+    _add_generation(p, max_new_tokens=None)
     p.set_defaults(func=cmd_serve)
+
+
+def _check_writable(path: Any, flag: str) -> None:
+    """Fail before the work when its output cannot be written."""
+    from dsgpt2.errors import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name such as {path / 'report.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot write there ({exc.strerror})") from None
 
 
 def _load_model(args: argparse.Namespace) -> Any:
@@ -473,8 +489,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     )
     config = _load(args)
     loaded = _load_model(args)
-    report = evaluate(loaded, config, request, progress=not args.no_progress)
     path = Path(args.report) if args.report else default_report_path(loaded.name, args.split)
+    _check_writable(path, "--report")
+    report = evaluate(loaded, config, request, progress=not args.no_progress)
     write_report(report, path)
     print("\n".join(report_lines(report)))
     print(f"report: {path}")
@@ -496,7 +513,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise _usage("generate", f"--prompts_file {path}: file not found")
-        prompts += [line.rstrip("\n") for line in path.read_text().splitlines() if line.strip()]
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise _usage("generate", f"--prompts_file {path}: cannot read it as UTF-8 text ({exc})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise _usage("generate", "give PROMPT arguments or --prompts_file")
     params = _sampling(args, num_samples=args.num_samples)
@@ -543,6 +564,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_tokens_limit,
         max_concurrent=args.max_concurrent,
     )
+    if args.max_new_tokens is None:
+        args.max_new_tokens = min(64, limits.max_new_tokens)
     if args.max_new_tokens > limits.max_new_tokens:
         raise _usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
     app = make_app(Generator(_load_model(args)), limits, _sampling(args))

@@ -349,10 +349,23 @@ def _collate(item: Chunk) -> Chunk:
     return item
 
 
+def _ignore_sigterm(worker_id: int) -> None:
+    # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler) must let the
+    # rank finish its step and save: a worker dying first would fail that step instead. Workers
+    # stop when their rank shuts the loader down, or exits.
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> DataLoader:
     extra: dict[str, Any] = {}
     if workers > 0:
-        extra = {"multiprocessing_context": "fork", "prefetch_factor": prefetch}
+        extra = {
+            "multiprocessing_context": "fork",
+            "prefetch_factor": prefetch,
+            "worker_init_fn": _ignore_sigterm,
+        }
     # A generator of its own: the loader must not draw from torch's global RNG, whose state
     # is part of a checkpoint (dropout) and would otherwise depend on when loaders are made.
     return DataLoader(

@@ -58,9 +58,13 @@ def batch_nll(model: Any, batch: Batch, device: str) -> tuple[float, int]:
 
 
 def evaluate_batches(
-    model: Any, batches: Iterable[Batch], max_batches: int | None = None, progress: bool = True
+    model: Any,
+    batches: Iterable[Batch],
+    max_batches: int | None = None,
+    progress: bool = True,
+    stats: dict[str, Any] | None = None,
 ) -> EvalMetrics:
-    """Loss and perplexity of ``model`` over ``batches``."""
+    """Loss and perplexity of ``model`` over ``batches`` (``stats``: what the batches skipped)."""
     from tqdm import tqdm
 
     device = str(next(model.parameters()).device)
@@ -81,9 +85,11 @@ def evaluate_batches(
                 bar.set_postfix(loss=f"{total / tokens:.4f}")
     bar.close()
     if tokens == 0:
+        skipped = (stats or {}).get("skipped")
+        why = f"; documents skipped: {skipped} (a conversation task on text documents?)" if skipped else ""
         raise ConfigError(
             "nothing to evaluate: the selected split holds no tokens with a label (an empty split, "
-            "or --tr_ratio 1 leaves no validation documents: try --split all)"
+            f"or --tr_ratio 1 leaves no validation documents: try --split all){why}"
         )
     loss = total / tokens
     return EvalMetrics(loss, math.exp(min(loss, 700.0)), tokens, blocks, seconds=time.monotonic() - started)
@@ -163,7 +169,7 @@ def evaluate(
     model = loaded.model.to(device)
     stats: dict[str, Any] = {}
     batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats)
-    metrics = evaluate_batches(model, batches, request.max_batches, progress)
+    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats)
     metrics.documents = stats.get("documents", 0)
     metrics.skipped = stats.get("skipped", {})
     return {

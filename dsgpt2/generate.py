@@ -11,6 +11,7 @@ token in a chat).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -18,10 +19,13 @@ from typing import Any
 import torch
 
 from dsgpt2.data import load_tokenizer
+from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError
 from dsgpt2.loading import LoadedModel
 
 MAX_SAMPLES = 16
+MIN_TEMPERATURE = 0.01
+_INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,19 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, 1)
-        _check_float("temperature", self.temperature, 0.0, 100.0)
+        # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
+        if self.temperature != 0:
+            _check_float("temperature", self.temperature, MIN_TEMPERATURE, 100.0, zero=True)
         _check_int("top_k", self.top_k, 0)
         _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 100.0, low_open=True)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
         _check_int("num_samples", self.num_samples, 1, MAX_SAMPLES)
         _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.temperature == 0 and self.num_samples > 1:
+            raise ConfigError(
+                "num_samples > 1 needs sampling: greedy decoding (temperature 0) gives one answer; "
+                "set a temperature above 0 or num_samples 1"
+            )
 
     @classmethod
     def from_mapping(
@@ -81,12 +92,12 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     if kind is int:
         if isinstance(value, int):
             return value
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
             return int(value)
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if isinstance(value, int | float):
         return float(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) < 64:
         try:
             return float(value)
         except ValueError:
@@ -100,13 +111,16 @@ def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None
         raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
 
 
-def _check_float(name: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
+def _check_float(
+    name: str, value: Any, low: float, high: float, low_open: bool = False, zero: bool = False
+) -> None:
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > low if low_open else value >= low) and value <= high
     if not ok:
         bracket = "(" if low_open else "["
-        raise ConfigError(f"{name} must be a number in {bracket}{low}, {high}], got {value!r}")
+        also = "0 or " if zero else ""
+        raise ConfigError(f"{name} must be {also}a number in {bracket}{low}, {high}], got {value!r}")
 
 
 @dataclass
@@ -138,7 +152,13 @@ class Generator:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def generate(self, prompt: str, params: SamplingParams) -> list[Completion]:
-        """``params.num_samples`` completions of the text ``prompt`` (end-of-text stops them)."""
+        """``params.num_samples`` completions of the text ``prompt`` (end-of-text stops them).
+
+        Raises:
+            ConfigError: the prompt is not valid text (a lone surrogate, say).
+        """
+        if prompt and text_problem(prompt, 10**9) == "invalid_unicode":
+            raise ConfigError("the prompt holds invalid text (a lone surrogate or undecodable bytes)")
         return self.generate_ids(self.encode(prompt), params)
 
     def generate_ids(

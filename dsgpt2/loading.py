@@ -111,6 +111,13 @@ def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None
             f"tokenizer {tokenizer_dir}: no tokenizer.json (the model was trained with it); "
             "give the tokenizer directory with --vocab_dir"
         )
+    from dsgpt2.data import load_tokenizer
+
+    if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir} has more tokens than the model's {config.vocab_size}; use the "
+            "tokenizer the model was trained with (the default without --vocab_dir)"
+        )
     model = build_with_weights(config, weights, str(path))
     model.eval()
     name = run.get("checkpoint") or str(path)

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.generate import Generator, SamplingParams
 
@@ -63,6 +64,8 @@ def parse_request(
     prompt = values.pop(prompt_key, None)
     if not isinstance(prompt, str):
         raise BadRequest(f"{prompt_key!r} is required and must be a string")
+    if prompt and text_problem(prompt, limits.max_prompt_chars) == "invalid_unicode":
+        raise BadRequest(f"{prompt_key!r} holds invalid text (a lone surrogate or undecodable bytes)")
     if len(prompt) > limits.max_prompt_chars:
         raise BadRequest(
             f"{prompt_key!r} is {len(prompt)} characters long; this server accepts at most "
@@ -166,7 +169,7 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
         chunks.append(chunk)
     try:
         body = json.loads(b"".join(chunks) or b"null")
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
     if not isinstance(body, dict):
         return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)

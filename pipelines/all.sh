@@ -5,8 +5,8 @@
 # Usage: [VAR=value ...] bash pipelines/all.sh
 #
 # A stage whose output exists is skipped, so a re-run (after a crash, or with more TRAIN_ITERS)
-# redoes no finished work; stage timings are printed at the end. SIGTERM reaches the running stage
-# (training saves a checkpoint) and the pipeline stops after it.
+# redoes no finished work; stage timings are printed at the end. SIGTERM reaches every process of the
+# running stage (training ranks save a checkpoint) and the pipeline stops once they have exited.
 #
 # Settings (environment variables, with defaults):
 #   CONFIG         connection config (password in MONGO_CONNECTION_STRING)  configs/sample.json
@@ -47,16 +47,22 @@ stopping=0
 on_signal() {
   stopping=1
   if [[ "$child" -ne 0 ]]; then
-    kill -TERM "$child" 2>/dev/null || true
+    # The whole process group of the stage: a launcher does not always pass the signal on to its
+    # ranks (DataLoader workers ignore it and stop with their rank).
+    kill -TERM -- "-$child" 2>/dev/null || true
   fi
 }
 trap on_signal TERM INT
 
-# stage NAME OUTPUT COMMAND...: run COMMAND unless OUTPUT exists; OUTPUT may be a marker the stage
-# leaves in $stages when its result lives in the database.
+# stage NAME OUTPUT COMMAND...: run COMMAND unless OUTPUT exists; an OUTPUT under $stages is a
+# marker left when the stage succeeds (its result lives in the database, or in several files).
 stage() {
   local name="$1" output="$2"
   shift 2
+  if [[ "$stopping" -eq 1 ]]; then
+    echo "== stopped before $name; run again to continue" >&2
+    exit 143
+  fi
   if [[ -e "$output" ]]; then
     echo "== $name: done before ($output), skipped"
     timings+=("$(printf '%-14s %8s  %s' "$name" "skipped" "$output")")
@@ -64,9 +70,9 @@ stage() {
   fi
   echo "== $name"
   local start=$SECONDS rc=0
-  # In the background and waited for: a signal interrupts `wait`, not the stage, which gets the
-  # signal from on_signal and is waited for again until it has finished (saved its checkpoint).
-  "$@" &
+  # In its own process group, in the background: a signal interrupts `wait`, not the stage, which
+  # gets the signal from on_signal and is waited for until every process of it has exited.
+  setsid "$@" &
   child=$!
   while true; do
     rc=0
@@ -75,8 +81,15 @@ stage() {
       break
     fi
   done
+  while kill -0 -- "-$child" 2>/dev/null; do
+    sleep 1
+  done
   child=0
   timings+=("$(printf '%-14s %7ss  %s' "$name" "$((SECONDS - start))" "$output")")
+  if [[ "$rc" -ne 0 && "$stopping" -eq 1 ]]; then
+    echo "== stopped during $name; run again to continue" >&2
+    exit 143
+  fi
   if [[ "$rc" -ne 0 ]]; then
     echo "== $name failed (exit $rc)" >&2
     exit "$rc"
@@ -111,10 +124,11 @@ stage train "$RUN_DIR/ckpt/global_step$TRAIN_ITERS/dsgpt2_complete.json" \
   TR_RATIO="$TR_RATIO" CKPT_DIR="$RUN_DIR/ckpt" WORKSPACE="$RUN_DIR/train" LAUNCHER="$LAUNCHER" \
   bash "$here/train_model.sh" "${train_extra[@]}"
 
-stage export "$RUN_DIR/model/config.json" \
+# Per TRAIN_ITERS: a longer run is exported and evaluated again.
+stage export "$stages/export-$TRAIN_ITERS.done" \
   dsgpt2 export --ckpt_dir "$RUN_DIR/ckpt" --out "$RUN_DIR/model"
 
-stage evaluate "$RUN_DIR/eval/sample.txt" \
+stage evaluate "$stages/evaluate-$TRAIN_ITERS.done" \
   env MODEL_DIR="$RUN_DIR/model" REPORT="$RUN_DIR/eval/report.json" SAMPLE_OUT="$RUN_DIR/eval/sample.txt" \
   PROMPT="$PROMPT" bash "$here/evaluate.sh" --no-progress
 

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import os
+import signal
+import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import make_config
 from dsgpt2.data import (
@@ -143,6 +147,26 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
     rows = [streaming["train"][c] for c in sorted({c for _, c, _ in batch.block_ids})]
     expected = np.concatenate([r.loss for r in rows])[: len(batch.labels)]
     assert np.array_equal((batch.labels.numpy() != -100), expected)
+
+
+class _Pids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(0.2)
+        return os.getpid()
+
+
+def test_loader_workers_outlive_a_group_sigterm() -> None:
+    """A SIGTERM to the whole process group leaves the rank's workers to it: the rank saves first."""
+    from dsgpt2.data import _loader
+
+    it = iter(_loader(_Pids(), range(6), workers=1, prefetch=1))
+    worker = next(it)
+    assert worker != os.getpid()
+    os.kill(worker, signal.SIGTERM)
+    assert list(it) == [worker] * 5
 
 
 def test_index_state_does_not_grow_with_the_corpus() -> None:

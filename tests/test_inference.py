@@ -176,6 +176,10 @@ def test_evaluate_bad_input_is_one_line(
         capsys, "evaluate", "--model", str(models["lm"]), "--config", config, "--start", "1000000000"
     )
     assert "--start" in line
+    line = _error_line(
+        capsys, "evaluate", "--model", str(models["lm"]), "--config", config, "--report", str(tmp_path)
+    )
+    assert "is a directory" in line
 
 
 def test_generation_is_deterministic_per_seed_and_bounded(models: dict[str, Path]) -> None:
@@ -231,10 +235,20 @@ def test_generate_cli(models: dict[str, Path], tmp_path: Path) -> None:
 
 def test_generate_bad_input_is_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     model = ("generate", "--model", str(models["lm"]))
-    assert "temperature must be a number" in _error_line(capsys, *model, "--temperature", "-1", "x")
+    assert "temperature must be 0 or a number" in _error_line(capsys, *model, "--temperature", "-1", "x")
+    assert "num_samples > 1" in _error_line(capsys, *model, "--temperature", "0", "--num_samples", "2", "x")
     assert "context of 64 tokens" in _error_line(capsys, *model, "--max_new_tokens", "64", "x")
     assert "PROMPT" in _error_line(capsys, *model)
     assert "top_p" in _error_line(capsys, *model, "--top_p", "0", "x")
+
+
+def test_generate_unreadable_prompts_file(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    line = _error_line(capsys, "generate", "--model", str(models["lm"]), "--prompts_file", str(bad))
+    assert "cannot read it as UTF-8" in line
 
 
 def test_finetuning_lowers_the_reply_loss(models: dict[str, Path]) -> None:

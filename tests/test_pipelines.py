@@ -102,6 +102,8 @@ def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_p
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
     assert "stopped after train" in log.read_text()
+    assert not (run / "stages" / "export-100000.done").exists()  # stopped: nothing after training ran
+    assert (run / "stages" / "export-12.done").exists()
     latest = (run / "ckpt" / "latest").read_text()
     assert int(latest.removeprefix("global_step")) > 12
     assert (run / "ckpt" / latest / "dsgpt2_complete.json").is_file()

@@ -80,7 +80,12 @@ def test_both_endpoints_answer(server: str) -> None:
         ("post", {"prompt": "hi", "max_new_tokens": 10**12}, "more than this server allows"),
         ("get", {"sentence": "hi", "temperature": "hot"}, "temperature must be a number"),
         ("post", {"prompt": "hi", "temperature": "hot"}, "temperature must be a number"),
-        ("get", {"sentence": "hi", "temperature": "nan"}, "temperature must be a number"),
+        ("get", {"sentence": "hi", "temperature": "nan"}, "temperature must be 0 or a number in [0.01"),
+        ("post", {"prompt": "hi", "temperature": 1e-45}, "temperature must be 0 or a number in [0.01"),
+        ("get", {"sentence": "hi", "max_new_tokens": "--5"}, "max_new_tokens must be an integer"),
+        ("get", {"sentence": "hi", "max_new_tokens": "²"}, "max_new_tokens must be an integer"),
+        ("get", {"sentence": "hi", "seed": "9" * 5000}, "seed must be an integer"),
+        ("post", {"prompt": "hi", "temperature": 0, "num_samples": 2}, "num_samples > 1 needs sampling"),
         ("post", {"prompt": "hi", "top_p": 7}, "top_p must be a number in (0.0, 1.0]"),
         ("post", {"prompt": "hi", "max_new_tokens": -3}, "max_new_tokens must be an integer"),
         ("post", {"prompt": "hi", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
@@ -103,9 +108,11 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
 
 
 def test_malformed_bodies_get_400(server: str) -> None:
-    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b""):
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 50_000):
         r = httpx.post(f"{server}/generate", content=body, timeout=10)
         assert r.status_code == 400, body
+    r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=10)
+    assert r.status_code == 400 and "invalid text" in r.json()["error"]
     r = httpx.post(f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=10)
     assert r.status_code == 413
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
