@@ -352,15 +352,42 @@ def _collate(item: Chunk) -> Chunk:
 def _ignore_sigterm(worker_id: int) -> None:
     # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler) must let the
     # rank finish its step and save: a worker dying first would fail that step instead. Workers
-    # stop when their rank shuts the loader down, or exits.
+    # stop when their rank shuts the loader down, or exits (see _kill_workers_at_exit).
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+_exit_hook = False
+
+
+def _kill_workers_at_exit() -> None:
+    """Kill the loader workers still alive when this process exits.
+
+    multiprocessing ends daemonic children with SIGTERM and then waits for them, which workers
+    that ignore SIGTERM would never answer. Registered after multiprocessing's own exit hook,
+    this one runs first.
+    """
+    import multiprocessing
+    import signal
+
+    # torch's SIGCHLD handler would report each killed worker as a failure.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
+
+
 def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> DataLoader:
+    global _exit_hook
     extra: dict[str, Any] = {}
     if workers > 0:
+        if not _exit_hook:
+            import atexit
+
+            atexit.register(_kill_workers_at_exit)
+            _exit_hook = True
         extra = {
             "multiprocessing_context": "fork",
             "prefetch_factor": prefetch,
