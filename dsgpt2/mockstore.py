@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import struct
 import tempfile
 import threading
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,7 @@ from typing import Any
 
 import bson
 import mongomock
+from bson.raw_bson import RawBSONDocument
 from mongomock import helpers as _mm_helpers
 from mongomock.collection import Collection as _MockCollection
 from mongomock.store import ServerStore
@@ -46,6 +48,7 @@ FAULT_ENV = "DSGPT2_MOCKSTORE_FAULT"
 def client_for(uri: str) -> mongomock.MongoClient:
     """A mongomock client on the store that ``uri`` names, loading its file if it changed."""
     _install_fast_unique_inserts()
+    _install_pymongo_checks()
     _install_faults(os.environ.get(FAULT_ENV, ""))
     path = store_path(uri)
     if path is None:
@@ -254,3 +257,114 @@ def _install_faults(spec: str) -> None:
 
     _MockCollection.find = find
     _MockCollection._dsgpt2_faults = True
+
+
+# mongomock accepts what pymongo refuses before anything reaches a server (a numpy integer as
+# a batch size or inside a filter) and cannot hand back raw BSON. The checks below make the
+# in-process store refuse and answer as pymongo does, so that the default test suite runs the
+# code path a real server takes.
+_CHECKED_METHODS = (
+    "find", "find_one", "count_documents", "insert_one", "insert_many", "update_one",
+    "update_many", "replace_one", "delete_one", "delete_many", "create_index",
+)  # fmt: skip
+
+
+def _check_encodable(value: Any) -> None:
+    """Raise :class:`bson.errors.InvalidDocument` where pymongo would not encode ``value``."""
+    if isinstance(value, dict):
+        try:
+            bson.encode(value)
+        except UnicodeEncodeError:
+            # Lone surrogates: the tests store them to stand for invalid UTF-8 that a real
+            # server holds (inserted raw); they are decoded as such below.
+            pass
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_encodable(item)
+
+
+def _install_pymongo_checks() -> None:
+    with _patch_lock:
+        if getattr(_MockCollection, "_dsgpt2_checked", False):
+            return
+        from mongomock.collection import Cursor
+
+        def checked(original: Any) -> Any:
+            def method(self: _MockCollection, *args: Any, **kwargs: Any) -> Any:
+                for value in (*args, *kwargs.values()):
+                    _check_encodable(value)
+                return original(self, *args, **kwargs)
+
+            return method
+
+        for name in _CHECKED_METHODS:
+            setattr(_MockCollection, name, checked(getattr(_MockCollection, name)))
+
+        original_batch_size = Cursor.batch_size
+
+        def batch_size(self: Any, count: Any) -> Any:
+            # pymongo's own check (cursor.batch_size): a numpy integer is not an int.
+            if not isinstance(count, int):
+                raise TypeError(f"batch_size must be an integer, not {type(count)}")
+            if count < 0:
+                raise ValueError("batch_size must be >= 0")
+            return original_batch_size(self, count)
+
+        original_with_options = _MockCollection.with_options
+
+        def with_options(self: _MockCollection, codec_options: Any = None, **kwargs: Any) -> Any:
+            if codec_options is not None and codec_options.document_class is RawBSONDocument:
+                return _RawCollection(original_with_options(self, **kwargs))
+            return original_with_options(self, codec_options, **kwargs)
+
+        Cursor.batch_size = batch_size
+        _MockCollection.with_options = with_options
+        _MockCollection._dsgpt2_checked = True
+
+
+class _RawCollection:
+    """A collection whose finds yield :class:`RawBSONDocument`, as pymongo's raw codec does."""
+
+    def __init__(self, coll: _MockCollection) -> None:
+        self._coll = coll
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._coll, name)
+
+    def find(self, *args: Any, **kwargs: Any) -> _RawCursor:
+        return _RawCursor(self._coll.find(*args, **kwargs))
+
+
+class _RawCursor:
+    def __init__(self, cursor: Any) -> None:
+        self._cursor = cursor
+
+    def batch_size(self, count: int) -> _RawCursor:
+        self._cursor.batch_size(count)
+        return self
+
+    def __iter__(self) -> Iterator[RawBSONDocument]:
+        return (to_raw(doc) for doc in self._cursor)
+
+
+def to_raw(doc: dict[str, Any]) -> RawBSONDocument:
+    """``doc`` as the raw BSON a server sends; a string with lone surrogates becomes the invalid
+    UTF-8 bytes they stand for (surrogateescape), as a server holding such bytes would send."""
+    try:
+        return RawBSONDocument(bson.encode(doc))
+    except UnicodeEncodeError:
+        pass
+    bad = {k: v for k, v in doc.items() if isinstance(v, str) and not _utf8_ok(v)}
+    body = bson.encode({k: v for k, v in doc.items() if k not in bad})[4:-1]
+    for key, text in bad.items():
+        data = text.encode("utf-8", "surrogateescape")
+        body += b"\x02" + key.encode() + b"\x00" + struct.pack("<i", len(data) + 1) + data + b"\x00"
+    return RawBSONDocument(struct.pack("<i", len(body) + 5) + body + b"\x00")
+
+
+def _utf8_ok(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

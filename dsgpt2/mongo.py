@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import operator
 import os
 import random
 import time
@@ -303,9 +304,8 @@ class MongoWrapper:
 
     def __getitem__(self, index: int) -> Any:
         """The text (or turns) of document ``index``, or None when it is bad (counted in ``skipped``)."""
+        index = self._normalize(operator.index(index))
         pos, local = self.locate(index)
-        if index < 0:
-            index += len(self)
         found = self._query(pos, {"idx": local})
         doc = found.get(local)
         return self._check(index, pos, local, doc)
@@ -317,7 +317,8 @@ class MongoWrapper:
         indices are consecutive, ``$in`` otherwise. Bad documents are left out
         and counted in ``skipped`` (or raise in strict mode).
         """
-        wanted = [self._normalize(i) for i in indices]
+        # operator.index: numpy integers become ints, which pymongo can encode.
+        wanted = [self._normalize(operator.index(i)) for i in indices]
         by_coll: dict[int, set[int]] = {}
         for i in wanted:
             pos, local = self.locate(i)
@@ -340,7 +341,7 @@ class MongoWrapper:
 
     def get_range(self, start: int, stop: int) -> list[Doc]:
         """The usable documents with global index in ``[start, stop)``, in order."""
-        start, stop = max(0, start), min(len(self), stop)
+        start, stop = max(0, operator.index(start)), min(len(self), operator.index(stop))
         out: list[Doc] = []
         while start < stop:
             pos, lo = self.locate(start)
@@ -367,13 +368,10 @@ class MongoWrapper:
 
     def _query(self, pos: int, filt: dict[str, Any], batch: int = 1) -> dict[int, dict[str, Any]]:
         name = self.collections[pos]
-        coll = self._conn.db[name]
+        # Raw documents, decoded one by one below: a single document with
+        # undecodable UTF-8 must not fail the whole batch.
+        coll = self._conn.db[name].with_options(codec_options=_RAW)
         projection = {"_id": 0, "idx": 1, self.field: 1}
-
-        if not self.config.is_mock:
-            # Raw documents, decoded one by one below: a single document with
-            # undecodable UTF-8 must not fail the whole batch.
-            coll = coll.with_options(codec_options=_RAW)
 
         def run() -> list[Any]:
             # One batch for the whole answer: no getMore round trip under 16 MB.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from dsgpt2 import mockstore
 from dsgpt2.config import MongoConfig, config_from_dict
 from dsgpt2.mongo import Connection
+from wire_server import WireServer, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,3 +106,28 @@ def tiny_export(out: Path, texts: list[str], context: int = 64) -> Path:
     GPT2LMHeadModel(config).save_pretrained(str(out / "model"))
     tok.save_pretrained(str(out / "model"))
     return out / "model"
+
+
+ENV_SERVER = "DSGPT2_TEST_MONGO_URI"
+
+
+@pytest.fixture(scope="session")
+def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer]:
+    """The wire-protocol test server (see tests/wire_server.py), shared by the session."""
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    server = WireServer(tmp_path_factory.mktemp("wire") / "db.sqlite").start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture(scope="module", params=["wire", "env"])
+def server_uri(request: pytest.FixtureRequest) -> str:
+    """The URI of each real server there is: the wire test server, and the one $DSGPT2_TEST_MONGO_URI names."""
+    if request.param == "env":
+        uri = os.environ.get(ENV_SERVER, "")
+        if not uri:
+            pytest.skip(f"no MongoDB server named by {ENV_SERVER} (e.g. the compose stack)")
+        return uri
+    return str(request.getfixturevalue("wire_server").uri())
