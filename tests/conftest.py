@@ -124,7 +124,7 @@ def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer
 
 @pytest.fixture(scope="module", params=["wire", "env"])
 def server_uri(request: pytest.FixtureRequest) -> str:
-    """The URI of each real server there is: the wire test server, and the one $DSGPT2_TEST_MONGO_URI names."""
+    """Each real server there is: the wire test server, and the one $DSGPT2_TEST_MONGO_URI names."""
     if request.param == "env":
         uri = os.environ.get(ENV_SERVER, "")
         if not uri:

@@ -183,7 +183,8 @@ def test_vocab_download_and_train_from_the_cli(corpus: Corpus) -> None:
                        "--vocab-size", "400", "--no-progress")  # fmt: skip
     assert train.returncode == 0, train.stderr
     streamed = corpus.cli("vocab", "train", "--from-mongo", "--config", str(corpus.config),
-                          "--out", str(corpus.base / "tok"), "--vocab-size", "400", "--no-progress")  # fmt: skip
+                          "--out", str(corpus.base / "tok"), "--vocab-size", "400",
+                          "--no-progress")  # fmt: skip
     assert streamed.returncode == 0, streamed.stderr
     # The same texts, from the shards or straight from the server: the same vocabulary.
     assert (corpus.base / "tok" / "vocab.json").read_text() == (

@@ -16,6 +16,7 @@ process (any Python): start, SIGKILL, SIGSTOP/SIGCONT, restart on the same port 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -65,8 +66,7 @@ class WireServer:
 
     def uri(self, user: str = USER, password: str = PASSWORD) -> str:
         return (
-            f"mongodb://{user}:{password}@127.0.0.1:{self.port}/"
-            "?authSource=admin&authMechanism=SCRAM-SHA-256"
+            f"mongodb://{user}:{password}@127.0.0.1:{self.port}/?authSource=admin&authMechanism=SCRAM-SHA-256"
         )
 
     @property
@@ -198,10 +198,8 @@ class Proxy:
             pass
         finally:
             for s in (src, dst):
-                try:
+                with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def close(self) -> None:
         self._closed = True
