@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,7 @@ from dsgpt2.documents import SkipTally
 from dsgpt2.errors import BadDocumentError, IngestError
 from dsgpt2.mongo import (
     Connection,
+    database_errors,
     ensure_idx_index,
     insert_batch,
     max_idx,
@@ -141,14 +143,23 @@ def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
 
 
 def open_text(path: Path) -> TextIO:
-    """Open a text file, gunzipping it when it is gzip; undecodable bytes become U+FFFD."""
+    """Open a text file, gunzipping it when it is gzip; undecodable bytes become U+FFFD.
+
+    A byte-order mark at the start is dropped (``utf-8-sig``): spreadsheet programs write one
+    before a CSV header.
+    """
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
     try:
         raw = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115
     except OSError as exc:
         raise IngestError(f"cannot read {str(path)!r}: {exc}") from None
-    return io.TextIOWrapper(raw, encoding="utf-8", errors="replace", newline="")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline="")
+
+
+# What reading a damaged file raises: a truncated gzip (EOFError), a bad CRC or header
+# (gzip.BadGzipFile, an OSError), damaged deflate data (zlib.error), a malformed CSV.
+DAMAGED_INPUT = (EOFError, OSError, zlib.error, csv.Error)
 
 
 def _read_text(path: Path, split: str) -> Iterator[Any]:
@@ -175,7 +186,8 @@ def _json_lines(path: Path) -> Iterator[Any]:
                 continue
             try:
                 yield json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
+                # RecursionError: nesting deeper than the parser's stack (e.g. 100,000 "[").
                 yield BadRecord("bad_json")
 
 
@@ -335,11 +347,12 @@ def ingest(
         raise IngestError(f"--batch-size must be positive; got {batch_size}")
     started = time.monotonic()
     coll = conn.db[collection]
-    with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
-    reports = []
-    for source in sources:
-        reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress))
-    top = max_idx(coll)
+    with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
+        with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
+        reports = []
+        for source in sources:
+            reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress))
+        top = max_idx(coll)
     count = 0 if top is None else top + 1
     return IngestReport(collection, reports, count, time.monotonic() - started)
 
@@ -380,10 +393,19 @@ def _ingest_source(
 
     batch: list[dict[str, Any]] = []
     pos = -1
+    damage: BaseException | None = None
     # disable=None: no bar when stderr is not a terminal (logs, CI).
     bar = tqdm(desc=source.label[:40], unit="doc", disable=None if progress else True, initial=start)
+    records = enumerate(source.read())
     try:
-        for pos, record in enumerate(source.read()):
+        while True:
+            try:
+                pos, record = next(records)
+            except StopIteration:
+                break
+            except DAMAGED_INPUT as exc:
+                damage = exc  # what was read before it still lands, below
+                break
             if pos < start:
                 continue
             report.read += 1
@@ -401,7 +423,13 @@ def _ingest_source(
             if len(batch) >= batch_size:
                 _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx)
                 batch = []
-        _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx)
+        _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx)
+        if damage is not None:
+            raise IngestError(
+                f"{source.label}: the file is damaged after record {pos + 1} "
+                f"({type(damage).__name__}: {str(damage).strip() or 'no detail'}); the records before it "
+                "are ingested; repair or replace the file and re-run the same command to resume"
+            )
         _record(
             conn, collection, source, report, records=max(pos + 1, start), idx_end=next_idx, complete=True
         )

@@ -70,7 +70,11 @@ def save(uri: str) -> None:
     store, _ = _FILES[path]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        fd, tmp = tempfile.mkstemp(prefix=".snapshot-", dir=os.path.dirname(path))
+        prefix = _snapshot_prefix(path)
+        # Under the lock, a leftover snapshot is a writer killed before its rename: remove it.
+        for stale in Path(path).parent.glob(prefix + "*"):
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 for record in _dump(store):
@@ -83,6 +87,10 @@ def save(uri: str) -> None:
                 os.unlink(tmp)
             raise
     _FILES[path] = (store, _stamp(path))
+
+
+def _snapshot_prefix(path: str) -> str:
+    return f".{os.path.basename(path)}.snapshot-"
 
 
 def reset(uri: str | None = None) -> None:

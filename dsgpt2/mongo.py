@@ -6,6 +6,7 @@ This is the only module (with :mod:`dsgpt2.mockstore`) that talks to pymongo.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import operator
 import os
@@ -100,6 +101,21 @@ def with_retries(
             )  # fmt: skip
             sleep(delay)
             attempt += 1
+
+
+@contextlib.contextmanager
+def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[None]:
+    """Turn a pymongo error raised inside into one line naming the host (never the password).
+
+    Raises:
+        MongoUnavailableError: for any pymongo error (after whatever retries ran inside).
+    """
+    try:
+        yield
+    except PyMongoError as exc:
+        raise MongoUnavailableError(
+            f"{what} failed on MongoDB at {config.hosts}: {config.scrub(_first_line(exc))}; {advice}"
+        ) from None
 
 
 class Connection:

@@ -15,6 +15,8 @@ speaker, then ``<unused0>``... reserved for later use.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -138,43 +140,52 @@ def download(
         "shards": [list(r) for r in ranges],
     }
     out.mkdir(parents=True, exist_ok=True)
-    manifest = _read_manifest(out)
-    if manifest and manifest.get("plan") != plan:
-        if not overwrite:
-            raise ConfigError(
-                f"{out} holds shards of a different download (other collections, counts, sample or "
-                f"shard layout); pass --overwrite to replace them, or choose another --out"
-            )
-        for old in out.glob("shard-*.jsonl"):
-            old.unlink()
-        manifest = None
-    manifest = manifest or {"plan": plan, "done": {}}
-    report = DownloadReport(out, len(ranges))
-    pending = []
-    for k, (start, stop) in enumerate(ranges):
-        done = manifest["done"].get(str(k))
-        if done and _shard_path(out, k).exists():
-            report.already_done += 1
-            report.documents += done["documents"]
-            report.bytes += done["bytes"]
-            report.skipped.update(done["skipped"])
-        else:
-            pending.append((config, wrapper.counts, k, start, stop, p, seed, str(_shard_path(out, k)), chunk))
-    bar = tqdm(total=total, unit="doc", desc="vocab download", disable=None if progress else True)
-    bar.update(sum(stop - start for k, (start, stop) in enumerate(ranges) if str(k) in manifest["done"]))
-    try:
-        for k, stats in _run(pending, workers):
-            manifest["done"][str(k)] = stats
-            _write_json(out / MANIFEST, manifest)
-            report.written += 1
-            report.documents += stats["documents"]
-            report.bytes += stats["bytes"]
-            report.skipped.update(stats["skipped"])
-            bar.update(ranges[k][1] - ranges[k][0])
-    finally:
-        bar.close()
-    report.seconds = time.monotonic() - started
-    return report
+    with _exclusive(out):
+        # Nobody else writes here (we hold the lock): a temporary shard is a worker killed mid-write.
+        for stale in out.glob(".shard-*"):
+            stale.unlink(missing_ok=True)
+        manifest = _read_manifest(out)
+        if manifest and manifest.get("plan") != plan:
+            if not overwrite:
+                raise ConfigError(
+                    f"{out} holds shards of a different download (other collections, counts, sample or "
+                    f"shard layout); pass --overwrite to replace them, or choose another --out"
+                )
+            for old in out.glob("shard-*.jsonl"):
+                old.unlink()
+            manifest = None
+        manifest = manifest or {"plan": plan, "done": {}}
+        report = DownloadReport(out, len(ranges))
+        pending = []
+        for k, (start, stop) in enumerate(ranges):
+            done = manifest["done"].get(str(k))
+            if done and not shard_intact(_shard_path(out, k), done):
+                log.warning("%s is missing, truncated or changed: writing it again", _shard_path(out, k))
+                del manifest["done"][str(k)]
+                done = None
+            if done:
+                report.already_done += 1
+                report.documents += done["documents"]
+                report.bytes += done["bytes"]
+                report.skipped.update(done["skipped"])
+            else:
+                path = str(_shard_path(out, k))
+                pending.append((config, wrapper.counts, k, start, stop, p, seed, path, chunk))
+        bar = tqdm(total=total, unit="doc", desc="vocab download", disable=None if progress else True)
+        bar.update(sum(stop - start for k, (start, stop) in enumerate(ranges) if str(k) in manifest["done"]))
+        try:
+            for k, stats in _run(pending, workers):
+                manifest["done"][str(k)] = stats
+                _write_json(out / MANIFEST, manifest)
+                report.written += 1
+                report.documents += stats["documents"]
+                report.bytes += stats["bytes"]
+                report.skipped.update(stats["skipped"])
+                bar.update(ranges[k][1] - ranges[k][0])
+        finally:
+            bar.close()
+        report.seconds = time.monotonic() - started
+        return report
 
 
 def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -191,9 +202,10 @@ def _download_shard(task: tuple[Any, ...]) -> tuple[int, dict[str, Any]]:
     config, counts, k, start, stop, fraction, seed, path, chunk = task
     wrapper = MongoWrapper(config, counts=counts)
     documents = size = 0
+    digest = hashlib.sha256()
     fd, tmp = tempfile.mkstemp(prefix=".shard-", dir=os.path.dirname(path))
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             for lo in range(start, stop, chunk):
                 hi = min(lo + chunk, stop)
                 wanted = select(lo, hi, fraction, seed)
@@ -201,17 +213,52 @@ def _download_shard(task: tuple[Any, ...]) -> tuple[int, dict[str, Any]]:
                     wrapper.get_range(lo, hi) if len(wanted) == hi - lo else wrapper.get_many(wanted.tolist())
                 )
                 for d in docs:
-                    line = json.dumps({"idx": d.index, "text": d.text}, ensure_ascii=False)
-                    f.write(line + "\n")
+                    line = json.dumps({"idx": d.index, "text": d.text}, ensure_ascii=False) + "\n"
+                    data = line.encode("utf-8")
+                    f.write(data)
+                    digest.update(data)
                     documents += 1
                     size += utf8_length(d.text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     finally:
         wrapper.connection.close()
-    return k, {"documents": documents, "bytes": size, "skipped": dict(wrapper.skipped)}
+    stats = {"documents": documents, "bytes": size, "skipped": dict(wrapper.skipped)}
+    return k, {**stats, "file_bytes": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def shard_intact(path: Path, done: dict[str, Any]) -> bool:
+    """Whether the shard at ``path`` is the one the manifest entry ``done`` recorded."""
+    try:
+        if path.stat().st_size != done.get("file_bytes"):
+            return False
+    except FileNotFoundError:
+        return False
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest() == done.get("sha256")
+
+
+@contextlib.contextmanager
+def _exclusive(out: Path) -> Iterator[None]:
+    """Hold the download lock of ``out``: one download at a time writes a shard directory."""
+    import fcntl
+
+    with open(out / ".lock", "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another `vocab download` is writing to {out}; wait for it to end") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _read_manifest(out: Path) -> dict[str, Any] | None:
@@ -274,6 +321,7 @@ def shard_texts(
     files = sorted(directory.glob("shard-*.jsonl"))
     if not files:
         raise ConfigError(f"no shard-*.jsonl files in {directory}; run `dsgpt2 vocab download` first")
+    _check_download(directory)
     skipped = SkipTally() if skipped is None else skipped
     for path in files:
         with open(path, encoding="utf-8") as f:
@@ -288,6 +336,22 @@ def shard_texts(
                     skipped[reason] += 1
                     continue
                 yield text
+
+
+def _check_download(directory: Path) -> None:
+    """Refuse shards of an unfinished download, or ones cut short since (sizes in the manifest)."""
+    manifest = _read_manifest(directory)
+    if manifest is None:
+        return
+    planned, done = len(manifest["plan"]["shards"]), manifest["done"]
+    rerun = "re-run `dsgpt2 vocab download` with the same options to finish it"
+    if len(done) < planned:
+        raise ConfigError(f"{directory}: the download is unfinished ({len(done)}/{planned} shards); {rerun}")
+    for k, entry in done.items():
+        path = _shard_path(directory, int(k))
+        size = path.stat().st_size if path.exists() else None
+        if size != entry.get("file_bytes", size):
+            raise ConfigError(f"{path} is missing or not the size the download wrote; {rerun}")
 
 
 def mongo_texts(

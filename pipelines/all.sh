@@ -111,7 +111,7 @@ if [[ -n "$SAMPLE" ]]; then
   stage ingest "$stages/ingest.done" dsgpt2 "${ingest_args[@]}"
 fi
 
-stage vocab-download "$RUN_DIR/vocab_corpus/manifest.json" \
+stage vocab-download "$stages/vocab-download.done" \
   env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" bash "$here/download_vocab.sh" --no-progress
 
 stage vocab-train "$RUN_DIR/tokenizer/tokenizer.json" \
