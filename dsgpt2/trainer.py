@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,9 @@ class Trainer:
             args.workspace.mkdir(parents=True, exist_ok=True)
             blocks_log = open(args.workspace / f"block_ids_rank{self.rank}.jsonl", "a")  # noqa: SIM115
         it = iter(stream)
+        # The state and data position after the last whole step: what a checkpoint written
+        # when the database goes away mid-accumulation must hold.
+        boundary = (replace(state), stream.position)
         try:
             while state.step < args.train_iters and not self.stop_requested:
                 self.engine.train()
@@ -363,6 +366,7 @@ class Trainer:
                     if args.log_block_ids:
                         ids.extend(batch.block_ids)
                 state.step += 1
+                boundary = (replace(state), stream.position)
                 loss_value = sum(losses) / len(losses)
                 elapsed = max(time.monotonic() - started, 1e-9)
                 tps = (state.tokens - start_tokens) / elapsed
@@ -412,9 +416,9 @@ class Trainer:
             # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
             reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
             saved = ""
-            if state.step > start_step:
-                self.save(state, stream.position)
-                saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+            if boundary[0].step > start_step:
+                self.save(*boundary)
+                saved = f"; a checkpoint at step {boundary[0].step} was saved: re-run to resume"
             raise TrainingAborted(f"{reason}{saved}") from None
         finally:
             if bar is not None:
