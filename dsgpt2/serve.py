@@ -21,7 +21,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -162,11 +162,17 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
     import json
 
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return JSONResponse({"error": f"request body over {max_bytes} bytes"}, status_code=413)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                return JSONResponse({"error": f"request body over {max_bytes} bytes"}, status_code=413)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Nobody is left to answer; the other requests go on.
+        peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.warning("%s disconnected after %d bytes of its request body; request dropped", peer, size)
+        return JSONResponse({"error": "client disconnected"}, status_code=400)
     try:
         body = json.loads(b"".join(chunks) or b"null")
     except (ValueError, UnicodeDecodeError, RecursionError):

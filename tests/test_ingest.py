@@ -253,3 +253,76 @@ def test_sample_ingest(sample_texts: list[str]) -> None:
     report = ingest(conn, "a", [sample_source("stdlib", limit=300)], batch_size=100)
     assert report.inserted == 300
     assert _texts(conn)[:3] == [clean_text(t) for t in sample_texts[:3]]
+
+
+def test_hostile_jsonl_bom_csv_and_bad_bytes_are_skipped_or_read(tmp_path: Path) -> None:
+    deep = '{"text": "x", "y": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    j = tmp_path / "deep.jsonl"
+    j.write_text("\n".join(['{"text": "before"}', deep, '{"text": "after"}']) + "\n")
+    c = tmp_path / "excel.csv"
+    c.write_bytes("\ufefftext,id\nfirst row,1\nsecond row,2\n".encode())  # a spreadsheet's BOM
+    t = tmp_path / "latin1.txt"
+    t.write_bytes("caf\xe9 au lait\nplain line\n".encode("latin-1"))
+    conn = _conn()
+    report = ingest(conn, "a", [file_source(j), file_source(c), file_source(t)])
+    assert dict(report.sources[0].skipped) == {"bad_json": 1}
+    assert _texts(conn) == ["before", "after", "first row", "second row", "caf\ufffd au lait", "plain line"]
+    _assert_contiguous(conn)
+
+
+def _gzip_lines(path: Path, n: int) -> bytes:
+    # Incompressible-ish lines, so that the damage lands well inside the stream.
+    import random
+
+    rng = random.Random(0)
+    data = "".join(f"line {i} {rng.getrandbits(128):032x}\n" for i in range(n)).encode()
+    path.write_bytes(gzip.compress(data))
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "crc"])
+def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path, damage: str) -> None:
+    n = 5000
+    f = tmp_path / "lines.txt.gz"
+    good = _gzip_lines(f, n)
+    if damage == "truncated":
+        f.write_bytes(good[: len(good) // 2])
+    else:
+        f.write_bytes(good[:-8] + bytes(b ^ 0xFF for b in good[-8:-4]) + good[-4:])  # the CRC32 trailer
+    cfg, store = store_config(tmp_path)
+    args = ["ingest", "--config", str(cfg), "--batch-size", "300", "--no-progress", str(f)]
+    from conftest import run_cli
+
+    first = run_cli(*args)
+    assert first.returncode == 2, first.stderr
+    assert "Traceback" not in first.stderr
+    line = first.stderr.strip().splitlines()[-1]
+    assert "lines.txt.gz" in line and "damaged after record" in line and "re-run" in line
+    read = int(line.split("damaged after record ")[1].split(" ")[0])
+    mockstore.reset()
+    conn = Connection(
+        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
+    )
+    expected = [f"line {i} " for i in range(read)]
+    texts = _texts(conn)
+    assert [t[: len(e)] for t, e in zip(texts, expected, strict=True)] == expected
+    assert read == (n if damage == "crc" else len(texts)) and 0 < len(texts) <= n
+    # Re-run on the same damaged file: the same line, nothing inserted twice.
+    again = run_cli(*args)
+    assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == line
+    mockstore.reset()
+    assert _texts(Connection(conn.config)) == texts
+    _assert_contiguous(Connection(conn.config))
+    assert not list(tmp_path.glob(".*snapshot-*"))
+
+
+def test_a_killed_writers_snapshot_leftover_is_removed(tmp_path: Path) -> None:
+    _, store = store_config(tmp_path)
+    leftover = tmp_path / f".{store.name}.snapshot-dead1234"
+    leftover.write_bytes(b"half a snapshot")
+    conn = Connection(
+        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
+    )
+    ingest(conn, "a", [file_source(_lines(tmp_path, 10))])
+    assert not leftover.exists()
+    assert not [p.name for p in tmp_path.iterdir() if "snapshot" in p.name]

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -24,6 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+LOGS: dict[str, Path] = {}  # server URL → its log file
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
     base = tmp_path_factory.mktemp("serve")
@@ -36,6 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) ->
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    LOGS[url] = base / "server.log"
     deadline = time.monotonic() + 90
     while True:
         try:
@@ -115,6 +120,25 @@ def test_malformed_bodies_get_400(server: str) -> None:
     assert r.status_code == 400 and "invalid text" in r.json()["error"]
     r = httpx.post(f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=10)
     assert r.status_code == 413
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
+    log = LOGS[server]
+    before = log.stat().st_size
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
+        )
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "disconnected" not in log.read_text()[before:] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    added = log.read_text()[before:]
+    assert "disconnected after" in added and "request dropped" in added, added
+    assert "Traceback" not in added and "Exception in ASGI application" not in added, added
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
 
 

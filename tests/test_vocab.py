@@ -155,8 +155,38 @@ def test_download_is_resumable_and_complete(tmp_path: Path, monkeypatch: pytest.
         assert (out / name).read_text() == (straight / name).read_text()
     ids = [r["idx"] for r in _records(out)]
     assert ids == list(range(1200))
+    assert not list(out.glob(".shard-*"))  # the killed worker's leftover is gone
     again = download(conn.config, out, workers=2, shards=5, chunk=100, progress=False)
     assert (again.already_done, again.written, again.documents) == (5, 0, 1200)
+
+    # A finished shard cut short (or edited) since: training refuses it, a re-run rewrites it.
+    shard = out / "shard-00003.jsonl"
+    shard.write_bytes(shard.read_bytes()[:-500])
+    with pytest.raises(ConfigError, match=r"shard-00003\.jsonl is missing or not the size"):
+        list(shard_texts(out))
+    redo = download(conn.config, out, workers=1, shards=5, chunk=100, progress=False)
+    assert (redo.already_done, redo.written) == (4, 1)
+    assert shard.read_text() == (straight / shard.name).read_text()
+    edited = shard.read_bytes().replace(b'"idx"', b'"IDX"', 1)  # same size, other content
+    shard.write_bytes(edited)
+    assert download(conn.config, out, workers=1, shards=5, chunk=100, progress=False).written == 1
+    assert shard.read_text() == (straight / shard.name).read_text()
+
+
+def test_training_refuses_an_unfinished_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    conn = _sample_conn(limit=300)
+    real = vocab_mod._download_shard
+
+    def crash_after_one(task):
+        if task[2] == 1:
+            raise KeyboardInterrupt
+        return real(task)
+
+    monkeypatch.setattr(vocab_mod, "_download_shard", crash_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        download(conn.config, tmp_path, workers=1, shards=3, chunk=100, progress=False)
+    with pytest.raises(ConfigError, match=r"unfinished \(1/3 shards\)"):
+        list(shard_texts(tmp_path))
 
 
 def test_sampling_is_deterministic_per_seed(tmp_path: Path) -> None:
