@@ -283,3 +283,27 @@ def test_record_eval_stores_once_and_explains_a_refused_write(monkeypatch: pytes
     monkeypatch.setattr(type(conn.db[EVAL_RESULTS]), "replace_one", refuse)
     with pytest.raises(MongoUnavailableError, match="readWrite"):
         record_eval(conn, {"model": "m"})
+
+
+def test_the_test_store_refuses_what_pymongo_refuses_and_the_wrapper_sends_ints() -> None:
+    import bson
+    import numpy as np
+
+    conn = Connection(make_config(["a"]))
+    seed(conn, "a", [f"text {i}" for i in range(30)])
+    coll = conn.db["a"]
+    # What pymongo refuses before anything reaches a server, the in-process store refuses too.
+    with pytest.raises(TypeError, match="batch_size must be an integer"):
+        coll.find({}).batch_size(np.int64(3))
+    with pytest.raises(bson.errors.InvalidDocument):
+        coll.find_one({"idx": np.int64(3)})
+    with pytest.raises(bson.errors.InvalidDocument):
+        coll.insert_one({"idx": np.int64(99), "filt_text": "x"})
+    # The training path computes numpy indices (chunk bounds, split masks): they reach the server as ints.
+    wrapper = MongoWrapper(conn.config, connection=conn)
+    assert [d.index for d in wrapper.get_range(np.int64(5), np.int64(12))] == list(range(5, 12))
+    assert [d.text for d in wrapper.get_many(np.array([29, 3, 17]))] == ["text 29", "text 3", "text 17"]
+    assert wrapper[np.int64(-1)] == "text 29"
+    assert [
+        d.index for chunk in wrapper.iter_range(np.int64(0), np.int64(30), chunk=7) for d in chunk
+    ] == list(range(30))
