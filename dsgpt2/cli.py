@@ -205,6 +205,12 @@ def build_parser() -> Parser:
         ),
     )
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    p.add_argument(
+        "--config",
+        metavar="JSON",
+        help="run against this MongoDB server and database instead (the demo's own collections "
+        "there: stdlib, stdlib_chat)",
+    )
     p.add_argument("--limit", type=positive_int, help="only the first N sample documents")
     p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
     p.add_argument(
@@ -784,8 +790,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dsgpt2.demo import run_demo, summary_lines
 
     out = Path(args.out)
+    server = _load(args) if args.config else None
     summary = run_demo(
-        out, limit=args.limit, progress=not args.no_progress, steps=args.steps, chat_steps=args.chat_steps
+        out,
+        limit=args.limit,
+        progress=not args.no_progress,
+        steps=args.steps,
+        chat_steps=args.chat_steps,
+        server=server,
     )
     print("\n".join(summary_lines(summary, out)))
     return 0

@@ -1,8 +1,9 @@
 """``dsgpt2 demo``: the whole pipeline in one process on the built-in sample corpus.
 
 Runs on an in-process mongomock database, so it needs no server and no
-download. Each stage logs what it did; the summary is printed at the end and
-written to ``OUT/summary.json``.
+download; or, given a connection config, against that server (in its own
+collections of the config's database). Each stage logs what it did; the
+summary is printed at the end and written to ``OUT/summary.json``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.config import config_from_dict
+from dsgpt2.config import MongoConfig, config_from_dict
 from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.mongo import Connection, MongoWrapper
+from dsgpt2.mongo import Connection, MongoWrapper, connect
 from dsgpt2.validate import require_valid
 from dsgpt2.vocab import VocabSettings, download, shard_texts, train_vocab
 
@@ -40,6 +41,7 @@ def run_demo(
     progress: bool = True,
     steps: int = DEMO_STEPS,
     chat_steps: int = CHAT_STEPS,
+    server: MongoConfig | None = None,
 ) -> dict[str, Any]:
     """Run every stage on the sample corpus; return the summary.
 
@@ -49,18 +51,23 @@ def run_demo(
         progress: show progress bars.
         steps: training steps.
         chat_steps: conversation finetuning steps.
+        server: run against this server and database (in the demo's own collections) instead of
+            the in-process store.
     """
     out.mkdir(parents=True, exist_ok=True)
-    config = config_from_dict(
-        {
-            "MONGO_CONNECTION_STRING": "mongomock://",
-            "MONGO_CONNECTION_DB": DEMO_DB,
-            "COLLECTIONS": [DEMO_COLLECTION],
-        },
-        env={},
-    )
-    conn = Connection(config)
-    summary: dict[str, Any] = {"database": f"{config.display_uri} / {DEMO_DB}"}
+    if server is None:
+        config = config_from_dict(
+            {
+                "MONGO_CONNECTION_STRING": "mongomock://",
+                "MONGO_CONNECTION_DB": DEMO_DB,
+                "COLLECTIONS": [DEMO_COLLECTION],
+            },
+            env={},
+        )
+    else:
+        config = server.with_collections([DEMO_COLLECTION])
+    conn = connect(config)
+    summary: dict[str, Any] = {"database": f"{config.display_uri} / {config.db}", "db": config.db}
 
     log.info(f"stage 1/{STAGES}: ingest the sample corpus (Python standard library documentation)")
     report = ingest(conn, DEMO_COLLECTION, [sample_source("stdlib", limit)], progress=progress)
@@ -238,7 +245,8 @@ def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[s
             "--no_resume",
         ]
     )
-    trainer = Trainer(args)
+    # The config object, not the file: the file holds no password (to_dict redacts it).
+    trainer = Trainer(args, mongo=config)
     trainer.build()
     result = trainer.train()
     evals = [r for r in read_metrics(run / "train" / "metrics.jsonl") if r["event"] == "eval"]
@@ -293,5 +301,5 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"                user: {chat['exchange']['user']}",
         f"                bot:  {chat['exchange']['bot']}",
         f"  chat model    {chat['dir']} (try: dsgpt2 chat --model {chat['dir']})",
-        f"  outputs       {out}/summary.json; evaluations recorded in {DEMO_DB}.eval_results",
+        f"  outputs       {out}/summary.json; evaluations recorded in {summary['db']}.eval_results",
     ]

@@ -106,8 +106,10 @@ def _param_checksum(engine: Any) -> float:
 
 
 class Trainer:
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: Any, mongo: Any = None) -> None:
+        """``mongo``: a :class:`~dsgpt2.config.MongoConfig` to use instead of loading --config_train."""
         self.args = args
+        self._mongo = mongo
         ensure_distributed_env()
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
@@ -122,7 +124,7 @@ class Trainer:
         from dsgpt2.validate import require_valid
 
         args = self.args
-        self.mongo = load_config(args.config_train)
+        self.mongo = self._mongo or load_config(args.config_train)
         self.vocab_size = load_tokenizer(args.vocab_dir).get_vocab_size()
         conn = Connection(self.mongo)
         conn.ping()

@@ -251,3 +251,20 @@ def test_wrong_password_is_refused_clearly(server_uri: str) -> None:
         connect(cfg)
     assert "definitely-wrong" not in str(err.value)
     assert "refused the login" in str(err.value)
+
+
+def test_demo_runs_against_a_server(server_uri: str, tmp_path: Path) -> None:
+    c = Corpus(server_uri, tmp_path)
+    result = c.cli("demo", "--config", str(c.config), "--out", str(tmp_path / "demo"), "--limit", "120",
+                   "--steps", "4", "--chat_steps", "2", "--no-progress")  # fmt: skip
+    conn = Connection(c.mongo)
+    try:
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+        assert summary["ingest"]["documents"] == 120 and summary["db"] == c.db
+        assert summary["train"]["steps"] == 4 and summary["chat"]["train"]["steps"] == 2
+        assert conn.db["stdlib"].count_documents({}) == 120
+        assert conn.db["eval_results"].count_documents({}) == 4  # before, after, chat before and after
+    finally:
+        conn.client.drop_database(c.db)
+        conn.close()
