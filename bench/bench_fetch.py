@@ -7,9 +7,11 @@
 - round trips: queries per 1,000 documents read on the training path
   (``iter_range``), per collection touched (target ≤ 2).
 
-On mongomock (the default here) every query scans the collection, so only
-the ratios of access patterns mean anything; set DSGPT2_BENCH_MONGO_URI to
-measure against a real server.
+On mongomock every query scans the collection, so only the ratios of access
+patterns mean anything. The same lines are measured against the wire-protocol
+test server (tests/wire_server.py: real TCP round trips, real cursors, SQLite
+underneath; a test server, not MongoDB) when ``make test`` has built it, and
+against DSGPT2_BENCH_MONGO_URI when set (a real MongoDB).
 """
 
 from __future__ import annotations
@@ -43,21 +45,53 @@ def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, Mo
 
 
 def run(texts: list[str], repeats: int = 5) -> list[Metric]:
-    uri = os.environ.get("DSGPT2_BENCH_MONGO_URI", "mongomock://")
-    where = "real server" if not uri.startswith("mongomock") else "mongomock: access-pattern ratio only"
-    conn, wrapper = _setup(uri, texts[:4000], collections=2)
+    metrics = _run_on("mongomock://", texts[:4000], repeats, "mongomock", "access-pattern ratio only")
+    metrics += _run_on_wire(texts, repeats)
+    uri = os.environ.get("DSGPT2_BENCH_MONGO_URI")
+    if uri:
+        metrics += _run_on(uri, texts[:4000], repeats, "server", "DSGPT2_BENCH_MONGO_URI")
+    return metrics
+
+
+def _run_on_wire(texts: list[str], repeats: int) -> list[Metric]:
+    import tempfile
+    from pathlib import Path
+
+    from tests.wire_server import WireServer, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"   (no wire-server lines: {reason})")
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        server = WireServer(Path(tmp) / "bench.sqlite").start()
+        try:
+            # It inserts slowly: 1,200 documents, batches of 500.
+            return _run_on(
+                server.uri(), texts[:1200], repeats, "wire", "TCP + real cursors, not MongoDB", 500
+            )
+        finally:
+            server.kill()
+
+
+def _run_on(
+    uri: str, texts: list[str], repeats: int, label: str, note: str, batch: int = 1000
+) -> list[Metric]:
+    conn, wrapper = _setup(uri, texts, collections=2)
     try:
-        return _measure(conn, wrapper, repeats, where)
+        metrics = _measure(conn, wrapper, repeats, note, batch)
     finally:
         if not conn.config.is_mock:
             conn.client.drop_database(conn.config.db)
         conn.close()
+    for m in metrics:
+        m.name = f"{m.name} [{label}]"
+    return metrics
 
 
-def _measure(conn: Connection, wrapper: MongoWrapper, repeats: int, where: str) -> list[Metric]:
+def _measure(conn: Connection, wrapper: MongoWrapper, repeats: int, where: str, batch: int) -> list[Metric]:
     coll = conn.db["c0"]
     field = conn.config.text_field
-    batch = 1000
     singles = 50  # find_one per document is slow: fewer documents, same docs/s figure
 
     def batched() -> None:

