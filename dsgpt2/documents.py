@@ -54,13 +54,9 @@ def text_problem(value: Any, max_chars: int) -> str | None:
         return "too_long"
     if not value.strip():
         return "empty"
-    if value.isascii():  # no copy: ASCII text cannot hold a surrogate
+    if value.isascii() or utf8_encodable(value):  # no copy: ASCII text cannot hold a surrogate
         return None
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return "invalid_unicode"
-    return None
+    return "invalid_unicode"
 
 
 def turns_problem(value: Any, max_chars: int) -> str | None:
@@ -85,6 +81,15 @@ def turns_problem(value: Any, max_chars: int) -> str | None:
             return reason
         total += len(text)
     return "too_long" if total > max_chars else None
+
+
+def utf8_encodable(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def utf8_length(text: str) -> int:

@@ -32,7 +32,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from dsgpt2.cleaning import CLEANER_VERSION, clean_text
-from dsgpt2.documents import SkipTally
+from dsgpt2.documents import SkipTally, utf8_encodable
 from dsgpt2.errors import BadDocumentError, IngestError
 from dsgpt2.mongo import (
     Connection,
@@ -277,16 +277,8 @@ def make_document(record: Any, kind: str) -> dict[str, Any] | str:
     if not filt:
         return "empty"
     # A real server refuses strings with lone surrogates; keep the original otherwise.
-    form = record if _encodable(record) else record.encode("utf-8", "replace").decode("utf-8")
+    form = record if utf8_encodable(record) else record.encode("utf-8", "replace").decode("utf-8")
     return {"form": form, "filt_text": filt}
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @dataclass

@@ -29,6 +29,8 @@ from mongomock import helpers as _mm_helpers
 from mongomock.collection import Collection as _MockCollection
 from mongomock.store import ServerStore
 
+from dsgpt2.documents import utf8_encodable
+
 PREFIX = "mongomock://"
 
 _MEMORY: dict[str, ServerStore] = {}
@@ -360,17 +362,9 @@ def to_raw(doc: dict[str, Any]) -> RawBSONDocument:
         return RawBSONDocument(bson.encode(doc))
     except UnicodeEncodeError:
         pass
-    bad = {k: v for k, v in doc.items() if isinstance(v, str) and not _utf8_ok(v)}
+    bad = {k: v for k, v in doc.items() if isinstance(v, str) and not utf8_encodable(v)}
     body = bson.encode({k: v for k, v in doc.items() if k not in bad})[4:-1]
     for key, text in bad.items():
         data = text.encode("utf-8", "surrogateescape")
         body += b"\x02" + key.encode() + b"\x00" + struct.pack("<i", len(data) + 1) + data + b"\x00"
     return RawBSONDocument(struct.pack("<i", len(body) + 5) + body + b"\x00")
-
-
-def _utf8_ok(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

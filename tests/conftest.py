@@ -111,15 +111,20 @@ def tiny_export(out: Path, texts: list[str], context: int = 64) -> Path:
 ENV_SERVER = "DSGPT2_TEST_MONGO_URI"
 
 
-@pytest.fixture(scope="session")
-def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer]:
-    """The wire-protocol test server (see tests/wire_server.py), shared by the session."""
+def run_wire_server(factory: pytest.TempPathFactory, name: str) -> Iterator[WireServer]:
+    """A wire-protocol test server (tests/wire_server.py) for a fixture, or a skip that says why not."""
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    server = WireServer(tmp_path_factory.mktemp("wire") / "db.sqlite").start()
+    server = WireServer(factory.mktemp(name) / "db.sqlite").start()
     yield server
     server.kill()
+
+
+@pytest.fixture(scope="session")
+def wire_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer]:
+    """The wire-protocol test server shared by the session."""
+    yield from run_wire_server(tmp_path_factory, "wire")
 
 
 @pytest.fixture(scope="module", params=["wire", "env"])

@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, make_config
+from conftest import ROOT, make_config, run_wire_server
 from dsgpt2.config import ENV_URI, MongoConfig
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.ingest import ingest, sample_source
 from dsgpt2.metrics import read_metrics
 from dsgpt2.mongo import Connection, MongoWrapper
 from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
-from wire_server import PASSWORD, Proxy, WireServer, unavailable_reason
+from wire_server import PASSWORD, Proxy, WireServer
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 
@@ -44,12 +44,7 @@ FAST_FAIL = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer]:
     """A server of this module's own: these tests kill it."""
-    reason = unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    s = WireServer(tmp_path_factory.mktemp("faults") / "db.sqlite").start()
-    yield s
-    s.kill()
+    yield from run_wire_server(tmp_path_factory, "faults")
 
 
 @pytest.fixture
