@@ -386,7 +386,7 @@ class MongoWrapper:
         name = self.collections[pos]
         # Raw documents, decoded one by one below: a single document with
         # undecodable UTF-8 must not fail the whole batch.
-        coll = self._conn.db[name].with_options(codec_options=_RAW)
+        coll = self._conn.db[name].with_options(codec_options=RAW_DOCUMENTS)
         projection = {"_id": 0, "idx": 1, self.field: 1}
 
         def run() -> list[Any]:
@@ -425,7 +425,7 @@ class MongoWrapper:
 
 CONVERSATION_FIELD = "turns"
 EVAL_RESULTS = "eval_results"
-_RAW: CodecOptions = CodecOptions(document_class=RawBSONDocument)
+RAW_DOCUMENTS: CodecOptions = CodecOptions(document_class=RawBSONDocument)
 _LENIENT: CodecOptions = CodecOptions(unicode_decode_error_handler="replace")
 INVALID_TEXT = "\udcff"  # a lone surrogate: text_problem() classifies it as invalid_unicode
 
