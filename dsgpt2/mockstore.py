@@ -72,11 +72,8 @@ def save(uri: str) -> None:
     store, _ = _FILES[path]
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        prefix = _snapshot_prefix(path)
-        # Under the lock, a leftover snapshot is a writer killed before its rename: remove it.
-        for stale in Path(path).parent.glob(prefix + "*"):
-            stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=os.path.dirname(path))
+        _remove_stale_snapshots(path)
+        fd, tmp = tempfile.mkstemp(prefix=_snapshot_prefix(path), dir=os.path.dirname(path))
         try:
             with os.fdopen(fd, "wb") as f:
                 for record in _dump(store):
@@ -93,6 +90,12 @@ def save(uri: str) -> None:
 
 def _snapshot_prefix(path: str) -> str:
     return f".{os.path.basename(path)}.snapshot-"
+
+
+def _remove_stale_snapshots(path: str) -> None:
+    """Under the lock, a temporary snapshot is one a writer was killed before renaming."""
+    for stale in Path(path).parent.glob(_snapshot_prefix(path) + "*"):
+        stale.unlink(missing_ok=True)
 
 
 def reset(uri: str | None = None) -> None:
@@ -148,6 +151,7 @@ def _load(path: str) -> ServerStore:
     if not os.path.exists(path):
         return store
     with _locked(path), open(path, "rb") as f:
+        _remove_stale_snapshots(path)
         records = list(bson.decode_file_iter(f))
     pending: list[dict[str, Any]] = []
     target = None

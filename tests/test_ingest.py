@@ -325,4 +325,9 @@ def test_a_killed_writers_snapshot_leftover_is_removed(tmp_path: Path) -> None:
     )
     ingest(conn, "a", [file_source(_lines(tmp_path, 10))])
     assert not leftover.exists()
+    # A reader cleans up after a killed writer too.
+    leftover.write_bytes(b"half a snapshot")
+    mockstore.reset()
+    assert Connection(conn.config).db["a"].count_documents({}) == 10
+    assert not leftover.exists()
     assert not [p.name for p in tmp_path.iterdir() if "snapshot" in p.name]
