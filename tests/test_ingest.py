@@ -323,11 +323,11 @@ def test_a_killed_writers_snapshot_leftover_is_removed(tmp_path: Path) -> None:
     conn = Connection(
         make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
     )
-    ingest(conn, "a", [file_source(_lines(tmp_path, 10))])
+    report = ingest(conn, "a", [file_source(_lines(tmp_path, 10))])
     assert not leftover.exists()
     # A reader cleans up after a killed writer too.
     leftover.write_bytes(b"half a snapshot")
     mockstore.reset()
-    assert Connection(conn.config).db["a"].count_documents({}) == 10
+    assert Connection(conn.config).db["a"].count_documents({}) == report.count > 0
     assert not leftover.exists()
     assert not [p.name for p in tmp_path.iterdir() if "snapshot" in p.name]
