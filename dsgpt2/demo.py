@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -218,6 +219,8 @@ def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[s
 
     run = out if name == "train" else out / name
     run.mkdir(parents=True, exist_ok=True)
+    # Each demo trains afresh: the checkpoints of an earlier demo in this directory go.
+    shutil.rmtree(run / "ckpt", ignore_errors=True)
     (run / "mongo.json").write_text(json.dumps(config.to_dict()))
     args = parse(
         [

@@ -21,17 +21,11 @@ from dsgpt2.loading import RUN_INFO, build_with_weights
 
 log = logging.getLogger(__name__)
 
-MODEL_STATES = "mp_rank_00_model_states.pt"
-
 
 def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
-    blob = torch.load(ckpt_dir / tag / MODEL_STATES, map_location="cpu", weights_only=False)
-    client = blob.get("dsgpt2")
-    if client is None:
-        raise checkpoint.CheckpointError(
-            f"{ckpt_dir / tag} was not written by dsgpt2 (no training state in it)"
-        )
+    blob = checkpoint.load_states(ckpt_dir, tag)
+    client = blob["dsgpt2"]
     if _is_partitioned(ckpt_dir, tag):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

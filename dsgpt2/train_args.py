@@ -30,7 +30,7 @@ def build_parser() -> OneLineErrorParser:
             "Train GPT-2 with DeepSpeed on the MongoDB corpus named by --config_train. Runs under the "
             "`deepspeed` launcher (one or many GPUs and nodes) or as a single process "
             "(`python ds_trainer.py ...`, CPU or one GPU). Resumes from the latest checkpoint in "
-            "--ckpt_dir unless --no_resume."
+            "--ckpt_dir; --no_resume refuses to instead."
         ),
     )
     g = p.add_argument_group("model")
@@ -109,7 +109,9 @@ def build_parser() -> OneLineErrorParser:
     g.add_argument("--load_dir", type=Path, help="resume from this directory (an error if it holds none)")
     g.add_argument("--ckpt_id", help="resume from this tag instead of `latest`")
     g.add_argument(
-        "--no_resume", action="store_true", help="start fresh even if --ckpt_dir holds checkpoints"
+        "--no_resume",
+        action="store_true",
+        help="never resume: a fresh run, refused where --ckpt_dir holds checkpoints (never overwritten)",
     )
     g.add_argument("--ignore_fingerprint", action="store_true",
                    help="resume although the corpus or tokenizer changed since the checkpoint")  # fmt: skip

@@ -126,11 +126,26 @@ class Trainer:
         args = self.args
         self.mongo = self._mongo or load_config(args.config_train)
         self.vocab_size = load_tokenizer(args.vocab_dir).get_vocab_size()
+        import deepspeed
+
+        # First: the barriers and broadcasts below need the process group.
+        backend = args.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
+        deepspeed.init_distributed(dist_backend=backend, verbose=False)
         conn = Connection(self.mongo)
         conn.ping()
-        if not args.allow_corpus_problems:
-            require_valid(conn)
-        self.counts = MongoWrapper(self.mongo, connection=conn).counts
+        # Rank 0 reads the corpus once and every rank takes its verdict and counts: the
+        # full-collection checks are not repeated per rank, and all ranks index the same counts.
+        shared: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                if not args.allow_corpus_problems:
+                    require_valid(conn)
+                shared[1] = MongoWrapper(self.mongo, connection=conn).counts
+            except DsGpt2Error as exc:
+                shared[0] = (type(exc).__name__, str(exc))
+        _broadcast(shared)
+        _raise_shared(shared[0])
+        self.counts = tuple(shared[1])
         init = self._init_weights()
         context = run_context(args) if init is None else _init_context(args, init[0])
         self.spec = make_spec(
@@ -154,10 +169,6 @@ class Trainer:
             model = build_with_weights(init[0], init[1], str(args.init_from))
             log.info("initialised from %s", args.init_from)
         self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
-        import deepspeed
-
-        backend = args.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
         groups = param_groups(model, optimizer_weight_decay(self.ds_config))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=self.ds_config
@@ -238,19 +249,42 @@ class Trainer:
         return out
 
     def _resume_point(self) -> tuple[Path, str] | None:
-        """The checkpoint to resume from, checked against this run's data; None for a fresh start.
+        """The checkpoint to resume from (found and verified on rank 0); None for a fresh start.
 
         Raises:
-            CheckpointError: none where one was asked for, a broken one, or one of other data.
+            CheckpointError: none where one was asked for, a broken one, one of other data or of
+                another number of ranks, or a fresh start that would overwrite checkpoints.
         """
+        shared: list[Any] = [None, None]
+        if self.rank == 0:
+            try:
+                shared[1] = self._find_resume_point()
+            except DsGpt2Error as exc:
+                shared[0] = (type(exc).__name__, str(exc))
+        _broadcast(shared)
+        _raise_shared(shared[0])
+        return shared[1]
+
+    def _find_resume_point(self) -> tuple[Path, str] | None:
         args = self.args
         load_dir: Path | None = args.load_dir
-        if load_dir is None and not args.no_resume and (args.ckpt_dir / checkpoint.LATEST).exists():
+        if load_dir is None and checkpoint.has_checkpoints(args.ckpt_dir):
+            if args.no_resume:
+                raise checkpoint.CheckpointError(
+                    f"--no_resume: {args.ckpt_dir} holds checkpoints already; a fresh run there would "
+                    "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
+                )
             load_dir = args.ckpt_dir
         if load_dir is None:
             return None
         tag = checkpoint.resolve(load_dir, args.ckpt_id)
         saved = checkpoint.read_client_state(load_dir, tag)
+        ranks = len(saved.get("rank_positions") or [saved["position"]])
+        if ranks != self.world:
+            raise checkpoint.CheckpointError(
+                f"{load_dir / tag} was saved by {ranks} rank(s) and this run has {self.world}: the ranks' "
+                f"places in the data cannot be carried over yet; resume with {ranks} rank(s)"
+            )
         if saved["fingerprint"] != self.fingerprint:
             changed = sorted(
                 k for k in self.fingerprint if saved["fingerprint"].get(k) != self.fingerprint[k]
@@ -269,10 +303,7 @@ class Trainer:
             return TrainState(), Position()
         load_dir, tag = self.resume_from
         saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
-        positions = saved.get("rank_positions") or [saved["position"]]
-        position = (
-            Position(**positions[self.rank]) if self.rank < len(positions) else Position(**saved["position"])
-        )
+        position = Position(**(saved.get("rank_positions") or [saved["position"]])[self.rank])
         checkpoint.set_rng_state(saved["rng"])
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
         log.info(
@@ -427,7 +458,12 @@ class Trainer:
                 bar.close()
             if blocks_log is not None:
                 blocks_log.close()
-        self.save(state, stream.position)
+        if state.step > start_step:
+            self.save(state, stream.position)
+        else:
+            # Nothing trained since the start or the resume: the checkpoint there already holds it.
+            log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
+                     args.train_iters)  # fmt: skip
         reason = "SIGTERM" if self.stop_requested else "done"
         summary = {
             "step": state.step,
@@ -522,6 +558,24 @@ def _crash() -> None:
     for child in multiprocessing.active_children():
         child.kill()
     os._exit(17)
+
+
+def _broadcast(values: list[Any]) -> None:
+    """Give every rank rank 0's ``values`` (in place); nothing to do in a single process."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(values, src=0)
+
+
+def _raise_shared(error: tuple[str, str] | None) -> None:
+    """Raise on every rank the user error rank 0 met (same class where it is one of ours)."""
+    if error is None:
+        return
+    import dsgpt2.errors as errors
+
+    kind = getattr(errors, error[0], None) or getattr(checkpoint, error[0], None) or DsGpt2Error
+    raise kind(error[1])
 
 
 def _barrier() -> None:
