@@ -18,6 +18,7 @@ makes resuming exact.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -349,13 +350,34 @@ def _collate(item: Chunk) -> Chunk:
     return item
 
 
-def _ignore_sigterm(worker_id: int) -> None:
+def _init_worker(rank_pid: int, worker_id: int) -> None:
     # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler) must let the
     # rank finish its step and save: a worker dying first would fail that step instead. Workers
-    # stop when their rank shuts the loader down, or exits (see _kill_workers_at_exit).
+    # stop when their rank shuts the loader down, or exits (see _kill_workers_at_exit), or dies.
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(rank_pid)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` dies, even by SIGKILL (Linux).
+
+    The parent is the thread that forked it: loaders are made on their rank's main thread.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request: nothing would send the signal
+        os._exit(1)
 
 
 _exit_hook = False
@@ -391,7 +413,7 @@ def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> Da
         extra = {
             "multiprocessing_context": "fork",
             "prefetch_factor": prefetch,
-            "worker_init_fn": _ignore_sigterm,
+            "worker_init_fn": functools.partial(_init_worker, os.getpid()),
         }
     # A generator of its own: the loader must not draw from torch's global RNG, whose state
     # is part of a checkpoint (dropout) and would otherwise depend on when loaders are made.

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import make_config
+from conftest import ROOT, make_config
 from dsgpt2.data import (
     BlockStream,
     CachedChunks,
@@ -185,3 +186,55 @@ def test_index_state_does_not_grow_with_the_corpus() -> None:
     small, huge = peak(10_000), peak(100_000_000)
     assert huge < 4 * 1024 * 1024  # a permutation of 100k chunk ids, not of 100M documents
     assert small < 200 * 1024
+
+
+WORKERS_OF_A_KILLED_RANK = """
+import os, sys, time, torch
+from dsgpt2.data import _loader
+
+class Busy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        print(os.getpid(), flush=True)
+        time.sleep(120)  # busy in a fetch: torch's own parent watchdog does not run here
+        return i
+
+it = iter(_loader(Busy(), range(10), workers=2, prefetch=1))
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_loader_workers_die_with_a_sigkilled_rank() -> None:
+    import subprocess
+
+    rank = subprocess.Popen([sys.executable, "-c", WORKERS_OF_A_KILLED_RANK], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert rank.stdout is not None
+    workers: set[int] = set()
+    try:
+        workers = {int(rank.stdout.readline()), int(rank.stdout.readline())}
+        assert rank.pid not in workers and all(_alive(p) for p in workers)
+        rank.kill()
+        rank.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in workers)
+    finally:
+        rank.kill()
+        rank.wait()
+        rank.stdout.close()
+        for pid in workers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
