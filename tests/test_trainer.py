@@ -277,8 +277,10 @@ print(json.dumps({"logits": logits, "dsgpt2": "dsgpt2" in sys.modules, "text": t
 """
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_export_loads_with_plain_transformers(corpus: dict[str, Path], tmp_path: Path, stage: int) -> None:
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_trains_resumes_and_exports(
+    corpus: dict[str, Path], tmp_path: Path, stage: int
+) -> None:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -288,7 +290,11 @@ def test_export_loads_with_plain_transformers(corpus: dict[str, Path], tmp_path:
     ds = json.loads(corpus["ds"].read_text())
     ds["zero_optimization"] = {"stage": stage}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    train(dict(corpus, ds=tmp_path / "ds.json"), tmp_path, "--train_iters", "6", "--save_interval", "100")
+    staged = dict(corpus, ds=tmp_path / "ds.json")
+    train(staged, tmp_path, "--train_iters", "4", "--save_interval", "100")
+    resumed = train(staged, tmp_path, "--train_iters", "6", "--save_interval", "100")
+    assert "resumed from" in resumed.stderr and "at step 4" in resumed.stderr
+    assert sorted(steps(tmp_path)) == list(range(1, 7))
     result = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
     assert result.returncode == 0, result.stderr
     assert "step 6" in result.stdout
