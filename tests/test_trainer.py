@@ -322,39 +322,26 @@ def test_every_zero_stage_trains_resumes_and_exports(
     assert torch.allclose(torch.tensor(got["logits"]), expected, atol=1e-5)
 
 
-def test_two_ranks_read_disjoint_shards(corpus: dict[str, Path], tmp_path: Path) -> None:
-    """Two processes with gloo, as the launcher starts them: disjoint chunks, one run."""
+@pytest.mark.parametrize("mode", ["streaming", "cached"])
+def test_two_ranks_under_the_deepspeed_launcher(corpus: dict[str, Path], tmp_path: Path, mode: str) -> None:
+    """Two CPU ranks (gloo) started by the `deepspeed` launcher: disjoint chunks covering the split,
+    one token cache built by rank 0 for both, one verdict on the corpus; another number of ranks
+    cannot resume the run."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {
-            **__import__("os").environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        args = trainer_args(
-            corpus, tmp_path, "--train_iters", "6", "--save_interval", "100", "--num_workers", "1"
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(ROOT / "ds_trainer.py"), *args],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-2000:]
+    launcher = Path(sys.executable).parent / "deepspeed"
+    args = trainer_args(corpus, tmp_path, "--train_iters", "6", "--save_interval", "100",
+                        "--num_workers", "1",
+                        "--data_mode", mode)  # fmt: skip
+    result = subprocess.run(
+        [str(launcher), "--num_gpus", "2", "--master_port", str(port), str(ROOT / "ds_trainer.py"), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "2 rank(s)" in result.stdout + result.stderr
     chunks = []
     for rank in range(2):
         records = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
@@ -362,6 +349,12 @@ def test_two_ranks_read_disjoint_shards(corpus: dict[str, Path], tmp_path: Path)
         chunks.append({c for r in records for _, c, _ in r["block_ids"]})
     assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
+    if mode == "cached":
+        assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
+        return
+    one = train(corpus, tmp_path, "--train_iters", "8", check=False)
+    assert one.returncode == 2 and "Traceback" not in one.stderr
+    assert "saved by 2 rank(s) and this run has 1" in one.stderr.strip().splitlines()[-1]
 
 
 def test_transient_database_errors_do_not_stop_training(corpus: dict[str, Path], tmp_path: Path) -> None:
