@@ -60,3 +60,89 @@ def test_resolve_errors(tmp_path: Path) -> None:
         resolve(tmp_path, None)
     checkpoint.save(FakeEngine(), tmp_path, 7, {}, keep_last=0)
     assert resolve(tmp_path, None) == "global_step7"
+
+
+def _states(ckpt: Path, step: int) -> Path:
+    return ckpt / f"global_step{step}" / "mp_rank_00_model_states.pt"
+
+
+def test_a_complete_checkpoint_is_never_written_again(tmp_path: Path) -> None:
+    checkpoint.save(FakeEngine(), tmp_path, 4, {}, keep_last=0)
+    before = _states(tmp_path, 4).stat().st_mtime_ns
+    # A relaunch reaching step 4 again, killed in the middle of its save, would have destroyed it.
+    assert checkpoint.save(FakeEngine(die=True), tmp_path, 4, {}, keep_last=0) == "global_step4"
+    assert _states(tmp_path, 4).stat().st_mtime_ns == before
+    assert resolve(tmp_path, None) == "global_step4"
+    # A damaged one is replaced.
+    _states(tmp_path, 4).write_bytes(b"fu")
+    checkpoint.save(FakeEngine(), tmp_path, 4, {}, keep_last=0)
+    assert _states(tmp_path, 4).read_bytes() == b"full" and resolve(tmp_path, None) == "global_step4"
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        ("truncated", "truncated or grown"),
+        ("emptied", "truncated or grown"),
+        ("deleted", "is missing"),
+        ("garbage", "is damaged (its SHA-256 differs"),
+    ],
+)
+def test_damaged_files_are_found_before_loading(tmp_path: Path, damage: str, needle: str) -> None:
+    for step in (4, 8):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    states = _states(tmp_path, 8)
+    if damage == "truncated":
+        states.write_bytes(b"fu")
+    elif damage == "emptied":
+        states.write_bytes(b"")
+    elif damage == "deleted":
+        states.unlink()
+    else:
+        states.write_bytes(b"f\xffll")  # same size, other bytes
+    with pytest.raises(CheckpointError) as err:
+        resolve(tmp_path, None)
+    assert needle in str(err.value) and "--ckpt_id global_step4" in str(err.value)
+    with pytest.raises(CheckpointError, match="--ckpt_id global_step4"):
+        resolve(tmp_path, "global_step8")
+    assert resolve(tmp_path, "global_step4") == "global_step4"
+
+
+def test_latest_deleted_or_garbled(tmp_path: Path) -> None:
+    import logging
+
+    for step in (4, 8, 12):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    _states(tmp_path, 12).write_bytes(b"")
+    (tmp_path / "latest").unlink()
+    # Deleted: the newest intact checkpoint, with a warning (never a silent fresh start).
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    checkpoint.log.addHandler(handler)
+    try:
+        assert resolve(tmp_path, None) == "global_step8"
+    finally:
+        checkpoint.log.removeHandler(handler)
+    assert any("no `latest` file" in w and "global_step8" in w for w in warnings), warnings
+    # Garbled (not even UTF-8): one line naming the newest intact checkpoint.
+    (tmp_path / "latest").write_bytes(b"\xff\xfe\x00global")
+    with pytest.raises(CheckpointError, match=r"empty or corrupt.*--ckpt_id global_step8"):
+        resolve(tmp_path, None)
+    (tmp_path / "latest").write_text("global_step99")
+    with pytest.raises(CheckpointError, match=r"missing or incomplete.*--ckpt_id global_step8"):
+        resolve(tmp_path, None)
+
+
+def test_a_garbled_marker_neither_counts_nor_crashes_the_pruning(tmp_path: Path) -> None:
+    for step in (1, 2, 3):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    (tmp_path / "global_step1" / checkpoint.COMPLETE).write_bytes(b'{"step": 1, "fi\xff')
+    checkpoint.save(FakeEngine(), tmp_path, 4, {}, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "global_step1",  # not known to be complete: left alone
+        "global_step3",
+        "global_step4",
+    ]
+    marker = json.loads((tmp_path / "global_step4" / checkpoint.COMPLETE).read_text())
+    assert marker["files"]["mp_rank_00_model_states.pt"]["size"] == 4
