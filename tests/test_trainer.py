@@ -217,12 +217,33 @@ def test_resume_refuses_other_data(corpus: dict[str, Path], tmp_path: Path) -> N
 
 
 def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path], tmp_path: Path) -> None:
+    from conftest import run_cli
+
     empty = tmp_path / "empty"
     empty.mkdir()
     result = train(corpus, tmp_path / "a", "--train_iters", "2", "--load_dir", str(empty), check=False)
     assert result.returncode == 2 and "no checkpoint to resume from" in result.stderr
     train(corpus, tmp_path / "b", "--train_iters", "2", "--save_interval", "100")
     latest = tmp_path / "b" / "ckpt" / "latest"
+    saved = tmp_path / "b" / "ckpt" / "global_step2"
+    stamps = {p: p.stat().st_mtime_ns for p in saved.iterdir()}
+    # A finished run launched again trains nothing and writes nothing (a kill then cannot hurt).
+    again = train(corpus, tmp_path / "b", "--train_iters", "2", "--save_interval", "100")
+    assert "nothing trained" in again.stderr
+    assert {p: p.stat().st_mtime_ns for p in saved.iterdir()} == stamps
+    # 4 KiB of garbage inside the states file: found before anything loads it, by training and export.
+    states = saved / "mp_rank_00_model_states.pt"
+    good = states.read_bytes()
+    states.write_bytes(good[:1000] + b"\xa5" * 4096 + good[5096:])
+    for result in (
+        train(corpus, tmp_path / "b", "--train_iters", "4", check=False),
+        run_cli("export", "--ckpt_dir", str(tmp_path / "b" / "ckpt"), "--out", str(tmp_path / "hf")),
+    ):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+        line = result.stderr.strip().splitlines()[-1]
+        assert "mp_rank_00_model_states.pt is damaged" in line and "no intact checkpoint" in line, line
+    assert not (tmp_path / "hf").exists()
+    states.write_bytes(good)
     for content, needle in (("", "empty or corrupt"), ("global_step99", "missing or incomplete")):
         latest.write_text(content)
         result = train(corpus, tmp_path / "b", "--train_iters", "4", check=False)
