@@ -235,6 +235,11 @@ def _check_intact(ckpt_dir: Path, tag: str) -> None:
         raise CheckpointError(f"{problem}; {_instead(ckpt_dir, tag)}")
 
 
+def is_partitioned(ckpt_dir: Path, tag: str) -> bool:
+    """ZeRO 1-3 keep the fp32 master weights and optimizer state in per-rank shards."""
+    return any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt"))
+
+
 def model_states_file(ckpt_dir: Path, tag: str) -> Path:
     """The file holding rank 0's module and client state (ZeRO-3 names it after the partition)."""
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):

@@ -507,17 +507,34 @@ class BlockStream:
         self.documents = 0
         self.skipped: dict[str, int] = {}
 
+    def _take(self, item: Chunk) -> None:
+        self.documents += item.documents
+        for reason, n in item.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+
     def __iter__(self) -> Iterator[Batch]:
         pos = self.position
         rows = _Rows()
+        # First what a run on another number of ranks left over (see schedule.redeal).
+        queue = list(pos.queue)
+        for i, item in enumerate(_loader(self.dataset, [c for _, c, _ in queue], self.workers)):
+            self._take(item)
+            e, c, first = queue[i]
+            v = item.valid
+            for b in range(first, len(item.blocks)):
+                rows.add(item, b, int(v[b]), (e, c, b))
+                if len(rows) == self.micro_batch:
+                    batch = rows.batch()
+                    rows = _Rows()
+                    rest = [(e, c, b + 1)] if b + 1 < len(item.blocks) else []
+                    self.position = Position(pos.epoch, pos.chunk, pos.block, rest + queue[i + 1 :])
+                    yield batch
         epoch, start, skip = pos.epoch, pos.chunk, pos.block
         while True:
             order = rank_chunks(self.n_chunks, self.seed, epoch, self.rank, self.world)
             produced = False
             for k, item in enumerate(_loader(self.dataset, order[start:], self.workers), start=start):
-                self.documents += item.documents
-                for reason, n in item.skipped.items():
-                    self.skipped[reason] = self.skipped.get(reason, 0) + n
+                self._take(item)
                 v = item.valid
                 for b in range(skip, len(item.blocks)):
                     produced = True

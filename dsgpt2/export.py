@@ -26,18 +26,13 @@ def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor],
     """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
     blob = checkpoint.load_states(ckpt_dir, tag)
     client = blob["dsgpt2"]
-    if _is_partitioned(ckpt_dir, tag):
+    if checkpoint.is_partitioned(ckpt_dir, tag):
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
         weights = {k: v.float() for k, v in blob["module"].items()}
     return weights, client
-
-
-def _is_partitioned(ckpt_dir: Path, tag: str) -> bool:
-    """ZeRO 1-3 keep the fp32 master weights in per-rank optimizer shards."""
-    return any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt"))
 
 
 def export(

@@ -41,7 +41,7 @@ from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
 from dsgpt2.metrics import MetricsLog, plot_losses
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups
-from dsgpt2.schedule import Position
+from dsgpt2.schedule import Position, redeal
 from dsgpt2.train_args import parse
 
 log = logging.getLogger("dsgpt2.trainer")
@@ -280,11 +280,17 @@ class Trainer:
         tag = checkpoint.resolve(load_dir, args.ckpt_id)
         saved = checkpoint.read_client_state(load_dir, tag)
         ranks = len(saved.get("rank_positions") or [saved["position"]])
-        if ranks != self.world:
+        if ranks != self.world and checkpoint.is_partitioned(load_dir, tag):
             raise checkpoint.CheckpointError(
-                f"{load_dir / tag} was saved by {ranks} rank(s) and this run has {self.world}: the ranks' "
-                f"places in the data cannot be carried over yet; resume with {ranks} rank(s)"
+                f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
+                f"this run has {self.world}: resume with {ranks} rank(s), or convert it with DeepSpeed's "
+                "universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal) first"
             )
+        if ranks != self.world:
+            log.warning(
+                "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
+                "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
+            )  # fmt: skip
         if saved["fingerprint"] != self.fingerprint:
             changed = sorted(
                 k for k in self.fingerprint if saved["fingerprint"].get(k) != self.fingerprint[k]
@@ -303,7 +309,10 @@ class Trainer:
             return TrainState(), Position()
         load_dir, tag = self.resume_from
         saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
-        position = Position(**(saved.get("rank_positions") or [saved["position"]])[self.rank])
+        positions = [Position.from_dict(p) for p in saved.get("rank_positions") or [saved["position"]]]
+        if len(positions) != self.world:
+            positions = redeal(positions, len(self.train_data), self.args.seed, self.world)
+        position = positions[self.rank]
         checkpoint.set_rng_state(saved["rng"])
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
         log.info(

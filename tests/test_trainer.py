@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -346,22 +347,9 @@ def test_every_zero_stage_trains_resumes_and_exports(
 @pytest.mark.parametrize("mode", ["streaming", "cached"])
 def test_two_ranks_under_the_deepspeed_launcher(corpus: dict[str, Path], tmp_path: Path, mode: str) -> None:
     """Two CPU ranks (gloo) started by the `deepspeed` launcher: disjoint chunks covering the split,
-    one token cache built by rank 0 for both, one verdict on the corpus; another number of ranks
-    cannot resume the run."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launcher = Path(sys.executable).parent / "deepspeed"
-    args = trainer_args(corpus, tmp_path, "--train_iters", "6", "--save_interval", "100",
-                        "--num_workers", "1",
-                        "--data_mode", mode)  # fmt: skip
-    result = subprocess.run(
-        [str(launcher), "--num_gpus", "2", "--master_port", str(port), str(ROOT / "ds_trainer.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    one token cache built by rank 0 for both, one verdict on the corpus."""
+    result = _launch(corpus, tmp_path, 2, "--train_iters", "6", "--save_interval", "100",
+                     "--num_workers", "1", "--data_mode", mode)  # fmt: skip
     assert "2 rank(s)" in result.stdout + result.stderr
     chunks = []
     for rank in range(2):
@@ -372,10 +360,63 @@ def test_two_ranks_under_the_deepspeed_launcher(corpus: dict[str, Path], tmp_pat
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
     if mode == "cached":
         assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
-        return
-    one = train(corpus, tmp_path, "--train_iters", "8", check=False)
-    assert one.returncode == 2 and "Traceback" not in one.stderr
-    assert "saved by 2 rank(s) and this run has 1" in one.stderr.strip().splitlines()[-1]
+
+
+def _launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [
+        str(Path(sys.executable).parent / "deepspeed"),
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(port),
+    ]
+    result = subprocess.run([*launcher, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return result
+
+
+def test_resume_on_another_number_of_ranks_reads_every_block_once(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two ranks stop mid-epoch; one rank resumes: the epoch's blocks, set-wise, are exactly those
+    of a one-rank straight run, none twice."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [sample_source("stdlib", 150)])
+    mockstore.reset()
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
+
+    def epoch0(run: Path, rank: int = 0, after: int = 0) -> list[tuple[int, int, int]]:
+        records = read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")
+        return [tuple(b) for r in records if r["step"] > after for b in r["block_ids"] if b[0] == 0]
+
+    train(small, tmp_path / "straight", "--train_iters", "40", *common)
+    whole = epoch0(tmp_path / "straight")
+    assert len(whole) == len(set(whole))
+    last = read_metrics(tmp_path / "straight" / "ws" / "block_ids_rank0.jsonl")[-1]
+    assert last["block_ids"][-1][0] == 1  # the straight run got past epoch 0
+
+    _launch(small, tmp_path / "elastic", 2, "--train_iters", "4", *common)
+    before = epoch0(tmp_path / "elastic", 0) + epoch0(tmp_path / "elastic", 1)
+    partitioned = tmp_path / "zero1"
+    shutil.copytree(tmp_path / "elastic" / "ckpt", partitioned / "ckpt")
+    resumed = train(small, tmp_path / "elastic", "--train_iters", "40", *common)
+    assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
+    both = before + epoch0(tmp_path / "elastic", 0, after=4)
+    assert len(both) == len(set(both)), "a block was trained twice"
+    assert set(both) == set(whole), "a block was skipped"
+
+    # Where DeepSpeed's optimizer state is partitioned per rank, it cannot follow: one line.
+    (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    refused = train(small, partitioned, "--train_iters", "8", *common, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "ds_to_universal" in refused.stderr.strip().splitlines()[-1]
 
 
 def test_transient_database_errors_do_not_stop_training(corpus: dict[str, Path], tmp_path: Path) -> None:
