@@ -238,3 +238,39 @@ def test_loader_workers_die_with_a_sigkilled_rank() -> None:
         for pid in workers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
+    from dsgpt2.schedule import epoch_order, redeal
+
+    n, seed, blocks = 23, 5, lambda c: c % 4 + 1  # chunk c holds c % 4 + 1 blocks
+
+    def read(positions: list[Position], world: int) -> set[tuple[int, int, int]]:
+        """The epoch-0/1 blocks ranks at ``positions`` have read (a queue is what they have not)."""
+        out = set()
+        for r, p in enumerate(positions):
+            for e in range(p.epoch + 1):
+                mine = epoch_order(n, seed, e)[r::world]
+                done = len(mine) if e < p.epoch else p.chunk
+                out |= {(e, int(c), b) for c in mine[:done] for b in range(blocks(int(c)))}
+                if e == p.epoch and p.chunk < len(mine) and not p.queue:
+                    out |= {(e, int(mine[p.chunk]), b) for b in range(p.block)}
+        return out
+
+    every = {(e, c, b) for e in (0, 1) for c in range(n) for b in range(blocks(c))}
+    # Two ranks stopped in different places, one of them already in epoch 1.
+    two = [Position(0, 7, 1), Position(1, 2, 0)]
+    three = redeal(two, n, seed, 3)
+    left = [(e, c, b) for p in three for e, c, skip in p.queue for b in range(skip, blocks(c))]
+    assert len(left) == len(set(left))
+    assert set(left) | read(two, 2) == every
+    assert set(left).isdisjoint(read(two, 2))
+    assert all(p.epoch == 2 and p.chunk == 0 for p in three)
+    # Redealt again before the queues are done: still each block once.
+    part = [Position(2, 0, 0, p.queue[1:]) for p in three]  # each new rank read its first item
+    first = {(e, c, b) for p in three for e, c, skip in p.queue[:1] for b in range(skip, blocks(c))}
+    one = redeal(part, n, seed, 1)
+    again = [(e, c, b) for e, c, skip in one[0].queue for b in range(skip, blocks(c))]
+    assert len(again) == len(set(again))
+    assert {x for x in again if x[0] < 2} | first == set(left)  # the rest of epochs 0 and 1
+    assert {x for x in again if x[0] == 2} == {(2, c, b) for c in range(n) for b in range(blocks(c))}
