@@ -23,6 +23,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -357,6 +358,8 @@ def _init_worker(rank_pid: int, worker_id: int) -> None:
     import signal
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Started with SIGTERM held (see _loader); one that came meanwhile is dropped, now ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     die_with_parent(rank_pid)
 
 
@@ -401,7 +404,23 @@ def _kill_workers_at_exit() -> None:
             child.join(5)
 
 
-def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> DataLoader:
+def _loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> Iterator[Any]:
+    """The items of ``dataset`` in ``order``, read by ``workers`` processes (started already)."""
+    import signal
+
+    loader = _make_loader(dataset, order, workers, prefetch)
+    if workers == 0 or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    # A SIGTERM to the process group while workers start would reach one before it can ignore
+    # it (torch's worker handler dies on it): hold it until they are running; the rank then gets it.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _make_loader(dataset: Dataset, order: Any, workers: int, prefetch: int) -> DataLoader:
     global _exit_hook
     extra: dict[str, Any] = {}
     if workers > 0:

@@ -29,7 +29,7 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         CONFIG=str(tmp_path / "c.json"),
         RUN_DIR=str(tmp_path / "run"),
-        SAMPLE_LIMIT="1500",
+        SAMPLE_LIMIT="500",
         VOCAB_SIZE="400",
         TRAIN_ITERS="12",
         TRAIN_EXTRA="--context_length 64 --eval_interval 6 --eval_iters 2 --wandb off --num_workers 1 "
@@ -82,7 +82,7 @@ def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_p
     assert set(_stage_lines(again.stdout).values()) == {"skipped"}
     assert time.monotonic() - started < 20
     assert len(_eval_results(tmp_path)) == 1  # nothing redone
-    assert Connection(load_config(tmp_path / "c.json")).db["stdlib"].count_documents({}) == 1500
+    assert Connection(load_config(tmp_path / "c.json")).db["stdlib"].count_documents({}) == 500
 
     # More steps: training resumes from its checkpoint; SIGTERM then saves and stops the pipeline.
     log = tmp_path / "all.log"
