@@ -45,7 +45,7 @@ def locate_checkpoint(path: Path, tag: str | None) -> tuple[Path, str]:
     from dsgpt2 import checkpoint
 
     if tag is None and (path / checkpoint.COMPLETE).is_file():
-        return path.parent, path.name
+        return path.parent, checkpoint.resolve(path.parent, path.name)  # verified like any other
     return path, checkpoint.resolve(path, tag)
 
 
@@ -84,7 +84,7 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     from dsgpt2 import checkpoint
     from dsgpt2.export import checkpoint_state
 
-    if not (path / checkpoint.LATEST).exists() and not (path / checkpoint.COMPLETE).exists() and tag is None:
+    if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
             f"model {path}: neither an exported model (config.json + *.safetensors) nor a checkpoint "
             "directory (with `latest`); export one with `dsgpt2 export` or point at --ckpt_dir of a run"

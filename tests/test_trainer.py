@@ -232,6 +232,10 @@ def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path]
     again = train(corpus, tmp_path / "b", "--train_iters", "2", "--save_interval", "100")
     assert "nothing trained" in again.stderr
     assert {p: p.stat().st_mtime_ns for p in saved.iterdir()} == stamps
+    # A fresh run asked for where checkpoints are: refused, nothing overwritten or pruned.
+    fresh = train(corpus, tmp_path / "b", "--train_iters", "2", "--no_resume", check=False)
+    assert fresh.returncode == 2 and "--no_resume" in fresh.stderr.strip().splitlines()[-1]
+    assert {p: p.stat().st_mtime_ns for p in saved.iterdir()} == stamps
     # 4 KiB of garbage inside the states file: found before anything loads it, by training and export.
     states = saved / "mp_rank_00_model_states.pt"
     good = states.read_bytes()
