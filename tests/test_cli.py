@@ -108,16 +108,16 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
 
 def test_demo_runs_every_stage(tmp_path: Path) -> None:
     result = run_cli(
-        "demo", "--out", str(tmp_path / "demo"), "--limit", "1500", "--steps", "12", "--chat_steps", "6",
+        "demo", "--out", str(tmp_path / "demo"), "--limit", "1000", "--steps", "12", "--chat_steps", "6",
         "--no-progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    assert summary["ingest"]["documents"] == 1500
+    assert summary["ingest"]["documents"] == 1000
     assert summary["validate"] == "ok"
-    assert summary["read"]["documents"] == 1500
+    assert summary["read"]["documents"] == 1000
     assert summary["read"]["queries_per_1000_docs"] <= 2
-    assert summary["vocab_download"]["documents"] == 1500
+    assert summary["vocab_download"]["documents"] == 1000
     assert summary["vocab"]["vocab_size"] > 1000
     from transformers import AutoTokenizer
 
@@ -131,7 +131,7 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     assert 0.7 * summary["vocab"]["vocab_size"] < before["perplexity"] < 1.5 * summary["vocab"]["vocab_size"]
     assert summary["sample"]["prompt"] and 0 < summary["sample"]["tokens"] <= 40
     chat = summary["chat"]
-    assert summary["chat_ingest"]["conversations"] == 1500 and chat["train"]["steps"] == 6
+    assert summary["chat_ingest"]["conversations"] == 1000 and chat["train"]["steps"] == 6
     assert chat["reply_loss_after"]["loss"] < chat["reply_loss_before"]["loss"]
     assert chat["exchange"]["user"] and isinstance(chat["exchange"]["bot"], str)
     assert (Path(chat["dir"]) / "model.safetensors").exists()
