@@ -126,6 +126,7 @@ class Trainer:
         args = self.args
         self.mongo = self._mongo or load_config(args.config_train)
         self.vocab_size = load_tokenizer(args.vocab_dir).get_vocab_size()
+        self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
         import deepspeed
 
         # First: the barriers and broadcasts below need the process group.
@@ -168,7 +169,6 @@ class Trainer:
             self.model_config = init[0]
             model = build_with_weights(init[0], init[1], str(args.init_from))
             log.info("initialised from %s", args.init_from)
-        self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
         groups = param_groups(model, optimizer_weight_decay(self.ds_config))
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=groups, config=self.ds_config
