@@ -6,7 +6,7 @@
 `python ds_trainer.py --help` lists every flag.
 """
 
-from dsgpt2.trainer import main
+from dsgpt2.train.trainer import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,15 +8,16 @@ from pathlib import Path
 
 from bench import bench_fetch, bench_generate, bench_train, bench_vocab
 from bench.common import write_results
-from dsgpt2.cleaning import clean_text
-from dsgpt2.sample import stdlib_documents
+from dsgpt2.corpus.builtin import stdlib_documents
+from dsgpt2.corpus.cleaning import clean_text
 
 
 def _train_data(texts: list[str], results: Path) -> list:
     """Tokenize + pack, cached loader, data stall, memory: on the vocabulary of the vocab benchmark."""
-    from dsgpt2.config import config_from_dict
-    from dsgpt2.data import make_spec, prepare_cache
-    from dsgpt2.mongo import Connection
+    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.data.cache import prepare_cache
+    from dsgpt2.data.sources import make_spec
 
     tokenizer = results / "vocab_bench_tok"
     if not (tokenizer / "tokenizer.json").exists():

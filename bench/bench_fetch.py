@@ -20,8 +20,8 @@ import os
 import uuid
 
 from bench.common import Metric, paired_times
-from dsgpt2.config import config_from_dict
-from dsgpt2.mongo import RAW_DOCUMENTS, Connection, MongoWrapper
+from dsgpt2.corpus.config import config_from_dict
+from dsgpt2.corpus.mongo import RAW_DOCUMENTS, Connection, MongoWrapper
 
 
 def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, MongoWrapper]:

@@ -1,6 +1,6 @@
 """Generation benchmark.
 
-- generation tokens/s: ``dsgpt2 generate``'s path (:class:`dsgpt2.generate.Generator`: text prompt in,
+- generation tokens/s: ``dsgpt2 generate``'s path (:class:`dsgpt2.infer.generate.Generator`: text prompt in,
   settings checked, private seeded RNG, stop tokens, text out) ÷ transformers' ``model.generate`` on
   token ids with the same settings and seed, on the same exported model (target ≥ 0.95). Both sample
   the very same tokens, so the ratio is our overhead alone.
@@ -21,7 +21,7 @@ def make_export(texts: list[str], out: Path) -> Path:
     """A 4-layer GPT-2 (256 wide, 256 positions) with a 4,096-token vocabulary, saved as an export."""
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.vocab import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
     model_dir = out / "generate_bench_model"
     if (model_dir / "config.json").exists():
@@ -39,8 +39,8 @@ def make_export(texts: list[str], out: Path) -> Path:
 
 
 def generation_speed(texts: list[str], results: Path, repeats: int = 7, new_tokens: int = 96) -> list[Metric]:
-    from dsgpt2.generate import Generator, SamplingParams
-    from dsgpt2.loading import load_model
+    from dsgpt2.infer.generate import Generator, SamplingParams
+    from dsgpt2.infer.loading import load_model
 
     gen = Generator(load_model(make_export(texts, results)))
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.8, top_k=50, top_p=0.95, seed=1)

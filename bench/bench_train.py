@@ -26,8 +26,8 @@ def tokenize_pack(texts: list[str], tokenizer_dir: Path, repeats: int = 5) -> li
     from tokenizers import Tokenizer
 
     from bench.tiktoken_vocab import encoding_from_vocab
-    from dsgpt2.data import load_tokenizer
-    from dsgpt2.packing import pack
+    from dsgpt2.data.packing import pack
+    from dsgpt2.data.sources import load_tokenizer
 
     ours_tok = load_tokenizer(tokenizer_dir)
     raw = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -75,7 +75,8 @@ def cached_loader(
 ) -> Metric:
     import torch
 
-    from dsgpt2.data import BlockStream, CachedChunks
+    from dsgpt2.data.cache import CachedChunks
+    from dsgpt2.data.loader import BlockStream
 
     data = CachedChunks(cache_dir, "train")
     tokens = np.memmap(cache_dir / "train.bin", dtype=data.dtype, mode="r")
@@ -116,7 +117,7 @@ def deepspeed_overhead(rounds: int = 8, window: int = 10) -> list[Metric]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dsgpt2.model import param_groups
-    from dsgpt2.trainer import ensure_distributed_env
+    from dsgpt2.train.trainer import ensure_distributed_env
 
     ensure_distributed_env()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -197,12 +198,13 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.config import config_from_dict
-    from dsgpt2.data import BlockStream, StreamingChunks, make_spec
+    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.data.loader import BlockStream
+    from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.model import param_groups
-    from dsgpt2.mongo import Connection
-    from dsgpt2.trainer import ensure_distributed_env
-    from dsgpt2.vocab import load_vocab_size
+    from dsgpt2.tokenizer.bpe import load_vocab_size
+    from dsgpt2.train.trainer import ensure_distributed_env
 
     ensure_distributed_env()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
@@ -298,9 +300,10 @@ def _index_rss(total: int) -> dict[str, int]:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.config import config_from_dict
-    from dsgpt2.data import BlockStream, DataSpec, StreamingChunks
-    from dsgpt2.schedule import rank_chunks
+    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.data.dealing import rank_chunks
+    from dsgpt2.data.loader import BlockStream
+    from dsgpt2.data.sources import DataSpec, StreamingChunks
 
     config = config_from_dict(
         {

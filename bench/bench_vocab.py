@@ -94,8 +94,9 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
 
     from transformers import GPT2TokenizerFast  # noqa: F401  (lazy module: load it before the clock)
 
-    from dsgpt2.mongo import MongoWrapper
-    from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+    from dsgpt2.corpus.mongo import MongoWrapper
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts
 
     _STORE[:] = [store]
     config = _config(store)
@@ -144,7 +145,7 @@ class instant_backend:
     def __enter__(self) -> instant_backend:
         from mongomock.collection import Collection
 
-        from dsgpt2.vocab import mongo_texts
+        from dsgpt2.tokenizer.texts import mongo_texts
 
         self._cls, self._find = Collection, Collection.find
         answers: dict[str, list[Any]] = {}
@@ -170,7 +171,7 @@ _STORE: list[str] = []
 
 
 def _config(store: str) -> Any:
-    from dsgpt2.config import config_from_dict
+    from dsgpt2.corpus.config import config_from_dict
 
     uri = os.environ.get("DSGPT2_BENCH_MONGO_URI") or f"mongomock://{store}"
     return config_from_dict(
@@ -188,7 +189,7 @@ def _spawn(mode: str, store: Path, texts_file: Path, out: Path) -> dict[str, Any
 
 def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> list[Metric]:
     """Both sides train on ``copies`` copies of ``texts``: long enough that start-up costs fade."""
-    from dsgpt2.mongo import Connection
+    from dsgpt2.corpus.mongo import Connection
 
     texts = texts * copies
     workdir.mkdir(parents=True, exist_ok=True)

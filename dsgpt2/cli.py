@@ -12,7 +12,7 @@ from typing import Any
 
 from dsgpt2 import __version__
 from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, port, positive_int
-from dsgpt2.config import ENV_URI, scrub
+from dsgpt2.corpus.config import ENV_URI, scrub
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.log import setup_logging
 
@@ -321,7 +321,7 @@ def _add_generation(p: argparse.ArgumentParser, max_new_tokens: int | None = 64)
 
 
 def _sampling(args: argparse.Namespace, **extra: Any) -> Any:
-    from dsgpt2.generate import SamplingParams
+    from dsgpt2.infer.generate import SamplingParams
 
     return SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -457,7 +457,7 @@ def _check_writable(path: Any, flag: str) -> None:
 def _load_model(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
-    from dsgpt2.loading import load_model
+    from dsgpt2.infer.loading import load_model
 
     return load_model(Path(args.model), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None)
 
@@ -465,13 +465,7 @@ def _load_model(args: argparse.Namespace) -> Any:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.evaluate import (
-        EvalRequest,
-        default_report_path,
-        evaluate,
-        report_lines,
-        write_report,
-    )
+    from dsgpt2.infer.evaluate import EvalRequest, default_report_path, evaluate, report_lines, write_report
 
     if args.stop is not None and args.start is None:
         args.start = 0
@@ -502,7 +496,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print("\n".join(report_lines(report)))
     print(f"report: {path}")
     if not args.no_record:
-        from dsgpt2.mongo import EVAL_RESULTS, connect, record_eval
+        from dsgpt2.corpus.mongo import EVAL_RESULTS, connect, record_eval
 
         record_eval(connect(config), report)
         print(f"recorded in {config.db}.{EVAL_RESULTS}")
@@ -512,7 +506,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.generate import Generator
+    from dsgpt2.infer.generate import Generator
 
     prompts = list(args.prompts)
     if args.prompts_file:
@@ -541,8 +535,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from dsgpt2.chat import ChatSession, run_chat
-    from dsgpt2.generate import Generator
+    from dsgpt2.infer.chat import ChatSession, run_chat
+    from dsgpt2.infer.generate import Generator
 
     session = ChatSession(Generator(_load_model(args)), _sampling(args), args.user, args.bot)
     interactive = sys.stdin.isatty()
@@ -562,8 +556,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from dsgpt2.generate import Generator
-    from dsgpt2.serve import ServeLimits, make_app, serve
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.serve import ServeLimits, make_app, serve
 
     limits = ServeLimits(
         max_prompt_chars=args.max_prompt_chars,
@@ -582,7 +576,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_vocab_download(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.vocab import download
+    from dsgpt2.tokenizer.texts import download
 
     report = download(
         _load(args),
@@ -603,8 +597,9 @@ def cmd_vocab_download(args: argparse.Namespace) -> int:
 def cmd_vocab_train(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.documents import SkipTally
-    from dsgpt2.vocab import VocabSettings, mongo_texts, shard_texts, train_vocab
+    from dsgpt2.corpus.documents import SkipTally
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
 
     speakers = tuple(s.strip() for s in args.speakers.split(",") if s.strip())
     settings = VocabSettings(
@@ -636,14 +631,14 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from dsgpt2.config import load_config
+    from dsgpt2.corpus.config import load_config
 
     return load_config(args.config)
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dsgpt2.ingest import file_source, ingest, sample_source
-    from dsgpt2.mongo import connect
+    from dsgpt2.corpus.ingest import file_source, ingest, sample_source
+    from dsgpt2.corpus.mongo import connect
 
     if not args.inputs and not args.sample:
         raise _usage("ingest", "give input FILEs or --sample stdlib")
@@ -677,9 +672,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.mongo import connect
+    from dsgpt2.corpus.validate import fix_collection, validate_corpus
     from dsgpt2.errors import CorpusValidationError
-    from dsgpt2.mongo import connect
-    from dsgpt2.validate import fix_collection, validate_corpus
 
     config = _load(args)
     conn = connect(config)
@@ -701,7 +696,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dsgpt2.mongo import MongoWrapper, read_meta
+    from dsgpt2.corpus.mongo import MongoWrapper, read_meta
 
     config = _load(args)
     wrapper = MongoWrapper(config)
@@ -738,8 +733,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.config import load_config
-    from dsgpt2.data import make_spec, prepare_cache
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.data.cache import prepare_cache
+    from dsgpt2.data.sources import make_spec
     from dsgpt2.errors import ConfigError
     from dsgpt2.model import PRESETS
 
@@ -762,7 +758,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dsgpt2.plan import plan, plan_lines
+    from dsgpt2.train.plan import plan, plan_lines
 
     total, rows = plan(args.model_select, args.vocab_size, args.num_gpus, args.num_nodes)
     print("\n".join(plan_lines(args.model_select, total, rows, args.num_gpus, args.num_nodes)))
@@ -772,7 +768,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dsgpt2.export import export
+    from dsgpt2.infer.export import export
 
     result = export(
         Path(args.ckpt_dir), Path(args.out), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None

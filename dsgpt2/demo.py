@@ -16,11 +16,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.config import MongoConfig, config_from_dict
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.mongo import Connection, MongoWrapper, connect
-from dsgpt2.validate import require_valid
-from dsgpt2.vocab import VocabSettings, download, shard_texts, train_vocab
+from dsgpt2.corpus.config import MongoConfig, config_from_dict
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
+from dsgpt2.corpus.validate import require_valid
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import download, shard_texts
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,7 @@ def run_demo(
                               "--vocab_dir", str(out / "tokenizer"))  # fmt: skip
 
     log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
-    from dsgpt2.export import export
+    from dsgpt2.infer.export import export
 
     exported = export(out / "ckpt", out / "model")
     summary["export"] = {"dir": exported["out"], "step": exported["step"]}
@@ -159,10 +160,10 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
     """The same architecture before any step: the perplexity training starts from."""
     import torch
 
-    from dsgpt2.data import load_tokenizer
-    from dsgpt2.loading import LoadedModel
+    from dsgpt2.data.sources import load_tokenizer
+    from dsgpt2.infer.loading import LoadedModel
     from dsgpt2.model import PRESETS, build_model, gpt2_config
-    from dsgpt2.vocab import EOT, PAD
+    from dsgpt2.tokenizer.bpe import EOT, PAD
 
     tok = load_tokenizer(tokenizer)
     torch.manual_seed(1234)
@@ -178,7 +179,7 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
 def _evaluate(
     model: Path, config: Any, conn: Connection, progress: bool, task: str | None = None
 ) -> dict[str, Any]:
-    from dsgpt2.loading import load_model
+    from dsgpt2.infer.loading import load_model
 
     return _evaluate_loaded(load_model(model), config, conn, progress, task)
 
@@ -186,8 +187,8 @@ def _evaluate(
 def _evaluate_loaded(
     loaded: Any, config: Any, conn: Connection, progress: bool, task: str | None = None
 ) -> dict[str, Any]:
-    from dsgpt2.evaluate import EvalRequest, evaluate
-    from dsgpt2.mongo import record_eval
+    from dsgpt2.corpus.mongo import record_eval
+    from dsgpt2.infer.evaluate import EvalRequest, evaluate
 
     report = evaluate(loaded, config, EvalRequest(task=task, workers=0), progress=progress)
     record_eval(conn, report)
@@ -196,26 +197,26 @@ def _evaluate_loaded(
 
 
 def _sample(model: Path) -> dict[str, Any]:
-    from dsgpt2.generate import Generator, SamplingParams
-    from dsgpt2.loading import load_model
+    from dsgpt2.infer.generate import Generator, SamplingParams
+    from dsgpt2.infer.loading import load_model
 
     (c,) = Generator(load_model(model)).generate(PROMPT, SamplingParams(max_new_tokens=40, seed=0))
     return {"prompt": PROMPT, "text": c.text, "tokens": c.tokens}
 
 
 def _chat(model: Path) -> dict[str, str]:
-    from dsgpt2.chat import ChatSession
-    from dsgpt2.generate import Generator, SamplingParams
-    from dsgpt2.loading import load_model
+    from dsgpt2.infer.chat import ChatSession
+    from dsgpt2.infer.generate import Generator, SamplingParams
+    from dsgpt2.infer.loading import load_model
 
     session = ChatSession(Generator(load_model(model)), SamplingParams(max_new_tokens=40, seed=0))
     return {"user": QUESTION, "bot": session.reply(QUESTION)}
 
 
 def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[str, Any]:
-    from dsgpt2.metrics import read_metrics
-    from dsgpt2.train_args import parse
-    from dsgpt2.trainer import Trainer
+    from dsgpt2.train.args import parse
+    from dsgpt2.train.metrics import read_metrics
+    from dsgpt2.train.trainer import Trainer
 
     run = out if name == "train" else out / name
     run.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from dsgpt2 import mockstore
-from dsgpt2.config import MongoConfig, config_from_dict
-from dsgpt2.mongo import Connection
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.config import MongoConfig, config_from_dict
+from dsgpt2.corpus.mongo import Connection
 from wire_server import WireServer, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 @pytest.fixture(scope="session")
 def sample_texts() -> list[str]:
-    from dsgpt2.sample import stdlib_documents
+    from dsgpt2.corpus.builtin import stdlib_documents
 
     return list(stdlib_documents())
 
@@ -94,7 +94,7 @@ def tiny_export(out: Path, texts: list[str], context: int = 64) -> Path:
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.vocab import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
     train_vocab(iter(texts), out / "tok", VocabSettings(vocab_size=300), "test", progress=False)
     tok = AutoTokenizer.from_pretrained(str(out / "tok"))

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dsgpt2 import checkpoint
-from dsgpt2.checkpoint import CheckpointError, resolve
+from dsgpt2.train import checkpoint
+from dsgpt2.train.checkpoint import CheckpointError, resolve
 
 
 class FakeEngine:

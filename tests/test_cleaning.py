@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsgpt2.cleaning import clean_text
-from dsgpt2.documents import ABSENT, SkipTally, text_problem
+from dsgpt2.corpus.cleaning import clean_text
+from dsgpt2.corpus.documents import ABSENT, SkipTally, text_problem
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_config, write_config
-from dsgpt2.config import MongoConfig, config_from_dict, load_config, redact_uri, scrub, uri_hosts
+from dsgpt2.corpus.config import MongoConfig, config_from_dict, load_config, redact_uri, scrub, uri_hosts
 from dsgpt2.errors import ConfigError
 
 BASE = {"MONGO_CONNECTION_STRING": "mongodb://h:27017", "MONGO_CONNECTION_DB": "corpus", "COLLECTIONS": ["a"]}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsgpt2.conversation import encode_conversations, format_conversation, prompt_ids
-from dsgpt2.packing import IGNORE, labels_and_mask, pack_with_loss
+from dsgpt2.data.conversation import encode_conversations, format_conversation, prompt_ids
+from dsgpt2.data.packing import IGNORE, labels_and_mask, pack_with_loss
 
 SPEAKERS = {"user": 2, "bot": 3}
 EOT, PAD = 0, 1

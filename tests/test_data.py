@@ -12,24 +12,20 @@ import pytest
 import torch
 
 from conftest import ROOT, make_config
-from dsgpt2.data import (
-    BlockStream,
-    CachedChunks,
-    DataSpec,
-    StreamingChunks,
-    build_cache,
-    eval_batches,
-    fingerprint,
-)
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.mongo import Connection, MongoWrapper
-from dsgpt2.schedule import Position, chunk_range, rank_chunks, split_mask
-from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import Connection, MongoWrapper
+from dsgpt2.data.cache import CachedChunks, build_cache
+from dsgpt2.data.dealing import Position, rank_chunks
+from dsgpt2.data.loader import BlockStream, eval_batches
+from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
+from dsgpt2.data.split import chunk_range, split_mask
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dsgpt2 import mockstore
+    from dsgpt2.corpus import mockstore
 
     mockstore.reset()
     conn = Connection(make_config(["s"]))
@@ -161,9 +157,9 @@ class _Pids(torch.utils.data.Dataset):
 
 def test_loader_workers_outlive_a_group_sigterm() -> None:
     """A SIGTERM to the whole process group leaves the rank's workers to it: the rank saves first."""
-    from dsgpt2.data import _loader
+    from dsgpt2.data.loader import start_loader
 
-    it = iter(_loader(_Pids(), range(6), workers=1, prefetch=1))
+    it = iter(start_loader(_Pids(), range(6), workers=1, prefetch=1))
     worker = next(it)
     assert worker != os.getpid()
     os.kill(worker, signal.SIGTERM)
@@ -190,7 +186,7 @@ def test_index_state_does_not_grow_with_the_corpus() -> None:
 
 WORKERS_OF_A_KILLED_RANK = """
 import os, sys, time, torch
-from dsgpt2.data import _loader
+from dsgpt2.data.loader import start_loader
 
 class Busy(torch.utils.data.Dataset):
     def __len__(self):
@@ -201,7 +197,7 @@ class Busy(torch.utils.data.Dataset):
         time.sleep(120)  # busy in a fetch: torch's own parent watchdog does not run here
         return i
 
-it = iter(_loader(Busy(), range(10), workers=2, prefetch=1))
+it = iter(start_loader(Busy(), range(10), workers=2, prefetch=1))
 time.sleep(120)
 """
 
@@ -241,7 +237,7 @@ def test_loader_workers_die_with_a_sigkilled_rank() -> None:
 
 
 def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
-    from dsgpt2.schedule import epoch_order, redeal
+    from dsgpt2.data.dealing import epoch_order, redeal
 
     n, seed, blocks = 23, 5, lambda c: c % 4 + 1  # chunk c holds c % 4 + 1 blocks
 

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from dsgpt2.config import load_config
+from dsgpt2.corpus.config import load_config
 
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

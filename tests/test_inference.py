@@ -13,16 +13,18 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli, write_config
-from dsgpt2 import mockstore
-from dsgpt2.config import load_config
-from dsgpt2.data import StreamingChunks, iter_eval_batches, load_tokenizer
-from dsgpt2.evaluate import EvalRequest, eval_spec, evaluate
-from dsgpt2.generate import Generator, SamplingParams
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.loading import load_model
-from dsgpt2.mongo import EVAL_RESULTS, Connection, MongoWrapper
-from dsgpt2.packing import IGNORE
-from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection, MongoWrapper
+from dsgpt2.data.loader import iter_eval_batches
+from dsgpt2.data.packing import IGNORE
+from dsgpt2.data.sources import StreamingChunks, load_tokenizer
+from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
+from dsgpt2.infer.generate import Generator, SamplingParams
+from dsgpt2.infer.loading import load_model
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
 
 pytestmark = pytest.mark.slow
 
@@ -300,8 +302,8 @@ def test_chat_through_a_pipe(models: dict[str, Path]) -> None:
 
 
 def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) -> None:
-    from dsgpt2.chat import ChatSession
-    from dsgpt2.conversation import prompt_ids, speaker_ids
+    from dsgpt2.data.conversation import prompt_ids, speaker_ids
+    from dsgpt2.infer.chat import ChatSession
 
     gen = Generator(load_model(models["chat"]))
     session = ChatSession(gen, SamplingParams(max_new_tokens=16, seed=1))
@@ -321,7 +323,7 @@ def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) 
 
 
 def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp_path: Path) -> None:
-    from dsgpt2.data import make_spec
+    from dsgpt2.data.sources import make_spec
     from dsgpt2.errors import CorpusError
 
     with pytest.raises(CorpusError, match="no <\\|speaker\\|> token"):

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_config, seed, store_config
-from dsgpt2 import ingest as ingest_mod
-from dsgpt2 import mockstore
-from dsgpt2.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus import ingest as ingest_mod
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.builtin import stdlib_documents
+from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus.ingest import file_source, ingest, normalize_conversation, sample_source
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
+from dsgpt2.corpus.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, IngestError
-from dsgpt2.ingest import file_source, ingest, normalize_conversation, sample_source
-from dsgpt2.mongo import Connection, MongoWrapper, read_meta
-from dsgpt2.sample import stdlib_documents
-from dsgpt2.validate import validate_collection
 
 
 def _conn() -> Connection:

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from dsgpt2.ds_config import load_ds_config, zero_stage
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, build_model, gpt2_config, param_groups
-from dsgpt2.plan import gpt2_parameters, plan
+from dsgpt2.train.ds_config import load_ds_config, zero_stage
+from dsgpt2.train.plan import gpt2_parameters, plan
 
 DS_CONFIGS = sorted((ROOT / "configs").glob("ds_config*.json"))
 

@@ -11,10 +11,10 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from conftest import make_config, seed
-from dsgpt2.config import config_from_dict
-from dsgpt2.documents import Doc
+from dsgpt2.corpus.config import config_from_dict
+from dsgpt2.corpus.documents import Doc
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import BadDocumentError, MongoUnavailableError
-from dsgpt2.mongo import Connection, MongoWrapper, connect
 
 
 @pytest.fixture
@@ -255,8 +255,8 @@ def test_undecodable_utf8_from_a_server_is_one_bad_document() -> None:
     import bson
     from bson.raw_bson import RawBSONDocument
 
-    from dsgpt2.documents import text_problem
-    from dsgpt2.mongo import decode_document
+    from dsgpt2.corpus.documents import text_problem
+    from dsgpt2.corpus.mongo import decode_document
 
     good = bson.encode({"idx": 3, "filt_text": "ok ab"})
     bad = good.replace(b"ok ab", b"ok \xff\xfe")
@@ -269,7 +269,7 @@ def test_undecodable_utf8_from_a_server_is_one_bad_document() -> None:
 def test_record_eval_stores_once_and_explains_a_refused_write(monkeypatch: pytest.MonkeyPatch) -> None:
     from pymongo.errors import OperationFailure
 
-    from dsgpt2.mongo import EVAL_RESULTS, record_eval
+    from dsgpt2.corpus.mongo import EVAL_RESULTS, record_eval
 
     conn = Connection(make_config(["a"]))
     first = record_eval(conn, {"model": "m", "metrics": {"loss": 1.5}})

@@ -22,12 +22,13 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, make_config, run_wire_server
-from dsgpt2.config import ENV_URI, MongoConfig
+from dsgpt2.corpus.config import ENV_URI, MongoConfig
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.errors import MongoUnavailableError
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.metrics import read_metrics
-from dsgpt2.mongo import Connection, MongoWrapper
-from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
+from dsgpt2.train.metrics import read_metrics
 from wire_server import PASSWORD, Proxy, WireServer
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
@@ -258,7 +259,7 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("dsgpt2.mongo").addHandler(handler)
+    logging.getLogger("dsgpt2.corpus.mongo").addHandler(handler)
     up.pause()
     timer = threading.Timer(4.0, up.resume)
     timer.start()
@@ -266,7 +267,7 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     try:
         assert [d.text for d in wrapper.get_range(0, 20)] == [f"text {i}" for i in range(20)]
     finally:
-        logging.getLogger("dsgpt2.mongo").removeHandler(handler)
+        logging.getLogger("dsgpt2.corpus.mongo").removeHandler(handler)
         timer.join()
     assert time.monotonic() - started >= 3.5
     assert any("transient MongoDB error" in w for w in warnings), warnings

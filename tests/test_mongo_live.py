@@ -23,10 +23,10 @@ import pytest
 from pymongo import monitoring
 
 from conftest import ROOT, make_config, run_cli
-from dsgpt2.config import ENV_URI, MongoConfig, load_config, redact_uri
+from dsgpt2.corpus.config import ENV_URI, MongoConfig, load_config, redact_uri
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import MongoUnavailableError
-from dsgpt2.metrics import read_metrics
-from dsgpt2.mongo import Connection, MongoWrapper, connect
+from dsgpt2.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 DOCS = 240

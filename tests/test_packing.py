@@ -3,8 +3,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsgpt2.packing import IGNORE, labels_and_mask, pack
-from dsgpt2.schedule import chunk_range, epoch_order, eval_chunks, num_chunks, rank_chunks, split_mask
+from dsgpt2.data.dealing import epoch_order, eval_chunks, rank_chunks
+from dsgpt2.data.packing import IGNORE, labels_and_mask, pack
+from dsgpt2.data.split import chunk_range, num_chunks, split_mask
 
 EOT, PAD = 0, 1
 

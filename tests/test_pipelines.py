@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, write_config
-from dsgpt2 import mockstore
-from dsgpt2.config import load_config
-from dsgpt2.mongo import EVAL_RESULTS, Connection
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection
 
 pytestmark = pytest.mark.slow
 

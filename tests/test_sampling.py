@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsgpt2.sampling import select, shard_ranges, uniform
+from dsgpt2.corpus.draws import select, shard_ranges, uniform
 
 
 def test_uniform_is_deterministic_and_in_range() -> None:

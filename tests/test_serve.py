@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from conftest import ROOT, tiny_export
-from dsgpt2.generate import Completion, SamplingParams
-from dsgpt2.serve import BadRequest, ServeLimits, make_app, parse_request
+from dsgpt2.infer.generate import Completion, SamplingParams
+from dsgpt2.infer.serve import BadRequest, ServeLimits, make_app, parse_request
 
 
 def _free_port() -> int:

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, store_config
-from dsgpt2 import mockstore
-from dsgpt2.config import load_config
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.metrics import read_metrics
-from dsgpt2.mongo import Connection
-from dsgpt2.vocab import VocabSettings, mongo_texts, train_vocab
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import Connection
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
+from dsgpt2.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -311,7 +312,7 @@ def test_every_zero_stage_trains_resumes_and_exports(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from conftest import run_cli
-    from dsgpt2.export import checkpoint_state
+    from dsgpt2.train.weights import checkpoint_state
 
     ds = json.loads(corpus["ds"].read_text())
     ds["zero_optimization"] = {"stage": stage}
@@ -538,8 +539,8 @@ def test_tokenize_ahead_then_cached_training_reuses_it(corpus: dict[str, Path], 
 
 
 def test_wandb_offline_gets_no_password(tmp_path: Path) -> None:
-    from dsgpt2.config import config_from_dict
-    from dsgpt2.metrics import MetricsLog
+    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.train.metrics import MetricsLog
 
     cfg = config_from_dict(
         {

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from conftest import make_config, run_cli, seed, store_config
+from dsgpt2.corpus.mongo import Connection
+from dsgpt2.corpus.validate import fix_collection, require_valid, validate_collection
 from dsgpt2.errors import CorpusError
-from dsgpt2.mongo import Connection
-from dsgpt2.validate import fix_collection, require_valid, validate_collection
 
 
 def _conn(*names: str) -> Connection:
@@ -94,8 +94,8 @@ def test_fix_does_not_paper_over_duplicates() -> None:
 
 def test_validate_cli_exit_codes_and_json(tmp_path: Path) -> None:
     cfg, _ = store_config(tmp_path)
-    from dsgpt2 import mockstore
-    from dsgpt2.config import load_config
+    from dsgpt2.corpus import mockstore
+    from dsgpt2.corpus.config import load_config
 
     conn = Connection(load_config(cfg))
     seed(conn, "a", ["x", "y", "z"])

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_config, run_cli, seed, store_config
-from dsgpt2 import vocab as vocab_mod
-from dsgpt2.config import load_config
+from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.mongo import Connection
 from dsgpt2.errors import ConfigError
-from dsgpt2.ingest import ingest, sample_source
-from dsgpt2.mongo import Connection
-from dsgpt2.vocab import EOT, PAD, VocabSettings, download, mongo_texts, shard_texts, train_vocab
+from dsgpt2.tokenizer import texts as vocab_mod
+from dsgpt2.tokenizer.bpe import EOT, PAD, VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import download, mongo_texts, shard_texts
 
 ODD_TEXTS = [
     "naïve café, São Paulo — “quotes” and ‘apostrophes’",
@@ -43,7 +44,7 @@ def _sample_conn(limit: int | None = None) -> Connection:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Sample corpus → shards (2 workers) → a 4,000-token vocabulary with 2 reserved tokens."""
-    from dsgpt2 import mockstore
+    from dsgpt2.corpus import mockstore
 
     mockstore.reset()
     base = tmp_path_factory.mktemp("vocab")

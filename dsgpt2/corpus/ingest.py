@@ -31,10 +31,10 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from dsgpt2.cleaning import CLEANER_VERSION, clean_text
-from dsgpt2.documents import SkipTally, utf8_encodable
-from dsgpt2.errors import BadDocumentError, IngestError
-from dsgpt2.mongo import (
+from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
+from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus.documents import SkipTally, utf8_encodable
+from dsgpt2.corpus.mongo import (
     Connection,
     database_errors,
     ensure_idx_index,
@@ -44,7 +44,7 @@ from dsgpt2.mongo import (
     with_retries,
     write_meta,
 )
-from dsgpt2.sample import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
+from dsgpt2.errors import BadDocumentError, IngestError
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def file_source(
 
 
 def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
-    """A built-in sample (see :mod:`dsgpt2.sample`), at most ``limit`` records.
+    """A built-in sample (see :mod:`dsgpt2.corpus.builtin`), at most ``limit`` records.
 
     ``stdlib`` is the pretraining sample; ``stdlib-chat`` its conversation sample.
     """

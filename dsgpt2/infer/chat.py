@@ -1,6 +1,6 @@
 """``dsgpt2 chat``: a dialogue with a conversation-finetuned model.
 
-The history is formatted as in finetuning (:mod:`dsgpt2.conversation`) and
+The history is formatted as in finetuning (:mod:`dsgpt2.data.conversation`) and
 ends with the bot's speaker token; the reply stops at end-of-text or at the
 next speaker token. When the history and the reply would not fit the
 context, the oldest turns are dropped first. Lines starting with ``/`` are
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 
-from dsgpt2.conversation import prompt_ids, speaker_ids
+from dsgpt2.data.conversation import prompt_ids, speaker_ids
 from dsgpt2.errors import ConfigError
-from dsgpt2.generate import Generator, SamplingParams
+from dsgpt2.infer.generate import Generator, SamplingParams
 
 HELP = "commands: /reset forgets the conversation, /quit ends it"
 

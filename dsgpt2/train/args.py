@@ -143,7 +143,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.vocab_dir is None:
         args.vocab_dir = Path("runs/tokenizer")
         if args.init_from is not None:
-            from dsgpt2.loading import init_tokenizer_dir
+            from dsgpt2.train.weights import init_tokenizer_dir
 
             args.vocab_dir = init_tokenizer_dir(args.init_from)
     if not (args.vocab_dir / "tokenizer.json").is_file():

@@ -19,25 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from dsgpt2.sampling import uniform
-
-
-def split_mask(indices: np.ndarray, tr_ratio: float, seed: int) -> np.ndarray:
-    """True for the indices of the training split; the others validate."""
-    if tr_ratio >= 1.0:
-        return np.ones(len(indices), dtype=bool)
-    return uniform(indices, seed, salt="split") < tr_ratio
-
-
-def num_chunks(total: int, chunk_docs: int) -> int:
-    return -(-total // chunk_docs)
-
-
-def chunk_range(chunk: int, total: int, chunk_docs: int) -> tuple[int, int]:
-    """The unified indices ``[lo, hi)`` of ``chunk``."""
-    lo = chunk * chunk_docs
-    return lo, min(lo + chunk_docs, total)
-
 
 def epoch_order(n_chunks: int, seed: int, epoch: int) -> np.ndarray:
     """The chunk order of ``epoch``: a permutation drawn from (seed, epoch)."""

@@ -1,6 +1,6 @@
 """MongoDB access: connections, retries, meta_info and the :class:`MongoWrapper`.
 
-This is the only module (with :mod:`dsgpt2.mockstore`) that talks to pymongo.
+This is the only module (with :mod:`dsgpt2.corpus.mockstore`) that talks to pymongo.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pymongo.errors import (
     PyMongoError,
 )
 
-from dsgpt2 import mockstore
-from dsgpt2.config import ENV_URI, MongoConfig
-from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.config import ENV_URI, MongoConfig
+from dsgpt2.corpus.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, MongoUnavailableError
 
 log = logging.getLogger(__name__)
@@ -247,7 +247,7 @@ class MongoWrapper:
         connection: reuse this connection (default: a new lazy one).
         counts: per-collection counts to use instead of reading meta_info.
         strict: override ``config.strict``.
-        conversations: read each document's ``turns`` (see :mod:`dsgpt2.ingest`)
+        conversations: read each document's ``turns`` (see :mod:`dsgpt2.corpus.ingest`)
             instead of its text field; ``Doc.text`` then holds the turns.
     """
 
@@ -432,7 +432,7 @@ INVALID_TEXT = "\udcff"  # a lone surrogate: text_problem() classifies it as inv
 
 def decode_document(raw: Any, text_field: str) -> dict[str, Any]:
     """A fetched document as a dict; raw BSON with undecodable UTF-8 keeps its idx and
-    gets a text that :func:`~dsgpt2.documents.text_problem` rejects as invalid_unicode."""
+    gets a text that :func:`~dsgpt2.corpus.documents.text_problem` rejects as invalid_unicode."""
     if not isinstance(raw, RawBSONDocument):
         return raw
     try:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from dsgpt2.errors import DsGpt2Error
+from dsgpt2.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -157,21 +157,12 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], k
         dist.barrier()
     if engine.global_rank == 0:
         marker = {"step": step, "time": time.time(), "files": file_digests(ckpt_dir / tag)}
-        _atomic_write(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
-        _atomic_write(ckpt_dir / LATEST, tag)
+        atomic_write_text(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
+        atomic_write_text(ckpt_dir / LATEST, tag)
         _prune(ckpt_dir, keep_last, keep=tag)
     if distributed:
         dist.barrier()
     return tag
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:

@@ -1,4 +1,4 @@
-"""Check that collections satisfy what the :class:`~dsgpt2.mongo.MongoWrapper` relies on.
+"""Check that collections satisfy what the :class:`~dsgpt2.corpus.mongo.MongoWrapper` relies on.
 
 A collection is valid when its documents carry integer ``idx`` values
 0..n-1, each once, under a unique index, and meta_info records n. Every
@@ -12,8 +12,15 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dsgpt2.corpus.mongo import (
+    Connection,
+    ensure_idx_index,
+    idx_index_name,
+    read_meta,
+    with_retries,
+    write_meta,
+)
 from dsgpt2.errors import CorpusError
-from dsgpt2.mongo import Connection, ensure_idx_index, idx_index_name, read_meta, with_retries, write_meta
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ from typing import Any
 
 import torch
 
-from dsgpt2.config import MongoConfig
-from dsgpt2.data import Batch, DataSpec, StreamingChunks, fingerprint, iter_eval_batches, make_spec
+from dsgpt2.corpus.config import MongoConfig
+from dsgpt2.data.loader import Batch, iter_eval_batches
+from dsgpt2.data.packing import IGNORE
+from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
 from dsgpt2.errors import ConfigError
-from dsgpt2.loading import LoadedModel
-from dsgpt2.packing import IGNORE
+from dsgpt2.infer.loading import LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ def evaluate(
     """Evaluate ``loaded`` on the corpus of ``config``; return the report."""
     from dataclasses import replace
 
-    from dsgpt2.mongo import MongoWrapper
+    from dsgpt2.corpus.mongo import MongoWrapper
 
     if request.collections:
         config = replace(config, collections=tuple(request.collections))

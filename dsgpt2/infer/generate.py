@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from dsgpt2.data import load_tokenizer
-from dsgpt2.documents import text_problem
+from dsgpt2.corpus.documents import text_problem
+from dsgpt2.data.sources import load_tokenizer
 from dsgpt2.errors import ConfigError
-from dsgpt2.loading import LoadedModel
+from dsgpt2.infer.loading import LoadedModel
 
 MAX_SAMPLES = 16
 MIN_TEMPERATURE = 0.01
@@ -134,7 +134,7 @@ class Generator:
     """Generates from a loaded model; keeps the tokenizer and stop ids at hand."""
 
     def __init__(self, loaded: LoadedModel, device: str | None = None) -> None:
-        from dsgpt2.vocab import EOT
+        from dsgpt2.tokenizer.bpe import EOT
 
         self.loaded = loaded
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import os
 import struct
-import tempfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,7 +28,8 @@ from mongomock import helpers as _mm_helpers
 from mongomock.collection import Collection as _MockCollection
 from mongomock.store import ServerStore
 
-from dsgpt2.documents import utf8_encodable
+from dsgpt2.corpus.documents import utf8_encodable
+from dsgpt2.files import atomic_writer
 
 PREFIX = "mongomock://"
 
@@ -73,18 +73,9 @@ def save(uri: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with _locked(path):
         _remove_stale_snapshots(path)
-        fd, tmp = tempfile.mkstemp(prefix=_snapshot_prefix(path), dir=os.path.dirname(path))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for record in _dump(store):
-                    f.write(bson.encode(record))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+        with atomic_writer(path, "wb", prefix=_snapshot_prefix(path)) as f:
+            for record in _dump(store):
+                f.write(bson.encode(record))
     _FILES[path] = (store, _stamp(path))
 
 

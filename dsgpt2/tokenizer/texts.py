@@ -22,43 +22,27 @@ import logging
 import multiprocessing
 import os
 import queue
-import re
-import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from dsgpt2.config import MongoConfig
-from dsgpt2.documents import SkipTally, text_problem, utf8_length
+from dsgpt2.corpus.config import MongoConfig
+from dsgpt2.corpus.documents import SkipTally, text_problem, utf8_length
+from dsgpt2.corpus.draws import select, shard_ranges
+from dsgpt2.corpus.mongo import MongoWrapper, require_nonempty
 from dsgpt2.errors import ConfigError
-from dsgpt2.mongo import MongoWrapper, require_nonempty
-from dsgpt2.sampling import select, shard_ranges
+from dsgpt2.files import atomic_write_text, atomic_writer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-EOT = "<|endoftext|>"
-PAD = "<|pad|>"
-DEFAULT_SPEAKERS = ("user", "bot")
 MANIFEST = "manifest.json"
-VOCAB_META = "dsgpt2_vocab.json"
-_SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _SHARD_DOCS = 50_000
-
-
-def speaker_token(name: str) -> str:
-    """The special token that opens a turn of speaker ``name``."""
-    return f"<|{name}|>"
-
-
-def special_tokens(speakers: Iterable[str] = DEFAULT_SPEAKERS, reserved: int = 0) -> list[str]:
-    """The special tokens in id order: end-of-text, pad, speakers, reserved."""
-    return [EOT, PAD, *(speaker_token(s) for s in speakers), *(f"<unused{i}>" for i in range(reserved))]
 
 
 def sample_fraction(total: int, fraction: float | None, count: int | None) -> float:
@@ -203,9 +187,8 @@ def _download_shard(task: tuple[Any, ...]) -> tuple[int, dict[str, Any]]:
     wrapper = MongoWrapper(config, counts=counts)
     documents = size = 0
     digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(prefix=".shard-", dir=os.path.dirname(path))
     try:
-        with os.fdopen(fd, "wb") as f:
+        with atomic_writer(path, "wb", prefix=".shard-") as f:
             for lo in range(start, stop, chunk):
                 hi = min(lo + chunk, stop)
                 wanted = select(lo, hi, fraction, seed)
@@ -219,12 +202,6 @@ def _download_shard(task: tuple[Any, ...]) -> tuple[int, dict[str, Any]]:
                     digest.update(data)
                     documents += 1
                     size += utf8_length(d.text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     finally:
         wrapper.connection.close()
     stats = {"documents": documents, "bytes": size, "skipped": dict(wrapper.skipped)}
@@ -273,9 +250,7 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- texts
@@ -422,144 +397,3 @@ def prefetch(items: Iterator[T], depth: int) -> Iterator[T]:
 
 
 # ---------------------------------------------------------------- train
-
-
-@dataclass(frozen=True)
-class VocabSettings:
-    """How to train the tokenizer.
-
-    Attributes:
-        vocab_size: the largest vocabulary to learn, special tokens included.
-        min_frequency: a pair must occur this often to be merged.
-        speakers: conversation speakers, each with a ``<|name|>`` token.
-        reserved: how many ``<unusedN>`` tokens to reserve.
-        lowercase: lowercase texts before learning (off: GPT-2 keeps case).
-        context_length: the model's context, recorded as ``model_max_length``.
-    """
-
-    vocab_size: int = 50257
-    min_frequency: int = 2
-    speakers: tuple[str, ...] = DEFAULT_SPEAKERS
-    reserved: int = 0
-    lowercase: bool = False
-    context_length: int = 1024
-
-    def __post_init__(self) -> None:
-        floor = 256 + len(self.specials)
-        if self.vocab_size < floor:
-            raise ConfigError(
-                f"--vocab-size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
-                f"got {self.vocab_size}"
-            )
-        if self.min_frequency < 1:
-            raise ConfigError(f"--min-frequency must be at least 1; got {self.min_frequency}")
-        if self.reserved < 0:
-            raise ConfigError(f"--reserved must be 0 or more; got {self.reserved}")
-        if self.context_length <= 0:
-            raise ConfigError(f"--context-length must be positive; got {self.context_length}")
-        for s in self.speakers:
-            if not _SPEAKER_NAME.match(s):
-                raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")
-        if len(set(self.speakers)) != len(self.speakers):
-            raise ConfigError(f"--speakers names a speaker twice: {list(self.speakers)}")
-
-    @property
-    def specials(self) -> list[str]:
-        return special_tokens(self.speakers, self.reserved)
-
-
-@dataclass
-class VocabReport:
-    """What ``train_vocab`` learnt from what."""
-
-    out: Path
-    source: str
-    documents: int
-    bytes: int
-    vocab_size: int
-    requested: int
-    skipped: SkipTally
-    seconds: float
-
-    def lines(self) -> list[str]:
-        short = (
-            f" (asked for {self.requested}: the corpus has no more merges)"
-            if self.vocab_size < self.requested
-            else ""
-        )
-        return [
-            f"tokenizer: {self.out}",
-            f"from {self.source}: {self.documents} documents, {self.bytes / 1e6:.2f} MB, "
-            f"{self.skipped.summary()}",
-            f"vocabulary: {self.vocab_size} tokens{short}, trained in {self.seconds:.1f}s",
-        ]
-
-
-def train_vocab(
-    texts: Iterable[str],
-    out: Path,
-    settings: VocabSettings,
-    source: str,
-    skipped: SkipTally | None = None,
-    progress: bool = True,
-) -> VocabReport:
-    """Train a byte-level BPE on ``texts`` (streamed) and save a ``transformers``-loadable directory."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-    from transformers import GPT2TokenizerFast
-
-    started = time.monotonic()
-    stream = TextStream(texts)
-    bpe = ByteLevelBPETokenizer(add_prefix_space=False, lowercase=settings.lowercase)
-    bpe.train_from_iterator(
-        stream,
-        vocab_size=settings.vocab_size,
-        min_frequency=settings.min_frequency,
-        special_tokens=settings.specials,
-        show_progress=progress,
-    )
-    if stream.documents == 0:
-        raise ConfigError(f"no usable text in {source}; nothing to learn a vocabulary from")
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "tokenizer.json"
-        bpe.save(str(raw))
-        hf = GPT2TokenizerFast(
-            tokenizer_object=Tokenizer.from_file(str(raw)),
-            eos_token=EOT,
-            bos_token=EOT,
-            unk_token=EOT,
-            pad_token=PAD,
-            additional_special_tokens=settings.specials[2:],
-            model_max_length=settings.context_length,
-            add_prefix_space=False,
-        )
-        hf.save_pretrained(str(out))
-    bpe.save_model(str(out))  # vocab.json and merges.txt, for tools that read the GPT-2 files
-    report = VocabReport(
-        out=out,
-        source=source,
-        documents=stream.documents,
-        bytes=stream.bytes,
-        vocab_size=bpe.get_vocab_size(),
-        requested=settings.vocab_size,
-        skipped=skipped if skipped is not None else SkipTally(),
-        seconds=time.monotonic() - started,
-    )
-    meta = {
-        "settings": {**asdict(settings), "speakers": list(settings.speakers)},
-        "special_tokens": {tok: i for i, tok in enumerate(settings.specials)},
-        "source": source,
-        "documents": report.documents,
-        "bytes": report.bytes,
-        "vocab_size": report.vocab_size,
-        "skipped": dict(report.skipped),
-    }
-    _write_json(out / VOCAB_META, meta)
-    return report
-
-
-def load_vocab_size(directory: Path) -> int:
-    """The vocabulary size of a tokenizer directory (special tokens included)."""
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(directory / "tokenizer.json")).get_vocab_size()

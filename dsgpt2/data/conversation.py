@@ -19,7 +19,7 @@ Encode = Callable[[list[str]], list[list[int]]]
 
 def speaker_ids(tokenizer: Any) -> dict[str, int]:
     """Speaker name → id of its ``<|name|>`` token, for every speaker token of the tokenizer."""
-    from dsgpt2.vocab import EOT, PAD
+    from dsgpt2.tokenizer.bpe import EOT, PAD
 
     out = {}
     for token, token_id in tokenizer.get_vocab().items():

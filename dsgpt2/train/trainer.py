@@ -1,7 +1,7 @@
 """The training run: parse → build (data, model, engine) → resume → loop → save.
 
 Used by ``ds_trainer.py`` under the ``deepspeed`` launcher or as a plain
-process. Only this module and :mod:`dsgpt2.checkpoint` touch DeepSpeed.
+process. Only this module and :mod:`dsgpt2.train.checkpoint` touch DeepSpeed.
 """
 
 from __future__ import annotations
@@ -23,28 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsgpt2 import checkpoint
-from dsgpt2.config import ENV_URI, load_config, scrub
-from dsgpt2.data import (
-    SPLITS,
-    BlockStream,
-    CachedChunks,
-    StreamingChunks,
-    eval_batches,
-    fingerprint,
-    load_tokenizer,
-    make_spec,
-    prepare_cache,
-)
-from dsgpt2.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
+from dsgpt2.corpus.config import ENV_URI, load_config, scrub
+from dsgpt2.data.cache import CachedChunks, prepare_cache
+from dsgpt2.data.dealing import Position, redeal
+from dsgpt2.data.loader import BlockStream, eval_batches
+from dsgpt2.data.sources import SPLITS, StreamingChunks, fingerprint, load_tokenizer, make_spec
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
-from dsgpt2.metrics import MetricsLog, plot_losses
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups
-from dsgpt2.schedule import Position, redeal
-from dsgpt2.train_args import parse
+from dsgpt2.train import checkpoint
+from dsgpt2.train.args import parse
+from dsgpt2.train.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
+from dsgpt2.train.metrics import MetricsLog, plot_losses
 
-log = logging.getLogger("dsgpt2.trainer")
+log = logging.getLogger("dsgpt2.train.trainer")
 
 
 def run_context(args: Any) -> int:
@@ -107,7 +99,7 @@ def _param_checksum(engine: Any) -> float:
 
 class Trainer:
     def __init__(self, args: Any, mongo: Any = None) -> None:
-        """``mongo``: a :class:`~dsgpt2.config.MongoConfig` to use instead of loading --config_train."""
+        """``mongo``: a :class:`~dsgpt2.corpus.config.MongoConfig` used instead of --config_train."""
         self.args = args
         self._mongo = mongo
         ensure_distributed_env()
@@ -120,8 +112,8 @@ class Trainer:
     # ------------------------------------------------------------ build
 
     def build(self) -> None:
-        from dsgpt2.mongo import Connection, MongoWrapper
-        from dsgpt2.validate import require_valid
+        from dsgpt2.corpus.mongo import Connection, MongoWrapper
+        from dsgpt2.corpus.validate import require_valid
 
         args = self.args
         self.mongo = self._mongo or load_config(args.config_train)
@@ -164,7 +156,7 @@ class Trainer:
             )
             model = build_model(self.model_config)
         else:
-            from dsgpt2.loading import build_with_weights
+            from dsgpt2.train.weights import build_with_weights
 
             self.model_config = init[0]
             model = build_with_weights(init[0], init[1], str(args.init_from))
@@ -193,7 +185,7 @@ class Trainer:
         """The config and weights of --init_from, checked against the tokenizer."""
         if self.args.init_from is None:
             return None
-        from dsgpt2.loading import load_weights
+        from dsgpt2.train.weights import load_weights
 
         config, weights, _, _ = load_weights(self.args.init_from)
         if config.vocab_size != self.vocab_size:

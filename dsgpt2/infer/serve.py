@@ -25,9 +25,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from dsgpt2.documents import text_problem
+from dsgpt2.corpus.documents import text_problem
 from dsgpt2.errors import ConfigError, DsGpt2Error
-from dsgpt2.generate import Generator, SamplingParams
+from dsgpt2.infer.generate import Generator, SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Load a trained model for inference or finetuning: an exported directory or a checkpoint.
 
-``path`` may be an export (``config.json`` + weights, see :mod:`dsgpt2.export`),
+``path`` may be an export (``config.json`` + weights, see :mod:`dsgpt2.infer.export`),
 a checkpoint directory (the tag its ``latest`` names, or ``tag``), or one
 checkpoint tag directory. Either way the result is a plain
 ``GPT2LMHeadModel`` in eval mode, the directory of its tokenizer, and what
@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dsgpt2.errors import ConfigError
+from dsgpt2.train import checkpoint
 
 log = logging.getLogger(__name__)
 
 RUN_INFO = "dsgpt2_run.json"  # what an export keeps of its training run
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to run, and where it came from."""
-
-    model: Any  # GPT2LMHeadModel
-    tokenizer_dir: Path
-    name: str  # for reports: "<dir>" or "<ckpt_dir>/<tag>"
-    run: dict[str, Any] = field(default_factory=dict)  # step, fingerprint (empty when unknown)
-
-    @property
-    def context(self) -> int:
-        return int(self.model.config.n_positions)
 
 
 def is_export(path: Path) -> bool:
@@ -42,7 +30,7 @@ def is_export(path: Path) -> bool:
 
 def locate_checkpoint(path: Path, tag: str | None) -> tuple[Path, str]:
     """``(ckpt_dir, tag)`` for a checkpoint directory or a tag directory inside one."""
-    from dsgpt2 import checkpoint
+    from dsgpt2.train import checkpoint
 
     if tag is None and (path / checkpoint.COMPLETE).is_file():
         return path.parent, checkpoint.resolve(path.parent, path.name)  # verified like any other
@@ -53,7 +41,7 @@ def init_tokenizer_dir(path: Path) -> Path:
     """The tokenizer a model was trained with: an export holds it; a checkpoint names it."""
     if is_export(path):
         return path
-    from dsgpt2 import checkpoint
+    from dsgpt2.train import checkpoint
 
     ckpt_dir, tag = locate_checkpoint(path, None)
     return Path(checkpoint.read_client_state(ckpt_dir, tag)["vocab_dir"])
@@ -81,8 +69,8 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
             weights.update(load_file(str(f)))
         run = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
         return config, weights, path, run
-    from dsgpt2 import checkpoint
-    from dsgpt2.export import checkpoint_state
+    from dsgpt2.train import checkpoint
+    from dsgpt2.train.weights import checkpoint_state
 
     if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
@@ -94,34 +82,6 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     config = GPT2Config.from_dict(client["model_config"])
     run = {"step": client["step"], "fingerprint": client["fingerprint"], "checkpoint": str(ckpt_dir / tag)}
     return config, weights, Path(client["vocab_dir"]), run
-
-
-def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None) -> LoadedModel:
-    """A ``GPT2LMHeadModel`` in eval mode from an export or a checkpoint (see the module doc).
-
-    Args:
-        path: export directory, checkpoint directory or checkpoint tag directory.
-        tag: checkpoint tag (default: ``latest``).
-        vocab_dir: tokenizer to use instead of the one the model names.
-    """
-    config, weights, tokenizer_dir, run = load_weights(path, tag)
-    tokenizer_dir = vocab_dir or tokenizer_dir
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"tokenizer {tokenizer_dir}: no tokenizer.json (the model was trained with it); "
-            "give the tokenizer directory with --vocab_dir"
-        )
-    from dsgpt2.data import load_tokenizer
-
-    if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:
-        raise ConfigError(
-            f"tokenizer {tokenizer_dir} has more tokens than the model's {config.vocab_size}; use the "
-            "tokenizer the model was trained with (the default without --vocab_dir)"
-        )
-    model = build_with_weights(config, weights, str(path))
-    model.eval()
-    name = run.get("checkpoint") or str(path)
-    return LoadedModel(model, tokenizer_dir, name, run)
 
 
 def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
@@ -141,3 +101,19 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
         )
     model.tie_weights()
     return model
+
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
+    blob = checkpoint.load_states(ckpt_dir, tag)
+    client = blob["dsgpt2"]
+    if checkpoint.is_partitioned(ckpt_dir, tag):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
+    else:
+        weights = {k: v.float() for k, v in blob["module"].items()}
+    return weights, client

@@ -14,25 +14,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from dsgpt2 import checkpoint
-from dsgpt2.loading import RUN_INFO, build_with_weights
+from dsgpt2.train import checkpoint
+from dsgpt2.train.weights import RUN_INFO, build_with_weights, checkpoint_state
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
-    blob = checkpoint.load_states(ckpt_dir, tag)
-    client = blob["dsgpt2"]
-    if checkpoint.is_partitioned(ckpt_dir, tag):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    else:
-        weights = {k: v.float() for k, v in blob["module"].items()}
-    return weights, client
 
 
 def export(

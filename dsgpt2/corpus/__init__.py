@@ -1,0 +1,1 @@
+"""The corpus in MongoDB: connection config, client and retries, documents, ingest, validate."""

@@ -1,0 +1,1 @@
+"""Training data: split and dealing, packing, conversations, chunk sources, the loader."""

@@ -1,0 +1,306 @@
+"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+
+A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.data.dealing`) is
+the unit of work: a DataLoader worker fetches it with one query per
+collection, keeps the documents of the requested split, tokenizes and packs
+them. Two sources give the same blocks for the same chunk:
+
+- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
+  starts within seconds);
+- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
+  memory-mapped files, checked against a fingerprint of the corpus,
+  tokenizer and split.
+
+:class:`BlockStream` deals each rank its chunks in the epoch's order and
+turns them into micro-batches, keeping the small :class:`Position` that
+makes resuming exact.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dsgpt2.data.dealing import Position, eval_chunks, rank_chunks
+from dsgpt2.data.packing import labels_and_mask
+from dsgpt2.data.sources import Chunk
+from dsgpt2.errors import CorpusError
+
+log = logging.getLogger(__name__)
+
+_exit_hook = False
+
+
+def _collate(item: Chunk) -> Chunk:
+    return item
+
+
+def _init_worker(rank_pid: int, worker_id: int) -> None:
+    # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler) must let the
+    # rank finish its step and save: a worker dying first would fail that step instead. Workers
+    # stop when their rank shuts the loader down, or exits (see _kill_workers_at_exit), or dies.
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Started with SIGTERM held (see start_loader); one that came meanwhile is dropped, now ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    die_with_parent(rank_pid)
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` dies, even by SIGKILL (Linux).
+
+    The parent is the thread that forked it: loaders are made on their rank's main thread.
+    """
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request: nothing would send the signal
+        os._exit(1)
+
+
+def _kill_workers_at_exit() -> None:
+    """Kill the loader workers still alive when this process exits.
+
+    multiprocessing ends daemonic children with SIGTERM and then waits for them, which workers
+    that ignore SIGTERM would never answer. Registered after multiprocessing's own exit hook,
+    this one runs first.
+    """
+    import multiprocessing
+    import signal
+
+    # torch's SIGCHLD handler would report each killed worker as a failure.
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join(5)
+
+
+def start_loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> Iterator[Any]:
+    """The items of ``dataset`` in ``order``, read by ``workers`` processes (started already)."""
+    import signal
+
+    loader = _make_loader(dataset, order, workers, prefetch)
+    if workers == 0 or threading.current_thread() is not threading.main_thread():
+        return iter(loader)
+    # A SIGTERM to the process group while workers start would reach one before it can ignore
+    # it (torch's worker handler dies on it): hold it until they are running; the rank then gets it.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _make_loader(dataset: Dataset, order: Any, workers: int, prefetch: int) -> DataLoader:
+    global _exit_hook
+    extra: dict[str, Any] = {}
+    if workers > 0:
+        if not _exit_hook:
+            import atexit
+
+            atexit.register(_kill_workers_at_exit)
+            _exit_hook = True
+        extra = {
+            "multiprocessing_context": "fork",
+            "prefetch_factor": prefetch,
+            "worker_init_fn": functools.partial(_init_worker, os.getpid()),
+        }
+    # A generator of its own: the loader must not draw from torch's global RNG, whose state
+    # is part of a checkpoint (dropout) and would otherwise depend on when loaders are made.
+    return DataLoader(
+        dataset,
+        batch_size=None,
+        sampler=list(order),
+        num_workers=workers,
+        collate_fn=_collate,
+        generator=torch.Generator().manual_seed(0),
+        **extra,
+    )
+
+
+@dataclass
+class Batch:
+    """One micro-batch, and where its blocks came from."""
+
+    input_ids: torch.Tensor  # (B, T)
+    labels: torch.Tensor  # (B, T), -100 on padding
+    attention_mask: torch.Tensor  # (B, T)
+    block_ids: list[tuple[int, int, int]]  # (epoch, chunk, block in chunk)
+    tokens: int  # real tokens
+
+
+class _Rows:
+    """Blocks gathered for the next micro-batch."""
+
+    def __init__(self) -> None:
+        self.rows: list[np.ndarray] = []
+        self.valid: list[int] = []
+        self.ids: list[tuple[int, int, int]] = []
+        self.loss: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, item: Chunk, b: int, valid: int, block_id: tuple[int, int, int]) -> None:
+        self.rows.append(item.blocks[b])
+        self.valid.append(valid)
+        self.ids.append(block_id)
+        if item.loss is not None:
+            self.loss.append(item.loss[b])
+
+    def batch(self) -> Batch:
+        return _make_batch(self.rows, self.valid, self.ids, self.loss or None)
+
+
+def _make_batch(
+    rows: list[np.ndarray],
+    valid: list[int],
+    ids: list[tuple[int, int, int]],
+    loss: list[np.ndarray] | None = None,
+) -> Batch:
+    blocks = np.stack(rows)
+    labels, mask = labels_and_mask(blocks, np.array(valid), np.stack(loss) if loss else None)
+    return Batch(
+        torch.from_numpy(blocks.astype(np.int64)),
+        torch.from_numpy(labels),
+        torch.from_numpy(mask),
+        ids,
+        int(sum(valid)),
+    )
+
+
+class BlockStream:
+    """Micro-batches of training blocks for one rank, endless over epochs, resumable exactly.
+
+    ``position`` always names the next block not yet handed out, so that a
+    checkpoint taken between two batches resumes with the very next one.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        seed: int,
+        rank: int,
+        world: int,
+        micro_batch: int,
+        position: Position | None = None,
+        workers: int = 2,
+    ) -> None:
+        self.dataset = dataset
+        self.n_chunks = len(dataset)
+        self.seed = seed
+        self.rank = rank
+        self.world = world
+        self.micro_batch = micro_batch
+        self.position = position or Position()
+        self.workers = workers
+        self.documents = 0
+        self.skipped: dict[str, int] = {}
+
+    def _take(self, item: Chunk) -> None:
+        self.documents += item.documents
+        for reason, n in item.skipped.items():
+            self.skipped[reason] = self.skipped.get(reason, 0) + n
+
+    def __iter__(self) -> Iterator[Batch]:
+        pos = self.position
+        rows = _Rows()
+        # First what a run on another number of ranks left over (see schedule.redeal).
+        queue = list(pos.queue)
+        for i, item in enumerate(start_loader(self.dataset, [c for _, c, _ in queue], self.workers)):
+            self._take(item)
+            e, c, first = queue[i]
+            v = item.valid
+            for b in range(first, len(item.blocks)):
+                rows.add(item, b, int(v[b]), (e, c, b))
+                if len(rows) == self.micro_batch:
+                    batch = rows.batch()
+                    rows = _Rows()
+                    rest = [(e, c, b + 1)] if b + 1 < len(item.blocks) else []
+                    self.position = Position(pos.epoch, pos.chunk, pos.block, rest + queue[i + 1 :])
+                    yield batch
+        epoch, start, skip = pos.epoch, pos.chunk, pos.block
+        while True:
+            order = rank_chunks(self.n_chunks, self.seed, epoch, self.rank, self.world)
+            produced = False
+            for k, item in enumerate(start_loader(self.dataset, order[start:], self.workers), start=start):
+                self._take(item)
+                v = item.valid
+                for b in range(skip, len(item.blocks)):
+                    produced = True
+                    rows.add(item, b, int(v[b]), (epoch, int(item.chunk), b))
+                    if len(rows) == self.micro_batch:
+                        batch = rows.batch()
+                        rows = _Rows()
+                        # The next block is b + 1 of this chunk (possibly past its end).
+                        self.position = _normalize(Position(epoch, k, b + 1), len(item.blocks))
+                        yield batch
+                skip = 0
+            if not produced and start == 0:
+                raise CorpusError(
+                    f"rank {self.rank} has no training block in a whole epoch: the split is empty "
+                    "(too few documents, or --tr_ratio leaves none for training)"
+                )
+            epoch, start = epoch + 1, 0
+
+
+def _normalize(pos: Position, blocks_in_chunk: int) -> Position:
+    if pos.block >= blocks_in_chunk:
+        return Position(pos.epoch, pos.chunk + 1, 0)
+    return pos
+
+
+def eval_batches(
+    dataset: Dataset, rank: int, world: int, micro_batch: int, limit: int, workers: int = 0
+) -> list[Batch]:
+    """The first ``limit`` validation micro-batches of this rank: the same at every evaluation."""
+    out: list[Batch] = []
+    for batch in iter_eval_batches(dataset, rank, world, micro_batch, workers):
+        out.append(batch)
+        if len(out) >= limit:
+            break
+    return out
+
+
+def iter_eval_batches(
+    dataset: Dataset, rank: int, world: int, micro_batch: int, workers: int = 0, stats: Any = None
+) -> Iterator[Batch]:
+    """Every block of this rank's evaluation chunks, in micro-batches, in a fixed order.
+
+    ``stats`` (a dict), when given, gathers ``chunks``, ``documents`` and ``skipped`` as chunks arrive.
+    """
+    rows = _Rows()
+    for item in start_loader(dataset, eval_chunks(len(dataset), rank, world), workers):
+        if stats is not None:
+            stats["chunks"] = stats.get("chunks", 0) + 1
+            stats["documents"] = stats.get("documents", 0) + item.documents
+            skipped = stats.setdefault("skipped", {})
+            for reason, n in item.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        v = item.valid
+        for b in range(len(item.blocks)):
+            rows.add(item, b, int(v[b]), (0, int(item.chunk), b))
+            if len(rows) == micro_batch:
+                yield rows.batch()
+                rows = _Rows()
+    if len(rows):
+        yield rows.batch()

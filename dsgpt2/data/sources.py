@@ -1,0 +1,240 @@
+"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+
+A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.data.dealing`) is
+the unit of work: a DataLoader worker fetches it with one query per
+collection, keeps the documents of the requested split, tokenizes and packs
+them. Two sources give the same blocks for the same chunk:
+
+- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
+  starts within seconds);
+- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
+  memory-mapped files, checked against a fingerprint of the corpus,
+  tokenizer and split.
+
+:class:`BlockStream` deals each rank its chunks in the epoch's order and
+turns them into micro-batches, keeping the small :class:`Position` that
+makes resuming exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dsgpt2.corpus.config import MongoConfig
+from dsgpt2.data.packing import pack, pack_with_loss
+from dsgpt2.data.split import chunk_range, num_chunks, split_mask
+from dsgpt2.errors import CorpusError
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val")
+TASKS = ("lm", "conversation")
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What decides the blocks: change any of it and the batches change."""
+
+    context: int
+    chunk_docs: int
+    tr_ratio: float
+    seed: int
+    eot: int
+    pad: int
+    task: str = "lm"  # "conversation": the documents' turns, loss on the replies only
+    reply_speakers: str = "bot"  # comma-separated; used by the conversation task
+
+    @property
+    def replies(self) -> frozenset[str]:
+        return frozenset(s for s in self.reply_speakers.split(",") if s)
+
+
+def make_spec(
+    tokenizer_dir: Path,
+    context: int,
+    chunk_docs: int,
+    tr_ratio: float,
+    seed: int,
+    task: str = "lm",
+    reply_speakers: str = "bot",
+) -> DataSpec:
+    """The data spec of a run, with end-of-text and pad ids read from the tokenizer.
+
+    Raises:
+        CorpusError: the tokenizer lacks end-of-text, or a reply speaker has no token.
+    """
+    from dsgpt2.tokenizer.bpe import EOT, PAD
+
+    tok = load_tokenizer(tokenizer_dir)
+    eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
+    if eot is None:
+        raise CorpusError(
+            f"{tokenizer_dir}: the tokenizer has no {EOT} token; train it with dsgpt2 vocab train"
+        )
+    if task == "conversation":
+        from dsgpt2.data.conversation import speaker_ids
+
+        known = speaker_ids(tok)
+        missing = [s for s in reply_speakers.split(",") if s and s not in known]
+        if missing or not reply_speakers.strip(","):
+            raise CorpusError(
+                f"reply speaker(s) {missing or [reply_speakers]} have no <|speaker|> token in "
+                f"{tokenizer_dir} (it knows {sorted(known)}); pick among those or retrain the vocabulary "
+                "with `dsgpt2 vocab train --speakers ...`"
+            )
+    return DataSpec(
+        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers
+    )
+
+
+def tokenizer_digest(tokenizer_dir: Path) -> str:
+    """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
+    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+
+
+def fingerprint(
+    config: MongoConfig, counts: tuple[int, ...], tokenizer_dir: Path, spec: DataSpec
+) -> dict[str, Any]:
+    """Everything the batches depend on; a checkpoint or cache made under another one is stale."""
+    return {
+        "db": config.db,
+        "collections": list(config.collections),
+        "counts": list(counts),
+        "text_field": config.text_field,
+        "tokenizer": tokenizer_digest(tokenizer_dir),
+        **asdict(spec),
+    }
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    # A document that contains the text "<|endoftext|>" must not inject the real token.
+    tok.encode_special_tokens = True
+    return tok
+
+
+@dataclass
+class Chunk:
+    """The packed blocks of one chunk of one split."""
+
+    chunk: int
+    blocks: np.ndarray  # (n, T) int32
+    last: int  # real tokens in the last block
+    documents: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    loss: np.ndarray | None = None  # (n, T) bool: tokens the loss covers (None: all real ones)
+
+    @property
+    def valid(self) -> np.ndarray:
+        """Real tokens per block: all of them but in the last."""
+        v = np.full(len(self.blocks), self.blocks.shape[1], dtype=np.int64)
+        if len(v):
+            v[-1] = self.last
+        return v
+
+
+class StreamingChunks(Dataset):
+    """Chunk ``i`` of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
+
+    The wrapper and tokenizer are made lazily in the process that uses them.
+
+    Args:
+        split: ``train``, ``val``, or ``all`` (every document, for evaluation).
+        window: only the unified indices ``[lo, hi)``; chunks then count from ``lo``.
+    """
+
+    def __init__(
+        self,
+        config: MongoConfig,
+        counts: tuple[int, ...],
+        tokenizer_dir: Path,
+        spec: DataSpec,
+        split: str,
+        window: tuple[int, int] | None = None,
+    ) -> None:
+        self.config = config
+        self.counts = counts
+        self.tokenizer_dir = tokenizer_dir
+        self.spec = spec
+        self.split = split
+        self.lo, self.hi = window if window is not None else (0, sum(counts))
+        self.total = self.hi - self.lo
+        self._wrapper: Any = None
+        self._tokenizer: Any = None
+        self._speakers: dict[str, int] = {}
+        self._pid = -1
+
+    def __len__(self) -> int:
+        return num_chunks(self.total, self.spec.chunk_docs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_wrapper": None, "_tokenizer": None, "_pid": -1}
+
+    def _ready(self) -> None:
+        if self._pid != os.getpid():
+            from dsgpt2.corpus.mongo import MongoWrapper
+
+            if torch.utils.data.get_worker_info() is not None:
+                # Each worker tokenizes one chunk at a time on one thread: several workers with a
+                # thread pool each would fight the training step for the cores.
+                os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+            conversations = self.spec.task == "conversation"
+            self._wrapper = MongoWrapper(self.config, counts=self.counts, conversations=conversations)
+            self._tokenizer = load_tokenizer(self.tokenizer_dir)
+            if conversations:
+                from dsgpt2.data.conversation import speaker_ids
+
+                self._speakers = speaker_ids(self._tokenizer)
+            self._pid = os.getpid()
+
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast: no character offsets, which packing never needs.
+        return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def __getitem__(self, chunk: int) -> Chunk:
+        self._ready()
+        lo, hi = chunk_range(chunk, self.total, self.spec.chunk_docs)
+        lo, hi = lo + self.lo, hi + self.lo
+        indices = np.arange(lo, hi)
+        if self.split == "all":
+            wanted = indices
+        else:
+            train = split_mask(indices, self.spec.tr_ratio, self.spec.seed)
+            wanted = indices[train] if self.split == "train" else indices[~train]
+        before = dict(self._wrapper.skipped)
+        if len(wanted) == 0:
+            docs = []
+        elif len(wanted) > (hi - lo) // 2:
+            keep = set(wanted.tolist())
+            docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
+        else:
+            docs = self._wrapper.get_many(wanted.tolist())
+        skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
+        if self.spec.task != "conversation":
+            blocks, last = pack(self._encode([d.text for d in docs]), self.spec.context, *self._ids())
+            return Chunk(chunk, blocks, last, len(docs), skipped)
+        from dsgpt2.data.conversation import encode_conversations
+
+        ids, flags, unknown = encode_conversations(
+            [d.text for d in docs], self._encode, self._speakers, self.spec.replies
+        )
+        if unknown:
+            skipped["unknown_speaker"] = unknown
+        blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
+        return Chunk(chunk, blocks, last, len(ids), skipped, loss)
+
+    def _ids(self) -> tuple[int, int]:
+        return self.spec.eot, self.spec.pad

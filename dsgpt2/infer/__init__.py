@@ -1,0 +1,1 @@
+"""Using a trained model: loading, export, evaluation, generation, chat, serving."""

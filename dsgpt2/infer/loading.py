@@ -1,0 +1,62 @@
+"""Load a trained model for inference or finetuning: an exported directory or a checkpoint.
+
+``path`` may be an export (``config.json`` + weights, see :mod:`dsgpt2.infer.export`),
+a checkpoint directory (the tag its ``latest`` names, or ``tag``), or one
+checkpoint tag directory. Either way the result is a plain
+``GPT2LMHeadModel`` in eval mode, the directory of its tokenizer, and what
+is known of the run that trained it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.train.weights import build_with_weights, load_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, and where it came from."""
+
+    model: Any  # GPT2LMHeadModel
+    tokenizer_dir: Path
+    name: str  # for reports: "<dir>" or "<ckpt_dir>/<tag>"
+    run: dict[str, Any] = field(default_factory=dict)  # step, fingerprint (empty when unknown)
+
+    @property
+    def context(self) -> int:
+        return int(self.model.config.n_positions)
+
+
+def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None) -> LoadedModel:
+    """A ``GPT2LMHeadModel`` in eval mode from an export or a checkpoint (see the module doc).
+
+    Args:
+        path: export directory, checkpoint directory or checkpoint tag directory.
+        tag: checkpoint tag (default: ``latest``).
+        vocab_dir: tokenizer to use instead of the one the model names.
+    """
+    config, weights, tokenizer_dir, run = load_weights(path, tag)
+    tokenizer_dir = vocab_dir or tokenizer_dir
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir}: no tokenizer.json (the model was trained with it); "
+            "give the tokenizer directory with --vocab_dir"
+        )
+    from dsgpt2.data.sources import load_tokenizer
+
+    if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir} has more tokens than the model's {config.vocab_size}; use the "
+            "tokenizer the model was trained with (the default without --vocab_dir)"
+        )
+    model = build_with_weights(config, weights, str(path))
+    model.eval()
+    name = run.get("checkpoint") or str(path)
+    return LoadedModel(model, tokenizer_dir, name, run)

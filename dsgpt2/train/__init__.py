@@ -1,0 +1,1 @@
+"""The training run: flags, DeepSpeed config, checkpoints, weights, metrics, memory plan."""
