@@ -8,6 +8,11 @@ import argparse
 class OneLineErrorParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line (what is wrong, where to look) and exit code 2."""
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        # No silent abbreviations: `--vocab` must not quietly mean `--vocab_dir`.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
@@ -36,4 +41,17 @@ def port(text: str) -> int:
     value = non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
+    return value
+
+
+def ratio(text: str) -> float:
+    """A share in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"must be in (0, 1] (the share of documents that train), got {value}"
+        )
     return value

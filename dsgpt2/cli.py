@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from dsgpt2 import __version__
@@ -143,21 +144,14 @@ def build_parser() -> Parser:
             "with other settings rebuilds it."
         ),
     )
-    from dsgpt2.model import PRESETS
+    from dsgpt2.options import add_options
+    from dsgpt2.train.config import DataOptions, ModelOptions
 
-    p.add_argument("--config_train", required=True, metavar="JSON", help="MongoDB connection config")
-    p.add_argument(
-        "--vocab_dir", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)"
-    )
-    p.add_argument("--model_select", default="112m", choices=list(PRESETS), help="preset, for its context")
-    p.add_argument("--context_length", type=positive_int, help="tokens per block (default: the preset's)")
-    p.add_argument(
-        "--tr_ratio", type=float, default=0.99, help="share of documents that train (default 0.99)"
-    )
-    p.add_argument("--seed", type=int, default=1234, help="split seed (default 1234)")
-    p.add_argument("--chunk_docs", type=positive_int, default=1000, help="documents per chunk (default 1000)")
-    p.add_argument("--cache_dir", default="runs/train/cache", help="output (default: runs/train/cache)")
-    p.add_argument("--num_workers", type=int, default=2, help="worker processes (default 2)")
+    # The training run's own data flags, so that the cache matches the run that reads it.
+    data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "cache_dir", "num_workers"]
+    defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
+    add_options(p, DataOptions, only=data_flags, defaults=defaults)
+    add_options(p, ModelOptions, only=["model_select", "context_length"])
     p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_tokenize)
@@ -171,6 +165,8 @@ def build_parser() -> Parser:
             "Activations come on top."
         ),
     )
+    from dsgpt2.model import PRESETS
+
     p.add_argument("--model_select", required=True, choices=list(PRESETS), help="model size preset")
     p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default 50257)")
     p.add_argument("--num_gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
@@ -731,27 +727,22 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from dsgpt2.corpus.config import load_config
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.data.sources import make_spec
-    from dsgpt2.errors import ConfigError
-    from dsgpt2.model import PRESETS
+    from dsgpt2.options import from_namespace
+    from dsgpt2.train.config import DataOptions, ModelOptions
+    from dsgpt2.train.trainer import run_context
 
-    if not 0 < args.tr_ratio <= 1:
-        raise ConfigError(f"--tr_ratio must be in (0, 1]; got {args.tr_ratio}")
-    vocab = Path(args.vocab_dir)
-    if not (vocab / "tokenizer.json").is_file():
-        raise ConfigError(f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)")
-    context = args.context_length or PRESETS[args.model_select].context
-    spec = make_spec(vocab, context, args.chunk_docs, args.tr_ratio, args.seed)
+    data = from_namespace(DataOptions, args)
+    context = run_context(from_namespace(ModelOptions, args))
+    spec = make_spec(data.vocab_dir, context, data.chunk_docs, data.tr_ratio, data.seed)
     meta, built = prepare_cache(
-        load_config(args.config_train), vocab, spec, Path(args.cache_dir), args.num_workers, args.force
+        load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
     )
     state = "built" if built else "already up to date"
     print(
-        f"{args.cache_dir}: {state}; blocks of {context} tokens: "
+        f"{data.cache_dir}: {state}; blocks of {context} tokens: "
         f"{meta['blocks']['train']} train, {meta['blocks']['val']} validation"
     )
     return 0

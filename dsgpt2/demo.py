@@ -127,8 +127,7 @@ def run_demo(
     summary["eval_before"] = _evaluate_untrained(config, conn, out / "tokenizer", progress)
 
     log.info(f"stage 7/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
-    summary["train"] = _train(config, out, steps, "train", "--model_select", "tiny",
-                              "--vocab_dir", str(out / "tokenizer"))  # fmt: skip
+    summary["train"] = _train(config, out, steps, "train", model_select="tiny", vocab_dir=out / "tokenizer")
 
     log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
     from dsgpt2.infer.export import export
@@ -145,8 +144,7 @@ def run_demo(
 
     log.info(f"stage 10/{STAGES}: finetune on the replies ({chat_steps} steps), export, chat")
     chat = {"reply_loss_before": _evaluate(out / "model", chat_config, conn, progress, "conversation")}
-    chat["train"] = _train(chat_config, out, chat_steps, "chat", "--init_from", str(out / "model"),
-                           "--task", "conversation")  # fmt: skip
+    chat["train"] = _train(chat_config, out, chat_steps, "chat", init_from=out / "model", task="conversation")
     export(out / "chat" / "ckpt", out / "chat_model")
     chat["reply_loss_after"] = _evaluate(out / "chat_model", chat_config, conn, progress, "conversation")
     chat["dir"] = str(out / "chat_model")
@@ -213,8 +211,15 @@ def _chat(model: Path) -> dict[str, str]:
     return {"user": QUESTION, "bot": session.reply(QUESTION)}
 
 
-def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[str, Any]:
-    from dsgpt2.train.args import parse
+def _train(config: Any, out: Path, steps: int, name: str, **model: Any) -> dict[str, Any]:
+    from dsgpt2.train.config import (
+        CheckpointOptions,
+        DataOptions,
+        EngineOptions,
+        ModelOptions,
+        RunOptions,
+        TrainConfig,
+    )
     from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import Trainer
 
@@ -223,34 +228,24 @@ def _train(config: Any, out: Path, steps: int, name: str, *extra: str) -> dict[s
     # Each demo trains afresh: the checkpoints of an earlier demo in this directory go.
     shutil.rmtree(run / "ckpt", ignore_errors=True)
     (run / "mongo.json").write_text(json.dumps(config.to_dict()))
-    args = parse(
-        [
-            "--deepspeed_config",
-            str(Path(__file__).resolve().parents[1] / "configs" / "ds_config_cpu.json"),
-            "--config_train",
-            str(run / "mongo.json"),
-            *extra,
-            "--train_iters",
-            str(steps),
-            "--tr_ratio",
-            str(TR_RATIO),
-            "--eval_interval",
-            str(max(1, steps // 6)),
-            "--eval_iters",
-            "8",
-            "--save_interval",
-            str(max(1, steps // 3)),
-            "--ckpt_dir",
-            str(run / "ckpt"),
-            "--workspace",
-            str(run / "train"),
-            "--wandb",
-            "off",
-            "--no_resume",
-        ]
+    vocab_dir = model.pop("vocab_dir", None)
+    cfg = TrainConfig(
+        data=DataOptions(config_train=run / "mongo.json", vocab_dir=vocab_dir, tr_ratio=TR_RATIO),
+        model=ModelOptions(**model),
+        run=RunOptions(
+            train_iters=steps,
+            eval_interval=max(1, steps // 6),
+            eval_iters=8,
+            workspace=run / "train",
+            wandb="off",
+        ),
+        ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=max(1, steps // 3), no_resume=True),
+        engine=EngineOptions(
+            deepspeed_config=Path(__file__).resolve().parents[1] / "configs" / "ds_config_cpu.json"
+        ),
     )
     # The config object, not the file: the file holds no password (to_dict redacts it).
-    trainer = Trainer(args, mongo=config)
+    trainer = Trainer(cfg, mongo=config)
     trainer.build()
     result = trainer.train()
     evals = [r for r in read_metrics(run / "train" / "metrics.jsonl") if r["event"] == "eval"]

@@ -45,13 +45,7 @@ def gpt2_config(
     from transformers import GPT2Config
 
     if config_json is not None:
-        try:
-            data = json.loads(Path(config_json).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"--model_config {config_json}: {exc}") from None
-        cfg = GPT2Config(
-            **{k: v for k, v in data.items() if k not in ("architectures", "transformers_version")}
-        )
+        cfg = GPT2Config(**read_model_config(config_json))
     else:
         if preset not in PRESETS:
             raise ConfigError(
@@ -70,6 +64,37 @@ def gpt2_config(
     if cfg.n_embd % cfg.n_head:
         raise ConfigError(f"n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
     return cfg
+
+
+# Written by save_pretrained beside the architecture's own keys; not settings.
+_BOOKKEEPING = ("architectures", "transformers_version", "model_type", "dtype", "torch_dtype")
+
+
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The settings of a GPT-2 config JSON (``--model_config``), checked.
+
+    Raises:
+        ConfigError: unreadable, not a JSON object, or a key GPT2Config does not know.
+    """
+    from transformers import GPT2Config
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"--model_config {path}: cannot read it ({exc.strerror})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--model_config {path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f'--model_config {path}: expected a JSON object such as {{"n_layer": 4}}')
+    known = set(GPT2Config().to_dict()) | set(GPT2Config.attribute_map)
+    unknown = sorted(k for k in data if k not in known and k not in _BOOKKEEPING)
+    if unknown:
+        valid = sorted(k for k in known if not k.startswith("_"))
+        raise ConfigError(
+            f"--model_config {path}: unknown key(s) {', '.join(unknown)}; GPT-2 configs have "
+            f"{', '.join(valid)}"
+        )
+    return {k: v for k, v in data.items() if k not in _BOOKKEEPING}
 
 
 def build_model(cfg: Any) -> Any:

@@ -84,7 +84,7 @@ def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
 
 @pytest.mark.parametrize("command", [c for c in _blocks() if "ds_trainer.py" in _split(c)[1][:4]])
 def test_trainer_commands_parse(command: str) -> None:
-    from dsgpt2.train.args import build_parser
+    from dsgpt2.train.config import build_parser
 
     words = _split(command)[1]
     _parse(build_parser(), words[words.index("ds_trainer.py") + 1 :])

@@ -95,9 +95,13 @@ def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
     ]
 
 
-def train(corpus: dict[str, Path], run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
+def train(
+    corpus: dict[str, Path], run: Path, *extra: str, check: bool = True, faults: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """ds_trainer.py as a user runs it; with ``faults``, through tests/inject.py's hooks."""
+    script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
+        [sys.executable, *script, *trainer_args(corpus, run, *extra)],
         capture_output=True,
         text=True,
         timeout=300,
@@ -124,7 +128,7 @@ def test_crash_and_resume_sees_the_same_batches(corpus: dict[str, Path], tmp_pat
         straight = streaming
     else:
         train(corpus, straight, *common)
-    crashed = train(corpus, tmp_path / "split", *common, "--debug_exit_after", "6", check=False)
+    crashed = train(corpus, tmp_path / "split", *common, check=False, faults=("--exit_after", "6"))
     assert crashed.returncode == 17
     assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "global_step4"
     train(corpus, tmp_path / "split", *common)
@@ -175,7 +179,13 @@ def test_sigterm_saves_and_exits_then_resumes(corpus: dict[str, Path], tmp_path:
 
 def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path: Path) -> None:
     result = train(
-        corpus, tmp_path / "once", "--train_iters", "4", "--save_interval", "2", "--debug_nonfinite_at", "3"
+        corpus,
+        tmp_path / "once",
+        "--train_iters",
+        "4",
+        "--save_interval",
+        "2",
+        faults=("--nonfinite_at", "3"),
     )
     records = read_metrics(tmp_path / "once" / "ws" / "metrics.jsonl")
     (event,) = [r for r in records if r["event"] == "nonfinite"]
@@ -190,13 +200,10 @@ def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path
         "10",
         "--save_interval",
         "1",
-        "--debug_nonfinite_at",
-        "5",
-        "6",
-        "7",
         "--max_nonfinite",
         "3",
         check=False,
+        faults=("--nonfinite_at", "5", "6", "7"),
     )
     assert bad.returncode == 3
     assert "3 non-finite losses in a row" in bad.stderr

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from dsgpt2.errors import CorpusError
 log = logging.getLogger(__name__)
 
 _exit_hook = False
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _collate(item: Chunk) -> Chunk:
@@ -45,14 +47,16 @@ def _collate(item: Chunk) -> Chunk:
 
 
 def _init_worker(rank_pid: int, worker_id: int) -> None:
-    # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler) must let the
-    # rank finish its step and save: a worker dying first would fail that step instead. Workers
-    # stop when their rank shuts the loader down, or exits (see _kill_workers_at_exit), or dies.
+    # A SIGTERM sent to a whole process group (a pipeline stopping, a job scheduler), or the SIGINT
+    # of Ctrl-C (the terminal sends it to the whole foreground group), must let the rank finish its
+    # step and save: a worker dying first would fail that step instead. Workers stop when their
+    # rank shuts the loader down, or exits (see _kill_workers_at_exit), or dies.
     import signal
 
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # Started with SIGTERM held (see start_loader); one that came meanwhile is dropped, now ignored.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    # Started with these held (see start_loader); one that came meanwhile is dropped, now ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))
     die_with_parent(rank_pid)
 
 
@@ -101,9 +105,10 @@ def start_loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) 
     loader = _make_loader(dataset, order, workers, prefetch)
     if workers == 0 or threading.current_thread() is not threading.main_thread():
         return iter(loader)
-    # A SIGTERM to the process group while workers start would reach one before it can ignore
-    # it (torch's worker handler dies on it): hold it until they are running; the rank then gets it.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    # A SIGTERM or SIGINT to the process group while workers start would reach one before it can
+    # ignore it (torch's worker handler dies on it): hold them until the workers run; the rank then
+    # gets them.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
     try:
         return iter(loader)
     finally:

@@ -6,6 +6,7 @@ process. Only this module and :mod:`dsgpt2.train.checkpoint` touch DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -15,7 +16,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,27 +31,25 @@ from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import SPLITS, StreamingChunks, fingerprint, load_tokenizer, make_spec
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
-from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups
+from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups, read_model_config
 from dsgpt2.train import checkpoint
-from dsgpt2.train.args import parse
+from dsgpt2.train.config import ModelOptions, TrainConfig, parse
 from dsgpt2.train.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
 from dsgpt2.train.metrics import MetricsLog, plot_losses
 
 log = logging.getLogger("dsgpt2.train.trainer")
 
 
-def run_context(args: Any) -> int:
+def run_context(m: ModelOptions) -> int:
     """Tokens per block: --context_length, else the model config's n_positions, else the preset's."""
-    if args.context_length:
-        return args.context_length
-    if args.model_config is not None:
-        import json
-
-        return int(json.loads(Path(args.model_config).read_text()).get("n_positions", 1024))
-    return PRESETS[args.model_select].context
+    if m.context_length:
+        return m.context_length
+    if m.model_config is not None:
+        return int(read_model_config(m.model_config).get("n_positions", 1024))
+    return PRESETS[m.model_select].context
 
 
-def _init_context(args: Any, config: Any) -> int:
+def _init_context(args: ModelOptions, config: Any) -> int:
     context = args.context_length or config.n_positions
     if context > config.n_positions:
         raise ConfigError(
@@ -97,80 +96,106 @@ def _param_checksum(engine: Any) -> float:
         return float(sum(p.detach().double().sum() for p in engine.module.parameters()))
 
 
+StepHook = Callable[[int], None]
+LossHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
 class Trainer:
-    def __init__(self, args: Any, mongo: Any = None) -> None:
-        """``mongo``: a :class:`~dsgpt2.corpus.config.MongoConfig` used instead of --config_train."""
-        self.args = args
+    """One training run: :meth:`build` (data, model, engine, resume point), then :meth:`train`.
+
+    Args:
+        cfg: the run's configuration.
+        mongo: a :class:`~dsgpt2.corpus.config.MongoConfig` used instead of reading --config_train
+            (the demo passes its in-process store).
+        on_loss: called with (micro-batch number, loss) before the backward pass; returns the loss
+            to use. A hook for experiments and fault injection; None in normal runs.
+        after_step: called with the step number after each optimizer step.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        mongo: Any = None,
+        on_loss: LossHook | None = None,
+        after_step: StepHook | None = None,
+    ) -> None:
+        self.cfg = cfg
         self._mongo = mongo
+        self.on_loss = on_loss
+        self.after_step = after_step
         ensure_distributed_env()
         self.rank = int(os.environ["RANK"])
         self.world = int(os.environ["WORLD_SIZE"])
         setup_logging(rank=self.rank)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.stop_requested = False
+        self.stop_requested: str | None = None
+        self.run_of_bad = 0
+        self.metrics: MetricsLog | None = None
 
     # ------------------------------------------------------------ build
 
     def build(self) -> None:
-        from dsgpt2.corpus.mongo import Connection, MongoWrapper
-        from dsgpt2.corpus.validate import require_valid
+        from dsgpt2.corpus.mongo import Connection
 
-        args = self.args
-        self.mongo = self._mongo or load_config(args.config_train)
-        self.vocab_size = load_tokenizer(args.vocab_dir).get_vocab_size()
-        self.ds_config = load_ds_config(args.deepspeed_config, self.world, args.train_iters, self.device)
+        cfg = self.cfg
+        self.mongo = self._mongo or load_config(cfg.data.config_train)
+        self.vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
+        self.ds_config = load_ds_config(
+            cfg.engine.deepspeed_config, self.world, cfg.run.train_iters, self.device
+        )
         import deepspeed
 
         # First: the barriers and broadcasts below need the process group.
-        backend = args.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
+        backend = cfg.engine.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
         conn = Connection(self.mongo)
         conn.ping()
-        # Rank 0 reads the corpus once and every rank takes its verdict and counts: the
-        # full-collection checks are not repeated per rank, and all ranks index the same counts.
-        shared: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                if not args.allow_corpus_problems:
-                    require_valid(conn)
-                shared[1] = MongoWrapper(self.mongo, connection=conn).counts
-            except DsGpt2Error as exc:
-                shared[0] = (type(exc).__name__, str(exc))
-        _broadcast(shared)
-        _raise_shared(shared[0])
-        self.counts = tuple(shared[1])
+        self.counts = tuple(_on_rank0(lambda: self._corpus_counts(conn)))
         init = self._init_weights()
-        context = run_context(args) if init is None else _init_context(args, init[0])
+        context = run_context(cfg.model) if init is None else _init_context(cfg.model, init[0])
+        d = cfg.data
         self.spec = make_spec(
-            args.vocab_dir, context, args.chunk_docs, args.tr_ratio, args.seed, args.task, args.reply_speakers
+            d.vocab_dir, context, d.chunk_docs, d.tr_ratio, d.seed, cfg.model.task, cfg.model.reply_speakers
         )
-        self.fingerprint = fingerprint(self.mongo, self.counts, args.vocab_dir, self.spec)
+        self.fingerprint = fingerprint(self.mongo, self.counts, d.vocab_dir, self.spec)
         # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
-        self.resume_from = self._resume_point()
+        self.resume_from = _on_rank0(self._find_resume_point)
         self.train_data, self.val_data = self._datasets()
+        self.engine = self._engine(context, init)
 
-        _seed_all(args.seed)
+    def _corpus_counts(self, conn: Any) -> tuple[int, ...]:
+        """Rank 0 reads the corpus once; every rank takes its verdict and counts."""
+        from dsgpt2.corpus.mongo import MongoWrapper
+        from dsgpt2.corpus.validate import require_valid
+
+        if not self.cfg.data.allow_corpus_problems:
+            require_valid(conn)
+        return MongoWrapper(self.mongo, connection=conn).counts
+
+    def _engine(self, context: int, init: tuple[Any, dict[str, Any]] | None) -> Any:
+        import deepspeed
+
+        m = self.cfg.model
+        _seed_all(self.cfg.data.seed)
         if init is None:
             self.model_config = gpt2_config(
-                args.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, args.model_config
+                m.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, m.model_config
             )
             model = build_model(self.model_config)
         else:
             from dsgpt2.train.weights import build_with_weights
 
             self.model_config = init[0]
-            model = build_with_weights(init[0], init[1], str(args.init_from))
-            log.info("initialised from %s", args.init_from)
+            model = build_with_weights(init[0], init[1], str(m.init_from))
+            log.info("initialised from %s", m.init_from)
         groups = param_groups(model, optimizer_weight_decay(self.ds_config))
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=self.ds_config
-        )
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=self.ds_config)
         self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
         log.info(
             "model %s: %.1fM parameters, context %d, vocab %d; %d rank(s), micro-batch %d × accumulation %d, "
             "ZeRO stage %d, %s",
-            args.init_from or args.model_config or args.model_select,
+            m.init_from or m.model_config or m.model_select,
             count_parameters(model) / 1e6,
             context,
             self.vocab_size,
@@ -180,33 +205,31 @@ class Trainer:
             zero_stage(self.ds_config),
             self.device,
         )
+        return engine
 
     def _init_weights(self) -> tuple[Any, dict[str, Any]] | None:
         """The config and weights of --init_from, checked against the tokenizer."""
-        if self.args.init_from is None:
+        m = self.cfg.model
+        if m.init_from is None:
             return None
         from dsgpt2.train.weights import load_weights
 
-        config, weights, _, _ = load_weights(self.args.init_from)
+        config, weights, _, _ = load_weights(m.init_from)
         if config.vocab_size != self.vocab_size:
             raise ConfigError(
-                f"--init_from {self.args.init_from} has a vocabulary of {config.vocab_size} tokens but "
-                f"--vocab_dir {self.args.vocab_dir} has {self.vocab_size}; use the tokenizer the model "
+                f"--init_from {m.init_from} has a vocabulary of {config.vocab_size} tokens but "
+                f"--vocab_dir {self.cfg.data.vocab_dir} has {self.vocab_size}; use the tokenizer the model "
                 "was trained with (the default when --vocab_dir is left out)"
             )
         return config, weights
 
     def _datasets(self) -> tuple[Any, Any]:
-        args = self.args
-        if args.data_mode == "streaming":
-            return tuple(
-                StreamingChunks(self.mongo, self.counts, args.vocab_dir, self.spec, s) for s in SPLITS
-            )
-        cache_dir = args.cache_dir or args.workspace / "cache"
+        d = self.cfg.data
+        if d.data_mode == "streaming":
+            return tuple(StreamingChunks(self.mongo, self.counts, d.vocab_dir, self.spec, s) for s in SPLITS)
+        cache_dir = self.cfg.cache_dir
         if self.rank == 0:
-            _, built = prepare_cache(
-                self.mongo, args.vocab_dir, self.spec, cache_dir, workers=args.num_workers
-            )
+            _, built = prepare_cache(self.mongo, d.vocab_dir, self.spec, cache_dir, workers=d.num_workers)
             log.info("token cache %s: %s", cache_dir, "built" if built else "up to date, reused")
         _barrier()
         return CachedChunks(cache_dir, "train"), CachedChunks(cache_dir, "val")
@@ -220,13 +243,14 @@ class Trainer:
                 "tokens": state.tokens,
                 "micro": state.micro,
                 "nonfinite": state.nonfinite,
+                "lr": self.engine.get_lr()[0],
                 "position": position.to_dict(),
                 "rank_positions": self._gather_positions(position),
                 "rng": checkpoint.rng_state(),
                 "fingerprint": self.fingerprint,
                 "model_config": self.model_config.to_dict(),
-                "vocab_dir": str(self.args.vocab_dir.resolve()),
-                "args": _safe_args(self.args),
+                "vocab_dir": str(self.cfg.data.vocab_dir.resolve()),
+                "args": self.cfg.to_dict(),
                 "mongo": self.mongo.to_dict(),
             }
         }
@@ -240,36 +264,25 @@ class Trainer:
         dist.all_gather_object(out, position.to_dict())
         return out
 
-    def _resume_point(self) -> tuple[Path, str] | None:
-        """The checkpoint to resume from (found and verified on rank 0); None for a fresh start.
+    def _find_resume_point(self) -> tuple[Path, str] | None:
+        """The checkpoint to resume from, verified; None for a fresh start.
 
         Raises:
             CheckpointError: none where one was asked for, a broken one, one of other data or of
                 another number of ranks, or a fresh start that would overwrite checkpoints.
         """
-        shared: list[Any] = [None, None]
-        if self.rank == 0:
-            try:
-                shared[1] = self._find_resume_point()
-            except DsGpt2Error as exc:
-                shared[0] = (type(exc).__name__, str(exc))
-        _broadcast(shared)
-        _raise_shared(shared[0])
-        return shared[1]
-
-    def _find_resume_point(self) -> tuple[Path, str] | None:
-        args = self.args
-        load_dir: Path | None = args.load_dir
-        if load_dir is None and checkpoint.has_checkpoints(args.ckpt_dir):
-            if args.no_resume:
+        c = self.cfg.ckpt
+        load_dir = c.load_dir
+        if load_dir is None and checkpoint.has_checkpoints(c.ckpt_dir):
+            if c.no_resume:
                 raise checkpoint.CheckpointError(
-                    f"--no_resume: {args.ckpt_dir} holds checkpoints already; a fresh run there would "
+                    f"--no_resume: {c.ckpt_dir} holds checkpoints already; a fresh run there would "
                     "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
                 )
-            load_dir = args.ckpt_dir
+            load_dir = c.ckpt_dir
         if load_dir is None:
             return None
-        tag = checkpoint.resolve(load_dir, args.ckpt_id)
+        tag = checkpoint.resolve(load_dir, c.ckpt_id)
         saved = checkpoint.read_client_state(load_dir, tag)
         ranks = len(saved.get("rank_positions") or [saved["position"]])
         if ranks != self.world and checkpoint.is_partitioned(load_dir, tag):
@@ -283,18 +296,20 @@ class Trainer:
                 "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
                 "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
             )  # fmt: skip
-        if saved["fingerprint"] != self.fingerprint:
-            changed = sorted(
-                k for k in self.fingerprint if saved["fingerprint"].get(k) != self.fingerprint[k]
-            )
-            if not args.ignore_fingerprint:
-                raise checkpoint.CheckpointError(
-                    f"{load_dir / tag} was saved for other data ({', '.join(changed)} changed); "
-                    "resuming would not continue the same run. Start fresh (--no_resume, another "
-                    "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
-                )
-            log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
+        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         return load_dir, tag
+
+    def _check_fingerprint(self, saved: dict[str, Any], where: Path) -> None:
+        if saved == self.fingerprint:
+            return
+        changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
+        if not self.cfg.ckpt.ignore_fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{where} was saved for other data ({', '.join(changed)} changed); "
+                "resuming would not continue the same run. Start fresh (--no_resume, another "
+                "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
+            )
+        log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
 
     def resume(self) -> tuple[TrainState, Position]:
         if self.resume_from is None:
@@ -303,7 +318,7 @@ class Trainer:
         saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
         positions = [Position.from_dict(p) for p in saved.get("rank_positions") or [saved["position"]]]
         if len(positions) != self.world:
-            positions = redeal(positions, len(self.train_data), self.args.seed, self.world)
+            positions = redeal(positions, len(self.train_data), self.cfg.data.seed, self.world)
         position = positions[self.rank]
         checkpoint.set_rng_state(saved["rng"])
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
@@ -315,174 +330,197 @@ class Trainer:
             position.chunk,
             position.block,
         )
+        self._warn_schedule_change(saved, state.step)
         return state, position
+
+    def _warn_schedule_change(self, saved: dict[str, Any], step: int) -> None:
+        """Another --train_iters than the checkpoint's stretches or shrinks the learning-rate decay."""
+        before = int(saved.get("args", {}).get("train_iters") or self.cfg.run.train_iters)
+        if before == self.cfg.run.train_iters or step >= self.cfg.run.train_iters:
+            return
+        lr_now = self.engine.get_lr()[0]
+        lr_then = saved.get("lr")
+        was = f"{lr_then:.3g}" if isinstance(lr_then, float) else "unknown"
+        log.warning(
+            "--train_iters %d where the checkpoint's run had %d: the learning-rate schedule now spans "
+            "%d steps, so the learning rate at step %d is %.3g (it was %s)",
+            self.cfg.run.train_iters, before, self.cfg.run.train_iters, step, lr_now, was,
+        )  # fmt: skip
 
     # ------------------------------------------------------------ loop
 
     def train(self) -> dict[str, Any]:
-        args = self.args
+        """Train until --train_iters, a stop signal or a lost database; return the summary."""
+        r = self.cfg.run
         state, position = self.resume()
-        stream = BlockStream(
-            self.train_data, args.seed, self.rank, self.world, self.micro_batch, position, args.num_workers
-        )
-        metrics = None
+        self.stream = BlockStream(
+            self.train_data, self.cfg.data.seed, self.rank, self.world, self.micro_batch, position,
+            self.cfg.data.num_workers,
+        )  # fmt: skip
         if self.rank == 0:
-            metrics = MetricsLog(args.workspace, args.wandb, args.wandb_dir, self._run_config())
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        eval_cache: list[Any] | None = None
-        started = time.monotonic()
-        start_step, start_tokens = state.step, state.tokens
-        run_of_bad = 0
-        last_val: float | None = None
-        bar = _progress(self.rank, args.train_iters, state.step)
-        blocks_log = None
-        if args.log_block_ids:
-            args.workspace.mkdir(parents=True, exist_ok=True)
-            blocks_log = open(args.workspace / f"block_ids_rank{self.rank}.jsonl", "a")  # noqa: SIM115
-        it = iter(stream)
-        # The state and data position after the last whole step: what a checkpoint written
-        # when the database goes away mid-accumulation must hold.
-        boundary = (replace(state), stream.position)
-        try:
-            while state.step < args.train_iters and not self.stop_requested:
-                self.engine.train()
-                losses, ids = [], []
-                while len(losses) < self.grad_accum:
-                    batch = next(it)
-                    state.micro += 1
-                    out = self.engine(
-                        input_ids=batch.input_ids.to(self.engine.device),
-                        attention_mask=batch.attention_mask.to(self.engine.device),
-                        labels=batch.labels.to(self.engine.device),
-                    )
-                    loss = out.loss
-                    if not bool((batch.labels[:, 1:] != -100).any()):
-                        # Context only (a conversation block without reply tokens): the mean over
-                        # no tokens is NaN; a zero loss keeps every rank stepping together.
-                        loss = out.logits.sum() * 0.0
-                    if state.micro in args.debug_nonfinite_at:
-                        loss = loss * float("nan")
-                    if not _all_finite(loss):
-                        before = _param_checksum(self.engine)
-                        state.nonfinite += 1
-                        run_of_bad += 1
-                        del out, loss  # no backward, no step: the batch leaves the weights as they are
-                        if metrics:
-                            metrics.write(
-                                {
-                                    "event": "nonfinite",
-                                    "step": state.step,
-                                    "micro": state.micro,
-                                    "params_before": before,
-                                    "params_after": _param_checksum(self.engine),
-                                    "nonfinite_total": state.nonfinite,
-                                }
-                            )
-                        log.warning(
-                            "non-finite loss at micro-batch %d (step %d): skipped (%d in a row)",
-                            state.micro,
-                            state.step + 1,
-                            run_of_bad,
-                        )
-                        if run_of_bad >= args.max_nonfinite:
-                            raise TrainingAborted(
-                                f"{run_of_bad} non-finite losses in a row "
-                                f"(--max_nonfinite {args.max_nonfinite}) at step {state.step + 1}; "
-                                "lower the learning rate or check the data. "
-                                "No checkpoint was written after them"
-                            )
-                        continue
-                    run_of_bad = 0
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    losses.append(float(loss.detach()))
-                    state.tokens += batch.tokens * self.world
-                    if args.log_block_ids:
-                        ids.extend(batch.block_ids)
-                state.step += 1
-                boundary = (replace(state), stream.position)
-                loss_value = sum(losses) / len(losses)
-                elapsed = max(time.monotonic() - started, 1e-9)
-                tps = (state.tokens - start_tokens) / elapsed
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{tps:,.0f}")
-                if blocks_log is not None:
-                    blocks_log.write(json.dumps({"step": state.step, "block_ids": ids}) + "\n")
-                    blocks_log.flush()
-                if metrics and (state.step % args.log_interval == 0 or args.log_block_ids or state.step == 1):
-                    record = {
-                        "event": "train",
-                        "step": state.step,
-                        "loss": loss_value,
-                        "lr": self.engine.get_lr()[0],
-                        "tokens": state.tokens,
-                        "tokens_per_s": tps,
-                    }
-                    if args.log_block_ids:
-                        record["block_ids"] = ids
-                        record["losses"] = losses
-                    metrics.write(record)
-                if state.step % args.eval_interval == 0 or state.step == args.train_iters:
-                    if eval_cache is None:
-                        eval_cache = eval_batches(
-                            self.val_data,
-                            self.rank,
-                            self.world,
-                            args.eval_batch_size or self.micro_batch,
-                            args.eval_iters,
-                        )
-                    last_val = self.evaluate(eval_cache)
-                    if metrics and last_val is not None:
-                        metrics.write(
-                            {
-                                "event": "eval",
-                                "step": state.step,
-                                "val_loss": last_val,
-                                "val_ppl": math.exp(min(last_val, 50)),
-                            }
-                        )
-                if state.step % args.save_interval == 0 and state.step < args.train_iters:
-                    self.save(state, stream.position)
-                if args.debug_exit_after == state.step:
-                    _crash()
-        except MongoUnavailableError as exc:
-            # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
-            reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
-            saved = ""
-            if boundary[0].step > start_step:
-                self.save(*boundary)
-                saved = f"; a checkpoint at step {boundary[0].step} was saved: re-run to resume"
-            raise TrainingAborted(f"{reason}{saved}") from None
-        finally:
-            if bar is not None:
-                bar.close()
-            if blocks_log is not None:
-                blocks_log.close()
-        if state.step > start_step:
-            self.save(state, stream.position)
+            self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, self._run_config())
+        self._stop_on_signals()
+        self.started = (state.step, state.tokens, time.monotonic())
+        self.last_val: float | None = None
+        self._eval_cache: list[Any] | None = None
+        batches = iter(self.stream)
+        # The state and data position after the last whole step: what a checkpoint written when the
+        # database goes away mid-accumulation must hold.
+        boundary = (replace(state), self.stream.position)
+        with _progress(self.rank, r.train_iters, state.step) as bar, self._block_log() as blocks:
+            try:
+                while state.step < r.train_iters and not self.stop_requested:
+                    loss, losses, ids = self.train_step(state, batches)
+                    boundary = (replace(state), self.stream.position)
+                    self.log_step(state, loss, losses, ids, bar, blocks)
+                    self.maybe_evaluate(state)
+                    self.maybe_save(state)
+                    if self.after_step is not None:
+                        self.after_step(state.step)
+            except MongoUnavailableError as exc:
+                self._abort_on_lost_database(exc, *boundary)
+        return self.finish(state)
+
+    def train_step(self, state: TrainState, batches: Any) -> tuple[float, list[float], list[Any]]:
+        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped."""
+        self.engine.train()
+        losses: list[float] = []
+        ids: list[Any] = []
+        while len(losses) < self.grad_accum:
+            batch = next(batches)
+            state.micro += 1
+            loss = self._forward(batch)
+            if self.on_loss is not None:
+                loss = self.on_loss(state.micro, loss)
+            if not _all_finite(loss):
+                del loss  # no backward, no step: the batch leaves the weights as they are
+                self._skip_nonfinite(state)
+                continue
+            self.run_of_bad = 0
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(float(loss.detach()))
+            state.tokens += batch.tokens * self.world
+            if self.cfg.run.log_block_ids:
+                ids.extend(batch.block_ids)
+        state.step += 1
+        return sum(losses) / len(losses), losses, ids
+
+    def _forward(self, batch: Any) -> torch.Tensor:
+        out = self.engine(
+            input_ids=batch.input_ids.to(self.engine.device),
+            attention_mask=batch.attention_mask.to(self.engine.device),
+            labels=batch.labels.to(self.engine.device),
+        )
+        if not bool((batch.labels[:, 1:] != -100).any()):
+            # Context only (a conversation block without reply tokens): the mean over no tokens is
+            # NaN; a zero loss keeps every rank stepping together.
+            return out.logits.sum() * 0.0
+        return out.loss
+
+    def _skip_nonfinite(self, state: TrainState) -> None:
+        state.nonfinite += 1
+        self.run_of_bad += 1
+        checksum = _param_checksum(self.engine)
+        self._write({"event": "nonfinite", "step": state.step, "micro": state.micro,
+                     "params_before": checksum, "params_after": _param_checksum(self.engine),
+                     "nonfinite_total": state.nonfinite})  # fmt: skip
+        log.warning(
+            "non-finite loss at micro-batch %d (step %d): skipped (%d in a row)",
+            state.micro, state.step + 1, self.run_of_bad,
+        )  # fmt: skip
+        if self.run_of_bad >= self.cfg.run.max_nonfinite:
+            raise TrainingAborted(
+                f"{self.run_of_bad} non-finite losses in a row (--max_nonfinite "
+                f"{self.cfg.run.max_nonfinite}) at step {state.step + 1}; lower the learning rate or "
+                "check the data. No checkpoint was written after them"
+            )
+
+    def log_step(
+        self, state: TrainState, loss: float, losses: list[float], ids: list[Any], bar: Any, blocks: Any
+    ) -> None:
+        r = self.cfg.run
+        tps = self._tokens_per_s(state)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
+        if blocks is not None:
+            blocks.write(json.dumps({"step": state.step, "block_ids": ids}) + "\n")
+            blocks.flush()
+        if state.step % r.log_interval == 0 or r.log_block_ids or state.step == 1:
+            record = {"event": "train", "step": state.step, "loss": loss, "lr": self.engine.get_lr()[0],
+                      "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
+            if r.log_block_ids:
+                record.update(block_ids=ids, losses=losses)
+            self._write(record)
+
+    def maybe_evaluate(self, state: TrainState) -> None:
+        r = self.cfg.run
+        if state.step % r.eval_interval and state.step != r.train_iters:
+            return
+        if self._eval_cache is None:
+            batch = r.eval_batch_size or self.micro_batch
+            self._eval_cache = eval_batches(self.val_data, self.rank, self.world, batch, r.eval_iters)
+        self.last_val = self.evaluate(self._eval_cache)
+        if self.last_val is not None:
+            self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
+                         "val_ppl": math.exp(min(self.last_val, 50))})  # fmt: skip
+
+    def maybe_save(self, state: TrainState) -> None:
+        if state.step % self.cfg.ckpt.save_interval == 0 and state.step < self.cfg.run.train_iters:
+            self.save(state, self.stream.position)
+
+    def _abort_on_lost_database(self, exc: Exception, state: TrainState, position: Position) -> None:
+        # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
+        reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
+        saved = ""
+        if state.step > self.started[0]:
+            self.save(state, position)
+            saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+        raise TrainingAborted(f"{reason}{saved}") from None
+
+    def finish(self, state: TrainState) -> dict[str, Any]:
+        """The final checkpoint, the end record and plot; the summary."""
+        if state.step > self.started[0]:
+            self.save(state, self.stream.position)
         else:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
             log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
-                     args.train_iters)  # fmt: skip
-        reason = "SIGTERM" if self.stop_requested else "done"
+                     self.cfg.run.train_iters)  # fmt: skip
+        last_val = self.last_val
         summary = {
             "step": state.step,
             "tokens": state.tokens,
-            "tokens_per_s": (state.tokens - start_tokens) / max(time.monotonic() - started, 1e-9),
+            "tokens_per_s": self._tokens_per_s(state),
             "val_loss": last_val,
             "val_ppl": math.exp(min(last_val, 50)) if last_val is not None else None,
             "nonfinite": state.nonfinite,
-            "skipped_documents": stream.skipped,
-            "stopped": reason,
-            "checkpoint": str(self.args.ckpt_dir / checkpoint.tag_for(state.step)),
+            "skipped_documents": self.stream.skipped,
+            "stopped": self.stop_requested or "done",
+            "checkpoint": str(self.cfg.ckpt.ckpt_dir / checkpoint.tag_for(state.step)),
         }
-        if metrics:
-            metrics.write({"event": "end", **summary})
-            metrics.close()
-            plot = plot_losses(metrics.path, args.workspace / "loss.png")
+        if self.metrics:
+            self.metrics.write({"event": "end", **summary})
+            self.metrics.close()
+            plot = plot_losses(self.metrics.path, self.cfg.run.workspace / "loss.png")
             summary["plot"] = str(plot) if plot else None
         return summary
+
+    def _tokens_per_s(self, state: TrainState) -> float:
+        return (state.tokens - self.started[1]) / max(time.monotonic() - self.started[2], 1e-9)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.metrics:
+            self.metrics.write(record)
+
+    @contextlib.contextmanager
+    def _block_log(self) -> Iterator[Any]:
+        if not self.cfg.run.log_block_ids:
+            yield None
+            return
+        self.cfg.run.workspace.mkdir(parents=True, exist_ok=True)
+        with open(self.cfg.run.workspace / f"block_ids_rank{self.rank}.jsonl", "a") as f:
+            yield f
 
     def evaluate(self, batches: list[Any]) -> float | None:
         """Mean token loss over the validation batches, on every rank, under no_grad."""
@@ -492,16 +530,11 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
             for batch in batches:
-                out = self.engine(
-                    input_ids=batch.input_ids.to(self.engine.device),
-                    attention_mask=batch.attention_mask.to(self.engine.device),
-                    labels=batch.labels.to(self.engine.device),
-                )
                 # The loss is a mean over the predicted tokens; weigh batches by their count.
                 n = int((batch.labels[:, 1:] != -100).sum())
                 if n == 0:
                     continue
-                total += torch.tensor([float(out.loss) * n, n], dtype=torch.float64)
+                total += torch.tensor([float(self._forward(batch)) * n, n], dtype=torch.float64)
         if dist.is_initialized() and self.world > 1:
             total = total.to(self.engine.device)
             dist.all_reduce(total)
@@ -512,34 +545,32 @@ class Trainer:
         for p in self.engine.module.parameters():
             if not torch.isfinite(p).all():
                 raise TrainingAborted("the weights hold non-finite values; refusing to save them")
-        tag = checkpoint.save(
-            self.engine,
-            self.args.ckpt_dir,
-            state.step,
-            self.client_state(state, position),
-            self.args.keep_last,
-        )
-        log.info("saved checkpoint %s", self.args.ckpt_dir / tag)
+        c = self.cfg.ckpt
+        tag = checkpoint.save(self.engine, c.ckpt_dir, state.step, self.client_state(state, position),
+                              c.keep_last)  # fmt: skip
+        log.info("saved checkpoint %s", c.ckpt_dir / tag)
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        log.warning("SIGTERM: saving a checkpoint after the current step, then exiting")
-        self.stop_requested = True
+    def _stop_on_signals(self) -> None:
+        """SIGTERM and Ctrl-C (SIGINT): finish the current step, save, exit. A second Ctrl-C: now."""
+
+        def stop(signum: int, frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if self.stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            log.warning("%s: saving a checkpoint after the current step, then exiting", name)
+            self.stop_requested = name
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
     def _run_config(self) -> dict[str, Any]:
         return {
-            "args": _safe_args(self.args),
+            "args": self.cfg.to_dict(),
             "mongo": self.mongo.to_dict(),
             "deepspeed": self.ds_config,
             "fingerprint": self.fingerprint,
             "model": self.model_config.to_dict(),
         }
-
-
-def _safe_args(args: Any) -> dict[str, Any]:
-    out = {}
-    for k, v in vars(args).items():
-        out[k] = str(v) if isinstance(v, Path) else v
-    return out
 
 
 def _all_finite(loss: torch.Tensor) -> bool:
@@ -550,15 +581,6 @@ def _all_finite(loss: torch.Tensor) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
-
-
-def _crash() -> None:
-    """Die like a killed job: no cleanup, no final checkpoint (workers go down with us)."""
-    import multiprocessing
-
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(17)
 
 
 def _broadcast(values: list[Any]) -> None:
@@ -587,11 +609,27 @@ def _barrier() -> None:
 
 
 def _progress(rank: int, total: int, initial: int) -> Any:
+    """A step progress bar on rank 0 (a context manager); elsewhere a null context."""
     if rank != 0:
-        return None
+        return contextlib.nullcontext(None)
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", desc="train", disable=None)
+
+
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` computed on rank 0 and given to every rank; a user error there is raised on all."""
+    import torch.distributed as dist
+
+    shared: list[Any] = [None, None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            shared[1] = fn()
+        except DsGpt2Error as exc:
+            shared[0] = (type(exc).__name__, str(exc))
+    _broadcast(shared)
+    _raise_shared(shared[0])
+    return shared[1]
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
@@ -609,16 +647,24 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``ds_trainer.py``: user errors end with one line and their exit code."""
+def main(
+    argv: Sequence[str] | None = None, on_loss: LossHook | None = None, after_step: StepHook | None = None
+) -> int:
+    """``ds_trainer.py``: parse, build, train. User errors end with one line and their exit code.
+
+    ``on_loss``/``after_step``: see :class:`Trainer` (the test suite injects faults through them).
+    """
     try:
-        args = parse(argv)
-        trainer = Trainer(args)
+        trainer = Trainer(parse(argv), on_loss=on_loss, after_step=after_step)
         trainer.build()
         summary = trainer.train()
     except DsGpt2Error as exc:
         print(f"ds_trainer.py: error: {scrub(str(exc), os.environ.get(ENV_URI, ''))}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
+        print("ds_trainer.py: interrupted", file=sys.stderr)
+        return 130
     if trainer.rank == 0:
         print("\n".join(summary_lines(summary)))
     return 0

@@ -1,0 +1,260 @@
+"""The training run's configuration: one dataclass per concern, each field a ``ds_trainer.py`` flag.
+
+Defaults live here and nowhere else; ``ds_trainer.py``'s parser (and ``dsgpt2 tokenize``'s data
+flags) are derived from these classes (:mod:`dsgpt2.options`), and every value is checked on
+construction with a message that names the flag, whether it came from the command line or from code.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, positive_int, ratio
+from dsgpt2.errors import ConfigError
+from dsgpt2.model import PRESETS, read_model_config
+from dsgpt2.options import (
+    add_hidden_alias,
+    add_options,
+    as_path,
+    check_non_negative,
+    check_positive,
+    check_ratio,
+    from_namespace,
+    option,
+)
+
+DEFAULT_SEED = 1234
+DEFAULT_TR_RATIO = 0.99
+DEFAULT_CHUNK_DOCS = 1000
+DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
+
+
+@dataclass
+class ModelOptions:
+    """Which network to train, and on what objective."""
+
+    model_select: str = option("112m", "model size preset", choices=list(PRESETS))
+    model_config: Path | None = option(None, "a GPT-2 config JSON instead of a preset")
+    loss_type: str = option("lm_loss", "training objective", choices=["lm_loss"])
+    context_length: int | None = option(None, "tokens per block (default: the preset's)", type=positive_int)
+    init_from: Path | None = option(
+        None,
+        "start from these weights (an export or a checkpoint directory): finetuning; the model "
+        "config comes with them and --model_select is ignored",
+    )
+    task: str = option(
+        "lm",
+        "lm: next-token loss on every token; conversation: the documents' turns with speaker "
+        "tokens, loss on the replies only",
+        choices=["lm", "conversation"],
+    )
+    reply_speakers: str = option(
+        "bot", "conversation task: speakers whose turns the loss covers, comma-separated"
+    )
+
+    def __post_init__(self) -> None:
+        self.model_config, self.init_from = as_path(self.model_config), as_path(self.init_from)
+        if self.model_select not in PRESETS:
+            raise ConfigError(
+                f"--model_select {self.model_select!r} is not a preset; choose one of {', '.join(PRESETS)}"
+            )
+        check_positive("context_length", self.context_length)
+        if self.model_config is not None:
+            if not self.model_config.is_file():
+                raise ConfigError(f"--model_config {self.model_config}: file not found")
+            read_model_config(self.model_config)
+        if self.init_from is not None and not self.init_from.exists():
+            raise ConfigError(
+                f"--init_from {self.init_from}: not found (an exported model or a checkpoint dir)"
+            )
+
+
+@dataclass
+class DataOptions:
+    """Where the documents come from and how they become blocks; the data fingerprint's inputs."""
+
+    config_train: Path = option(metavar="JSON", help="MongoDB connection config JSON")
+    vocab_dir: Path | None = option(
+        None, f"tokenizer directory (default: the --init_from model's, else {DEFAULT_VOCAB_DIR})"
+    )
+    tr_ratio: float = option(DEFAULT_TR_RATIO, "share of documents that train", type=ratio)
+    seed: int = option(DEFAULT_SEED, "seed of init, split and data order")
+    data_mode: str = option(
+        "streaming",
+        "streaming: read MongoDB on the fly; cached: memory-mapped token files",
+        choices=["streaming", "cached"],
+    )
+    cache_dir: Path | None = option(None, "token cache (default: WORKSPACE/cache)")
+    chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", type=positive_int)
+    num_workers: int = option(2, "DataLoader workers per rank", type=non_negative_int)
+    allow_corpus_problems: bool = option(False, "train even if validate finds problems")
+
+    def __post_init__(self) -> None:
+        self.config_train, self.vocab_dir = Path(self.config_train), as_path(self.vocab_dir)
+        self.cache_dir = as_path(self.cache_dir)
+        check_ratio("tr_ratio", self.tr_ratio)
+        check_positive("chunk_docs", self.chunk_docs)
+        check_non_negative("num_workers", self.num_workers)
+        if not self.config_train.is_file():
+            raise ConfigError(f"--config_train {self.config_train}: file not found")
+        if self.vocab_dir is not None and not (self.vocab_dir / "tokenizer.json").is_file():
+            raise ConfigError(
+                f"--vocab_dir {self.vocab_dir}: no tokenizer.json; train one first (dsgpt2 vocab train)"
+            )
+
+
+@dataclass
+class RunOptions:
+    """How long to train, and what to measure and log."""
+
+    train_iters: int = option(1000, "optimizer steps", type=positive_int)
+    workspace: Path = option(Path("runs/train"), "run directory: metrics, plot, wandb")
+    eval_interval: int = option(100, "validate every N steps", type=positive_int)
+    eval_iters: int = option(10, "validation batches per evaluation", type=positive_int)
+    eval_batch_size: int | None = option(
+        None, "validation micro-batch (default: training's)", type=positive_int
+    )
+    log_interval: int = option(10, "log metrics every N steps", type=positive_int)
+    log_block_ids: bool = option(False, "record every batch's block ids in metrics")
+    max_nonfinite: int = option(5, "abort after this many non-finite losses in a row", type=positive_int)
+    wandb: str = option("offline", "wandb mode", choices=["offline", "online", "off"])
+    wandb_dir: Path | None = option(None, "wandb directory (default: WORKSPACE)")
+
+    def __post_init__(self) -> None:
+        self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
+        for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
+            check_positive(name, getattr(self, name))
+        check_positive("max_nonfinite", self.max_nonfinite)
+
+
+@dataclass
+class CheckpointOptions:
+    """Where checkpoints go, how many stay, and where a run resumes from."""
+
+    ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")
+    save_interval: int = option(500, "save every N steps", type=positive_int)
+    keep_last: int = option(3, "keep the last K checkpoints (0: all)", type=non_negative_int)
+    load_dir: Path | None = option(None, "resume from this directory (an error if it holds none)")
+    ckpt_id: str | None = option(None, "resume from this tag instead of `latest`")
+    no_resume: bool = option(
+        False, "never resume: a fresh run, refused where --ckpt_dir holds checkpoints (never overwritten)"
+    )
+    ignore_fingerprint: bool = option(
+        False, "resume although the corpus or tokenizer changed since the checkpoint"
+    )
+
+    def __post_init__(self) -> None:
+        self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
+        check_positive("save_interval", self.save_interval)
+        check_non_negative("keep_last", self.keep_last)
+        if self.ckpt_id and not self.load_dir:
+            self.load_dir = self.ckpt_dir
+        if self.no_resume and self.load_dir:
+            raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")
+
+
+@dataclass
+class EngineOptions:
+    """The DeepSpeed engine and the process group."""
+
+    deepspeed_config: Path | None = option(None, "DeepSpeed config JSON (configs/ds_config*.json)")
+    distributed_backend: str | None = option(
+        None, "torch.distributed backend (default: nccl on GPU, gloo on CPU)"
+    )
+    local_rank: int = option(-1, "set by the deepspeed launcher")
+
+    def __post_init__(self) -> None:
+        if not self.deepspeed_config:
+            raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
+        self.deepspeed_config = Path(self.deepspeed_config)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run is told."""
+
+    data: DataOptions
+    model: ModelOptions = field(default_factory=ModelOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    ckpt: CheckpointOptions = field(default_factory=CheckpointOptions)
+    engine: EngineOptions = field(default_factory=lambda: EngineOptions(Path("configs/ds_config.json")))
+
+    def __post_init__(self) -> None:
+        if self.data.vocab_dir is None:
+            vocab = DEFAULT_VOCAB_DIR
+            if self.model.init_from is not None:
+                from dsgpt2.train.weights import init_tokenizer_dir
+
+                vocab = init_tokenizer_dir(self.model.init_from)
+            if not (vocab / "tokenizer.json").is_file():
+                raise ConfigError(
+                    f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)"
+                )
+            self.data.vocab_dir = vocab
+
+    @property
+    def cache_dir(self) -> Path:
+        return self.data.cache_dir or self.run.workspace / "cache"
+
+    def to_dict(self) -> dict[str, object]:
+        """Every option by flag name, paths as strings (for metrics, wandb and checkpoints)."""
+        from dataclasses import asdict
+
+        out: dict[str, object] = {}
+        for part in (self.model, self.data, self.run, self.ckpt, self.engine):
+            for k, v in asdict(part).items():
+                out[k] = str(v) if isinstance(v, Path) else v
+        return out
+
+
+GROUPS = (
+    ("model", ModelOptions),
+    ("data", DataOptions),
+    ("run", RunOptions),
+    ("checkpoints", CheckpointOptions),
+)
+
+
+def build_parser() -> OneLineErrorParser:
+    p = OneLineErrorParser(
+        prog="ds_trainer.py",
+        description=(
+            "Train GPT-2 with DeepSpeed on the MongoDB corpus named by --config_train. Runs under the "
+            "`deepspeed` launcher (one or many GPUs and nodes) or as a single process "
+            "(`python ds_trainer.py ...`, CPU or one GPU). Resumes from the latest checkpoint in "
+            "--ckpt_dir; --no_resume refuses to instead. Ctrl-C or SIGTERM: a checkpoint after the "
+            "current step, then exit."
+        ),
+    )
+    for title, cls in GROUPS:
+        add_options(p.add_argument_group(title), cls)
+    g = p.add_argument_group("distributed")
+    add_options(g, EngineOptions, only=["distributed_backend", "local_rank"])
+    # The original toolkit's spelling of the backend flag.
+    add_hidden_alias(g, "--distributed-backend", g._group_actions[0])
+    import deepspeed
+
+    deepspeed.add_config_arguments(p)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        data=from_namespace(DataOptions, args),
+        model=from_namespace(ModelOptions, args),
+        run=from_namespace(RunOptions, args),
+        ckpt=from_namespace(CheckpointOptions, args),
+        engine=from_namespace(EngineOptions, args),
+    )
+
+
+def parse(argv: Sequence[str] | None = None) -> TrainConfig:
+    """Parse ``ds_trainer.py``'s flags into a checked :class:`TrainConfig`.
+
+    Raises:
+        ConfigError: a value or a combination of flags that cannot work, naming the flags and the fix.
+    """
+    return config_from_args(build_parser().parse_args(argv))
