@@ -101,7 +101,13 @@ def build_model(cfg: Any) -> Any:
     """A freshly initialised ``GPT2LMHeadModel``."""
     from transformers import GPT2LMHeadModel
 
-    return GPT2LMHeadModel(cfg)
+    return causal_lm_loss(GPT2LMHeadModel(cfg))
+
+
+def causal_lm_loss(model: Any) -> Any:
+    """Name the loss transformers would pick anyway: left unset, it warns on every run."""
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.model import causal_lm_loss
 from dsgpt2.train import checkpoint
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
     """
     from transformers import GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(config)
+    model = causal_lm_loss(GPT2LMHeadModel(config))
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # The output projection is the input embedding (tied): a checkpoint may store it once.
     if set(missing) - {"lm_head.weight"} or unexpected:

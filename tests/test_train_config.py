@@ -1,0 +1,119 @@
+"""The training configuration: defaults in one place, checks on construction, the derived parser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.train import trainer
+from dsgpt2.train.config import (
+    DEFAULT_CHUNK_DOCS,
+    DEFAULT_SEED,
+    DEFAULT_TR_RATIO,
+    CheckpointOptions,
+    DataOptions,
+    ModelOptions,
+    RunOptions,
+    TrainConfig,
+    build_parser,
+    parse,
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "mongo.json").write_text("{}")
+    (tmp_path / "ds.json").write_text("{}")
+    return {"tok": tmp_path / "tok", "mongo": tmp_path / "mongo.json", "ds": tmp_path / "ds.json"}
+
+
+def argv(files: dict[str, Path], *extra: str) -> list[str]:
+    return ["--deepspeed_config", str(files["ds"]), "--config_train", str(files["mongo"]),
+            "--vocab_dir", str(files["tok"]), *extra]  # fmt: skip
+
+
+def test_parsed_defaults_are_the_dataclass_defaults(files: dict[str, Path]) -> None:
+    cfg = parse(argv(files))
+    assert (cfg.data.tr_ratio, cfg.data.seed, cfg.data.chunk_docs) == (
+        DEFAULT_TR_RATIO, DEFAULT_SEED, DEFAULT_CHUNK_DOCS,
+    )  # fmt: skip
+    assert cfg.run == RunOptions() and cfg.ckpt == CheckpointOptions() and cfg.model == ModelOptions()
+    # tokenize takes the same data flags, with the same defaults.
+    from dsgpt2.cli import build_parser as cli_parser
+
+    ns = cli_parser().parse_args(["tokenize", "--config_train", str(files["mongo"])])
+    assert (ns.tr_ratio, ns.seed, ns.chunk_docs) == (DEFAULT_TR_RATIO, DEFAULT_SEED, DEFAULT_CHUNK_DOCS)
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], tr_ratio=1.5), "--tr_ratio"),
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], chunk_docs=0), "--chunk_docs"),
+        (lambda f: DataOptions(config_train=f["mongo"].with_name("nope.json")), "--config_train"),
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["mongo"].parent), "--vocab_dir"),
+        (lambda f: RunOptions(train_iters=-3), "--train_iters"),
+        (lambda f: ModelOptions(model_select="huge"), "--model_select"),
+        (lambda f: CheckpointOptions(no_resume=True, ckpt_id="global_step2"), "--no_resume"),
+    ],
+)
+def test_config_made_in_code_is_checked_like_flags(files: dict[str, Path], make, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        make(files)
+
+
+def test_vocab_dir_default_is_checked(files: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"--vocab_dir runs/tokenizer: no tokenizer\.json"):
+        TrainConfig(data=DataOptions(config_train=files["mongo"]))
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"n_layer": 2, "n_layers": 4}', "unknown key(s) n_layers; GPT-2 configs have"),
+    ],
+)
+def test_model_config_is_one_clear_line(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, expected: str
+) -> None:
+    bad = tmp_path / "model.json"
+    bad.write_text(content)
+    assert trainer.main(argv(files, "--model_config", str(bad))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ds_trainer.py: error: --model_config") and expected in err
+    assert "\n" not in err
+
+
+def test_model_config_accepts_what_save_pretrained_writes(files: dict[str, Path], tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(str(tmp_path / "m"))
+    cfg = parse(argv(files, "--model_config", str(tmp_path / "m" / "config.json")))
+    assert trainer.run_context(cfg.model) == 1024
+
+
+def test_no_silent_abbreviations_and_hidden_old_spelling(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --train_iter is not --train_iters: an error, not a guess.
+    with pytest.raises(SystemExit) as exited:
+        parse(argv(files, "--train_iter", "5"))
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --train_iter" in capsys.readouterr().err
+    cfg = parse(argv(files, "--distributed-backend", "gloo"))
+    assert cfg.engine.distributed_backend == "gloo"
+    assert "--distributed-backend" not in build_parser().format_help()
+
+
+def test_config_dump_holds_every_flag(files: dict[str, Path]) -> None:
+    dumped = parse(argv(files, "--train_iters", "7")).to_dict()
+    assert dumped["train_iters"] == 7 and dumped["vocab_dir"] == str(files["tok"])
+    assert json.loads(json.dumps(dumped)) == dumped
