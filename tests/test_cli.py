@@ -112,6 +112,10 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
         "--no-progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    # No noise a newcomer must learn to ignore: no warning about a model "trained on None", none
+    # of DeepSpeed's accelerator guess or transformers' loss_type notice.
+    for noise in ("trained on None", "held out", "Setting accelerator", "loss_type", "Traceback"):
+        assert noise not in result.stderr, noise
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ingest"]["documents"] == 1000
     assert summary["validate"] == "ok"

@@ -118,22 +118,29 @@ def steps(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
 
 
+CRASH_RUN = ("--train_iters", "8", "--save_interval", "4")
+
+
+@pytest.fixture(scope="module")
+def straight_run(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 steps without a stop, streaming: the line every interrupted run must retrace."""
+    run = tmp_path_factory.mktemp("straight")
+    train(corpus, run, *CRASH_RUN, "--data_mode", "streaming")
+    return run
+
+
 @pytest.mark.parametrize("mode", ["streaming", "cached"])
-def test_crash_and_resume_sees_the_same_batches(corpus: dict[str, Path], tmp_path: Path, mode: str) -> None:
-    common = ("--train_iters", "8", "--save_interval", "4", "--data_mode", mode)
-    straight = tmp_path / "straight"
-    streaming = tmp_path.parent / tmp_path.name.replace("cached", "streaming") / "straight"
-    if mode == "cached" and streaming.is_dir():
-        # Both data modes deal the same blocks in the same order (test_data.py): the streaming
-        # run's straight line is this one's too.
-        straight = streaming
-    else:
-        train(corpus, straight, *common)
+def test_crash_and_resume_sees_the_same_batches(
+    corpus: dict[str, Path], straight_run: Path, tmp_path: Path, mode: str
+) -> None:
+    # Both data modes deal the same blocks in the same order: the cached run, crashed and resumed,
+    # retraces the streaming run too.
+    common = (*CRASH_RUN, "--data_mode", mode)
     crashed = train(corpus, tmp_path / "split", *common, check=False, faults=("--exit_after", "6"))
     assert crashed.returncode == 17
     assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "global_step4"
     train(corpus, tmp_path / "split", *common)
-    a, b = steps(straight), steps(tmp_path / "split")
+    a, b = steps(straight_run), steps(tmp_path / "split")
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for step in range(1, 9):
         assert a[step]["block_ids"] == b[step]["block_ids"], step

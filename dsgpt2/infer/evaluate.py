@@ -157,11 +157,14 @@ def evaluate(
         if window[0] >= window[1]:
             raise ConfigError(f"--start {window[0]} is past the end of the corpus ({sum(counts)} documents)")
     run_fp = loaded.run.get("fingerprint")
-    if request.split != "all" and run_fp and run_fp.get("collections") != list(config.collections):
+    trained_on = (run_fp or {}).get("collections")
+    # Only where it saw some of these documents: a split of collections it never read leaks nothing.
+    overlap = trained_on is not None and set(trained_on) & set(config.collections)
+    if request.split != "all" and overlap and trained_on != list(config.collections):
         log.warning(
             "the model trained on %s, not %s: its %s split of these collections is not the one it "
             "held out (use --split all to evaluate on every document)",
-            run_fp.get("collections"),
+            trained_on,
             list(config.collections),
             request.split,
         )
