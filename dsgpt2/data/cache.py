@@ -1,19 +1,9 @@
-"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+"""The token cache: every chunk's blocks, tokenized once, in memory-mapped files.
 
-A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.data.dealing`) is
-the unit of work: a DataLoader worker fetches it with one query per
-collection, keeps the documents of the requested split, tokenizes and packs
-them. Two sources give the same blocks for the same chunk:
-
-- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
-  starts within seconds);
-- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
-  memory-mapped files, checked against a fingerprint of the corpus,
-  tokenizer and split.
-
-:class:`BlockStream` deals each rank its chunks in the epoch's order and
-turns them into micro-batches, keeping the small :class:`Position` that
-makes resuming exact.
+``dsgpt2 tokenize`` (or the first ``--data_mode cached`` run) writes them with worker processes;
+:class:`CachedChunks` reads them at memory speed and gives the same blocks as
+:class:`~dsgpt2.data.sources.StreamingChunks` for the same chunk. The cache is valid only for
+the fingerprint it records, and is rebuilt when the data changes.
 """
 
 from __future__ import annotations

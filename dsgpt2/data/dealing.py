@@ -1,14 +1,10 @@
-"""Which documents train, which validate, and in what order each rank reads them. Pure functions.
+"""In what order each rank reads the chunks, and where a reader is. Pure functions.
 
-The corpus (the unified index 0..N-1) is cut into chunks of ``chunk_docs``
-consecutive documents. A document belongs to the training split when its
-split draw is below ``tr_ratio``; the rest validate, and never train. Each
-epoch, the chunks are shuffled from (seed, epoch), and rank r reads every
-world-th chunk of that order: ranks read disjoint shards whose union is the
-whole split, and the same seed gives the same batches. A reader's place is
-three integers (epoch, chunks done, blocks taken from the current chunk). A run
-resumed on another number of ranks first reads, dealt anew, what the ranks
-before it left of their epochs (:func:`redeal`).
+Each epoch, the chunks are shuffled from (seed, epoch), and rank r reads every world-th chunk of
+that order: ranks read disjoint shards whose union is the whole split, and the same seed gives the
+same batches. A reader's place is three integers (epoch, chunks done, blocks taken from the current
+chunk). A run resumed on another number of ranks first reads, dealt anew, what the ranks before it
+left of their epochs (:func:`redeal`).
 """
 
 from __future__ import annotations

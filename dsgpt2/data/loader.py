@@ -1,19 +1,9 @@
-"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+"""From chunks to micro-batches: the DataLoader workers and the rank's block stream.
 
-A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.data.dealing`) is
-the unit of work: a DataLoader worker fetches it with one query per
-collection, keeps the documents of the requested split, tokenizes and packs
-them. Two sources give the same blocks for the same chunk:
-
-- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
-  starts within seconds);
-- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
-  memory-mapped files, checked against a fingerprint of the corpus,
-  tokenizer and split.
-
-:class:`BlockStream` deals each rank its chunks in the epoch's order and
-turns them into micro-batches, keeping the small :class:`Position` that
-makes resuming exact.
+Workers (each with its own MongoDB client) turn chunks into blocks; they ignore SIGTERM and SIGINT
+so that their rank can finish a step and save, and die with their rank. :class:`BlockStream` reads
+the rank's chunks in the epoch's order and cuts them into micro-batches, keeping the small
+:class:`~dsgpt2.data.dealing.Position` that makes resuming exact.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Training data: chunks of documents from MongoDB → packed blocks → micro-batches.
+"""Training data sources: what a chunk of documents becomes, and the fingerprint of the data.
 
-A chunk (``chunk_docs`` consecutive documents, see :mod:`dsgpt2.data.dealing`) is
-the unit of work: a DataLoader worker fetches it with one query per
-collection, keeps the documents of the requested split, tokenizes and packs
-them. Two sources give the same blocks for the same chunk:
-
-- :class:`StreamingChunks` reads MongoDB on the fly (the default: training
-  starts within seconds);
-- :class:`CachedChunks` reads blocks that ``dsgpt2 tokenize`` wrote to
-  memory-mapped files, checked against a fingerprint of the corpus,
-  tokenizer and split.
-
-:class:`BlockStream` deals each rank its chunks in the epoch's order and
-turns them into micro-batches, keeping the small :class:`Position` that
-makes resuming exact.
+A chunk (``chunk_docs`` consecutive documents of the unified index, see :mod:`dsgpt2.data.split`)
+is the unit of work. :class:`StreamingChunks` fetches one with one query per collection, keeps
+the documents of the requested split, tokenizes and packs them into blocks. :class:`DataSpec`
+holds every setting that shapes the blocks; :func:`fingerprint` (of the corpus, the tokenizer and
+the spec) is what a checkpoint or a token cache is checked against.
 """
 
 from __future__ import annotations

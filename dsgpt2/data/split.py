@@ -1,14 +1,8 @@
-"""Which documents train, which validate, and in what order each rank reads them. Pure functions.
+"""Which documents train and which validate, and how the corpus is cut into chunks. Pure functions.
 
-The corpus (the unified index 0..N-1) is cut into chunks of ``chunk_docs``
-consecutive documents. A document belongs to the training split when its
-split draw is below ``tr_ratio``; the rest validate, and never train. Each
-epoch, the chunks are shuffled from (seed, epoch), and rank r reads every
-world-th chunk of that order: ranks read disjoint shards whose union is the
-whole split, and the same seed gives the same batches. A reader's place is
-three integers (epoch, chunks done, blocks taken from the current chunk). A run
-resumed on another number of ranks first reads, dealt anew, what the ranks
-before it left of their epochs (:func:`redeal`).
+A document belongs to the training split when its split draw (seed, index) is below ``tr_ratio``;
+the rest validate, and never train. The unified index 0..N-1 is cut into chunks of ``chunk_docs``
+consecutive documents, the unit every reader fetches.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
-"""The vocabulary: export a text corpus from MongoDB to shards, train a byte-level BPE on it.
+"""The byte-level BPE tokenizer: special tokens, training, the tokenizer directory.
 
-``download`` cuts the unified index into contiguous shards and writes each in
-a worker process with its own MongoDB client, reading ranges in batches. A
-shard is written to a temporary file and renamed when complete, and
-``manifest.json`` records the finished ones, so a re-run redoes only what
-was not finished. ``train`` streams texts from the shards or straight from
-MongoDB into ``ByteLevelBPETokenizer.train_from_iterator``: nothing holds
-the whole corpus in memory.
-
-Special tokens take the first ids, in a fixed order, whatever the corpus:
-``<|endoftext|>`` 0, ``<|pad|>`` 1, one ``<|SPEAKER|>`` per conversation
-speaker, then ``<unused0>``... reserved for later use.
+``train_vocab`` streams texts (from shards or from MongoDB, see :mod:`dsgpt2.tokenizer.texts`)
+into ``ByteLevelBPETokenizer.train_from_iterator``: nothing holds the whole corpus in memory. The
+output directory loads with ``transformers.AutoTokenizer``. Special tokens take the first ids, in
+a fixed order, whatever the corpus: ``<|endoftext|>`` 0, ``<|pad|>`` 1, one ``<|SPEAKER|>`` per
+conversation speaker, then ``<unused0>``... reserved for later use.
 """
 
 from __future__ import annotations
