@@ -29,6 +29,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
+from dsgpt2.train.config import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +132,9 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
     return make_spec(
         loaded.tokenizer_dir,
         context,
-        request.chunk_docs or run.get("chunk_docs", 1000),
-        request.tr_ratio or run.get("tr_ratio", 0.99),
-        request.seed if request.seed is not None else run.get("seed", 1234),
+        request.chunk_docs or run.get("chunk_docs", DEFAULT_CHUNK_DOCS),
+        request.tr_ratio or run.get("tr_ratio", DEFAULT_TR_RATIO),
+        request.seed if request.seed is not None else run.get("seed", DEFAULT_SEED),
         request.task or run.get("task", "lm"),
         request.reply_speakers or run.get("reply_speakers", "bot"),
     )

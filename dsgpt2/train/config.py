@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, positive_int, ratio
+from dsgpt2.data.sources import DataSpec, make_spec
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, read_model_config
 from dsgpt2.options import (
@@ -194,6 +195,11 @@ class TrainConfig:
                     f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)"
                 )
             self.data.vocab_dir = vocab
+
+    def data_spec(self, context: int) -> DataSpec:
+        """The blocks this run reads (the data fingerprint's settings), for a model of ``context``."""
+        d, m = self.data, self.model
+        return make_spec(d.vocab_dir, context, d.chunk_docs, d.tr_ratio, d.seed, m.task, m.reply_speakers)
 
     @property
     def cache_dir(self) -> Path:

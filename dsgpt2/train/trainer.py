@@ -28,7 +28,7 @@ from dsgpt2.corpus.config import ENV_URI, load_config, scrub
 from dsgpt2.data.cache import CachedChunks, prepare_cache
 from dsgpt2.data.dealing import Position, redeal
 from dsgpt2.data.loader import BlockStream, eval_batches
-from dsgpt2.data.sources import SPLITS, StreamingChunks, fingerprint, load_tokenizer, make_spec
+from dsgpt2.data.sources import SPLITS, StreamingChunks, fingerprint, load_tokenizer
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups, read_model_config
@@ -153,11 +153,8 @@ class Trainer:
         self.counts = tuple(_on_rank0(lambda: self._corpus_counts(conn)))
         init = self._init_weights()
         context = run_context(cfg.model) if init is None else _init_context(cfg.model, init[0])
-        d = cfg.data
-        self.spec = make_spec(
-            d.vocab_dir, context, d.chunk_docs, d.tr_ratio, d.seed, cfg.model.task, cfg.model.reply_speakers
-        )
-        self.fingerprint = fingerprint(self.mongo, self.counts, d.vocab_dir, self.spec)
+        self.spec = cfg.data_spec(context)
+        self.fingerprint = fingerprint(self.mongo, self.counts, cfg.data.vocab_dir, self.spec)
         # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
         self.resume_from = _on_rank0(self._find_resume_point)
         self.train_data, self.val_data = self._datasets()
