@@ -17,6 +17,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
+def accept_hyphen_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Accept ``--vocab-size`` for ``--vocab_size`` (and so on) in ``parser`` and its subcommands.
+
+    Options are spelled with underscores, the original toolkit's way; the hyphenated spellings that
+    earlier versions used keep working, unlisted in ``--help``.
+    """
+    for action in parser._actions:
+        for flag in list(action.option_strings):
+            if flag.startswith("--") and "_" in flag:
+                parser._option_string_actions.setdefault(flag.replace("_", "-"), action)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                accept_hyphen_spellings(sub)
+    return parser
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

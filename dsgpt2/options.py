@@ -28,7 +28,6 @@ def option(
     *,
     type: Callable[[str], Any] | None = None,
     choices: Iterable[str] | None = None,
-    aliases: Iterable[str] = (),
     metavar: str | None = None,
     hidden: bool = False,
 ) -> Any:
@@ -39,24 +38,18 @@ def option(
         help: one line for ``--help``; the default is appended.
         type: argparse type converter (default: from the annotation).
         choices: the allowed values.
-        aliases: other spellings accepted and not shown (``--vocab-size`` for ``--vocab_size``).
         hidden: not shown in ``--help`` (test hooks).
     """
     meta = {
         "help": help,
         "type": type,
         "choices": list(choices) if choices is not None else None,
-        "aliases": tuple(aliases),
         "metavar": metavar,
         "hidden": hidden,
     }
     if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=lambda: type_copy(default), metadata=meta)
+        return dataclasses.field(default_factory=default.copy, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
-
-
-def type_copy(value: Any) -> Any:
-    return value.copy()
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool]:
@@ -107,21 +100,7 @@ def add_options(
         else:
             kwargs["default"] = default
         flag = "--" + name
-        action = parser.add_argument(flag, **kwargs)
-        for alias in meta.get("aliases", ()):
-            add_hidden_alias(parser, alias, action)
-
-
-def add_hidden_alias(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup, alias: str, action: argparse.Action
-) -> None:
-    """Accept ``alias`` as another spelling of ``action``'s option, without showing it in ``--help``."""
-    kwargs: dict[str, Any] = {"dest": action.dest, "help": argparse.SUPPRESS, "default": argparse.SUPPRESS}
-    if isinstance(action, argparse._StoreTrueAction):
-        kwargs["action"] = "store_true"
-    else:
-        kwargs.update(type=action.type, choices=action.choices, nargs=action.nargs)
-    parser.add_argument(alias, **kwargs)
+        parser.add_argument(flag, **kwargs)
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:

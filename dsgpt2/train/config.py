@@ -12,12 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsgpt2.argtypes import OneLineErrorParser, non_negative_int, positive_int, ratio
+from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
 from dsgpt2.data.sources import DataSpec, make_spec
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, read_model_config
 from dsgpt2.options import (
-    add_hidden_alias,
     add_options,
     as_path,
     check_non_negative,
@@ -239,12 +238,11 @@ def build_parser() -> OneLineErrorParser:
         add_options(p.add_argument_group(title), cls)
     g = p.add_argument_group("distributed")
     add_options(g, EngineOptions, only=["distributed_backend", "local_rank"])
-    # The original toolkit's spelling of the backend flag.
-    add_hidden_alias(g, "--distributed-backend", g._group_actions[0])
     import deepspeed
 
     deepspeed.add_config_arguments(p)
-    return p
+    # --distributed-backend is the original toolkit's spelling of the backend flag.
+    return accept_hyphen_spellings(p)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
