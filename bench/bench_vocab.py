@@ -1,6 +1,6 @@
 """Vocabulary training and raw tokenization baselines.
 
-- vocab training: MB/s and peak memory of ``dsgpt2 vocab train --from-mongo``
+- vocab training: MB/s and peak memory of ``dsgpt2 vocab train --from_mongo``
   (texts streamed from the database) ÷ ``ByteLevelBPETokenizer.train_from_iterator``
   on the same texts held in a Python list (targets: speed ≥ 0.9, memory ≤ 1.2).
   On mongomock, whose every query scans the whole collection in Python, the

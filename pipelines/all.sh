@@ -103,7 +103,7 @@ stage() {
   fi
 }
 
-ingest_args=(ingest --config "$CONFIG" --sample "$SAMPLE" --no-progress)
+ingest_args=(ingest --config "$CONFIG" --sample "$SAMPLE" --no_progress)
 if [[ -n "$SAMPLE_LIMIT" ]]; then
   ingest_args+=(--limit "$SAMPLE_LIMIT")
 fi
@@ -112,11 +112,11 @@ if [[ -n "$SAMPLE" ]]; then
 fi
 
 stage vocab-download "$stages/vocab-download.done" \
-  env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" bash "$here/download_vocab.sh" --no-progress
+  env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" bash "$here/download_vocab.sh" --no_progress
 
 stage vocab-train "$RUN_DIR/tokenizer/tokenizer.json" \
   env VOCAB_CORPUS="$RUN_DIR/vocab_corpus" TOKENIZER="$RUN_DIR/tokenizer" VOCAB_SIZE="$VOCAB_SIZE" \
-  bash "$here/train_vocab.sh" --no-progress
+  bash "$here/train_vocab.sh" --no_progress
 
 read -r -a train_extra <<< "$TRAIN_EXTRA"
 stage train "$RUN_DIR/ckpt/global_step$TRAIN_ITERS/dsgpt2_complete.json" \
@@ -130,7 +130,7 @@ stage export "$stages/export-$TRAIN_ITERS.done" \
 
 stage evaluate "$stages/evaluate-$TRAIN_ITERS.done" \
   env MODEL_DIR="$RUN_DIR/model" REPORT="$RUN_DIR/eval/report.json" SAMPLE_OUT="$RUN_DIR/eval/sample.txt" \
-  PROMPT="$PROMPT" bash "$here/evaluate.sh" --no-progress
+  PROMPT="$PROMPT" bash "$here/evaluate.sh" --no_progress
 
 echo
 echo "== stages"

@@ -23,10 +23,10 @@ RESERVED="${RESERVED:-0}"
 FROM_MONGO="${FROM_MONGO:-0}"
 CONFIG="${CONFIG:-configs/mongo.json}"
 
-args=(vocab train --out "$TOKENIZER" --vocab-size "$VOCAB_SIZE" --min-frequency "$MIN_FREQUENCY"
+args=(vocab train --out "$TOKENIZER" --vocab_size "$VOCAB_SIZE" --min_frequency "$MIN_FREQUENCY"
   --speakers "$SPEAKERS" --reserved "$RESERVED")
 if [[ "$FROM_MONGO" == "1" ]]; then
-  args+=(--from-mongo --config "$CONFIG")
+  args+=(--from_mongo --config "$CONFIG")
 else
   args+=(--input "$VOCAB_CORPUS")
 fi

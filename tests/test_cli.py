@@ -63,8 +63,8 @@ def test_bad_cli_input_is_one_line_and_exit_2(tmp_path: Path, cfg: Path) -> None
     bad_json.write_text("{oops")
     unknown = write_config(tmp_path / "u.json", MONGO_CONNECTION_DB="d", COLLECTIONS=["a"], COLECTIONS=["a"])
     cases = [
-        (["ingest", "--config", str(cfg), "--batch-size", "-3", str(txt)], ["--batch-size", "positive"]),
-        (["ingest", "--config", str(cfg), "--batch-size", "x", str(txt)], ["--batch-size", "'x'"]),
+        (["ingest", "--config", str(cfg), "--batch_size", "-3", str(txt)], ["--batch_size", "positive"]),
+        (["ingest", "--config", str(cfg), "--batch_size", "x", str(txt)], ["--batch_size", "'x'"]),
         (["ingest", "--config", str(tmp_path / "none.json"), str(txt)], ["none.json", "not found"]),
         (["ingest", "--config", str(bad_json), str(txt)], ["not valid JSON", "line 1"]),
         (["ingest", "--config", str(unknown), str(txt)], ["COLECTIONS", "valid keys"]),
@@ -109,7 +109,7 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
 def test_demo_runs_every_stage(tmp_path: Path) -> None:
     result = run_cli(
         "demo", "--out", str(tmp_path / "demo"), "--limit", "1000", "--steps", "12", "--chat_steps", "6",
-        "--no-progress",
+        "--no_progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     # No noise a newcomer must learn to ignore: no warning about a model "trained on None", none
@@ -143,3 +143,20 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     assert "dsgpt2 demo: summary" in lines
     assert any(line.strip().startswith("validation    perplexity") for line in lines)
     assert any(line.strip().startswith("sample") for line in lines)
+
+
+def test_one_spelling_old_ones_hidden_no_abbreviations(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    new = parser.parse_args(["vocab", "train", "--from_mongo", "--config", "c.json", "--vocab_size", "300"])
+    old = parser.parse_args(["vocab", "train", "--from-mongo", "--config", "c.json", "--vocab-size", "300"])
+    assert vars(new) == vars(old) and new.vocab_size == 300 and new.from_mongo
+    with pytest.raises(SystemExit):
+        parser.parse_args(["vocab", "train", "--help"])
+    shown = capsys.readouterr().out
+    assert "--vocab_size" in shown and "--no_progress" in shown and "--vocab-size" not in shown
+    # A prefix is not a flag: `--vocab 300` is an error, not --vocab_size.
+    with pytest.raises(SystemExit) as exited:
+        main(["vocab", "train", "--from_mongo", "--config", "c.json", "--vocab", "300"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --vocab 300" in err and err.count("\n") == 1

@@ -141,7 +141,7 @@ def test_untrained_model_is_near_uniform_and_training_lowers_perplexity(models: 
 def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tmp_path: Path) -> None:
     report_path = tmp_path / "r.json"
     out = run_cli("evaluate", "--model", str(models["lm"]), "--config", str(models["lm_config"]),
-                  "--max_batches", "3", "--report", str(report_path), "--no-progress")  # fmt: skip
+                  "--max_batches", "3", "--report", str(report_path), "--no_progress")  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "perplexity" in out.stdout and f"recorded in d.{EVAL_RESULTS}" in out.stdout
     report = json.loads(report_path.read_text())

@@ -198,7 +198,7 @@ def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
     n = 5000
     f = _lines(tmp_path, n)
     cfg, store = store_config(tmp_path)
-    args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch-size", "200", str(f)]
+    args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch_size", "200", str(f)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     # Wait until some batches have been committed, then kill without warning.
@@ -232,7 +232,7 @@ def test_input_errors_are_clear(tmp_path: Path) -> None:
     c.write_text("id,body\n1,hello\n")
     with pytest.raises(IngestError, match=r"no column 'text'.*\['id', 'body'\].*--column"):
         file_source(c)
-    with pytest.raises(IngestError, match="--batch-size"):
+    with pytest.raises(IngestError, match="--batch_size"):
         ingest(_conn(), "a", [], batch_size=0)
     with pytest.raises(IngestError, match="unknown sample"):
         sample_source("nope")
@@ -290,7 +290,7 @@ def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path
     else:
         f.write_bytes(good[:-8] + bytes(b ^ 0xFF for b in good[-8:-4]) + good[-4:])  # the CRC32 trailer
     cfg, store = store_config(tmp_path)
-    args = ["ingest", "--config", str(cfg), "--batch-size", "300", "--no-progress", str(f)]
+    args = ["ingest", "--config", str(cfg), "--batch_size", "300", "--no_progress", str(f)]
     from conftest import run_cli
 
     first = run_cli(*args)

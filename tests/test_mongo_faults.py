@@ -169,7 +169,7 @@ def test_ingest_killed_by_a_server_loss_lands_every_record_once_on_rerun(
     n = 300
     source.write_text("".join(f"record number {i}\n" for i in range(n)))
     command = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(config), "--collection", "lines",
-               "--batch-size", "10", "--no-progress", str(source)]  # fmt: skip
+               "--batch_size", "10", "--no_progress", str(source)]  # fmt: skip
     env = env_for(up.uri())
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -209,7 +209,7 @@ def test_vocab_download_killed_by_a_server_loss_finishes_exactly_once(up: WireSe
         out = tmp_path / "shards"
         command = [sys.executable, "-m", "dsgpt2", "vocab", "download", "--config", str(config),
                    "--out", str(out), "--workers", "1", "--shards", "6", "--chunk", "5",
-                   "--no-progress"]  # fmt: skip
+                   "--no_progress"]  # fmt: skip
         uri = up.uri().replace(f":{up.port}/", f":{proxy.port}/")
         proc = subprocess.Popen(command, cwd=ROOT, env=env_for(uri), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -99,7 +99,7 @@ class Corpus:
 def corpus(server_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Corpus]:
     c = Corpus(server_uri, tmp_path_factory.mktemp("live"))
     result = c.cli("ingest", "--config", str(c.config), "--sample", "stdlib", "--limit", str(DOCS),
-                   "--batch-size", "60", "--no-progress")  # fmt: skip
+                   "--batch_size", "60", "--no_progress")  # fmt: skip
     assert result.returncode == 0, result.stderr
     yield c
     conn = Connection(c.mongo)
@@ -133,7 +133,7 @@ def test_ingest_validate_info_from_the_cli(corpus: Corpus) -> None:
     assert f"stdlib: {DOCS} documents" in info.stdout
     # Re-run: nothing is inserted twice.
     again = corpus.cli("ingest", "--config", str(corpus.config), "--sample", "stdlib", "--limit", str(DOCS),
-                       "--no-progress")  # fmt: skip
+                       "--no_progress")  # fmt: skip
     assert again.returncode == 0 and "already ingested" in again.stdout
     assert coll.count_documents({}) == DOCS
     conn.close()
@@ -175,16 +175,16 @@ def test_reads_take_numpy_indices_and_one_query_per_collection(corpus: Corpus) -
 def test_vocab_download_and_train_from_the_cli(corpus: Corpus) -> None:
     shards = corpus.base / "shards"
     down = corpus.cli("vocab", "download", "--config", str(corpus.config), "--out", str(shards),
-                      "--workers", "2", "--shards", "3", "--chunk", "50", "--no-progress")  # fmt: skip
+                      "--workers", "2", "--shards", "3", "--chunk", "50", "--no_progress")  # fmt: skip
     assert down.returncode == 0, down.stderr
     lines = [json.loads(x) for p in sorted(shards.glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
     assert [x["idx"] for x in lines] == list(range(DOCS))
     train = corpus.cli("vocab", "train", "--input", str(shards), "--out", str(corpus.base / "tok_shards"),
-                       "--vocab-size", "400", "--no-progress")  # fmt: skip
+                       "--vocab_size", "400", "--no_progress")  # fmt: skip
     assert train.returncode == 0, train.stderr
-    streamed = corpus.cli("vocab", "train", "--from-mongo", "--config", str(corpus.config),
-                          "--out", str(corpus.base / "tok"), "--vocab-size", "400",
-                          "--no-progress")  # fmt: skip
+    streamed = corpus.cli("vocab", "train", "--from_mongo", "--config", str(corpus.config),
+                          "--out", str(corpus.base / "tok"), "--vocab_size", "400",
+                          "--no_progress")  # fmt: skip
     assert streamed.returncode == 0, streamed.stderr
     # The same texts, from the shards or straight from the server: the same vocabulary.
     assert (corpus.base / "tok" / "vocab.json").read_text() == (
@@ -210,7 +210,7 @@ def test_training_streaming_and_cached_evaluate_and_record(corpus: Corpus) -> No
 
     report = corpus.base / "eval.json"
     ev = corpus.cli("evaluate", "--model", str(corpus.base / "streaming" / "ckpt"),
-                    "--config", str(corpus.config), "--report", str(report), "--no-progress")  # fmt: skip
+                    "--config", str(corpus.config), "--report", str(report), "--no_progress")  # fmt: skip
     assert ev.returncode == 0, ev.stderr
     result = json.loads(report.read_text())
     assert result["metrics"]["tokens"] > 0 and np.isfinite(result["metrics"]["perplexity"])
@@ -256,7 +256,7 @@ def test_wrong_password_is_refused_clearly(server_uri: str) -> None:
 def test_demo_runs_against_a_server(server_uri: str, tmp_path: Path) -> None:
     c = Corpus(server_uri, tmp_path)
     result = c.cli("demo", "--config", str(c.config), "--out", str(tmp_path / "demo"), "--limit", "120",
-                   "--steps", "4", "--chat_steps", "2", "--no-progress")  # fmt: skip
+                   "--steps", "4", "--chat_steps", "2", "--no_progress")  # fmt: skip
     conn = Connection(c.mongo)
     try:
         assert result.returncode == 0, result.stderr[-3000:]

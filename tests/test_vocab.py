@@ -222,7 +222,7 @@ def test_bad_documents_are_counted_not_exported(tmp_path: Path) -> None:
 
 
 def test_settings_are_validated() -> None:
-    with pytest.raises(ConfigError, match="--vocab-size must be at least 260"):
+    with pytest.raises(ConfigError, match="--vocab_size must be at least 260"):
         VocabSettings(vocab_size=100)
     with pytest.raises(ConfigError, match="--speakers"):
         VocabSettings(speakers=("user", "bad name"))
@@ -235,8 +235,8 @@ def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
     conn = Connection(load_config(cfg))
     ingest(conn, "stdlib", [sample_source("stdlib", 800)])
     result = run_cli(
-        "vocab", "train", "--from-mongo", "--config", str(cfg), "--out", str(tmp_path / "tok"),
-        "--vocab-size", "600", "--no-progress",
+        "vocab", "train", "--from_mongo", "--config", str(cfg), "--out", str(tmp_path / "tok"),
+        "--vocab_size", "600", "--no_progress",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "800 documents" in result.stdout and "vocabulary: 600 tokens" in result.stdout
@@ -244,8 +244,8 @@ def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
     assert meta["special_tokens"] == {EOT: 0, PAD: 1, "<|user|>": 2, "<|bot|>": 3}
     bad = run_cli("vocab", "train", "--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "t2"))
     assert bad.returncode == 2 and "no shard-*.jsonl files" in bad.stderr and "Traceback" not in bad.stderr
-    bad = run_cli("vocab", "train", "--from-mongo", "--out", str(tmp_path / "t3"))
-    assert bad.returncode == 2 and "--from-mongo needs --config" in bad.stderr
+    bad = run_cli("vocab", "train", "--from_mongo", "--out", str(tmp_path / "t3"))
+    assert bad.returncode == 2 and "--from_mongo needs --config" in bad.stderr
     bad = run_cli(
         "vocab", "download", "--config", str(cfg), "--fraction", "1.5", "--out", str(tmp_path / "x")
     )
@@ -268,7 +268,7 @@ def test_pipeline_scripts_end_to_end(tmp_path: Path) -> None:
     env.pop("MONGO_CONNECTION_STRING", None)
     for script in ("download_vocab.sh", "train_vocab.sh"):
         result = subprocess.run(
-            ["bash", str(ROOT / "pipelines" / script), "--no-progress"],
+            ["bash", str(ROOT / "pipelines" / script), "--no_progress"],
             env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300,
         )  # fmt: skip
         assert result.returncode == 0, result.stderr

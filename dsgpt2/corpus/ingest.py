@@ -336,7 +336,7 @@ def ingest(
         CorpusError: the collection's idx is broken, or another writer interferes.
     """
     if batch_size <= 0:
-        raise IngestError(f"--batch-size must be positive; got {batch_size}")
+        raise IngestError(f"--batch_size must be positive; got {batch_size}")
     started = time.monotonic()
     coll = conn.db[collection]
     with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):

@@ -65,15 +65,15 @@ class VocabSettings:
         floor = 256 + len(self.specials)
         if self.vocab_size < floor:
             raise ConfigError(
-                f"--vocab-size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
+                f"--vocab_size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
                 f"got {self.vocab_size}"
             )
         if self.min_frequency < 1:
-            raise ConfigError(f"--min-frequency must be at least 1; got {self.min_frequency}")
+            raise ConfigError(f"--min_frequency must be at least 1; got {self.min_frequency}")
         if self.reserved < 0:
             raise ConfigError(f"--reserved must be 0 or more; got {self.reserved}")
         if self.context_length <= 0:
-            raise ConfigError(f"--context-length must be positive; got {self.context_length}")
+            raise ConfigError(f"--context_length must be positive; got {self.context_length}")
         for s in self.speakers:
             if not _SPEAKER_NAME.match(s):
                 raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")

@@ -1,0 +1,193 @@
+"""The corpus commands: ingest, validate, info."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from dsgpt2.argtypes import positive_int
+from dsgpt2.commands.common import (
+    add_config,
+    load_config_arg,
+    usage,
+)
+
+log = logging.getLogger("dsgpt2")
+
+
+def add_ingest(sub: Any) -> None:
+    p = sub.add_parser(
+        "ingest",
+        help="load text files or the built-in sample into a collection",
+        description=(
+            "Load documents into a collection: each record's text is kept as `form`, cleaned into "
+            "`filt_text` and numbered with `idx` after the collection's last one. Interrupted and "
+            "re-run with the same arguments, it resumes without duplicating or skipping records. "
+            "Files may be gzipped."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsgpt2 ingest --config c.json --sample stdlib\n"
+            "  dsgpt2 ingest --config c.json --collection news news.jsonl.gz --field body\n"
+            "  dsgpt2 ingest --config c.json --collection books --split paragraph books/*.txt\n"
+            "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config(p)
+    p.add_argument(
+        "inputs", nargs="*", metavar="FILE", help="input files (.txt, .jsonl, .csv, optionally .gz)"
+    )
+    p.add_argument(
+        "--sample",
+        choices=["stdlib", "stdlib-chat"],
+        help="ingest a built-in sample (no download): stdlib documentation, or conversations about it",
+    )
+    p.add_argument("--limit", type=positive_int, help="with --sample: only the first N documents")
+    p.add_argument("--collection", help="target collection (default: the first of COLLECTIONS in the config)")
+    p.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "text", "jsonl", "csv", "conversation"],
+        help="input format; auto goes by the file extension (default: auto)",
+    )
+    p.add_argument("--field", default="text", help="jsonl: the field holding the text (default: text)")
+    p.add_argument("--column", default="text", help="csv: the column holding the text (default: text)")
+    p.add_argument(
+        "--split",
+        default="line",
+        choices=["line", "paragraph"],
+        help="text files: one document per line or per blank-line separated paragraph (default: line)",
+    )
+    p.add_argument(
+        "--batch_size", type=positive_int, default=1000, help="documents per insert (default: 1000)"
+    )
+    p.add_argument("--strict", action="store_true", help="stop at the first unusable record")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_ingest)
+
+
+def add_validate(sub: Any) -> None:
+    p = sub.add_parser(
+        "validate",
+        help="check idx, indexes and counts of the collections",
+        description=(
+            "Check each collection for what training relies on: integer idx values 0..n-1, each once, "
+            "a unique index on idx, and a matching count in meta_info. Prints each problem with its "
+            "fix; exits 1 when there is one. --fix creates a missing index and records the count."
+        ),
+    )
+    add_config(p)
+    p.add_argument(
+        "--collection", action="append", help="check only this collection (repeatable; default: all)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--fix", action="store_true", help="create a missing idx index and record counts")
+    p.set_defaults(func=cmd_validate)
+
+
+def add_info(sub: Any) -> None:
+    p = sub.add_parser(
+        "info",
+        help="show the configured collections, their counts and ingest history",
+        description="Show what the config points at: hosts, database, collections and meta_info.",
+    )
+    add_config(p)
+    p.add_argument("--json", action="store_true", help="print as JSON")
+    p.set_defaults(func=cmd_info)
+
+
+def cmd_ingest(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.ingest import file_source, ingest, sample_source
+    from dsgpt2.corpus.mongo import connect
+
+    if not args.inputs and not args.sample:
+        raise usage("ingest", "give input FILEs or --sample stdlib")
+    if args.limit and not args.sample:
+        raise usage("ingest", "--limit goes with --sample")
+    config = load_config_arg(args)
+    if config.uri == "mongomock://":
+        log.warning(
+            "MONGO_CONNECTION_STRING is mongomock:// (in memory): the documents vanish when this "
+            "command ends; use mongomock://PATH to keep them in a file, or a real server"
+        )
+    collection = args.collection or config.collections[0]
+    sources = [sample_source(args.sample, args.limit)] if args.sample else []
+    sources += [
+        file_source(path, args.format, field=args.field, column=args.column, split=args.split)
+        for path in args.inputs
+    ]
+    conn = connect(config)
+    log.info("ingesting %d source(s) into %s.%s", len(sources), config.db, collection)
+    report = ingest(
+        conn,
+        collection,
+        sources,
+        batch_size=args.batch_size,
+        strict=args.strict,
+        progress=not args.no_progress,
+    )
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.mongo import connect
+    from dsgpt2.corpus.validate import fix_collection, validate_corpus
+    from dsgpt2.errors import CorpusValidationError
+
+    config = load_config_arg(args)
+    conn = connect(config)
+    names = args.collection or list(config.collections)
+    if args.fix:
+        for name in names:
+            for line in fix_collection(conn, name):
+                print(line)
+    reports = validate_corpus(conn, names)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in reports], indent=2))
+    else:
+        for r in reports:
+            print("\n".join(r.lines()))
+    bad = [r.name for r in reports if not r.ok]
+    if bad:
+        raise CorpusValidationError(f"problems found in {', '.join(bad)}; apply the fixes above")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.mongo import MongoWrapper, read_meta
+
+    config = load_config_arg(args)
+    wrapper = MongoWrapper(config)
+    meta = read_meta(wrapper.connection, list(config.collections))
+    info = {
+        "uri": config.display_uri,
+        "db": config.db,
+        "documents": len(wrapper),
+        "collections": [
+            {
+                "name": name,
+                "count": count,
+                "cleaner_version": meta.get(name, {}).get("cleaner_version"),
+                "sources": [
+                    {k: s.get(k) for k in ("label", "records", "inserted", "complete")}
+                    for s in meta.get(name, {}).get("sources", {}).values()
+                ],
+            }
+            for name, count in zip(config.collections, wrapper.counts, strict=True)
+        ],
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['uri']} / {info['db']}: {info['documents']} documents")
+    for c in info["collections"]:
+        print(f"  {c['name']}: {c['count']} documents (cleaner {c['cleaner_version'] or '-'})")
+        for s in c["sources"]:
+            state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
+            print(f"    {s['label']}: {s['inserted']} inserted, {state}")
+    return 0

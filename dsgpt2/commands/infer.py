@@ -1,0 +1,320 @@
+"""The model commands: export, evaluate, generate, chat, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.argtypes import non_negative_int, port, positive_int
+from dsgpt2.commands.common import (
+    check_writable,
+    load_config_arg,
+    usage,
+)
+
+log = logging.getLogger("dsgpt2")
+
+
+def add_export(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="turn a training checkpoint into a Hugging Face model directory",
+        description=(
+            "Export a checkpoint (any ZeRO stage) as safetensors weights, config and tokenizer: the "
+            "directory loads with transformers' GPT2LMHeadModel.from_pretrained and "
+            "pipeline('text-generation'), without dsgpt2."
+        ),
+    )
+    p.add_argument("--ckpt_dir", required=True, help="checkpoint directory of a training run")
+    p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--vocab_dir", help="tokenizer directory (default: the one the run trained with)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_export)
+
+
+def add_evaluate(sub: Any) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="loss and perplexity of a model on the validation split or any collection",
+        description=(
+            "Evaluate a checkpoint or an exported model: mean loss per token and perplexity over every "
+            "block of a split, made as in training. By default the validation split of the run that "
+            "trained the model (its collections, split seed and ratio, context and task). Writes a "
+            "JSON report and records the result in the eval_results collection of the database."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsgpt2 evaluate --model runs/model --config configs/mongo.json\n"
+            "  dsgpt2 evaluate --model runs/ckpt --config c.json --collection news --split all"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_model(p)
+    p.add_argument("--config", required=True, metavar="JSON", help="connection config of the corpus")
+    p.add_argument(
+        "--split",
+        default="val",
+        choices=["val", "train", "all"],
+        help="the run's validation or training split, or every document (default: val)",
+    )
+    p.add_argument("--collection", action="append", help="evaluate on this collection (repeatable)")
+    p.add_argument("--start", type=int, help="first document of the unified index (default: 0)")
+    p.add_argument("--stop", type=positive_int, help="end of the unified index range (default: all)")
+    p.add_argument("--task", choices=["lm", "conversation"], help="default: the run's")
+    p.add_argument("--reply_speakers", help="conversation task: speakers scored (default: the run's)")
+    p.add_argument("--tr_ratio", type=float, help="split ratio (default: the run's)")
+    p.add_argument("--split_seed", type=int, help="split seed (default: the run's)")
+    p.add_argument("--context_length", type=positive_int, help="tokens per block (default: the run's)")
+    p.add_argument("--batch_size", type=positive_int, default=8, help="blocks per forward pass (default 8)")
+    p.add_argument("--max_batches", type=positive_int, help="stop after this many batches (default: all)")
+    p.add_argument(
+        "--num_workers", type=non_negative_int, default=2, help="tokenizing worker processes (default 2)"
+    )
+    p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
+    p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_evaluate)
+
+
+def add_generate(sub: Any) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="sample text from a checkpoint or an exported model",
+        description=(
+            "Continue each prompt (from the arguments, or one per line of --prompts_file) with "
+            "sampled text; generation stops at end-of-text or --max_new_tokens. The same seed, "
+            "prompt and model give the same text."
+        ),
+    )
+    _add_model(p)
+    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    p.add_argument("--prompts_file", help="a file with one prompt per line")
+    p.add_argument("--num_samples", type=positive_int, default=1, help="completions per prompt (default 1)")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    _add_generation(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def add_chat(sub: Any) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="talk with a conversation-finetuned model (stdin, interactive or piped)",
+        description=(
+            "Read a line, answer it, keep the dialogue within the model's context (oldest turns go "
+            "first). /reset forgets the conversation, /quit ends it. Works from a pipe: one answer "
+            "per input line."
+        ),
+    )
+    _add_model(p)
+    p.add_argument("--user", default="user", help="the user's speaker name (default: user)")
+    p.add_argument("--bot", default="bot", help="the model's speaker name (default: bot)")
+    _add_generation(p)
+    p.set_defaults(func=cmd_chat)
+
+
+def add_serve(sub: Any) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve generation over HTTP (GET/POST /generate, GET /health)",
+        description=(
+            "An HTTP server: GET /generate?sentence=TEXT and POST /generate with a JSON body "
+            '{"prompt": TEXT, "max_new_tokens": N, "temperature": T, ...}; GET /health. Bad '
+            "parameters get 400 with the reason. Bound to 127.0.0.1 unless --host says otherwise."
+        ),
+    )
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
+    p.add_argument(
+        "--max_prompt_chars", type=positive_int, default=4000, help="longest prompt accepted (default 4000)"
+    )
+    p.add_argument(
+        "--max_tokens_limit",
+        type=positive_int,
+        default=256,
+        help="largest max_new_tokens a request may ask (default 256)",
+    )
+    p.add_argument(
+        "--max_concurrent",
+        type=positive_int,
+        default=2,
+        help="requests in flight at once; more get 503 (default 2)",
+    )
+    _add_generation(p, max_new_tokens=None)
+    p.set_defaults(func=cmd_serve)
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)",
+    )
+    p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
+    p.add_argument("--vocab_dir", help="tokenizer directory (default: the model's)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+
+
+def _add_generation(p: argparse.ArgumentParser, max_new_tokens: int | None = 64) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument(
+        "--max_new_tokens",
+        type=positive_int,
+        default=max_new_tokens,
+        help=f"tokens to generate at most (default {max_new_tokens or '64, at most --max_tokens_limit'})",
+    )
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy; higher: more random (0.8)")
+    g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest; 0: all (50)")
+    g.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
+    g.add_argument("--repetition_penalty", type=float, default=1.0, help="> 1 discourages repeats (1)")
+    g.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
+
+
+def _sampling(args: argparse.Namespace, **extra: Any) -> Any:
+    from dsgpt2.infer.generate import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        **extra,
+    )
+
+
+def _load_model(args: argparse.Namespace) -> Any:
+
+    from dsgpt2.infer.loading import load_model
+
+    return load_model(Path(args.model), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+
+    from dsgpt2.infer.export import export
+
+    result = export(
+        Path(args.ckpt_dir), Path(args.out), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None
+    )
+    print(
+        f"exported {args.ckpt_dir}/{result['tag']} (step {result['step']}, "
+        f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"
+    )
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+
+    from dsgpt2.infer.evaluate import EvalRequest, default_report_path, evaluate, report_lines, write_report
+
+    if args.stop is not None and args.start is None:
+        args.start = 0
+    if args.start is not None and args.start < 0:
+        raise usage("evaluate", f"--start must be 0 or more, got {args.start}")
+    window = None
+    if args.start is not None:
+        window = (args.start, args.stop if args.stop is not None else 2**62)
+    request = EvalRequest(
+        split=args.split,
+        collections=tuple(args.collection) if args.collection else None,
+        window=window,
+        task=args.task,
+        reply_speakers=args.reply_speakers,
+        tr_ratio=args.tr_ratio,
+        seed=args.split_seed,
+        context=args.context_length,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches,
+        workers=args.num_workers,
+    )
+    config = load_config_arg(args)
+    loaded = _load_model(args)
+    path = Path(args.report) if args.report else default_report_path(loaded.name, args.split)
+    check_writable(path, "--report")
+    report = evaluate(loaded, config, request, progress=not args.no_progress)
+    write_report(report, path)
+    print("\n".join(report_lines(report)))
+    print(f"report: {path}")
+    if not args.no_record:
+        from dsgpt2.corpus.mongo import EVAL_RESULTS, connect, record_eval
+
+        record_eval(connect(config), report)
+        print(f"recorded in {config.db}.{EVAL_RESULTS}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+
+    from dsgpt2.infer.generate import Generator
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise usage("generate", f"--prompts_file {path}: file not found")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise usage("generate", f"--prompts_file {path}: cannot read it as UTF-8 text ({exc})") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise usage("generate", "give PROMPT arguments or --prompts_file")
+    params = _sampling(args, num_samples=args.num_samples)
+    generator = Generator(_load_model(args))
+    for prompt in prompts:
+        completions = generator.generate(prompt, params)
+        for i, c in enumerate(completions):
+            if args.json:
+                print(json.dumps({"prompt": prompt, "sample": i, **vars(c)}, ensure_ascii=False))
+            else:
+                head = f"[{i + 1}/{len(completions)}] " if len(completions) > 1 else ""
+                print(f"{head}{prompt}{c.text}")
+                print(f"--- {c.tokens} tokens, stopped by {c.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from dsgpt2.infer.chat import ChatSession, run_chat
+    from dsgpt2.infer.generate import Generator
+
+    session = ChatSession(Generator(_load_model(args)), _sampling(args), args.user, args.bot)
+    interactive = sys.stdin.isatty()
+
+    def lines() -> Any:
+        while True:
+            if interactive:
+                print(f"{args.user}> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                return
+            yield line
+
+    for out in run_chat(session, lines(), interactive):
+        print(out, flush=True)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.serve import ServeLimits, make_app, serve
+
+    limits = ServeLimits(
+        max_prompt_chars=args.max_prompt_chars,
+        max_new_tokens=args.max_tokens_limit,
+        max_concurrent=args.max_concurrent,
+    )
+    if args.max_new_tokens is None:
+        args.max_new_tokens = min(64, limits.max_new_tokens)
+    if args.max_new_tokens > limits.max_new_tokens:
+        raise usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
+    app = make_app(Generator(_load_model(args)), limits, _sampling(args))
+    serve(app, args.host, args.port)
+    return 0

@@ -1,0 +1,86 @@
+"""The training-side commands: tokenize (the token cache), plan (memory per ZeRO stage)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.argtypes import positive_int
+
+log = logging.getLogger("dsgpt2")
+
+
+def add_tokenize(sub: Any) -> None:
+    p = sub.add_parser(
+        "tokenize",
+        help="build the token cache that `ds_trainer.py --data_mode cached` reads",
+        description=(
+            "Tokenize and pack the training and validation splits into memory-mapped files, ahead of "
+            "training. Use the data flags the training run will use: the cache is fingerprinted by the "
+            "collections, their counts, the tokenizer, the context, the split and the seed, and a run "
+            "with other settings rebuilds it."
+        ),
+    )
+    from dsgpt2.options import add_options
+    from dsgpt2.train.config import DataOptions, ModelOptions
+
+    # The training run's own data flags, so that the cache matches the run that reads it.
+    data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "cache_dir", "num_workers"]
+    defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
+    add_options(p, DataOptions, only=data_flags, defaults=defaults)
+    add_options(p, ModelOptions, only=["model_select", "context_length"])
+    p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_tokenize)
+
+
+def add_plan(sub: Any) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="estimate GPU and CPU memory per ZeRO stage for a model preset",
+        description=(
+            "Estimate the memory the model states of a preset need under each ZeRO stage and offload "
+            "choice (DeepSpeed's estimators), to pick a DeepSpeed config before training. "
+            "Activations come on top."
+        ),
+    )
+    from dsgpt2.model import PRESETS
+
+    p.add_argument("--model_select", required=True, choices=list(PRESETS), help="model size preset")
+    p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default 50257)")
+    p.add_argument("--num_gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--num_nodes", type=positive_int, default=1, help="nodes (default 1)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.data.cache import prepare_cache
+    from dsgpt2.data.sources import make_spec
+    from dsgpt2.options import from_namespace
+    from dsgpt2.train.config import DataOptions, ModelOptions
+    from dsgpt2.train.trainer import run_context
+
+    data = from_namespace(DataOptions, args)
+    context = run_context(from_namespace(ModelOptions, args))
+    spec = make_spec(data.vocab_dir, context, data.chunk_docs, data.tr_ratio, data.seed)
+    meta, built = prepare_cache(
+        load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
+    )
+    state = "built" if built else "already up to date"
+    print(
+        f"{data.cache_dir}: {state}; blocks of {context} tokens: "
+        f"{meta['blocks']['train']} train, {meta['blocks']['val']} validation"
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dsgpt2.train.plan import plan, plan_lines
+
+    total, rows = plan(args.model_select, args.vocab_size, args.num_gpus, args.num_nodes)
+    print("\n".join(plan_lines(args.model_select, total, rows, args.num_gpus, args.num_nodes)))
+    return 0

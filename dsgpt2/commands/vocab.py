@@ -1,0 +1,143 @@
+"""The vocabulary commands: vocab download, vocab train."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.argtypes import positive_int
+from dsgpt2.commands.common import (
+    add_config,
+    load_config_arg,
+    usage,
+)
+
+log = logging.getLogger("dsgpt2")
+
+
+def add_vocab(sub: Any) -> None:
+    vocab = sub.add_parser(
+        "vocab",
+        help="export the vocabulary corpus and train the BPE tokenizer",
+        description="Build the vocabulary: `vocab download` exports text shards, `vocab train` learns BPE.",
+    )
+    vsub = vocab.add_subparsers(dest="vocab_command", metavar="STEP", required=True)
+
+    p = vsub.add_parser(
+        "download",
+        help="export (a sample of) the collections to local text shards",
+        description=(
+            "Export the configured collections, all documents or a seeded sample, to "
+            "OUT/shard-NNNNN.jsonl ({idx, text} per line) in parallel worker processes, each with its "
+            "own MongoDB client. Finished shards are recorded in OUT/manifest.json: a re-run (after a "
+            "crash, say) writes only the missing ones."
+        ),
+    )
+    add_config(p)
+    p.add_argument("--out", default="runs/vocab_corpus", help="shard directory (default: runs/vocab_corpus)")
+    _add_sampling(p)
+    p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default: 2)")
+    p.add_argument("--shards", type=positive_int, help="number of shards (default: one per 50,000 documents)")
+    p.add_argument("--chunk", type=positive_int, default=1000, help="documents per query (default: 1000)")
+    p.add_argument("--overwrite", action="store_true", help="replace shards of a different download in --out")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_vocab_download)
+
+    p = vsub.add_parser(
+        "train",
+        help="train the byte-level BPE tokenizer from shards or straight from MongoDB",
+        description=(
+            "Train a byte-level BPE tokenizer (GPT-2 style) on the shards of `vocab download` or, with "
+            "--from_mongo, on texts streamed from the collections. OUT then holds vocab.json, "
+            "merges.txt, tokenizer.json and tokenizer_config.json: "
+            "transformers.AutoTokenizer.from_pretrained(OUT) loads it. Special tokens take the first "
+            "ids: <|endoftext|> 0, <|pad|> 1, then <|SPEAKER|> per --speakers, then <unusedN>."
+        ),
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", metavar="DIR", help="shard directory written by `vocab download`")
+    src.add_argument(
+        "--from_mongo", action="store_true", help="stream texts from the collections of --config"
+    )
+    p.add_argument("--config", metavar="JSON", help="connection config (with --from_mongo)")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    _add_sampling(p)
+    p.add_argument("--out", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)")
+    p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default: 50257)")
+    p.add_argument("--min_frequency", type=positive_int, default=2, help="minimum pair count (default: 2)")
+    p.add_argument(
+        "--speakers", default="user,bot", help="conversation speakers, comma-separated (default: user,bot)"
+    )
+    p.add_argument(
+        "--reserved", type=int, default=0, help="number of <unusedN> tokens to reserve (default: 0)"
+    )
+    p.add_argument("--lowercase", action="store_true", help="lowercase texts first (default: keep case)")
+    p.add_argument(
+        "--context_length", type=positive_int, default=1024, help="model context length (default: 1024)"
+    )
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_vocab_train)
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--fraction", type=float, help="draw this fraction of the documents, in (0, 1]")
+    group.add_argument("--count", type=positive_int, help="draw about this many documents")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draw (default: 0)")
+
+
+def cmd_vocab_download(args: argparse.Namespace) -> int:
+
+    from dsgpt2.tokenizer.texts import download
+
+    report = download(
+        load_config_arg(args),
+        Path(args.out),
+        fraction=args.fraction,
+        count=args.count,
+        seed=args.seed,
+        workers=args.workers,
+        shards=args.shards,
+        chunk=args.chunk,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def cmd_vocab_train(args: argparse.Namespace) -> int:
+
+    from dsgpt2.corpus.documents import SkipTally
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
+
+    speakers = tuple(s.strip() for s in args.speakers.split(",") if s.strip())
+    settings = VocabSettings(
+        vocab_size=args.vocab_size,
+        min_frequency=args.min_frequency,
+        speakers=speakers,
+        reserved=args.reserved,
+        lowercase=args.lowercase,
+        context_length=args.context_length,
+    )
+    if args.from_mongo:
+        if not args.config:
+            raise usage("vocab train", "--from_mongo needs --config")
+        config = load_config_arg(args)
+        texts, wrapper = mongo_texts(config, args.fraction, args.count, args.seed)
+        skipped = wrapper.skipped
+        source = f"{config.display_uri} {config.db}.{','.join(config.collections)}"
+    else:
+        if args.fraction or args.count:
+            raise usage("vocab train", "--fraction/--count go with --from_mongo; sample at `vocab download`")
+        skipped = SkipTally()
+        texts = shard_texts(Path(args.input), skipped=skipped)
+        source = f"shards in {args.input}"
+    report = train_vocab(
+        texts, Path(args.out), settings, source, skipped=skipped, progress=not args.no_progress
+    )
+    print("\n".join(report.lines()))
+    return 0
