@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import run_cli, store_config, write_config
+from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli import build_parser, main
 
 
@@ -160,3 +162,27 @@ def test_one_spelling_old_ones_hidden_no_abbreviations(capsys: pytest.CaptureFix
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: --vocab 300" in err and err.count("\n") == 1
+
+
+def test_info_on_a_missing_collection_names_it_and_the_fix(tmp_path: Path, cfg: Path) -> None:
+    result = run_cli("info", "--config", str(cfg))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "not found in database" in line and "no collection (empty or absent)" in line
+    assert "dsgpt2 ingest --config" in line
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\n")
+    assert run_cli("ingest", "--config", str(cfg), "--collection", "other", str(txt)).returncode == 0
+    line = run_cli("info", "--config", str(cfg)).stderr.strip()
+    assert "it holds" in line and "other" in line
+
+
+def test_importing_the_product_never_loads_mongomock() -> None:
+    code = (
+        "import sys, dsgpt2.cli, dsgpt2.corpus.mongo, dsgpt2.train.trainer, dsgpt2.infer.serve, dsgpt2.demo\n"
+        "for m in ('corpus', 'vocab', 'train', 'infer', 'demo'):\n"
+        "    __import__('dsgpt2.commands.' + m)\n"
+        "print('mongomock' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.strip() == "False", result.stderr

@@ -345,3 +345,40 @@ def test_a_checkpoint_directory_serves_like_its_export(models: dict[str, Path]) 
     assert report["metrics"]["loss"] == pytest.approx(
         _evaluate(models["lm"], models["lm_config"], max_batches=3)["metrics"]["loss"], rel=1e-5
     )
+
+
+def test_export_refuses_what_would_ship_a_wrong_model_or_overwrite(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = models["base"]
+    ckpt = str(base / "lm" / "ckpt")
+    readme = tmp_path / "README.md"
+    readme.write_text("mine\n")
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(readme))
+    assert "is a file" in line and readme.read_text() == "mine\n"
+    # Into the tokenizer or the checkpoints: refused before a byte is written there.
+    before = sorted(p.name for p in (base / "tok").iterdir())
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(base / "tok"))
+    assert "the tokenizer" in line and sorted(p.name for p in (base / "tok").iterdir()) == before
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(base / "lm" / "ckpt" / "model"))
+    assert "--ckpt_dir" in line
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(other))
+    assert "not a dsgpt2 export" in line and (other / "notes.txt").read_text() == "keep"
+    # A tokenizer of another size: the model would read other ids than it learned.
+    small = tmp_path / "tok300"
+    conn = Connection(load_config(models["lm_config"]))
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, small, VocabSettings(vocab_size=300), "test", progress=False)
+    out = tmp_path / "model"
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(out), "--vocab_dir", str(small))
+    assert "300 tokens but the model has 512" in line and not out.exists()
+    # An earlier export is replaced whole; nothing is left beside it.
+    from dsgpt2.cli import main
+
+    assert main(["export", "--ckpt_dir", ckpt, "--out", str(out)]) == 0
+    assert main(["export", "--ckpt_dir", ckpt, "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert "Writing model shards" not in capsys.readouterr().err

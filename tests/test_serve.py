@@ -26,6 +26,7 @@ def _free_port() -> int:
 
 
 LOGS: dict[str, Path] = {}  # server URL → its log file
+MODELS: dict[str, Path] = {}  # server URL → the model it serves
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +42,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) ->
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     LOGS[url] = base / "server.log"
+    MODELS[url] = model
     deadline = time.monotonic() + 90
     while True:
         try:
@@ -188,3 +190,33 @@ def test_parse_request_applies_limits_and_defaults() -> None:
         parse_request({"prompt": "x" * 11}, "prompt", limits, defaults)
     with pytest.raises(BadRequest, match="seed must be a number"):
         parse_request({"prompt": "x", "seed": True}, "prompt", limits, defaults)
+
+
+def test_busy_port_or_foreign_address_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.infer.serve import check_bind
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port} on 127.0.0.1 is in use"):
+            check_bind("127.0.0.1", port)
+    check_bind("127.0.0.1", port)  # free again
+    with pytest.raises(ConfigError, match="cannot listen there"):
+        check_bind("192.0.2.1", port)  # TEST-NET-1: no machine's own address
+
+
+def test_serve_on_a_busy_port_is_one_line(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(MODELS[server]), "--port", port],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"dsgpt2: error: --port {port} on 127.0.0.1 is in use by another program; choose another --port"
+    )
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200

@@ -159,9 +159,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dsgpt2.corpus.mongo import MongoWrapper, read_meta
+    from dsgpt2.corpus.mongo import MongoWrapper, connect, read_meta, require_collections
 
     config = load_config_arg(args)
+    require_collections(connect(config), args.config)
     wrapper = MongoWrapper(config)
     meta = read_meta(wrapper.connection, list(config.collections))
     info = {

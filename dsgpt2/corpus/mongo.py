@@ -28,7 +28,6 @@ from pymongo.errors import (
     PyMongoError,
 )
 
-from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import ENV_URI, MongoConfig
 from dsgpt2.corpus.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, MongoUnavailableError
@@ -154,8 +153,9 @@ class Connection:
         return self.client[self.config.db]
 
     def _make_client(self) -> Any:
+        # The backend follows the URI: mongomock:// is the in-process test and demo store.
         if self.config.is_mock:
-            return mockstore.client_for(self.config.uri)
+            return _mockstore().client_for(self.config.uri)
         try:
             return pymongo.MongoClient(
                 self.config.uri,
@@ -188,13 +188,48 @@ class Connection:
     def commit(self) -> None:
         """Make writes so far durable for other processes (saves a file-backed mock store)."""
         if self.config.is_mock:
-            mockstore.save(self.config.uri)
+            _mockstore().save(self.config.uri)
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid() and not self.config.is_mock:
             self._client.close()
         self._client = None
         self._pid = None
+
+
+def _mockstore() -> Any:
+    """The ``mongomock://`` backend, imported only where such a URI is used."""
+    try:
+        from dsgpt2.corpus import mockstore
+    except ImportError:
+        raise ConfigError(
+            "mongomock:// is the in-process store of the tests and the demo, and needs mongomock: "
+            "pip install mongomock (or give a mongodb:// server)"
+        ) from None
+    return mockstore
+
+
+def existing_collections(conn: Connection) -> list[str]:
+    """The names of the collections in the configured database (none if it does not exist)."""
+    return sorted(with_retries(conn.db.list_collection_names, conn.config, "list collections"))
+
+
+def require_collections(conn: Connection, config_path: str = "CONFIG") -> None:
+    """Raise when a configured collection does not exist in the database.
+
+    Raises:
+        CorpusError: naming the missing collections, those that exist, and the fix.
+    """
+    have = existing_collections(conn)
+    missing = [c for c in conn.config.collections if c not in have]
+    if not missing:
+        return
+    holds = f"it holds {', '.join(have)}" if have else "it holds no collection (empty or absent)"
+    raise CorpusError(
+        f"collection(s) {', '.join(missing)} not found in database {conn.config.db!r} at "
+        f"{conn.config.display_uri} ({holds}); ingest them first (dsgpt2 ingest --config {config_path} "
+        f"--collection {missing[0]} FILE...) or fix COLLECTIONS in {config_path}"
+    )
 
 
 def connect(config: MongoConfig) -> Connection:

@@ -14,6 +14,7 @@ answered with 500 and the server goes on.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 from dataclasses import asdict, dataclass
@@ -186,6 +187,36 @@ def serve(app: Starlette, host: str, port: int) -> None:
     """Serve ``app`` until interrupted (Ctrl-C or SIGTERM)."""
     import uvicorn
 
+    check_bind(host, port)
     if host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s: reachable from other machines, with no authentication", host)
     uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+
+
+def check_bind(host: str, port: int) -> None:
+    """Fail with one line where uvicorn could not listen (a busy port, an address not of this host).
+
+    Raises:
+        ConfigError: the address cannot be bound, naming it and the fix.
+    """
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        # As uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT is free, one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(
+                    f"--port {port} on {host} is in use by another program; choose another --port"
+                ) from None
+            raise ConfigError(
+                f"--host {host} --port {port}: cannot listen there ({exc.strerror}); use an address of "
+                "this machine (127.0.0.1 by default) and a port above 1023"
+            ) from None
