@@ -186,3 +186,25 @@ def test_importing_the_product_never_loads_mongomock() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize("name", ["bad$name", "system.profile", ""])
+def test_ingest_into_an_impossible_collection_is_one_line(tmp_path: Path, cfg: Path, name: str) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\n")
+    result = run_cli("ingest", "--config", str(cfg), "--collection", name, str(txt))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"--collection {name!r} is not a collection name" in line
+
+
+def test_vocab_download_into_a_file_is_one_line(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\ntwo\n")
+    assert run_cli("ingest", "--config", str(cfg), str(txt)).returncode == 0
+    for out in (txt, txt / "shards"):
+        result = run_cli("vocab", "download", "--config", str(cfg), "--out", str(out))
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert f"{txt} is a file" in line
+    assert txt.read_text() == "one\ntwo\n"

@@ -13,6 +13,7 @@ from dsgpt2.commands.common import (
     load_config_arg,
     usage,
 )
+from dsgpt2.corpus.config import collection_name_problem
 
 log = logging.getLogger("dsgpt2")
 
@@ -113,7 +114,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
             "MONGO_CONNECTION_STRING is mongomock:// (in memory): the documents vanish when this "
             "command ends; use mongomock://PATH to keep them in a file, or a real server"
         )
-    collection = args.collection or config.collections[0]
+    collection = config.collections[0] if args.collection is None else args.collection
+    problem = collection_name_problem(collection)
+    if problem:
+        raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
     sources = [sample_source(args.sample, args.limit)] if args.sample else []
     sources += [
         file_source(path, args.format, field=args.field, column=args.column, split=args.split)

@@ -46,6 +46,33 @@ _USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/
 _SECRET_OPTIONS = re.compile(r"(?i)((?:password|tlsCertificateKeyFilePassword|secret)[^=&]*=)([^&]*)")
 
 
+def collection_name_problem(name: object) -> str | None:
+    """Why MongoDB would refuse ``name`` as a collection name, or None."""
+    if not isinstance(name, str) or not name:
+        return "it must be a non-empty string"
+    if "$" in name or "\x00" in name:
+        return "it may not contain '$' or NUL"
+    if name.startswith("system."):
+        return "names starting with 'system.' are MongoDB's own"
+    if name.startswith(".") or name.endswith("."):
+        return "it may not start or end with '.'"
+    if len(name.encode("utf-8")) > 200:
+        return "it is longer than 200 bytes"
+    return None
+
+
+def db_name_problem(name: object) -> str | None:
+    """Why MongoDB would refuse ``name`` as a database name, or None."""
+    if not isinstance(name, str) or not name:
+        return "it must be a non-empty string"
+    bad = sorted(set(name) & set('/\\. "$*<>:|?\x00'))
+    if bad:
+        return f"it may not contain {' '.join(repr(c) for c in bad)}"
+    if len(name.encode("utf-8")) > 63:
+        return "it is longer than 63 bytes"
+    return None
+
+
 @dataclass(frozen=True)
 class MongoConfig:
     """Where the corpus lives and how to read it.
@@ -83,14 +110,16 @@ class MongoConfig:
                 f"MONGO_CONNECTION_STRING must start with one of {', '.join(SCHEMES)}; "
                 f"got {redact_uri(str(self.uri))!r}"
             )
-        if not self.db or "/" in self.db or "." in self.db or " " in self.db:
-            raise ConfigError(f"MONGO_CONNECTION_DB must be a database name; got {self.db!r}")
+        problem = db_name_problem(self.db)
+        if problem:
+            raise ConfigError(f"MONGO_CONNECTION_DB {self.db!r} is not a database name: {problem}")
         names = list(self.collections)
         if not names:
             raise ConfigError("COLLECTIONS must list at least one collection")
         for name in names:
-            if not isinstance(name, str) or not name or name.startswith("system.") or "$" in name:
-                raise ConfigError(f"COLLECTIONS holds an invalid collection name: {name!r}")
+            problem = collection_name_problem(name)
+            if problem:
+                raise ConfigError(f"COLLECTIONS holds {name!r}, not a collection name: {problem}")
         if len(set(names)) != len(names):
             raise ConfigError(f"COLLECTIONS names a collection twice: {names}")
         if self.meta_collection in names:

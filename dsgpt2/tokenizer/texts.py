@@ -108,6 +108,7 @@ def download(
     """
     if workers <= 0 or chunk <= 0 or (shards is not None and shards <= 0):
         raise ConfigError("--workers, --shards and --chunk must be positive")
+    _check_out_dir(out)
     started = time.monotonic()
     wrapper = MongoWrapper(config)
     require_nonempty(wrapper)
@@ -123,7 +124,10 @@ def download(
         "seed": seed,
         "shards": [list(r) for r in ranges],
     }
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot make the shard directory there ({exc.strerror})") from None
     with _exclusive(out):
         # Nobody else writes here (we hold the lock): a temporary shard is a worker killed mid-write.
         for stale in out.glob(".shard-*"):
@@ -170,6 +174,18 @@ def download(
             bar.close()
         report.seconds = time.monotonic() - started
         return report
+
+
+def _check_out_dir(out: Path) -> None:
+    """Refuse, before any query, an ``--out`` that is (or sits in) a file."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                raise ConfigError(
+                    f"--out {out}: {path} is a file; give a directory for the shards, such as "
+                    "runs/vocab_corpus"
+                )
+            return
 
 
 def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict[str, Any]]]:
