@@ -268,6 +268,22 @@ def test_hostile_jsonl_bom_csv_and_bad_bytes_are_skipped_or_read(tmp_path: Path)
     assert dict(report.sources[0].skipped) == {"bad_json": 1}
     assert _texts(conn) == ["before", "after", "first row", "second row", "caf\ufffd au lait", "plain line"]
     _assert_contiguous(conn)
+    # The replaced bytes are counted and the way out named, not silently swallowed.
+    assert report.sources[2].decoding.replaced == 1
+    (said,) = [line for line in report.lines() if "U+FFFD" in line]
+    assert "1 byte sequence(s) not valid utf-8" in said and "--encoding" in said
+    assert not [line for line in report.lines()[:2] if "U+FFFD" in line]
+
+
+def test_encoding_reads_latin1_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    t = tmp_path / "latin1.txt.gz"
+    t.write_bytes(gzip.compress("caf\xe9 au lait\nna\xefve\n".encode("latin-1")))
+    conn = _conn()
+    report = ingest(conn, "a", [file_source(t, encoding="latin-1")])
+    assert _texts(conn) == ["caf\xe9 au lait", "na\xefve"]
+    assert report.sources[0].decoding.replaced == 0
+    with pytest.raises(IngestError, match="unknown --encoding 'klingon'"):
+        file_source(t, encoding="klingon")
 
 
 def _gzip_lines(path: Path, n: int) -> bytes:

@@ -65,6 +65,12 @@ def add_ingest(sub: Any) -> None:
     p.add_argument(
         "--batch_size", type=positive_int, default=1000, help="documents per insert (default: 1000)"
     )
+    p.add_argument(
+        "--encoding",
+        default="utf-8",
+        help="encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become "
+        "U+FFFD and are counted (default: utf-8)",
+    )
     p.add_argument("--strict", action="store_true", help="stop at the first unusable record")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ingest)
@@ -120,7 +126,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
     sources = [sample_source(args.sample, args.limit)] if args.sample else []
     sources += [
-        file_source(path, args.format, field=args.field, column=args.column, split=args.split)
+        file_source(
+            path, args.format, field=args.field, column=args.column, split=args.split, encoding=args.encoding
+        )
         for path in args.inputs
     ]
     conn = connect(config)

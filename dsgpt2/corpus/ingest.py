@@ -14,6 +14,7 @@ inserted but not yet recorded is neither lost nor duplicated.
 
 from __future__ import annotations
 
+import codecs
 import csv
 import gzip
 import hashlib
@@ -72,6 +73,26 @@ class Source:
     label: str
     kind: str  # "text" or "conversation"
     read: Callable[[], Iterator[Any]] = field(repr=False, compare=False)
+    decoding: DecodeTally | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class DecodeTally:
+    """Byte sequences of a file that were not valid in its encoding (each became U+FFFD)."""
+
+    encoding: str = "utf-8"
+    replaced: int = 0
+
+    def errors(self) -> str:
+        """The name of a codec error handler that replaces and counts."""
+        name = f"dsgpt2-count-{id(self)}"
+
+        def replace(exc: UnicodeError) -> tuple[str, int]:
+            self.replaced += 1
+            return "\ufffd", exc.end  # type: ignore[attr-defined]
+
+        codecs.register_error(name, replace)
+        return name
 
 
 def _key(*parts: str) -> str:
@@ -94,8 +115,9 @@ def file_source(
     field: str = "text",
     column: str = "text",
     split: str = "line",
+    encoding: str = "utf-8",
 ) -> Source:
-    """A file (gzip transparently) read as ``fmt``.
+    """A file (gzip transparently) read as ``fmt`` in ``encoding``.
 
     Raises:
         IngestError: the file is missing, or the format or its options are invalid.
@@ -107,18 +129,23 @@ def file_source(
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if split not in SPLITS:
         raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(SPLITS)}")
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise IngestError(f"unknown --encoding {encoding!r}; e.g. utf-8, latin-1, cp1252") from None
+    tally = DecodeTally(encoding)
     fmt = detect_format(p) if fmt == "auto" else fmt
     option = {"text": split, "jsonl": field, "csv": column, "conversation": ""}[fmt]
     key = _key("file", str(p.resolve()), fmt, option)
     label = f"{p.name} ({fmt}{': ' + option if option else ''})"
     if fmt == "text":
-        return Source(key, label, "text", lambda: _read_text(p, split))
+        return Source(key, label, "text", lambda: _read_text(p, split, tally), tally)
     if fmt == "jsonl":
-        return Source(key, label, "text", lambda: _read_jsonl(p, field))
+        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally), tally)
     if fmt == "csv":
-        _check_csv_header(p, column)
-        return Source(key, label, "text", lambda: _read_csv(p, column))
-    return Source(key, label, "conversation", lambda: _read_conversations(p))
+        _check_csv_header(p, column, tally)
+        return Source(key, label, "text", lambda: _read_csv(p, column, tally), tally)
+    return Source(key, label, "conversation", lambda: _read_conversations(p, tally), tally)
 
 
 def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
@@ -142,19 +169,24 @@ def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
     return Source(_key("sample", version, str(limit)), label, "text", lambda: stdlib_documents(limit))
 
 
-def open_text(path: Path) -> TextIO:
+def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:
     """Open a text file, gunzipping it when it is gzip; undecodable bytes become U+FFFD.
 
-    A byte-order mark at the start is dropped (``utf-8-sig``): spreadsheet programs write one
+    The encoding is ``tally``'s (UTF-8 by default), which also counts the replaced bytes. In UTF-8
+    a byte-order mark at the start is dropped (``utf-8-sig``): spreadsheet programs write one
     before a CSV header.
     """
+    tally = tally or DecodeTally()
+    encoding = tally.encoding
+    if codecs.lookup(encoding).name == "utf-8":
+        encoding = "utf-8-sig"
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
     try:
         raw = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115
     except OSError as exc:
         raise IngestError(f"cannot read {str(path)!r}: {exc}") from None
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline="")
+    return io.TextIOWrapper(raw, encoding=encoding, errors=tally.errors(), newline="")
 
 
 # What reading a damaged file raises: a truncated gzip (EOFError), a bad CRC or header
@@ -162,8 +194,8 @@ def open_text(path: Path) -> TextIO:
 DAMAGED_INPUT = (EOFError, OSError, zlib.error, csv.Error)
 
 
-def _read_text(path: Path, split: str) -> Iterator[Any]:
-    with open_text(path) as f:
+def _read_text(path: Path, split: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+    with open_text(path, tally) as f:
         if split == "line":
             for line in f:
                 yield line.rstrip("\r\n")
@@ -179,8 +211,8 @@ def _read_text(path: Path, split: str) -> Iterator[Any]:
             yield "".join(para)
 
 
-def _json_lines(path: Path) -> Iterator[Any]:
-    with open_text(path) as f:
+def _json_lines(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
+    with open_text(path, tally) as f:
         for line in f:
             if not line.strip():
                 continue
@@ -191,8 +223,8 @@ def _json_lines(path: Path) -> Iterator[Any]:
                 yield BadRecord("bad_json")
 
 
-def _read_jsonl(path: Path, field_name: str) -> Iterator[Any]:
-    for obj in _json_lines(path):
+def _read_jsonl(path: Path, field_name: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+    for obj in _json_lines(path, tally):
         if isinstance(obj, BadRecord):
             yield obj
         elif not isinstance(obj, dict):
@@ -208,8 +240,8 @@ def _csv_reader(f: TextIO) -> csv.DictReader:
     return csv.DictReader(f)
 
 
-def _check_csv_header(path: Path, column: str) -> None:
-    with open_text(path) as f:
+def _check_csv_header(path: Path, column: str, tally: DecodeTally | None = None) -> None:
+    with open_text(path, DecodeTally(tally.encoding) if tally else None) as f:
         header = _csv_reader(f).fieldnames or []
     if column not in header:
         raise IngestError(
@@ -217,15 +249,15 @@ def _check_csv_header(path: Path, column: str) -> None:
         )
 
 
-def _read_csv(path: Path, column: str) -> Iterator[Any]:
-    with open_text(path) as f:
+def _read_csv(path: Path, column: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+    with open_text(path, tally) as f:
         for row in _csv_reader(f):
             value = row.get(column)
             yield BadRecord("no_field") if value is None else value
 
 
-def _read_conversations(path: Path) -> Iterator[Any]:
-    for obj in _json_lines(path):
+def _read_conversations(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
+    for obj in _json_lines(path, tally):
         yield obj if isinstance(obj, BadRecord) else normalize_conversation(obj)
 
 
@@ -291,6 +323,7 @@ class SourceReport:
     skipped: SkipTally = field(default_factory=SkipTally)
     resumed_at: int = 0
     already_done: bool = False
+    decoding: DecodeTally | None = None
 
 
 @dataclass
@@ -316,6 +349,12 @@ class IngestReport:
             out.append(
                 f"{s.label}: {s.read} records read{resumed}, {s.inserted} inserted, {s.skipped.summary()}"
             )
+            if s.decoding is not None and s.decoding.replaced:
+                out.append(
+                    f"{s.label}: {s.decoding.replaced} byte sequence(s) not valid {s.decoding.encoding} "
+                    "were replaced by U+FFFD; give the file's encoding with --encoding (e.g. latin-1, "
+                    "cp1252) in a fresh collection"
+                )
         out.append(f"{self.collection}: {self.count} documents ({self.seconds:.1f}s)")
         return out
 
@@ -353,7 +392,7 @@ def _ingest_source(
     conn: Connection, collection: str, source: Source, batch_size: int, strict: bool, progress: bool
 ) -> SourceReport:
     coll = conn.db[collection]
-    report = SourceReport(source.label)
+    report = SourceReport(source.label, decoding=source.decoding)
     state = read_meta(conn, [collection]).get(collection, {}).get("sources", {}).get(source.key)
     top = max_idx(coll)
     next_idx = 0 if top is None else top + 1
