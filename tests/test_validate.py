@@ -80,15 +80,18 @@ def test_fix_creates_index_and_records_count() -> None:
     conn = _conn("a")
     seed(conn, "a", ["x", "y"], index=False, meta=False)
     done = fix_collection(conn, "a")
-    assert done == ["a: created the unique index on idx", "a: recorded count 2 in meta_info"]
+    assert done == ["a: fixed: created the unique index on idx", "a: fixed: recorded count 2 in meta_info"]
     assert validate_collection(conn, "a").problems == []
+    # Run again: it says there is nothing left, rather than nothing at all.
+    assert fix_collection(conn, "a") == ["a: nothing to fix"]
 
 
 def test_fix_does_not_paper_over_duplicates() -> None:
     conn = _conn("a")
     seed(conn, "a", ["x", "y"], index=False)
     conn.db["a"].insert_one({"idx": 0, "filt_text": "dup"})
-    assert fix_collection(conn, "a") == []
+    (said,) = fix_collection(conn, "a")
+    assert said.startswith("a: not fixed: duplicate_idx") and "re-ingest" in said
     assert "duplicate_idx" in _kinds(conn, "a")
 
 

@@ -241,11 +241,12 @@ def require_valid(conn: Connection, names: list[str] | None = None) -> list[Coll
 
 
 def fix_collection(conn: Connection, name: str) -> list[str]:
-    """Repair what is safe to repair automatically; return what was done.
+    """Repair what is safe to repair automatically; return one line per thing done or left.
 
     Creates the unique idx index when there are no duplicates, and records the
     document count in meta_info when idx is otherwise clean. Renumbering or
-    deleting documents is left to the user: that changes the corpus.
+    deleting documents is left to the user: that changes the corpus, so what
+    remains is named with what to do instead.
     """
     done: list[str] = []
     report = validate_collection(conn, name)
@@ -253,11 +254,19 @@ def fix_collection(conn: Connection, name: str) -> list[str]:
     coll = conn.db[name]
     if "missing_idx_index" in kinds and "duplicate_idx" not in kinds:
         ensure_idx_index(coll)
-        done.append(f"{name}: created the unique index on idx")
+        done.append(f"{name}: fixed: created the unique index on idx")
     blocking = kinds & {"non_integer_idx", "duplicate_idx", "gaps", "negative_idx", "empty"}
     if kinds & {"no_meta_count", "meta_count_mismatch"} and not blocking:
         write_meta(conn, name, {"count": report.documents})
-        done.append(f"{name}: recorded count {report.documents} in {conn.config.meta_collection}")
+        done.append(f"{name}: fixed: recorded count {report.documents} in {conn.config.meta_collection}")
     if done:
         conn.commit()
+    if blocking:
+        done.append(
+            f"{name}: not fixed: {', '.join(sorted(blocking))} change which documents exist or their "
+            "numbering, which --fix never does; re-ingest into a fresh collection (dsgpt2 ingest) or "
+            "apply the fixes below by hand"
+        )
+    elif not kinds:
+        done.append(f"{name}: nothing to fix")
     return done
