@@ -20,6 +20,7 @@ from dsgpt2.corpus.config import MongoConfig, config_from_dict
 from dsgpt2.corpus.ingest import ingest, sample_source
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.corpus.validate import require_valid
+from dsgpt2.shipped import shipped_config
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import download, shard_texts
 
@@ -242,9 +243,7 @@ def _train(config: Any, out: Path, steps: int, name: str, **model: Any) -> dict[
             wandb="off",
         ),
         ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=max(1, steps // 3), no_resume=True),
-        engine=EngineOptions(
-            deepspeed_config=Path(__file__).resolve().parents[1] / "configs" / "ds_config_cpu.json"
-        ),
+        engine=EngineOptions(deepspeed_config=shipped_config("ds_config_cpu.json")),
     )
     # The config object, not the file: the file holds no password (to_dict redacts it).
     trainer = Trainer(cfg, mongo=config)

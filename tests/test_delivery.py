@@ -14,6 +14,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -518,8 +519,11 @@ def test_base_image_is_cpu_by_default_and_torch_matches_the_makefile(dockerfile:
 def test_cli_is_installed_from_the_project_files(dockerfile: str) -> None:
     stage = final_stage(parse_dockerfile(dockerfile))
     copied = " ".join(args for kw, args in stage if kw == "COPY")
-    for source in ("pyproject.toml", "dsgpt2/", "ds_trainer.py", "configs/", "pipelines/"):
+    for source in ("pyproject.toml", "dsgpt2/", "ds_trainer.py", "pipelines/"):
         assert source in copied
+    # configs/ is a link to the package's configs, made in the image as in the repository.
+    assert (ROOT / "configs").resolve() == ROOT / "dsgpt2" / "configs"
+    assert any(kw == "RUN" and "ln -s dsgpt2/configs configs" in args for kw, args in stage)
     installs = [
         args for kw, args in stage if kw == "RUN" and re.search(r"pip install[^;&]* \.(\s|;|$)", args)
     ]
@@ -638,3 +642,43 @@ def test_compose_config_renders_with_credentials(compose_cli: list[str], tmp_pat
     assert exposure_problems(rendered) == []
     uri = environment(rendered["services"]["dsgpt2"])["MONGO_CONNECTION_STRING"]
     assert uri == "mongodb://trainer:pw123@mongo:27017/?authSource=admin"
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Path) -> None:
+    """A plain `pip install .` (the Docker image's) finds the shipped configs from any directory."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+         str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheels.glob("dsgpt2-*.whl")
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.json"))
+    inside = sorted(Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/configs/" in n)
+    assert inside == shipped and "ds_config_cpu.json" in inside
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import json, dsgpt2, dsgpt2.shipped as s\n"
+        "paths = [s.shipped_config(n) for n in s.shipped_names()]\n"
+        "print(json.dumps([dsgpt2.__file__, [str(p) for p in paths if json.loads(p.read_text())]]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(target)}, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    where, paths = json.loads(result.stdout)
+    assert where.startswith(str(target))
+    assert sorted(Path(p).name for p in paths) == shipped
+    assert all(p.startswith(str(target)) for p in paths)
