@@ -22,6 +22,8 @@
 #   TRAIN_EXTRA    more ds_trainer.py flags, space-separated                (none)
 #   PROMPT         prompt of the generated sample                           "The"
 set -euo pipefail
+# shellcheck source=pipelines/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 CONFIG="${CONFIG:-configs/sample.json}"
 RUN_DIR="${RUN_DIR:-runs/pipeline}"

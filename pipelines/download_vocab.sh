@@ -12,6 +12,8 @@
 # Keep the password in MONGO_CONNECTION_STRING (environment), not in CONFIG.
 # Re-running after an interruption writes only the shards that are missing.
 set -euo pipefail
+# shellcheck source=pipelines/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 VOCAB_CORPUS="${VOCAB_CORPUS:-runs/vocab_corpus}"

@@ -15,6 +15,8 @@
 #   SAMPLE_OUT      file the sample is written to                       runs/eval/sample.txt
 # The result is also recorded in the eval_results collection of the database.
 set -euo pipefail
+# shellcheck source=pipelines/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 MODEL_DIR="${MODEL_DIR:-runs/model}"

@@ -18,6 +18,8 @@
 #   NUM_GPUS      GPUs per node for the deepspeed launcher        (all visible)
 #   HOSTFILE      DeepSpeed hostfile for several nodes            (single node)
 set -euo pipefail
+# shellcheck source=pipelines/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 TOKENIZER="${TOKENIZER:-runs/tokenizer}"

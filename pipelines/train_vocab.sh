@@ -13,6 +13,8 @@
 #   FROM_MONGO     1: stream texts from MongoDB, not shards  0
 #   CONFIG         connection config (with FROM_MONGO=1)     configs/mongo.json
 set -euo pipefail
+# shellcheck source=pipelines/_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 
 VOCAB_CORPUS="${VOCAB_CORPUS:-runs/vocab_corpus}"
 TOKENIZER="${TOKENIZER:-runs/tokenizer}"

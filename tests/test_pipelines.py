@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,3 +121,34 @@ def test_shell_scripts_are_shellcheck_clean() -> None:
     assert len(scripts) >= 6
     result = subprocess.run([str(shellcheck), *scripts], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout
+
+
+def _fresh_shell() -> dict[str, str]:
+    """A new terminal's environment: nothing activated, only the system's PATH."""
+    if not (ROOT / ".venv" / "bin" / "dsgpt2").exists():
+        pytest.skip("no .venv at the repository root (made by `make venv` / `make test`)")
+    return {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def test_pipeline_scripts_find_the_project_venv_in_a_fresh_shell() -> None:
+    result = subprocess.run(
+        ["bash", "pipelines/train_vocab.sh", "--help"], cwd=ROOT, env=_fresh_shell(),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: dsgpt2 vocab train")
+
+
+def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    env = _fresh_shell()
+    if (
+        system is None
+        or subprocess.run([system, "-c", "import torch"], env=env, capture_output=True).returncode == 0
+    ):
+        pytest.skip("needs a system python3 without torch")
+    result = subprocess.run(
+        [system, "ds_trainer.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ds_trainer.py")
