@@ -208,3 +208,10 @@ def test_vocab_download_into_a_file_is_one_line(tmp_path: Path, cfg: Path) -> No
         (line,) = result.stderr.strip().splitlines()
         assert f"{txt} is a file" in line
     assert txt.read_text() == "one\ntwo\n"
+
+
+def test_the_command_line_starts_without_torch() -> None:
+    """`dsgpt2 info`, `--help` and the argument errors answer in a fraction of a second."""
+    code = "import sys, dsgpt2.cli as c; c.build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.strip() == "False", result.stderr

@@ -11,9 +11,9 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
-from dsgpt2.data.sources import DataSpec, make_spec
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, read_model_config
 from dsgpt2.options import (
@@ -25,6 +25,9 @@ from dsgpt2.options import (
     from_namespace,
     option,
 )
+
+if TYPE_CHECKING:
+    from dsgpt2.data.sources import DataSpec
 
 DEFAULT_SEED = 1234
 DEFAULT_TR_RATIO = 0.99
@@ -197,6 +200,8 @@ class TrainConfig:
 
     def data_spec(self, context: int) -> DataSpec:
         """The blocks this run reads (the data fingerprint's settings), for a model of ``context``."""
+        from dsgpt2.data.sources import make_spec
+
         d, m = self.data, self.model
         return make_spec(d.vocab_dir, context, d.chunk_docs, d.tr_ratio, d.seed, m.task, m.reply_speakers)
 
