@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.corpus.config import MongoConfig, config_from_dict
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.corpus.validate import require_valid
 from dsgpt2.shipped import shipped_config
@@ -73,7 +73,7 @@ def run_demo(
     summary: dict[str, Any] = {"database": f"{config.display_uri} / {config.db}", "db": config.db}
 
     log.info(f"stage 1/{STAGES}: ingest the sample corpus (Python standard library documentation)")
-    report = ingest(conn, DEMO_COLLECTION, [sample_source("stdlib", limit)], progress=progress)
+    report = ingest(conn, DEMO_COLLECTION, [builtin_source("stdlib", limit)], progress=progress)
     summary["ingest"] = {
         "documents": report.count,
         "skipped": dict(report.sources[0].skipped),
@@ -85,44 +85,10 @@ def run_demo(
     summary["validate"] = "ok"
 
     log.info(f"stage 3/{STAGES}: read the corpus back through the MongoWrapper, 1000 documents per query")
-    wrapper = MongoWrapper(config, connection=conn)
-    start = time.monotonic()
-    docs = chars = 0
-    for chunk in wrapper.iter_range(chunk=1000):
-        docs += len(chunk)
-        chars += sum(len(d.text) for d in chunk)
-    seconds = time.monotonic() - start
-    summary["read"] = {
-        "documents": docs,
-        "megabytes": round(chars / 1e6, 2),
-        "queries": wrapper.total_queries,
-        "queries_per_1000_docs": round(wrapper.total_queries / max(docs / 1000, 1e-9), 2),
-        "skipped": dict(wrapper.skipped),
-        "seconds": round(seconds, 2),
-    }
+    summary["read"] = _read_back(config, conn)
 
     log.info(f"stage 4/{STAGES}: export the vocabulary corpus to shards (2 worker processes)")
-    shards = download(config, out / "vocab_corpus", workers=2, progress=progress)
-    summary["vocab_download"] = {
-        "shards": shards.shards,
-        "documents": shards.documents,
-        "dir": str(shards.out),
-    }
-
-    log.info(f"stage 5/{STAGES}: train the byte-level BPE tokenizer ({DEMO_VOCAB_SIZE} tokens)")
-    vocab = train_vocab(
-        shard_texts(out / "vocab_corpus"),
-        out / "tokenizer",
-        VocabSettings(vocab_size=DEMO_VOCAB_SIZE),
-        source=f"shards in {out / 'vocab_corpus'}",
-        progress=progress,
-    )
-    summary["vocab"] = {
-        "vocab_size": vocab.vocab_size,
-        "seconds": round(vocab.seconds, 2),
-        "dir": str(vocab.out),
-        "example": _tokenize_example(vocab.out),
-    }
+    summary["vocab_download"], summary["vocab"] = _vocabulary(config, out, progress)
 
     log.info(f"stage 6/{STAGES}: validation perplexity of the untrained model")
     summary["eval_before"] = _evaluate_untrained(config, conn, out / "tokenizer", progress)
@@ -138,21 +104,69 @@ def run_demo(
     summary["eval_after"] = _evaluate(out / "model", config, conn, progress)
     summary["sample"] = _sample(out / "model")
 
+    summary["chat_ingest"], summary["chat"] = _chat_stages(config, conn, out, limit, chat_steps, progress)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _read_back(config: MongoConfig, conn: Connection) -> dict[str, Any]:
+    """Read every document back as training does: 1,000 per query."""
+    wrapper = MongoWrapper(config, connection=conn)
+    start = time.monotonic()
+    docs = chars = 0
+    for chunk in wrapper.iter_range(chunk=1000):
+        docs += len(chunk)
+        chars += sum(len(d.text) for d in chunk)
+    seconds = time.monotonic() - start
+    return {
+        "documents": docs,
+        "megabytes": round(chars / 1e6, 2),
+        "queries": wrapper.total_queries,
+        "queries_per_1000_docs": round(wrapper.total_queries / max(docs / 1000, 1e-9), 2),
+        "skipped": dict(wrapper.skipped),
+        "seconds": round(seconds, 2),
+    }
+
+
+def _vocabulary(config: MongoConfig, out: Path, progress: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stages 4 and 5: the vocabulary corpus in shards, then the BPE tokenizer trained on them."""
+    shards = download(config, out / "vocab_corpus", workers=2, progress=progress)
+    log.info(f"stage 5/{STAGES}: train the byte-level BPE tokenizer ({DEMO_VOCAB_SIZE} tokens)")
+    vocab = train_vocab(
+        shard_texts(out / "vocab_corpus"),
+        out / "tokenizer",
+        VocabSettings(vocab_size=DEMO_VOCAB_SIZE),
+        source=f"shards in {out / 'vocab_corpus'}",
+        progress=progress,
+    )
+    return (
+        {"shards": shards.shards, "documents": shards.documents, "dir": str(shards.out)},
+        {
+            "vocab_size": vocab.vocab_size,
+            "seconds": round(vocab.seconds, 2),
+            "dir": str(vocab.out),
+            "example": _tokenize_example(vocab.out),
+        },
+    )
+
+
+def _chat_stages(
+    config: MongoConfig, conn: Connection, out: Path, limit: int | None, steps: int, progress: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Stages 9 and 10: the conversation sample, finetuning on its replies, one exchange."""
+    from dsgpt2.infer.export import export
+
     log.info(f"stage 9/{STAGES}: ingest the conversation sample (questions about the stdlib's API)")
     chat_config = replace(config, collections=(CHAT_COLLECTION,))
-    report = ingest(conn, CHAT_COLLECTION, [sample_source("stdlib-chat", limit)], progress=progress)
-    summary["chat_ingest"] = {"conversations": report.count}
-
-    log.info(f"stage 10/{STAGES}: finetune on the replies ({chat_steps} steps), export, chat")
+    report = ingest(conn, CHAT_COLLECTION, [builtin_source("stdlib-chat", limit)], progress=progress)
+    log.info(f"stage 10/{STAGES}: finetune on the replies ({steps} steps), export, chat")
     chat = {"reply_loss_before": _evaluate(out / "model", chat_config, conn, progress, "conversation")}
-    chat["train"] = _train(chat_config, out, chat_steps, "chat", init_from=out / "model", task="conversation")
+    chat["train"] = _train(chat_config, out, steps, "chat", init_from=out / "model", task="conversation")
     export(out / "chat" / "ckpt", out / "chat_model")
     chat["reply_loss_after"] = _evaluate(out / "chat_model", chat_config, conn, progress, "conversation")
     chat["dir"] = str(out / "chat_model")
     chat["exchange"] = _chat(out / "chat_model")
-    summary["chat"] = chat
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    return {"conversations": report.count}, chat
 
 
 def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress: bool) -> dict[str, Any]:

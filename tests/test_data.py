@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, make_config
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.data.cache import CachedChunks, build_cache
 from dsgpt2.data.dealing import Position, rank_chunks
@@ -29,7 +29,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     mockstore.reset()
     conn = Connection(make_config(["s"]))
-    ingest(conn, "s", [sample_source("stdlib", 400)])
+    ingest(conn, "s", [builtin_source("stdlib", 400)])
     out = tmp_path_factory.mktemp("tok") / "tok"
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, out, VocabSettings(vocab_size=400), "test", progress=False)
@@ -40,8 +40,8 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def source(tokenizer: Path):
     conn = Connection(make_config(["s", "t"]))
-    ingest(conn, "s", [sample_source("stdlib", 300)])
-    ingest(conn, "t", [sample_source("stdlib", 250)])
+    ingest(conn, "s", [builtin_source("stdlib", 300)])
+    ingest(conn, "t", [builtin_source("stdlib", 250)])
     counts = MongoWrapper(conn.config, connection=conn).counts
     spec = DataSpec(context=32, chunk_docs=40, tr_ratio=0.8, seed=3, eot=0, pad=1)
     return conn, counts, spec
@@ -127,7 +127,7 @@ def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_p
 
 def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, tmp_path: Path) -> None:
     conn = Connection(make_config(["chat"]))
-    ingest(conn, "chat", [sample_source("stdlib-chat", 120)])
+    ingest(conn, "chat", [builtin_source("stdlib-chat", 120)])
     counts = MongoWrapper(conn.config, connection=conn).counts
     spec = DataSpec(context=32, chunk_docs=50, tr_ratio=0.8, seed=3, eot=0, pad=1, task="conversation")
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}

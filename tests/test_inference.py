@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, run_cli, write_config
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import load_config
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection, MongoWrapper
 from dsgpt2.data.loader import iter_eval_batches
 from dsgpt2.data.packing import IGNORE
@@ -76,8 +76,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     chat = write_config(base / "chat.json", MONGO_CONNECTION_STRING=store, MONGO_CONNECTION_DB="d",
                         COLLECTIONS=["chat"])  # fmt: skip
     conn = Connection(load_config(lm))
-    ingest(conn, "stdlib", [sample_source("stdlib", 2000)])
-    ingest(conn, "chat", [sample_source("stdlib-chat", 800)])
+    ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
+    ingest(conn, "chat", [builtin_source("stdlib-chat", 800)])
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
     (base / "ds.json").write_text(json.dumps(DS))

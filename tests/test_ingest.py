@@ -16,7 +16,7 @@ from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
-from dsgpt2.corpus.ingest import file_source, ingest, normalize_conversation, sample_source
+from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_conversation
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
 from dsgpt2.corpus.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, IngestError
@@ -235,7 +235,7 @@ def test_input_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(IngestError, match="--batch_size"):
         ingest(_conn(), "a", [], batch_size=0)
     with pytest.raises(IngestError, match="unknown sample"):
-        sample_source("nope")
+        builtin_source("nope")
 
 
 def test_sample_corpus_is_real_deterministic_text(sample_texts: list[str]) -> None:
@@ -250,7 +250,7 @@ def test_sample_corpus_is_real_deterministic_text(sample_texts: list[str]) -> No
 
 def test_sample_ingest(sample_texts: list[str]) -> None:
     conn = _conn()
-    report = ingest(conn, "a", [sample_source("stdlib", limit=300)], batch_size=100)
+    report = ingest(conn, "a", [builtin_source("stdlib", limit=300)], batch_size=100)
     assert report.inserted == 300
     assert _texts(conn)[:3] == [clean_text(t) for t in sample_texts[:3]]
 

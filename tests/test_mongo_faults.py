@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ROOT, make_config, run_wire_server
 from dsgpt2.corpus.config import ENV_URI, MongoConfig
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
@@ -98,7 +98,7 @@ def seed_corpus(server: WireServer, tmp: Path, docs: int) -> tuple[MongoConfig, 
     db = f"faults_{uuid.uuid4().hex[:8]}"
     cfg = make_config(["stdlib"], MONGO_CONNECTION_STRING=server.uri(), MONGO_CONNECTION_DB=db, **FAST_FAIL)
     conn = Connection(cfg)
-    ingest(conn, "stdlib", [sample_source("stdlib", docs)], batch_size=100)
+    ingest(conn, "stdlib", [builtin_source("stdlib", docs)], batch_size=100)
     conn.close()
     return cfg, db
 

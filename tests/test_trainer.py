@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, store_config
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import load_config
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
@@ -32,7 +32,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("train")
     cfg, _ = store_config(base, ["stdlib"])
     conn = Connection(load_config(cfg))
-    ingest(conn, "stdlib", [sample_source("stdlib", 2000)])
+    ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
     ds = base / "ds.json"
@@ -431,7 +431,7 @@ def test_resume_on_another_number_of_ranks_reads_every_block_once(
     """Two ranks stop mid-epoch; one rank resumes: the epoch's blocks, set-wise, are exactly those
     of a one-rank straight run, none twice."""
     cfg, _ = store_config(tmp_path, ["small"])
-    ingest(Connection(load_config(cfg)), "small", [sample_source("stdlib", 150)])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
     mockstore.reset()
     small = dict(corpus, config=cfg)
     common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")

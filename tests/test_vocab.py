@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, make_config, run_cli, seed, store_config
 from dsgpt2.corpus.config import load_config
-from dsgpt2.corpus.ingest import ingest, sample_source
+from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer import texts as vocab_mod
@@ -37,7 +37,7 @@ def _records(directory: Path) -> list[dict]:
 
 def _sample_conn(limit: int | None = None) -> Connection:
     conn = Connection(make_config(["stdlib"]))
-    ingest(conn, "stdlib", [sample_source("stdlib", limit)])
+    ingest(conn, "stdlib", [builtin_source("stdlib", limit)])
     return conn
 
 
@@ -233,7 +233,7 @@ def test_settings_are_validated() -> None:
 def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
     cfg, _ = store_config(tmp_path, ["stdlib"])
     conn = Connection(load_config(cfg))
-    ingest(conn, "stdlib", [sample_source("stdlib", 800)])
+    ingest(conn, "stdlib", [builtin_source("stdlib", 800)])
     result = run_cli(
         "vocab", "train", "--from_mongo", "--config", str(cfg), "--out", str(tmp_path / "tok"),
         "--vocab_size", "600", "--no_progress",
@@ -255,7 +255,7 @@ def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
 def test_pipeline_scripts_end_to_end(tmp_path: Path) -> None:
     cfg, _ = store_config(tmp_path, ["stdlib"])
     conn = Connection(load_config(cfg))
-    ingest(conn, "stdlib", [sample_source("stdlib", 1500)])
+    ingest(conn, "stdlib", [builtin_source("stdlib", 1500)])
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

@@ -107,7 +107,7 @@ def add_info(sub: Any) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dsgpt2.corpus.ingest import file_source, ingest, sample_source
+    from dsgpt2.corpus.ingest import builtin_source, file_source, ingest
     from dsgpt2.corpus.mongo import connect
 
     if not args.inputs and not args.sample:
@@ -124,7 +124,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     problem = collection_name_problem(collection)
     if problem:
         raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
-    sources = [sample_source(args.sample, args.limit)] if args.sample else []
+    sources = [builtin_source(args.sample, args.limit)] if args.sample else []
     sources += [
         file_source(
             path, args.format, field=args.field, column=args.column, split=args.split, encoding=args.encoding

@@ -148,7 +148,7 @@ def file_source(
     return Source(key, label, "conversation", lambda: _read_conversations(p, tally), tally)
 
 
-def sample_source(name: str = "stdlib", limit: int | None = None) -> Source:
+def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
     """A built-in sample (see :mod:`dsgpt2.corpus.builtin`), at most ``limit`` records.
 
     ``stdlib`` is the pretraining sample; ``stdlib-chat`` its conversation sample.

@@ -148,8 +148,15 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
                 )
             )
 
+    problems += _meta_problems(conn, name, meta_count, documents)
+    return report
+
+
+def _meta_problems(conn: Connection, name: str, meta_count: int | None, documents: int) -> list[Problem]:
+    """What meta_info says of the collection's size, against what it holds."""
+    out: list[Problem] = []
     if meta_count is None:
-        problems.append(
+        out.append(
             Problem(
                 "no_meta_count",
                 f"{conn.config.meta_collection} has no count for {name!r}; it will be counted at each open",
@@ -158,7 +165,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         )
     elif meta_count != documents:
-        problems.append(
+        out.append(
             Problem(
                 "meta_count_mismatch",
                 f"{conn.config.meta_collection} says {meta_count} documents, "
@@ -166,7 +173,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
                 "dsgpt2 validate --fix rewrites the count (after the other problems are fixed)",
             )
         )
-    return report
+    return out
 
 
 def _duplicates(coll: Any) -> tuple[int, list[Any]]:

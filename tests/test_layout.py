@@ -1,0 +1,67 @@
+"""The shape of the package: one import direction between the stages, short functions."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PACKAGE = ROOT / "dsgpt2"
+# A stage may import the stages before it, never one after it.
+ORDER = ["corpus", "tokenizer", "data", "model", "train", "infer", "demo", "commands", "cli"]
+
+
+def _stage(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "dsgpt2" and parts[1] in ORDER else None
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def _modules() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_one_way(path: Path) -> None:
+    rel = path.relative_to(ROOT).with_suffix("")
+    own = _stage(".".join(rel.parts))
+    if own is None:
+        return
+    for name in _imports(path):
+        other = _stage(name)
+        if other is not None:
+            assert ORDER.index(other) <= ORDER.index(own), f"{rel} ({own}) imports {name} ({other})"
+
+
+def test_only_the_corpus_talks_to_mongodb_and_only_training_to_deepspeed() -> None:
+    for path in _modules():
+        rel = str(path.relative_to(PACKAGE))
+        roots = {name.split(".")[0] for name in _imports(path)}
+        if roots & {"pymongo", "bson", "mongomock"}:
+            assert rel.startswith("corpus/"), rel
+        if "deepspeed" in roots:
+            assert rel.startswith("train/"), rel
+    assert not {n.split(".")[0] for n in _imports(PACKAGE / "model.py")} & {"deepspeed", "pymongo"}
+
+
+def test_no_function_is_longer_than_100_lines() -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 100
+    ]
+    assert long == []
