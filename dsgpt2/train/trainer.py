@@ -1,7 +1,8 @@
 """The training run: parse → build (data, model, engine) → resume → loop → save.
 
-Used by ``ds_trainer.py`` under the ``deepspeed`` launcher or as a plain
-process. Only this module and :mod:`dsgpt2.train.checkpoint` touch DeepSpeed.
+Used by ``ds_trainer.py`` under the ``deepspeed`` launcher or as a plain process, and by the demo
+with a :class:`~dsgpt2.train.config.TrainConfig` made in code. The loop is :meth:`Trainer.train`:
+``train_step``, ``log_step``, ``maybe_evaluate``, ``maybe_save`` until the last step or a stop signal.
 """
 
 from __future__ import annotations
