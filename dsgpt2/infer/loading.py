@@ -1,10 +1,6 @@
-"""Load a trained model for inference or finetuning: an exported directory or a checkpoint.
-
-``path`` may be an export (``config.json`` + weights, see :mod:`dsgpt2.infer.export`),
-a checkpoint directory (the tag its ``latest`` names, or ``tag``), or one
-checkpoint tag directory. Either way the result is a plain
-``GPT2LMHeadModel`` in eval mode, the directory of its tokenizer, and what
-is known of the run that trained it.
+"""A trained model ready to run: :func:`load_model` gives a ``GPT2LMHeadModel`` in eval mode, the
+directory of its tokenizer (checked against the model's vocabulary) and what is known of the run
+that trained it, from an export or a checkpoint (see :mod:`dsgpt2.train.weights`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Load a trained model for inference or finetuning: an exported directory or a checkpoint.
+"""The weights of a trained model, wherever they are: an export or a checkpoint (any ZeRO stage).
 
-``path`` may be an export (``config.json`` + weights, see :mod:`dsgpt2.infer.export`),
-a checkpoint directory (the tag its ``latest`` names, or ``tag``), or one
-checkpoint tag directory. Either way the result is a plain
-``GPT2LMHeadModel`` in eval mode, the directory of its tokenizer, and what
-is known of the run that trained it.
+``path`` may be an export (``config.json`` + safetensors, see :mod:`dsgpt2.infer.export`), a
+checkpoint directory (the tag its ``latest`` names, or ``tag``), or one checkpoint tag directory.
+:func:`load_weights` gives the GPT-2 config, fp32 state dict, tokenizer directory and run info;
+:func:`build_with_weights` a ``GPT2LMHeadModel`` holding them. Finetuning (``--init_from``) and
+every inference command start here.
 """
 
 from __future__ import annotations
