@@ -81,7 +81,7 @@ def add_options(
         help_text = meta.get("help", "")
         if meta.get("hidden"):
             help_text = argparse.SUPPRESS
-        elif default is not MISSING and default not in (None, False, []) and "default" not in help_text:
+        elif _shown(default) and "default" not in help_text:
             help_text = f"{help_text} (default: {default})"
         kwargs: dict[str, Any] = {"dest": name, "help": help_text}
         if kind is bool:
@@ -101,6 +101,11 @@ def add_options(
             kwargs["default"] = default
         flag = "--" + name
         parser.add_argument(flag, **kwargs)
+
+
+def _shown(default: Any) -> bool:
+    """Whether ``--help`` states the default: not for "not given" (None, off, empty)."""
+    return default is not MISSING and default is not None and default is not False and default != []
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:

@@ -15,6 +15,7 @@ from dsgpt2.commands.common import (
     load_config_arg,
     usage,
 )
+from dsgpt2.options import add_options, from_namespace
 
 log = logging.getLogger("dsgpt2")
 
@@ -94,9 +95,8 @@ def add_generate(sub: Any) -> None:
     _add_model(p)
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     p.add_argument("--prompts_file", help="a file with one prompt per line")
-    p.add_argument("--num_samples", type=positive_int, default=1, help="completions per prompt (default 1)")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
-    _add_generation(p)
+    _add_generation(p, samples=True)
     p.set_defaults(func=cmd_generate)
 
 
@@ -130,22 +130,17 @@ def add_serve(sub: Any) -> None:
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
-    p.add_argument(
-        "--max_prompt_chars", type=positive_int, default=4000, help="longest prompt accepted (default 4000)"
-    )
+    from dsgpt2.infer.settings import ServeLimits
+
+    add_options(p, ServeLimits, only=["max_prompt_chars", "max_concurrent"])
+    # ServeLimits.max_new_tokens under a name of its own: --max_new_tokens is the default request's.
     p.add_argument(
         "--max_tokens_limit",
         type=positive_int,
-        default=256,
-        help="largest max_new_tokens a request may ask (default 256)",
+        default=ServeLimits().max_new_tokens,
+        help=f"largest max_new_tokens a request may ask (default: {ServeLimits().max_new_tokens})",
     )
-    p.add_argument(
-        "--max_concurrent",
-        type=positive_int,
-        default=2,
-        help="requests in flight at once; more get 503 (default 2)",
-    )
-    _add_generation(p, max_new_tokens=None)
+    _add_generation(p, serving=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -161,33 +156,23 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
 
-def _add_generation(p: argparse.ArgumentParser, max_new_tokens: int | None = 64) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument(
-        "--max_new_tokens",
-        type=positive_int,
-        default=max_new_tokens,
-        help=f"tokens to generate at most (default {max_new_tokens or '64, at most --max_tokens_limit'})",
+def _add_generation(p: argparse.ArgumentParser, serving: bool = False, samples: bool = False) -> None:
+    from dsgpt2.infer.settings import SamplingParams
+
+    flags = ["max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed"]
+    add_options(
+        p.add_argument_group("sampling"),
+        SamplingParams,
+        only=flags + (["num_samples"] if samples else []),
+        # Serving: the default request's length follows --max_tokens_limit (at most 64).
+        defaults={"max_new_tokens": None} if serving else None,
     )
-    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy; higher: more random (0.8)")
-    g.add_argument("--top_k", type=int, default=50, help="sample among the k likeliest; 0: all (50)")
-    g.add_argument("--top_p", type=float, default=0.95, help="nucleus sampling mass (default 0.95)")
-    g.add_argument("--repetition_penalty", type=float, default=1.0, help="> 1 discourages repeats (1)")
-    g.add_argument("--seed", type=int, default=0, help="same seed, same text (default 0)")
 
 
-def _sampling(args: argparse.Namespace, **extra: Any) -> Any:
-    from dsgpt2.infer.generate import SamplingParams
+def _sampling(args: argparse.Namespace) -> Any:
+    from dsgpt2.infer.settings import SamplingParams
 
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-        **extra,
-    )
+    return from_namespace(SamplingParams, args)
 
 
 def _load_model(args: argparse.Namespace) -> Any:
@@ -267,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise usage("generate", "give PROMPT arguments or --prompts_file")
-    params = _sampling(args, num_samples=args.num_samples)
+    params = _sampling(args)
     generator = Generator(_load_model(args))
     for prompt in prompts:
         completions = generator.generate(prompt, params)
@@ -304,7 +289,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsgpt2.infer.generate import Generator
-    from dsgpt2.infer.serve import ServeLimits, make_app, serve
+    from dsgpt2.infer.serve import make_app, serve
+    from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
     limits = ServeLimits(
         max_prompt_chars=args.max_prompt_chars,
@@ -312,7 +298,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_concurrent=args.max_concurrent,
     )
     if args.max_new_tokens is None:
-        args.max_new_tokens = min(64, limits.max_new_tokens)
+        args.max_new_tokens = min(SamplingParams().max_new_tokens, limits.max_new_tokens)
     if args.max_new_tokens > limits.max_new_tokens:
         raise usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
     app = make_app(Generator(_load_model(args)), limits, _sampling(args))

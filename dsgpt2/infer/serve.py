@@ -17,7 +17,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,23 +29,9 @@ from starlette.routing import Route
 from dsgpt2.corpus.documents import text_problem
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.infer.generate import Generator, SamplingParams
+from dsgpt2.infer.settings import ServeLimits
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    """What one request may ask for, and how many may generate at once."""
-
-    max_prompt_chars: int = 4000
-    max_new_tokens: int = 256
-    max_concurrent: int = 2
-    max_body_bytes: int = 64_000
-
-    def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
 
 
 class BadRequest(Exception):
