@@ -71,3 +71,8 @@ def ratio(text: str) -> float:
             f"must be in (0, 1] (the share of documents that train), got {value}"
         )
     return value
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``"user,bot"`` → ``("user", "bot")``; blanks dropped."""
+    return tuple(s.strip() for s in text.split(",") if s.strip())

@@ -82,7 +82,8 @@ def add_options(
         if meta.get("hidden"):
             help_text = argparse.SUPPRESS
         elif _shown(default) and "default" not in help_text:
-            help_text = f"{help_text} (default: {default})"
+            shown = ",".join(default) if isinstance(default, tuple) else default
+            help_text = f"{help_text} (default: {shown})"
         kwargs: dict[str, Any] = {"dest": name, "help": help_text}
         if kind is bool:
             kwargs["action"] = "store_true"

@@ -13,6 +13,7 @@ from dsgpt2.commands.common import (
     load_config_arg,
     usage,
 )
+from dsgpt2.options import add_options, from_namespace
 
 log = logging.getLogger("dsgpt2")
 
@@ -65,18 +66,9 @@ def add_vocab(sub: Any) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     _add_sampling(p)
     p.add_argument("--out", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)")
-    p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default: 50257)")
-    p.add_argument("--min_frequency", type=positive_int, default=2, help="minimum pair count (default: 2)")
-    p.add_argument(
-        "--speakers", default="user,bot", help="conversation speakers, comma-separated (default: user,bot)"
-    )
-    p.add_argument(
-        "--reserved", type=int, default=0, help="number of <unusedN> tokens to reserve (default: 0)"
-    )
-    p.add_argument("--lowercase", action="store_true", help="lowercase texts first (default: keep case)")
-    p.add_argument(
-        "--context_length", type=positive_int, default=1024, help="model context length (default: 1024)"
-    )
+    from dsgpt2.tokenizer.bpe import VocabSettings
+
+    add_options(p, VocabSettings)
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_vocab_train)
 
@@ -114,15 +106,7 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
 
-    speakers = tuple(s.strip() for s in args.speakers.split(",") if s.strip())
-    settings = VocabSettings(
-        vocab_size=args.vocab_size,
-        min_frequency=args.min_frequency,
-        speakers=speakers,
-        reserved=args.reserved,
-        lowercase=args.lowercase,
-        context_length=args.context_length,
-    )
+    settings = from_namespace(VocabSettings, args)
     if args.from_mongo:
         if not args.config:
             raise usage("vocab train", "--from_mongo needs --config")

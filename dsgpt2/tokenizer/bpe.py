@@ -18,9 +18,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dsgpt2.argtypes import comma_list, non_negative_int, positive_int
 from dsgpt2.corpus.documents import SkipTally
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text
+from dsgpt2.options import option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)
@@ -54,12 +56,14 @@ class VocabSettings:
         context_length: the model's context, recorded as ``model_max_length``.
     """
 
-    vocab_size: int = 50257
-    min_frequency: int = 2
-    speakers: tuple[str, ...] = DEFAULT_SPEAKERS
-    reserved: int = 0
-    lowercase: bool = False
-    context_length: int = 1024
+    vocab_size: int = option(50257, "vocabulary size, special tokens included", type=positive_int)
+    min_frequency: int = option(2, "minimum pair count", type=positive_int)
+    speakers: tuple[str, ...] = option(
+        DEFAULT_SPEAKERS, "conversation speakers, comma-separated", type=comma_list, metavar="A,B"
+    )
+    reserved: int = option(0, "number of <unusedN> tokens to reserve", type=non_negative_int)
+    lowercase: bool = option(False, "lowercase texts first (default: keep case)")
+    context_length: int = option(1024, "model context length", type=positive_int)
 
     def __post_init__(self) -> None:
         floor = 256 + len(self.specials)
