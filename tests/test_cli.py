@@ -108,6 +108,7 @@ def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
     assert data["collections"][0]["sources"][0]["complete"] is True
 
 
+@pytest.mark.slow
 def test_demo_runs_every_stage(tmp_path: Path) -> None:
     result = run_cli(
         "demo", "--out", str(tmp_path / "demo"), "--limit", "1000", "--steps", "12", "--chat_steps", "6",
