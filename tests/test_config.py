@@ -57,6 +57,9 @@ def test_unknown_key_lists_valid_keys() -> None:
         ({"RETRIES": True}, "RETRIES must be int"),
         ({"SERVER_SELECTION_TIMEOUT_MS": 0}, "positive"),
         ({"META_COLLECTION": "a"}, "META_COLLECTION"),
+        ({"READ_PREFERENCE": "secondaryish"}, "READ_PREFERENCE 'secondaryish' is not a read preference"),
+        ({"READ_PREFERENCE_TAGS": [{"dc": 1}]}, "READ_PREFERENCE_TAGS must be a list of objects of strings"),
+        ({"READ_PREFERENCE_TAGS": [{"dc": "east"}]}, "do not apply to READ_PREFERENCE primary"),
     ],
 )
 def test_invalid_values_name_the_key(change: dict, needle: str) -> None:

@@ -307,3 +307,18 @@ def test_the_test_store_refuses_what_pymongo_refuses_and_the_wrapper_sends_ints(
     assert [
         d.index for chunk in wrapper.iter_range(np.int64(0), np.int64(30), chunk=7) for d in chunk
     ] == list(range(30))
+
+
+def test_read_preference_reaches_the_training_reads() -> None:
+    from pymongo.read_preferences import Primary, SecondaryPreferred
+
+    from dsgpt2.corpus.mongo import read_preference
+
+    config = make_config(READ_PREFERENCE="secondaryPreferred", READ_PREFERENCE_TAGS=[{"dc": "east"}, {}])
+    pref = read_preference(config)
+    assert isinstance(pref, SecondaryPreferred) and pref.tag_sets == [{"dc": "east"}, {}]
+    assert isinstance(read_preference(make_config()), Primary)
+    assert config.to_dict()["READ_PREFERENCE_TAGS"] == [{"dc": "east"}, {}]
+    conn = Connection(config)
+    seed(conn, "a", ["x", "y", "z"])
+    assert [d.text for d in MongoWrapper(config, connection=conn).get_range(0, 3)] == ["x", "y", "z"]

@@ -268,3 +268,25 @@ def test_demo_runs_against_a_server(server_uri: str, tmp_path: Path) -> None:
     finally:
         conn.client.drop_database(c.db)
         conn.close()
+
+
+def test_reads_follow_read_preference_and_name_their_server(
+    corpus: Corpus, caplog: pytest.LogCaptureFixture
+) -> None:
+    import dataclasses
+    import logging
+
+    from dsgpt2.corpus import mongo
+
+    config = dataclasses.replace(corpus.mongo, read_preference="secondaryPreferred")
+    mongo._READER_LOGGED.clear()
+    caplog.set_level(logging.INFO, logger="dsgpt2.corpus.mongo")
+    conn = Connection(config)
+    docs = MongoWrapper(config, connection=conn).get_range(0, 30)
+    MongoWrapper(config, connection=conn).get_range(30, 60)
+    conn.close()
+    assert [d.index for d in docs] == list(range(30))
+    # A standalone server answers secondaryPreferred reads itself; the process says which, once.
+    host = config.hosts  # "127.0.0.1:PORT"
+    said = [r.getMessage() for r in caplog.records if "reads from" in r.getMessage()]
+    assert len(said) == 1 and host in said[0] and "secondaryPreferred" in said[0], said

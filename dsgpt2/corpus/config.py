@@ -39,7 +39,10 @@ _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
     "RETRY_BACKOFF_S": ("retry_backoff_s", (int, float), "first backoff, doubled per retry"),
     "MAX_TEXT_CHARS": ("max_text_chars", (int,), "longer documents are skipped as bad"),
     "STRICT": ("strict", (bool,), "fail on the first bad document instead of skipping it"),
+    "READ_PREFERENCE": ("read_preference", (str,), "which replica set members answer training reads"),
+    "READ_PREFERENCE_TAGS": ("read_preference_tags", (list,), "tag sets of the members to read from"),
 }
+READ_PREFERENCES = ("primary", "primaryPreferred", "secondary", "secondaryPreferred", "nearest")
 _REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
 
 _USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
@@ -90,6 +93,10 @@ class MongoConfig:
         retry_backoff_s: first backoff; doubled after each failed attempt.
         max_text_chars: documents longer than this are skipped as bad.
         strict: raise on the first bad document instead of skipping and counting it.
+        read_preference: the replica set members that answer the training reads (MongoDB's modes;
+            ``secondaryPreferred`` keeps them off the primary). Writes always go to the primary.
+        read_preference_tags: tag sets narrowing those members, tried in order
+            (``[{"dc": "east"}, {}]``); not with ``primary``.
     """
 
     uri: str = field(repr=False)
@@ -103,6 +110,8 @@ class MongoConfig:
     retry_backoff_s: float = 0.5
     max_text_chars: int = 2_000_000
     strict: bool = False
+    read_preference: str = "primary"
+    read_preference_tags: tuple[dict[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
@@ -133,6 +142,23 @@ class MongoConfig:
             raise ConfigError(f"RETRIES must be 0 or more; got {self.retries}")
         if self.retry_backoff_s < 0:
             raise ConfigError(f"RETRY_BACKOFF_S must be 0 or more; got {self.retry_backoff_s}")
+        if self.read_preference not in READ_PREFERENCES:
+            raise ConfigError(
+                f"READ_PREFERENCE {self.read_preference!r} is not a read preference; use one of "
+                f"{', '.join(READ_PREFERENCES)}"
+            )
+        for tags in self.read_preference_tags:
+            if not isinstance(tags, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in tags.items()
+            ):
+                raise ConfigError(
+                    f"READ_PREFERENCE_TAGS must be a list of objects of strings such as "
+                    f'[{{"dc": "east"}}, {{}}]; got {tags!r}'
+                )
+        if self.read_preference_tags and self.read_preference == "primary":
+            raise ConfigError(
+                "READ_PREFERENCE_TAGS do not apply to READ_PREFERENCE primary; pick another mode"
+            )
 
     def __repr__(self) -> str:
         return (
@@ -162,6 +188,7 @@ class MongoConfig:
         values = asdict(self)
         values["uri"] = self.display_uri
         values["collections"] = list(self.collections)
+        values["read_preference_tags"] = list(self.read_preference_tags)
         return {key: values[name] for key, (name, _, _) in _KEYS.items()}
 
     def with_collections(self, collections: list[str] | tuple[str, ...]) -> MongoConfig:
@@ -203,7 +230,7 @@ def config_from_dict(
             raise ConfigError(
                 f"{source}: {key} must be {expected}; got {type(value).__name__} {_safe_value(key, value)!r}"
             )
-        values[name] = tuple(value) if key == "COLLECTIONS" else value
+        values[name] = tuple(value) if key in ("COLLECTIONS", "READ_PREFERENCE_TAGS") else value
     override = env.get(ENV_URI, "").strip()
     if override:
         values["uri"] = override

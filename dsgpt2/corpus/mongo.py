@@ -197,6 +197,36 @@ class Connection:
         self._pid = None
 
 
+def read_preference(config: MongoConfig) -> Any:
+    """pymongo's read preference for the training reads of ``config`` (READ_PREFERENCE, _TAGS)."""
+    from pymongo import read_preferences as rp
+
+    mode = {
+        "primary": rp.Primary,
+        "primaryPreferred": rp.PrimaryPreferred,
+        "secondary": rp.Secondary,
+        "secondaryPreferred": rp.SecondaryPreferred,
+        "nearest": rp.Nearest,
+    }[config.read_preference]
+    if mode is rp.Primary:
+        return rp.Primary()
+    return mode(tag_sets=[dict(t) for t in config.read_preference_tags] or None)
+
+
+_READER_LOGGED: set[int] = set()
+
+
+def _log_reader(config: MongoConfig, address: tuple[str, int] | None) -> None:
+    """Once per process: which server answers the reads (a secondary, with READ_PREFERENCE)."""
+    if address is None or os.getpid() in _READER_LOGGED:
+        return
+    _READER_LOGGED.add(os.getpid())
+    log.info(
+        "process %d reads from %s:%d (READ_PREFERENCE %s)", os.getpid(), address[0], address[1],
+        config.read_preference,
+    )  # fmt: skip
+
+
 def _mockstore() -> Any:
     """The ``mongomock://`` backend, imported only where such a URI is used."""
     try:
@@ -421,12 +451,17 @@ class MongoWrapper:
         name = self.collections[pos]
         # Raw documents, decoded one by one below: a single document with
         # undecodable UTF-8 must not fail the whole batch.
-        coll = self._conn.db[name].with_options(codec_options=RAW_DOCUMENTS)
+        coll = self._conn.db[name].with_options(
+            codec_options=RAW_DOCUMENTS, read_preference=read_preference(self.config)
+        )
         projection = {"_id": 0, "idx": 1, self.field: 1}
 
         def run() -> list[Any]:
             # One batch for the whole answer: no getMore round trip under 16 MB.
-            return list(coll.find(filt, projection).batch_size(max(batch, 1)))
+            cursor = coll.find(filt, projection).batch_size(max(batch, 1))
+            docs = list(cursor)
+            _log_reader(self.config, getattr(cursor, "address", None))
+            return docs
 
         started = time.perf_counter()
         docs = with_retries(run, self.config, f"reading {name}")
