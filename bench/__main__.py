@@ -18,6 +18,7 @@ def _train_data(texts: list[str], results: Path) -> list:
     from dsgpt2.corpus.mongo import Connection
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.data.sources import make_spec
+    from dsgpt2.data.table import ChunkTable
 
     tokenizer = results / "vocab_bench_tok"
     if not (tokenizer / "tokenizer.json").exists():
@@ -35,8 +36,9 @@ def _train_data(texts: list[str], results: Path) -> list:
     conn.db["s"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
     conn.db["meta_info"].insert_one({"collection": "s", "count": len(texts)})
     spec = make_spec(tokenizer, context=128, chunk_docs=1000, tr_ratio=0.99, seed=0)
-    prepare_cache(config, tokenizer, spec, results / "cache", workers=2, force=True)
-    metrics.append(bench_train.cached_loader(results / "cache", context=128))
+    table = ChunkTable.initial(config.collections, [len(texts)], spec.chunk_docs)
+    prepare_cache(config, tokenizer, spec, results / "cache", workers=2, force=True, table=table)
+    metrics.append(bench_train.cached_loader(results / "cache", table, context=128))
     metrics.append(bench_train.data_stall(texts, tokenizer))
     metrics.append(bench_train.index_memory())
     return metrics

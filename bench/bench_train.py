@@ -71,19 +71,21 @@ def tokenize_pack(texts: list[str], tokenizer_dir: Path, repeats: int = 5) -> li
 
 
 def cached_loader(
-    cache_dir: Path, context: int, micro: int = 8, batches: int = 2000, repeats: int = 5
+    cache_dir: Path, table: Any, context: int, micro: int = 8, batches: int = 2000, repeats: int = 5
 ) -> Metric:
     import torch
 
     from dsgpt2.data.cache import CachedChunks
+    from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
 
-    data = CachedChunks(cache_dir, "train")
+    data = CachedChunks(cache_dir, "train", table)
+    schedule = Schedule(table, [(0,)], seed=0)
     tokens = np.memmap(cache_dir / "train.bin", dtype=data.dtype, mode="r")
     rng = np.random.default_rng(0)
 
     def ours() -> None:
-        stream = iter(BlockStream(data, seed=0, rank=0, world=1, micro_batch=micro, workers=0))
+        stream = iter(BlockStream(data, schedule, rank=0, world=1, micro_batch=micro, workers=0))
         for _ in range(batches):
             b = next(stream)
             assert b.input_ids.shape == (micro, context)
@@ -200,6 +202,7 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
 
     from dsgpt2.corpus.config import config_from_dict
     from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.model import param_groups
@@ -249,7 +252,8 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     t_anchor = time.perf_counter() - start
 
     source = StreamingChunks(config, (len(texts),), tokenizer_dir, spec, "train")
-    stream = iter(BlockStream(source, seed=0, rank=0, world=1, micro_batch=micro, workers=2))
+    schedule = Schedule(source.table, [(0,)], seed=0)
+    stream = iter(BlockStream(source, schedule, rank=0, world=1, micro_batch=micro, workers=2))
     for _ in range(5):  # the workers start and fill their prefetch queue, as at a run's start
         b = next(stream)
         step(b.input_ids, b.labels, b.attention_mask)
@@ -301,7 +305,7 @@ def _index_rss(total: int) -> dict[str, int]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.data.dealing import rank_chunks
+    from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import DataSpec, StreamingChunks
 
@@ -317,8 +321,9 @@ def _index_rss(total: int) -> dict[str, int]:
     counts = (total // 2, total - total // 2)  # read from meta_info in a real run: two numbers
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=128, vocab_size=4096))
     source = StreamingChunks(config, counts, Path("."), spec, "train")
-    stream = BlockStream(source, seed=0, rank=0, world=1, micro_batch=8, workers=0)
-    orders = [rank_chunks(stream.n_chunks, 0, epoch, 0, 1) for epoch in range(3)]
+    schedule = Schedule(source.table, [(0, 1)], seed=0)
+    stream = BlockStream(source, schedule, rank=0, world=1, micro_batch=8, workers=0)
+    orders = [stream.schedule.rank_chunks(0, epoch, 0, 1) for epoch in range(3)]
     gc.collect()
     with open("/proc/self/statm") as f:
         rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

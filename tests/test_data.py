@@ -15,10 +15,11 @@ from conftest import ROOT, make_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.data.cache import CachedChunks, build_cache
-from dsgpt2.data.dealing import Position, rank_chunks
+from dsgpt2.data.dealing import Position, Schedule
 from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
-from dsgpt2.data.split import chunk_range, split_mask
+from dsgpt2.data.split import split_mask
+from dsgpt2.data.table import ChunkTable
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 
@@ -47,23 +48,22 @@ def source(tokenizer: Path):
     return conn, counts, spec
 
 
-def _train_docs(total: int, spec: DataSpec) -> set[int]:
-    idx = np.arange(total)
-    return set(idx[split_mask(idx, spec.tr_ratio, spec.seed)].tolist())
+def pooled(data: StreamingChunks, seed: int) -> Schedule:
+    return Schedule(data.table, [tuple(range(len(data.table.names)))], seed)
 
 
 def test_chunks_hold_only_their_split(source, tokenizer: Path) -> None:
     conn, counts, spec = source
     train = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     val = StreamingChunks(conn.config, counts, tokenizer, spec, "val")
-    train_docs = _train_docs(sum(counts), spec)
     seen_train = seen_val = 0
+    assert len(train) == 8 + 7  # 300 and 250 documents in chunks of 40, per collection
     for c in range(len(train)):
-        lo, hi = chunk_range(c, sum(counts), spec.chunk_docs)
+        coll, lo, hi = train.table.locate(c)
         t, v = train[c], val[c]
-        in_chunk = set(range(lo, hi))
-        assert t.documents == len(in_chunk & train_docs)
-        assert v.documents == len(in_chunk - train_docs)
+        n_train = int(split_mask(np.arange(lo, hi), spec.tr_ratio, spec.seed, ("s", "t")[coll]).sum())
+        assert t.documents == n_train
+        assert v.documents == hi - lo - n_train
         seen_train += t.documents
         seen_val += v.documents
         assert t.blocks.shape[1] == 32 and (t.blocks[:-1] != 1).all()  # only the last block may pad
@@ -75,7 +75,7 @@ def test_two_ranks_read_disjoint_shards_covering_the_split(source, tokenizer: Pa
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     per_rank = []
     for rank in range(2):
-        stream = BlockStream(data, spec.seed, rank, 2, micro_batch=3, workers=0)
+        stream = BlockStream(data, pooled(data, spec.seed), rank, 2, micro_batch=3, workers=0)
         chunks = set()
         for batch in stream:
             if any(epoch > 0 for epoch, _, _ in batch.block_ids):
@@ -83,9 +83,8 @@ def test_two_ranks_read_disjoint_shards_covering_the_split(source, tokenizer: Pa
             chunks |= {c for _, c, _ in batch.block_ids}
         per_rank.append(chunks)
     assert per_rank[0].isdisjoint(per_rank[1])
-    expected = set(rank_chunks(len(data), spec.seed, 0, 0, 2)) | set(
-        rank_chunks(len(data), spec.seed, 0, 1, 2)
-    )
+    schedule = pooled(data, spec.seed)
+    expected = set(schedule.rank_chunks(0, 0, 0, 2)) | set(schedule.rank_chunks(0, 0, 1, 2))
     # Every chunk that holds training blocks is read by exactly one rank (the last, partial
     # batch of an epoch may carry a few blocks over into the next).
     nonempty = {c for c in range(len(data)) if len(data[c].blocks)}
@@ -96,12 +95,12 @@ def test_two_ranks_read_disjoint_shards_covering_the_split(source, tokenizer: Pa
 def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
-    straight = BlockStream(data, spec.seed, 0, 1, micro_batch=5, workers=2)
+    straight = BlockStream(data, pooled(data, spec.seed), 0, 1, micro_batch=5, workers=2)
     it = iter(straight)
     first = [next(it) for _ in range(7)]
-    saved = Position(**straight.position.to_dict())
+    saved = straight.state.copy()
     rest = [next(it) for _ in range(6)]
-    resumed = BlockStream(data, spec.seed, 0, 1, micro_batch=5, position=saved, workers=0)
+    resumed = BlockStream(data, pooled(data, spec.seed), 0, 1, micro_batch=5, state=saved, workers=0)
     again = [b for _, b in zip(range(6), resumed, strict=False)]
     assert [b.block_ids for b in again] == [b.block_ids for b in rest]
     for a, b in zip(again, rest, strict=True):
@@ -112,16 +111,16 @@ def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
 def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path) -> None:
     conn, counts, spec = source
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
-    fp = fingerprint(conn.config, counts, tokenizer, spec)
+    fp = fingerprint(conn.config, tokenizer, spec)
     totals = build_cache(streaming, tmp_path, fp, vocab_size=400, workers=0)
     assert totals["train"] > 0 and (tmp_path / "train.bin").stat().st_size == totals["train"] * 32 * 2
     for split in ("train", "val"):
-        cached = CachedChunks(tmp_path, split)
+        cached = CachedChunks(tmp_path, split, streaming[split].table)
         for c in range(len(cached)):
             a, b = streaming[split][c], cached[c]
             assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
     va = eval_batches(streaming["val"], 0, 1, 4, limit=3)
-    vb = eval_batches(CachedChunks(tmp_path, "val"), 0, 1, 4, limit=3)
+    vb = eval_batches(CachedChunks(tmp_path, "val", streaming["val"].table), 0, 1, 4, limit=3)
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
 
 
@@ -134,13 +133,13 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
     chunk = streaming["train"][0]
     assert chunk.loss is not None and chunk.loss.shape == chunk.blocks.shape
     assert 0 < chunk.loss.mean() < 1  # replies learned, questions and speaker tokens not
-    build_cache(streaming, tmp_path, fingerprint(conn.config, counts, tokenizer, spec), 400, workers=0)
+    build_cache(streaming, tmp_path, fingerprint(conn.config, tokenizer, spec), 400, workers=0)
     for split in ("train", "val"):
-        cached = CachedChunks(tmp_path, split)
+        cached = CachedChunks(tmp_path, split, streaming[split].table)
         for c in range(len(cached)):
             a, b = streaming[split][c], cached[c]
             assert np.array_equal(a.blocks, b.blocks) and np.array_equal(a.loss, b.loss)
-    (batch,) = eval_batches(CachedChunks(tmp_path, "train"), 0, 1, 4, limit=1)
+    (batch,) = eval_batches(CachedChunks(tmp_path, "train", streaming["train"].table), 0, 1, 4, limit=1)
     rows = [streaming["train"][c] for c in sorted({c for _, c, _ in batch.block_ids})]
     expected = np.concatenate([r.loss for r in rows])[: len(batch.labels)]
     assert np.array_equal((batch.labels.numpy() != -100), expected)
@@ -171,10 +170,10 @@ def test_index_state_does_not_grow_with_the_corpus() -> None:
 
     def peak(total: int) -> int:
         tracemalloc.start()
-        n = -(-total // 1000)
-        order = rank_chunks(n, seed=1, epoch=0, rank=0, world=8)
-        lo, hi = chunk_range(int(order[0]), total, 1000)
-        split_mask(np.arange(lo, hi), 0.99, seed=1)
+        table = ChunkTable.initial(["a"], [total], 1000)
+        order = Schedule(table, [(0,)], seed=1).rank_chunks(0, 0, 0, 8)
+        _, lo, hi = table.locate(int(order[0]))
+        split_mask(np.arange(lo, hi), 0.99, seed=1, collection="a")
         _, top = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         return top
@@ -237,9 +236,13 @@ def test_loader_workers_die_with_a_sigkilled_rank() -> None:
 
 
 def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
-    from dsgpt2.data.dealing import epoch_order, redeal
+    from dsgpt2.data.dealing import redeal
 
     n, seed, blocks = 23, 5, lambda c: c % 4 + 1  # chunk c holds c % 4 + 1 blocks
+    schedule = Schedule(ChunkTable.initial(["a"], [n * 10], 10), [(0,)], seed)
+
+    def epoch_order(n: int, seed: int, e: int) -> np.ndarray:
+        return schedule.order(0, e)
 
     def read(positions: list[Position], world: int) -> set[tuple[int, int, int]]:
         """The epoch-0/1 blocks ranks at ``positions`` have read (a queue is what they have not)."""
@@ -256,7 +259,7 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
     every = {(e, c, b) for e in (0, 1) for c in range(n) for b in range(blocks(c))}
     # Two ranks stopped in different places, one of them already in epoch 1.
     two = [Position(0, 7, 1), Position(1, 2, 0)]
-    three = redeal(two, n, seed, 3)
+    three = redeal(two, lambda e: schedule.order(0, e), 3)
     left = [(e, c, b) for p in three for e, c, skip in p.queue for b in range(skip, blocks(c))]
     assert len(left) == len(set(left))
     assert set(left) | read(two, 2) == every
@@ -265,7 +268,7 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
     # Redealt again before the queues are done: still each block once.
     part = [Position(2, 0, 0, p.queue[1:]) for p in three]  # each new rank read its first item
     first = {(e, c, b) for p in three for e, c, skip in p.queue[:1] for b in range(skip, blocks(c))}
-    one = redeal(part, n, seed, 1)
+    one = redeal(part, lambda e: schedule.order(0, e), 1)
     again = [(e, c, b) for e, c, skip in one[0].queue for b in range(skip, blocks(c))]
     assert len(again) == len(set(again))
     assert {x for x in again if x[0] < 2} | first == set(left)  # the rest of epochs 0 and 1

@@ -3,9 +3,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dsgpt2.data.dealing import epoch_order, eval_chunks, rank_chunks
+from dsgpt2.data.dealing import Schedule, eval_chunks
 from dsgpt2.data.packing import IGNORE, labels_and_mask, pack
-from dsgpt2.data.split import chunk_range, num_chunks, split_mask
+from dsgpt2.data.split import split_mask
+from dsgpt2.data.table import ChunkTable
 
 EOT, PAD = 0, 1
 
@@ -43,15 +44,20 @@ def test_split_is_deterministic_and_disjoint() -> None:
     # Deciding a slice gives the same answer as deciding the whole.
     assert np.array_equal(split_mask(idx[500:900], 0.9, seed=1), train[500:900])
     assert split_mask(idx, 1.0, seed=1).all()
+    # Each collection draws its own split, from its documents' own idx.
+    assert np.array_equal(split_mask(idx, 0.9, 1, "news"), split_mask(idx, 0.9, 1, "news"))
+    assert not np.array_equal(split_mask(idx, 0.9, 1, "news"), split_mask(idx, 0.9, 1, "wiki"))
 
 
 def test_ranks_read_disjoint_chunks_covering_everything() -> None:
-    n = num_chunks(10_001, 1000)
-    assert n == 11 and chunk_range(10, 10_001, 1000) == (10_000, 10_001)
+    table = ChunkTable.initial(["a", "b"], [10_001, 2_500], 1000)
+    n = table.n_chunks
+    assert n == 11 + 3 and table.locate(10) == (0, 10_000, 10_001) and table.locate(11) == (1, 0, 1000)
+    schedule = Schedule(table, [(0, 1)], seed=3)
     for epoch in range(3):
-        parts = [rank_chunks(n, seed=3, epoch=epoch, rank=r, world=4) for r in range(4)]
+        parts = [schedule.rank_chunks(0, epoch, r, 4) for r in range(4)]
         joined = np.concatenate(parts)
         assert sorted(joined.tolist()) == list(range(n))
-    assert not np.array_equal(epoch_order(n, 3, 0), epoch_order(n, 3, 1))
-    assert np.array_equal(epoch_order(n, 3, 1), epoch_order(n, 3, 1))
-    assert sorted(np.concatenate([eval_chunks(n, r, 3) for r in range(3)]).tolist()) == list(range(n))
+    assert not np.array_equal(schedule.order(0, 0), schedule.order(0, 1))
+    assert np.array_equal(schedule.order(0, 1), Schedule(table, [(0, 1)], seed=3).order(0, 1))
+    assert sorted(np.concatenate([eval_chunks(table, r, 3) for r in range(3)]).tolist()) == list(range(n))

@@ -67,10 +67,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     data = from_namespace(DataOptions, args)
     context = run_context(from_namespace(ModelOptions, args))
     spec = make_spec(data.vocab_dir, context, data.chunk_docs, data.tr_ratio, data.seed)
-    meta, built = prepare_cache(
+    meta, added = prepare_cache(
         load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
     )
-    state = "built" if built else "already up to date"
+    state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
     print(
         f"{data.cache_dir}: {state}; blocks of {context} tokens: "
         f"{meta['blocks']['train']} train, {meta['blocks']['val']} validation"

@@ -30,7 +30,11 @@ REDACTED = "***"
 _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
     "MONGO_CONNECTION_STRING": ("uri", (str,), "connection string"),
     "MONGO_CONNECTION_DB": ("db", (str,), "database name"),
-    "COLLECTIONS": ("collections", (list,), "list of collection names, in index order"),
+    "COLLECTIONS": (
+        "collections",
+        (list,),
+        'list of collection names, in index order (or {"name": ..., "weight": ...} objects: token shares)',
+    ),
     "TEXT_FIELD": ("text_field", (str,), "document field holding the text"),
     "META_COLLECTION": ("meta_collection", (str,), "collection holding per-collection counts"),
     "SERVER_SELECTION_TIMEOUT_MS": ("server_selection_timeout_ms", (int,), "how long to look for a server"),
@@ -97,6 +101,9 @@ class MongoConfig:
             ``secondaryPreferred`` keeps them off the primary). Writes always go to the primary.
         read_preference_tags: tag sets narrowing those members, tried in order
             (``[{"dc": "east"}, {}]``); not with ``primary``.
+        weights: mixture weights, one per collection (token shares; see
+            :mod:`dsgpt2.data.mixture`), from ``{"name": ..., "weight": ...}`` entries of
+            COLLECTIONS; empty: collections are read in proportion to their sizes.
     """
 
     uri: str = field(repr=False)
@@ -112,6 +119,7 @@ class MongoConfig:
     strict: bool = False
     read_preference: str = "primary"
     read_preference_tags: tuple[dict[str, str], ...] = ()
+    weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
@@ -138,6 +146,12 @@ class MongoConfig:
             )
         for key in ("SERVER_SELECTION_TIMEOUT_MS", "SOCKET_TIMEOUT_MS", "MAX_TEXT_CHARS"):
             _positive(key, getattr(self, _KEYS[key][0]))
+        if self.weights and (
+            len(self.weights) != len(names) or min(self.weights) < 0 or not sum(self.weights) > 0
+        ):
+            raise ConfigError(
+                f"COLLECTIONS weights {list(self.weights)}: need one weight >= 0 per collection, not all 0"
+            )
         if self.retries < 0:
             raise ConfigError(f"RETRIES must be 0 or more; got {self.retries}")
         if self.retry_backoff_s < 0:
@@ -188,6 +202,10 @@ class MongoConfig:
         values = asdict(self)
         values["uri"] = self.display_uri
         values["collections"] = list(self.collections)
+        if self.weights:
+            values["collections"] = [
+                {"name": n, "weight": w} for n, w in zip(self.collections, self.weights, strict=True)
+            ]
         values["read_preference_tags"] = list(self.read_preference_tags)
         return {key: values[name] for key, (name, _, _) in _KEYS.items()}
 
@@ -198,8 +216,38 @@ class MongoConfig:
 
 def _replace(config: MongoConfig, **changes: Any) -> MongoConfig:
     values = {name: getattr(config, name) for name, _, _ in _KEYS.values()}
+    if tuple(changes.get("collections", config.collections)) == config.collections:
+        values["weights"] = config.weights
     values.update(changes)
     return MongoConfig(**values)
+
+
+def _collection_entries(source: str, entries: list[Any]) -> tuple[tuple[Any, ...], tuple[float, ...]]:
+    """COLLECTIONS as (names, weights): each entry a name, or {"name": ..., "weight": ...}."""
+    names, weights = [], []
+    for entry in entries:
+        if isinstance(entry, Mapping):
+            extra = sorted(set(entry) - {"name", "weight"})
+            weight = entry.get("weight")
+            if (
+                extra
+                or "name" not in entry
+                or isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+            ):
+                raise ConfigError(
+                    f'{source}: COLLECTIONS entry {entry!r}: write {{"name": "...", "weight": 0.5}} '
+                    "(a weight >= 0: the collection's share of the training tokens)"
+                )
+            names.append(entry["name"])
+            weights.append(float(weight))
+        else:
+            names.append(entry)
+    if weights and len(weights) != len(names):
+        raise ConfigError(
+            f"{source}: COLLECTIONS gives some collections a weight and not others; give all or none"
+        )
+    return tuple(names), tuple(weights)
 
 
 def _positive(key: str, value: int) -> None:
@@ -230,7 +278,9 @@ def config_from_dict(
             raise ConfigError(
                 f"{source}: {key} must be {expected}; got {type(value).__name__} {_safe_value(key, value)!r}"
             )
-        values[name] = tuple(value) if key in ("COLLECTIONS", "READ_PREFERENCE_TAGS") else value
+        values[name] = tuple(value) if key == "READ_PREFERENCE_TAGS" else value
+        if key == "COLLECTIONS":
+            values["collections"], values["weights"] = _collection_entries(source, value)
     override = env.get(ENV_URI, "").strip()
     if override:
         values["uri"] = override

@@ -148,13 +148,30 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
                 )
             )
 
-    problems += _meta_problems(conn, name, meta_count, documents)
+    sources = (meta or {}).get("sources") or {}
+    ingesting = any(isinstance(v, dict) and not v.get("complete") for v in sources.values())
+    problems += _meta_problems(conn, name, meta_count, documents, ingesting)
     return report
 
 
-def _meta_problems(conn: Connection, name: str, meta_count: int | None, documents: int) -> list[Problem]:
-    """What meta_info says of the collection's size, against what it holds."""
+def _meta_problems(
+    conn: Connection, name: str, meta_count: int | None, documents: int, ingesting: bool = False
+) -> list[Problem]:
+    """What meta_info says of the collection's size, against what it holds. Documents past the
+    count while an ingest is under way are its batch in flight: the count (the high-water mark)
+    follows once the batch is in."""
     out: list[Problem] = []
+    if ingesting and meta_count is not None and meta_count < documents:
+        out.append(
+            Problem(
+                "ingest_in_progress",
+                f"an ingest is under way: {documents - meta_count} document(s) past the count "
+                f"{meta_count} are not counted yet",
+                "none needed; a rerun of the interrupted ingest completes it",
+                severity="warning",
+            )
+        )
+        return out
     if meta_count is None:
         out.append(
             Problem(

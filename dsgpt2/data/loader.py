@@ -13,15 +13,16 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dsgpt2.data.dealing import Position, eval_chunks, rank_chunks
+from dsgpt2.data.dealing import Position, ReadState, Schedule, eval_chunks
+from dsgpt2.data.mixture import Stage, pick, stage_at
 from dsgpt2.data.packing import labels_and_mask
 from dsgpt2.data.sources import Chunk
 from dsgpt2.errors import CorpusError
@@ -141,6 +142,7 @@ class Batch:
     attention_mask: torch.Tensor  # (B, T)
     block_ids: list[tuple[int, int, int]]  # (epoch, chunk, block in chunk)
     tokens: int  # real tokens
+    by_collection: dict[int, int] = field(default_factory=dict)  # real tokens per collection
 
 
 class _Rows:
@@ -186,76 +188,132 @@ def _make_batch(
 class BlockStream:
     """Micro-batches of training blocks for one rank, endless over epochs, resumable exactly.
 
-    ``position`` always names the next block not yet handed out, so that a
-    checkpoint taken between two batches resumes with the very next one.
+    ``state`` always names the next block of each stream not yet handed out, so that a
+    checkpoint taken between two batches resumes with the very next one. With several streams
+    (mixture weights), each block comes from the stream :func:`~dsgpt2.data.mixture.pick` names
+    under the stage in force at the batch's step (micro-batches read // ``grad_accum``).
     """
 
     def __init__(
         self,
         dataset: Dataset,
-        seed: int,
+        schedule: Schedule,
         rank: int,
         world: int,
         micro_batch: int,
-        position: Position | None = None,
+        state: ReadState | None = None,
         workers: int = 2,
+        stages: Sequence[Stage] = (),
+        grad_accum: int = 1,
     ) -> None:
         self.dataset = dataset
-        self.n_chunks = len(dataset)
-        self.seed = seed
+        self.schedule = schedule
         self.rank = rank
         self.world = world
         self.micro_batch = micro_batch
-        self.position = position or Position()
-        self.workers = workers
+        self.state = state or ReadState.start(len(schedule.streams))
+        n = len(schedule.streams)
+        self.workers = workers if n == 1 or workers == 0 else max(1, workers // n)
+        self.stages = list(stages)
+        self.grad_accum = grad_accum
         self.documents = 0
         self.skipped: dict[str, int] = {}
+        self._readers: list[Any] = []
 
     def _take(self, item: Chunk) -> None:
         self.documents += item.documents
         for reason, n in item.skipped.items():
             self.skipped[reason] = self.skipped.get(reason, 0) + n
 
+    def regrow(
+        self, dataset: Dataset, schedule: Schedule, dealt: dict[int, list[tuple[int, int, int]]]
+    ) -> None:
+        """Read ``dataset`` through ``schedule`` (the corpus grew) from the next batch on; ``dealt``
+        puts this rank's share of new chunks, per stream, at the head of its reading. Iterate
+        anew afterwards."""
+        self.close()
+        self.dataset, self.schedule = dataset, schedule
+        for s, items in dealt.items():
+            self.state.streams[s].queue.extend(items)
+
+    def close(self) -> None:
+        """Stop the readers (their DataLoader workers) of the last iteration."""
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+
     def __iter__(self) -> Iterator[Batch]:
-        pos = self.position
+        self.close()
+        self._readers = [self._blocks(s) for s in range(len(self.schedule.streams))]
         rows = _Rows()
-        # First what a run on another number of ranks left over (see schedule.redeal).
+        context = 0
+        while True:
+            s = self._choose(context)
+            item, b, valid, block_id = next(self._readers[s])
+            context = item.blocks.shape[1]
+            rows.add(item, b, valid, block_id)
+            self.state.taken[s] += valid
+            if len(rows) == self.micro_batch:
+                batch = rows.batch()
+                chunks = np.array([c for _, c, _ in batch.block_ids], dtype=np.int64)
+                batch.by_collection = _tally(self.schedule.table.collection_of(chunks), rows.valid)
+                for c, n in batch.by_collection.items():
+                    self.state.tokens[c] = self.state.tokens.get(c, 0) + n
+                rows = _Rows()
+                self.state.micro += 1
+                yield batch
+
+    def _choose(self, context: int) -> int:
+        if len(self.schedule.streams) == 1:
+            return 0
+        stage = stage_at(self.stages, self.state.micro // self.grad_accum)
+        if stage != self.state.stage:
+            self.state.stage, self.state.taken = stage, [0] * len(self.state.taken)
+        return pick(self.state.taken, self.stages[stage].weights, context)
+
+    def _blocks(self, s: int) -> Iterator[tuple[Chunk, int, int, tuple[int, int, int]]]:
+        """Stream ``s``'s blocks for this rank: (chunk, block, real tokens, block id). Before each
+        one is handed out, ``state.streams[s]`` moves past it."""
+        pos = self.state.streams[s]
+        # First what a run on another number of ranks left over (see dealing.redeal), and the
+        # chunks dealt when the corpus grew.
         queue = list(pos.queue)
-        for i, item in enumerate(start_loader(self.dataset, [c for _, c, _ in queue], self.workers)):
+        order = [c for _, c, _ in queue]
+        for i, item in enumerate(start_loader(self.dataset, order, self.workers) if order else ()):
             self._take(item)
             e, c, first = queue[i]
             v = item.valid
             for b in range(first, len(item.blocks)):
-                rows.add(item, b, int(v[b]), (e, c, b))
-                if len(rows) == self.micro_batch:
-                    batch = rows.batch()
-                    rows = _Rows()
-                    rest = [(e, c, b + 1)] if b + 1 < len(item.blocks) else []
-                    self.position = Position(pos.epoch, pos.chunk, pos.block, rest + queue[i + 1 :])
-                    yield batch
+                rest = [(e, c, b + 1)] if b + 1 < len(item.blocks) else []
+                self.state.streams[s] = Position(pos.epoch, pos.chunk, pos.block, rest + queue[i + 1 :])
+                yield item, b, int(v[b]), (e, c, b)
         epoch, start, skip = pos.epoch, pos.chunk, pos.block
         while True:
-            order = rank_chunks(self.n_chunks, self.seed, epoch, self.rank, self.world)
+            order = self.schedule.rank_chunks(s, epoch, self.rank, self.world)
             produced = False
             for k, item in enumerate(start_loader(self.dataset, order[start:], self.workers), start=start):
                 self._take(item)
                 v = item.valid
                 for b in range(skip, len(item.blocks)):
                     produced = True
-                    rows.add(item, b, int(v[b]), (epoch, int(item.chunk), b))
-                    if len(rows) == self.micro_batch:
-                        batch = rows.batch()
-                        rows = _Rows()
-                        # The next block is b + 1 of this chunk (possibly past its end).
-                        self.position = _normalize(Position(epoch, k, b + 1), len(item.blocks))
-                        yield batch
+                    # The next block is b + 1 of this chunk (possibly past its end).
+                    self.state.streams[s] = _normalize(Position(epoch, k, b + 1), len(item.blocks))
+                    yield item, b, int(v[b]), (epoch, int(item.chunk), b)
                 skip = 0
             if not produced and start == 0:
+                names = [self.schedule.table.names[c] for c in self.schedule.streams[s]]
                 raise CorpusError(
-                    f"rank {self.rank} has no training block in a whole epoch: the split is empty "
-                    "(too few documents, or --tr_ratio leaves none for training)"
+                    f"rank {self.rank} has no training block of {', '.join(names)} in a whole epoch: the "
+                    "split is empty (too few documents, or --tr_ratio leaves none for training)"
                 )
             epoch, start = epoch + 1, 0
+
+
+def _tally(collections: np.ndarray, valid: list[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for c, v in zip(collections.tolist(), valid, strict=True):
+        out[c] = out.get(c, 0) + int(v)
+    return out
 
 
 def _normalize(pos: Position, blocks_in_chunk: int) -> Position:
@@ -284,7 +342,7 @@ def iter_eval_batches(
     ``stats`` (a dict), when given, gathers ``chunks``, ``documents`` and ``skipped`` as chunks arrive.
     """
     rows = _Rows()
-    for item in start_loader(dataset, eval_chunks(len(dataset), rank, world), workers):
+    for item in start_loader(dataset, eval_chunks(dataset.table, rank, world), workers):
         if stats is not None:
             stats["chunks"] = stats.get("chunks", 0) + 1
             stats["documents"] = stats.get("documents", 0) + item.documents

@@ -3,8 +3,8 @@
 A chunk (``chunk_docs`` consecutive documents of the unified index, see :mod:`dsgpt2.data.split`)
 is the unit of work. :class:`StreamingChunks` fetches one with one query per collection, keeps
 the documents of the requested split, tokenizes and packs them into blocks. :class:`DataSpec`
-holds every setting that shapes the blocks; :func:`fingerprint` (of the corpus, the tokenizer and
-the spec) is what a checkpoint or a token cache is checked against.
+holds every setting that shapes the blocks; :func:`fingerprint` (of the collections, the tokenizer
+and the spec) is what a checkpoint or a token cache is checked against.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from torch.utils.data import Dataset
 
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.packing import pack, pack_with_loss
-from dsgpt2.data.split import chunk_range, num_chunks, split_mask
+from dsgpt2.data.split import split_mask
+from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import CorpusError
 
 log = logging.getLogger(__name__)
@@ -92,14 +94,16 @@ def tokenizer_digest(tokenizer_dir: Path) -> str:
     return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
-def fingerprint(
-    config: MongoConfig, counts: tuple[int, ...], tokenizer_dir: Path, spec: DataSpec
-) -> dict[str, Any]:
-    """Everything the batches depend on; a checkpoint or cache made under another one is stale."""
+LAYOUT = 2  # how documents become chunks; another layout gives other batches
+
+
+def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dict[str, Any]:
+    """What the batches depend on besides the corpus's size, which may grow (see
+    :mod:`dsgpt2.data.table`); a checkpoint or cache made under another one is stale."""
     return {
+        "layout": LAYOUT,
         "db": config.db,
         "collections": list(config.collections),
-        "counts": list(counts),
         "text_field": config.text_field,
         "tokenizer": tokenizer_digest(tokenizer_dir),
         **asdict(spec),
@@ -142,36 +146,42 @@ class StreamingChunks(Dataset):
     The wrapper and tokenizer are made lazily in the process that uses them.
 
     Args:
+        corpus: the chunk table to read, or per-collection counts (then each collection's
+            ``[0, count)``, see :meth:`ChunkTable.initial`).
         split: ``train``, ``val``, or ``all`` (every document, for evaluation).
-        window: only the unified indices ``[lo, hi)``; chunks then count from ``lo``.
+        window: with counts, only the indices ``[lo, hi)`` of the collections laid end to end.
     """
 
     def __init__(
         self,
         config: MongoConfig,
-        counts: tuple[int, ...],
+        corpus: ChunkTable | Sequence[int],
         tokenizer_dir: Path,
         spec: DataSpec,
         split: str,
         window: tuple[int, int] | None = None,
     ) -> None:
         self.config = config
-        self.counts = counts
+        if not isinstance(corpus, ChunkTable):
+            corpus = ChunkTable.initial(config.collections, corpus, spec.chunk_docs, window)
+        self.table = corpus
         self.tokenizer_dir = tokenizer_dir
         self.spec = spec
         self.split = split
-        self.lo, self.hi = window if window is not None else (0, sum(counts))
-        self.total = self.hi - self.lo
         self._wrapper: Any = None
         self._tokenizer: Any = None
         self._speakers: dict[str, int] = {}
         self._pid = -1
 
     def __len__(self) -> int:
-        return num_chunks(self.total, self.spec.chunk_docs)
+        return self.table.n_chunks
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_wrapper": None, "_tokenizer": None, "_pid": -1}
+
+    def grown(self, table: ChunkTable) -> StreamingChunks:
+        """This source over ``table`` (the same chunks and more)."""
+        return StreamingChunks(self.config, table, self.tokenizer_dir, self.spec, self.split)
 
     def _ready(self) -> None:
         if self._pid != os.getpid():
@@ -183,7 +193,8 @@ class StreamingChunks(Dataset):
                 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
             conversations = self.spec.task == "conversation"
-            self._wrapper = MongoWrapper(self.config, counts=self.counts, conversations=conversations)
+            marks = self.table.marks
+            self._wrapper = MongoWrapper(self.config, counts=marks, conversations=conversations)
             self._tokenizer = load_tokenizer(self.tokenizer_dir)
             if conversations:
                 from dsgpt2.data.conversation import speaker_ids
@@ -197,14 +208,16 @@ class StreamingChunks(Dataset):
 
     def __getitem__(self, chunk: int) -> Chunk:
         self._ready()
-        lo, hi = chunk_range(chunk, self.total, self.spec.chunk_docs)
-        lo, hi = lo + self.lo, hi + self.lo
-        indices = np.arange(lo, hi)
+        c, lo, hi = self.table.locate(chunk)
+        local = np.arange(lo, hi)
         if self.split == "all":
-            wanted = indices
+            wanted = local
         else:
-            train = split_mask(indices, self.spec.tr_ratio, self.spec.seed)
-            wanted = indices[train] if self.split == "train" else indices[~train]
+            train = split_mask(local, self.spec.tr_ratio, self.spec.seed, self.config.collections[c])
+            wanted = local[train] if self.split == "train" else local[~train]
+        # The wrapper indexes the collections laid end to end.
+        offset = self._wrapper.offsets[c]
+        lo, hi, wanted = lo + offset, hi + offset, wanted + offset
         before = dict(self._wrapper.skipped)
         if len(wanted) == 0:
             docs = []

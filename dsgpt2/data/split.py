@@ -1,22 +1,31 @@
 """Which documents train and which validate, and how the corpus is cut into chunks. Pure functions.
 
-A document belongs to the training split when its split draw (seed, index) is below ``tr_ratio``;
-the rest validate, and never train. The unified index 0..N-1 is cut into chunks of ``chunk_docs``
-consecutive documents, the unit every reader fetches.
+A document belongs to the training split when its split draw (seed, collection, idx) is below
+``tr_ratio``; the rest validate, and never train. The draw depends on the document's own idx, not
+on the size of any collection: documents that arrive later split the same way whenever they are
+read. Chunks of ``chunk_docs`` consecutive documents are the unit every reader fetches (see
+:mod:`dsgpt2.data.table`).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
 
 
-def split_mask(indices: np.ndarray, tr_ratio: float, seed: int) -> np.ndarray:
-    """True for the indices of the training split; the others validate."""
+def split_mask(indices: np.ndarray, tr_ratio: float, seed: int, collection: str = "") -> np.ndarray:
+    """True for the idx (of ``collection``) in the training split; the others validate."""
     if tr_ratio >= 1.0:
         return np.ones(len(indices), dtype=bool)
-    return uniform(indices, seed, salt="split") < tr_ratio
+    return uniform(indices, seed + _name_key(collection), salt="split") < tr_ratio
+
+
+def _name_key(name: str) -> int:
+    # Each collection draws its own split: idx 5 of one says nothing about idx 5 of another.
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") if name else 0
 
 
 def num_chunks(total: int, chunk_docs: int) -> int:

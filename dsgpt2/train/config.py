@@ -94,9 +94,23 @@ class DataOptions:
     chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", type=positive_int)
     num_workers: int = option(2, "DataLoader workers per rank", type=non_negative_int)
     allow_corpus_problems: bool = option(False, "train even if validate finds problems")
+    follow: int = option(
+        0,
+        "every N steps, take in the documents ingested since (whole chunks), at once; 0: a resumed "
+        "run takes them in from its next epoch",
+        type=non_negative_int,
+        metavar="N",
+    )
+    mixture: str | None = option(
+        None,
+        'token shares per collection, with stages: "news=0.7,wiki=0.3; 5000: news=0.5,wiki=0.5" '
+        "(default: the config's weights, else shares follow sizes)",
+        metavar="WEIGHTS",
+    )
 
     def __post_init__(self) -> None:
         self.config_train, self.vocab_dir = Path(self.config_train), as_path(self.vocab_dir)
+        check_non_negative("follow", self.follow)
         self.cache_dir = as_path(self.cache_dir)
         check_ratio("tr_ratio", self.tr_ratio)
         check_positive("chunk_docs", self.chunk_docs)

@@ -26,16 +26,17 @@ import numpy as np
 import torch
 
 from dsgpt2.corpus.config import ENV_URI, load_config, scrub
-from dsgpt2.data.cache import CachedChunks, prepare_cache
-from dsgpt2.data.dealing import Position, redeal
+from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
-from dsgpt2.data.sources import SPLITS, StreamingChunks, fingerprint, load_tokenizer
+from dsgpt2.data.sources import fingerprint, load_tokenizer
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
 from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups, read_model_config
 from dsgpt2.train import checkpoint
+from dsgpt2.train.collective import gather, on_rank0
 from dsgpt2.train.config import ModelOptions, TrainConfig, parse
 from dsgpt2.train.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
+from dsgpt2.train.feed import Feed, check_saved_data
 from dsgpt2.train.metrics import MetricsLog, plot_losses
 
 log = logging.getLogger("dsgpt2.train.trainer")
@@ -149,16 +150,21 @@ class Trainer:
         # First: the barriers and broadcasts below need the process group.
         backend = cfg.engine.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        conn = Connection(self.mongo)
+        self.conn = conn = Connection(self.mongo)
         conn.ping()
-        self.counts = tuple(_on_rank0(lambda: self._corpus_counts(conn)))
+        self.marks = tuple(on_rank0(lambda: self._corpus_counts(conn)))
         init = self._init_weights()
         context = run_context(cfg.model) if init is None else _init_context(cfg.model, init[0])
         self.spec = cfg.data_spec(context)
-        self.fingerprint = fingerprint(self.mongo, self.counts, cfg.data.vocab_dir, self.spec)
+        self.feed = Feed(cfg, self.mongo, conn, self.spec, self.rank, self.world)
+        self.fingerprint = {
+            **fingerprint(self.mongo, cfg.data.vocab_dir, self.spec),
+            "mixture": bool(self.feed.stages),
+        }
         # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
-        self.resume_from = _on_rank0(self._find_resume_point)
-        self.train_data, self.val_data = self._datasets()
+        found = on_rank0(self._find_resume_point)
+        self.resume_from = found[:2] if found else None
+        self.feed.start(self.marks, found[2] if found else None)
         self.engine = self._engine(context, init)
 
     def _corpus_counts(self, conn: Any) -> tuple[int, ...]:
@@ -221,20 +227,9 @@ class Trainer:
             )
         return config, weights
 
-    def _datasets(self) -> tuple[Any, Any]:
-        d = self.cfg.data
-        if d.data_mode == "streaming":
-            return tuple(StreamingChunks(self.mongo, self.counts, d.vocab_dir, self.spec, s) for s in SPLITS)
-        cache_dir = self.cfg.cache_dir
-        if self.rank == 0:
-            _, built = prepare_cache(self.mongo, d.vocab_dir, self.spec, cache_dir, workers=d.num_workers)
-            log.info("token cache %s: %s", cache_dir, "built" if built else "up to date, reused")
-        _barrier()
-        return CachedChunks(cache_dir, "train"), CachedChunks(cache_dir, "val")
-
     # ------------------------------------------------------------ resume
 
-    def client_state(self, state: TrainState, position: Position) -> dict[str, Any]:
+    def client_state(self, state: TrainState, data: ReadState) -> dict[str, Any]:
         return {
             "dsgpt2": {
                 "step": state.step,
@@ -242,8 +237,7 @@ class Trainer:
                 "micro": state.micro,
                 "nonfinite": state.nonfinite,
                 "lr": self.engine.get_lr()[0],
-                "position": position.to_dict(),
-                "rank_positions": self._gather_positions(position),
+                "data": self.feed.state_dict(data),
                 "rng": checkpoint.rng_state(),
                 "fingerprint": self.fingerprint,
                 "model_config": self.model_config.to_dict(),
@@ -253,17 +247,8 @@ class Trainer:
             }
         }
 
-    def _gather_positions(self, position: Position) -> list[dict[str, int]]:
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or self.world == 1:
-            return [position.to_dict()]
-        out: list[Any] = [None] * self.world
-        dist.all_gather_object(out, position.to_dict())
-        return out
-
-    def _find_resume_point(self) -> tuple[Path, str] | None:
-        """The checkpoint to resume from, verified; None for a fresh start.
+    def _find_resume_point(self) -> tuple[Path, str, dict[str, Any]] | None:
+        """The checkpoint to resume from, verified, and its data state; None for a fresh start.
 
         Raises:
             CheckpointError: none where one was asked for, a broken one, one of other data or of
@@ -282,7 +267,9 @@ class Trainer:
             return None
         tag = checkpoint.resolve(load_dir, c.ckpt_id)
         saved = checkpoint.read_client_state(load_dir, tag)
-        ranks = len(saved.get("rank_positions") or [saved["position"]])
+        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
+        self._check_data(saved, load_dir / tag)
+        ranks = len(saved["data"]["ranks"])
         if ranks != self.world and checkpoint.is_partitioned(load_dir, tag):
             raise checkpoint.CheckpointError(
                 f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
@@ -294,8 +281,18 @@ class Trainer:
                 "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
                 "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
             )  # fmt: skip
-        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
-        return load_dir, tag
+        return load_dir, tag, saved["data"]
+
+    def _check_data(self, saved: dict[str, Any], where: Path) -> None:
+        problems = check_saved_data(self.conn, saved, self.marks, where)
+        if not problems:
+            return
+        if not self.cfg.ckpt.ignore_fingerprint:
+            raise checkpoint.CheckpointError(
+                f"{where} trained on documents that are no longer there as they were: {'; '.join(problems)}. "
+                "Restore them, start fresh (--no_resume, another --ckpt_dir) or pass --ignore_fingerprint"
+            )
+        log.warning("resuming although %s (--ignore_fingerprint)", "; ".join(problems))
 
     def _check_fingerprint(self, saved: dict[str, Any], where: Path) -> None:
         if saved == self.fingerprint:
@@ -309,15 +306,12 @@ class Trainer:
             )
         log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
 
-    def resume(self) -> tuple[TrainState, Position]:
+    def resume(self) -> TrainState:
         if self.resume_from is None:
-            return TrainState(), Position()
+            return TrainState()
         load_dir, tag = self.resume_from
         saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
-        positions = [Position.from_dict(p) for p in saved.get("rank_positions") or [saved["position"]]]
-        if len(positions) != self.world:
-            positions = redeal(positions, len(self.train_data), self.cfg.data.seed, self.world)
-        position = positions[self.rank]
+        position = self.feed.state.streams[0]
         checkpoint.set_rng_state(saved["rng"])
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
         log.info(
@@ -329,7 +323,7 @@ class Trainer:
             position.block,
         )
         self._warn_schedule_change(saved, state.step)
-        return state, position
+        return state
 
     def _warn_schedule_change(self, saved: dict[str, Any], step: int) -> None:
         """Another --train_iters than the checkpoint's stretches or shrinks the learning-rate decay."""
@@ -350,10 +344,11 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Train until --train_iters, a stop signal or a lost database; return the summary."""
         r = self.cfg.run
-        state, position = self.resume()
+        state = self.resume()
+        f = self.feed
         self.stream = BlockStream(
-            self.train_data, self.cfg.data.seed, self.rank, self.world, self.micro_batch, position,
-            self.cfg.data.num_workers,
+            f.train_data, f.schedule, self.rank, self.world, self.micro_batch, f.state,
+            self.cfg.data.num_workers, f.stages, self.grad_accum,
         )  # fmt: skip
         if self.rank == 0:
             self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, self._run_config())
@@ -361,22 +356,25 @@ class Trainer:
         self.started = (state.step, state.tokens, time.monotonic())
         self.last_val: float | None = None
         self._eval_cache: list[Any] | None = None
-        batches = iter(self.stream)
+        self.batches = iter(self.stream)
         # The state and data position after the last whole step: what a checkpoint written when the
         # database goes away mid-accumulation must hold.
-        boundary = (replace(state), self.stream.position)
+        boundary = (replace(state), self.stream.state.copy())
         with _progress(self.rank, r.train_iters, state.step) as bar, self._block_log() as blocks:
             try:
                 while state.step < r.train_iters and not self.stop_requested:
-                    loss, losses, ids = self.train_step(state, batches)
-                    boundary = (replace(state), self.stream.position)
+                    loss, losses, ids = self.train_step(state, self.batches)
+                    boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, loss, losses, ids, bar, blocks)
                     self.maybe_evaluate(state)
+                    self.maybe_follow(state)
                     self.maybe_save(state)
                     if self.after_step is not None:
                         self.after_step(state.step)
             except MongoUnavailableError as exc:
                 self._abort_on_lost_database(exc, *boundary)
+            finally:
+                self.stream.close()
         return self.finish(state)
 
     def train_step(self, state: TrainState, batches: Any) -> tuple[float, list[float], list[Any]]:
@@ -450,7 +448,20 @@ class Trainer:
                       "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
             if r.log_block_ids:
                 record.update(block_ids=ids, losses=losses)
+            if len(self.mongo.collections) > 1:
+                record["collection_tokens"] = self._collection_tokens()
             self._write(record)
+
+    def _collection_tokens(self) -> dict[str, int]:
+        """Tokens read from each collection so far, by all ranks (a collective)."""
+        import torch.distributed as dist
+
+        mine = self.stream.state.tokens
+        counts = torch.tensor([mine.get(c, 0) for c in range(len(self.mongo.collections))], dtype=torch.int64)
+        if dist.is_initialized() and self.world > 1:
+            counts = counts.to(self.engine.device)
+            dist.all_reduce(counts)
+        return dict(zip(self.mongo.collections, counts.tolist(), strict=True))
 
     def maybe_evaluate(self, state: TrainState) -> None:
         r = self.cfg.run
@@ -458,17 +469,34 @@ class Trainer:
             return
         if self._eval_cache is None:
             batch = r.eval_batch_size or self.micro_batch
-            self._eval_cache = eval_batches(self.val_data, self.rank, self.world, batch, r.eval_iters)
+            self._eval_cache = eval_batches(self.feed.val_data, self.rank, self.world, batch, r.eval_iters)
         self.last_val = self.evaluate(self._eval_cache)
         if self.last_val is not None:
             self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": math.exp(min(self.last_val, 50))})  # fmt: skip
 
+    def maybe_follow(self, state: TrainState) -> None:
+        """With --follow: take in the documents ingested since the last look, dealt at once."""
+        marks = self.feed.poll(state.step)
+        if marks is None or marks == self.feed.schedule.table.marks:
+            return
+        states = [ReadState.from_dict(d) for d in gather(self.stream.state.to_dict())]
+        before = self.feed.schedule.table.marks
+        dealt = self.feed.follow(marks, states)
+        if dealt is None:
+            return
+        self.stream.regrow(self.feed.train_data, self.feed.schedule, dealt)
+        self.batches = iter(self.stream)
+        after = self.feed.schedule.table.marks
+        self._write({"event": "growth", "step": state.step,
+                     "added": {n: a - b for n, a, b in zip(self.mongo.collections, after, before, strict=True)
+                               if a > b}})  # fmt: skip
+
     def maybe_save(self, state: TrainState) -> None:
         if state.step % self.cfg.ckpt.save_interval == 0 and state.step < self.cfg.run.train_iters:
-            self.save(state, self.stream.position)
+            self.save(state, self.stream.state)
 
-    def _abort_on_lost_database(self, exc: Exception, state: TrainState, position: Position) -> None:
+    def _abort_on_lost_database(self, exc: Exception, state: TrainState, position: ReadState) -> None:
         # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
         reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
         saved = ""
@@ -480,7 +508,7 @@ class Trainer:
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The final checkpoint, the end record and plot; the summary."""
         if state.step > self.started[0]:
-            self.save(state, self.stream.position)
+            self.save(state, self.stream.state)
         else:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
             log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
@@ -539,7 +567,7 @@ class Trainer:
         self.engine.train()
         return float(total[0] / total[1]) if total[1] > 0 else None
 
-    def save(self, state: TrainState, position: Position) -> None:
+    def save(self, state: TrainState, position: ReadState) -> None:
         for p in self.engine.module.parameters():
             if not torch.isfinite(p).all():
                 raise TrainingAborted("the weights hold non-finite values; refusing to save them")
@@ -581,31 +609,6 @@ def _all_finite(loss: torch.Tensor) -> bool:
     return bool(flag.item() == 1.0)
 
 
-def _broadcast(values: list[Any]) -> None:
-    """Give every rank rank 0's ``values`` (in place); nothing to do in a single process."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(values, src=0)
-
-
-def _raise_shared(error: tuple[str, str] | None) -> None:
-    """Raise on every rank the user error rank 0 met (same class where it is one of ours)."""
-    if error is None:
-        return
-    import dsgpt2.errors as errors
-
-    kind = getattr(errors, error[0], None) or getattr(checkpoint, error[0], None) or DsGpt2Error
-    raise kind(error[1])
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _progress(rank: int, total: int, initial: int) -> Any:
     """A step progress bar on rank 0 (a context manager); elsewhere a null context."""
     if rank != 0:
@@ -613,21 +616,6 @@ def _progress(rank: int, total: int, initial: int) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, unit="step", desc="train", disable=None)
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` computed on rank 0 and given to every rank; a user error there is raised on all."""
-    import torch.distributed as dist
-
-    shared: list[Any] = [None, None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            shared[1] = fn()
-        except DsGpt2Error as exc:
-            shared[0] = (type(exc).__name__, str(exc))
-    _broadcast(shared)
-    _raise_shared(shared[0])
-    return shared[1]
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

@@ -1,0 +1,169 @@
+"""The run's data feed: which chunks it trains on, in what order, and how it takes in growth.
+
+The feed holds the chunk table (:mod:`dsgpt2.data.table`), the schedule over its streams, the
+datasets, and this rank's :class:`~dsgpt2.data.dealing.ReadState`. A fresh run starts at the
+collections' marks; a resumed one from its checkpoint's table, after checking that the prefix it
+trained on still holds. Documents past the table's marks are taken in at resume (from the next
+epoch, or at once with ``--follow``) and, with ``--follow N``, every N steps while training.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.corpus.config import MongoConfig
+from dsgpt2.corpus.mongo import Connection
+from dsgpt2.data.cache import CachedChunks, prepare_cache
+from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take_in
+from dsgpt2.data.mixture import Stage, mixture_stages
+from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
+from dsgpt2.data.table import ChunkTable
+from dsgpt2.train import checkpoint
+from dsgpt2.train.collective import barrier, gather, on_rank0
+from dsgpt2.train.config import TrainConfig
+
+log = logging.getLogger("dsgpt2.train.feed")
+
+
+def streams_of(n_collections: int, stages: list[Stage]) -> list[Stream]:
+    """One pooled stream, or one per collection when the run has mixture weights."""
+    return [(c,) for c in range(n_collections)] if stages else [tuple(range(n_collections))]
+
+
+class Feed:
+    """See the module docstring. Build with :meth:`start` (every rank, the same arguments)."""
+
+    def __init__(
+        self, cfg: TrainConfig, mongo: MongoConfig, conn: Connection, spec: DataSpec, rank: int, world: int
+    ) -> None:
+        self.cfg = cfg
+        self.mongo = mongo
+        self.conn = conn
+        self.spec = spec
+        self.rank = rank
+        self.world = world
+        self.stages = mixture_stages(mongo.weights, cfg.data.mixture, mongo.collections)
+        self.streams = streams_of(len(mongo.collections), self.stages)
+        self._prefix: tuple[tuple[int, ...], dict[str, Any]] | None = None
+
+    def start(self, marks: tuple[int, ...], saved: dict[str, Any] | None) -> None:
+        """The table, schedule, datasets and this rank's state: fresh at ``marks``, or from the
+        checkpoint's ``saved`` data state with what came since taken in."""
+        seed, names = self.cfg.data.seed, self.mongo.collections
+        if saved is None:
+            self.schedule = Schedule(
+                ChunkTable.initial(names, marks, self.spec.chunk_docs), self.streams, seed
+            )
+            states = [ReadState.start(len(self.streams)) for _ in range(self.world)]
+        else:
+            self.schedule = Schedule(ChunkTable.from_dict(saved["table"]), self.streams, seed)
+            states = [ReadState.from_dict(d) for d in saved["ranks"]]
+            if len(states) != self.world:
+                states = redeal_states(self.schedule, states, self.world)
+            added = self.schedule.table.growth(marks)
+            if added:
+                table, dealt = take_in(self.schedule, states, added, deal=self.cfg.data.follow > 0)
+                for state, mine in zip(states, dealt, strict=True):
+                    for s, items in mine.items():
+                        state.streams[s].queue.extend(items)
+                self.schedule = Schedule(table, self.streams, seed)
+                self._log_growth(added, "now" if self.cfg.data.follow else "from the next epoch")
+        self.state = states[self.rank]
+        self.train_data, self.val_data = self._datasets()
+        self._note_prefix()
+
+    def _datasets(self) -> tuple[Any, Any]:
+        d, table = self.cfg.data, self.schedule.table
+        if d.data_mode == "streaming":
+            return tuple(StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s) for s in SPLITS)
+        cache_dir = self.cfg.cache_dir
+        if self.rank == 0:
+            meta, added = prepare_cache(
+                self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers, table=table
+            )
+            state = f"{added} chunk(s) tokenized and added" if added else "up to date, reused"
+            log.info("token cache %s: %s (%d chunks)", cache_dir, state, meta["chunks"])
+        barrier()
+        return CachedChunks(cache_dir, "train", table), CachedChunks(cache_dir, "val", table)
+
+    def follow(self, marks: tuple[int, ...], states: list[ReadState]) -> dict[int, list[Any]] | None:
+        """Take in what ``marks`` add (whole chunks), dealt at once; ``states``: every rank's, now.
+        Returns this rank's dealt chunks per stream, or None when nothing came."""
+        try:
+            added = self.schedule.table.growth(marks)
+        except ValueError as exc:
+            log.warning("not taking in new documents: %s", exc)
+            return None
+        if not added:
+            return None
+        table, dealt = take_in(self.schedule, states, added, deal=True)
+        self.schedule = Schedule(table, self.streams, self.cfg.data.seed)
+        self._log_growth(added, "now")
+        self._note_prefix()
+        if self.cfg.data.data_mode == "streaming":
+            self.train_data = self.train_data.grown(table)
+        else:
+            self.train_data, _ = self._datasets()
+        return dealt[self.rank]
+
+    def _log_growth(self, added: list[tuple[int, int, int]], when: str) -> None:
+        parts = [f"{self.mongo.collections[c]} {lo}..{hi}" for c, lo, hi in added]
+        log.info("taking in new documents (%s) %s", ", ".join(parts), when)
+
+    def _note_prefix(self) -> None:
+        """Rank 0 hashes a sample of the table's prefix now, while the database answers, for the
+        checkpoints to come (a checkpoint may be saved because the database went away)."""
+        if self.rank != 0:
+            return
+        from dsgpt2.corpus.marks import prefix_record, record_trained
+
+        marks = self.schedule.table.marks
+        self._prefix = (marks, prefix_record(self.conn, marks, self.cfg.data.seed))
+        record_trained(self.conn, marks, str(self.cfg.ckpt.ckpt_dir))
+
+    def state_dict(self, state: ReadState) -> dict[str, Any]:
+        """What a checkpoint keeps of the data (a collective: every rank calls it)."""
+        return {
+            "table": self.schedule.table.to_dict(),
+            "streams": [list(s) for s in self.streams],
+            "prefix": self._prefix[1] if self._prefix else None,
+            "ranks": gather(state.to_dict()),
+        }
+
+    def poll(self, step: int) -> tuple[int, ...] | None:
+        """With ``--follow N``, every N steps: the marks, read by rank 0 (a collective)."""
+        n = self.cfg.data.follow
+        if not n or step % n:
+            return None
+        from dsgpt2.corpus.marks import read_marks
+
+        # A file-backed mock store is a snapshot per client: a new one reads what others wrote.
+        conn = Connection(self.mongo) if self.mongo.is_mock else self.conn
+        return tuple(on_rank0(lambda: read_marks(conn)))
+
+
+def check_saved_data(
+    conn: Connection, saved: dict[str, Any], marks: tuple[int, ...], where: Path
+) -> list[str]:
+    """Why the corpus no longer continues the checkpoint's run: its format, a shrunken or edited
+    trained prefix. Empty: it does (rank 0; reads a few documents).
+
+    Raises:
+        CheckpointError: a checkpoint without a data state (an older layout).
+    """
+    from dsgpt2.corpus.marks import prefix_problems
+
+    data = saved.get("data")
+    if not isinstance(data, dict) or "table" not in data:
+        raise checkpoint.CheckpointError(
+            f"{where} holds no data state this version reads (an older layout); start fresh with another "
+            "--ckpt_dir, or --no_resume"
+        )
+    problems = prefix_problems(conn, data.get("prefix") or {}, marks)
+    table_marks = ChunkTable.from_dict(data["table"]).marks
+    for name, mark, now in zip(conn.config.collections, table_marks, marks, strict=True):
+        if now < mark and not any(p.startswith(name) for p in problems):
+            problems.append(f"{name} holds {now} documents, fewer than the {mark} trained on")
+    return problems
