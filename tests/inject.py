@@ -1,9 +1,11 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
-    python tests/inject.py [--nonfinite_at N ...] [--exit_after STEP] -- DS_TRAINER_FLAGS...
+    python tests/inject.py [--nonfinite_at N ...] [--exit_after STEP] [--after STEP=COMMAND ...]
+        -- DS_TRAINER_FLAGS...
 
 --nonfinite_at: the loss of these micro-batches becomes NaN; --exit_after: die like a killed job
-right after that step (no cleanup, no final checkpoint), exit code 17.
+right after that step (no cleanup, no final checkpoint), exit code 17; --after: run the shell
+COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import subprocess
 import sys
 
 import torch
@@ -22,6 +25,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--nonfinite_at", type=int, nargs="*", default=[])
     p.add_argument("--exit_after", type=int)
+    p.add_argument("--after", action="append", default=[])
     argv = sys.argv[1:]
     cut = argv.index("--")
     faults = p.parse_args(argv[:cut])
@@ -29,7 +33,11 @@ def main() -> int:
     def on_loss(micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if micro in faults.nonfinite_at else loss
 
+    commands = {int(k): v for k, v in (a.split("=", 1) for a in faults.after)}
+
     def after_step(step: int) -> None:
+        if step in commands and os.environ.get("RANK", "0") == "0":
+            subprocess.run(commands[step], shell=True, check=True)
         if step == faults.exit_after:
             for child in multiprocessing.active_children():
                 child.kill()

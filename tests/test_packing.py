@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -61,3 +63,30 @@ def test_ranks_read_disjoint_chunks_covering_everything() -> None:
     assert not np.array_equal(schedule.order(0, 0), schedule.order(0, 1))
     assert np.array_equal(schedule.order(0, 1), Schedule(table, [(0, 1)], seed=3).order(0, 1))
     assert sorted(np.concatenate([eval_chunks(table, r, 3) for r in range(3)]).tolist()) == list(range(n))
+
+
+def test_growth_leaves_every_order_under_way_untouched() -> None:
+    from dsgpt2.data.dealing import Position, ReadState, take_in
+
+    table = ChunkTable.initial(["a", "b"], [250, 100], 100)
+    assert table.growth([250, 100]) == [] and table.growth([420, 150]) == [(0, 250, 350)]  # whole chunks
+    with pytest.raises(ValueError, match="fewer than the 250"):
+        table.growth([200, 100])
+    schedule = Schedule(table, [(0, 1)], seed=1)
+    states = [ReadState([Position(2, 1, 0)]), ReadState([Position(3, 0, 0)])]
+    for deal in (False, True):
+        grown, dealt = take_in(schedule, states, [(0, 250, 450)], deal=deal)
+        after = Schedule(grown, [(0, 1)], seed=1)
+        assert grown.n_chunks == 6 and grown.locate(5) == (0, 350, 450) and grown.marks == (450, 100)
+        for epoch in range(4):  # every epoch a rank has begun keeps its order
+            assert np.array_equal(after.order(0, epoch), schedule.order(0, epoch))
+        assert sorted(after.order(0, 4).tolist()) == list(range(6))  # the next one holds the new chunks
+        assert np.array_equal(after.order(0, 4)[:4], schedule.order(0, 4))  # after the old ones
+        if deal:  # dealt now as well, tagged with each rank's current epoch
+            assert dealt == [
+                {0: [(2, int(after.dealt(0, 1)[0]), 0)]},
+                {0: [(3, int(after.dealt(0, 1)[1]), 0)]},
+            ]
+        else:
+            assert dealt == [{}, {}]
+    assert ChunkTable.from_dict(json.loads(json.dumps(grown.to_dict()))) == grown

@@ -1,0 +1,246 @@
+"""A living corpus through ds_trainer.py: documents ingested (by another process) while a run trains,
+resume across growth, refusals for a shrunken or edited prefix, the token cache appended to, and
+mixture weights with stages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, store_config, write_config
+from dsgpt2.corpus import mockstore
+from dsgpt2.corpus.builtin import stdlib_documents
+from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.mongo import Connection
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
+from dsgpt2.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+FIRST = 200  # chunks of 100 documents: "a" starts with 2, "b" with 1, and grows by 3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("growth")
+    cfg, store = store_config(base, ["a", "b"])
+    conn = Connection(load_config(cfg))
+    ingest(conn, "a", [builtin_source("stdlib", FIRST)])
+    ingest(conn, "b", [builtin_source("stdlib", 100)])
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
+    new = base / "new.jsonl"
+    docs = list(stdlib_documents(FIRST + 300))[FIRST:]
+    new.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    ds = base / "ds.json"
+    ds.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": 4,
+                "gradient_accumulation_steps": 1,
+                "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                "zero_optimization": {"stage": 0},
+                "steps_per_print": 1000000,
+            }
+        )
+    )
+    mockstore.reset()
+    return {"store": store, "tok": base / "tok", "ds": ds, "new": new}
+
+
+def own_store(corpus: dict[str, Path], run: Path, **keys: object) -> Path:
+    """A copy of the corpus for one run (it will grow), and its config file."""
+    run.mkdir(parents=True, exist_ok=True)
+    shutil.copy(corpus["store"], run / "db.mongo")
+    return write_config(
+        run / "c.json",
+        MONGO_CONNECTION_STRING=f"mongomock://{run / 'db.mongo'}",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=keys.pop("COLLECTIONS", ["a", "b"]),
+        **keys,
+    )
+
+
+def ingest_command(cfg: Path, corpus: dict[str, Path]) -> str:
+    return (
+        f"{sys.executable} -m dsgpt2 ingest --config {cfg} --collection a --format jsonl "
+        f"--no_progress {corpus['new']}"
+    )
+
+
+def train(
+    corpus: dict[str, Path], cfg: Path, run: Path, *extra: str, faults: tuple[str, ...] = (), code: int = 0
+) -> subprocess.CompletedProcess:
+    script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
+    args = [
+        "--deepspeed_config", str(corpus["ds"]), "--config_train", str(cfg), "--vocab_dir", str(corpus["tok"]),
+        "--model_select", "tiny", "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100",
+        "--num_workers", "1", "--seed", "3", "--wandb", "off", "--eval_interval", "1000", "--eval_iters", "1",
+        "--log_interval", "1", "--log_block_ids", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"),
+        *extra,
+    ]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, *script, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert result.returncode == code, result.stderr[-3000:]
+    return result
+
+
+def records(run: Path, event: str = "train") -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == event}
+
+
+GROW_RUN = ("--train_iters", "8", "--save_interval", "4", "--follow", "2")
+
+
+@pytest.fixture(scope="module")
+def followed(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 steps; 300 documents ingested by another process after step 3; --follow 2 sees them at 4."""
+    run = tmp_path_factory.mktemp("followed")
+    cfg = own_store(corpus, run)
+    train(corpus, cfg, run, *GROW_RUN, faults=("--after", f"3={ingest_command(cfg, corpus)}"))
+    return run
+
+
+def test_follow_trains_on_documents_ingested_meanwhile(followed: Path) -> None:
+    growth = records(followed, "growth")
+    assert list(growth) == [4] and growth[4]["added"] == {"a": 300}
+    steps = records(followed)
+    # The table started with 3 chunks (0, 1: "a"; 2: "b"); the 300 new documents are chunks 3-5.
+    before = {c for s in range(1, 5) for _, c, _ in steps[s]["block_ids"]}
+    after = {c for s in range(5, 9) for _, c, _ in steps[s]["block_ids"]}
+    assert before <= {0, 1, 2}
+    assert after & {3, 4, 5}, after  # dealt at once: read in the very next steps
+    ids = [tuple(i) for s in steps.values() for i in s["block_ids"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_resume_after_growth_retraces_the_run_that_saw_it(
+    corpus: dict[str, Path], followed: Path, tmp_path: Path
+) -> None:
+    cfg = own_store(corpus, tmp_path)
+    # Killed right after step 4 (checkpoint 4 saved); meanwhile the same documents arrive.
+    train(corpus, cfg, tmp_path, *GROW_RUN, faults=("--exit_after", "4"), code=17)
+    subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
+    out = train(corpus, cfg, tmp_path, *GROW_RUN)
+    assert "taking in new documents (a 200..500) now" in out.stderr
+    straight, resumed = records(followed), records(tmp_path)
+    for step in range(5, 9):
+        assert resumed[step]["block_ids"] == straight[step]["block_ids"], step
+        assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-6)
+
+
+def test_without_follow_growth_waits_for_the_next_epoch(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = own_store(corpus, tmp_path)
+    train(corpus, cfg, tmp_path, "--train_iters", "2")
+    subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
+    out = train(corpus, cfg, tmp_path, "--train_iters", "6")
+    assert "taking in new documents (a 200..500) from the next epoch" in out.stderr
+    # The epoch under way keeps its order (see test_packing for the next one's).
+    assert {c for s in records(tmp_path).values() for e, c, _ in s["block_ids"]} <= {0, 1, 2}
+
+
+def test_resume_refuses_a_shrunken_or_edited_prefix(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = own_store(corpus, tmp_path)
+    train(corpus, cfg, tmp_path, "--train_iters", "2")
+    conn = Connection(load_config(cfg))
+    original = conn.db["a"].find_one({"idx": 0})["filt_text"]
+    conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": "edited in place"}})
+    conn.commit()
+    out = train(corpus, cfg, tmp_path, "--train_iters", "4", code=2)
+    assert "a: documents below idx 200 (trained on) were changed or removed" in out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 3
+    conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": original}})
+    conn.db["a"].delete_many({"idx": {"$gte": 150}})
+    conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"count": 150}})
+    conn.commit()
+    out = train(corpus, cfg, tmp_path, "--train_iters", "4", code=2)
+    assert "a holds 150 documents, fewer than the 200 trained on" in out.stderr
+    mockstore.reset()
+
+
+def test_cached_mode_appends_new_documents(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = own_store(corpus, tmp_path)
+    cache = tmp_path / "cache"
+    train(corpus, cfg, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
+    meta = json.loads((cache / "cache.json").read_text())
+    head = (cache / "train.bin").read_bytes()
+    assert meta["chunks"] == 3
+    subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
+    out = train(corpus, cfg, tmp_path, "--train_iters", "6", "--data_mode", "cached", "--cache_dir", str(cache),
+                "--follow", "2")  # fmt: skip
+    assert "3 chunk(s) tokenized and added" in out.stderr
+    assert json.loads((cache / "cache.json").read_text())["chunks"] == 6
+    assert (cache / "train.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
+    later = {c for s in records(tmp_path).values() if s["step"] > 2 for _, c, _ in s["block_ids"]}
+    assert later & {3, 4, 5}
+
+
+MIX = ("--train_iters", "12", "--save_interval", "4", "--mixture", "a=0.5,b=0.5; 6: a=0.2,b=0.8")
+
+
+def shares(run: Path, lo: int, hi: int) -> dict[str, float]:
+    steps = records(run)
+    got = {k: steps[hi]["collection_tokens"][k] - steps[lo]["collection_tokens"][k] for k in ("a", "b")}
+    total = sum(got.values())
+    return {k: v / total for k, v in got.items()}
+
+
+def test_mixture_weights_and_stages_hold_across_two_resumes(corpus: dict[str, Path], tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    train(corpus, own_store(corpus, straight), straight, *MIX)
+    # "b" holds a third of the documents, and gives half the tokens, then 80%.
+    assert shares(straight, 1, 6)["b"] == pytest.approx(0.5, abs=0.05)
+    assert shares(straight, 6, 12)["b"] == pytest.approx(0.8, abs=0.05)
+    resumed = tmp_path / "resumed"
+    cfg = own_store(corpus, resumed)
+    train(corpus, cfg, resumed, *MIX, faults=("--exit_after", "4"), code=17)
+    train(corpus, cfg, resumed, *MIX, faults=("--exit_after", "8"), code=17)  # across the stage change
+    train(corpus, cfg, resumed, *MIX)
+    a, b = records(straight), records(resumed)
+    assert [a[s]["block_ids"] for s in range(1, 13)] == [b[s]["block_ids"] for s in range(1, 13)]
+    assert b[12]["collection_tokens"] == a[12]["collection_tokens"]
+
+
+def test_mixture_weights_from_the_config(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = own_store(corpus, tmp_path, COLLECTIONS=[{"name": "a", "weight": 3}, {"name": "b", "weight": 1}])
+    train(corpus, cfg, tmp_path, "--train_iters", "8")
+    assert shares(tmp_path, 1, 8)["a"] == pytest.approx(0.75, abs=0.05)
+
+
+def test_mixture_flag_errors_are_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
+    cfg = own_store(corpus, tmp_path)
+    out = train(corpus, cfg, tmp_path, "--mixture", "a=0.5,news=0.5", code=2)
+    assert "--mixture: news not in COLLECTIONS (a, b)" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_shares_track_weights_over_long_windows() -> None:
+    """Block-level choice: over any window of 1,000 batches after the first 100, every share is
+    within 2 points of its weight, for weights far from the collections' sizes."""
+    from dsgpt2.data.mixture import Stage, pick, stage_at
+
+    rng = np.random.default_rng(0)
+    weights = (0.7, 0.2, 0.1)
+    taken, history = [0, 0, 0], []
+    for _ in range(1100 * 8):
+        s = pick(taken, weights, 64)
+        n = int(rng.integers(20, 65))  # the last block of a chunk is short
+        taken[s] += n
+        history.append((s, n))
+    batches = (
+        np.array([[n if s == c else 0 for c in range(3)] for s, n in history]).reshape(1100, 8, 3).sum(1)
+    )
+    window = batches[100:1100].sum(0)
+    assert np.abs(window / window.sum() - weights).max() < 0.02
+    assert (
+        stage_at([Stage(0, (1.0,)), Stage(5, (1.0,))], 4) == 0
+        and stage_at([Stage(0, (1,)), Stage(5, (1,))], 5) == 1
+    )
