@@ -81,11 +81,11 @@ def train(
 ) -> subprocess.CompletedProcess:
     script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
     args = [
-        "--deepspeed_config", str(corpus["ds"]), "--config_train", str(cfg), "--vocab_dir", str(corpus["tok"]),
-        "--model_select", "tiny", "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100",
-        "--num_workers", "1", "--seed", "3", "--wandb", "off", "--eval_interval", "1000", "--eval_iters", "1",
-        "--log_interval", "1", "--log_block_ids", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"),
-        *extra,
+        "--deepspeed_config", str(corpus["ds"]), "--config_train", str(cfg),
+        "--vocab_dir", str(corpus["tok"]), "--model_select", "tiny", "--context_length", "64",
+        "--tr_ratio", "0.9", "--chunk_docs", "100", "--num_workers", "1", "--seed", "3", "--wandb", "off",
+        "--eval_interval", "1000", "--eval_iters", "1", "--log_interval", "1", "--log_block_ids",
+        "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"), *extra,
     ]  # fmt: skip
     result = subprocess.run(
         [sys.executable, *script, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
@@ -175,8 +175,8 @@ def test_cached_mode_appends_new_documents(corpus: dict[str, Path], tmp_path: Pa
     head = (cache / "train.bin").read_bytes()
     assert meta["chunks"] == 3
     subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
-    out = train(corpus, cfg, tmp_path, "--train_iters", "6", "--data_mode", "cached", "--cache_dir", str(cache),
-                "--follow", "2")  # fmt: skip
+    cached = ("--data_mode", "cached", "--cache_dir", str(cache))
+    out = train(corpus, cfg, tmp_path, "--train_iters", "6", *cached, "--follow", "2")
     assert "3 chunk(s) tokenized and added" in out.stderr
     assert json.loads((cache / "cache.json").read_text())["chunks"] == 6
     assert (cache / "train.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
