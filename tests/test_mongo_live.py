@@ -74,9 +74,10 @@ class Corpus:
         if self.secret:
             assert self.secret not in result.stdout + result.stderr
 
-    def train(self, run: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    def train(self, run: Path, *extra: str, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        script = ["tests/inject.py", *faults, "--"] if faults else ["ds_trainer.py"]
         args = [
-            sys.executable, "ds_trainer.py",
+            sys.executable, *script,
             "--deepspeed_config", "configs/ds_config_cpu.json",
             "--config_train", str(self.config),
             "--vocab_dir", str(self.base / "tok"),
@@ -290,3 +291,39 @@ def test_reads_follow_read_preference_and_name_their_server(
     host = config.hosts  # "127.0.0.1:PORT"
     said = [r.getMessage() for r in caplog.records if "reads from" in r.getMessage()]
     assert len(said) == 1 and host in said[0] and "secondaryPreferred" in said[0], said
+
+
+def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_path: Path) -> None:
+    """Another process ingests while the run trains on the server; --follow deals the new chunks;
+    info then shows the mark the run reached and what came after it."""
+    if not (corpus.base / "tok").exists():
+        pytest.skip("needs the vocabulary of test_vocab_download_and_train_from_the_cli")
+    from dsgpt2.corpus.builtin import stdlib_documents
+
+    live = Corpus(corpus.uri, tmp_path)
+    try:
+        first = live.cli("ingest", "--config", str(live.config), "--sample", "stdlib", "--limit", "100",
+                         "--batch_size", "50", "--no_progress")  # fmt: skip
+        assert first.returncode == 0, first.stderr
+        for name, docs in (("more", range(100, 160)), ("later", range(160, 190))):
+            texts = list(stdlib_documents(docs.stop))[docs.start :]
+            (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        ingest = f"{sys.executable} -m dsgpt2 ingest --config {live.config} --format jsonl --no_progress"
+        (tmp_path / "tok").symlink_to(corpus.base / "tok")
+        live.train(tmp_path / "run", "--train_iters", "6", "--follow", "2", "--log_block_ids",
+                   faults=("--after", f"3={ingest} {tmp_path / 'more.jsonl'}"))  # fmt: skip
+        metrics = read_metrics(tmp_path / "run" / "ws" / "metrics.jsonl")
+        growth = [r for r in metrics if r["event"] == "growth"]
+        assert [(g["step"], g["added"]) for g in growth] == [(4, {"stdlib": 60})]
+        later = {c for r in metrics if r["event"] == "train" and r["step"] > 4 for _, c, _ in r["block_ids"]}
+        assert later & set(range(5, 8)), later  # chunks 5-7: documents 100-159
+        assert live.cli("ingest", "--config", str(live.config), "--format", "jsonl", "--no_progress",
+                        str(tmp_path / "later.jsonl")).returncode == 0  # fmt: skip
+        info = live.cli("info", "--config", str(live.config), "--json")
+        (entry,) = json.loads(info.stdout)["collections"]
+        assert entry["count"] == 190 and entry["last_run"]["mark"] == 160
+        assert entry["growth_since_last_run"] == 30
+    finally:
+        conn = Connection(live.mongo)
+        conn.client.drop_database(live.db)
+        conn.close()

@@ -177,6 +177,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     require_collections(connect(config), args.config)
     wrapper = MongoWrapper(config)
     meta = read_meta(wrapper.connection, list(config.collections))
+    total = max(len(wrapper), 1)
+    weights = [w / sum(config.weights) for w in config.weights] or [None] * len(config.collections)
     info = {
         "uri": config.display_uri,
         "db": config.db,
@@ -184,14 +186,20 @@ def cmd_info(args: argparse.Namespace) -> int:
         "collections": [
             {
                 "name": name,
-                "count": count,
+                "count": count,  # the high-water mark: [0, count) is complete
+                "natural_share": count / total,
+                "weight": weight,
+                "last_run": meta.get(name, {}).get("trained"),
+                "growth_since_last_run": count - meta[name]["trained"]["mark"]
+                if isinstance(meta.get(name, {}).get("trained"), dict)
+                else None,
                 "cleaner_version": meta.get(name, {}).get("cleaner_version"),
                 "sources": [
                     {k: s.get(k) for k in ("label", "records", "inserted", "complete")}
                     for s in meta.get(name, {}).get("sources", {}).values()
                 ],
             }
-            for name, count in zip(config.collections, wrapper.counts, strict=True)
+            for name, count, weight in zip(config.collections, wrapper.counts, weights, strict=True)
         ],
     }
     if args.json:
@@ -199,7 +207,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         return 0
     print(f"{info['uri']} / {info['db']}: {info['documents']} documents")
     for c in info["collections"]:
-        print(f"  {c['name']}: {c['count']} documents (cleaner {c['cleaner_version'] or '-'})")
+        share = f"{c['natural_share']:.1%} of the documents"
+        if c["weight"] is not None:
+            share += f", weight {c['weight']:.1%} of the tokens"
+        print(f"  {c['name']}: {c['count']} documents, high-water mark {c['count']} ({share}; "
+              f"cleaner {c['cleaner_version'] or '-'})")  # fmt: skip
+        if c["last_run"]:
+            print(f"    last run ({c['last_run'].get('run')}) trained to {c['last_run']['mark']}: "
+                  f"{c['growth_since_last_run']:+d} since")  # fmt: skip
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
