@@ -117,3 +117,16 @@ def test_config_dump_holds_every_flag(files: dict[str, Path]) -> None:
     dumped = parse(argv(files, "--train_iters", "7")).to_dict()
     assert dumped["train_iters"] == 7 and dumped["vocab_dir"] == str(files["tok"])
     assert json.loads(json.dumps(dumped)) == dumped
+
+
+def test_arch_suffixes_deepspeed_cannot_read_are_made_plain() -> None:
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST=9.0a, on which DeepSpeed's FusedAdam build
+    fails (seen on an H100); the plain arch builds the same ops."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import os, dsgpt2.train; print(os.environ['TORCH_CUDA_ARCH_LIST'])"
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0a;10.0f+PTX"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "8.0;9.0;10.0+PTX"

@@ -4,6 +4,7 @@ Only this package imports deepspeed.
 """
 
 import os
+import re
 
 
 def _name_the_accelerator() -> None:
@@ -15,4 +16,15 @@ def _name_the_accelerator() -> None:
         os.environ["DS_ACCELERATOR"] = "cpu"
 
 
+def _plain_arch_list() -> None:
+    # DeepSpeed's op builder reads TORCH_CUDA_ARCH_LIST as plain "M.N" numbers: an arch-specific
+    # entry such as "9.0a" (set by CUDA images for Hopper) fails its JIT build of FusedAdam with
+    # "invalid literal for int() with base 10: '0a'". The plain arch builds the same ops.
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    plain = re.sub(r"(\d+\.\d+)[a-z]\b", r"\1", value)
+    if plain != value:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain
+
+
 _name_the_accelerator()
+_plain_arch_list()
