@@ -90,3 +90,44 @@ def test_growth_leaves_every_order_under_way_untouched() -> None:
         else:
             assert dealt == [{}, {}]
     assert ChunkTable.from_dict(json.loads(json.dumps(grown.to_dict()))) == grown
+
+
+def test_elastic_resume_of_a_mixture_redeals_each_stream_once() -> None:
+    from dsgpt2.data.dealing import Position, ReadState, redeal_states
+
+    table = ChunkTable.initial(["a", "b"], [70, 50], 10)
+    schedule = Schedule(table, [(0,), (1,)], seed=4)
+    blocks = lambda c: c % 3 + 1  # noqa: E731 - chunk c holds c % 3 + 1 blocks
+
+    def read(positions: list[Position], s: int) -> set[tuple[int, int, int]]:
+        out = set()
+        for r, p in enumerate(positions):
+            for e in range(p.epoch + 1):
+                mine = schedule.rank_chunks(s, e, r, len(positions))
+                done = len(mine) if e < p.epoch else p.chunk
+                out |= {(e, int(c), b) for c in mine[:done] for b in range(blocks(int(c)))}
+                if e == p.epoch and p.chunk < len(mine):
+                    out |= {(e, int(mine[p.chunk]), b) for b in range(p.block)}
+        return out
+
+    states = [
+        ReadState([Position(0, 2, 1), Position(1, 0, 0)], [300, 100], 1, 9, {0: 300, 1: 100}),
+        ReadState([Position(0, 3, 0), Position(0, 1, 1)], [250, 150], 1, 9, {0: 250, 1: 150}),
+    ]
+    three = redeal_states(schedule, states, 3)
+    for s in (0, 1):
+        last = max(st.streams[s].epoch for st in states)
+        left = [
+            (e, c, b) for st in three for e, c, skip in st.streams[s].queue for b in range(skip, blocks(c))
+        ]
+        every = {
+            (e, int(c), b)
+            for e in range(last + 1)
+            for c in schedule.order(s, e)
+            for b in range(blocks(int(c)))
+        }
+        done = read([st.streams[s] for st in states], s)
+        assert len(left) == len(set(left)) and set(left).isdisjoint(done) and set(left) | done == every
+        assert all(st.streams[s].epoch == last + 1 and st.streams[s].chunk == 0 for st in three)
+    assert [st.stage for st in three] == [1, 1, 1] and [st.micro for st in three] == [9, 9, 9]
+    assert three[0].tokens == {0: 550, 1: 250} and three[1].tokens == three[2].tokens == {}
