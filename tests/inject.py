@@ -28,7 +28,8 @@ def main() -> int:
     p.add_argument("--after", action="append", default=[])
     argv = sys.argv[1:]
     cut = argv.index("--")
-    faults = p.parse_args(argv[:cut])
+    # The deepspeed launcher puts --local_rank=N first: it is the trainer's.
+    faults, launcher_args = p.parse_known_args(argv[:cut])
 
     def on_loss(micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if micro in faults.nonfinite_at else loss
@@ -43,7 +44,7 @@ def main() -> int:
                 child.kill()
             os._exit(17)
 
-    return trainer.main(argv[cut + 1 :], on_loss=on_loss, after_step=after_step)
+    return trainer.main([*launcher_args, *argv[cut + 1 :]], on_loss=on_loss, after_step=after_step)
 
 
 if __name__ == "__main__":

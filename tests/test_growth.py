@@ -244,3 +244,49 @@ def test_shares_track_weights_over_long_windows() -> None:
         stage_at([Stage(0, (1.0,)), Stage(5, (1.0,))], 4) == 0
         and stage_at([Stage(0, (1,)), Stage(5, (1,))], 5) == 1
     )
+
+
+def test_two_ranks_follow_growth_with_a_mixture_from_one_cache(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two gloo ranks under the deepspeed launcher, cached mode, mixture weights: rank 0 reads the marks
+    and appends the cache, both ranks take the new chunks in at the same step, no block twice."""
+    import socket
+
+    cfg = own_store(corpus, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    inject = [str(ROOT / "tests" / "inject.py"), "--after", f"3={ingest_command(cfg, corpus)}", "--"]
+    args = [
+        "--deepspeed_config", str(corpus["ds"]), "--config_train", str(cfg),
+        "--vocab_dir", str(corpus["tok"]), "--model_select", "tiny", "--context_length", "64",
+        "--num_workers", "1", "--wandb", "off", "--eval_interval", "1000", "--log_interval", "1",
+        "--log_block_ids",
+        "--ckpt_dir", str(tmp_path / "ckpt"), "--workspace", str(tmp_path / "ws"), "--train_iters", "8",
+        "--follow", "2", "--mixture", "a=0.6,b=0.4", "--data_mode", "cached",
+    ]  # fmt: skip
+
+    def launch(chunk_docs: str) -> subprocess.CompletedProcess:
+        cmd = [*launcher, *inject, *args, "--chunk_docs", chunk_docs]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    # With weights each collection is dealt to the ranks on its own: "b" must make a chunk per rank.
+    refused = launch("100")
+    assert refused.returncode != 0
+    assert "b: 100 documents make 1 chunk(s) of --chunk_docs 100, fewer than the 2 ranks" in refused.stderr
+    assert "lower --chunk_docs (at most 50) or drop the collection's weight" in refused.stderr
+    out = launch("50")
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert [(s, g["added"]) for s, g in records(tmp_path, "growth").items()] == [(4, {"a": 300})]
+    ids = []
+    for rank in range(2):
+        steps = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert [r["step"] for r in steps] == list(range(1, 9))
+        ids.append([tuple(b) for r in steps for b in r["block_ids"]])
+    assert not set(ids[0]) & set(ids[1]) and len(ids[0]) == len(set(ids[0]))
+    # Chunks of 50: "a" 0-3, "b" 4-5, then the 300 new documents of "a" 6-11.
+    assert {c for _, c, _ in ids[0] + ids[1]} & set(range(6, 12))
+    assert json.loads((tmp_path / "ws" / "cache" / "cache.json").read_text())["chunks"] == 12
+    assert shares(tmp_path, 1, 8)["a"] == pytest.approx(0.6, abs=0.05)

@@ -20,6 +20,7 @@ from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take
 from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
+from dsgpt2.errors import ConfigError
 from dsgpt2.train import checkpoint
 from dsgpt2.train.collective import barrier, gather, on_rank0
 from dsgpt2.train.config import TrainConfig
@@ -70,9 +71,25 @@ class Feed:
                         state.streams[s].queue.extend(items)
                 self.schedule = Schedule(table, self.streams, seed)
                 self._log_growth(added, "now" if self.cfg.data.follow else "from the next epoch")
+        self._check_enough_chunks()
         self.state = states[self.rank]
         self.train_data, self.val_data = self._datasets()
         self._note_prefix()
+
+    def _check_enough_chunks(self) -> None:
+        """Every rank reads whole chunks of every stream each epoch: a stream needs one per rank."""
+        table = self.schedule.table
+        for members in self.streams:
+            n = sum(len(table.chunks_of(g, members)) for g in range(table.generations))
+            if n < self.world:
+                docs = sum(table.marks[c] for c in members)
+                what = ", ".join(self.mongo.collections[c] for c in members)
+                raise ConfigError(
+                    f"{what}: {docs} documents make {n} chunk(s) of --chunk_docs {self.spec.chunk_docs}, fewer "
+                    f"than the {self.world} ranks that each read one per epoch; lower --chunk_docs (at most "
+                    f"{max(1, docs // self.world)})"
+                    + (" or drop the collection's weight" if self.stages else "")
+                )
 
     def _datasets(self) -> tuple[Any, Any]:
         d, table = self.cfg.data, self.schedule.table
