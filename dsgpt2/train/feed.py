@@ -84,9 +84,10 @@ class Feed:
             if n < self.world:
                 docs = sum(table.marks[c] for c in members)
                 what = ", ".join(self.mongo.collections[c] for c in members)
+                size = self.spec.chunk_docs
                 raise ConfigError(
-                    f"{what}: {docs} documents make {n} chunk(s) of --chunk_docs {self.spec.chunk_docs}, fewer "
-                    f"than the {self.world} ranks that each read one per epoch; lower --chunk_docs (at most "
+                    f"{what}: {docs} documents make {n} chunk(s) of --chunk_docs {size}, fewer than the "
+                    f"{self.world} ranks that each read one per epoch; lower --chunk_docs (at most "
                     f"{max(1, docs // self.world)})"
                     + (" or drop the collection's weight" if self.stages else "")
                 )
