@@ -123,22 +123,33 @@ def test_follow_trains_on_documents_ingested_meanwhile(followed: Path) -> None:
     assert len(ids) == len(set(ids))
 
 
-def test_resume_after_growth_retraces_the_run_that_saw_it(
+def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     corpus: dict[str, Path], followed: Path, tmp_path: Path
 ) -> None:
+    """Killed right after step 4 (checkpoint 4 saved) while the same documents arrive, resumed in
+    cached mode: the batches and losses of the streaming run that took them in at step 4, and only
+    the new chunks tokenized, appended to the cache."""
     cfg = own_store(corpus, tmp_path)
-    # Killed right after step 4 (checkpoint 4 saved); meanwhile the same documents arrive.
-    train(corpus, cfg, tmp_path, *GROW_RUN, faults=("--exit_after", "4"), code=17)
+    cache = tmp_path / "cache"
+    cached = ("--data_mode", "cached", "--cache_dir", str(cache))
+    train(corpus, cfg, tmp_path, *GROW_RUN, *cached, faults=("--exit_after", "4"), code=17)
+    assert json.loads((cache / "cache.json").read_text())["chunks"] == 3
+    head = (cache / "train.bin").read_bytes()
     subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
-    out = train(corpus, cfg, tmp_path, *GROW_RUN)
+    out = train(corpus, cfg, tmp_path, *GROW_RUN, *cached)
     assert "taking in new documents (a 200..500) now" in out.stderr
+    assert "3 chunk(s) tokenized and added" in out.stderr
+    assert json.loads((cache / "cache.json").read_text())["chunks"] == 6
+    assert (cache / "train.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
     straight, resumed = records(followed), records(tmp_path)
     for step in range(5, 9):
         assert resumed[step]["block_ids"] == straight[step]["block_ids"], step
         assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-6)
 
 
-def test_without_follow_growth_waits_for_the_next_epoch(corpus: dict[str, Path], tmp_path: Path) -> None:
+def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
     cfg = own_store(corpus, tmp_path)
     train(corpus, cfg, tmp_path, "--train_iters", "2")
     subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
@@ -147,44 +158,25 @@ def test_without_follow_growth_waits_for_the_next_epoch(corpus: dict[str, Path],
     # The epoch under way keeps its order (see test_packing for the next one's).
     assert {c for s in records(tmp_path).values() for e, c, _ in s["block_ids"]} <= {0, 1, 2}
 
-
-def test_resume_refuses_a_shrunken_or_edited_prefix(corpus: dict[str, Path], tmp_path: Path) -> None:
-    cfg = own_store(corpus, tmp_path)
-    train(corpus, cfg, tmp_path, "--train_iters", "2")
     conn = Connection(load_config(cfg))
     original = conn.db["a"].find_one({"idx": 0})["filt_text"]
     conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": "edited in place"}})
     conn.commit()
-    out = train(corpus, cfg, tmp_path, "--train_iters", "4", code=2)
-    assert "a: documents below idx 200 (trained on) were changed or removed" in out.stderr
+    out = train(corpus, cfg, tmp_path, "--train_iters", "8", code=2)
+    assert "a: documents below idx 500 (trained on) were changed or removed" in out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 3
     conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": original}})
-    conn.db["a"].delete_many({"idx": {"$gte": 150}})
-    conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"count": 150}})
+    conn.db["a"].delete_many({"idx": {"$gte": 450}})
+    conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"count": 450}})
     conn.commit()
-    out = train(corpus, cfg, tmp_path, "--train_iters", "4", code=2)
-    assert "a holds 150 documents, fewer than the 200 trained on" in out.stderr
+    out = train(corpus, cfg, tmp_path, "--train_iters", "8", code=2)
+    assert "a holds 450 documents, fewer than the 500 trained on" in out.stderr
     mockstore.reset()
 
 
-def test_cached_mode_appends_new_documents(corpus: dict[str, Path], tmp_path: Path) -> None:
-    cfg = own_store(corpus, tmp_path)
-    cache = tmp_path / "cache"
-    train(corpus, cfg, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
-    meta = json.loads((cache / "cache.json").read_text())
-    head = (cache / "train.bin").read_bytes()
-    assert meta["chunks"] == 3
-    subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
-    cached = ("--data_mode", "cached", "--cache_dir", str(cache))
-    out = train(corpus, cfg, tmp_path, "--train_iters", "6", *cached, "--follow", "2")
-    assert "3 chunk(s) tokenized and added" in out.stderr
-    assert json.loads((cache / "cache.json").read_text())["chunks"] == 6
-    assert (cache / "train.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
-    later = {c for s in records(tmp_path).values() if s["step"] > 2 for _, c, _ in s["block_ids"]}
-    assert later & {3, 4, 5}
-
-
-MIX = ("--train_iters", "12", "--save_interval", "4", "--mixture", "a=0.5,b=0.5; 6: a=0.2,b=0.8")
+# Stage 0 from the config's weights, the stage at step 6 from the flag.
+WEIGHTED = {"COLLECTIONS": [{"name": "a", "weight": 1}, {"name": "b", "weight": 1}]}
+MIX = ("--train_iters", "12", "--save_interval", "4", "--mixture", "6: a=0.2,b=0.8")
 
 
 def shares(run: Path, lo: int, hi: int) -> dict[str, float]:
@@ -196,24 +188,18 @@ def shares(run: Path, lo: int, hi: int) -> dict[str, float]:
 
 def test_mixture_weights_and_stages_hold_across_two_resumes(corpus: dict[str, Path], tmp_path: Path) -> None:
     straight = tmp_path / "straight"
-    train(corpus, own_store(corpus, straight), straight, *MIX)
+    train(corpus, own_store(corpus, straight, **WEIGHTED), straight, *MIX)
     # "b" holds a third of the documents, and gives half the tokens, then 80%.
     assert shares(straight, 1, 6)["b"] == pytest.approx(0.5, abs=0.05)
     assert shares(straight, 6, 12)["b"] == pytest.approx(0.8, abs=0.05)
     resumed = tmp_path / "resumed"
-    cfg = own_store(corpus, resumed)
+    cfg = own_store(corpus, resumed, **WEIGHTED)
     train(corpus, cfg, resumed, *MIX, faults=("--exit_after", "4"), code=17)
     train(corpus, cfg, resumed, *MIX, faults=("--exit_after", "8"), code=17)  # across the stage change
     train(corpus, cfg, resumed, *MIX)
     a, b = records(straight), records(resumed)
     assert [a[s]["block_ids"] for s in range(1, 13)] == [b[s]["block_ids"] for s in range(1, 13)]
     assert b[12]["collection_tokens"] == a[12]["collection_tokens"]
-
-
-def test_mixture_weights_from_the_config(corpus: dict[str, Path], tmp_path: Path) -> None:
-    cfg = own_store(corpus, tmp_path, COLLECTIONS=[{"name": "a", "weight": 3}, {"name": "b", "weight": 1}])
-    train(corpus, cfg, tmp_path, "--train_iters", "8")
-    assert shares(tmp_path, 1, 8)["a"] == pytest.approx(0.75, abs=0.05)
 
 
 def test_mixture_flag_errors_are_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
