@@ -117,3 +117,16 @@ def test_validate_cli_exit_codes_and_json(tmp_path: Path) -> None:
     assert {p["kind"] for p in report[0]["problems"]} == {"gaps", "meta_count_mismatch"}
     assert bad.stderr.strip().splitlines()[-1].startswith("dsgpt2: error: problems found in a")
     assert "Traceback" not in bad.stderr
+
+
+def test_documents_past_the_mark_of_a_running_ingest_are_no_problem() -> None:
+    """An ingest inserts a batch, then raises the count: training may start (or resume) in between."""
+    conn = Connection(make_config(["a"]))
+    seed(conn, "a", ["one", "two", "three", "four", "five"])
+    conn.db["meta_info"].update_one(
+        {"collection": "a"}, {"$set": {"count": 3, "sources": {"k": {"complete": False}}}}
+    )
+    report = validate_collection(conn, "a")
+    assert report.ok and [p.kind for p in report.problems] == ["ingest_in_progress"]
+    conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"sources.k.complete": True}})
+    assert [p.kind for p in validate_collection(conn, "a").problems] == ["meta_count_mismatch"]
