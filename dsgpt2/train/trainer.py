@@ -367,7 +367,8 @@ class Trainer:
                     boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, loss, losses, ids, bar, blocks)
                     self.maybe_evaluate(state)
-                    self.maybe_follow(state)
+                    if self.maybe_follow(state):
+                        boundary = (replace(state), self.stream.state.copy())
                     self.maybe_save(state)
                     if self.after_step is not None:
                         self.after_step(state.step)
@@ -475,22 +476,24 @@ class Trainer:
             self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": math.exp(min(self.last_val, 50))})  # fmt: skip
 
-    def maybe_follow(self, state: TrainState) -> None:
-        """With --follow: take in the documents ingested since the last look, dealt at once."""
+    def maybe_follow(self, state: TrainState) -> bool:
+        """With --follow: take in the documents ingested since the last look, dealt at once.
+        Returns whether any were."""
         marks = self.feed.poll(state.step)
         if marks is None or marks == self.feed.schedule.table.marks:
-            return
+            return False
         states = [ReadState.from_dict(d) for d in gather(self.stream.state.to_dict())]
         before = self.feed.schedule.table.marks
         dealt = self.feed.follow(marks, states)
         if dealt is None:
-            return
+            return False
         self.stream.regrow(self.feed.train_data, self.feed.schedule, dealt)
         self.batches = iter(self.stream)
         after = self.feed.schedule.table.marks
         self._write({"event": "growth", "step": state.step,
                      "added": {n: a - b for n, a, b in zip(self.mongo.collections, after, before, strict=True)
                                if a > b}})  # fmt: skip
+        return True
 
     def maybe_save(self, state: TrainState) -> None:
         if state.step % self.cfg.ckpt.save_interval == 0 and state.step < self.cfg.run.train_iters:
