@@ -67,9 +67,7 @@ def ratio(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(
-            f"must be in (0, 1] (the share of documents that train), got {value}"
-        )
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1], got {value}")
     return value
 
 

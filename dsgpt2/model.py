@@ -131,3 +131,33 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 def count_parameters(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(cfg: Any, context: int) -> float:
+    """Training FLOPs per token (forward and backward) of a GPT-2 config at ``context``.
+
+    6 per parameter (a multiply-add forward, two backward) plus attention's
+    ``12 · layers · context · width`` (PaLM, appendix B); recomputed activations are not counted,
+    so MFU stays comparable with and without activation checkpointing.
+    """
+    width, layers = cfg.n_embd, cfg.n_layer
+    per_layer = 12 * width * width + 13 * width  # attention and MLP matrices, their biases, two norms
+    params = layers * per_layer + cfg.vocab_size * width + cfg.n_positions * width + 2 * width
+    return 6.0 * params + 12.0 * layers * context * width
+
+
+def doc_position_ids(input_ids: Any, eot: int) -> Any:
+    """Positions that restart after every ``eot``: ``(B, T)`` → ``(B, T)``.
+
+    Given these and no attention mask, transformers' GPT-2 attends only within each run of
+    positions (it derives the packed-sequence mask from where positions restart), so a token sees
+    only its own document. A document's ``eot`` ends it and belongs to it.
+    """
+    import torch
+
+    _, t = input_ids.shape
+    idx = torch.arange(t, device=input_ids.device).expand_as(input_ids)
+    starts = torch.zeros_like(input_ids, dtype=torch.bool)
+    starts[:, 1:] = input_ids[:, :-1] == eot
+    last_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - last_start

@@ -139,7 +139,7 @@ def check_non_negative(flag: str, value: int | None) -> None:
 
 def check_ratio(flag: str, value: float | None) -> None:
     if value is not None and not 0 < value <= 1:
-        raise ConfigError(f"--{flag} must be in (0, 1] (the share of documents that train), got {value}")
+        raise ConfigError(f"--{flag} must be a share in (0, 1], got {value}")
 
 
 def check_choice(flag: str, value: str | None, choices: Iterable[str]) -> None:

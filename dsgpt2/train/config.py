@@ -19,12 +19,14 @@ from dsgpt2.model import PRESETS, read_model_config
 from dsgpt2.options import (
     add_options,
     as_path,
+    check_choice,
     check_non_negative,
     check_positive,
     check_ratio,
     from_namespace,
     option,
 )
+from dsgpt2.train.schedule import KINDS
 
 if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
@@ -147,6 +149,64 @@ class RunOptions:
         check_positive("max_nonfinite", self.max_nonfinite)
 
 
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
+@dataclass
+class ComputeOptions:
+    """How the model computes: attention kernel, compilation, activation memory, document masks."""
+
+    attn_implementation: str = option(
+        "sdpa", "attention kernel (flash_attention_2: the flash-attn package and a GPU)", choices=ATTENTION
+    )
+    compile: bool = option(False, "torch.compile the model (the first steps compile it)")
+    activation_checkpointing: bool = option(
+        False, "recompute each layer's activations in the backward pass: less memory, ~a third more compute"
+    )
+    doc_mask: bool = option(
+        False,
+        "attention stops at <|endoftext|>: a token sees only its own document inside a packed block "
+        "(training and validation)",
+    )
+    peak_tflops: float | None = option(
+        None, "the device's peak TFLOP/s for MFU (default: known GPUs at the run's precision; none on CPU)"
+    )
+
+    def __post_init__(self) -> None:
+        check_choice("attn_implementation", self.attn_implementation, ATTENTION)
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ConfigError(f"--peak_tflops {self.peak_tflops}: must be > 0")
+
+
+@dataclass
+class ScheduleOptions:
+    """The learning-rate schedule (see dsgpt2.train.schedule)."""
+
+    lr_schedule: str = option(
+        "deepspeed",
+        "deepspeed: the DeepSpeed config's scheduler; cosine: warmup then cosine decay to --min_lr_ratio; "
+        "wsd: warmup, stable, then a linear decay over the last --decay_fraction",
+        choices=list(KINDS),
+    )
+    lr: float | None = option(None, "peak learning rate (default: the DeepSpeed config's optimizer lr)")
+    warmup_iters: int | None = option(
+        None,
+        "warmup steps (default: the DeepSpeed config's, else 2%% of --train_iters)",
+        type=non_negative_int,
+    )
+    min_lr_ratio: float = option(0.1, "the learning rate at the end, as a share of the peak")
+    decay_fraction: float = option(0.2, "wsd: the share of --train_iters spent decaying", type=ratio)
+
+    def __post_init__(self) -> None:
+        check_choice("lr_schedule", self.lr_schedule, KINDS)
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"--lr {self.lr}: must be > 0")
+        check_non_negative("warmup_iters", self.warmup_iters)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio}: must be within [0, 1]")
+        check_ratio("decay_fraction", self.decay_fraction)
+
+
 @dataclass
 class CheckpointOptions:
     """Where checkpoints go, how many stay, and where a run resumes from."""
@@ -197,6 +257,8 @@ class TrainConfig:
     model: ModelOptions = field(default_factory=ModelOptions)
     run: RunOptions = field(default_factory=RunOptions)
     ckpt: CheckpointOptions = field(default_factory=CheckpointOptions)
+    compute: ComputeOptions = field(default_factory=ComputeOptions)
+    schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(Path("configs/ds_config.json")))
 
     def __post_init__(self) -> None:
@@ -228,7 +290,7 @@ class TrainConfig:
         from dataclasses import asdict
 
         out: dict[str, object] = {}
-        for part in (self.model, self.data, self.run, self.ckpt, self.engine):
+        for part in (self.model, self.data, self.run, self.ckpt, self.compute, self.schedule, self.engine):
             for k, v in asdict(part).items():
                 out[k] = str(v) if isinstance(v, Path) else v
         return out
@@ -239,6 +301,8 @@ GROUPS = (
     ("data", DataOptions),
     ("run", RunOptions),
     ("checkpoints", CheckpointOptions),
+    ("compute", ComputeOptions),
+    ("learning-rate schedule", ScheduleOptions),
 )
 
 
@@ -270,6 +334,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model=from_namespace(ModelOptions, args),
         run=from_namespace(RunOptions, args),
         ckpt=from_namespace(CheckpointOptions, args),
+        compute=from_namespace(ComputeOptions, args),
+        schedule=from_namespace(ScheduleOptions, args),
         engine=from_namespace(EngineOptions, args),
     )
 

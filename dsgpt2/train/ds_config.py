@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.train.schedule import Schedule
 
 log = logging.getLogger(__name__)
 FLAG = "--deepspeed_config"
@@ -93,3 +94,67 @@ def optimizer_weight_decay(cfg: dict[str, Any]) -> float:
 
 def zero_stage(cfg: dict[str, Any]) -> int:
     return int(cfg.get("zero_optimization", {}).get("stage", 0))
+
+
+def precision(cfg: dict[str, Any]) -> str:
+    """``bf16``, ``fp16`` or ``fp32``: what the config trains in."""
+    for name in ("bf16", "fp16"):
+        if cfg.get(name, {}).get("enabled"):
+            return name
+    return "fp32"
+
+
+def apply_schedule(cfg: dict[str, Any], opts: Any, train_iters: int) -> Schedule | None:
+    """Put a :class:`~dsgpt2.train.schedule.ScheduleOptions`' choice into ``cfg`` (in place).
+
+    Returns the schedule dsgpt2 drives, or None where the config's own scheduler stays
+    (``--lr_schedule deepspeed``; ``--lr`` then sets its peak).
+
+    Raises:
+        ConfigError: a schedule but no optimizer learning rate to take the peak from.
+    """
+    params = cfg.setdefault("optimizer", {}).setdefault("params", {})
+    if opts.lr is not None:
+        params["lr"] = opts.lr
+    sched = cfg.get("scheduler")
+    sched_params = sched.get("params", {}) if isinstance(sched, dict) else {}
+    if opts.lr_schedule == "deepspeed":
+        if opts.lr is not None and "warmup_max_lr" in sched_params:
+            sched_params["warmup_max_lr"] = opts.lr
+        return None
+    peak = params.get("lr")
+    if not isinstance(peak, int | float) or isinstance(peak, bool):
+        raise ConfigError(
+            f"--lr_schedule {opts.lr_schedule}: set --lr (the DeepSpeed config's optimizer has no lr)"
+        )
+    warmup = opts.warmup_iters
+    if warmup is None:
+        warmup = sched_params.get("warmup_num_steps", train_iters // 50)
+        warmup = min(int(warmup), max(0, train_iters // 10))
+    cfg.pop("scheduler", None)
+    kind = opts.lr_schedule
+    return Schedule(kind, float(peak), train_iters, warmup, opts.min_lr_ratio, opts.decay_fraction)
+
+
+def check_attention(kind: str, device: str, cfg: dict[str, Any]) -> None:
+    """Refuse an attention implementation this machine or precision cannot run.
+
+    Raises:
+        ConfigError: flash_attention_2 without a GPU, the flash-attn package, or half precision.
+    """
+    if kind != "flash_attention_2":
+        return
+    import importlib.util
+
+    if device != "cuda":
+        raise ConfigError("--attn_implementation flash_attention_2 needs a GPU; use sdpa (the default)")
+    if importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "--attn_implementation flash_attention_2: the flash-attn package is not installed "
+            "(pip install flash-attn --no-build-isolation), or use sdpa (the default)"
+        )
+    if precision(cfg) == "fp32":
+        raise ConfigError(
+            f"--attn_implementation flash_attention_2 runs in bf16 or fp16; {FLAG} trains in fp32: "
+            "use configs/ds_config.json (bf16) or sdpa"
+        )

@@ -13,6 +13,51 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+# Dense bf16/fp16 tensor-core peaks, TFLOP/s, by a piece of torch.cuda.get_device_name(); the
+# first piece found wins, so the more specific names come first.
+HALF_PRECISION_PEAKS = (
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("A10G", 125.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("V100", 125.0),
+    ("T4", 65.0),
+)
+
+
+def device_peak_tflops(name: str, precision: str) -> float | None:
+    """The peak TFLOP/s of a GPU named ``name`` at ``precision``; None where unknown (fp32, CPUs)."""
+    if precision not in ("bf16", "fp16"):
+        return None
+    return next((peak for piece, peak in HALF_PRECISION_PEAKS if piece in name), None)
+
+
+def peak_flops(flag_tflops: float | None, device: str, ds_config: dict[str, Any]) -> float | None:
+    """FLOP/s that MFU divides by: ``--peak_tflops``, else the GPU's known peak; None: no MFU."""
+    if flag_tflops is not None:
+        return flag_tflops * 1e12
+    if device != "cuda":
+        return None
+    import torch
+
+    from dsgpt2.train.ds_config import precision
+
+    name = torch.cuda.get_device_name()
+    peak = device_peak_tflops(name, precision(ds_config))
+    if peak is None:
+        log.info("no known peak FLOP/s for %s at %s: MFU not logged (set --peak_tflops)", name,
+                 precision(ds_config))  # fmt: skip
+        return None
+    return peak * 1e12
+
+
 class MetricsLog:
     """Writes one JSON object per event to ``run_dir/metrics.jsonl`` and mirrors it to wandb."""
 

@@ -31,13 +31,29 @@ from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import fingerprint, load_tokenizer
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
-from dsgpt2.model import PRESETS, build_model, count_parameters, gpt2_config, param_groups, read_model_config
+from dsgpt2.model import (
+    PRESETS,
+    build_model,
+    count_parameters,
+    doc_position_ids,
+    flops_per_token,
+    gpt2_config,
+    param_groups,
+    read_model_config,
+)
 from dsgpt2.train import checkpoint
 from dsgpt2.train.collective import gather, on_rank0
 from dsgpt2.train.config import ModelOptions, TrainConfig, parse
-from dsgpt2.train.ds_config import load_ds_config, optimizer_weight_decay, zero_stage
+from dsgpt2.train.ds_config import (
+    apply_schedule,
+    check_attention,
+    load_ds_config,
+    optimizer_weight_decay,
+    zero_stage,
+)
 from dsgpt2.train.feed import Feed, check_saved_data
-from dsgpt2.train.metrics import MetricsLog, plot_losses
+from dsgpt2.train.metrics import MetricsLog, peak_flops, plot_losses
+from dsgpt2.train.schedule import ScheduledLR
 
 log = logging.getLogger("dsgpt2.train.trainer")
 
@@ -181,21 +197,39 @@ class Trainer:
 
         m = self.cfg.model
         _seed_all(self.cfg.data.seed)
+        c = self.cfg.compute
+        check_attention(c.attn_implementation, self.device, self.ds_config)
         if init is None:
             self.model_config = gpt2_config(
                 m.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, m.model_config
             )
+            self.model_config._attn_implementation = c.attn_implementation
             model = build_model(self.model_config)
         else:
             from dsgpt2.train.weights import build_with_weights
 
             self.model_config = init[0]
+            self.model_config._attn_implementation = c.attn_implementation
             model = build_with_weights(init[0], init[1], str(m.init_from))
             log.info("initialised from %s", m.init_from)
+        if c.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         groups = param_groups(model, optimizer_weight_decay(self.ds_config))
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=self.ds_config)
+        self.lr_schedule = apply_schedule(self.ds_config, self.cfg.schedule, self.cfg.run.train_iters)
+        scheduler = None
+        if self.lr_schedule is not None:
+            schedule = self.lr_schedule
+            scheduler = lambda optimizer: ScheduledLR(optimizer, schedule)  # noqa: E731
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=self.ds_config, lr_scheduler=scheduler
+        )
+        if c.compile:
+            # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
+            engine.compile()
         self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
         self.grad_accum = self.ds_config["gradient_accumulation_steps"]
+        self.flops_per_token = flops_per_token(self.model_config, context)
+        self.peak_flops = peak_flops(c.peak_tflops, self.device, self.ds_config)
         log.info(
             "model %s: %.1fM parameters, context %d, vocab %d; %d rank(s), micro-batch %d × accumulation %d, "
             "ZeRO stage %d, %s",
@@ -327,6 +361,10 @@ class Trainer:
 
     def _warn_schedule_change(self, saved: dict[str, Any], step: int) -> None:
         """Another --train_iters than the checkpoint's stretches or shrinks the learning-rate decay."""
+        then = getattr(self.engine.lr_scheduler, "resumed_from", None)
+        if then and self.lr_schedule is not None and then.get("kind") != self.lr_schedule.kind:
+            log.warning("the checkpoint's run followed a %s schedule; this one follows %s from step %d",
+                        then.get("kind"), self.lr_schedule.kind, step)  # fmt: skip
         before = int(saved.get("args", {}).get("train_iters") or self.cfg.run.train_iters)
         if before == self.cfg.run.train_iters or step >= self.cfg.run.train_iters:
             return
@@ -354,6 +392,10 @@ class Trainer:
             self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, self._run_config())
         self._stop_on_signals()
         self.started = (state.step, state.tokens, time.monotonic())
+        self._last_log = self.started
+        # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
+        self._norm_by_hand = zero_stage(self.ds_config) == 0
+        self._hand_norm: float | None = None
         self.last_val: float | None = None
         self._eval_cache: list[Any] | None = None
         self.batches = iter(self.stream)
@@ -363,9 +405,9 @@ class Trainer:
         with _progress(self.rank, r.train_iters, state.step) as bar, self._block_log() as blocks:
             try:
                 while state.step < r.train_iters and not self.stop_requested:
-                    loss, losses, ids = self.train_step(state, self.batches)
+                    losses, ids = self.train_step(state, self.batches)
                     boundary = (replace(state), self.stream.state.copy())
-                    self.log_step(state, loss, losses, ids, bar, blocks)
+                    self.log_step(state, losses, ids, bar, blocks)
                     self.maybe_evaluate(state)
                     if self.maybe_follow(state):
                         boundary = (replace(state), self.stream.state.copy())
@@ -378,37 +420,54 @@ class Trainer:
                 self.stream.close()
         return self.finish(state)
 
-    def train_step(self, state: TrainState, batches: Any) -> tuple[float, list[float], list[Any]]:
-        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped."""
+    def train_step(self, state: TrainState, batches: Any) -> tuple[list[torch.Tensor], list[Any]]:
+        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped.
+
+        Returns the micro-batches' losses, still on the device (reading them waits for it:
+        :meth:`log_step` does at log intervals only), and their block ids with --log_block_ids.
+        """
         self.engine.train()
-        losses: list[float] = []
+        losses: list[torch.Tensor] = []
         ids: list[Any] = []
+        norm_due = self._logs_at(state.step + 1) and self._norm_by_hand
         while len(losses) < self.grad_accum:
             batch = next(batches)
             state.micro += 1
             loss = self._forward(batch)
             if self.on_loss is not None:
                 loss = self.on_loss(state.micro, loss)
+            # The one wait on the device per micro-batch: a non-finite loss must not reach backward,
+            # where its gradients would join the accumulated ones and no engine lets them be dropped.
             if not _all_finite(loss):
                 del loss  # no backward, no step: the batch leaves the weights as they are
                 self._skip_nonfinite(state)
                 continue
             self.run_of_bad = 0
             self.engine.backward(loss)
+            if norm_due and len(losses) == self.grad_accum - 1:
+                self._hand_norm = _grad_norm(self.engine.module)
             self.engine.step()
-            losses.append(float(loss.detach()))
+            losses.append(loss.detach())
             state.tokens += batch.tokens * self.world
             if self.cfg.run.log_block_ids:
                 ids.extend(batch.block_ids)
         state.step += 1
-        return sum(losses) / len(losses), losses, ids
+        return losses, ids
+
+    def _logs_at(self, step: int) -> bool:
+        r = self.cfg.run
+        return step % r.log_interval == 0 or r.log_block_ids or step == 1 or step == r.train_iters
 
     def _forward(self, batch: Any) -> torch.Tensor:
-        out = self.engine(
-            input_ids=batch.input_ids.to(self.engine.device),
-            attention_mask=batch.attention_mask.to(self.engine.device),
-            labels=batch.labels.to(self.engine.device),
-        )
+        device = self.engine.device
+        input_ids, labels = _to_device(batch.input_ids, device), _to_device(batch.labels, device)
+        if self.cfg.compute.doc_mask:
+            # No attention mask and positions that restart per document: the model then attends
+            # within documents only (padding, after the last end-of-text, is a document of its own).
+            inputs = {"position_ids": doc_position_ids(input_ids, self.spec.eot)}
+        else:
+            inputs = {"attention_mask": _to_device(batch.attention_mask, device)}
+        out = self.engine(input_ids=input_ids, labels=labels, use_cache=False, **inputs)
         if not bool((batch.labels[:, 1:] != -100).any()):
             # Context only (a conversation block without reply tokens): the mean over no tokens is
             # NaN; a zero loss keeps every rank stepping together.
@@ -434,24 +493,45 @@ class Trainer:
             )
 
     def log_step(
-        self, state: TrainState, loss: float, losses: list[float], ids: list[Any], bar: Any, blocks: Any
+        self, state: TrainState, device_losses: list[torch.Tensor], ids: list[Any], bar: Any, blocks: Any
     ) -> None:
-        r = self.cfg.run
-        tps = self._tokens_per_s(state)
+        """The progress bar, and at log intervals a ``train`` record: the only reads of the losses."""
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tps:,.0f}")
         if blocks is not None:
             blocks.write(json.dumps({"step": state.step, "block_ids": ids}) + "\n")
             blocks.flush()
-        if state.step % r.log_interval == 0 or r.log_block_ids or state.step == 1:
-            record = {"event": "train", "step": state.step, "loss": loss, "lr": self.engine.get_lr()[0],
-                      "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
-            if r.log_block_ids:
-                record.update(block_ids=ids, losses=losses)
-            if len(self.mongo.collections) > 1:
-                record["collection_tokens"] = self._collection_tokens()
-            self._write(record)
+        if not self._logs_at(state.step):
+            return
+        losses = torch.stack(device_losses).float().cpu().tolist()
+        loss = sum(losses) / len(losses)
+        now = time.monotonic()
+        _, last_tokens, last_time = self._last_log
+        tps = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
+        self._last_log = (state.step, state.tokens, now)
+        record: dict[str, Any] = {"event": "train", "step": state.step, "loss": loss,
+                                  "lr": self.engine.get_lr()[0], "grad_norm": self._read_grad_norm(),
+                                  "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
+        if self.peak_flops:
+            # Per rank: tokens/s counts every rank's tokens, and each rank has its own device.
+            record["mfu"] = tps / self.world * self.flops_per_token / self.peak_flops
+        if self.cfg.run.log_block_ids:
+            record.update(block_ids=ids, losses=losses)
+        if len(self.mongo.collections) > 1:
+            record["collection_tokens"] = self._collection_tokens()
+        if bar is not None:
+            shown = {"loss": f"{loss:.3f}", "lr": f"{record['lr']:.2e}", "tok_s": f"{tps:,.0f}"}
+            if "mfu" in record:
+                shown["mfu"] = f"{record['mfu']:.1%}"
+            bar.set_postfix(shown)
+        self._write(record)
+
+    def _read_grad_norm(self) -> float | None:
+        """The gradient norm of the step just taken: DeepSpeed's, or the one taken by hand (ZeRO 0)."""
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            norm, self._hand_norm = self._hand_norm, None
+        return None if norm is None else float(norm)
 
     def _collection_tokens(self) -> dict[str, int]:
         """Tokens read from each collection so far, by all ranks (a collective)."""
@@ -556,17 +636,18 @@ class Trainer:
         import torch.distributed as dist
 
         self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64)
+        total = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
         with torch.no_grad():
             for batch in batches:
                 # The loss is a mean over the predicted tokens; weigh batches by their count.
                 n = int((batch.labels[:, 1:] != -100).sum())
                 if n == 0:
                     continue
-                total += torch.tensor([float(self._forward(batch)) * n, n], dtype=torch.float64)
+                total[0] += self._forward(batch).double() * n
+                total[1] += n
         if dist.is_initialized() and self.world > 1:
-            total = total.to(self.engine.device)
             dist.all_reduce(total)
+        total = total.cpu()
         self.engine.train()
         return float(total[0] / total[1]) if total[1] > 0 else None
 
@@ -600,6 +681,21 @@ class Trainer:
             "fingerprint": self.fingerprint,
             "model": self.model_config.to_dict(),
         }
+
+
+def _to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through pinned memory, without waiting for the copy."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _grad_norm(module: Any) -> float:
+    """The 2-norm of the gradients held on the parameters (after the boundary's all-reduce)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
 def _all_finite(loss: torch.Tensor) -> bool:

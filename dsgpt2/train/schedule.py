@@ -1,0 +1,125 @@
+"""Learning-rate schedules dsgpt2 owns: cosine and WSD (warmup-stable-decay).
+
+``deepspeed`` (the default) leaves the schedule to the DeepSpeed config's ``scheduler``. The others
+are pure functions of the step (:func:`lr_at`), so a resumed run, or one whose ``--train_iters``
+grew, computes its learning rate from the step alone:
+
+- cosine: linear warmup to the peak, then half a cosine down to ``peak × min_lr_ratio`` at
+  ``--train_iters``. Another ``--train_iters`` on resume redraws the curve over the new length,
+  so the learning rate jumps to where the new curve is at that step.
+- wsd: linear warmup, the peak held, then a linear decay over the last ``decay_fraction`` of
+  ``--train_iters``. Extending ``--train_iters`` before the decay has begun continues at the
+  peak without a jump (the point of WSD: decide the length late); once it has begun, the
+  decay is redrawn over the new length.
+
+The scheduler object follows the ``torch.optim.lr_scheduler`` protocol DeepSpeed drives: it sets
+the optimizer's learning rate after every optimizer step DeepSpeed applies, and its state dict
+(the step, and the schedule it was on) goes into every checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+
+KINDS = ("deepspeed", "cosine", "wsd")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A learning-rate curve over ``total`` optimizer steps."""
+
+    kind: str
+    peak: float
+    total: int
+    warmup: int
+    min_ratio: float = 0.1
+    decay_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("cosine", "wsd"):
+            raise ConfigError(f"--lr_schedule {self.kind!r}: choose one of {', '.join(KINDS)}")
+        if not self.peak > 0:
+            raise ConfigError(f"--lr {self.peak}: the peak learning rate must be > 0")
+        if not 0 <= self.min_ratio <= 1:
+            raise ConfigError(f"--min_lr_ratio {self.min_ratio}: must be within [0, 1]")
+        if not 0 < self.decay_fraction <= 1:
+            raise ConfigError(f"--decay_fraction {self.decay_fraction}: must be within (0, 1]")
+        if self.warmup < 0 or (self.warmup > 0 and self.warmup >= self.total):
+            raise ConfigError(f"--warmup_iters {self.warmup}: must be below --train_iters {self.total}")
+
+    @property
+    def decay_start(self) -> int:
+        """The first step of the WSD decay."""
+        return max(self.warmup, self.total - math.ceil(self.decay_fraction * self.total))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lr_at(s: Schedule, step: int) -> float:
+    """The learning rate of optimizer step ``step + 1`` (``step`` steps done)."""
+    low = s.peak * s.min_ratio
+    if step < s.warmup:
+        return s.peak * (step + 1) / s.warmup
+    if step >= s.total:
+        return low
+    if s.kind == "cosine":
+        progress = (step - s.warmup) / max(1, s.total - s.warmup)
+        return low + (s.peak - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    start = s.decay_start
+    if step < start:
+        return s.peak
+    return s.peak - (s.peak - low) * (step - start) / max(1, s.total - start)
+
+
+class ScheduledLR:
+    """Sets the optimizer's learning rate from :func:`lr_at` after each applied optimizer step.
+
+    DeepSpeed calls :meth:`step` after every step it applies (not after an fp16 step it skips
+    for overflow) and saves :meth:`state_dict` in checkpoints.
+    """
+
+    def __init__(self, optimizer: Any, schedule: Schedule) -> None:
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.last_step = 0
+        self.resumed_from: dict[str, Any] | None = None
+        self._apply()
+
+    def _apply(self) -> None:
+        lr = lr_at(self.schedule, self.last_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def get_lr(self) -> list[float]:
+        return [lr_at(self.schedule, self.last_step)] * len(self.optimizer.param_groups)
+
+    def get_last_lr(self) -> list[float]:
+        return self.get_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        # last_batch_iteration: DeepSpeed's schedulers' step count (-1 before the first), so a
+        # checkpoint of this run resumes under --lr_schedule deepspeed too.
+        return {
+            "last_step": self.last_step,
+            "last_batch_iteration": self.last_step - 1,
+            "schedule": self.schedule.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The step comes from the checkpoint, the curve from this run's flags (a longer
+        # --train_iters stretches it, as the module docstring says).
+        if "last_step" in state:
+            self.last_step = int(state["last_step"])
+        else:  # saved by one of DeepSpeed's schedulers
+            self.last_step = int(state.get("last_batch_iteration", -1)) + 1
+        self.resumed_from = state.get("schedule")
+        self._apply()
