@@ -298,6 +298,9 @@ def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path]
         (["--tr_ratio", "0"], "--tr_ratio"),
         (["--config_train", "/nonexistent.json"], "--config_train"),
         (["--vocab_dir", "/nonexistent"], "--vocab_dir"),
+        (["--attn_implementation", "flash_attention_2"], "--attn_implementation"),
+        (["--lr_schedule", "wsd", "--warmup_iters", "50", "--train_iters", "20"], "--warmup_iters 50"),
+        (["--decay_fraction", "1.5"], "--decay_fraction"),
     ],
 )
 def test_bad_flags_are_one_line_errors(
@@ -589,3 +592,49 @@ def test_wandb_offline_gets_no_password(tmp_path: Path) -> None:
     for p in files:
         assert b"hunter2secret" not in p.read_bytes(), p
     assert any(b"u:***@h:1" in p.read_bytes() for p in files)
+
+
+RECIPE = ("--lr_schedule", "wsd", "--lr", "2e-3", "--warmup_iters", "2", "--decay_fraction", "0.5",
+          "--doc_mask", "--activation_checkpointing", "--attn_implementation", "eager",
+          "--peak_tflops", "0.5")  # fmt: skip
+
+
+def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    from conftest import run_cli
+    from dsgpt2.model import flops_per_token, gpt2_config
+    from dsgpt2.tokenizer.bpe import load_vocab_size
+    from dsgpt2.train.schedule import Schedule, lr_at
+
+    flops = flops_per_token(gpt2_config("tiny", load_vocab_size(corpus["tok"]), 64, 0, 1), 64)
+
+    train(corpus, tmp_path, "--train_iters", "6", "--save_interval", "3", *RECIPE)
+    first = steps(tmp_path)
+    curve = Schedule("wsd", 2e-3, total=6, warmup=2, min_ratio=0.1, decay_fraction=0.5)
+    for k in range(1, 7):
+        r = first[k]
+        assert r["lr"] == pytest.approx(lr_at(curve, k - 1)), k  # the rate step k trained at
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["tokens_per_s"] > 0 and r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / 0.5e12)
+
+    resumed = train(corpus, tmp_path, "--train_iters", "10", *RECIPE)
+    assert "--train_iters 10 where the checkpoint's run had 6" in resumed.stderr
+    later = steps(tmp_path)
+    longer = Schedule("wsd", 2e-3, total=10, warmup=2, min_ratio=0.1, decay_fraction=0.5)
+    expected = [lr_at(longer, k - 1) for k in range(7, 11)]
+    assert [later[k]["lr"] for k in range(7, 11)] == pytest.approx(expected)
+
+    # Trained within documents, evaluated within documents unless told otherwise.
+    exported = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    reports = {}
+    for flag in ("--doc_mask", "--no-doc_mask"):
+        report = tmp_path / f"eval{flag}.json"
+        done = run_cli("evaluate", "--model", str(tmp_path / "hf"), "--config", str(corpus["config"]),
+                       "--max_batches", "2", "--no_record", "--no_progress", "--report", str(report),
+                       *([flag] if flag == "--no-doc_mask" else []))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        reports[flag] = json.loads(report.read_text())
+    assert reports["--doc_mask"]["doc_mask"] is True and reports["--no-doc_mask"]["doc_mask"] is False
+    assert reports["--doc_mask"]["metrics"]["loss"] != reports["--no-doc_mask"]["metrics"]["loss"]

@@ -76,6 +76,12 @@ def add_evaluate(sub: Any) -> None:
     p.add_argument(
         "--num_workers", type=non_negative_int, default=2, help="tokenizing worker processes (default 2)"
     )
+    p.add_argument(
+        "--doc_mask",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="attention within documents only (default: as the model trained, --doc_mask or not)",
+    )
     p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
     p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -219,6 +225,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         max_batches=args.max_batches,
         workers=args.num_workers,
+        doc_mask=args.doc_mask,
     )
     config = load_config_arg(args)
     loaded = _load_model(args)

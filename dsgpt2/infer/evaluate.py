@@ -29,6 +29,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
+from dsgpt2.model import doc_position_ids
 from dsgpt2.train.config import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 
 log = logging.getLogger(__name__)
@@ -47,11 +48,18 @@ class EvalMetrics:
     seconds: float = 0.0
 
 
-def batch_nll(model: Any, batch: Batch, device: str) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood of ``batch`` and how many tokens it covers."""
+def batch_nll(model: Any, batch: Batch, device: str, doc_mask_eot: int | None = None) -> tuple[float, int]:
+    """Summed next-token negative log-likelihood of ``batch`` and how many tokens it covers.
+
+    ``doc_mask_eot``: attend within documents only, as a run with --doc_mask trained.
+    """
     input_ids = batch.input_ids.to(device)
     labels = batch.labels.to(device)
-    logits = model(input_ids=input_ids, attention_mask=batch.attention_mask.to(device)).logits  # (B, T, V)
+    if doc_mask_eot is not None:
+        inputs = {"position_ids": doc_position_ids(input_ids, doc_mask_eot)}
+    else:
+        inputs = {"attention_mask": batch.attention_mask.to(device)}
+    logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # (B, T, V)
     # Position t predicts token t + 1.
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[:, 1:].reshape(-1)
@@ -65,6 +73,7 @@ def evaluate_batches(
     max_batches: int | None = None,
     progress: bool = True,
     stats: dict[str, Any] | None = None,
+    doc_mask_eot: int | None = None,
 ) -> EvalMetrics:
     """Loss and perplexity of ``model`` over ``batches`` (``stats``: what the batches skipped)."""
     from tqdm import tqdm
@@ -78,7 +87,7 @@ def evaluate_batches(
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            nll, n = batch_nll(model, batch, device)
+            nll, n = batch_nll(model, batch, device, doc_mask_eot)
             total += nll
             tokens += n
             blocks += len(batch.input_ids)
@@ -113,6 +122,7 @@ class EvalRequest:
     batch_size: int = 8
     max_batches: int | None = None
     workers: int = 2
+    doc_mask: bool | None = None  # None: as the model trained
 
     def __post_init__(self) -> None:
         if self.split not in EVAL_SPLITS:
@@ -174,7 +184,9 @@ def evaluate(
     model = loaded.model.to(device)
     stats: dict[str, Any] = {}
     batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats)
-    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats)
+    doc_mask = request.doc_mask if request.doc_mask is not None else bool(loaded.run.get("doc_mask"))
+    eot = spec.eot if doc_mask else None
+    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, eot)
     metrics.documents = stats.get("documents", 0)
     metrics.skipped = stats.get("skipped", {})
     return {
@@ -188,6 +200,7 @@ def evaluate(
         "data_fingerprint": fingerprint(config, loaded.tokenizer_dir, spec),
         "counts": list(counts),
         "batch_size": request.batch_size,
+        "doc_mask": doc_mask,
         "max_batches": request.max_batches,
         "metrics": asdict(metrics),
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -94,6 +94,8 @@ def export(
             "step": client["step"],
             "fingerprint": client["fingerprint"],
             "checkpoint": str(ckpt_dir / tag),
+            # Trained with attention inside documents: evaluation does the same by default.
+            "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
         }
         atomic_write_text(staging / RUN_INFO, json.dumps(run, indent=1) + "\n")
         _replace_dir(staging, out)

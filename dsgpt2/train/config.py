@@ -262,6 +262,11 @@ class TrainConfig:
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(Path("configs/ds_config.json")))
 
     def __post_init__(self) -> None:
+        s = self.schedule
+        if s.lr_schedule != "deepspeed" and s.warmup_iters and s.warmup_iters >= self.run.train_iters:
+            raise ConfigError(
+                f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
+            )
         if self.data.vocab_dir is None:
             vocab = DEFAULT_VOCAB_DIR
             if self.model.init_from is not None:

@@ -18,12 +18,15 @@ log = logging.getLogger(__name__)
 FLAG = "--deepspeed_config"
 
 
-def load_ds_config(path: str | Path, world_size: int, train_iters: int, device: str) -> dict[str, Any]:
+def load_ds_config(
+    path: str | Path, world_size: int, train_iters: int, device: str, own_schedule: bool = False
+) -> dict[str, Any]:
     """Read, check and complete a DeepSpeed config.
 
     Returns the config with ``train_micro_batch_size_per_gpu``,
     ``gradient_accumulation_steps`` and ``train_batch_size`` all set, and a
-    ``WarmupDecayLR`` schedule stretched to ``train_iters``.
+    ``WarmupDecayLR`` schedule stretched to ``train_iters`` (left as it is with ``own_schedule``:
+    :func:`apply_schedule` replaces it).
 
     Raises:
         ConfigError: missing or malformed file, inconsistent batch sizes, or a precision
@@ -77,7 +80,7 @@ def load_ds_config(path: str | Path, world_size: int, train_iters: int, device: 
             "use configs/ds_config_cpu.json (fp32) on a CPU"
         )
     sched = cfg.get("scheduler")
-    if isinstance(sched, dict) and sched.get("type") == "WarmupDecayLR":
+    if isinstance(sched, dict) and sched.get("type") == "WarmupDecayLR" and not own_schedule:
         params = sched.setdefault("params", {})
         if params.get("total_num_steps") != train_iters:
             log.info("scheduler: WarmupDecayLR total_num_steps set to --train_iters %d", train_iters)
@@ -136,7 +139,7 @@ def apply_schedule(cfg: dict[str, Any], opts: Any, train_iters: int) -> Schedule
     return Schedule(kind, float(peak), train_iters, warmup, opts.min_lr_ratio, opts.decay_fraction)
 
 
-def check_attention(kind: str, device: str, cfg: dict[str, Any]) -> None:
+def check_attention(kind: str, device: str, cfg: dict[str, Any] | None = None) -> None:
     """Refuse an attention implementation this machine or precision cannot run.
 
     Raises:
@@ -153,7 +156,7 @@ def check_attention(kind: str, device: str, cfg: dict[str, Any]) -> None:
             "--attn_implementation flash_attention_2: the flash-attn package is not installed "
             "(pip install flash-attn --no-build-isolation), or use sdpa (the default)"
         )
-    if precision(cfg) == "fp32":
+    if cfg is not None and precision(cfg) == "fp32":
         raise ConfigError(
             f"--attn_implementation flash_attention_2 runs in bf16 or fp16; {FLAG} trains in fp32: "
             "use configs/ds_config.json (bf16) or sdpa"

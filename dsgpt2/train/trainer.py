@@ -158,9 +158,16 @@ class Trainer:
         cfg = self.cfg
         self.mongo = self._mongo or load_config(cfg.data.config_train)
         self.vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
+        check_attention(cfg.compute.attn_implementation, self.device)
         self.ds_config = load_ds_config(
-            cfg.engine.deepspeed_config, self.world, cfg.run.train_iters, self.device
+            cfg.engine.deepspeed_config,
+            self.world,
+            cfg.run.train_iters,
+            self.device,
+            own_schedule=cfg.schedule.lr_schedule != "deepspeed",
         )
+        check_attention(cfg.compute.attn_implementation, self.device, self.ds_config)
+        self.lr_schedule = apply_schedule(self.ds_config, cfg.schedule, cfg.run.train_iters)
         import deepspeed
 
         # First: the barriers and broadcasts below need the process group.
@@ -198,7 +205,6 @@ class Trainer:
         m = self.cfg.model
         _seed_all(self.cfg.data.seed)
         c = self.cfg.compute
-        check_attention(c.attn_implementation, self.device, self.ds_config)
         if init is None:
             self.model_config = gpt2_config(
                 m.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, m.model_config
@@ -215,7 +221,6 @@ class Trainer:
         if c.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         groups = param_groups(model, optimizer_weight_decay(self.ds_config))
-        self.lr_schedule = apply_schedule(self.ds_config, self.cfg.schedule, self.cfg.run.train_iters)
         scheduler = None
         if self.lr_schedule is not None:
             schedule = self.lr_schedule
@@ -427,6 +432,7 @@ class Trainer:
         :meth:`log_step` does at log intervals only), and their block ids with --log_block_ids.
         """
         self.engine.train()
+        self._step_lr = self.engine.get_lr()[0]  # the rate this step trains at
         losses: list[torch.Tensor] = []
         ids: list[Any] = []
         norm_due = self._logs_at(state.step + 1) and self._norm_by_hand
@@ -510,7 +516,7 @@ class Trainer:
         tps = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
         self._last_log = (state.step, state.tokens, now)
         record: dict[str, Any] = {"event": "train", "step": state.step, "loss": loss,
-                                  "lr": self.engine.get_lr()[0], "grad_norm": self._read_grad_norm(),
+                                  "lr": self._step_lr, "grad_norm": self._read_grad_norm(),
                                   "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
         if self.peak_flops:
             # Per rank: tokens/s counts every rank's tokens, and each rank has its own device.

@@ -81,7 +81,12 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     ckpt_dir, tag = locate_checkpoint(path, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
-    run = {"step": client["step"], "fingerprint": client["fingerprint"], "checkpoint": str(ckpt_dir / tag)}
+    run = {
+        "step": client["step"],
+        "fingerprint": client["fingerprint"],
+        "checkpoint": str(ckpt_dir / tag),
+        "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
+    }
     return config, weights, Path(client["vocab_dir"]), run
 
 
