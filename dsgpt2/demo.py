@@ -31,8 +31,16 @@ DEMO_COLLECTION = "stdlib"
 CHAT_COLLECTION = "stdlib_chat"
 DEMO_VOCAB_SIZE = 8192  # small: the demo model's embedding stays cheap on a CPU
 STAGES = 10
-DEMO_STEPS = 300
 TR_RATIO = 0.95
+# The pretraining recipe: the tiny preset reaches a validation perplexity below 300 in about three
+# minutes on two cores (the untrained model is at ~8,200, the sample's unigram distribution at ~950).
+DEMO_STEPS = 1000
+DEMO_MICRO_BATCH = 16
+DEMO_LR = 3e-3
+DEMO_WARMUP = 40
+# The sample is stored module by module; chunks of 50 documents mix the modules within an epoch
+# finely enough (with 1,000 a step's blocks would all document one module).
+DEMO_CHUNK_DOCS = 50
 CHAT_STEPS = 150
 PROMPT = "Return a new list"
 QUESTION = "What does `json.dumps` do?"
@@ -94,7 +102,9 @@ def run_demo(
     summary["eval_before"] = _evaluate_untrained(config, conn, out / "tokenizer", progress)
 
     log.info(f"stage 7/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
-    summary["train"] = _train(config, out, steps, "train", model_select="tiny", vocab_dir=out / "tokenizer")
+    summary["train"] = _train(
+        config, out, steps, "train", model_select="tiny", vocab_dir=out / "tokenizer", pretrain=True
+    )
 
     log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
     from dsgpt2.infer.export import export
@@ -228,13 +238,17 @@ def _chat(model: Path) -> dict[str, str]:
     return {"user": QUESTION, "bot": session.reply(QUESTION)}
 
 
-def _train(config: Any, out: Path, steps: int, name: str, **model: Any) -> dict[str, Any]:
+def _train(
+    config: Any, out: Path, steps: int, name: str, pretrain: bool = False, **model: Any
+) -> dict[str, Any]:
+    """Train in process; ``pretrain``: the demo's pretraining recipe, else the shipped CPU config's."""
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
         EngineOptions,
         ModelOptions,
         RunOptions,
+        ScheduleOptions,
         TrainConfig,
     )
     from dsgpt2.train.metrics import read_metrics
@@ -246,8 +260,18 @@ def _train(config: Any, out: Path, steps: int, name: str, **model: Any) -> dict[
     shutil.rmtree(run / "ckpt", ignore_errors=True)
     (run / "mongo.json").write_text(json.dumps(config.to_dict()))
     vocab_dir = model.pop("vocab_dir", None)
+    ds_config = shipped_config("ds_config_cpu.json")
+    data, schedule = {}, ScheduleOptions()
+    if pretrain:
+        ds = json.loads(ds_config.read_text())
+        ds["train_micro_batch_size_per_gpu"] = DEMO_MICRO_BATCH
+        ds_config = run / "ds_config.json"
+        ds_config.write_text(json.dumps(ds, indent=2) + "\n")
+        data["chunk_docs"] = DEMO_CHUNK_DOCS
+        warmup = min(DEMO_WARMUP, steps // 4)
+        schedule = ScheduleOptions(lr_schedule="cosine", lr=DEMO_LR, warmup_iters=warmup)
     cfg = TrainConfig(
-        data=DataOptions(config_train=run / "mongo.json", vocab_dir=vocab_dir, tr_ratio=TR_RATIO),
+        data=DataOptions(config_train=run / "mongo.json", vocab_dir=vocab_dir, tr_ratio=TR_RATIO, **data),
         model=ModelOptions(**model),
         run=RunOptions(
             train_iters=steps,
@@ -257,7 +281,8 @@ def _train(config: Any, out: Path, steps: int, name: str, **model: Any) -> dict[
             wandb="off",
         ),
         ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=max(1, steps // 3), no_resume=True),
-        engine=EngineOptions(deepspeed_config=shipped_config("ds_config_cpu.json")),
+        schedule=schedule,
+        engine=EngineOptions(deepspeed_config=ds_config),
     )
     # The config object, not the file: the file holds no password (to_dict redacts it).
     trainer = Trainer(cfg, mongo=config)

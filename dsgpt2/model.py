@@ -52,7 +52,10 @@ def gpt2_config(
                 f"--model_select {preset!r} is not a preset; choose one of {', '.join(PRESETS)}"
             )
         p = PRESETS[preset]
-        cfg = GPT2Config(n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head)
+        # No dropout: pretraining on a corpus seen about once needs none (nanoGPT and llm.c train
+        # GPT-2 without it); a --model_config sets its own.
+        cfg = GPT2Config(n_layer=p.n_layer, n_embd=p.n_embd, n_head=p.n_head, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
     cfg.vocab_size = vocab_size
     cfg.n_positions = max(context, getattr(cfg, "n_positions", context)) if config_json else context
     cfg.bos_token_id = eot

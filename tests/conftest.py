@@ -19,6 +19,18 @@ from wire_server import WireServer, unavailable_reason
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``gpu`` tests skip, saying why, where torch sees no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_mock_store(monkeypatch: pytest.MonkeyPatch) -> None:
     mockstore.reset()

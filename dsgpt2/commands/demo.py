@@ -32,7 +32,7 @@ def add_demo(sub: Any) -> None:
         "there: stdlib, stdlib_chat)",
     )
     p.add_argument("--limit", type=positive_int, help="only the first N sample documents")
-    p.add_argument("--steps", type=positive_int, default=300, help="training steps (default 300)")
+    p.add_argument("--steps", type=positive_int, default=1000, help="training steps (default 1000)")
     p.add_argument(
         "--chat_steps", type=positive_int, default=150, help="conversation finetuning steps (default 150)"
     )

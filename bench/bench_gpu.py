@@ -1,0 +1,286 @@
+"""Training throughput (``train_gpu``): our trainer ÷ a plain PyTorch loop of the same model.
+
+Where CUDA exists: the 112m preset at context 1024 in bf16 (the shipped ``ds_config.json``: DeepSpeed
+ZeRO 1 with its fused AdamW), 32 sequences per optimizer step. On the CPU the same comparison on the
+tiny preset at context 128 in fp32 (``ds_config_cpu.json``).
+
+- ours: ``ds_trainer.py`` as a user starts it, streaming the sample corpus from a file-backed
+  mongomock store, tokenizing in its DataLoader workers; tokens/s over the steady steps, read from
+  its ``metrics.jsonl``.
+- anchor: a plain loop of the same ``GPT2LMHeadModel`` (SDPA attention) on random tokens already on
+  the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the GPU, the same micro-batch and
+  accumulation, gradient clipping at 1.0, nothing else. Each side runs in a fresh process.
+- both eager and under ``torch.compile``; MFU from the FLOPs per token of the model config
+  (``dsgpt2.model.flops_per_token``) and the device's peak (GPU only);
+- the DataLoader workers one device needs: our eager run with several worker counts, the fewest
+  within 5 % of the fastest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import Metric
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_TOKENS_PER_S = 0.45e6  # 112m on one H100
+RATIO_TARGET = 0.95
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str
+    preset: str
+    context: int
+    micro: int
+    accum: int
+    warmup: int  # steps left out of the figure (compilation, the loader's first chunks)
+    steps: int  # steps measured
+    ds_config: str
+    workers: int  # the default run's DataLoader workers
+    sweep: tuple[int, ...]  # worker counts tried
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro * self.accum * self.context
+
+
+GPU = Settings("cuda", "112m", 1024, 16, 2, 10, 40, "ds_config.json", 4, (1, 2, 4, 8))
+CPU = Settings("cpu", "tiny", 128, 8, 1, 20, 60, "ds_config_cpu.json", 2, (0, 1, 2))
+
+
+def train_gpu(texts: list[str], results: Path) -> list[Metric]:
+    import torch
+
+    s = GPU if torch.cuda.is_available() else CPU
+    work = results / "train_gpu"
+    tokenizer = results / "vocab_bench_tok"
+    if not (tokenizer / "tokenizer.json").exists():
+        from bench import bench_vocab
+
+        bench_vocab.run(texts, results, repeats=1)
+    store_config = _corpus(texts, work)
+    where = f"{s.preset}, context {s.context}, {'bf16' if s.device == 'cuda' else 'fp32'} on {_device_name()}"
+    runs: dict[str, dict[str, Any]] = {}
+    for compiled in (False, True):
+        tag = "compiled" if compiled else "eager"
+        runs[f"plain {tag}"] = _plain(s, tokenizer, compiled)
+        runs[f"ours {tag}"] = _ours(s, tokenizer, store_config, work / f"ours_{tag}", s.workers, compiled)
+    for w in s.sweep:
+        if w != s.workers:
+            runs[f"ours {w} workers"] = _ours(s, tokenizer, store_config, work / f"ours_w{w}", w, False)
+    for name, r in runs.items():
+        mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+        print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}", flush=True)
+
+    metrics = []
+    for tag in ("eager", "compiled"):
+        ours, plain = runs[f"ours {tag}"], runs[f"plain {tag}"]
+        metrics.append(
+            Metric(
+                f"trainer ÷ plain loop ({tag})",
+                ours["tokens_per_s"],
+                plain["tokens_per_s"],
+                "tokens/s",
+                f">= {RATIO_TARGET}",
+                ours["tokens_per_s"] >= RATIO_TARGET * plain["tokens_per_s"],
+                where,
+            )
+        )
+        if ours.get("mfu") is not None:
+            metrics.append(
+                Metric(
+                    f"MFU ({tag}; ÷ plain loop's)",
+                    ours["mfu"],
+                    plain["mfu"],
+                    "share",
+                    "info",
+                    True,
+                    f"{ours['flops_per_token'] / 1e6:.0f} MFLOP/token, peak {ours['peak_tflops']:.0f} "
+                    "TFLOP/s",
+                )
+            )
+    if s.device == "cuda":
+        best = max(runs["ours eager"]["tokens_per_s"], runs["ours compiled"]["tokens_per_s"])
+        h100 = "H100" in _device_name()
+        metrics.append(
+            Metric(
+                "112m tokens/s on one GPU (best of ours)",
+                best,
+                TARGET_TOKENS_PER_S,
+                "tokens/s",
+                ">= 0.45M (H100)" if h100 else "info",
+                best >= TARGET_TOKENS_PER_S or not h100,
+                _device_name(),
+            )
+        )
+    sweep = {w: (runs["ours eager"] if w == s.workers else runs[f"ours {w} workers"])["tokens_per_s"]
+             for w in s.sweep}  # fmt: skip
+    fastest = max(sweep.values())
+    needed = min(w for w, tps in sweep.items() if tps >= 0.95 * fastest)
+    metrics.append(
+        Metric(
+            "DataLoader workers one device needs",
+            needed,
+            max(sweep),
+            "workers",
+            "info",
+            True,
+            "fewest within 5% of the fastest; tokens/s: "
+            + ", ".join(f"{w}: {tps:,.0f}" for w, tps in sweep.items()),
+        )
+    )
+    return metrics
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+
+
+def _corpus(texts: list[str], work: Path) -> Path:
+    """The sample corpus in a file-backed mongomock store; the config file naming it."""
+    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.corpus.mongo import connect
+
+    work.mkdir(parents=True, exist_ok=True)
+    store = work / "db.mongo"
+    store.unlink(missing_ok=True)
+    data = {"MONGO_CONNECTION_STRING": f"mongomock://{store}", "MONGO_CONNECTION_DB": "bench",
+            "COLLECTIONS": ["s"]}  # fmt: skip
+    conn = connect(config_from_dict(data, env={}))
+    coll = conn.db["s"]
+    coll.create_index("idx", unique=True)
+    coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    conn.db["meta_info"].update_one({"collection": "s"}, {"$set": {"count": len(texts)}}, upsert=True)
+    conn.commit()
+    path = work / "mongo.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _ours(s: Settings, tokenizer: Path, store_config: Path, run: Path, workers: int, compiled: bool) -> dict:
+    """``ds_trainer.py`` for warmup + steps; tokens/s and MFU over the measured steps."""
+    from dsgpt2.shipped import shipped_config
+    from dsgpt2.train.metrics import read_metrics
+
+    run.mkdir(parents=True, exist_ok=True)
+    ds = json.loads(shipped_config(s.ds_config).read_text())
+    ds.update(train_micro_batch_size_per_gpu=s.micro, gradient_accumulation_steps=s.accum)
+    (run / "ds.json").write_text(json.dumps(ds))
+    total = s.warmup + s.steps
+    args = ["--deepspeed_config", run / "ds.json", "--config_train", store_config, "--vocab_dir", tokenizer,
+            "--model_select", s.preset, "--context_length", s.context, "--train_iters", total,
+            "--log_interval", 5, "--eval_interval", 10 * total, "--eval_iters", 1,
+            "--save_interval", 10 * total, "--workspace", run / "ws", "--ckpt_dir", run / "ckpt",
+            "--no_resume", "--wandb", "off", "--num_workers", workers, "--data_mode", "streaming",
+            *(["--compile"] if compiled else [])]  # fmt: skip
+    (run / "ws" / "metrics.jsonl").unlink(missing_ok=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"ds_trainer.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = [r for r in read_metrics(run / "ws" / "metrics.jsonl") if r.get("event") == "train"]
+    first = next(r for r in records if r["step"] >= s.warmup)
+    last = records[-1]
+    tps = (last["tokens"] - first["tokens"]) / (last["time"] - first["time"])
+    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps), "logged_mfu": last.get("mfu")}
+
+
+def _mfu(s: Settings, tokenizer: Path, tps: float) -> dict[str, Any]:
+    """MFU at ``tps`` on this GPU in bf16, as the trainer logs it; none on the CPU."""
+    import torch
+
+    from dsgpt2.train.metrics import device_peak_tflops
+
+    peak = device_peak_tflops(torch.cuda.get_device_name(), "bf16") if s.device == "cuda" else None
+    if not peak:
+        return {"mfu": None}
+    fpt = _flops_per_token(s, tokenizer)
+    return {"mfu": tps * fpt / (peak * 1e12), "flops_per_token": fpt, "peak_tflops": peak}
+
+
+def _flops_per_token(s: Settings, tokenizer: Path) -> float:
+    from dsgpt2.model import flops_per_token
+
+    return flops_per_token(_config(s, tokenizer), s.context)
+
+
+def _config(s: Settings, tokenizer: Path) -> Any:
+    """The model config our trainer builds for this preset and tokenizer."""
+    from dsgpt2.data.sources import load_tokenizer
+    from dsgpt2.model import gpt2_config
+    from dsgpt2.tokenizer.bpe import EOT, PAD
+
+    tok = load_tokenizer(tokenizer)
+    return gpt2_config(s.preset, tok.get_vocab_size(), s.context, tok.token_to_id(EOT), tok.token_to_id(PAD))
+
+
+def _plain(s: Settings, tokenizer: Path, compiled: bool) -> dict:
+    """The plain loop in a fresh process (``python -m bench.bench_gpu plain ...``)."""
+    spec = json.dumps({"settings": asdict(s), "tokenizer": str(tokenizer), "compiled": compiled})
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_gpu", "plain", spec], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"plain loop failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plain_loop(s: Settings, tokenizer: Path, compiled: bool) -> dict[str, Any]:
+    """nanoGPT's loop on the HF model: tokens/s (and MFU on a GPU) over ``s.steps`` steps."""
+    import torch
+
+    from dsgpt2.model import build_model, param_groups
+
+    cuda = s.device == "cuda"
+    config = _config(s, tokenizer)
+    vocab = config.vocab_size
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = build_model(config).to(s.device).train()
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8,
+                            fused=cuda)  # fmt: skip
+    forward = torch.compile(model) if compiled else model
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (s.micro, s.context), generator=gen).to(s.device) for _ in range(8)]
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+
+    def step(i: int) -> None:
+        for k in range(s.accum):
+            x = batches[(i * s.accum + k) % len(batches)]
+            with autocast:
+                loss = forward(input_ids=x, labels=x, use_cache=False).loss / s.accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for i in range(s.warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(s.steps):
+        step(i)
+    sync()
+    tps = s.steps * s.tokens_per_step / (time.perf_counter() - start)
+    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps)}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["plain"]:
+    spec = json.loads(sys.argv[2])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = plain_loop(Settings(**{**spec["settings"], "sweep": tuple(spec["settings"]["sweep"])}),
+                        Path(spec["tokenizer"]), spec["compiled"])  # fmt: skip
+    print(json.dumps(result))
