@@ -638,3 +638,18 @@ def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
         reports[flag] = json.loads(report.read_text())
     assert reports["--doc_mask"]["doc_mask"] is True and reports["--no-doc_mask"]["doc_mask"] is False
     assert reports["--doc_mask"]["metrics"]["loss"] != reports["--no-doc_mask"]["metrics"]["loss"]
+
+
+def test_a_compiled_model_trains_as_the_eager_one(
+    corpus: dict[str, Path], straight_run: Path, tmp_path: Path
+) -> None:
+    """--compile (torch.compile of the model inside the engine) changes the speed, not the training."""
+    train(corpus, tmp_path, "--train_iters", "3", "--data_mode", "streaming", "--compile")
+    compiled, eager = steps(tmp_path), steps(straight_run)
+    for k in (1, 2, 3):
+        assert compiled[k]["block_ids"] == eager[k]["block_ids"]
+        assert compiled[k]["loss"] == pytest.approx(eager[k]["loss"], rel=1e-4)
+    # The checkpoint holds the plain model's parameter names: it exports like any other.
+    from dsgpt2.infer.export import export
+
+    assert export(tmp_path / "ckpt", tmp_path / "model")["step"] == 3
