@@ -187,7 +187,7 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
     from dsgpt2.infer.loading import LoadedModel
     from dsgpt2.model import PRESETS, build_model, gpt2_config
     from dsgpt2.tokenizer.bpe import EOT, PAD
-    from dsgpt2.train.config import DEFAULT_CHUNK_DOCS, DEFAULT_SEED
+    from dsgpt2.train.config import DEFAULT_SEED
 
     tok = load_tokenizer(tokenizer)
     torch.manual_seed(DEFAULT_SEED)
@@ -195,7 +195,7 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
         gpt2_config("tiny", tok.get_vocab_size(), PRESETS["tiny"].context, tok.token_to_id(EOT),
                     tok.token_to_id(PAD))
     )  # fmt: skip
-    fp = {"context": PRESETS["tiny"].context, "chunk_docs": DEFAULT_CHUNK_DOCS, "tr_ratio": TR_RATIO,
+    fp = {"context": PRESETS["tiny"].context, "chunk_docs": DEMO_CHUNK_DOCS, "tr_ratio": TR_RATIO,
           "seed": DEFAULT_SEED}  # fmt: skip
     loaded = LoadedModel(model.eval(), tokenizer, "untrained tiny", {"step": 0, "fingerprint": fp})
     return _evaluate_loaded(loaded, config, conn, progress)

@@ -65,6 +65,22 @@ def store_config(tmp_path: Path, collections: list[str] | None = None) -> tuple[
     return cfg, store
 
 
+def sample_corpus(base: Path, documents: int = 2000, vocab_size: int = 512) -> dict[str, Path]:
+    """The first ``documents`` sample documents in a file-backed store in ``base``, and a
+    ``vocab_size``-token vocabulary trained on them: {"config", "tok"}."""
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.corpus.ingest import builtin_source, ingest
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts
+
+    cfg, _ = store_config(base, ["stdlib"])
+    conn = Connection(load_config(cfg))
+    ingest(conn, "stdlib", [builtin_source("stdlib", documents)])
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, base / "tok", VocabSettings(vocab_size=vocab_size), "test", progress=False)
+    return {"config": cfg, "tok": base / "tok"}
+
+
 def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index: bool = True) -> None:
     """Put ``texts`` into collection ``name`` as idx 0..n-1, with meta count and unique index."""
     coll = conn.db[name]

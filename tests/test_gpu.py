@@ -14,15 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, store_config
+from conftest import ROOT, sample_corpus
 from dsgpt2.corpus import mockstore
-from dsgpt2.corpus.config import load_config
-from dsgpt2.corpus.ingest import builtin_source, ingest
-from dsgpt2.corpus.mongo import Connection
 from dsgpt2.model import build_model, doc_position_ids, gpt2_config
 from dsgpt2.shipped import shipped_config
-from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
-from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import device_peak_tflops, read_metrics
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -32,16 +27,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """2,000 sample documents in a file-backed store, a 512-token vocabulary, the shipped GPU config."""
     base = tmp_path_factory.mktemp("gpu")
-    cfg, _ = store_config(base, ["stdlib"])
-    conn = Connection(load_config(cfg))
-    ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
-    texts, _ = mongo_texts(conn.config)
-    train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
+    corpus = sample_corpus(base)
     ds = json.loads(shipped_config("ds_config.json").read_text())
     ds["scheduler"]["params"].update(warmup_num_steps=2)
     (base / "ds.json").write_text(json.dumps(ds))
     mockstore.reset()
-    return {"config": cfg, "tok": base / "tok", "ds": base / "ds.json"}
+    return {**corpus, "ds": base / "ds.json"}
 
 
 def train(corpus: dict[str, Path], run: Path, *extra: str) -> list[dict]:

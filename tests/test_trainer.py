@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, store_config
+from conftest import ROOT, sample_corpus, store_config
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
@@ -30,11 +30,7 @@ pytestmark = pytest.mark.slow
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """2,000 sample documents in a file-backed store, and a 512-token vocabulary."""
     base = tmp_path_factory.mktemp("train")
-    cfg, _ = store_config(base, ["stdlib"])
-    conn = Connection(load_config(cfg))
-    ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
-    texts, _ = mongo_texts(conn.config)
-    train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
+    corpus = sample_corpus(base)
     ds = base / "ds.json"
     ds.write_text(
         json.dumps(
@@ -56,7 +52,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         )
     )
     mockstore.reset()
-    return {"config": cfg, "tok": base / "tok", "ds": ds, "base": base}
+    return {**corpus, "ds": ds, "base": base}
 
 
 def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
