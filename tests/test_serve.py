@@ -220,3 +220,42 @@ def test_serve_on_a_busy_port_is_one_line(server: str) -> None:
         f"dsgpt2: error: --port {port} on 127.0.0.1 is in use by another program; choose another --port"
     )
     assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+
+
+def test_openai_completions_models_and_errors(server: str) -> None:
+    models = httpx.get(f"{server}/v1/models", timeout=10).json()
+    served = models["data"][0]["id"]
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    body = {"model": served, "prompt": "def", "max_tokens": 8, "temperature": 0.9, "n": 2, "seed": 3}
+    first = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    again = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    assert first["object"] == "text_completion" and len(first["choices"]) == 2
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+    assert all(c["finish_reason"] in ("stop", "length") for c in first["choices"])
+    u = first["usage"]
+    assert u["prompt_tokens"] >= 1 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # A stop sequence cuts the text before it.
+    text = first["choices"][0]["text"]
+    if len(text) > 2:
+        cut = httpx.post(f"{server}/v1/completions", json={**body, "n": 1, "stop": [text[1:3]]}, timeout=60)
+        assert cut.json()["choices"][0]["text"] == text[: text.find(text[1:3])]
+        assert cut.json()["choices"][0]["finish_reason"] == "stop"
+    for bad, param in (
+        ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "a", "logprobs": 5}, "logprobs"),
+        ({"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ):
+        r = httpx.post(f"{server}/v1/completions", json=bad, timeout=10)
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "a"}, timeout=10)
+    assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+    # A pretrained model has no speaker tokens: chat is refused with the way out.
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=30)  # fmt: skip
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200

@@ -4,7 +4,9 @@ Endpoints:
 - ``GET /generate?sentence=...`` (the original toolkit's) with optional
   sampling settings as query parameters;
 - ``POST /generate`` with a JSON body ``{"prompt": ..., "max_new_tokens": ...}``;
-- ``GET /health``: the model and the limits.
+- ``GET /health``: the model and the limits;
+- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI API
+  (:mod:`dsgpt2.infer.openai_api`).
 
 Limits guard the process: prompt length, ``max_new_tokens`` and the number of
 generations running at once (more get 503 at once rather than queueing).
@@ -29,6 +31,17 @@ from starlette.routing import Route
 from dsgpt2.corpus.documents import text_problem
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.infer.generate import Generator, SamplingParams
+from dsgpt2.infer.openai_api import (
+    ApiError,
+    ApiRequest,
+    chat_request,
+    completion_request,
+    cut_at_stop,
+    models_body,
+    new_id,
+    now,
+    usage,
+)
 from dsgpt2.infer.settings import ServeLimits
 
 log = logging.getLogger(__name__)
@@ -116,6 +129,131 @@ def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams
             }
         )
 
+    served = generator.loaded.name
+    created = now()
+
+    async def openai(request: Request, chat: bool) -> JSONResponse:
+        nonlocal running
+        body = await _read_body(request, limits.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return _as_api_error(body)
+        try:
+            make = chat_request if chat else completion_request
+            req = make(body, served, limits, defaults)
+            if req.stream:
+                raise ApiError("stream is not supported yet; leave it false", "stream")
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        with count_lock:
+            if running >= limits.max_concurrent:
+                busy = ApiError(
+                    f"busy: {limits.max_concurrent} generations already running; retry later",
+                    status=503,
+                    kind="server_busy",
+                )
+                return JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})
+            running += 1
+        try:
+            answer = await run_in_threadpool(_answer_chat if chat else _answer_completion, req)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except Exception:
+            log.exception("generation failed for a request")
+            failed = ApiError("generation failed; see the server log", status=500)
+            return JSONResponse(failed.body(), status_code=500)
+        finally:
+            with count_lock:
+                running -= 1
+        return JSONResponse(answer)
+
+    def _choices(prompt_ids: list[int], req: ApiRequest, stop_ids: list[int], index: int) -> list[dict]:
+        with model_lock:
+            completions = generator.generate_ids(prompt_ids, req.params, stop_ids=stop_ids)
+        out = []
+        for i, c in enumerate(completions):
+            text, cut = cut_at_stop(c.text, req.stop)
+            tokens = len(generator.encode(text)) if cut else c.tokens
+            out.append(
+                {
+                    "index": index + i,
+                    "text": text,
+                    "tokens": tokens,
+                    "finish_reason": "stop" if cut else c.finish_reason,
+                }
+            )
+        return out
+
+    def _fit(ids: list[int], req: ApiRequest) -> list[int]:
+        if req.params.max_new_tokens >= generator.context:
+            raise ApiError(
+                f"max_tokens {req.params.max_new_tokens} does not fit the model's context of "
+                f"{generator.context} tokens",
+                "max_tokens",
+            )
+        return ids[-(generator.context - req.params.max_new_tokens) :] or [generator.eot]
+
+    def _answer_completion(req: ApiRequest) -> dict[str, Any]:
+        choices, prompt_tokens = [], 0
+        for prompt in req.prompts:
+            ids = _fit(generator.encode(prompt), req)
+            prompt_tokens += len(ids)
+            choices += _choices(ids, req, [], len(choices))
+        return {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": now(),
+            "model": served,
+            "choices": [
+                {
+                    "index": c["index"],
+                    "text": c["text"],
+                    "logprobs": None,
+                    "finish_reason": c["finish_reason"],
+                }
+                for c in choices
+            ],
+            "usage": usage(prompt_tokens, sum(c["tokens"] for c in choices)),
+        }
+
+    def _answer_chat(req: ApiRequest) -> dict[str, Any]:
+        from dsgpt2.infer.chat import ChatSession
+
+        try:
+            session = ChatSession(generator, req.params)
+        except ConfigError:
+            raise ApiError(
+                f"{served} has no <|user|> and <|bot|> speaker tokens: it was not finetuned on "
+                "conversations; use /v1/completions",
+                "messages",
+            ) from None
+        ids = _fit(session.prompt(req.turns), req)
+        choices = _choices(ids, req, list(session.speakers.values()), 0)
+        return {
+            "id": new_id("chatcmpl"),
+            "object": "chat.completion",
+            "created": now(),
+            "model": served,
+            "choices": [
+                {
+                    "index": c["index"],
+                    "finish_reason": c["finish_reason"],
+                    "logprobs": None,
+                    "message": {"role": "assistant", "content": c["text"].strip()},
+                }
+                for c in choices
+            ],
+            "usage": usage(len(ids), sum(c["tokens"] for c in choices)),
+        }
+
+    async def completions(request: Request) -> JSONResponse:
+        return await openai(request, chat=False)
+
+    async def chat_completions(request: Request) -> JSONResponse:
+        return await openai(request, chat=True)
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(models_body(served, created))
+
     async def get_generate(request: Request) -> JSONResponse:
         return await generate(request, "sentence", dict(request.query_params))
 
@@ -141,8 +279,20 @@ def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams
             Route("/generate", get_generate, methods=["GET"]),
             Route("/generate", post_generate, methods=["POST"]),
             Route("/health", health, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
         ]
     )
+
+
+def _as_api_error(response: JSONResponse) -> JSONResponse:
+    """A body-reading refusal (413, 400) in the OpenAI error format."""
+    import json
+
+    message = json.loads(bytes(response.body))["error"]
+    status = response.status_code
+    return JSONResponse(ApiError(message, status=status).body(), status_code=status)
 
 
 async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONResponse:

@@ -1,0 +1,249 @@
+"""The OpenAI API's request and response shapes, for the fields that apply to this toolkit's models.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models`` take and answer what
+the official ``openai`` client sends and expects: ``model``, ``prompt``/``messages``, ``max_tokens``,
+``temperature``, ``top_p``, ``n``, ``stop``, ``seed``; ``choices`` with ``finish_reason`` and
+``usage``. Errors use its error object. A field the API defines but this server does not honour
+(``logprobs``, penalties, tools, ...) is named in a 400 unless it holds the API's default, so that
+a client never silently gets something other than what it asked for; an unknown field is a 400 too.
+
+Chat turns are formatted as in conversation finetuning: ``user`` and ``assistant`` messages become
+turns of the ``<|user|>`` and ``<|bot|>`` speakers; a ``system`` message is put before the first user
+message's text. A model whose tokenizer has no such speaker tokens (a pretrained model) answers chat
+requests with a 400 that points at ``/v1/completions``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.infer.settings import SamplingParams, ServeLimits
+
+# OpenAI's defaults for the sampling fields it shares with SamplingParams.
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP = 4
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user"}
+# Fields of the API this server accepts only at their default (no effect) value.
+AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None, {}),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "stream_options": (None,),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "service_level": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "max_completion_tokens": (None,),
+}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+ROLES = {"user": "user", "assistant": "bot"}
+
+
+class ApiError(Exception):
+    """A request answered with an OpenAI error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "") -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class ApiRequest:
+    """A checked request: what to generate from, how, and how to answer."""
+
+    prompts: list[str]  # completions: the texts; chat: empty
+    turns: list[dict[str, str]]  # chat: the conversation; completions: empty
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+
+
+def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    """Unknown fields, and supported-in-name-only fields away from their default, are a 400."""
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in AT_DEFAULT:
+            if value not in AT_DEFAULT[key]:
+                raise ApiError(f"{key} is not supported by this server (only its default)", key)
+            continue
+        raise ApiError(f"unknown field {key!r}; this server reads {', '.join(sorted(allowed))}", key)
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(
+            f"the model {model!r} does not exist; this server serves {served!r}",
+            "model",
+            404,
+            "not_found_error",
+        )
+
+
+def sampling(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -> SamplingParams:
+    """The sampling settings of an OpenAI request (its defaults where it names none)."""
+    values: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    names = {
+        "max_tokens": "max_new_tokens",
+        "temperature": "temperature",
+        "top_p": "top_p",
+        "n": "num_samples",
+        "seed": "seed",
+    }
+    given = {**{k: body[k] for k in names if k in body and body[k] is not None}}
+    if max_tokens is not None:
+        given["max_tokens"] = max_tokens
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ApiError(f"{key} must be a number, got {value!r}", key)
+        values[names[key]] = value
+    values.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
+    values.setdefault("temperature", 1.0)
+    values.setdefault("top_p", 1.0)
+    # top_k is not an OpenAI field: sampling is over the whole vocabulary, as the API's is.
+    values["top_k"] = 0
+    try:
+        params = SamplingParams.from_mapping(values, replace(defaults, repetition_penalty=1.0))
+    except ConfigError as exc:
+        message = str(exc)
+        for api, ours in names.items():
+            message = message.replace(ours, api)
+        raise ApiError(message, _param_of(message, names)) from None
+    if params.max_new_tokens > limits.max_new_tokens:
+        raise ApiError(
+            f"max_tokens {params.max_new_tokens} is more than this server allows ({limits.max_new_tokens})",
+            "max_tokens",
+        )
+    return params
+
+
+def _param_of(message: str, names: dict[str, str]) -> str | None:
+    return next((api for api in names if message.startswith(api)), None)
+
+
+def stop_sequences(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError("stop must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+    return stops
+
+
+def completion_request(
+    body: dict[str, Any], served: str, limits: ServeLimits, defaults: SamplingParams
+) -> ApiRequest:
+    check_fields(body, COMPLETION_FIELDS)
+    check_model(body, served)
+    prompt = body.get("prompt", "")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ApiError("prompt must be a string or a non-empty list of strings", "prompt")
+    for p in prompts:
+        _check_length(p, limits, "prompt")
+    return ApiRequest(prompts, [], sampling(body, limits, defaults), stop_sequences(body), _stream(body))
+
+
+def chat_request(
+    body: dict[str, Any], served: str, limits: ServeLimits, defaults: SamplingParams
+) -> ApiRequest:
+    check_fields(body, CHAT_FIELDS)
+    check_model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+    system: list[str] = []
+    turns: list[dict[str, str]] = []
+    for i, m in enumerate(messages):
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if isinstance(content, list):  # content parts: only text applies
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise ApiError(f"messages[{i}] needs a role and a string content", "messages")
+        _check_length(content, limits, "messages")
+        if role in ("system", "developer"):
+            system.append(content)
+        elif role in ROLES:
+            turns.append({"speaker": ROLES[role], "text": content})
+        else:
+            raise ApiError(
+                f"messages[{i}].role {role!r} is not supported; use system, user or assistant", "messages"
+            )
+    if not turns or turns[-1]["speaker"] != "user":
+        raise ApiError("the last message must be the user's", "messages")
+    if system:
+        first = next(t for t in turns if t["speaker"] == "user")
+        first["text"] = "\n\n".join([*system, first["text"]])
+    return ApiRequest([], turns, sampling(body, limits, defaults), stop_sequences(body), _stream(body))
+
+
+def _check_length(text: str, limits: ServeLimits, param: str) -> None:
+    if len(text) > limits.max_prompt_chars:
+        raise ApiError(
+            f"{param} holds {len(text)} characters; this server accepts at most {limits.max_prompt_chars}",
+            param,
+        )
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream not in (True, False, None):
+        raise ApiError("stream must be true or false", "stream")
+    return bool(stream)
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` up to the first stop sequence, and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def models_body(served: str, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": served, "object": "model", "created": created, "owned_by": "dsgpt2"}],
+    }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def now() -> int:
+    return int(time.time())
