@@ -115,6 +115,8 @@ def test_seeds_repeat_whatever_shares_the_batch(gen: Generator) -> None:
     run(Decoder(gen.model, gen.tokenizer, gen.eot, gen.device), [others[0], mixed, others[1]])
     assert [s.ids for s in mixed.samples] == [s.ids for s in first.samples]
     assert len({tuple(s.ids) for s in first.samples}) == 3  # n samples differ
+    # A sample is the same however many were asked for.
+    assert alone(gen, ps[1], replace_params(params, num_samples=1)).samples == first.samples[:1]
     assert alone(gen, ps[1], replace_params(params, seed=8)).samples != first.samples
 
 
@@ -156,7 +158,7 @@ def test_a_cancelled_request_leaves_and_the_others_go_on(gen: Generator) -> None
     while len(decoder):
         decoder.step()
     assert keep.samples[0].ids == expected
-    assert decoder.generators == {} and decoder.cache is None
+    assert decoder.rngs == [] and decoder.cache is None
 
 
 def test_generator_streams_the_text_it_returns(gen: Generator) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -9,13 +11,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import httpx
 import pytest
 
 from conftest import ROOT, tiny_export
-from dsgpt2.infer.generate import Completion, SamplingParams
+from dsgpt2.infer.generate import SamplingParams
 from dsgpt2.infer.serve import BadRequest, ServeLimits, make_app, parse_request
 
 
@@ -29,15 +31,12 @@ LOGS: dict[str, Path] = {}  # server URL → its log file
 MODELS: dict[str, Path] = {}  # server URL → the model it serves
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
-    base = tmp_path_factory.mktemp("serve")
-    model = tiny_export(base, sample_texts[:400])
+def _start(base: Path, model: Path, *flags: str) -> Iterator[str]:
+    """A ``dsgpt2 serve`` subprocess on a free port of 127.0.0.1 for a fixture; its URL."""
     port = _free_port()
     log = open(base / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port),
-         "--max_prompt_chars", "200", "--max_tokens_limit", "32", "--max_new_tokens", "8"],
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -60,6 +59,31 @@ def server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) ->
     proc.wait(timeout=30)
     log.close()
     assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Path:
+    """A model with no speaker tokens (pretrained only)."""
+    return tiny_export(tmp_path_factory.mktemp("pretrained"), sample_texts[:400], speakers=())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    yield from _start(
+        tmp_path_factory.mktemp("serve"), pretrained,
+        "--max_prompt_chars", "200", "--max_tokens_limit", "32", "--max_new_tokens", "8",
+    )  # fmt: skip
+
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
+    """A model with <|user|> and <|bot|>, a long context, an API key."""
+    base = tmp_path_factory.mktemp("chat")
+    model = tiny_export(base, sample_texts[:400], context=1024)
+    yield from _start(base, model, "--max_tokens_limit", "1000", "--api_key", KEY)
 
 
 def test_both_endpoints_answer(server: str) -> None:
@@ -151,34 +175,105 @@ def test_defaults_bind_to_localhost() -> None:
     assert args.host == "127.0.0.1"
 
 
-def test_requests_beyond_the_concurrency_limit_get_503() -> None:
+def gated_app(model: Path, limits: ServeLimits) -> tuple[Any, threading.Semaphore]:
+    """An app on a real model whose decoding steps each wait for the test to release one."""
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(model))
+    gate = threading.Semaphore(0)
+    step = generator.decoder.step
+
+    def gated_step() -> None:
+        assert gate.acquire(timeout=30)
+        step()
+
+    generator.decoder.step = gated_step  # type: ignore[method-assign]
+    return make_app(generator, limits), gate
+
+
+@contextlib.contextmanager
+def opened(gate: threading.Semaphore) -> Iterator[None]:
+    """On the way out (an assertion failed, say), no step waits any more."""
+    try:
+        yield
+    finally:
+        gate.release(10_000)
+
+
+def wait_for(client: Any, **expected: int) -> None:
+    deadline = time.monotonic() + 20
+    while any(client.get("/health").json()[k] != v for k, v in expected.items()):
+        assert time.monotonic() < deadline, (client.get("/health").json(), expected)
+        time.sleep(0.02)
+
+
+def in_thread(results: dict, name: str, call: Any, *args: Any, **kw: Any) -> threading.Thread:
+    t = threading.Thread(target=lambda: results.update({name: call(*args, **kw)}))
+    t.start()
+    return t
+
+
+def test_requests_beyond_the_concurrency_limit_get_503(pretrained: Path) -> None:
     from starlette.testclient import TestClient
 
-    release = threading.Event()
-
-    class SlowGenerator:
-        loaded = SimpleNamespace(name="stub")
-        context = 64
-
-        def generate(self, prompt: str, params: SamplingParams) -> list[Completion]:
-            release.wait(30)
-            return [Completion("done", 1, "stop")]
-
-    app = make_app(SlowGenerator(), ServeLimits(max_concurrent=1))  # type: ignore[arg-type]
-    with TestClient(app) as client:
-        first: dict = {}
-        t = threading.Thread(target=lambda: first.update(r=client.get("/generate?sentence=a")))
-        t.start()
-        deadline = time.monotonic() + 10
-        while client.get("/health").json()["running"] < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        busy = client.post("/generate", json={"prompt": "b"})
+    app, gate = gated_app(pretrained, ServeLimits(max_concurrent=1))
+    with TestClient(app) as client, opened(gate):
+        results: dict = {}
+        first = in_thread(results, "first", client.get, "/generate?sentence=a&max_new_tokens=3")
+        wait_for(client, running=1, batch_rows=1)
+        busy = client.post("/generate", json={"prompt": "b", "max_new_tokens": 3})
         assert busy.status_code == 503 and "busy" in busy.json()["error"]
-        release.set()
-        t.join(10)
-        assert first["r"].status_code == 200 and first["r"].json()["generated"] == "done"
-        assert client.get("/generate?sentence=c").status_code == 200
+        api = client.post("/v1/completions", json={"prompt": "b"})
+        assert api.status_code == 503 and api.headers["Retry-After"] == "1"
+        assert api.json()["error"]["type"] == "server_busy"
+        gate.release(10)
+        first.join(10)
+        assert results["first"].status_code == 200
+        assert results["first"].json()["completions"][0]["tokens"] == 3
+        gate.release(10)
+        assert client.get("/generate?sentence=c&max_new_tokens=2").status_code == 200
+        wait_for(client, running=0, batch_rows=0)
+
+
+def test_concurrent_requests_share_the_batch(pretrained: Path) -> None:
+    """Requests arriving while one decodes join its batch at the next step, up to --max_batch
+    rows; each gets what it would alone."""
+    from starlette.testclient import TestClient
+
+    app, gate = gated_app(pretrained, ServeLimits(max_batch=4))
+    body = {"max_tokens": 6, "temperature": 0}
+    prompts = {"a": "Return the", "b": "The value", "c": "def f", "d": "class"}
+    with TestClient(app) as client, opened(gate):
+        results: dict = {}
+        threads = [
+            in_thread(results, "a", client.post, "/v1/completions", json={**body, "prompt": prompts["a"]})
+        ]
+        wait_for(client, running=1, batch_rows=1)  # "a" decodes alone, held before its second token
+        for name in "bc":
+            threads.append(
+                in_thread(
+                    results, name, client.post, "/v1/completions", json={**body, "prompt": prompts[name]}
+                )
+            )
+        wait_for(client, running=3)
+        # "d" asks for 2 samples: with 3 rows running it does not fit 4 rows, and waits.
+        d_body = {**body, "prompt": prompts["d"], "n": 2, "temperature": 1.0, "seed": 5}
+        threads.append(in_thread(results, "d", client.post, "/v1/completions", json=d_body))
+        wait_for(client, running=4)
+        gate.release()  # one step of "a"; then "b" and "c" join it
+        wait_for(client, batch_rows=3)
+        gate.release(100)
+        for t in threads:
+            t.join(20)
+        wait_for(client, running=0, batch_rows=0)
+        texts = {k: r.json()["choices"][0]["text"] for k, r in results.items()}
+        # Each answer is the one it gets alone.
+        for name in "abc":
+            alone = client.post("/v1/completions", json={**body, "prompt": prompts[name]})
+            assert alone.json()["choices"][0]["text"] == texts[name]
+        assert [c["index"] for c in results["d"].json()["choices"]] == [0, 1]
+        assert client.post("/v1/completions", json=d_body).json()["choices"] == results["d"].json()["choices"]
 
 
 def test_parse_request_applies_limits_and_defaults() -> None:
@@ -259,3 +354,112 @@ def test_openai_completions_models_and_errors(server: str) -> None:
                    timeout=30)  # fmt: skip
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    """The events of a server-sent event stream: JSON objects, then the string "[DONE]"."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
+
+
+def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> None:
+    body = {"prompt": "Return the", "max_tokens": 12, "temperature": 0.9, "n": 2, "seed": 11, "stop": "\n\n"}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=streamed, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"] and events[-2]["choices"] == []
+    chunks = events[:-2]
+    assert len(chunks) > 4 and all(
+        c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks
+    )
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(m["text"] for m in mine) == choice["text"]
+        assert [m["finish_reason"] for m in mine][-1] == choice["finish_reason"]
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+
+
+def test_official_client_completions_chat_and_streaming(chat_server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    served = client.models.list().data[0].id
+    done = client.completions.create(model=served, prompt="The", max_tokens=5, seed=1)
+    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does this return?"},
+        {"role": "assistant", "content": "A list."},
+        {"role": "user", "content": "Of what?"},
+    ]
+    chat = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    answer = chat.choices[0].message
+    assert answer.role == "assistant" and answer.content == answer.content.strip()
+    assert chat.usage.prompt_tokens > 10
+    again = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    assert again.choices[0].message.content == answer.content  # the same seed, the same reply
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8, stream=True
+    ):
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(pieces) == answer.content and reasons[-1] == chat.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=served, messages=messages, frequency_penalty=0.5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{chat_server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
+    for path in ("/v1/models", "/generate?sentence=a"):
+        r = httpx.get(f"{chat_server}{path}", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    r = httpx.post(
+        f"{chat_server}/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}
+    )
+    assert r.status_code == 401
+    assert httpx.get(f"{chat_server}/health", timeout=10).json()["auth"] is True
+    ok = httpx.get(f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert ok.status_code == 200
+    assert KEY not in LOGS[chat_server].read_text()
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def health() -> dict:
+        return httpx.get(f"{chat_server}/health", timeout=10).json()
+
+    before = health()["tokens_generated"]
+    body = {"prompt": "The", "max_tokens": 1000, "stream": True, "temperature": 1.0, "seed": 2}
+    with httpx.stream("POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+    # The connection is closed: the row leaves the batch and the slot frees.
+    deadline = time.monotonic() + 10
+    while (h := health())["running"] or h["batch_rows"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+    spent = h["tokens_generated"] - before
+    time.sleep(0.5)
+    assert health()["tokens_generated"] - before == spent < 1000
+    # The server goes on.
+    r = httpx.post(
+        f"{chat_server}/v1/completions", json={"prompt": "a", "max_tokens": 3}, headers=auth, timeout=30
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3

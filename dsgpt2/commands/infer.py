@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from dsgpt2.commands.common import (
 from dsgpt2.options import add_options, from_namespace
 
 log = logging.getLogger("dsgpt2")
+API_KEY_ENV = "DSGPT2_API_KEY"
 
 
 def add_export(sub: Any) -> None:
@@ -126,11 +128,15 @@ def add_chat(sub: Any) -> None:
 def add_serve(sub: Any) -> None:
     p = sub.add_parser(
         "serve",
-        help="serve generation over HTTP (GET/POST /generate, GET /health)",
+        help="serve generation over HTTP: the OpenAI API (/v1/...) and GET/POST /generate",
         description=(
-            "An HTTP server: GET /generate?sentence=TEXT and POST /generate with a JSON body "
-            '{"prompt": TEXT, "max_new_tokens": N, "temperature": T, ...}; GET /health. Bad '
-            "parameters get 400 with the reason. Bound to 127.0.0.1 unless --host says otherwise."
+            "An HTTP server: the OpenAI API (POST /v1/completions, POST /v1/chat/completions, "
+            "GET /v1/models; streamed as server-sent events with stream: true), GET "
+            "/generate?sentence=TEXT and POST /generate with a JSON body "
+            '{"prompt": TEXT, "max_new_tokens": N, "temperature": T, ...}; GET /health. Concurrent '
+            "requests are decoded together in one batch. Bad parameters get 400 with the reason. "
+            "Bound to 127.0.0.1 unless --host says otherwise; --api_key (or $DSGPT2_API_KEY) makes "
+            "every request but /health carry 'Authorization: Bearer KEY'."
         ),
     )
     _add_model(p)
@@ -138,7 +144,11 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
     from dsgpt2.infer.settings import ServeLimits
 
-    add_options(p, ServeLimits, only=["max_prompt_chars", "max_concurrent"])
+    add_options(p, ServeLimits, only=["max_prompt_chars", "max_concurrent", "max_batch"])
+    p.add_argument(
+        "--api_key",
+        help=f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)",
+    )
     # ServeLimits.max_new_tokens under a name of its own: --max_new_tokens is the default request's.
     p.add_argument(
         "--max_tokens_limit",
@@ -303,11 +313,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars,
         max_new_tokens=args.max_tokens_limit,
         max_concurrent=args.max_concurrent,
+        max_batch=args.max_batch,
     )
     if args.max_new_tokens is None:
         args.max_new_tokens = min(SamplingParams().max_new_tokens, limits.max_new_tokens)
     if args.max_new_tokens > limits.max_new_tokens:
         raise usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
-    app = make_app(Generator(_load_model(args)), limits, _sampling(args))
-    serve(app, args.host, args.port)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    app = make_app(Generator(_load_model(args)), limits, _sampling(args), api_key)
+    serve(app, args.host, args.port, authenticated=api_key is not None)
     return 0

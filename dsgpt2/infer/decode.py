@@ -7,9 +7,9 @@ masked out, positions counted per row, so a row's logits are those it would get 
 float rounding); finished or cancelled rows leave the batch at once. That is continuous batching:
 a short request never waits for a long one.
 
-Each row samples with its own settings (temperature, top-k, top-p, repetition penalty); each
-request draws from its own random generator seeded by its ``seed``, so a request's text does not
-depend on what ran before it. A row stops at end-of-text, at one of its stop tokens, at one of
+Each row samples with its own settings (temperature, top-k, top-p, repetition penalty) and draws
+from its own random generator, seeded from its request's ``seed`` and its sample number, so a
+text does not depend on what ran before it, what shares its batch or how many samples were asked. A row stops at end-of-text, at one of its stop tokens, at one of
 its stop strings (cut at text level) or after ``max_new_tokens``; its text is delivered in
 increments as it grows (never half a UTF-8 character, never the start of a stop string that may
 still complete).
@@ -86,6 +86,7 @@ class Decoder:
         self.device = device
         self.context = int(model.config.n_positions)
         self.vocab = int(model.config.vocab_size)
+        self.tokens_generated = 0  # over the decoder's life, for monitoring
         self._clear()
 
     def _clear(self) -> None:
@@ -94,7 +95,7 @@ class Decoder:
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)  # (B, L): 1 = real token
         self.next_pos = torch.zeros(0, dtype=torch.long, device=self.device)  # (B,)
         self.seen = torch.zeros(0, self.vocab, dtype=torch.bool, device=self.device)  # (B, V)
-        self.generators: dict[DecodeRequest, torch.Generator] = {}
+        self.rngs: list[torch.Generator] = []  # one per row
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -147,10 +148,8 @@ class Decoder:
         for r, p in zip(requests, prompts, strict=True):
             r.prompt_tokens = len(p)
             r.samples = [Sample(i) for i in range(r.params.num_samples)]
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(r.params.seed)
-            self.generators[r] = generator
             new_rows += [(r, s) for s in r.samples]
+            self.rngs += [_rng(r.params.seed, s.index, self.device) for s in r.samples]
         self._merge(layers, mask[pick], mask[pick].sum(1), new_seen[pick], new_rows)
         self._advance(out.logits[pick, -1].float(), first=len(self.rows) - len(new_rows))
 
@@ -227,13 +226,14 @@ class Decoder:
         self.mask = mask[:, start:]
         self.next_pos, self.seen = self.next_pos[index], self.seen[index]
         self.rows = [self.rows[i] for i in keep]
-        self.generators = {r: self.generators[r] for r, _ in self.rows}
+        self.rngs = [self.rngs[i] for i in keep]
 
     def _advance(self, logits: torch.Tensor, first: int) -> None:
         """Sample the next token of rows ``first:`` from their ``logits`` (rows, V), record it,
         deliver the new text, and let finished rows go."""
         rows = self.rows[first:]
         tokens = self._sample(logits, rows, self.seen[first:])
+        self.tokens_generated += len(rows)
         self.seen[torch.arange(first, len(self.rows), device=self.device), tokens] = True
         finished = []
         for (request, sample), token in zip(rows, tokens.tolist(), strict=True):
@@ -276,13 +276,8 @@ class Decoder:
         # Nucleus: keep the likeliest tokens until their mass reaches top_p (at least one).
         before = probs.cumsum(-1) - probs
         probs = probs.masked_fill(before >= top_p, 0.0)
-        picks = torch.empty(len(sampled), dtype=torch.long, device=logits.device)
-        by_request: dict[DecodeRequest, list[int]] = {}
-        for j, i in enumerate(sampled):
-            by_request.setdefault(rows[i][0], []).append(j)
-        for request, js in by_request.items():
-            at = torch.tensor(js, device=logits.device)
-            picks[at] = torch.multinomial(probs[at], 1, generator=self.generators[request])[:, 0]
+        rngs = self.rngs[len(self.rows) - len(rows) :]
+        picks = torch.cat([torch.multinomial(probs[j], 1, generator=rngs[i]) for j, i in enumerate(sampled)])
         chosen[index] = order.gather(1, picks[:, None])[:, 0]
         return chosen
 
@@ -319,6 +314,14 @@ class Decoder:
             sample.sent = max(ready, sample.sent)
             if request.on_delta:
                 request.on_delta(delta)
+
+
+def _rng(seed: int, sample: int, device: str) -> torch.Generator:
+    """The random generator of sample ``sample`` of a request seeded ``seed``: sample 0 draws from
+    ``seed`` itself, so a sample does not depend on how many were asked."""
+    rng = torch.Generator(device=device)
+    rng.manual_seed(seed if sample == 0 else hash((seed, sample)) % 2**63)
+    return rng
 
 
 def _partial_stop(text: str, stops: Sequence[str]) -> int:

@@ -20,13 +20,26 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dsgpt2.corpus.documents import text_problem
 from dsgpt2.errors import ConfigError
+from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
 # OpenAI's defaults for the sampling fields it shares with SamplingParams.
 DEFAULT_MAX_TOKENS = 16
 MAX_STOP = 4
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream", "user"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+}
 # Fields of the API this server accepts only at their default (no effect) value.
 AT_DEFAULT: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0, None),
@@ -37,7 +50,6 @@ AT_DEFAULT: dict[str, tuple[Any, ...]] = {
     "echo": (False, None),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "stream_options": (None,),
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -77,6 +89,7 @@ class ApiRequest:
     params: SamplingParams
     stop: list[str]
     stream: bool
+    stream_usage: bool  # stream_options.include_usage: a last chunk with the usage
 
 
 def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
@@ -166,8 +179,8 @@ def completion_request(
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
         raise ApiError("prompt must be a string or a non-empty list of strings", "prompt")
     for p in prompts:
-        _check_length(p, limits, "prompt")
-    return ApiRequest(prompts, [], sampling(body, limits, defaults), stop_sequences(body), _stream(body))
+        _check_text(p, limits, "prompt")
+    return ApiRequest(prompts, [], sampling(body, limits, defaults), stop_sequences(body), *_stream(body))
 
 
 def chat_request(
@@ -188,7 +201,7 @@ def chat_request(
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
             raise ApiError(f"messages[{i}] needs a role and a string content", "messages")
-        _check_length(content, limits, "messages")
+        _check_text(content, limits, "messages")
         if role in ("system", "developer"):
             system.append(content)
         elif role in ROLES:
@@ -202,10 +215,12 @@ def chat_request(
     if system:
         first = next(t for t in turns if t["speaker"] == "user")
         first["text"] = "\n\n".join([*system, first["text"]])
-    return ApiRequest([], turns, sampling(body, limits, defaults), stop_sequences(body), _stream(body))
+    return ApiRequest([], turns, sampling(body, limits, defaults), stop_sequences(body), *_stream(body))
 
 
-def _check_length(text: str, limits: ServeLimits, param: str) -> None:
+def _check_text(text: str, limits: ServeLimits, param: str) -> None:
+    if text and text_problem(text, limits.max_prompt_chars) == "invalid_unicode":
+        raise ApiError(f"{param} holds invalid text (a lone surrogate or undecodable bytes)", param)
     if len(text) > limits.max_prompt_chars:
         raise ApiError(
             f"{param} holds {len(text)} characters; this server accepts at most {limits.max_prompt_chars}",
@@ -213,17 +228,22 @@ def _check_length(text: str, limits: ServeLimits, param: str) -> None:
         )
 
 
-def _stream(body: dict[str, Any]) -> bool:
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """Whether to stream, and whether to end the stream with the usage."""
     stream = body.get("stream", False)
     if stream not in (True, False, None):
         raise ApiError("stream must be true or false", "stream")
-    return bool(stream)
-
-
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` up to the first stop sequence, and whether one was found."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+    options = body.get("stream_options")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError('stream_options takes {"include_usage": true|false} only', "stream_options")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise ApiError("stream_options.include_usage must be true or false", "stream_options")
+    return True, include
 
 
 def new_id(prefix: str) -> str:
@@ -237,13 +257,62 @@ def models_body(served: str, created: int) -> dict[str, Any]:
     }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 def now() -> int:
     return int(time.time())
+
+
+class ApiAnswer:
+    """The answer to one API request, whole or as stream chunks, from its decoded requests."""
+
+    def __init__(self, answer_id: str, model: str, chat: bool, decodes: list[DecodeRequest]) -> None:
+        self.id = answer_id
+        self.model = model
+        self.chat = chat
+        self.decodes = decodes
+        self.created = now()
+        self._started: set[int] = set()  # choices whose first chunk went out (chat: with the role)
+
+    def _index(self, request: int, sample: int) -> int:
+        return request * self.decodes[0].params.num_samples + sample
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(d.prompt_tokens for d in self.decodes)
+        completion = sum(len(s.ids) for d in self.decodes for s in d.samples)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def body(self) -> dict[str, Any]:
+        """The whole answer (``stream: false``)."""
+        choices = []
+        for r, decode in enumerate(self.decodes):
+            for s in decode.samples:
+                choice: dict[str, Any] = {"index": self._index(r, s.index)}
+                if self.chat:
+                    choice["message"] = {"role": "assistant", "content": s.text}
+                else:
+                    choice["text"] = s.text
+                choices.append({**choice, "logprobs": None, "finish_reason": s.finish_reason or "length"})
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": choices, "usage": self.usage()}
+
+    def chunk(self, request: int, delta: Delta) -> dict[str, Any]:
+        """One stream chunk: new text of one choice (its finish reason on the last)."""
+        index = self._index(request, delta.sample)
+        choice: dict[str, Any] = {"index": index}
+        if self.chat:
+            first = index not in self._started
+            piece = {"content": delta.text} if delta.text or first else {}
+            choice["delta"] = {"role": "assistant", **piece} if first else piece
+        else:
+            choice["text"] = delta.text
+        self._started.add(index)
+        choice.update(logprobs=None, finish_reason=delta.finish_reason)
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [choice]}
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The last chunk under ``stream_options.include_usage``: no choices, the usage."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(kind), "choices": [], "usage": self.usage()}

@@ -6,41 +6,49 @@ Endpoints:
 - ``POST /generate`` with a JSON body ``{"prompt": ..., "max_new_tokens": ...}``;
 - ``GET /health``: the model and the limits;
 - ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI API
-  (:mod:`dsgpt2.infer.openai_api`).
+  (:mod:`dsgpt2.infer.openai_api`), streamed as server-sent events on ``stream: true``.
 
-Limits guard the process: prompt length, ``max_new_tokens`` and the number of
-generations running at once (more get 503 at once rather than queueing).
-A bad request gets 400 with the reason; an error inside one request is
-answered with 500 and the server goes on.
+Every generation goes through one :class:`~dsgpt2.infer.engine.Engine`: concurrent requests are
+decoded together in one batch. Limits guard the process: prompt length, ``max_new_tokens``, the
+rows in the batch and the requests in flight (more get 503 and ``Retry-After`` at once rather than
+queueing). A client that leaves (mid-stream or before its answer) stops its generation. A bad
+request gets 400 with the reason; an error inside decoding is answered with 500 and the server
+goes on. With an API key, every request but ``/health`` needs ``Authorization: Bearer <key>``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
+import hmac
+import json
 import logging
-import threading
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.corpus.documents import text_problem
-from dsgpt2.errors import ConfigError, DsGpt2Error
-from dsgpt2.infer.generate import Generator, SamplingParams
+from dsgpt2.errors import ConfigError
+from dsgpt2.infer.decode import DecodeRequest, Delta
+from dsgpt2.infer.engine import Engine, GenerationFailed
+from dsgpt2.infer.generate import Completion, Generator, SamplingParams
 from dsgpt2.infer.openai_api import (
+    ApiAnswer,
     ApiError,
     ApiRequest,
     chat_request,
     completion_request,
-    cut_at_stop,
     models_body,
     new_id,
     now,
-    usage,
 )
 from dsgpt2.infer.settings import ServeLimits
 
@@ -83,43 +91,61 @@ def parse_request(
     return prompt, params
 
 
-def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams | None = None) -> Starlette:
-    """The HTTP application around ``generator``."""
-    defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
-    running = 0
-    count_lock = threading.Lock()
-    # One generation at a time per model: the threads would only fight over the same cores,
-    # and the model is not meant to run concurrent forward passes from several threads.
-    model_lock = threading.Lock()
+class Slots:
+    """Requests admitted at once (decoding or waiting for room in the batch)."""
 
-    def _generate(prompt: str, params: SamplingParams) -> list[Any]:
-        with model_lock:
-            return generator.generate(prompt, params)
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def take(self) -> bool:
+        # Handlers run on the event loop's thread: no lock needed.
+        if self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+    def release(self) -> None:
+        self.taken -= 1
+
+    def busy(self, api: bool) -> JSONResponse:
+        message = f"busy: {self.limit} requests already in flight; retry later"
+        body = ApiError(message, status=503, kind="server_busy").body() if api else {"error": message}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def make_app(
+    generator: Generator,
+    limits: ServeLimits,
+    defaults: SamplingParams | None = None,
+    api_key: str | None = None,
+) -> Starlette:
+    """The HTTP application around ``generator``; ``api_key``: the bearer token every request but
+    ``/health`` must carry (none: no authentication)."""
+    defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
+    engine = Engine(generator.decoder, limits.max_batch)
+    slots = Slots(limits.max_concurrent)
+    served = generator.loaded.name
+    created = now()
 
     async def generate(request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
-        nonlocal running
         try:
             prompt, params = parse_request(values, prompt_key, limits, defaults)
+            decode = DecodeRequest(generator.decoder.fit(generator.encode(prompt), params), params)
         except BadRequest as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        with count_lock:
-            if running >= limits.max_concurrent:
-                return JSONResponse(
-                    {"error": f"busy: {limits.max_concurrent} generations already running; retry later"},
-                    status_code=503,
-                    headers={"Retry-After": "1"},
-                )
-            running += 1
-        try:
-            completions = await run_in_threadpool(_generate, prompt, params)
-        except DsGpt2Error as exc:
+        except ConfigError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        except Exception:
-            log.exception("generation failed for a request")
-            return JSONResponse({"error": "generation failed; see the server log"}, status_code=500)
+        if not slots.take():
+            return slots.busy(api=False)
+        try:
+            if not await _collect(request, engine.stream([decode])):
+                return JSONResponse({"error": "client disconnected"}, status_code=400)
+        except GenerationFailed as exc:
+            return JSONResponse({"error": str(exc)}, status_code=500)
         finally:
-            with count_lock:
-                running -= 1
+            slots.release()
+        completions = [Completion(s.text, len(s.ids), s.finish_reason or "length") for s in decode.samples]
         return JSONResponse(
             {
                 "prompt": prompt,
@@ -128,131 +154,6 @@ def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams
                 "settings": asdict(params),
             }
         )
-
-    served = generator.loaded.name
-    created = now()
-
-    async def openai(request: Request, chat: bool) -> JSONResponse:
-        nonlocal running
-        body = await _read_body(request, limits.max_body_bytes)
-        if isinstance(body, JSONResponse):
-            return _as_api_error(body)
-        try:
-            make = chat_request if chat else completion_request
-            req = make(body, served, limits, defaults)
-            if req.stream:
-                raise ApiError("stream is not supported yet; leave it false", "stream")
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        with count_lock:
-            if running >= limits.max_concurrent:
-                busy = ApiError(
-                    f"busy: {limits.max_concurrent} generations already running; retry later",
-                    status=503,
-                    kind="server_busy",
-                )
-                return JSONResponse(busy.body(), status_code=503, headers={"Retry-After": "1"})
-            running += 1
-        try:
-            answer = await run_in_threadpool(_answer_chat if chat else _answer_completion, req)
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except Exception:
-            log.exception("generation failed for a request")
-            failed = ApiError("generation failed; see the server log", status=500)
-            return JSONResponse(failed.body(), status_code=500)
-        finally:
-            with count_lock:
-                running -= 1
-        return JSONResponse(answer)
-
-    def _choices(prompt_ids: list[int], req: ApiRequest, stop_ids: list[int], index: int) -> list[dict]:
-        with model_lock:
-            completions = generator.generate_ids(prompt_ids, req.params, stop_ids=stop_ids)
-        out = []
-        for i, c in enumerate(completions):
-            text, cut = cut_at_stop(c.text, req.stop)
-            tokens = len(generator.encode(text)) if cut else c.tokens
-            out.append(
-                {
-                    "index": index + i,
-                    "text": text,
-                    "tokens": tokens,
-                    "finish_reason": "stop" if cut else c.finish_reason,
-                }
-            )
-        return out
-
-    def _fit(ids: list[int], req: ApiRequest) -> list[int]:
-        if req.params.max_new_tokens >= generator.context:
-            raise ApiError(
-                f"max_tokens {req.params.max_new_tokens} does not fit the model's context of "
-                f"{generator.context} tokens",
-                "max_tokens",
-            )
-        return ids[-(generator.context - req.params.max_new_tokens) :] or [generator.eot]
-
-    def _answer_completion(req: ApiRequest) -> dict[str, Any]:
-        choices, prompt_tokens = [], 0
-        for prompt in req.prompts:
-            ids = _fit(generator.encode(prompt), req)
-            prompt_tokens += len(ids)
-            choices += _choices(ids, req, [], len(choices))
-        return {
-            "id": new_id("cmpl"),
-            "object": "text_completion",
-            "created": now(),
-            "model": served,
-            "choices": [
-                {
-                    "index": c["index"],
-                    "text": c["text"],
-                    "logprobs": None,
-                    "finish_reason": c["finish_reason"],
-                }
-                for c in choices
-            ],
-            "usage": usage(prompt_tokens, sum(c["tokens"] for c in choices)),
-        }
-
-    def _answer_chat(req: ApiRequest) -> dict[str, Any]:
-        from dsgpt2.infer.chat import ChatSession
-
-        try:
-            session = ChatSession(generator, req.params)
-        except ConfigError:
-            raise ApiError(
-                f"{served} has no <|user|> and <|bot|> speaker tokens: it was not finetuned on "
-                "conversations; use /v1/completions",
-                "messages",
-            ) from None
-        ids = _fit(session.prompt(req.turns), req)
-        choices = _choices(ids, req, list(session.speakers.values()), 0)
-        return {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": now(),
-            "model": served,
-            "choices": [
-                {
-                    "index": c["index"],
-                    "finish_reason": c["finish_reason"],
-                    "logprobs": None,
-                    "message": {"role": "assistant", "content": c["text"].strip()},
-                }
-                for c in choices
-            ],
-            "usage": usage(len(ids), sum(c["tokens"] for c in choices)),
-        }
-
-    async def completions(request: Request) -> JSONResponse:
-        return await openai(request, chat=False)
-
-    async def chat_completions(request: Request) -> JSONResponse:
-        return await openai(request, chat=True)
-
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse(models_body(served, created))
 
     async def get_generate(request: Request) -> JSONResponse:
         return await generate(request, "sentence", dict(request.query_params))
@@ -263,17 +164,86 @@ def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams
             return body
         return await generate(request, "prompt", body)
 
+    async def openai(request: Request, chat: bool) -> Response:
+        body = await _read_body(request, limits.max_body_bytes)
+        if isinstance(body, JSONResponse):
+            return _as_api_error(body)
+        try:
+            api = (chat_request if chat else completion_request)(body, served, limits, defaults)
+            decodes = _chat_decodes(api) if chat else _completion_decodes(api)
+        except ApiError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if not slots.take():
+            return slots.busy(api=True)
+        answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), served, chat, decodes)
+        if api.stream:
+            return StreamingResponse(
+                _sse(answer, engine.stream(decodes), api.stream_usage, slots.release),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            if not await _collect(request, engine.stream(decodes)):
+                return JSONResponse(ApiError("client disconnected").body(), status_code=400)
+        except GenerationFailed as exc:
+            return JSONResponse(ApiError(str(exc), status=500).body(), status_code=500)
+        finally:
+            slots.release()
+        return JSONResponse(answer.body())
+
+    def _fit(ids: list[int], api: ApiRequest) -> list[int]:
+        try:
+            return generator.decoder.fit(ids, api.params)
+        except ConfigError:
+            raise ApiError(
+                f"max_tokens {api.params.max_new_tokens} does not fit the model's context of "
+                f"{generator.context} tokens",
+                "max_tokens",
+            ) from None
+
+    def _completion_decodes(api: ApiRequest) -> list[DecodeRequest]:
+        fitted = [_fit(generator.encode(p), api) for p in api.prompts]
+        return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
+
+    def _chat_decodes(api: ApiRequest) -> list[DecodeRequest]:
+        from dsgpt2.infer.chat import ChatSession
+
+        try:
+            session = ChatSession(generator, api.params)
+        except ConfigError:
+            raise ApiError(
+                f"{served} has no <|user|> and <|bot|> speaker tokens: it was not finetuned on "
+                "conversations; use /v1/completions",
+                "messages",
+            ) from None
+        ids = _fit(session.prompt(api.turns), api)
+        stop_ids = list(session.speakers.values())
+        return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
+
+    async def completions(request: Request) -> Response:
+        return await openai(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await openai(request, chat=True)
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse(models_body(served, created))
+
     async def health(request: Request) -> JSONResponse:
         return JSONResponse(
             {
                 "status": "ok",
-                "model": generator.loaded.name,
+                "model": served,
                 "context": generator.context,
                 "limits": asdict(limits),
-                "running": running,
+                "running": slots.taken,
+                "batch_rows": engine.rows(),
+                "tokens_generated": generator.decoder.tokens_generated,
+                "auth": api_key is not None,
             }
         )
 
+    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     return Starlette(
         routes=[
             Route("/generate", get_generate, methods=["GET"]),
@@ -282,22 +252,87 @@ def make_app(generator: Generator, limits: ServeLimits, defaults: SamplingParams
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-        ]
+        ],
+        middleware=middleware,
     )
+
+
+class BearerAuth:
+    """Every request but ``GET /health`` carries ``Authorization: Bearer <key>``, or gets 401."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = ApiError(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                    status=401,
+                    kind="invalid_request_error",
+                )
+                body = error.body()
+                body["error"]["code"] = "invalid_api_key"
+                response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _collect(request: Request, deltas: AsyncIterator[Any]) -> bool:
+    """Read ``deltas`` to the end; False (and the generation cancelled) when the client leaves first."""
+
+    async def drain() -> None:
+        async for _ in deltas:
+            pass
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                return True
+            if await request.is_disconnected():
+                log.info("client left before its answer; generation cancelled")
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _sse(
+    answer: ApiAnswer, deltas: AsyncIterator[tuple[int, Delta]], with_usage: bool, done: Callable[[], None]
+) -> AsyncIterator[str]:
+    """Server-sent events of an answer: its chunks as they come, then ``[DONE]``."""
+    try:
+        async for i, delta in deltas:
+            yield _event(answer.chunk(i, delta))
+        if with_usage:
+            yield _event(answer.usage_chunk())
+    except GenerationFailed as exc:
+        yield _event(ApiError(str(exc), status=500).body())
+    finally:
+        done()
+    yield "data: [DONE]\n\n"
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def _as_api_error(response: JSONResponse) -> JSONResponse:
     """A body-reading refusal (413, 400) in the OpenAI error format."""
-    import json
-
     message = json.loads(bytes(response.body))["error"]
     status = response.status_code
     return JSONResponse(ApiError(message, status=status).body(), status_code=status)
 
 
 async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONResponse:
-    import json
-
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -319,13 +354,17 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
     return body
 
 
-def serve(app: Starlette, host: str, port: int) -> None:
+def serve(app: Starlette, host: str, port: int, authenticated: bool = False) -> None:
     """Serve ``app`` until interrupted (Ctrl-C or SIGTERM)."""
     import uvicorn
 
     check_bind(host, port)
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("serving on %s: reachable from other machines, with no authentication", host)
+    if host not in ("127.0.0.1", "localhost", "::1") and not authenticated:
+        log.warning(
+            "serving on %s: reachable from other machines, with no authentication (set --api_key or "
+            "$DSGPT2_API_KEY)",
+            host,
+        )
     uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
 
 

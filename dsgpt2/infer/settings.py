@@ -121,7 +121,11 @@ class ServeLimits:
 
     max_prompt_chars: int = option(4000, "longest prompt accepted", type=positive_int)
     max_new_tokens: int = option(256, "largest max_new_tokens a request may ask", type=positive_int)
-    max_concurrent: int = option(2, "requests in flight at once; more get 503", type=positive_int)
+    max_concurrent: int = option(
+        16, "requests in flight at once (decoding or waiting for room in the batch); more get 503",
+        type=positive_int,
+    )  # fmt: skip
+    max_batch: int = option(8, "sequences decoded together in one batch (samples count)", type=positive_int)
     max_body_bytes: int = option(64_000, "largest request body", type=positive_int)
 
     def __post_init__(self) -> None:

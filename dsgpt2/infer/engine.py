@@ -1,0 +1,106 @@
+"""The serving engine: one thread decodes every request in flight as one batch.
+
+HTTP handlers submit :class:`~dsgpt2.infer.decode.DecodeRequest` objects and read their text as it
+comes, through an asyncio queue fed from the engine's thread. Between two decoding steps the
+engine admits waiting requests while their rows fit ``max_batch`` (a request is admitted alone
+when the batch is empty, however many samples it asks for), so N concurrent clients share the
+forward passes instead of taking turns. A request whose client is gone is cancelled and leaves the
+batch at the next step. An error while decoding fails the requests in the batch (their clients get
+500) and the engine goes on with the next ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from dsgpt2.infer.decode import Decoder, DecodeRequest, Delta
+
+log = logging.getLogger(__name__)
+
+
+class GenerationFailed(Exception):
+    """Decoding failed inside the engine (the server log has the traceback)."""
+
+
+class Engine:
+    """Decodes submitted requests in batches, in a daemon thread."""
+
+    def __init__(self, decoder: Decoder, max_batch: int) -> None:
+        self.decoder = decoder
+        self.max_batch = max_batch
+        self._waiting: deque[DecodeRequest] = deque()
+        self._wake = threading.Condition()
+        self._thread = threading.Thread(target=self._loop, name="dsgpt2-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: DecodeRequest) -> None:
+        with self._wake:
+            self._waiting.append(request)
+            self._wake.notify()
+
+    def rows(self) -> int:
+        """Rows decoding now."""
+        return len(self.decoder)
+
+    def _admit(self) -> list[DecodeRequest]:
+        """Waiting requests whose rows fit next to the running ones (blocks while idle)."""
+        with self._wake:
+            while not self._waiting and not len(self.decoder):
+                self._wake.wait()
+            batch: list[DecodeRequest] = []
+            rows = len(self.decoder)
+            while self._waiting:
+                request = self._waiting[0]
+                if request.cancelled.is_set():
+                    self._waiting.popleft()
+                    continue
+                n = request.params.num_samples
+                if rows and rows + n > self.max_batch:
+                    break
+                batch.append(self._waiting.popleft())
+                rows += n
+            return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._admit()
+            try:
+                self.decoder.add(batch)
+                self.decoder.step()
+            except Exception:
+                log.exception("decoding failed; failing the requests of this batch")
+                for request in {*self.decoder.fail_all(), *batch}:
+                    if request.on_delta:
+                        request.on_delta(Delta(-1, "", "error"))
+
+    async def stream(self, requests: Sequence[DecodeRequest]) -> AsyncIterator[tuple[int, Delta]]:
+        """Submit ``requests``; yield (request number, delta) until all their samples finish.
+
+        Leaving early (the client went away, an exception) cancels what is still decoding.
+
+        Raises:
+            GenerationFailed: decoding failed in the engine.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
+        for i, request in enumerate(requests):
+            request.on_delta = lambda d, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
+        remaining = sum(r.params.num_samples for r in requests)
+        try:
+            for request in requests:
+                self.submit(request)
+            while remaining:
+                i, delta = await queue.get()
+                if delta.finish_reason == "error":
+                    raise GenerationFailed("decoding failed; see the server log")
+                if delta.finish_reason:
+                    remaining -= 1
+                yield i, delta
+        finally:
+            if remaining:
+                for request in requests:
+                    request.cancelled.set()
