@@ -117,7 +117,9 @@ def sample_texts() -> list[str]:
     return list(stdlib_documents())
 
 
-def tiny_export(out: Path, texts: list[str], context: int = 64, speakers: tuple[str, ...] = ("user", "bot")) -> Path:
+def tiny_export(
+    out: Path, texts: list[str], context: int = 64, speakers: tuple[str, ...] = ("user", "bot")
+) -> Path:
     """An untrained one-layer GPT-2 with a small tokenizer trained on ``texts`` (with the ``speakers``'
     tokens), saved as an export."""
     import torch
@@ -125,7 +127,8 @@ def tiny_export(out: Path, texts: list[str], context: int = 64, speakers: tuple[
 
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
-    train_vocab(iter(texts), out / "tok", VocabSettings(vocab_size=300, speakers=speakers), "test", progress=False)
+    settings = VocabSettings(vocab_size=300, speakers=speakers)
+    train_vocab(iter(texts), out / "tok", settings, "test", progress=False)
     tok = AutoTokenizer.from_pretrained(str(out / "tok"))
     config = GPT2Config(
         vocab_size=len(tok), n_positions=context, n_embd=32, n_layer=1, n_head=2,

@@ -9,10 +9,10 @@ a short request never waits for a long one.
 
 Each row samples with its own settings (temperature, top-k, top-p, repetition penalty) and draws
 from its own random generator, seeded from its request's ``seed`` and its sample number, so a
-text does not depend on what ran before it, what shares its batch or how many samples were asked. A row stops at end-of-text, at one of its stop tokens, at one of
-its stop strings (cut at text level) or after ``max_new_tokens``; its text is delivered in
-increments as it grows (never half a UTF-8 character, never the start of a stop string that may
-still complete).
+text does not depend on what ran before it, what shares its batch or how many samples were asked.
+A row stops at end-of-text, at one of its stop tokens, at one of its stop strings (cut at text
+level) or after ``max_new_tokens``; its text is delivered in increments as it grows (never half a
+UTF-8 character, never the start of a stop string that may still complete).
 """
 
 from __future__ import annotations
