@@ -233,6 +233,12 @@ def test_generate_cli(models: dict[str, Path], tmp_path: Path) -> None:
     assert all(r["tokens"] <= 5 for r in rows)
     again = run_cli(*args, "--prompts_file", str(prompts), "A third")
     assert again.stdout == out.stdout
+    # --stream prints the same text, piece by piece as it is generated.
+    text = run_cli(*args[:-1], "Return a", "A third")
+    streamed = run_cli(*args[:-1], "--stream", "Return a", "A third")
+    assert streamed.returncode == 0 and streamed.stdout == text.stdout
+    refused = run_cli(*args, "--stream", "x")
+    assert refused.returncode == 2 and "--stream prints one text" in refused.stderr
 
 
 def test_generate_bad_input_is_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:

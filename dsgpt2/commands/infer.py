@@ -104,6 +104,7 @@ def add_generate(sub: Any) -> None:
     p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     p.add_argument("--prompts_file", help="a file with one prompt per line")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (one sample)")
     _add_generation(p, samples=True)
     p.set_defaults(func=cmd_generate)
 
@@ -270,8 +271,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         raise usage("generate", "give PROMPT arguments or --prompts_file")
     params = _sampling(args)
+    if args.stream and (args.json or params.num_samples > 1):
+        raise usage("generate", "--stream prints one text as it comes: drop --json and keep --num_samples 1")
     generator = Generator(_load_model(args))
+
+    def write(text: str) -> None:
+        print(text, end="", flush=True)
+
     for prompt in prompts:
+        if args.stream:
+            write(prompt)
+            c = generator.generate(prompt, params, on_text=write)[0]
+            print()
+            print(f"--- {c.tokens} tokens, stopped by {c.finish_reason}", file=sys.stderr)
+            continue
         completions = generator.generate(prompt, params)
         for i, c in enumerate(completions):
             if args.json:
@@ -299,8 +312,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 return
             yield line
 
-    for out in run_chat(session, lines(), interactive):
-        print(out, flush=True)
+    run_chat(session, lines(), interactive, lambda text: print(text, end="", flush=True))
     return 0
 
 

@@ -9,7 +9,7 @@ commands: ``/reset`` forgets the history, ``/quit`` ends the session.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from dsgpt2.data.conversation import prompt_ids, speaker_ids
@@ -57,24 +57,28 @@ class ChatSession:
                 return ids[-budget:]
             start += 1
 
-    def reply(self, text: str) -> str:
-        """Add the user's ``text``, generate the bot's answer, add it too, and return it."""
+    def reply(self, text: str, on_text: Callable[[str], None] | None = None) -> str:
+        """Add the user's ``text``, generate the bot's answer, add it too, and return it;
+        ``on_text`` receives the answer's text as it comes."""
         turns = [*self.history, {"speaker": self.user, "text": text}]
         ids = self.prompt(turns)
         self.last_prompt_tokens = len(ids)
         # Each turn samples with its own seed, so that a session replays identically.
         params = replace(self.params, num_samples=1, seed=self.params.seed + self._turn)
         self._turn += 1
-        completion = self.generator.generate_ids(ids, params, stop_ids=list(self.speakers.values()))[0]
-        answer = completion.text.strip()
+        stops = list(self.speakers.values())
+        answer = self.generator.generate_ids(ids, params, stops, on_text, strip=True)[0].text
         self.history = [*turns, {"speaker": self.bot, "text": answer}]
         return answer
 
 
-def run_chat(session: ChatSession, lines: Iterable[str], interactive: bool) -> Iterator[str]:
-    """Answer each input line; yield what to print. Ends at ``/quit`` or the end of input."""
+def run_chat(
+    session: ChatSession, lines: Iterable[str], interactive: bool, write: Callable[[str], None]
+) -> None:
+    """Answer each input line, passing what to print to ``write`` (answers as they come).
+    Ends at ``/quit`` or the end of input."""
     if interactive:
-        yield f"chatting with {session.generator.loaded.name}; {HELP}"
+        write(f"chatting with {session.generator.loaded.name}; {HELP}\n")
     for raw in lines:
         line = raw.strip()
         if not line:
@@ -83,9 +87,10 @@ def run_chat(session: ChatSession, lines: Iterable[str], interactive: bool) -> I
             return
         if line == "/reset":
             session.reset()
-            yield "(conversation reset)"
-            continue
-        if line.startswith("/"):
-            yield f"(unknown command {line.split()[0]}; {HELP})"
-            continue
-        yield f"{session.bot}: {session.reply(line)}"
+            write("(conversation reset)\n")
+        elif line.startswith("/"):
+            write(f"(unknown command {line.split()[0]}; {HELP})\n")
+        else:
+            write(f"{session.bot}: ")
+            session.reply(line, on_text=write)
+            write("\n")

@@ -49,7 +49,9 @@ class Generator:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def generate(self, prompt: str, params: SamplingParams) -> list[Completion]:
+    def generate(
+        self, prompt: str, params: SamplingParams, on_text: Callable[[str], None] | None = None
+    ) -> list[Completion]:
         """``params.num_samples`` completions of the text ``prompt`` (end-of-text stops them).
 
         Raises:
@@ -57,7 +59,7 @@ class Generator:
         """
         if prompt and text_problem(prompt, 10**9) == "invalid_unicode":
             raise ConfigError("the prompt holds invalid text (a lone surrogate or undecodable bytes)")
-        return self.generate_ids(self.encode(prompt), params)
+        return self.generate_ids(self.encode(prompt), params, on_text=on_text)
 
     def generate_ids(
         self,
@@ -65,17 +67,18 @@ class Generator:
         params: SamplingParams,
         stop_ids: Sequence[int] = (),
         on_text: Callable[[str], None] | None = None,
+        strip: bool = False,
     ) -> list[Completion]:
         """Completions of ``prompt_ids``; generation stops at end-of-text or any of ``stop_ids``.
 
         The prompt keeps its last tokens when it and ``max_new_tokens`` exceed the context; an
         empty prompt starts from end-of-text, as a document does. ``on_text`` receives the text
-        of a single sample as it grows.
+        of a single sample as it grows; ``strip`` drops leading and trailing whitespace.
 
         Raises:
             ConfigError: ``max_new_tokens`` does not fit the model's context.
         """
         on_delta = (lambda d: on_text(d.text) if d.text else None) if on_text else None
-        request = DecodeRequest(prompt_ids, params, stop_ids=stop_ids, on_delta=on_delta)
+        request = DecodeRequest(prompt_ids, params, stop_ids=stop_ids, strip=strip, on_delta=on_delta)
         run(self.decoder, [request])
         return [Completion(s.text, len(s.ids), s.finish_reason or "length") for s in request.samples]
