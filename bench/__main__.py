@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch, bench_generate, bench_gpu, bench_train, bench_vocab
+from bench import bench_fetch, bench_generate, bench_gpu, bench_serve, bench_train, bench_vocab
 from bench.common import write_results
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
@@ -55,6 +55,7 @@ def main() -> int:
         "train_data": lambda: _train_data(texts, results),
         "deepspeed": bench_train.deepspeed_overhead,
         "generate": lambda: bench_generate.generation_speed(texts, results),
+        "serve": lambda: bench_serve.serving(texts, results),
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
     }
     chosen = sys.argv[1:] or list(suites)

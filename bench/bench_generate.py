@@ -2,8 +2,8 @@
 
 - generation tokens/s: ``dsgpt2 generate``'s path (:class:`dsgpt2.infer.generate.Generator`: text prompt in,
   settings checked, private seeded RNG, stop tokens, text out) ÷ transformers' ``model.generate`` on
-  token ids with the same settings and seed, on the same exported model (target ≥ 0.95). Both sample
-  the very same tokens, so the ratio is our overhead alone.
+  token ids with the same settings, on the same exported model (target ≥ 0.95); the line notes when
+  the two generated different numbers of tokens (the rate is per token either way).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def generation_speed(texts: list[str], results: Path, repeats: int = 7, new_toke
                 top_k=params.top_k,
                 top_p=params.top_p,
                 eos_token_id=gen.eot,
-                pad_token_id=gen.pad,
+                pad_token_id=gen.eot,
             )
         counts["anchor"] = out.shape[1] - ids.shape[1]
 

@@ -122,29 +122,52 @@ def make_app(
 ) -> Starlette:
     """The HTTP application around ``generator``; ``api_key``: the bearer token every request but
     ``/health`` must carry (none: no authentication)."""
-    defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
-    engine = Engine(generator.decoder, limits.max_batch)
-    slots = Slots(limits.max_concurrent)
-    served = generator.loaded.name
-    created = now()
+    service = Service(generator, limits, defaults, api_key is not None)
+    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    return Starlette(
+        routes=[
+            Route("/generate", service.get_generate, methods=["GET"]),
+            Route("/generate", service.post_generate, methods=["POST"]),
+            Route("/health", service.health, methods=["GET"]),
+            Route("/v1/completions", service.completions, methods=["POST"]),
+            Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+            Route("/v1/models", service.models, methods=["GET"]),
+        ],
+        middleware=middleware,
+    )
 
-    async def generate(request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
+
+class Service:
+    """The endpoints' handlers around one model, its engine and the request slots."""
+
+    def __init__(
+        self, generator: Generator, limits: ServeLimits, defaults: SamplingParams | None, auth: bool
+    ) -> None:
+        self.generator = generator
+        self.limits = limits
+        self.defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
+        self.engine = Engine(generator.decoder, limits.max_batch)
+        self.slots = Slots(limits.max_concurrent)
+        self.served = generator.loaded.name
+        self.created = now()
+        self.auth = auth
+
+    async def generate(self, request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
+        generator = self.generator
         try:
-            prompt, params = parse_request(values, prompt_key, limits, defaults)
+            prompt, params = parse_request(values, prompt_key, self.limits, self.defaults)
             decode = DecodeRequest(generator.decoder.fit(generator.encode(prompt), params), params)
-        except BadRequest as exc:
+        except (BadRequest, ConfigError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        except ConfigError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        if not slots.take():
-            return slots.busy(api=False)
+        if not self.slots.take():
+            return self.slots.busy(api=False)
         try:
-            if not await _collect(request, engine.stream([decode])):
+            if not await _collect(request, self.engine.stream([decode])):
                 return JSONResponse({"error": "client disconnected"}, status_code=400)
         except GenerationFailed as exc:
             return JSONResponse({"error": str(exc)}, status_code=500)
         finally:
-            slots.release()
+            self.slots.release()
         completions = [Completion(s.text, len(s.ids), s.finish_reason or "length") for s in decode.samples]
         return JSONResponse(
             {
@@ -155,106 +178,98 @@ def make_app(
             }
         )
 
-    async def get_generate(request: Request) -> JSONResponse:
-        return await generate(request, "sentence", dict(request.query_params))
+    async def get_generate(self, request: Request) -> JSONResponse:
+        return await self.generate(request, "sentence", dict(request.query_params))
 
-    async def post_generate(request: Request) -> JSONResponse:
-        body = await _read_body(request, limits.max_body_bytes)
+    async def post_generate(self, request: Request) -> JSONResponse:
+        body = await _read_body(request, self.limits.max_body_bytes)
         if isinstance(body, JSONResponse):
             return body
-        return await generate(request, "prompt", body)
+        return await self.generate(request, "prompt", body)
 
-    async def openai(request: Request, chat: bool) -> Response:
-        body = await _read_body(request, limits.max_body_bytes)
+    async def openai(self, request: Request, chat: bool) -> Response:
+        body = await _read_body(request, self.limits.max_body_bytes)
         if isinstance(body, JSONResponse):
             return _as_api_error(body)
+        generator = self.generator
         try:
-            api = (chat_request if chat else completion_request)(body, served, limits, defaults)
-            decodes = _chat_decodes(api) if chat else _completion_decodes(api)
+            make = chat_request if chat else completion_request
+            api = make(body, self.served, self.limits, self.defaults)
+            decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        if not slots.take():
-            return slots.busy(api=True)
-        answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), served, chat, decodes)
+        if not self.slots.take():
+            return self.slots.busy(api=True)
+        answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
         if api.stream:
             return StreamingResponse(
-                _sse(answer, engine.stream(decodes), api.stream_usage, slots.release),
+                _sse(answer, self.engine.stream(decodes), api.stream_usage, self.slots.release),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            if not await _collect(request, engine.stream(decodes)):
+            if not await _collect(request, self.engine.stream(decodes)):
                 return JSONResponse(ApiError("client disconnected").body(), status_code=400)
         except GenerationFailed as exc:
             return JSONResponse(ApiError(str(exc), status=500).body(), status_code=500)
         finally:
-            slots.release()
+            self.slots.release()
         return JSONResponse(answer.body())
 
-    def _fit(ids: list[int], api: ApiRequest) -> list[int]:
-        try:
-            return generator.decoder.fit(ids, api.params)
-        except ConfigError:
-            raise ApiError(
-                f"max_tokens {api.params.max_new_tokens} does not fit the model's context of "
-                f"{generator.context} tokens",
-                "max_tokens",
-            ) from None
+    async def completions(self, request: Request) -> Response:
+        return await self.openai(request, chat=False)
 
-    def _completion_decodes(api: ApiRequest) -> list[DecodeRequest]:
-        fitted = [_fit(generator.encode(p), api) for p in api.prompts]
-        return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.openai(request, chat=True)
 
-    def _chat_decodes(api: ApiRequest) -> list[DecodeRequest]:
-        from dsgpt2.infer.chat import ChatSession
+    async def models(self, request: Request) -> JSONResponse:
+        return JSONResponse(models_body(self.served, self.created))
 
-        try:
-            session = ChatSession(generator, api.params)
-        except ConfigError:
-            raise ApiError(
-                f"{served} has no <|user|> and <|bot|> speaker tokens: it was not finetuned on "
-                "conversations; use /v1/completions",
-                "messages",
-            ) from None
-        ids = _fit(session.prompt(api.turns), api)
-        stop_ids = list(session.speakers.values())
-        return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
-
-    async def completions(request: Request) -> Response:
-        return await openai(request, chat=False)
-
-    async def chat_completions(request: Request) -> Response:
-        return await openai(request, chat=True)
-
-    async def models(request: Request) -> JSONResponse:
-        return JSONResponse(models_body(served, created))
-
-    async def health(request: Request) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
         return JSONResponse(
             {
                 "status": "ok",
-                "model": served,
-                "context": generator.context,
-                "limits": asdict(limits),
-                "running": slots.taken,
-                "batch_rows": engine.rows(),
-                "tokens_generated": generator.decoder.tokens_generated,
-                "auth": api_key is not None,
+                "model": self.served,
+                "context": self.generator.context,
+                "limits": asdict(self.limits),
+                "running": self.slots.taken,
+                "batch_rows": self.engine.rows(),
+                "tokens_generated": self.generator.decoder.tokens_generated,
+                "auth": self.auth,
             }
         )
 
-    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
-    return Starlette(
-        routes=[
-            Route("/generate", get_generate, methods=["GET"]),
-            Route("/generate", post_generate, methods=["POST"]),
-            Route("/health", health, methods=["GET"]),
-            Route("/v1/completions", completions, methods=["POST"]),
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/models", models, methods=["GET"]),
-        ],
-        middleware=middleware,
-    )
+
+def _fit(generator: Generator, ids: list[int], api: ApiRequest) -> list[int]:
+    try:
+        return generator.decoder.fit(ids, api.params)
+    except ConfigError:
+        raise ApiError(
+            f"max_tokens {api.params.max_new_tokens} does not fit the model's context of "
+            f"{generator.context} tokens",
+            "max_tokens",
+        ) from None
+
+
+def _completion_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
+    fitted = [_fit(generator, generator.encode(p), api) for p in api.prompts]
+    return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
+
+
+def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
+    from dsgpt2.infer.chat import ChatSession
+
+    try:
+        session = ChatSession(generator, api.params)
+    except ConfigError:
+        raise ApiError(
+            f"{generator.loaded.name} has no <|user|> and <|bot|> speaker tokens: it was not finetuned "
+            "on conversations; use /v1/completions",
+            "messages",
+        ) from None
+    ids = _fit(generator, session.prompt(api.turns), api)
+    stop_ids = list(session.speakers.values())
+    return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
 
 
 class BearerAuth:
