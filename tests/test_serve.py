@@ -439,6 +439,19 @@ def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
     assert KEY not in LOGS[chat_server].read_text()
 
 
+# Greedy completions of 8 prompts that each run to max_tokens (no end-of-text): 8,000 tokens.
+LONG = {"prompt": [f"The {i}" for i in range(8)], "max_tokens": 1000, "temperature": 0}
+
+
+def test_long_requests_run_to_their_length(chat_server: str) -> None:
+    """What the two tests below cut short runs 8,000 tokens when left alone."""
+    r = httpx.post(
+        f"{chat_server}/v1/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+    )
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+    assert r.json()["usage"]["completion_tokens"] == 8 * 1000
+
+
 def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
 
@@ -446,7 +459,7 @@ def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> N
         return httpx.get(f"{chat_server}/health", timeout=10).json()
 
     before = health()["tokens_generated"]
-    body = {"prompt": "The", "max_tokens": 1000, "stream": True, "temperature": 1.0, "seed": 2}
+    body = {**LONG, "stream": True}
     with httpx.stream("POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
@@ -457,9 +470,53 @@ def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> N
         time.sleep(0.05)
     spent = h["tokens_generated"] - before
     time.sleep(0.5)
-    assert health()["tokens_generated"] - before == spent < 1000
+    assert health()["tokens_generated"] - before == spent < 8 * 1000
     # The server goes on.
     r = httpx.post(
         f"{chat_server}/v1/completions", json={"prompt": "a", "max_tokens": 3}, headers=auth, timeout=30
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = httpx.get(f"{chat_server}/health", timeout=10).json()["tokens_generated"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{chat_server}/v1/completions", json=LONG, headers=auth, timeout=httpx.Timeout(10, read=0.1)
+        )
+    deadline = time.monotonic() + 10
+    while (h := httpx.get(f"{chat_server}/health", timeout=10).json())["running"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+    assert h["batch_rows"] == 0 and h["tokens_generated"] - before < 8 * 1000
+
+
+def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(pretrained))
+    step = generator.decoder.step
+    failures = [RuntimeError("CUDA error: an illegal memory access")] * 2
+
+    def failing_step() -> None:
+        if failures:
+            raise failures.pop()
+        step()
+
+    generator.decoder.step = failing_step  # type: ignore[method-assign]
+    with TestClient(make_app(generator, ServeLimits())) as client:
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True}
+        ) as r:
+            events = sse(r)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+        ok = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        health = client.get("/health").json()
+        assert health["running"] == 0 and health["batch_rows"] == 0
