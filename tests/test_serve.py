@@ -520,3 +520,27 @@ def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> N
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         health = client.get("/health").json()
         assert health["running"] == 0 and health["batch_rows"] == 0
+
+
+def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_starts() -> None:
+    import asyncio
+
+    from dsgpt2.infer.serve import EventStream
+
+    started, closed = [], []
+
+    async def events() -> Any:
+        started.append(True)
+        yield "data: [DONE]\n\n"
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(30)  # the client is gone: nothing goes out
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(
+        asyncio.wait_for(EventStream(events(), lambda: closed.append(True))(scope, receive, send), 10)
+    )
+    assert closed == [True] and started == []

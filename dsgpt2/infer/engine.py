@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from dsgpt2.infer.decode import Decoder, DecodeRequest, Delta
 
@@ -77,7 +77,7 @@ class Engine:
                     if request.on_delta:
                         request.on_delta(Delta(-1, "", "error"))
 
-    async def stream(self, requests: Sequence[DecodeRequest]) -> AsyncIterator[tuple[int, Delta]]:
+    async def stream(self, requests: Sequence[DecodeRequest]) -> AsyncGenerator[tuple[int, Delta]]:
         """Submit ``requests``; yield (request number, delta) until all their samples finish.
 
         Leaving early (the client went away, an exception) cancels what is still decoding.

@@ -24,7 +24,7 @@ import errno
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -202,10 +202,8 @@ class Service:
             return self.slots.busy(api=True)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
         if api.stream:
-            return StreamingResponse(
-                _sse(answer, self.engine.stream(decodes), api.stream_usage, self.slots.release),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            return EventStream(
+                _sse(answer, self.engine.stream(decodes), api.stream_usage), self.slots.release
             )
         try:
             if not await _collect(request, self.engine.stream(decodes)):
@@ -320,19 +318,35 @@ async def _collect(request: Request, deltas: AsyncIterator[Any]) -> bool:
                 await task
 
 
+class EventStream(StreamingResponse):
+    """A server-sent event stream that calls ``on_close`` however it ends: answered, the client
+    gone (even before the first event), an error."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
 async def _sse(
-    answer: ApiAnswer, deltas: AsyncIterator[tuple[int, Delta]], with_usage: bool, done: Callable[[], None]
+    answer: ApiAnswer, deltas: AsyncGenerator[tuple[int, Delta]], with_usage: bool
 ) -> AsyncIterator[str]:
-    """Server-sent events of an answer: its chunks as they come, then ``[DONE]``."""
-    try:
-        async for i, delta in deltas:
-            yield _event(answer.chunk(i, delta))
-        if with_usage:
-            yield _event(answer.usage_chunk())
-    except GenerationFailed as exc:
-        yield _event(ApiError(str(exc), status=500).body())
-    finally:
-        done()
+    """Server-sent events of an answer: its chunks as they come, then ``[DONE]``. Closed early (the
+    client left), it closes ``deltas``, which cancels the generation."""
+    async with contextlib.aclosing(deltas):
+        try:
+            async for i, delta in deltas:
+                yield _event(answer.chunk(i, delta))
+            if with_usage:
+                yield _event(answer.usage_chunk())
+        except GenerationFailed as exc:
+            yield _event(ApiError(str(exc), status=500).body())
     yield "data: [DONE]\n\n"
 
 
