@@ -544,3 +544,35 @@ def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_st
         asyncio.wait_for(EventStream(events(), lambda: closed.append(True))(scope, receive, send), 10)
     )
     assert closed == [True] and started == []
+
+
+def test_api_defaults_and_field_mapping() -> None:
+    from dsgpt2.infer.openai_api import ApiError, chat_request, completion_request
+
+    limits, defaults = ServeLimits(max_new_tokens=100), SamplingParams(max_new_tokens=48, top_k=40)
+    plain = completion_request({"prompt": "a"}, "m", limits, defaults)
+    assert (plain.params.max_new_tokens, plain.params.temperature, plain.params.top_p) == (16, 1.0, 1.0)
+    assert plain.params.top_k == 0 and plain.params.repetition_penalty == 1.0 and not plain.stream
+    chat = chat_request({"messages": [{"role": "user", "content": "hi"}]}, "m", limits, defaults)
+    assert chat.params.max_new_tokens == 48  # a reply is as long as the server's default
+    asked = chat_request(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+         "max_completion_tokens": 7, "n": 3, "seed": 9, "stop": "x", "stream": True,
+         "stream_options": {"include_usage": True}},
+        "m", limits, defaults,
+    )  # fmt: skip
+    assert (asked.params.max_new_tokens, asked.params.num_samples, asked.params.seed) == (7, 3, 9)
+    assert asked.stop == ["x"] and asked.stream and asked.stream_usage
+    assert asked.turns == [{"speaker": "user", "text": "Be brief.\n\nhi"}]
+    for body, param in (
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "a", "n": 2, "temperature": 0}, "n"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"prompt": "a\ud800"}, "prompt"),
+    ):
+        with pytest.raises(ApiError) as caught:
+            completion_request(body, "m", limits, defaults)
+        assert caught.value.param == param, (body, caught.value)
+    for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
+        with pytest.raises(ApiError, match=r"messages|last message|role"):
+            chat_request({"messages": messages}, "m", limits, defaults)

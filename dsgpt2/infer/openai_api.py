@@ -26,7 +26,7 @@ from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
 # OpenAI's defaults for the sampling fields it shares with SamplingParams.
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = 16  # the completions API's; a chat reply defaults to the server's length
 MAX_STOP = 4
 COMMON = {
     "model",
@@ -115,10 +115,13 @@ def check_model(body: dict[str, Any], served: str) -> None:
         )
 
 
-def sampling(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -> SamplingParams:
-    """The sampling settings of an OpenAI request (its defaults where it names none)."""
+def sampling(
+    body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams, max_tokens: int
+) -> SamplingParams:
+    """The sampling settings of an OpenAI request (its defaults where it names none; ``max_tokens``
+    where it sets no length)."""
     values: dict[str, Any] = {}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
     names = {
         "max_tokens": "max_new_tokens",
         "temperature": "temperature",
@@ -126,14 +129,14 @@ def sampling(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams
         "n": "num_samples",
         "seed": "seed",
     }
-    given = {**{k: body[k] for k in names if k in body and body[k] is not None}}
-    if max_tokens is not None:
-        given["max_tokens"] = max_tokens
+    given = {k: body[k] for k in names if body.get(k) is not None}
+    if asked is not None:
+        given["max_tokens"] = asked
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ApiError(f"{key} must be a number, got {value!r}", key)
         values[names[key]] = value
-    values.setdefault("max_new_tokens", DEFAULT_MAX_TOKENS)
+    values.setdefault("max_new_tokens", max_tokens)
     values.setdefault("temperature", 1.0)
     values.setdefault("top_p", 1.0)
     # top_k is not an OpenAI field: sampling is over the whole vocabulary, as the API's is.
@@ -180,7 +183,8 @@ def completion_request(
         raise ApiError("prompt must be a string or a non-empty list of strings", "prompt")
     for p in prompts:
         _check_text(p, limits, "prompt")
-    return ApiRequest(prompts, [], sampling(body, limits, defaults), stop_sequences(body), *_stream(body))
+    params = sampling(body, limits, defaults, DEFAULT_MAX_TOKENS)
+    return ApiRequest(prompts, [], params, stop_sequences(body), *_stream(body))
 
 
 def chat_request(
@@ -215,7 +219,8 @@ def chat_request(
     if system:
         first = next(t for t in turns if t["speaker"] == "user")
         first["text"] = "\n\n".join([*system, first["text"]])
-    return ApiRequest([], turns, sampling(body, limits, defaults), stop_sequences(body), *_stream(body))
+    params = sampling(body, limits, defaults, defaults.max_new_tokens)
+    return ApiRequest([], turns, params, stop_sequences(body), *_stream(body))
 
 
 def _check_text(text: str, limits: ServeLimits, param: str) -> None:
