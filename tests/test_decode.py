@@ -110,10 +110,21 @@ def test_seeds_repeat_whatever_shares_the_batch(gen: Generator) -> None:
     params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, num_samples=3, seed=7)
     first = alone(gen, ps[1], params)
     assert alone(gen, ps[1], params).samples == first.samples
-    others = [DecodeRequest(ps[0], replace_params(params, seed=8)), DecodeRequest(ps[2], GREEDY)]
+    # Batched with rows whose filters differ (top-k wider, narrower, none) and a greedy one.
+    others = [
+        DecodeRequest(ps[0], replace_params(params, seed=8, top_k=50)),
+        DecodeRequest(ps[2], GREEDY),
+        DecodeRequest(ps[0], replace_params(params, seed=9, top_k=5, top_p=0.5)),
+    ]
+    for p in (params, replace_params(params, top_k=20)):
+        mixed = DecodeRequest(ps[1], p)
+        run(Decoder(gen.model, gen.tokenizer, gen.eot, gen.device), [others[0], mixed, *others[1:]])
+        assert [s.ids for s in mixed.samples] == [s.ids for s in alone(gen, ps[1], p).samples]
     mixed = DecodeRequest(ps[1], params)
-    run(Decoder(gen.model, gen.tokenizer, gen.eot, gen.device), [others[0], mixed, others[1]])
+    run(Decoder(gen.model, gen.tokenizer, gen.eot, gen.device), [others[0], mixed])
     assert [s.ids for s in mixed.samples] == [s.ids for s in first.samples]
+    # A top-k wider than the vocabulary is no limit.
+    assert alone(gen, ps[1], replace_params(params, top_k=10**6)).samples == first.samples
     assert len({tuple(s.ids) for s in first.samples}) == 3  # n samples differ
     # A sample is the same however many were asked for.
     assert alone(gen, ps[1], replace_params(params, num_samples=1)).samples == first.samples[:1]

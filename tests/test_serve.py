@@ -553,6 +553,8 @@ def test_api_defaults_and_field_mapping() -> None:
     plain = completion_request({"prompt": "a"}, "m", limits, defaults)
     assert (plain.params.max_new_tokens, plain.params.temperature, plain.params.top_p) == (16, 1.0, 1.0)
     assert plain.params.top_k == 0 and plain.params.repetition_penalty == 1.0 and not plain.stream
+    # No seed: a fresh one each request (the server's --seed is for /generate).
+    assert plain.params.seed != completion_request({"prompt": "a"}, "m", limits, defaults).params.seed
     chat = chat_request({"messages": [{"role": "user", "content": "hi"}]}, "m", limits, defaults)
     assert chat.params.max_new_tokens == 48  # a reply is as long as the server's default
     asked = chat_request(

@@ -263,22 +263,26 @@ class Decoder:
         index = torch.tensor(sampled, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
         scaled = logits[index] / temperature[:, None]
-        top_k = [params[i].top_k for i in sampled]
+        vocab = scaled.shape[1]
+        top_k = [min(params[i].top_k, vocab) or vocab for i in sampled]  # 0: no limit
         top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)[:, None]
-        if min(top_k) > 0:
+        if max(top_k) < vocab:
             values, order = scaled.topk(max(top_k), -1)  # (S, k): the likeliest first
         else:
             values, order = scaled.sort(-1, descending=True)
-        ks = torch.tensor([k or values.shape[1] for k in top_k], device=logits.device)[:, None]
+        ks = torch.tensor(top_k, device=logits.device)[:, None]
         rank = torch.arange(values.shape[1], device=logits.device)[None]
         values = values.masked_fill(rank >= ks, float("-inf"))
         probs = values.softmax(-1)
         # Nucleus: keep the likeliest tokens until their mass reaches top_p (at least one).
         before = probs.cumsum(-1) - probs
         probs = probs.masked_fill(before >= top_p, 0.0)
+        # Back in vocabulary order, so that a row's draw does not depend on how wide the other
+        # rows' filters made this tensor.
+        probs = torch.zeros_like(scaled).scatter_(1, order, probs)
         rngs = self.rngs[len(self.rows) - len(rows) :]
         picks = torch.cat([torch.multinomial(probs[j], 1, generator=rngs[i]) for j, i in enumerate(sampled)])
-        chosen[index] = order.gather(1, picks[:, None])[:, 0]
+        chosen[index] = picks
         return chosen
 
     def _update(self, request: DecodeRequest, sample: Sample) -> None:

@@ -75,7 +75,10 @@ class Engine:
                 log.exception("decoding failed; failing the requests of this batch")
                 for request in {*self.decoder.fail_all(), *batch}:
                     if request.on_delta:
-                        request.on_delta(Delta(-1, "", "error"))
+                        try:
+                            request.on_delta(Delta(-1, "", "error"))
+                        except Exception:  # its reader is gone (a closed event loop): nobody to tell
+                            request.cancelled.set()
 
     async def stream(self, requests: Sequence[DecodeRequest]) -> AsyncGenerator[tuple[int, Delta]]:
         """Submit ``requests``; yield (request number, delta) until all their samples finish.

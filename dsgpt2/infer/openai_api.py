@@ -15,6 +15,7 @@ requests with a 400 that points at ``/v1/completions``.
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -139,6 +140,8 @@ def sampling(
     values.setdefault("max_new_tokens", max_tokens)
     values.setdefault("temperature", 1.0)
     values.setdefault("top_p", 1.0)
+    # Without a seed, as the API does: a fresh draw each request.
+    values.setdefault("seed", secrets.randbelow(2**63))
     # top_k is not an OpenAI field: sampling is over the whole vocabulary, as the API's is.
     values["top_k"] = 0
     try:
