@@ -18,6 +18,11 @@ from wire_server import WireServer, unavailable_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Under pytest-xdist the workers already fill the cores: a DeepSpeed rank, a DataLoader worker or an
+# in-process model computing on two threads each would only contend (about a sixth of the suite's time).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests skip, saying why, where torch sees no CUDA device."""

@@ -108,6 +108,26 @@ def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
     assert len({tuple(i) for b in first + rest for i in b.block_ids}) == 13 * 5  # no block twice
 
 
+
+def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer: Path) -> None:
+    """Left to the garbage collector (no close), a stream's DataLoader workers still stop at once."""
+    import gc
+    import multiprocessing
+
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    stream = BlockStream(data, pooled(data, spec.seed), 0, 1, micro_batch=5, workers=2)
+    it = iter(stream)
+    next(it)
+    workers = [p for p in multiprocessing.active_children() if p.daemon]
+    assert len(workers) == 2
+    started = time.monotonic()
+    del it, stream
+    gc.collect()
+    for p in workers:
+        p.join(3)
+    assert not any(p.is_alive() for p in workers) and time.monotonic() - started < 3
+
 def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path) -> None:
     conn, counts, spec = source
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
@@ -192,7 +212,7 @@ class Busy(torch.utils.data.Dataset):
         return 10
 
     def __getitem__(self, i):
-        print(os.getpid(), flush=True)
+        os.write(1, b"%d\\n" % os.getpid())  # one write: the two workers' lines never interleave
         time.sleep(120)  # busy in a fetch: torch's own parent watchdog does not run here
         return i
 

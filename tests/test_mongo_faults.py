@@ -252,9 +252,10 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     assert len(MongoWrapper(cfg, connection=conn).get_range(0, 20)) == 20
 
     # Hung for 4 s: reads time out, are retried with backoff, and succeed once it answers again
-    # (longer than pymongo's own single retry of a read can cover).
+    # (far longer than pymongo's own single retry of a read can cover, even on a loaded machine).
     retrying = make_config(["a"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db,
-                           **{**FAST_FAIL, "RETRIES": 8, "RETRY_BACKOFF_S": 0.3})  # fmt: skip
+                           **{**FAST_FAIL, "SERVER_SELECTION_TIMEOUT_MS": 500, "SOCKET_TIMEOUT_MS": 500,
+                              "RETRIES": 10, "RETRY_BACKOFF_S": 0.3})  # fmt: skip
     wrapper = MongoWrapper(retrying, connection=Connection(retrying))
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)

@@ -244,12 +244,22 @@ class BlockStream:
 
     def __iter__(self) -> Iterator[Batch]:
         self.close()
-        self._readers = [self._blocks(s) for s in range(len(self.schedule.streams))]
+        readers = self._readers = [self._blocks(s) for s in range(len(self.schedule.streams))]
+        try:
+            yield from self._batches(readers)
+        finally:
+            # Readers and this stream refer to each other: an iteration dropped without close()
+            # would leave its DataLoaders to the cycle collector, which closes their queues before
+            # telling their workers to stop (each worker then takes 10 s to be given up on).
+            for reader in readers:
+                reader.close()
+
+    def _batches(self, readers: list[Iterator[Any]]) -> Iterator[Batch]:
         rows = _Rows()
         context = 0
         while True:
             s = self._choose(context)
-            item, b, valid, block_id = next(self._readers[s])
+            item, b, valid, block_id = next(readers[s])
             context = item.blocks.shape[1]
             rows.add(item, b, valid, block_id)
             self.state.taken[s] += valid

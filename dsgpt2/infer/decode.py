@@ -17,6 +17,7 @@ UTF-8 character, never the start of a stop string that may still complete).
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -76,6 +77,12 @@ class DecodeRequest:
         return bool(self.samples) and all(s.finish_reason for s in self.samples)
 
 
+def cache_argument(model: Any) -> str:
+    """The name under which ``model``'s forward takes and returns the KV cache: ``cache`` since
+    transformers 5.24 (which deprecates ``past_key_values``), ``past_key_values`` before it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Decoder:
     """The batch of rows being decoded on one model (used from one thread)."""
 
@@ -86,6 +93,7 @@ class Decoder:
         self.device = device
         self.context = int(model.config.n_positions)
         self.vocab = int(model.config.vocab_size)
+        self.cache_arg = cache_argument(model)
         self.tokens_generated = 0  # over the decoder's life, for monitoring
         self._clear()
 
@@ -137,10 +145,11 @@ class Decoder:
             position_ids=(mask.cumsum(1) - 1).clamp(min=0),
             use_cache=True,
         )
+        cache = out[self.cache_arg]
         # Each sample of a request is a row of its own, sharing the prompt's cache.
         repeat = torch.tensor([r.params.num_samples for r in requests], device=self.device)
         pick = torch.repeat_interleave(torch.arange(len(requests), device=self.device), repeat)
-        layers = [(lay.keys[pick], lay.values[pick]) for lay in out.past_key_values.layers]
+        layers = [(lay.keys[pick], lay.values[pick]) for lay in cache.layers]
         new_seen = torch.zeros(len(requests), self.vocab, dtype=torch.bool, device=self.device)
         for i, p in enumerate(prompts):
             new_seen[i, torch.tensor(p, device=self.device)] = True
@@ -165,10 +174,10 @@ class Decoder:
             input_ids=last[:, None],
             attention_mask=self.mask,
             position_ids=self.next_pos[:, None],
-            past_key_values=self.cache,
             use_cache=True,
+            **{self.cache_arg: self.cache},
         )
-        self.cache = out.past_key_values
+        self.cache = out[self.cache_arg]
         self.next_pos += 1
         self._advance(out.logits[:, -1].float(), first=0)
 

@@ -1,0 +1,143 @@
+"""requirements.lock and requirements-wire.lock against pyproject.toml's ranges and this environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from importlib import metadata
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from conftest import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - pytest brings tomli where tomllib is missing
+    import tomli as tomllib
+
+LOCK = ROOT / "requirements.lock"
+WIRE_LOCK = ROOT / "requirements-wire.lock"
+
+
+def read_lock(text: str) -> dict[str, Version]:
+    """``name==version`` lines (comments and blank lines aside), by canonical name.
+
+    Raises:
+        ValueError: a line that pins nothing exactly, or a package pinned twice.
+    """
+    pins: dict[str, Version] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", line)
+        if not match:
+            raise ValueError(f"line {number}: {raw!r} is not name==version")
+        name = canonicalize_name(match[1])
+        if name in pins:
+            raise ValueError(f"line {number}: {match[1]} is pinned twice")
+        pins[name] = Version(match[2])
+    return pins
+
+
+def ranges(pyproject: dict) -> list[Requirement]:
+    """Every requirement pyproject.toml states: the build backend, the dependencies and each extra's
+    (the extras that name the project itself are its other extras, already listed)."""
+    project = pyproject["project"]
+    texts = [*pyproject["build-system"]["requires"], *project["dependencies"]]
+    for extra in project.get("optional-dependencies", {}).values():
+        texts += extra
+    reqs = [Requirement(t) for t in texts]
+    return [r for r in reqs if canonicalize_name(r.name) != canonicalize_name(project["name"])]
+
+
+def lock_problems(pins: dict[str, Version], requirements: list[Requirement]) -> list[str]:
+    """What is wrong with a lock against the ranges: a required package missing from it, or locked
+    outside its range (requirements whose marker excludes this Python are not checked)."""
+    problems = []
+    for req in requirements:
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        version = pins.get(canonicalize_name(req.name))
+        if version is None:
+            problems.append(f"{req.name} is not in the lock")
+        elif not req.specifier.contains(version, prereleases=True):
+            problems.append(f"{req.name}=={version} is outside {req.name}{req.specifier}")
+    return problems
+
+
+def wire_range() -> Requirement:
+    """The wire-protocol server's range, as the Makefile states it."""
+    match = re.search(r"^WIRE_SPEC \?= (.+)$", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
+    assert match, "the Makefile states WIRE_SPEC"
+    return Requirement(match[1].strip())
+
+
+def test_every_locked_version_satisfies_the_ranges() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert lock_problems(read_lock(LOCK.read_text(encoding="utf-8")), ranges(pyproject)) == []
+    assert lock_problems(read_lock(WIRE_LOCK.read_text(encoding="utf-8")), [wire_range()]) == []
+
+
+def test_a_version_outside_its_range_or_missing_is_named() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    pins = read_lock(LOCK.read_text(encoding="utf-8"))
+    moved = {**pins, "transformers": Version("6.0.0"), "pymongo": Version("4.5.0")}
+    del moved["tokenizers"]
+    assert sorted(lock_problems(moved, ranges(pyproject))) == [
+        "pymongo==4.5.0 is outside pymongo<5,>=4.6",
+        "tokenizers is not in the lock",
+        "transformers==6.0.0 is outside transformers<6,>=5",
+    ]
+    with pytest.raises(ValueError, match="not name==version"):
+        read_lock("numpy>=2\n")
+    with pytest.raises(ValueError, match="pinned twice"):
+        read_lock("numpy==2.0\nNumPy==2.1\n")
+
+
+def test_the_lock_is_whole() -> None:
+    """Every package a locked one needs is locked too (on this Python): nothing floats."""
+    pins = read_lock(LOCK.read_text(encoding="utf-8"))
+    missing = set()
+    for name in pins:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue  # not installed here (the lane without the lock): its needs are unknown
+        for text in requires:
+            req = Requirement(text)
+            needed = req.marker is None or req.marker.evaluate({"extra": ""})
+            if needed and canonicalize_name(req.name) not in pins:
+                missing.add(f"{req.name} (needed by {name})")
+    assert not missing, sorted(missing)
+
+
+@pytest.mark.skipif(bool(os.environ.get("DSGPT2_UNLOCKED")), reason="the drift lane runs unlocked")
+def test_this_environment_is_the_lock() -> None:
+    """`make` installed exactly the lock: every locked package at its version, nothing unlocked."""
+    pins = read_lock(LOCK.read_text(encoding="utf-8"))
+    installed = {
+        canonicalize_name(d.metadata["Name"]): Version(d.version)
+        for d in metadata.distributions()
+        if d.metadata["Name"]
+    }
+    installed.pop("dsgpt2", None)
+    # The torch build is the user's choice (TORCH_SPEC): only its public version is locked.
+    if "torch" in installed:
+        installed["torch"] = Version(installed["torch"].public)
+    differ = {n: (str(pins.get(n)), str(v)) for n, v in installed.items() if pins.get(n) != v}
+    assert not differ, f"installed (locked, here): {differ}; run make venv"
+
+
+def test_the_installs_read_the_lock() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert "LOCK := requirements.lock" in makefile and "WIRE_LOCK := requirements-wire.lock" in makefile
+    assert re.search(r"install -q -c \$\(VENV\)/constraints.txt --build-constraint", makefile)
+    assert "-c $(WIRE_LOCK)" in makefile
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
+    assert "COPY requirements.lock" in dockerfile
+    assert re.search(r"pip install [^\n]*-c /tmp/constraints.txt[^\n]* \.", dockerfile)
