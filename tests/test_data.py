@@ -108,7 +108,6 @@ def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
     assert len({tuple(i) for b in first + rest for i in b.block_ids}) == 13 * 5  # no block twice
 
 
-
 def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer: Path) -> None:
     """Left to the garbage collector (no close), a stream's DataLoader workers still stop at once."""
     import gc
@@ -127,6 +126,7 @@ def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer:
     for p in workers:
         p.join(3)
     assert not any(p.is_alive() for p in workers) and time.monotonic() - started < 3
+
 
 def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path) -> None:
     conn, counts, spec = source
