@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,11 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     # of DeepSpeed's accelerator guess or transformers' loss_type notice.
     for noise in ("trained on None", "held out", "Setting accelerator", "loss_type", "Traceback"):
         assert noise not in result.stderr, noise
+    # Nor any warning at all: a deprecated call of ours (FutureWarning, transformers' notices), or
+    # DeepSpeed's scheduler complaining in its own constructor.
+    output = (result.stdout + result.stderr).splitlines()  # DeepSpeed logs to stdout
+    warned = [line for line in output if re.search(r"(?i)warn|deprecat", line)]
+    assert not warned, warned
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
     assert summary["ingest"]["documents"] == 1000
     assert summary["validate"] == "ok"

@@ -178,3 +178,22 @@ def test_generator_streams_the_text_it_returns(gen: Generator) -> None:
     out = gen.generate_ids(prompts(gen)[0], params, on_text=pieces.append)
     assert pieces and "".join(pieces) == out[0].text
     assert gen.generate_ids(prompts(gen)[0], params)[0] == out[0]
+
+
+def test_the_cache_goes_by_the_name_the_models_forward_takes(gen: Generator) -> None:
+    """transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns); the range
+    still admits versions before it, which know only the old name."""
+    import transformers
+    from packaging.version import Version
+
+    from dsgpt2.infer.decode import cache_argument
+
+    class Before:
+        def forward(self, input_ids: Any, past_key_values: Any = None, use_cache: bool = False) -> None: ...
+
+    class Since:
+        def forward(self, input_ids: Any, cache: Any = None, use_cache: bool = False) -> None: ...
+
+    assert cache_argument(Before()) == "past_key_values" and cache_argument(Since()) == "cache"
+    renamed = Version(transformers.__version__) >= Version("5.24")
+    assert gen.decoder.cache_arg == ("cache" if renamed else "past_key_values")

@@ -118,6 +118,25 @@ StepHook = Callable[[int], None]
 LossHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+class _SchedulerStartFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "scheduler before it has started" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_scheduler_start() -> Iterator[None]:
+    """DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for a rate in their own constructor, and
+    warn every user of such a config that the schedule "has not started": that one line is dropped."""
+    from deepspeed.utils import logger as ds_logger
+
+    quiet = _SchedulerStartFilter()
+    ds_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(quiet)
+
+
 class Trainer:
     """One training run: :meth:`build` (data, model, engine, resume point), then :meth:`train`.
 
@@ -225,9 +244,10 @@ class Trainer:
         if self.lr_schedule is not None:
             schedule = self.lr_schedule
             scheduler = lambda optimizer: ScheduledLR(optimizer, schedule)  # noqa: E731
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=self.ds_config, lr_scheduler=scheduler
-        )
+        with _quiet_scheduler_start():
+            engine, _, _, _ = deepspeed.initialize(
+                model=model, model_parameters=groups, config=self.ds_config, lr_scheduler=scheduler
+            )
         if c.compile:
             # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
             engine.compile()
