@@ -99,38 +99,62 @@ def test_a_version_outside_its_range_or_missing_is_named() -> None:
         read_lock("numpy==2.0\nNumPy==2.1\n")
 
 
+def needs(name: str) -> set[str]:
+    """The packages ``name`` requires on this Python, by canonical name (empty if not installed)."""
+    try:
+        requires = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        return set()
+    out = set()
+    for text in requires:
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            out.add(canonicalize_name(req.name))
+    return out
+
+
+def torch_closure() -> set[str]:
+    """torch and everything it needs, transitively, as installed: the build TORCH_SPEC chose (a CUDA
+    build brings packages the CPU build's lock does not name)."""
+    seen, todo = set(), ["torch"]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += needs(name)
+    return seen
+
+
 def test_the_lock_is_whole() -> None:
     """Every package a locked one needs is locked too (on this Python): nothing floats."""
     pins = read_lock(LOCK.read_text(encoding="utf-8"))
-    missing = set()
-    for name in pins:
-        try:
-            requires = metadata.requires(name) or []
-        except metadata.PackageNotFoundError:
-            continue  # not installed here (the lane without the lock): its needs are unknown
-        for text in requires:
-            req = Requirement(text)
-            needed = req.marker is None or req.marker.evaluate({"extra": ""})
-            if needed and canonicalize_name(req.name) not in pins:
-                missing.add(f"{req.name} (needed by {name})")
+    missing = {
+        f"{need} (needed by {name})"
+        for name in pins
+        if name != "torch"
+        for need in needs(name)
+        if need not in pins
+    }
     assert not missing, sorted(missing)
 
 
 @pytest.mark.skipif(bool(os.environ.get("DSGPT2_UNLOCKED")), reason="the drift lane runs unlocked")
 def test_this_environment_is_the_lock() -> None:
-    """`make` installed exactly the lock: every locked package at its version, nothing unlocked."""
+    """`make` installed exactly the lock: every locked package at its version, nothing unlocked (the
+    torch build aside: TORCH_SPEC chooses it)."""
     pins = read_lock(LOCK.read_text(encoding="utf-8"))
     installed = {
         canonicalize_name(d.metadata["Name"]): Version(d.version)
         for d in metadata.distributions()
         if d.metadata["Name"]
     }
-    installed.pop("dsgpt2", None)
-    # The torch build is the user's choice (TORCH_SPEC): only its public version is locked.
-    if "torch" in installed:
-        installed["torch"] = Version(installed["torch"].public)
-    differ = {n: (str(pins.get(n)), str(v)) for n, v in installed.items() if pins.get(n) != v}
-    assert not differ, f"installed (locked, here): {differ}; run make venv"
+    mine = {"dsgpt2", "torch"} | (torch_closure() - set(pins))
+    differ = {
+        n: (str(pins.get(n)), str(installed.get(n)))
+        for n in (set(pins) | set(installed)) - mine
+        if pins.get(n) != installed.get(n)
+    }
+    assert not differ, f"(locked, installed): {differ}; remove .venv and run make venv"
 
 
 def test_the_installs_read_the_lock() -> None:
