@@ -1,0 +1,41 @@
+"""The suite's own guarantees: a hung test fails instead of holding CI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - pytest brings tomli where tomllib is missing
+    import tomli as tomllib
+
+
+def test_every_test_has_a_deadline() -> None:
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"][
+        "ini_options"
+    ]
+    assert 0 < int(ini["timeout"]) <= 600
+
+
+def test_a_hung_test_fails_at_its_deadline_and_the_next_one_runs(tmp_path: Path) -> None:
+    (tmp_path / "test_hang.py").write_text(
+        "import threading\n\n"
+        "def test_waits_on_a_thread_that_never_answers():\n"
+        "    threading.Event().wait()\n\n"
+        "def test_after():\n"
+        "    pass\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+         "--rootdir", str(tmp_path), "-o", "timeout=2", str(tmp_path / "test_hang.py")],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "Timeout (>2.0s)" in result.stdout and "1 failed, 1 passed" in result.stdout, result.stdout[-2000:]
