@@ -16,10 +16,8 @@ else:  # pragma: no cover - pytest brings tomli where tomllib is missing
 
 
 def test_every_test_has_a_deadline() -> None:
-    ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"][
-        "ini_options"
-    ]
-    assert 0 < int(ini["timeout"]) <= 600
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert 0 < int(pyproject["tool"]["pytest"]["ini_options"]["timeout"]) <= 600
 
 
 def test_a_hung_test_fails_at_its_deadline_and_the_next_one_runs(tmp_path: Path) -> None:
