@@ -42,6 +42,15 @@ def _fresh_mock_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MONGO_CONNECTION_STRING", raising=False)
 
 
+def pyproject() -> dict[str, Any]:
+    """pyproject.toml, parsed."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - pytest brings tomli where tomllib is missing
+        import tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
 def make_config(collections: list[str] | tuple[str, ...] = ("a",), **overrides: Any) -> MongoConfig:
     data: dict[str, Any] = {
         "MONGO_CONNECTION_STRING": "mongomock://",

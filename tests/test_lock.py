@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from importlib import metadata
 
 import pytest
@@ -12,12 +11,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from conftest import ROOT
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - pytest brings tomli where tomllib is missing
-    import tomli as tomllib
+from conftest import ROOT, pyproject
 
 LOCK = ROOT / "requirements.lock"
 WIRE_LOCK = ROOT / "requirements-wire.lock"
@@ -44,11 +38,11 @@ def read_lock(text: str) -> dict[str, Version]:
     return pins
 
 
-def ranges(pyproject: dict) -> list[Requirement]:
+def ranges(data: dict) -> list[Requirement]:
     """Every requirement pyproject.toml states: the build backend, the dependencies and each extra's
     (the extras that name the project itself are its other extras, already listed)."""
-    project = pyproject["project"]
-    texts = [*pyproject["build-system"]["requires"], *project["dependencies"]]
+    project = data["project"]
+    texts = [*data["build-system"]["requires"], *project["dependencies"]]
     for extra in project.get("optional-dependencies", {}).values():
         texts += extra
     reqs = [Requirement(t) for t in texts]
@@ -78,17 +72,17 @@ def wire_range() -> Requirement:
 
 
 def test_every_locked_version_satisfies_the_ranges() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert lock_problems(read_lock(LOCK.read_text(encoding="utf-8")), ranges(pyproject)) == []
+    project = pyproject()
+    assert lock_problems(read_lock(LOCK.read_text(encoding="utf-8")), ranges(project)) == []
     assert lock_problems(read_lock(WIRE_LOCK.read_text(encoding="utf-8")), [wire_range()]) == []
 
 
 def test_a_version_outside_its_range_or_missing_is_named() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    project = pyproject()
     pins = read_lock(LOCK.read_text(encoding="utf-8"))
     moved = {**pins, "transformers": Version("6.0.0"), "pymongo": Version("4.5.0")}
     del moved["tokenizers"]
-    assert sorted(lock_problems(moved, ranges(pyproject))) == [
+    assert sorted(lock_problems(moved, ranges(project))) == [
         "pymongo==4.5.0 is outside pymongo<5,>=4.6",
         "tokenizers is not in the lock",
         "transformers==6.0.0 is outside transformers<6,>=5",

@@ -7,17 +7,12 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import ROOT
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - pytest brings tomli where tomllib is missing
-    import tomli as tomllib
+from conftest import ROOT, pyproject
 
 
 def test_every_test_has_a_deadline() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert 0 < int(pyproject["tool"]["pytest"]["ini_options"]["timeout"]) <= 600
+    project = pyproject()
+    assert 0 < int(project["tool"]["pytest"]["ini_options"]["timeout"]) <= 600
 
 
 def test_a_hung_test_fails_at_its_deadline_and_the_next_one_runs(tmp_path: Path) -> None:
