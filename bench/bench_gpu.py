@@ -216,9 +216,8 @@ def _flops_per_token(s: Settings, tokenizer: Path) -> float:
 
 def _config(s: Settings, tokenizer: Path) -> Any:
     """The model config our trainer builds for this preset and tokenizer."""
-    from dsgpt2.data.sources import load_tokenizer
     from dsgpt2.model import gpt2_config
-    from dsgpt2.tokenizer.bpe import EOT, PAD
+    from dsgpt2.tokenizer.bpe import EOT, PAD, load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     return gpt2_config(s.preset, tok.get_vocab_size(), s.context, tok.token_to_id(EOT), tok.token_to_id(PAD))

@@ -27,7 +27,7 @@ def tokenize_pack(texts: list[str], tokenizer_dir: Path, repeats: int = 5) -> li
 
     from bench.tiktoken_vocab import encoding_from_vocab
     from dsgpt2.data.packing import pack
-    from dsgpt2.data.sources import load_tokenizer
+    from dsgpt2.tokenizer.bpe import load_tokenizer
 
     ours_tok = load_tokenizer(tokenizer_dir)
     raw = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))

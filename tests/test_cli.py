@@ -164,6 +164,9 @@ def test_one_spelling_old_ones_hidden_no_abbreviations(capsys: pytest.CaptureFix
     new = parser.parse_args(["vocab", "train", "--from_mongo", "--config", "c.json", "--vocab_size", "300"])
     old = parser.parse_args(["vocab", "train", "--from-mongo", "--config", "c.json", "--vocab-size", "300"])
     assert vars(new) == vars(old) and new.vocab_size == 300 and new.from_mongo
+    ev = ["evaluate", "--model", "m", "--config", "c.json"]
+    masks = ([], ["--doc_mask"], ["--no_doc_mask"], ["--no-doc_mask"])
+    assert [parser.parse_args([*ev, *m]).doc_mask for m in masks] == [None, True, False, False]
     with pytest.raises(SystemExit):
         parser.parse_args(["vocab", "train", "--help"])
     shown = capsys.readouterr().out

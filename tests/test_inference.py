@@ -19,11 +19,11 @@ from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection, MongoWrapper
 from dsgpt2.data.loader import iter_eval_batches
 from dsgpt2.data.packing import IGNORE
-from dsgpt2.data.sources import StreamingChunks, load_tokenizer
+from dsgpt2.data.sources import StreamingChunks
 from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
 from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model
-from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.bpe import VocabSettings, load_tokenizer, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 
 pytestmark = pytest.mark.slow

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,32 @@ def test_no_function_is_longer_than_100_lines() -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 100
     ]
     assert long == []
+
+
+def test_no_module_changes_the_environment_at_import() -> None:
+    """Importing any module of the package (``dsgpt2 generate`` imports inference, say) leaves
+    ``os.environ`` as it was: what DeepSpeed needs is set by the code that imports it."""
+    import subprocess
+    import sys
+
+    names = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in _modules()]
+    names = [n.removesuffix(".__init__") for n in names if not n.endswith("__main__")]
+    code = (
+        "import importlib, json, os, sys\n"
+        "before = dict(os.environ)\n"
+        "changed = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "    now = dict(os.environ)\n"
+        "    if now != before:\n"
+        "        changed[name] = sorted(k for k in now | before if now.get(k) != before.get(k))\n"
+        "        before = now\n"
+        "print(json.dumps(changed))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
+    env["TORCH_CUDA_ARCH_LIST"] = "9.0a"
+    result = subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {}

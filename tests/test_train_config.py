@@ -126,7 +126,10 @@ def test_arch_suffixes_deepspeed_cannot_read_are_made_plain() -> None:
     import subprocess
     import sys
 
-    code = "import os, dsgpt2.train; print(os.environ['TORCH_CUDA_ARCH_LIST'])"
+    code = (
+        "import os; from dsgpt2.accelerator import prepare_deepspeed_environment as p; p(); "
+        "print(os.environ['TORCH_CUDA_ARCH_LIST'])"
+    )
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0a;10.0f+PTX"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "8.0;9.0;10.0+PTX"

@@ -625,15 +625,15 @@ def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
     exported = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
     assert exported.returncode == 0, exported.stderr[-2000:]
     reports = {}
-    for flag in ("--doc_mask", "--no-doc_mask"):
+    for flag in ("--doc_mask", "--no_doc_mask"):
         report = tmp_path / f"eval{flag}.json"
         done = run_cli("evaluate", "--model", str(tmp_path / "hf"), "--config", str(corpus["config"]),
                        "--max_batches", "2", "--no_record", "--no_progress", "--report", str(report),
-                       *([flag] if flag == "--no-doc_mask" else []))  # fmt: skip
+                       *([flag] if flag == "--no_doc_mask" else []))  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         reports[flag] = json.loads(report.read_text())
-    assert reports["--doc_mask"]["doc_mask"] is True and reports["--no-doc_mask"]["doc_mask"] is False
-    assert reports["--doc_mask"]["metrics"]["loss"] != reports["--no-doc_mask"]["metrics"]["loss"]
+    assert reports["--doc_mask"]["doc_mask"] is True and reports["--no_doc_mask"]["doc_mask"] is False
+    assert reports["--doc_mask"]["metrics"]["loss"] != reports["--no_doc_mask"]["metrics"]["loss"]
 
 
 def test_a_compiled_model_trains_as_the_eager_one(

@@ -78,12 +78,17 @@ def add_evaluate(sub: Any) -> None:
     p.add_argument(
         "--num_workers", type=non_negative_int, default=2, help="tokenizing worker processes (default 2)"
     )
-    p.add_argument(
+    mask = p.add_mutually_exclusive_group()
+    mask.add_argument(
         "--doc_mask",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="attention within documents only (default: as the model trained, --doc_mask or not)",
+        action="store_const",
+        const=True,
+        help="attention within documents only (default: as the model trained)",
     )
+    no_mask = mask.add_argument(
+        "--no_doc_mask", dest="doc_mask", action="store_const", const=False, help="attention across documents"
+    )
+    p._option_string_actions["--no-doc_mask"] = no_mask  # the earlier spelling, unlisted
     p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
     p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")

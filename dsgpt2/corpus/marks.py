@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
-from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta, with_retries, write_meta
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, with_retries, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,3 @@ def record_trained(conn: Connection, marks: Sequence[int], run: str) -> None:
             write_meta(conn, name, {"trained": {"mark": int(mark), "run": run, "at": time.time()}})
     except Exception as exc:
         log.debug("could not note the trained marks in meta_info: %s", conn.config.scrub(str(exc)))
-
-
-def trained_marks(conn: Connection, names: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per collection, what :func:`record_trained` last noted (absent: no run noted one)."""
-    return {n: m["trained"] for n, m in read_meta(conn, names).items() if isinstance(m.get("trained"), dict)}

@@ -26,6 +26,7 @@ from dsgpt2.data.packing import pack, pack_with_loss
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import CorpusError
+from dsgpt2.tokenizer.bpe import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +109,6 @@ def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dic
         "tokenizer": tokenizer_digest(tokenizer_dir),
         **asdict(spec),
     }
-
-
-def load_tokenizer(tokenizer_dir: Path) -> Any:
-    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    # A document that contains the text "<|endoftext|>" must not inject the real token.
-    tok.encode_special_tokens = True
-    return tok
 
 
 @dataclass

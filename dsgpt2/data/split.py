@@ -26,13 +26,3 @@ def split_mask(indices: np.ndarray, tr_ratio: float, seed: int, collection: str 
 def _name_key(name: str) -> int:
     # Each collection draws its own split: idx 5 of one says nothing about idx 5 of another.
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") if name else 0
-
-
-def num_chunks(total: int, chunk_docs: int) -> int:
-    return -(-total // chunk_docs)
-
-
-def chunk_range(chunk: int, total: int, chunk_docs: int) -> tuple[int, int]:
-    """The unified indices ``[lo, hi)`` of ``chunk``."""
-    lo = chunk * chunk_docs
-    return lo, min(lo + chunk_docs, total)

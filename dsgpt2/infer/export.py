@@ -48,7 +48,7 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path) -> None:
 
 
 def _check_vocab(vocab: Path, config: Any) -> None:
-    from dsgpt2.data.sources import load_tokenizer
+    from dsgpt2.tokenizer.bpe import load_tokenizer
 
     if not (vocab / "tokenizer.json").is_file():
         raise ConfigError(

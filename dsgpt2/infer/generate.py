@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from dsgpt2.corpus.documents import text_problem
-from dsgpt2.data.sources import load_tokenizer
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.decode import Decoder, DecodeRequest, run
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import SamplingParams
+from dsgpt2.tokenizer.bpe import load_tokenizer
 
 
 @dataclass

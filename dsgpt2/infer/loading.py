@@ -45,7 +45,7 @@ def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None
             f"tokenizer {tokenizer_dir}: no tokenizer.json (the model was trained with it); "
             "give the tokenizer directory with --vocab_dir"
         )
-    from dsgpt2.data.sources import load_tokenizer
+    from dsgpt2.tokenizer.bpe import load_tokenizer
 
     if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:
         raise ConfigError(

@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from dsgpt2.argtypes import comma_list, non_negative_int, positive_int
 from dsgpt2.corpus.documents import SkipTally
@@ -31,6 +32,16 @@ PAD = "<|pad|>"
 DEFAULT_SPEAKERS = ("user", "bot")
 VOCAB_META = "dsgpt2_vocab.json"
 _SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
+
+
+def load_tokenizer(tokenizer_dir: Path) -> Any:
+    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    # A document that contains the text "<|endoftext|>" must not inject the real token.
+    tok.encode_special_tokens = True
+    return tok
 
 
 def speaker_token(name: str) -> str:

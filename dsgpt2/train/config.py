@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, read_model_config
@@ -326,6 +327,7 @@ def build_parser() -> OneLineErrorParser:
         add_options(p.add_argument_group(title), cls)
     g = p.add_argument_group("distributed")
     add_options(g, EngineOptions, only=["distributed_backend", "local_rank"])
+    prepare_deepspeed_environment()
     import deepspeed
 
     deepspeed.add_config_arguments(p)

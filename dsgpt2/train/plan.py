@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.model import PRESETS
 
 
@@ -34,6 +35,7 @@ def plan(
     preset: str, vocab: int = 50257, gpus_per_node: int = 1, nodes: int = 1
 ) -> tuple[int, list[PlanRow]]:
     """Parameters of ``preset`` and the memory rows, one per ZeRO/offload option."""
+    prepare_deepspeed_environment()
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 

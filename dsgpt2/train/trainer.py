@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.corpus.config import ENV_URI, load_config, scrub
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
-from dsgpt2.data.sources import fingerprint, load_tokenizer
+from dsgpt2.data.sources import fingerprint
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
 from dsgpt2.log import setup_logging
 from dsgpt2.model import (
@@ -41,6 +42,7 @@ from dsgpt2.model import (
     param_groups,
     read_model_config,
 )
+from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train import checkpoint
 from dsgpt2.train.collective import gather, on_rank0
 from dsgpt2.train.config import ModelOptions, TrainConfig, parse
@@ -127,6 +129,7 @@ class _SchedulerStartFilter(logging.Filter):
 def _quiet_scheduler_start() -> Iterator[None]:
     """DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for a rate in their own constructor, and
     warn every user of such a config that the schedule "has not started": that one line is dropped."""
+    prepare_deepspeed_environment()
     from deepspeed.utils import logger as ds_logger
 
     quiet = _SchedulerStartFilter()
@@ -187,6 +190,7 @@ class Trainer:
         )
         check_attention(cfg.compute.attn_implementation, self.device, self.ds_config)
         self.lr_schedule = apply_schedule(self.ds_config, cfg.schedule, cfg.run.train_iters)
+        prepare_deepspeed_environment()
         import deepspeed
 
         # First: the barriers and broadcasts below need the process group.
@@ -219,6 +223,7 @@ class Trainer:
         return MongoWrapper(self.mongo, connection=conn).counts
 
     def _engine(self, context: int, init: tuple[Any, dict[str, Any]] | None) -> Any:
+        prepare_deepspeed_environment()
         import deepspeed
 
         m = self.cfg.model

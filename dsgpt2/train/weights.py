@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import causal_lm_loss
 from dsgpt2.train import checkpoint
@@ -117,6 +118,7 @@ def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor],
     blob = checkpoint.load_states(ckpt_dir, tag)
     client = blob["dsgpt2"]
     if checkpoint.is_partitioned(ckpt_dir, tag):
+        prepare_deepspeed_environment()
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
