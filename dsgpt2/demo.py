@@ -183,10 +183,10 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
     """The same architecture before any step: the perplexity training starts from."""
     import torch
 
+    from dsgpt2.data.split import DEFAULT_SEED
     from dsgpt2.infer.loading import LoadedModel
     from dsgpt2.model import PRESETS, build_model, gpt2_config
     from dsgpt2.tokenizer.bpe import EOT, PAD, load_tokenizer
-    from dsgpt2.train.config import DEFAULT_SEED
 
     tok = load_tokenizer(tokenizer)
     torch.manual_seed(DEFAULT_SEED)

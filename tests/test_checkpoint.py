@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from dsgpt2.checkpoints.format import COMPLETE, CheckpointError, resolve
 from dsgpt2.train import checkpoint
-from dsgpt2.train.checkpoint import CheckpointError, resolve
 
 
 class FakeEngine:
@@ -46,7 +46,7 @@ def test_keep_last_prunes_only_older_complete_checkpoints(tmp_path: Path) -> Non
         "global_step5",
         "global_step9",
     ]
-    assert json.loads((tmp_path / "global_step5" / checkpoint.COMPLETE).read_text())["step"] == 5
+    assert json.loads((tmp_path / "global_step5" / COMPLETE).read_text())["step"] == 5
 
 
 def test_resolve_errors(tmp_path: Path) -> None:
@@ -119,11 +119,11 @@ def test_latest_deleted_or_garbled(tmp_path: Path) -> None:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    checkpoint.log.addHandler(handler)
+    logging.getLogger("dsgpt2.checkpoints.format").addHandler(handler)
     try:
         assert resolve(tmp_path, None) == "global_step8"
     finally:
-        checkpoint.log.removeHandler(handler)
+        logging.getLogger("dsgpt2.checkpoints.format").removeHandler(handler)
     assert any("no `latest` file" in w and "global_step8" in w for w in warnings), warnings
     # Garbled (not even UTF-8): one line naming the newest intact checkpoint.
     (tmp_path / "latest").write_bytes(b"\xff\xfe\x00global")
@@ -137,12 +137,12 @@ def test_latest_deleted_or_garbled(tmp_path: Path) -> None:
 def test_a_garbled_marker_neither_counts_nor_crashes_the_pruning(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
-    (tmp_path / "global_step1" / checkpoint.COMPLETE).write_bytes(b'{"step": 1, "fi\xff')
+    (tmp_path / "global_step1" / COMPLETE).write_bytes(b'{"step": 1, "fi\xff')
     checkpoint.save(FakeEngine(), tmp_path, 4, {}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "global_step1",  # not known to be complete: left alone
         "global_step3",
         "global_step4",
     ]
-    marker = json.loads((tmp_path / "global_step4" / checkpoint.COMPLETE).read_text())
+    marker = json.loads((tmp_path / "global_step4" / COMPLETE).read_text())
     assert marker["files"]["mp_rank_00_model_states.pt"]["size"] == 4

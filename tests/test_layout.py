@@ -13,7 +13,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "dsgpt2"
 # A stage may import the stages before it, never one after it.
-ORDER = ["corpus", "tokenizer", "data", "model", "train", "infer", "demo", "commands", "cli"]
+ORDER = ["corpus", "tokenizer", "data", "model", "checkpoints", "train", "infer", "demo", "commands", "cli"]
 
 
 def _stage(module: str) -> str | None:
@@ -55,7 +55,14 @@ def test_only_the_corpus_talks_to_mongodb_and_only_training_to_deepspeed() -> No
         if roots & {"pymongo", "bson", "mongomock"}:
             assert rel.startswith("corpus/"), rel
         if "deepspeed" in roots:
-            assert rel.startswith("train/"), rel
+            # The engine is training's; reading a ZeRO checkpoint's shards is the checkpoint format's.
+            readers = {"deepspeed.utils.zero_to_fp32"}
+            assert rel.startswith("train/") or (
+                rel.startswith("checkpoints/")
+                and {n for n in _imports(path) if n.startswith("deepspeed")}
+                <= readers
+                | {f"{r}.{n}" for r in readers for n in ("get_fp32_state_dict_from_zero_checkpoint",)}
+            ), rel
     assert not {n.split(".")[0] for n in _imports(PACKAGE / "model.py")} & {"deepspeed", "pymongo"}
 
 
@@ -96,3 +103,10 @@ def test_no_module_changes_the_environment_at_import() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_inference_imports_nothing_of_training() -> None:
+    """``dsgpt2 generate``/``serve``/``evaluate``/``export`` load weights and tokenizers from the stages
+    below training (checkpoints/, tokenizer/), never from train/."""
+    for path in sorted((PACKAGE / "infer").rglob("*.py")):
+        assert not [n for n in _imports(path) if _stage(n) == "train"], path.relative_to(ROOT)

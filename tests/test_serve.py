@@ -517,7 +517,10 @@ def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> N
             events = sse(r)
         assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
         ok = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+        # A draw without a seed may end at end-of-text before its 4 tokens: either way, an answer.
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert 1 <= ok.json()["usage"]["completion_tokens"] <= 4
         health = client.get("/health").json()
         assert health["running"] == 0 and health["batch_rows"] == 0
 

@@ -342,7 +342,7 @@ def test_every_zero_stage_trains_resumes_and_exports(
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from conftest import run_cli
-    from dsgpt2.train.weights import checkpoint_state
+    from dsgpt2.checkpoints.weights import checkpoint_state
 
     ds = json.loads(corpus["ds"].read_text())
     ds["zero_optimization"] = {"stage": stage}

@@ -15,6 +15,12 @@ import numpy as np
 
 from dsgpt2.corpus.draws import uniform
 
+# The defaults of a run's split and order: training's flags and evaluation of a model without a
+# run record both start from them.
+DEFAULT_SEED = 1234
+DEFAULT_TR_RATIO = 0.99
+DEFAULT_CHUNK_DOCS = 1000
+
 
 def split_mask(indices: np.ndarray, tr_ratio: float, seed: int, collection: str = "") -> np.ndarray:
     """True for the idx (of ``collection``) in the training split; the others validate."""

@@ -27,10 +27,10 @@ from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.loader import Batch, iter_eval_batches
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
+from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.model import doc_position_ids
-from dsgpt2.train.config import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.checkpoints.format import resolve
+from dsgpt2.checkpoints.weights import RUN_INFO, build_with_weights, checkpoint_state
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text
-from dsgpt2.train import checkpoint
-from dsgpt2.train.weights import RUN_INFO, build_with_weights, checkpoint_state
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def export(
     """
     from transformers import GenerationConfig, GPT2Config
 
-    tag = checkpoint.resolve(ckpt_dir, tag)
+    tag = resolve(ckpt_dir, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
     vocab = Path(vocab_dir or client["vocab_dir"])

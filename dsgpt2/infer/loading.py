@@ -1,6 +1,6 @@
 """A trained model ready to run: :func:`load_model` gives a ``GPT2LMHeadModel`` in eval mode, the
 directory of its tokenizer (checked against the model's vocabulary) and what is known of the run
-that trained it, from an export or a checkpoint (see :mod:`dsgpt2.train.weights`).
+that trained it, from an export or a checkpoint (see :mod:`dsgpt2.checkpoints.weights`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.checkpoints.weights import build_with_weights, load_weights
 from dsgpt2.errors import ConfigError
-from dsgpt2.train.weights import build_with_weights, load_weights
 
 log = logging.getLogger(__name__)
 

@@ -1,21 +1,16 @@
 """Checkpoints: DeepSpeed's save/load, made safe to crash in and exact to resume from.
 
-``ckpt_dir/TAG/`` holds DeepSpeed's files plus ``dsgpt2_complete.json``,
-written only after every rank has finished saving, with the size and SHA-256
-of every file; ``ckpt_dir/latest`` is then replaced atomically. A crash
-during a save therefore leaves ``latest`` naming the previous complete
-checkpoint, a complete checkpoint is never written again, and a file damaged
-since it was saved is found before anything loads it. ``client_state`` carries the
-training state (step, data position, RNG states, config, data fingerprint).
+A checkpoint is marked complete only after every rank has saved (see :mod:`dsgpt2.checkpoints.format`
+for the format and how it is read and verified). A crash during a save therefore leaves ``latest``
+naming the previous complete checkpoint, and a complete checkpoint is never written again.
+``client_state`` carries the training state (step, data position, RNG states, config, data fingerprint).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -24,22 +19,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.checkpoints.format import (
+    COMPLETE,
+    LATEST,
+    CheckpointError,
+    complete_tags,
+    damage,
+    file_digests,
+    tag_for,
+)
 from dsgpt2.files import atomic_write_text
 
 log = logging.getLogger(__name__)
-
-LATEST = "latest"
-COMPLETE = "dsgpt2_complete.json"
-_TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-class CheckpointError(DsGpt2Error):
-    """A checkpoint to resume from is missing, incomplete or does not match this run."""
-
-
-def tag_for(step: int) -> str:
-    return f"global_step{step}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -58,78 +49,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def read_marker(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
-    """The complete marker of ``tag``, or None when it is absent or unreadable (not complete)."""
-    try:
-        marker = json.loads((ckpt_dir / tag / COMPLETE).read_bytes())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
-        return None
-    return marker
-
-
-def is_complete(ckpt_dir: Path, tag: str) -> bool:
-    return read_marker(ckpt_dir, tag) is not None
-
-
-def complete_tags(ckpt_dir: Path) -> list[str]:
-    """The complete checkpoints in ``ckpt_dir``, oldest step first."""
-    if not ckpt_dir.is_dir():
-        return []
-    steps = {}
-    for p in ckpt_dir.iterdir():
-        marker = read_marker(ckpt_dir, p.name) if p.is_dir() and _TAG.match(p.name) else None
-        if marker is not None:
-            steps[p.name] = marker["step"]
-    return sorted(steps, key=lambda t: steps[t])
-
-
-def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file under ``directory`` (the marker excepted), by relative path."""
-    out = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != COMPLETE):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-        out[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-    return out
-
-
-def damage(ckpt_dir: Path, tag: str) -> str | None:
-    """What is wrong with the files of a complete checkpoint (checked against its marker), or None."""
-    marker = read_marker(ckpt_dir, tag)
-    if marker is None:
-        return f"{ckpt_dir / tag} is missing or incomplete"
-    for name, want in (marker.get("files") or {}).items():
-        path = ckpt_dir / tag / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != want["size"]:
-            return f"{path} is truncated or grown ({path.stat().st_size} bytes, {want['size']} when saved)"
-    digests = file_digests(ckpt_dir / tag)
-    for name, want in (marker.get("files") or {}).items():
-        if digests[name]["sha256"] != want["sha256"]:
-            return f"{ckpt_dir / tag / name} is damaged (its SHA-256 differs from the one saved)"
-    return None
-
-
-def newest_intact(ckpt_dir: Path, exclude: str | None = None) -> str | None:
-    """The newest complete checkpoint whose files match their marker."""
-    for tag in reversed(complete_tags(ckpt_dir)):
-        if tag != exclude and damage(ckpt_dir, tag) is None:
-            return tag
-    return None
-
-
-def _instead(ckpt_dir: Path, bad: str | None = None) -> str:
-    tag = newest_intact(ckpt_dir, exclude=bad)
-    if tag is None:
-        return "no intact checkpoint is left there: start fresh with another --ckpt_dir"
-    return f"the newest intact checkpoint is {tag}: resume it with --ckpt_id {tag}"
 
 
 def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep_last: int) -> str:
@@ -173,95 +92,6 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
         if old != keep:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
             log.info("removed old checkpoint %s (keeping the last %d)", old, keep_last)
-
-
-def has_checkpoints(ckpt_dir: Path) -> bool:
-    """Whether ``ckpt_dir`` holds a ``latest`` file or any complete checkpoint."""
-    return (ckpt_dir / LATEST).exists() or bool(complete_tags(ckpt_dir))
-
-
-def resolve(load_dir: Path, ckpt_id: str | None) -> str:
-    """The tag to resume from: ``ckpt_id``, or the one ``latest`` names; checked against its marker.
-
-    Without a ``latest`` file, the newest intact checkpoint is taken (with a warning).
-
-    Raises:
-        CheckpointError: no checkpoint there; ``latest`` unreadable or naming a missing, incomplete
-            or damaged checkpoint (the message names the newest intact one).
-    """
-    if ckpt_id:
-        if not is_complete(load_dir, ckpt_id):
-            present = complete_tags(load_dir)
-            raise CheckpointError(
-                f"--ckpt_id {ckpt_id!r}: no complete checkpoint {load_dir / ckpt_id}; "
-                f"complete checkpoints there: {present or 'none'}"
-            )
-        _check_intact(load_dir, ckpt_id)
-        return ckpt_id
-    latest = load_dir / LATEST
-    if not latest.is_file():
-        tag = newest_intact(load_dir)
-        if tag is None:
-            raise CheckpointError(
-                f"no checkpoint to resume from in {load_dir} (no `latest` file, no intact checkpoint); "
-                "pass the directory a run saved to with --load_dir, name one with --ckpt_id, or start "
-                "fresh without --load_dir"
-            )
-        log.warning("%s has no `latest` file; resuming from its newest intact checkpoint, %s", load_dir, tag)
-        return tag
-    tag = latest.read_bytes().decode("utf-8", "replace").strip()
-    if not tag or not _TAG.match(tag):
-        raise CheckpointError(f"{latest} is empty or corrupt ({tag[:40]!r}); {_instead(load_dir)}")
-    if not is_complete(load_dir, tag):
-        raise CheckpointError(
-            f"{latest} names {tag!r}, which is missing or incomplete in {load_dir}; {_instead(load_dir, tag)}"
-        )
-    _check_intact(load_dir, tag)
-    return tag
-
-
-def _check_intact(ckpt_dir: Path, tag: str) -> None:
-    problem = damage(ckpt_dir, tag)
-    if problem is not None:
-        raise CheckpointError(f"{problem}; {_instead(ckpt_dir, tag)}")
-
-
-def is_partitioned(ckpt_dir: Path, tag: str) -> bool:
-    """ZeRO 1-3 keep the fp32 master weights and optimizer state in per-rank shards."""
-    return any((ckpt_dir / tag).glob("*zero_pp_rank_*optim_states.pt"))
-
-
-def model_states_file(ckpt_dir: Path, tag: str) -> Path:
-    """The file holding rank 0's module and client state (ZeRO-3 names it after the partition)."""
-    for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
-        if (ckpt_dir / tag / name).is_file():
-            return ckpt_dir / tag / name
-    raise CheckpointError(f"{ckpt_dir / tag} holds no model states file; {_instead(ckpt_dir, tag)}")
-
-
-def load_states(ckpt_dir: Path, tag: str, mmap: bool = False) -> dict[str, Any]:
-    """Rank 0's states file of a checkpoint (module weights unless partitioned, and dsgpt2's state).
-
-    Raises:
-        CheckpointError: unreadable, or not written by dsgpt2.
-    """
-    path = model_states_file(ckpt_dir, tag)
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
-    except Exception as exc:  # a damaged file fails in torch's zip reader or in unpickling
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise CheckpointError(f"{path} cannot be read ({first}); {_instead(ckpt_dir, tag)}") from None
-    if not isinstance(blob, dict) or "dsgpt2" not in blob:
-        raise CheckpointError(f"{ckpt_dir / tag} was not written by dsgpt2 (no training state in it)")
-    return blob
-
-
-def read_client_state(load_dir: Path, tag: str) -> dict[str, Any]:
-    """dsgpt2's training state in a checkpoint, read without building an engine.
-
-    Lets a run check the checkpoint's fingerprint before loading weights that may not fit.
-    """
-    return load_states(load_dir, tag, mmap=True)["dsgpt2"]
 
 
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import DsGpt2Error
-from dsgpt2.train import checkpoint
 
 
 def broadcast(values: list[Any]) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
+from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import PRESETS, read_model_config
 from dsgpt2.options import (
@@ -32,9 +33,6 @@ from dsgpt2.train.schedule import KINDS
 if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
 
-DEFAULT_SEED = 1234
-DEFAULT_TR_RATIO = 0.99
-DEFAULT_CHUNK_DOCS = 1000
 DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
 
 
@@ -271,7 +269,7 @@ class TrainConfig:
         if self.data.vocab_dir is None:
             vocab = DEFAULT_VOCAB_DIR
             if self.model.init_from is not None:
-                from dsgpt2.train.weights import init_tokenizer_dir
+                from dsgpt2.checkpoints.weights import init_tokenizer_dir
 
                 vocab = init_tokenizer_dir(self.model.init_from)
             if not (vocab / "tokenizer.json").is_file():

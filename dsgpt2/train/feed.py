@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.checkpoints.format import CheckpointError
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.data.cache import CachedChunks, prepare_cache
@@ -21,7 +22,6 @@ from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import ConfigError
-from dsgpt2.train import checkpoint
 from dsgpt2.train.collective import barrier, gather, on_rank0
 from dsgpt2.train.config import TrainConfig
 
@@ -175,7 +175,7 @@ def check_saved_data(
 
     data = saved.get("data")
     if not isinstance(data, dict) or "table" not in data:
-        raise checkpoint.CheckpointError(
+        raise CheckpointError(
             f"{where} holds no data state this version reads (an older layout); start fresh with another "
             "--ckpt_dir, or --no_resume"
         )

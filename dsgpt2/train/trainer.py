@@ -26,6 +26,14 @@ import numpy as np
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.checkpoints.format import (
+    CheckpointError,
+    has_checkpoints,
+    is_partitioned,
+    read_client_state,
+    resolve,
+    tag_for,
+)
 from dsgpt2.corpus.config import ENV_URI, load_config, scrub
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
@@ -236,7 +244,7 @@ class Trainer:
             self.model_config._attn_implementation = c.attn_implementation
             model = build_model(self.model_config)
         else:
-            from dsgpt2.train.weights import build_with_weights
+            from dsgpt2.checkpoints.weights import build_with_weights
 
             self.model_config = init[0]
             self.model_config._attn_implementation = c.attn_implementation
@@ -280,7 +288,7 @@ class Trainer:
         m = self.cfg.model
         if m.init_from is None:
             return None
-        from dsgpt2.train.weights import load_weights
+        from dsgpt2.checkpoints.weights import load_weights
 
         config, weights, _, _ = load_weights(m.init_from)
         if config.vocab_size != self.vocab_size:
@@ -320,22 +328,22 @@ class Trainer:
         """
         c = self.cfg.ckpt
         load_dir = c.load_dir
-        if load_dir is None and checkpoint.has_checkpoints(c.ckpt_dir):
+        if load_dir is None and has_checkpoints(c.ckpt_dir):
             if c.no_resume:
-                raise checkpoint.CheckpointError(
+                raise CheckpointError(
                     f"--no_resume: {c.ckpt_dir} holds checkpoints already; a fresh run there would "
                     "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
                 )
             load_dir = c.ckpt_dir
         if load_dir is None:
             return None
-        tag = checkpoint.resolve(load_dir, c.ckpt_id)
-        saved = checkpoint.read_client_state(load_dir, tag)
+        tag = resolve(load_dir, c.ckpt_id)
+        saved = read_client_state(load_dir, tag)
         self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         self._check_data(saved, load_dir / tag)
         ranks = len(saved["data"]["ranks"])
-        if ranks != self.world and checkpoint.is_partitioned(load_dir, tag):
-            raise checkpoint.CheckpointError(
+        if ranks != self.world and is_partitioned(load_dir, tag):
+            raise CheckpointError(
                 f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
                 f"this run has {self.world}: resume with {ranks} rank(s), or convert it with DeepSpeed's "
                 "universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal) first"
@@ -352,7 +360,7 @@ class Trainer:
         if not problems:
             return
         if not self.cfg.ckpt.ignore_fingerprint:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{where} trained on documents that are no longer there as they were: {'; '.join(problems)}. "
                 "Restore them, start fresh (--no_resume, another --ckpt_dir) or pass --ignore_fingerprint"
             )
@@ -363,7 +371,7 @@ class Trainer:
             return
         changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
         if not self.cfg.ckpt.ignore_fingerprint:
-            raise checkpoint.CheckpointError(
+            raise CheckpointError(
                 f"{where} was saved for other data ({', '.join(changed)} changed); "
                 "resuming would not continue the same run. Start fresh (--no_resume, another "
                 "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
@@ -637,7 +645,7 @@ class Trainer:
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
             "stopped": self.stop_requested or "done",
-            "checkpoint": str(self.cfg.ckpt.ckpt_dir / checkpoint.tag_for(state.step)),
+            "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
         }
         if self.metrics:
             self.metrics.write({"event": "end", **summary})

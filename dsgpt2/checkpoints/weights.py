@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import causal_lm_loss
-from dsgpt2.train import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,6 @@ def is_export(path: Path) -> bool:
 
 def locate_checkpoint(path: Path, tag: str | None) -> tuple[Path, str]:
     """``(ckpt_dir, tag)`` for a checkpoint directory or a tag directory inside one."""
-    from dsgpt2.train import checkpoint
-
     if tag is None and (path / checkpoint.COMPLETE).is_file():
         return path.parent, checkpoint.resolve(path.parent, path.name)  # verified like any other
     return path, checkpoint.resolve(path, tag)
@@ -43,8 +41,6 @@ def init_tokenizer_dir(path: Path) -> Path:
     """The tokenizer a model was trained with: an export holds it; a checkpoint names it."""
     if is_export(path):
         return path
-    from dsgpt2.train import checkpoint
-
     ckpt_dir, tag = locate_checkpoint(path, None)
     return Path(checkpoint.read_client_state(ckpt_dir, tag)["vocab_dir"])
 
@@ -71,9 +67,6 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
             weights.update(load_file(str(f)))
         run = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
         return config, weights, path, run
-    from dsgpt2.train import checkpoint
-    from dsgpt2.train.weights import checkpoint_state
-
     if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
             f"model {path}: neither an exported model (config.json + *.safetensors) nor a checkpoint "
@@ -108,9 +101,6 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
         )
     model.tie_weights()
     return model
-
-
-log = logging.getLogger(__name__)
 
 
 def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
