@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from collections.abc import Callable, Sequence
 
 from dsgpt2 import __version__
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings
 from dsgpt2.commands import corpus, demo, infer, train, vocab
-from dsgpt2.corpus.config import ENV_URI, scrub
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 
 DESCRIPTION = """\
@@ -61,13 +58,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(verbose=getattr(args, "verbose", False))
     func: Callable[[argparse.Namespace], int] = args.func
-    try:
-        return func(args)
-    except DsGpt2Error as exc:
-        # Messages are scrubbed where they are made; this is the last line of defence.
-        message = scrub(str(exc), os.environ.get(ENV_URI, ""))
-        print(f"dsgpt2: error: {message}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print("dsgpt2: interrupted", file=sys.stderr)
-        return 130
+    return run_command("dsgpt2", lambda: func(args))

@@ -6,6 +6,7 @@ Imports torch and transformers only (never deepspeed or pymongo).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,11 @@ def build_model(cfg: Any) -> Any:
     from transformers import GPT2LMHeadModel
 
     return causal_lm_loss(GPT2LMHeadModel(cfg))
+
+
+def perplexity(loss: float) -> float:
+    """``exp(loss)`` of a mean token loss in nats, kept finite: a diverged run reads as a huge number."""
+    return math.exp(min(loss, 700.0))
 
 
 def causal_lm_loss(model: Any) -> Any:

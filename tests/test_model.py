@@ -91,3 +91,12 @@ def test_plan_orders_the_options_sensibly() -> None:
         by["stage 3 + optimizer offload + param offload"].gpu_bytes < by["stage 0 (data parallel)"].gpu_bytes
     )
     assert set(PRESETS) >= {"tiny", "112m", "112m_half", "345m"}
+
+
+def test_perplexity_is_exp_of_the_loss_and_stays_finite() -> None:
+    import math
+
+    from dsgpt2.model import perplexity
+
+    assert perplexity(2.0) == math.exp(2.0)
+    assert math.isfinite(perplexity(1e6)) and perplexity(1e6) == perplexity(700.0)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Iterable
@@ -30,7 +29,7 @@ from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spe
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
-from dsgpt2.model import doc_position_ids
+from dsgpt2.model import doc_position_ids, perplexity
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +102,7 @@ def evaluate_batches(
             f"or --tr_ratio 1 leaves no validation documents: try --split all){why}"
         )
     loss = total / tokens
-    return EvalMetrics(loss, math.exp(min(loss, 700.0)), tokens, blocks, seconds=time.monotonic() - started)
+    return EvalMetrics(loss, perplexity(loss), tokens, blocks, seconds=time.monotonic() - started)
 
 
 @dataclass

@@ -110,8 +110,15 @@ class Slots:
 
     def busy(self, api: bool) -> JSONResponse:
         message = f"busy: {self.limit} requests already in flight; retry later"
-        body = ApiError(message, status=503, kind="server_busy").body() if api else {"error": message}
-        return JSONResponse(body, status_code=503, headers={"Retry-After": "1"})
+        return _error(message, 503, api, kind="server_busy", headers={"Retry-After": "1"})
+
+
+def _error(
+    message: str, status: int, api: bool, kind: str = "", headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """An error answer: OpenAI's error object on the API routes, ``{"error": ...}`` on /generate."""
+    body = ApiError(message, status=status, kind=kind).body() if api else {"error": message}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def make_app(
@@ -158,16 +165,10 @@ class Service:
             prompt, params = parse_request(values, prompt_key, self.limits, self.defaults)
             decode = DecodeRequest(generator.decoder.fit(generator.encode(prompt), params), params)
         except (BadRequest, ConfigError) as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        if not self.slots.take():
-            return self.slots.busy(api=False)
-        try:
-            if not await _collect(request, self.engine.stream([decode])):
-                return JSONResponse({"error": "client disconnected"}, status_code=400)
-        except GenerationFailed as exc:
-            return JSONResponse({"error": str(exc)}, status_code=500)
-        finally:
-            self.slots.release()
+            return _error(str(exc), 400, api=False)
+        failed = await self.decode(request, [decode], api=False)
+        if failed is not None:
+            return failed
         completions = [Completion(s.text, len(s.ids), s.finish_reason or "length") for s in decode.samples]
         return JSONResponse(
             {
@@ -198,21 +199,30 @@ class Service:
             decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        if not self.slots.take():
-            return self.slots.busy(api=True)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
         if api.stream:
+            if not self.slots.take():
+                return self.slots.busy(api=True)
+            # The stream gives the slot back however the response ends.
             return EventStream(
                 _sse(answer, self.engine.stream(decodes), api.stream_usage), self.slots.release
             )
+        failed = await self.decode(request, decodes, api=True)
+        return failed or JSONResponse(answer.body())
+
+    async def decode(self, request: Request, decodes: list[DecodeRequest], api: bool) -> JSONResponse | None:
+        """Admit ``decodes`` (a slot, or busy) and decode them to their end, giving the slot back;
+        the error answer when that did not go through (busy, client gone, generation failed)."""
+        if not self.slots.take():
+            return self.slots.busy(api)
         try:
             if not await _collect(request, self.engine.stream(decodes)):
-                return JSONResponse(ApiError("client disconnected").body(), status_code=400)
+                return _error("client disconnected", 400, api)
         except GenerationFailed as exc:
-            return JSONResponse(ApiError(str(exc), status=500).body(), status_code=500)
+            return _error(str(exc), 500, api)
         finally:
             self.slots.release()
-        return JSONResponse(answer.body())
+        return None
 
     async def completions(self, request: Request) -> Response:
         return await self.openai(request, chat=False)

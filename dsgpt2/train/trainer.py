@@ -10,16 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import random
 import signal
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -27,18 +24,15 @@ import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.format import (
-    CheckpointError,
-    has_checkpoints,
-    is_partitioned,
-    read_client_state,
-    resolve,
     tag_for,
 )
-from dsgpt2.corpus.config import ENV_URI, load_config, scrub
+from dsgpt2.corpus.config import load_config
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
+from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
-from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError
+from dsgpt2.errors import ConfigError, MongoUnavailableError
+from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model import (
     PRESETS,
@@ -48,10 +42,12 @@ from dsgpt2.model import (
     flops_per_token,
     gpt2_config,
     param_groups,
+    perplexity,
     read_model_config,
 )
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train import checkpoint
+from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
 from dsgpt2.train.collective import gather, on_rank0
 from dsgpt2.train.config import ModelOptions, TrainConfig, parse
 from dsgpt2.train.ds_config import (
@@ -61,7 +57,7 @@ from dsgpt2.train.ds_config import (
     optimizer_weight_decay,
     zero_stage,
 )
-from dsgpt2.train.feed import Feed, check_saved_data
+from dsgpt2.train.feed import Feed
 from dsgpt2.train.metrics import MetricsLog, peak_flops, plot_losses
 from dsgpt2.train.schedule import ScheduledLR
 
@@ -87,12 +83,6 @@ def _init_context(args: ModelOptions, config: Any) -> int:
     return int(context)
 
 
-class TrainingAborted(DsGpt2Error):
-    """Training stopped on purpose: non-finite losses in a row, or a lost database."""
-
-    exit_code = 3
-
-
 def ensure_distributed_env() -> None:
     """Set what ``torch.distributed`` needs for a single process started without a launcher."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -103,14 +93,6 @@ def ensure_distributed_env() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    tokens: int = 0
-    micro: int = 0  # micro-batches drawn, skipped ones included
-    nonfinite: int = 0
 
 
 def _seed_all(seed: int) -> None:
@@ -215,8 +197,9 @@ class Trainer:
             **fingerprint(self.mongo, cfg.data.vocab_dir, self.spec),
             "mixture": bool(self.feed.stages),
         }
+        self.checkpointer = Checkpointer(cfg, self.fingerprint, self.world, conn, self.marks)
         # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
-        found = on_rank0(self._find_resume_point)
+        found = on_rank0(self.checkpointer.find)
         self.resume_from = found[:2] if found else None
         self.feed.start(self.marks, found[2] if found else None)
         self.engine = self._engine(context, init)
@@ -319,108 +302,14 @@ class Trainer:
             }
         }
 
-    def _find_resume_point(self) -> tuple[Path, str, dict[str, Any]] | None:
-        """The checkpoint to resume from, verified, and its data state; None for a fresh start.
-
-        Raises:
-            CheckpointError: none where one was asked for, a broken one, one of other data or of
-                another number of ranks, or a fresh start that would overwrite checkpoints.
-        """
-        c = self.cfg.ckpt
-        load_dir = c.load_dir
-        if load_dir is None and has_checkpoints(c.ckpt_dir):
-            if c.no_resume:
-                raise CheckpointError(
-                    f"--no_resume: {c.ckpt_dir} holds checkpoints already; a fresh run there would "
-                    "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
-                )
-            load_dir = c.ckpt_dir
-        if load_dir is None:
-            return None
-        tag = resolve(load_dir, c.ckpt_id)
-        saved = read_client_state(load_dir, tag)
-        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
-        self._check_data(saved, load_dir / tag)
-        ranks = len(saved["data"]["ranks"])
-        if ranks != self.world and is_partitioned(load_dir, tag):
-            raise CheckpointError(
-                f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
-                f"this run has {self.world}: resume with {ranks} rank(s), or convert it with DeepSpeed's "
-                "universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal) first"
-            )
-        if ranks != self.world:
-            log.warning(
-                "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
-                "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
-            )  # fmt: skip
-        return load_dir, tag, saved["data"]
-
-    def _check_data(self, saved: dict[str, Any], where: Path) -> None:
-        problems = check_saved_data(self.conn, saved, self.marks, where)
-        if not problems:
-            return
-        if not self.cfg.ckpt.ignore_fingerprint:
-            raise CheckpointError(
-                f"{where} trained on documents that are no longer there as they were: {'; '.join(problems)}. "
-                "Restore them, start fresh (--no_resume, another --ckpt_dir) or pass --ignore_fingerprint"
-            )
-        log.warning("resuming although %s (--ignore_fingerprint)", "; ".join(problems))
-
-    def _check_fingerprint(self, saved: dict[str, Any], where: Path) -> None:
-        if saved == self.fingerprint:
-            return
-        changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
-        if not self.cfg.ckpt.ignore_fingerprint:
-            raise CheckpointError(
-                f"{where} was saved for other data ({', '.join(changed)} changed); "
-                "resuming would not continue the same run. Start fresh (--no_resume, another "
-                "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
-            )
-        log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
-
-    def resume(self) -> TrainState:
-        if self.resume_from is None:
-            return TrainState()
-        load_dir, tag = self.resume_from
-        saved = checkpoint.load(self.engine, load_dir, tag)["dsgpt2"]
-        position = self.feed.state.streams[0]
-        checkpoint.set_rng_state(saved["rng"])
-        state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
-        log.info(
-            "resumed from %s at step %d (epoch %d, chunk %d, block %d)",
-            load_dir / tag,
-            state.step,
-            position.epoch,
-            position.chunk,
-            position.block,
-        )
-        self._warn_schedule_change(saved, state.step)
-        return state
-
-    def _warn_schedule_change(self, saved: dict[str, Any], step: int) -> None:
-        """Another --train_iters than the checkpoint's stretches or shrinks the learning-rate decay."""
-        then = getattr(self.engine.lr_scheduler, "resumed_from", None)
-        if then and self.lr_schedule is not None and then.get("kind") != self.lr_schedule.kind:
-            log.warning("the checkpoint's run followed a %s schedule; this one follows %s from step %d",
-                        then.get("kind"), self.lr_schedule.kind, step)  # fmt: skip
-        before = int(saved.get("args", {}).get("train_iters") or self.cfg.run.train_iters)
-        if before == self.cfg.run.train_iters or step >= self.cfg.run.train_iters:
-            return
-        lr_now = self.engine.get_lr()[0]
-        lr_then = saved.get("lr")
-        was = f"{lr_then:.3g}" if isinstance(lr_then, float) else "unknown"
-        log.warning(
-            "--train_iters %d where the checkpoint's run had %d: the learning-rate schedule now spans "
-            "%d steps, so the learning rate at step %d is %.3g (it was %s)",
-            self.cfg.run.train_iters, before, self.cfg.run.train_iters, step, lr_now, was,
-        )  # fmt: skip
-
     # ------------------------------------------------------------ loop
 
     def train(self) -> dict[str, Any]:
         """Train until --train_iters, a stop signal or a lost database; return the summary."""
         r = self.cfg.run
-        state = self.resume()
+        state = self.checkpointer.restore(
+            self.engine, self.resume_from, self.feed.state.streams[0], self.lr_schedule
+        )
         f = self.feed
         self.stream = BlockStream(
             f.train_data, f.schedule, self.rank, self.world, self.micro_batch, f.state,
@@ -507,7 +396,7 @@ class Trainer:
         else:
             inputs = {"attention_mask": _to_device(batch.attention_mask, device)}
         out = self.engine(input_ids=input_ids, labels=labels, use_cache=False, **inputs)
-        if not bool((batch.labels[:, 1:] != -100).any()):
+        if not bool((batch.labels[:, 1:] != IGNORE).any()):
             # Context only (a conversation block without reply tokens): the mean over no tokens is
             # NaN; a zero loss keeps every rank stepping together.
             return out.logits.sum() * 0.0
@@ -593,7 +482,7 @@ class Trainer:
         self.last_val = self.evaluate(self._eval_cache)
         if self.last_val is not None:
             self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
-                         "val_ppl": math.exp(min(self.last_val, 50))})  # fmt: skip
+                         "val_ppl": perplexity(self.last_val)})  # fmt: skip
 
     def maybe_follow(self, state: TrainState) -> bool:
         """With --follow: take in the documents ingested since the last look, dealt at once.
@@ -641,7 +530,7 @@ class Trainer:
             "tokens": state.tokens,
             "tokens_per_s": self._tokens_per_s(state),
             "val_loss": last_val,
-            "val_ppl": math.exp(min(last_val, 50)) if last_val is not None else None,
+            "val_ppl": perplexity(last_val) if last_val is not None else None,
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
             "stopped": self.stop_requested or "done",
@@ -679,7 +568,7 @@ class Trainer:
         with torch.no_grad():
             for batch in batches:
                 # The loss is a mean over the predicted tokens; weigh batches by their count.
-                n = int((batch.labels[:, 1:] != -100).sum())
+                n = int((batch.labels[:, 1:] != IGNORE).sum())
                 if n == 0:
                     continue
                 total[0] += self._forward(batch).double() * n
@@ -691,13 +580,7 @@ class Trainer:
         return float(total[0] / total[1]) if total[1] > 0 else None
 
     def save(self, state: TrainState, position: ReadState) -> None:
-        for p in self.engine.module.parameters():
-            if not torch.isfinite(p).all():
-                raise TrainingAborted("the weights hold non-finite values; refusing to save them")
-        c = self.cfg.ckpt
-        tag = checkpoint.save(self.engine, c.ckpt_dir, state.step, self.client_state(state, position),
-                              c.keep_last)  # fmt: skip
-        log.info("saved checkpoint %s", c.ckpt_dir / tag)
+        self.checkpointer.save(self.engine, state, self.client_state(state, position))
 
     def _stop_on_signals(self) -> None:
         """SIGTERM and Ctrl-C (SIGINT): finish the current step, save, exit. A second Ctrl-C: now."""
@@ -778,17 +661,13 @@ def main(
 
     ``on_loss``/``after_step``: see :class:`Trainer` (the test suite injects faults through them).
     """
-    try:
+
+    def run() -> int:
         trainer = Trainer(parse(argv), on_loss=on_loss, after_step=after_step)
         trainer.build()
         summary = trainer.train()
-    except DsGpt2Error as exc:
-        print(f"ds_trainer.py: error: {scrub(str(exc), os.environ.get(ENV_URI, ''))}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
-        print("ds_trainer.py: interrupted", file=sys.stderr)
-        return 130
-    if trainer.rank == 0:
-        print("\n".join(summary_lines(summary)))
-    return 0
+        if trainer.rank == 0:
+            print("\n".join(summary_lines(summary)))
+        return 0
+
+    return run_command("ds_trainer.py", run)

@@ -1,0 +1,25 @@
+"""How a command ends: a user error is one line and its exit code, Ctrl-C is 130, a bug a traceback."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from dsgpt2.corpus.config import ENV_URI, scrub
+from dsgpt2.errors import DsGpt2Error
+
+
+def run_command(prog: str, command: Callable[[], int]) -> int:
+    """``command()``'s exit code; a :class:`DsGpt2Error` prints ``prog: error: MESSAGE`` (the password
+    scrubbed) and returns its code, an interrupt prints one line and returns 130."""
+    try:
+        return command()
+    except DsGpt2Error as exc:
+        # Messages are scrubbed where they are made; this is the last line of defence.
+        print(f"{prog}: error: {scrub(str(exc), os.environ.get(ENV_URI, ''))}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130

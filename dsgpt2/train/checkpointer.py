@@ -1,0 +1,170 @@
+"""The run's checkpoints: which one to resume from, verified against this run's data and ranks
+before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsgpt2.checkpoints.format import (
+    CheckpointError,
+    has_checkpoints,
+    is_partitioned,
+    read_client_state,
+    resolve,
+)
+from dsgpt2.data.dealing import Position
+from dsgpt2.errors import DsGpt2Error
+from dsgpt2.train import checkpoint
+from dsgpt2.train.config import TrainConfig
+from dsgpt2.train.feed import check_saved_data
+
+log = logging.getLogger(__name__)
+
+
+class TrainingAborted(DsGpt2Error):
+    """Training stopped on purpose: non-finite losses in a row, or a lost database."""
+
+    exit_code = 3
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    tokens: int = 0
+    micro: int = 0  # micro-batches drawn, skipped ones included
+    nonfinite: int = 0
+
+
+class Checkpointer:
+    """Finds, verifies, restores and saves the checkpoints of one run.
+
+    Args:
+        cfg: the run's configuration (its checkpoint options decide).
+        fingerprint: this run's data fingerprint; a checkpoint of other data is refused.
+        world: this run's number of ranks.
+        conn: the corpus connection (a resumed run's trained prefix is checked against it).
+        marks: the corpus's high-water marks at the start of this run.
+    """
+
+    def __init__(
+        self, cfg: TrainConfig, fingerprint: dict[str, Any], world: int, conn: Any, marks: tuple[int, ...]
+    ) -> None:
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.world = world
+        self.conn = conn
+        self.marks = marks
+
+    def find(self) -> tuple[Path, str, dict[str, Any]] | None:
+        """The checkpoint to resume from, verified, and its data state; None for a fresh start.
+
+        Raises:
+            CheckpointError: none where one was asked for, a broken one, one of other data or of
+                another number of ranks, or a fresh start that would overwrite checkpoints.
+        """
+        c = self.cfg.ckpt
+        load_dir = c.load_dir
+        if load_dir is None and has_checkpoints(c.ckpt_dir):
+            if c.no_resume:
+                raise CheckpointError(
+                    f"--no_resume: {c.ckpt_dir} holds checkpoints already; a fresh run there would "
+                    "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
+                )
+            load_dir = c.ckpt_dir
+        if load_dir is None:
+            return None
+        tag = resolve(load_dir, c.ckpt_id)
+        saved = read_client_state(load_dir, tag)
+        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
+        self._check_data(saved, load_dir / tag)
+        ranks = len(saved["data"]["ranks"])
+        if ranks != self.world and is_partitioned(load_dir, tag):
+            raise CheckpointError(
+                f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
+                f"this run has {self.world}: resume with {ranks} rank(s), or convert it with DeepSpeed's "
+                "universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal) first"
+            )
+        if ranks != self.world:
+            log.warning(
+                "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
+                "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
+            )  # fmt: skip
+        return load_dir, tag, saved["data"]
+
+    def _check_data(self, saved: dict[str, Any], where: Path) -> None:
+        problems = check_saved_data(self.conn, saved, self.marks, where)
+        if not problems:
+            return
+        if not self.cfg.ckpt.ignore_fingerprint:
+            raise CheckpointError(
+                f"{where} trained on documents that are no longer there as they were: {'; '.join(problems)}. "
+                "Restore them, start fresh (--no_resume, another --ckpt_dir) or pass --ignore_fingerprint"
+            )
+        log.warning("resuming although %s (--ignore_fingerprint)", "; ".join(problems))
+
+    def _check_fingerprint(self, saved: dict[str, Any], where: Path) -> None:
+        if saved == self.fingerprint:
+            return
+        changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
+        if not self.cfg.ckpt.ignore_fingerprint:
+            raise CheckpointError(
+                f"{where} was saved for other data ({', '.join(changed)} changed); "
+                "resuming would not continue the same run. Start fresh (--no_resume, another "
+                "--ckpt_dir) or pass --ignore_fingerprint to resume anyway"
+            )
+        log.warning("resuming although %s changed (--ignore_fingerprint)", ", ".join(changed))
+
+    def restore(
+        self, engine: Any, where: tuple[Path, str] | None, position: Position, lr_schedule: Any
+    ) -> TrainState:
+        """Load ``where`` (what :meth:`find` chose) into ``engine`` and the RNGs; the state to go on
+        from (a fresh one without a checkpoint). ``position``: where the data resumes, for the log."""
+        if where is None:
+            return TrainState()
+        load_dir, tag = where
+        saved = checkpoint.load(engine, load_dir, tag)["dsgpt2"]
+        checkpoint.set_rng_state(saved["rng"])
+        state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
+        log.info(
+            "resumed from %s at step %d (epoch %d, chunk %d, block %d)",
+            load_dir / tag,
+            state.step,
+            position.epoch,
+            position.chunk,
+            position.block,
+        )
+        self._warn_schedule_change(engine, lr_schedule, saved, state.step)
+        return state
+
+    def _warn_schedule_change(self, engine: Any, lr_schedule: Any, saved: dict[str, Any], step: int) -> None:
+        """Another --train_iters than the checkpoint's stretches or shrinks the learning-rate decay."""
+        then = getattr(engine.lr_scheduler, "resumed_from", None)
+        if then and lr_schedule is not None and then.get("kind") != lr_schedule.kind:
+            log.warning("the checkpoint's run followed a %s schedule; this one follows %s from step %d",
+                        then.get("kind"), lr_schedule.kind, step)  # fmt: skip
+        before = int(saved.get("args", {}).get("train_iters") or self.cfg.run.train_iters)
+        if before == self.cfg.run.train_iters or step >= self.cfg.run.train_iters:
+            return
+        lr_now = engine.get_lr()[0]
+        lr_then = saved.get("lr")
+        was = f"{lr_then:.3g}" if isinstance(lr_then, float) else "unknown"
+        log.warning(
+            "--train_iters %d where the checkpoint's run had %d: the learning-rate schedule now spans "
+            "%d steps, so the learning rate at step %d is %.3g (it was %s)",
+            self.cfg.run.train_iters, before, self.cfg.run.train_iters, step, lr_now, was,
+        )  # fmt: skip
+
+    def save(self, engine: Any, state: TrainState, client_state: dict[str, Any]) -> None:
+        """Save ``engine`` at ``state.step`` with ``client_state``; refused for non-finite weights."""
+        for p in engine.module.parameters():
+            if not torch.isfinite(p).all():
+                raise TrainingAborted("the weights hold non-finite values; refusing to save them")
+        c = self.cfg.ckpt
+        tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last)
+        log.info("saved checkpoint %s", c.ckpt_dir / tag)
