@@ -28,7 +28,7 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.corpus.config import load_config
 from dsgpt2.data.dealing import ReadState
-from dsgpt2.data.loader import BlockStream, eval_batches
+from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.errors import ConfigError, MongoUnavailableError
@@ -60,6 +60,7 @@ from dsgpt2.train.ds_config import (
 from dsgpt2.train.feed import Feed
 from dsgpt2.train.metrics import MetricsLog, peak_flops, plot_losses
 from dsgpt2.train.schedule import ScheduledLR
+from dsgpt2.train.validator import Validator
 
 log = logging.getLogger("dsgpt2.train.trainer")
 
@@ -315,6 +316,7 @@ class Trainer:
             f.train_data, f.schedule, self.rank, self.world, self.micro_batch, f.state,
             self.cfg.data.num_workers, f.stages, self.grad_accum,
         )  # fmt: skip
+        self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch)
         if self.rank == 0:
             self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, self._run_config())
         self._stop_on_signals()
@@ -324,7 +326,6 @@ class Trainer:
         self._norm_by_hand = zero_stage(self.ds_config) == 0
         self._hand_norm: float | None = None
         self.last_val: float | None = None
-        self._eval_cache: list[Any] | None = None
         self.batches = iter(self.stream)
         # The state and data position after the last whole step: what a checkpoint written when the
         # database goes away mid-accumulation must hold.
@@ -473,13 +474,9 @@ class Trainer:
         return dict(zip(self.mongo.collections, counts.tolist(), strict=True))
 
     def maybe_evaluate(self, state: TrainState) -> None:
-        r = self.cfg.run
-        if state.step % r.eval_interval and state.step != r.train_iters:
+        if not self.validator.should_validate(state.step):
             return
-        if self._eval_cache is None:
-            batch = r.eval_batch_size or self.micro_batch
-            self._eval_cache = eval_batches(self.feed.val_data, self.rank, self.world, batch, r.eval_iters)
-        self.last_val = self.evaluate(self._eval_cache)
+        self.last_val = self.validator.validate(self.engine, self._forward)
         if self.last_val is not None:
             self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": perplexity(self.last_val)})  # fmt: skip
@@ -558,26 +555,6 @@ class Trainer:
         self.cfg.run.workspace.mkdir(parents=True, exist_ok=True)
         with open(self.cfg.run.workspace / f"block_ids_rank{self.rank}.jsonl", "a") as f:
             yield f
-
-    def evaluate(self, batches: list[Any]) -> float | None:
-        """Mean token loss over the validation batches, on every rank, under no_grad."""
-        import torch.distributed as dist
-
-        self.engine.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.engine.device)
-        with torch.no_grad():
-            for batch in batches:
-                # The loss is a mean over the predicted tokens; weigh batches by their count.
-                n = int((batch.labels[:, 1:] != IGNORE).sum())
-                if n == 0:
-                    continue
-                total[0] += self._forward(batch).double() * n
-                total[1] += n
-        if dist.is_initialized() and self.world > 1:
-            dist.all_reduce(total)
-        total = total.cpu()
-        self.engine.train()
-        return float(total[0] / total[1]) if total[1] > 0 else None
 
     def save(self, state: TrainState, position: ReadState) -> None:
         self.checkpointer.save(self.engine, state, self.client_state(state, position))
