@@ -8,13 +8,11 @@ with a :class:`~dsgpt2.train.config.TrainConfig` made in code. The loop is :meth
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
 import signal
 import socket
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -58,7 +56,8 @@ from dsgpt2.train.ds_config import (
     zero_stage,
 )
 from dsgpt2.train.feed import Feed
-from dsgpt2.train.metrics import MetricsLog, peak_flops, plot_losses
+from dsgpt2.train.metrics import peak_flops
+from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.schedule import ScheduledLR
 from dsgpt2.train.validator import Validator
 
@@ -161,7 +160,6 @@ class Trainer:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.stop_requested: str | None = None
         self.run_of_bad = 0
-        self.metrics: MetricsLog | None = None
 
     # ------------------------------------------------------------ build
 
@@ -317,11 +315,10 @@ class Trainer:
             self.cfg.data.num_workers, f.stages, self.grad_accum,
         )  # fmt: skip
         self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch)
-        if self.rank == 0:
-            self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, self._run_config())
+        self.runlog = RunLog(self.cfg, self.rank, self.world, self._run_config(), self.flops_per_token,
+                             self.peak_flops, (state.step, state.tokens))  # fmt: skip
         self._stop_on_signals()
-        self.started = (state.step, state.tokens, time.monotonic())
-        self._last_log = self.started
+        self.started = state.step
         # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
         self._norm_by_hand = zero_stage(self.ds_config) == 0
         self._hand_norm: float | None = None
@@ -330,12 +327,12 @@ class Trainer:
         # The state and data position after the last whole step: what a checkpoint written when the
         # database goes away mid-accumulation must hold.
         boundary = (replace(state), self.stream.state.copy())
-        with _progress(self.rank, r.train_iters, state.step) as bar, self._block_log() as blocks:
+        with self.runlog.open():
             try:
                 while state.step < r.train_iters and not self.stop_requested:
                     losses, ids = self.train_step(state, self.batches)
                     boundary = (replace(state), self.stream.state.copy())
-                    self.log_step(state, losses, ids, bar, blocks)
+                    self.log_step(state, losses, ids)
                     self.maybe_evaluate(state)
                     if self.maybe_follow(state):
                         boundary = (replace(state), self.stream.state.copy())
@@ -358,7 +355,7 @@ class Trainer:
         self._step_lr = self.engine.get_lr()[0]  # the rate this step trains at
         losses: list[torch.Tensor] = []
         ids: list[Any] = []
-        norm_due = self._logs_at(state.step + 1) and self._norm_by_hand
+        norm_due = self.runlog.should_log(state.step + 1) and self._norm_by_hand
         while len(losses) < self.grad_accum:
             batch = next(batches)
             state.micro += 1
@@ -383,10 +380,6 @@ class Trainer:
         state.step += 1
         return losses, ids
 
-    def _logs_at(self, step: int) -> bool:
-        r = self.cfg.run
-        return step % r.log_interval == 0 or r.log_block_ids or step == 1 or step == r.train_iters
-
     def _forward(self, batch: Any) -> torch.Tensor:
         device = self.engine.device
         input_ids, labels = _to_device(batch.input_ids, device), _to_device(batch.labels, device)
@@ -407,7 +400,7 @@ class Trainer:
         state.nonfinite += 1
         self.run_of_bad += 1
         checksum = _param_checksum(self.engine)
-        self._write({"event": "nonfinite", "step": state.step, "micro": state.micro,
+        self.runlog.write({"event": "nonfinite", "step": state.step, "micro": state.micro,
                      "params_before": checksum, "params_after": _param_checksum(self.engine),
                      "nonfinite_total": state.nonfinite})  # fmt: skip
         log.warning(
@@ -421,39 +414,17 @@ class Trainer:
                 "check the data. No checkpoint was written after them"
             )
 
-    def log_step(
-        self, state: TrainState, device_losses: list[torch.Tensor], ids: list[Any], bar: Any, blocks: Any
-    ) -> None:
+    def log_step(self, state: TrainState, device_losses: list[torch.Tensor], ids: list[Any]) -> None:
         """The progress bar, and at log intervals a ``train`` record: the only reads of the losses."""
-        if bar is not None:
-            bar.update(1)
-        if blocks is not None:
-            blocks.write(json.dumps({"step": state.step, "block_ids": ids}) + "\n")
-            blocks.flush()
-        if not self._logs_at(state.step):
+        self.runlog.stepped(state.step, ids)
+        if not self.runlog.should_log(state.step):
             return
-        losses = torch.stack(device_losses).float().cpu().tolist()
-        loss = sum(losses) / len(losses)
-        now = time.monotonic()
-        _, last_tokens, last_time = self._last_log
-        tps = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
-        self._last_log = (state.step, state.tokens, now)
-        record: dict[str, Any] = {"event": "train", "step": state.step, "loss": loss,
-                                  "lr": self._step_lr, "grad_norm": self._read_grad_norm(),
-                                  "tokens": state.tokens, "tokens_per_s": tps}  # fmt: skip
-        if self.peak_flops:
-            # Per rank: tokens/s counts every rank's tokens, and each rank has its own device.
-            record["mfu"] = tps / self.world * self.flops_per_token / self.peak_flops
-        if self.cfg.run.log_block_ids:
-            record.update(block_ids=ids, losses=losses)
-        if len(self.mongo.collections) > 1:
-            record["collection_tokens"] = self._collection_tokens()
-        if bar is not None:
-            shown = {"loss": f"{loss:.3f}", "lr": f"{record['lr']:.2e}", "tok_s": f"{tps:,.0f}"}
-            if "mfu" in record:
-                shown["mfu"] = f"{record['mfu']:.1%}"
-            bar.set_postfix(shown)
-        self._write(record)
+        grad_norm = self._read_grad_norm()
+        # A collective: every rank takes part.
+        by_collection = self._collection_tokens() if len(self.mongo.collections) > 1 else None
+        self.runlog.log_train(
+            state.step, state.tokens, device_losses, ids, self._step_lr, grad_norm, by_collection
+        )
 
     def _read_grad_norm(self) -> float | None:
         """The gradient norm of the step just taken: DeepSpeed's, or the one taken by hand (ZeRO 0)."""
@@ -478,7 +449,7 @@ class Trainer:
             return
         self.last_val = self.validator.validate(self.engine, self._forward)
         if self.last_val is not None:
-            self._write({"event": "eval", "step": state.step, "val_loss": self.last_val,
+            self.runlog.write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": perplexity(self.last_val)})  # fmt: skip
 
     def maybe_follow(self, state: TrainState) -> bool:
@@ -495,7 +466,7 @@ class Trainer:
         self.stream.regrow(self.feed.train_data, self.feed.schedule, dealt)
         self.batches = iter(self.stream)
         after = self.feed.schedule.table.marks
-        self._write({"event": "growth", "step": state.step,
+        self.runlog.write({"event": "growth", "step": state.step,
                      "added": {n: a - b for n, a, b in zip(self.mongo.collections, after, before, strict=True)
                                if a > b}})  # fmt: skip
         return True
@@ -508,14 +479,14 @@ class Trainer:
         # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
         reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
         saved = ""
-        if state.step > self.started[0]:
+        if state.step > self.started:
             self.save(state, position)
             saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
         raise TrainingAborted(f"{reason}{saved}") from None
 
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The final checkpoint, the end record and plot; the summary."""
-        if state.step > self.started[0]:
+        if state.step > self.started:
             self.save(state, self.stream.state)
         else:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
@@ -525,7 +496,7 @@ class Trainer:
         summary = {
             "step": state.step,
             "tokens": state.tokens,
-            "tokens_per_s": self._tokens_per_s(state),
+            "tokens_per_s": self.runlog.tokens_per_s(state.tokens),
             "val_loss": last_val,
             "val_ppl": perplexity(last_val) if last_val is not None else None,
             "nonfinite": state.nonfinite,
@@ -533,28 +504,9 @@ class Trainer:
             "stopped": self.stop_requested or "done",
             "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
         }
-        if self.metrics:
-            self.metrics.write({"event": "end", **summary})
-            self.metrics.close()
-            plot = plot_losses(self.metrics.path, self.cfg.run.workspace / "loss.png")
-            summary["plot"] = str(plot) if plot else None
+        if self.runlog.metrics:
+            summary["plot"] = self.runlog.close(summary)
         return summary
-
-    def _tokens_per_s(self, state: TrainState) -> float:
-        return (state.tokens - self.started[1]) / max(time.monotonic() - self.started[2], 1e-9)
-
-    def _write(self, record: dict[str, Any]) -> None:
-        if self.metrics:
-            self.metrics.write(record)
-
-    @contextlib.contextmanager
-    def _block_log(self) -> Iterator[Any]:
-        if not self.cfg.run.log_block_ids:
-            yield None
-            return
-        self.cfg.run.workspace.mkdir(parents=True, exist_ok=True)
-        with open(self.cfg.run.workspace / f"block_ids_rank{self.rank}.jsonl", "a") as f:
-            yield f
 
     def save(self, state: TrainState, position: ReadState) -> None:
         self.checkpointer.save(self.engine, state, self.client_state(state, position))
@@ -605,15 +557,6 @@ def _all_finite(loss: torch.Tensor) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item() == 1.0)
-
-
-def _progress(rank: int, total: int, initial: int) -> Any:
-    """A step progress bar on rank 0 (a context manager); elsewhere a null context."""
-    if rank != 0:
-        return contextlib.nullcontext(None)
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, unit="step", desc="train", disable=None)
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

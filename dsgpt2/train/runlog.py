@@ -1,0 +1,133 @@
+"""What a run tells as it goes: the progress bar, ``train``/``eval``/... records in metrics.jsonl and
+wandb (rank 0), the block ids each rank trained on (``--log_block_ids``), the loss plot at the end.
+
+The losses stay on the device between log intervals: :meth:`RunLog.log_train` is the only place that
+reads them (a read waits for the device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from dsgpt2.train.config import TrainConfig
+from dsgpt2.train.metrics import MetricsLog, plot_losses
+
+
+class RunLog:
+    """The records of one run, from ``start`` (step and tokens where it begins) on.
+
+    Args:
+        cfg: the run's configuration (workspace, wandb, log interval, block ids).
+        rank, world: this rank among the run's ranks; only rank 0 writes records.
+        run_config: what the run's records open with (flags, database, DeepSpeed config, model).
+        flops_per_token, peak_flops: for MFU (no MFU without a known peak).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        rank: int,
+        world: int,
+        run_config: dict[str, Any],
+        flops_per_token: float,
+        peak_flops: float | None,
+        start: tuple[int, int],
+    ) -> None:
+        self.run = cfg.run
+        self.rank = rank
+        self.world = world
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        r = cfg.run
+        self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, run_config) if rank == 0 else None
+        self.started = (*start, time.monotonic())
+        self._last = self.started
+        self.bar: Any = None
+        self.blocks: Any = None
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[RunLog]:
+        """The progress bar (rank 0) and this rank's block-id file, while the loop runs."""
+        with contextlib.ExitStack() as stack:
+            if self.rank == 0:
+                from tqdm import tqdm
+
+                bar = tqdm(total=self.run.train_iters, initial=self.started[0], unit="step", desc="train",
+                           disable=None)  # fmt: skip
+                self.bar = stack.enter_context(bar)
+            if self.run.log_block_ids:
+                self.run.workspace.mkdir(parents=True, exist_ok=True)
+                path = self.run.workspace / f"block_ids_rank{self.rank}.jsonl"
+                self.blocks = stack.enter_context(open(path, "a"))
+            try:
+                yield self
+            finally:
+                self.bar = self.blocks = None
+
+    def should_log(self, step: int) -> bool:
+        r = self.run
+        return step % r.log_interval == 0 or r.log_block_ids or step == 1 or step == r.train_iters
+
+    def stepped(self, step: int, ids: list[Any]) -> None:
+        """A step is done: the bar moves, its block ids are written."""
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.blocks is not None:
+            self.blocks.write(json.dumps({"step": step, "block_ids": ids}) + "\n")
+            self.blocks.flush()
+
+    def log_train(
+        self,
+        step: int,
+        tokens: int,
+        device_losses: list[torch.Tensor],
+        ids: list[Any],
+        lr: float,
+        grad_norm: float | None,
+        collection_tokens: dict[str, int] | None,
+    ) -> None:
+        """The ``train`` record of ``step`` (a log step): mean loss, rate, tokens/s since the last one."""
+        losses = torch.stack(device_losses).float().cpu().tolist()
+        loss = sum(losses) / len(losses)
+        now = time.monotonic()
+        _, last_tokens, last_time = self._last
+        tps = (tokens - last_tokens) / max(now - last_time, 1e-9)
+        self._last = (step, tokens, now)
+        record: dict[str, Any] = {"event": "train", "step": step, "loss": loss, "lr": lr,
+                                  "grad_norm": grad_norm, "tokens": tokens, "tokens_per_s": tps}  # fmt: skip
+        if self.peak_flops:
+            # Per rank: tokens/s counts every rank's tokens, and each rank has its own device.
+            record["mfu"] = tps / self.world * self.flops_per_token / self.peak_flops
+        if self.run.log_block_ids:
+            record.update(block_ids=ids, losses=losses)
+        if collection_tokens is not None:
+            record["collection_tokens"] = collection_tokens
+        if self.bar is not None:
+            shown = {"loss": f"{loss:.3f}", "lr": f"{lr:.2e}", "tok_s": f"{tps:,.0f}"}
+            if "mfu" in record:
+                shown["mfu"] = f"{record['mfu']:.1%}"
+            self.bar.set_postfix(shown)
+        self.write(record)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.metrics:
+            self.metrics.write(record)
+
+    def tokens_per_s(self, tokens: int) -> float:
+        """Tokens/s since the run (or its resume) began."""
+        return (tokens - self.started[1]) / max(time.monotonic() - self.started[2], 1e-9)
+
+    def close(self, summary: dict[str, Any]) -> str | None:
+        """The ``end`` record; the loss plot's path (rank 0, when there is one to draw)."""
+        if not self.metrics:
+            return None
+        self.metrics.write({"event": "end", **summary})
+        self.metrics.close()
+        plot = plot_losses(self.metrics.path, self.run.workspace / "loss.png")
+        return str(plot) if plot else None
