@@ -110,3 +110,15 @@ def test_inference_imports_nothing_of_training() -> None:
     below training (checkpoints/, tokenizer/), never from train/."""
     for path in sorted((PACKAGE / "infer").rglob("*.py")):
         assert not [n for n in _imports(path) if _stage(n) == "train"], path.relative_to(ROOT)
+
+
+def test_no_class_is_longer_than_300_lines() -> None:
+    """A class one reads in one sitting: the trainer wires its components (checkpointer, validator,
+    run log, feed, engine) rather than holding them."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300
+    ]
+    assert long == []

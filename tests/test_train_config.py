@@ -95,9 +95,11 @@ def test_model_config_is_one_clear_line(
 def test_model_config_accepts_what_save_pretrained_writes(files: dict[str, Path], tmp_path: Path) -> None:
     from transformers import GPT2Config
 
+    from dsgpt2.train.engine import run_context
+
     GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(str(tmp_path / "m"))
     cfg = parse(argv(files, "--model_config", str(tmp_path / "m" / "config.json")))
-    assert trainer.run_context(cfg.model) == 1024
+    assert run_context(cfg.model) == 1024
 
 
 def test_no_silent_abbreviations_and_hidden_old_spelling(

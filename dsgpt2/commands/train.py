@@ -62,7 +62,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.data.sources import make_spec
     from dsgpt2.options import from_namespace
     from dsgpt2.train.config import DataOptions, ModelOptions
-    from dsgpt2.train.trainer import run_context
+    from dsgpt2.train.engine import run_context
 
     data = from_namespace(DataOptions, args)
     context = run_context(from_namespace(ModelOptions, args))

@@ -5,6 +5,7 @@ before any model is built; restoring it into the engine; saving (see :mod:`dsgpt
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,11 +161,36 @@ class Checkpointer:
             self.cfg.run.train_iters, before, self.cfg.run.train_iters, step, lr_now, was,
         )  # fmt: skip
 
-    def save(self, engine: Any, state: TrainState, client_state: dict[str, Any]) -> None:
-        """Save ``engine`` at ``state.step`` with ``client_state``; refused for non-finite weights."""
+    def save(
+        self,
+        engine: Any,
+        state: TrainState,
+        data: Callable[[], dict[str, Any]],
+        model_config: Any,
+        mongo: Any,
+    ) -> None:
+        """Save ``engine`` at ``state.step`` with everything a resume needs (``data()``: the feed's
+        position, a collective taken once the weights are known to be finite); refused for
+        non-finite weights."""
         for p in engine.module.parameters():
             if not torch.isfinite(p).all():
                 raise TrainingAborted("the weights hold non-finite values; refusing to save them")
         c = self.cfg.ckpt
+        client_state = {
+            "dsgpt2": {
+                "step": state.step,
+                "tokens": state.tokens,
+                "micro": state.micro,
+                "nonfinite": state.nonfinite,
+                "lr": engine.get_lr()[0],
+                "data": data(),
+                "rng": checkpoint.rng_state(),
+                "fingerprint": self.fingerprint,
+                "model_config": model_config.to_dict(),
+                "vocab_dir": str(self.cfg.data.vocab_dir.resolve()),
+                "args": self.cfg.to_dict(),
+                "mongo": mongo.to_dict(),
+            }
+        }
         tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last)
         log.info("saved checkpoint %s", c.ckpt_dir / tag)

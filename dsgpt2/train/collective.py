@@ -61,3 +61,15 @@ def gather(value: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+def all_sum(values: list[int], device: Any) -> list[int]:
+    """Each of ``values`` summed over every rank (``device``: where the backend reduces)."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor(values, dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        counts = counts.to(device)
+        dist.all_reduce(counts)
+    return counts.tolist()

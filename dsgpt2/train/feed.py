@@ -28,6 +28,17 @@ from dsgpt2.train.config import TrainConfig
 log = logging.getLogger("dsgpt2.train.feed")
 
 
+def corpus_marks(mongo: MongoConfig, conn: Connection, allow_problems: bool) -> tuple[int, ...]:
+    """The documents of each collection a run may read, once the corpus passed its check (unless
+    ``allow_problems``); read on rank 0, whose verdict and counts every rank takes."""
+    from dsgpt2.corpus.mongo import MongoWrapper
+    from dsgpt2.corpus.validate import require_valid
+
+    if not allow_problems:
+        require_valid(conn)
+    return tuple(MongoWrapper(mongo, connection=conn).counts)
+
+
 def streams_of(n_collections: int, stages: list[Stage]) -> list[Stream]:
     """One pooled stream, or one per collection when the run has mixture weights."""
     return [(c,) for c in range(n_collections)] if stages else [tuple(range(n_collections))]

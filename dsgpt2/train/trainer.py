@@ -7,17 +7,13 @@ with a :class:`~dsgpt2.train.config.TrainConfig` made in code. The loop is :meth
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import random
-import signal
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
@@ -29,58 +25,30 @@ from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
-from dsgpt2.errors import ConfigError, MongoUnavailableError
+from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model import (
-    PRESETS,
-    build_model,
-    count_parameters,
     doc_position_ids,
-    flops_per_token,
-    gpt2_config,
-    param_groups,
     perplexity,
-    read_model_config,
 )
 from dsgpt2.tokenizer.bpe import load_tokenizer
-from dsgpt2.train import checkpoint
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
-from dsgpt2.train.collective import gather, on_rank0
-from dsgpt2.train.config import ModelOptions, TrainConfig, parse
+from dsgpt2.train.collective import all_sum, gather, on_rank0
+from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.ds_config import (
     apply_schedule,
     check_attention,
     load_ds_config,
-    optimizer_weight_decay,
     zero_stage,
 )
-from dsgpt2.train.feed import Feed
-from dsgpt2.train.metrics import peak_flops
+from dsgpt2.train.engine import build_engine, init_context, init_weights, run_context
+from dsgpt2.train.feed import Feed, corpus_marks
 from dsgpt2.train.runlog import RunLog
-from dsgpt2.train.schedule import ScheduledLR
+from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
 
 log = logging.getLogger("dsgpt2.train.trainer")
-
-
-def run_context(m: ModelOptions) -> int:
-    """Tokens per block: --context_length, else the model config's n_positions, else the preset's."""
-    if m.context_length:
-        return m.context_length
-    if m.model_config is not None:
-        return int(read_model_config(m.model_config).get("n_positions", 1024))
-    return PRESETS[m.model_select].context
-
-
-def _init_context(args: ModelOptions, config: Any) -> int:
-    context = args.context_length or config.n_positions
-    if context > config.n_positions:
-        raise ConfigError(
-            f"--context_length {context} is longer than the {config.n_positions} positions of "
-            f"--init_from {args.init_from}; use at most {config.n_positions}"
-        )
-    return int(context)
 
 
 def ensure_distributed_env() -> None:
@@ -95,12 +63,6 @@ def ensure_distributed_env() -> None:
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
 
 
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def _param_checksum(engine: Any) -> float:
     with torch.no_grad():
         return float(sum(p.detach().double().sum() for p in engine.module.parameters()))
@@ -108,26 +70,6 @@ def _param_checksum(engine: Any) -> float:
 
 StepHook = Callable[[int], None]
 LossHook = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-class _SchedulerStartFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "scheduler before it has started" not in record.getMessage()
-
-
-@contextlib.contextmanager
-def _quiet_scheduler_start() -> Iterator[None]:
-    """DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for a rate in their own constructor, and
-    warn every user of such a config that the schedule "has not started": that one line is dropped."""
-    prepare_deepspeed_environment()
-    from deepspeed.utils import logger as ds_logger
-
-    quiet = _SchedulerStartFilter()
-    ds_logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        ds_logger.removeFilter(quiet)
 
 
 class Trainer:
@@ -158,7 +100,7 @@ class Trainer:
         self.world = int(os.environ["WORLD_SIZE"])
         setup_logging(rank=self.rank)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.stop_requested: str | None = None
+        self.stop = StopRequest()
         self.run_of_bad = 0
 
     # ------------------------------------------------------------ build
@@ -187,9 +129,9 @@ class Trainer:
         deepspeed.init_distributed(dist_backend=backend, verbose=False)
         self.conn = conn = Connection(self.mongo)
         conn.ping()
-        self.marks = tuple(on_rank0(lambda: self._corpus_counts(conn)))
-        init = self._init_weights()
-        context = run_context(cfg.model) if init is None else _init_context(cfg.model, init[0])
+        self.marks = tuple(on_rank0(lambda: corpus_marks(self.mongo, conn, cfg.data.allow_corpus_problems)))
+        init = init_weights(cfg, self.vocab_size)
+        context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
         self.spec = cfg.data_spec(context)
         self.feed = Feed(cfg, self.mongo, conn, self.spec, self.rank, self.world)
         self.fingerprint = {
@@ -201,105 +143,14 @@ class Trainer:
         found = on_rank0(self.checkpointer.find)
         self.resume_from = found[:2] if found else None
         self.feed.start(self.marks, found[2] if found else None)
-        self.engine = self._engine(context, init)
-
-    def _corpus_counts(self, conn: Any) -> tuple[int, ...]:
-        """Rank 0 reads the corpus once; every rank takes its verdict and counts."""
-        from dsgpt2.corpus.mongo import MongoWrapper
-        from dsgpt2.corpus.validate import require_valid
-
-        if not self.cfg.data.allow_corpus_problems:
-            require_valid(conn)
-        return MongoWrapper(self.mongo, connection=conn).counts
-
-    def _engine(self, context: int, init: tuple[Any, dict[str, Any]] | None) -> Any:
-        prepare_deepspeed_environment()
-        import deepspeed
-
-        m = self.cfg.model
-        _seed_all(self.cfg.data.seed)
-        c = self.cfg.compute
-        if init is None:
-            self.model_config = gpt2_config(
-                m.model_select, self.vocab_size, context, self.spec.eot, self.spec.pad, m.model_config
-            )
-            self.model_config._attn_implementation = c.attn_implementation
-            model = build_model(self.model_config)
-        else:
-            from dsgpt2.checkpoints.weights import build_with_weights
-
-            self.model_config = init[0]
-            self.model_config._attn_implementation = c.attn_implementation
-            model = build_with_weights(init[0], init[1], str(m.init_from))
-            log.info("initialised from %s", m.init_from)
-        if c.activation_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        groups = param_groups(model, optimizer_weight_decay(self.ds_config))
-        scheduler = None
-        if self.lr_schedule is not None:
-            schedule = self.lr_schedule
-            scheduler = lambda optimizer: ScheduledLR(optimizer, schedule)  # noqa: E731
-        with _quiet_scheduler_start():
-            engine, _, _, _ = deepspeed.initialize(
-                model=model, model_parameters=groups, config=self.ds_config, lr_scheduler=scheduler
-            )
-        if c.compile:
-            # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
-            engine.compile()
-        self.micro_batch = self.ds_config["train_micro_batch_size_per_gpu"]
-        self.grad_accum = self.ds_config["gradient_accumulation_steps"]
-        self.flops_per_token = flops_per_token(self.model_config, context)
-        self.peak_flops = peak_flops(c.peak_tflops, self.device, self.ds_config)
-        log.info(
-            "model %s: %.1fM parameters, context %d, vocab %d; %d rank(s), micro-batch %d × accumulation %d, "
-            "ZeRO stage %d, %s",
-            m.init_from or m.model_config or m.model_select,
-            count_parameters(model) / 1e6,
-            context,
-            self.vocab_size,
-            self.world,
-            self.micro_batch,
-            self.grad_accum,
-            zero_stage(self.ds_config),
-            self.device,
+        built = build_engine(
+            cfg, self.ds_config, self.lr_schedule, self.spec, self.vocab_size, init, self.device, self.world
         )
-        return engine
-
-    def _init_weights(self) -> tuple[Any, dict[str, Any]] | None:
-        """The config and weights of --init_from, checked against the tokenizer."""
-        m = self.cfg.model
-        if m.init_from is None:
-            return None
-        from dsgpt2.checkpoints.weights import load_weights
-
-        config, weights, _, _ = load_weights(m.init_from)
-        if config.vocab_size != self.vocab_size:
-            raise ConfigError(
-                f"--init_from {m.init_from} has a vocabulary of {config.vocab_size} tokens but "
-                f"--vocab_dir {self.cfg.data.vocab_dir} has {self.vocab_size}; use the tokenizer the model "
-                "was trained with (the default when --vocab_dir is left out)"
-            )
-        return config, weights
+        self.engine, self.model_config = built.engine, built.model_config
+        self.micro_batch, self.grad_accum = built.micro_batch, built.grad_accum
+        self.flops_per_token, self.peak_flops = built.flops_per_token, built.peak_flops
 
     # ------------------------------------------------------------ resume
-
-    def client_state(self, state: TrainState, data: ReadState) -> dict[str, Any]:
-        return {
-            "dsgpt2": {
-                "step": state.step,
-                "tokens": state.tokens,
-                "micro": state.micro,
-                "nonfinite": state.nonfinite,
-                "lr": self.engine.get_lr()[0],
-                "data": self.feed.state_dict(data),
-                "rng": checkpoint.rng_state(),
-                "fingerprint": self.fingerprint,
-                "model_config": self.model_config.to_dict(),
-                "vocab_dir": str(self.cfg.data.vocab_dir.resolve()),
-                "args": self.cfg.to_dict(),
-                "mongo": self.mongo.to_dict(),
-            }
-        }
 
     # ------------------------------------------------------------ loop
 
@@ -317,7 +168,7 @@ class Trainer:
         self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch)
         self.runlog = RunLog(self.cfg, self.rank, self.world, self._run_config(), self.flops_per_token,
                              self.peak_flops, (state.step, state.tokens))  # fmt: skip
-        self._stop_on_signals()
+        self.stop.install()
         self.started = state.step
         # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
         self._norm_by_hand = zero_stage(self.ds_config) == 0
@@ -329,7 +180,7 @@ class Trainer:
         boundary = (replace(state), self.stream.state.copy())
         with self.runlog.open():
             try:
-                while state.step < r.train_iters and not self.stop_requested:
+                while state.step < r.train_iters and not self.stop.name:
                     losses, ids = self.train_step(state, self.batches)
                     boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, losses, ids)
@@ -435,14 +286,9 @@ class Trainer:
 
     def _collection_tokens(self) -> dict[str, int]:
         """Tokens read from each collection so far, by all ranks (a collective)."""
-        import torch.distributed as dist
-
         mine = self.stream.state.tokens
-        counts = torch.tensor([mine.get(c, 0) for c in range(len(self.mongo.collections))], dtype=torch.int64)
-        if dist.is_initialized() and self.world > 1:
-            counts = counts.to(self.engine.device)
-            dist.all_reduce(counts)
-        return dict(zip(self.mongo.collections, counts.tolist(), strict=True))
+        counts = all_sum([mine.get(c, 0) for c in range(len(self.mongo.collections))], self.engine.device)
+        return dict(zip(self.mongo.collections, counts, strict=True))
 
     def maybe_evaluate(self, state: TrainState) -> None:
         if not self.validator.should_validate(state.step):
@@ -501,7 +347,7 @@ class Trainer:
             "val_ppl": perplexity(last_val) if last_val is not None else None,
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
-            "stopped": self.stop_requested or "done",
+            "stopped": self.stop.name or "done",
             "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
         }
         if self.runlog.metrics:
@@ -509,20 +355,8 @@ class Trainer:
         return summary
 
     def save(self, state: TrainState, position: ReadState) -> None:
-        self.checkpointer.save(self.engine, state, self.client_state(state, position))
-
-    def _stop_on_signals(self) -> None:
-        """SIGTERM and Ctrl-C (SIGINT): finish the current step, save, exit. A second Ctrl-C: now."""
-
-        def stop(signum: int, frame: Any) -> None:
-            name = signal.Signals(signum).name
-            if self.stop_requested and signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            log.warning("%s: saving a checkpoint after the current step, then exiting", name)
-            self.stop_requested = name
-
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+        data = lambda: self.feed.state_dict(position)  # noqa: E731
+        self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
 
     def _run_config(self) -> dict[str, Any]:
         return {

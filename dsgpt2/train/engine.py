@@ -1,0 +1,175 @@
+"""The model and its DeepSpeed engine: a preset or ``--init_from`` weights, the weight-decay groups,
+the learning-rate schedule, ``deepspeed.initialize``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.data.sources import DataSpec
+from dsgpt2.errors import ConfigError
+from dsgpt2.model import (
+    PRESETS,
+    build_model,
+    count_parameters,
+    flops_per_token,
+    gpt2_config,
+    param_groups,
+    read_model_config,
+)
+from dsgpt2.train.config import ModelOptions, TrainConfig
+from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
+from dsgpt2.train.metrics import peak_flops
+from dsgpt2.train.schedule import ScheduledLR
+
+log = logging.getLogger("dsgpt2.train.trainer")
+
+
+def run_context(m: ModelOptions) -> int:
+    """Tokens per block: --context_length, else the model config's n_positions, else the preset's."""
+    if m.context_length:
+        return m.context_length
+    if m.model_config is not None:
+        return int(read_model_config(m.model_config).get("n_positions", 1024))
+    return PRESETS[m.model_select].context
+
+
+def init_context(args: ModelOptions, config: Any) -> int:
+    """Tokens per block of a run from --init_from: at most the model's positions."""
+    context = args.context_length or config.n_positions
+    if context > config.n_positions:
+        raise ConfigError(
+            f"--context_length {context} is longer than the {config.n_positions} positions of "
+            f"--init_from {args.init_from}; use at most {config.n_positions}"
+        )
+    return int(context)
+
+
+def init_weights(cfg: TrainConfig, vocab_size: int) -> tuple[Any, dict[str, Any]] | None:
+    """The config and weights of --init_from, checked against the tokenizer; None without it."""
+    m = cfg.model
+    if m.init_from is None:
+        return None
+    from dsgpt2.checkpoints.weights import load_weights
+
+    config, weights, _, _ = load_weights(m.init_from)
+    if config.vocab_size != vocab_size:
+        raise ConfigError(
+            f"--init_from {m.init_from} has a vocabulary of {config.vocab_size} tokens but "
+            f"--vocab_dir {cfg.data.vocab_dir} has {vocab_size}; use the tokenizer the model "
+            "was trained with (the default when --vocab_dir is left out)"
+        )
+    return config, weights
+
+
+@dataclass
+class Engine:
+    """The DeepSpeed engine and what the run reads off it."""
+
+    engine: Any
+    model_config: Any  # GPT2Config
+    micro_batch: int
+    grad_accum: int
+    flops_per_token: float
+    peak_flops: float | None
+
+
+def build_engine(
+    cfg: TrainConfig,
+    ds_config: dict[str, Any],
+    lr_schedule: Any,
+    spec: DataSpec,
+    vocab_size: int,
+    init: tuple[Any, dict[str, Any]] | None,
+    device: str,
+    world: int,
+) -> Engine:
+    """The model (a preset, ``--model_config`` or ``init``'s weights) under DeepSpeed, seeded from the
+    run's seed; ``lr_schedule``: the recipe's schedule (None: the DeepSpeed config's scheduler)."""
+    prepare_deepspeed_environment()
+    import deepspeed
+
+    m = cfg.model
+    _seed_all(cfg.data.seed)
+    c = cfg.compute
+    context = spec.context
+    if init is None:
+        model_config = gpt2_config(m.model_select, vocab_size, context, spec.eot, spec.pad, m.model_config)
+        model_config._attn_implementation = c.attn_implementation
+        model = build_model(model_config)
+    else:
+        from dsgpt2.checkpoints.weights import build_with_weights
+
+        model_config = init[0]
+        model_config._attn_implementation = c.attn_implementation
+        model = build_with_weights(init[0], init[1], str(m.init_from))
+        log.info("initialised from %s", m.init_from)
+    if c.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    groups = param_groups(model, optimizer_weight_decay(ds_config))
+    scheduler = None
+    if lr_schedule is not None:
+        scheduler = lambda optimizer: ScheduledLR(optimizer, lr_schedule)  # noqa: E731
+    with _quiet_scheduler_start():
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=groups, config=ds_config, lr_scheduler=scheduler
+        )
+    if c.compile:
+        # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
+        engine.compile()
+    built = Engine(
+        engine,
+        model_config,
+        ds_config["train_micro_batch_size_per_gpu"],
+        ds_config["gradient_accumulation_steps"],
+        flops_per_token(model_config, context),
+        peak_flops(c.peak_tflops, device, ds_config),
+    )
+    log.info(
+        "model %s: %.1fM parameters, context %d, vocab %d; %d rank(s), micro-batch %d × accumulation %d, "
+        "ZeRO stage %d, %s",
+        m.init_from or m.model_config or m.model_select,
+        count_parameters(model) / 1e6,
+        context,
+        vocab_size,
+        world,
+        built.micro_batch,
+        built.grad_accum,
+        zero_stage(ds_config),
+        device,
+    )
+    return built
+
+
+def _seed_all(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class _SchedulerStartFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "scheduler before it has started" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_scheduler_start() -> Iterator[None]:
+    """DeepSpeed's WarmupLR and WarmupDecayLR ask themselves for a rate in their own constructor, and
+    warn every user of such a config that the schedule "has not started": that one line is dropped."""
+    prepare_deepspeed_environment()
+    from deepspeed.utils import logger as ds_logger
+
+    quiet = _SchedulerStartFilter()
+    ds_logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(quiet)
