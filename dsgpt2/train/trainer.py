@@ -17,9 +17,7 @@ from typing import Any
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
-from dsgpt2.checkpoints.format import (
-    tag_for,
-)
+from dsgpt2.checkpoints.format import tag_for
 from dsgpt2.corpus.config import load_config
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
