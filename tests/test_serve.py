@@ -485,11 +485,12 @@ def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str)
         httpx.post(
             f"{chat_server}/v1/completions", json=LONG, headers=auth, timeout=httpx.Timeout(10, read=0.1)
         )
+    # The slot frees when the handler returns; the cancelled rows leave the batch at the engine's next step.
     deadline = time.monotonic() + 10
-    while (h := httpx.get(f"{chat_server}/health", timeout=10).json())["running"]:
+    while (h := httpx.get(f"{chat_server}/health", timeout=10).json())["running"] or h["batch_rows"]:
         assert time.monotonic() < deadline, h
         time.sleep(0.05)
-    assert h["batch_rows"] == 0 and h["tokens_generated"] - before < 8 * 1000
+    assert h["tokens_generated"] - before < 8 * 1000
 
 
 def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> None:
