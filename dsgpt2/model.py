@@ -1,4 +1,5 @@
-"""The GPT-2 model: presets, construction and optimizer parameter groups.
+"""The GPT-2 model: presets, construction, optimizer parameter groups, and its inputs and held-out
+loss on a packed batch.
 
 Imports torch and transformers only (never deepspeed or pymongo).
 """
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.data.packing import IGNORE
 from dsgpt2.errors import ConfigError
 
 
@@ -153,6 +155,54 @@ def flops_per_token(cfg: Any, context: int) -> float:
     per_layer = 12 * width * width + 13 * width  # attention and MLP matrices, their biases, two norms
     params = layers * per_layer + cfg.vocab_size * width + cfg.n_positions * width + 2 * width
     return 6.0 * params + 12.0 * layers * context * width
+
+
+def to_device(t: Any, device: Any) -> Any:
+    """A host tensor on ``device``; to a GPU through pinned memory, without waiting for the copy."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def batch_inputs(batch: Any, device: Any, doc_mask_eot: int | None = None) -> dict[str, Any]:
+    """The forward's keyword arguments for a packed batch (no labels, no cache).
+
+    ``doc_mask_eot``: no attention mask and positions that restart per document, so the model attends
+    within documents only (padding, after the last end-of-text, is a document of its own): how a
+    run with --doc_mask trains and is evaluated.
+    """
+    input_ids = to_device(batch.input_ids, device)
+    inputs = {"input_ids": input_ids, "use_cache": False}
+    if doc_mask_eot is not None:
+        inputs["position_ids"] = doc_position_ids(input_ids, doc_mask_eot)
+    else:
+        inputs["attention_mask"] = to_device(batch.attention_mask, device)
+    return inputs
+
+
+def predicted_tokens(labels: Any) -> int:
+    """How many tokens of ``labels`` (B, T) a next-token loss counts: position t predicts t + 1."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def batch_nll(forward: Any, batch: Any, device: Any, doc_mask_eot: int | None = None) -> tuple[Any, int]:
+    """Summed next-token negative log-likelihood of ``batch`` (a float64 scalar on ``device``) and
+    how many tokens it covers: the one held-out measure of validation and ``dsgpt2 evaluate``.
+
+    ``forward``: the model, or the engine wrapping it (ZeRO-3 gathers its weights in the engine's
+    forward). Logits are upcast to float32 before the softmax, as training's loss does.
+    """
+    import torch
+
+    logits = forward(**batch_inputs(batch, device, doc_mask_eot)).logits  # (B, T, V)
+    labels = to_device(batch.labels, device)
+    # Position t predicts token t + 1.
+    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    nll = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE, reduction="sum")
+    return nll.double(), predicted_tokens(batch.labels)
 
 
 def doc_position_ids(input_ids: Any, eot: int) -> Any:

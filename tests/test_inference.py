@@ -127,6 +127,20 @@ def test_perplexity_is_exp_of_the_mean_token_loss_of_transformers(models: dict[s
     assert report["split"] == "val" and report["data_fingerprint"]["tr_ratio"] == 0.9
 
 
+def test_training_validation_and_evaluate_measure_alike(models: dict[str, Path]) -> None:
+    """The run's last validation (10 batches of 4 blocks at step 100) is what ``evaluate`` reports
+    for the exported step-100 model on the same batches."""
+    from dsgpt2.train.metrics import read_metrics
+
+    records = read_metrics(models["base"] / "lm" / "ws" / "metrics.jsonl")
+    last = [r for r in records if r["event"] == "eval"][-1]
+    assert last["step"] == 100
+    report = _evaluate(models["lm"], models["lm_config"], batch_size=4, max_batches=10, workers=0)
+    assert report["step"] == 100 and report["metrics"]["blocks"] == 40
+    assert report["metrics"]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert report["metrics"]["perplexity"] == pytest.approx(last["val_ppl"], rel=1e-5)
+
+
 def test_untrained_model_is_near_uniform_and_training_lowers_perplexity(models: dict[str, Path]) -> None:
     fresh = _evaluate(models["fresh"], models["lm_config"], max_batches=10, tr_ratio=0.9, context=64)
     trained = _evaluate(models["lm"], models["lm_config"], max_batches=10)

@@ -122,3 +122,17 @@ def test_no_class_is_longer_than_300_lines() -> None:
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300
     ]
     assert long == []
+
+
+def test_one_held_out_measure() -> None:
+    """Validation during training and ``dsgpt2 evaluate`` take the held-out loss by one function
+    (``model.batch_nll``): no second softmax over logits to drift from it."""
+    calls = {
+        f"{path.relative_to(PACKAGE)}"
+        for path in _modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr in {"cross_entropy", "log_softmax", "nll_loss"}
+    }
+    assert calls == {"model.py"}
+    for rel in ("train/validator.py", "infer/evaluate.py"):
+        assert "dsgpt2.model.batch_nll" in _imports(PACKAGE / rel), rel

@@ -24,12 +24,11 @@ import torch
 
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.loader import Batch, iter_eval_batches
-from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
-from dsgpt2.model import doc_position_ids, perplexity
+from dsgpt2.model import batch_nll, perplexity
 
 log = logging.getLogger(__name__)
 
@@ -45,25 +44,6 @@ class EvalMetrics:
     documents: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
-
-
-def batch_nll(model: Any, batch: Batch, device: str, doc_mask_eot: int | None = None) -> tuple[float, int]:
-    """Summed next-token negative log-likelihood of ``batch`` and how many tokens it covers.
-
-    ``doc_mask_eot``: attend within documents only, as a run with --doc_mask trained.
-    """
-    input_ids = batch.input_ids.to(device)
-    labels = batch.labels.to(device)
-    if doc_mask_eot is not None:
-        inputs = {"position_ids": doc_position_ids(input_ids, doc_mask_eot)}
-    else:
-        inputs = {"attention_mask": batch.attention_mask.to(device)}
-    logits = model(input_ids=input_ids, use_cache=False, **inputs).logits  # (B, T, V)
-    # Position t predicts token t + 1.
-    shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    nll = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE, reduction="sum")
-    return float(nll.double()), int((shift_labels != IGNORE).sum())
 
 
 def evaluate_batches(
@@ -87,7 +67,7 @@ def evaluate_batches(
             if max_batches is not None and i >= max_batches:
                 break
             nll, n = batch_nll(model, batch, device, doc_mask_eot)
-            total += nll
+            total += float(nll)
             tokens += n
             blocks += len(batch.input_ids)
             bar.update(1)

@@ -26,10 +26,7 @@ from dsgpt2.data.sources import fingerprint
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
-from dsgpt2.model import (
-    doc_position_ids,
-    perplexity,
-)
+from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
 from dsgpt2.train.collective import all_sum, gather, on_rank0
@@ -163,7 +160,8 @@ class Trainer:
             f.train_data, f.schedule, self.rank, self.world, self.micro_batch, f.state,
             self.cfg.data.num_workers, f.stages, self.grad_accum,
         )  # fmt: skip
-        self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch)
+        eot = self.spec.eot if self.cfg.compute.doc_mask else None
+        self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch, eot)
         self.runlog = RunLog(self.cfg, self.rank, self.world, self._run_config(), self.flops_per_token,
                              self.peak_flops, (state.step, state.tokens))  # fmt: skip
         self.stop.install()
@@ -231,14 +229,8 @@ class Trainer:
 
     def _forward(self, batch: Any) -> torch.Tensor:
         device = self.engine.device
-        input_ids, labels = _to_device(batch.input_ids, device), _to_device(batch.labels, device)
-        if self.cfg.compute.doc_mask:
-            # No attention mask and positions that restart per document: the model then attends
-            # within documents only (padding, after the last end-of-text, is a document of its own).
-            inputs = {"position_ids": doc_position_ids(input_ids, self.spec.eot)}
-        else:
-            inputs = {"attention_mask": _to_device(batch.attention_mask, device)}
-        out = self.engine(input_ids=input_ids, labels=labels, use_cache=False, **inputs)
+        eot = self.spec.eot if self.cfg.compute.doc_mask else None
+        out = self.engine(**batch_inputs(batch, device, eot), labels=to_device(batch.labels, device))
         if not bool((batch.labels[:, 1:] != IGNORE).any()):
             # Context only (a conversation block without reply tokens): the mean over no tokens is
             # NaN; a zero loss keeps every rank stepping together.
@@ -291,7 +283,7 @@ class Trainer:
     def maybe_evaluate(self, state: TrainState) -> None:
         if not self.validator.should_validate(state.step):
             return
-        self.last_val = self.validator.validate(self.engine, self._forward)
+        self.last_val = self.validator.validate(self.engine)
         if self.last_val is not None:
             self.runlog.write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": perplexity(self.last_val)})  # fmt: skip
@@ -364,13 +356,6 @@ class Trainer:
             "fingerprint": self.fingerprint,
             "model": self.model_config.to_dict(),
         }
-
-
-def _to_device(t: torch.Tensor, device: Any) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through pinned memory, without waiting for the copy."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _grad_norm(module: Any) -> float:
