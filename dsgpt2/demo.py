@@ -251,7 +251,7 @@ def _train(
         TrainConfig,
     )
     from dsgpt2.train.metrics import read_metrics
-    from dsgpt2.train.trainer import Trainer
+    from dsgpt2.train.trainer import build as build_trainer
 
     run = out if name == "train" else out / name
     run.mkdir(parents=True, exist_ok=True)
@@ -284,8 +284,7 @@ def _train(
         engine=EngineOptions(deepspeed_config=ds_config),
     )
     # The config object, not the file: the file holds no password (to_dict redacts it).
-    trainer = Trainer(cfg, mongo=config)
-    trainer.build()
+    trainer = build_trainer(cfg, mongo=config)
     result = trainer.train()
     evals = [r for r in read_metrics(run / "train" / "metrics.jsonl") if r["event"] == "eval"]
     return {

@@ -11,14 +11,14 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.format import tag_for
-from dsgpt2.corpus.config import load_config
+from dsgpt2.corpus.config import MongoConfig, load_config
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
@@ -37,7 +37,7 @@ from dsgpt2.train.ds_config import (
     load_ds_config,
     zero_stage,
 )
-from dsgpt2.train.engine import build_engine, init_context, init_weights, run_context
+from dsgpt2.train.engine import Engine, build_engine, init_context, init_weights, run_context
 from dsgpt2.train.feed import Feed, corpus_marks
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
@@ -67,109 +67,122 @@ StepHook = Callable[[int], None]
 LossHook = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-class Trainer:
-    """One training run: :meth:`build` (data, model, engine, resume point), then :meth:`train`.
+@dataclass(frozen=True)
+class Hooks:
+    """Callbacks for experiments and fault injection; None in normal runs.
+
+    on_loss: called with (micro-batch number, loss) before the backward pass; returns the loss to use.
+    after_step: called with the step number after each optimizer step.
+    """
+
+    on_loss: LossHook | None = None
+    after_step: StepHook | None = None
+
+
+def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hooks()) -> Trainer:
+    """Everything a run needs, in the order it needs it: the process group, the corpus marks, the
+    data feed, the checkpoint to resume (found before any model is built, so that one that cannot
+    be resumed fails in seconds), the engine, and the state restored into it.
 
     Args:
         cfg: the run's configuration.
-        mongo: a :class:`~dsgpt2.corpus.config.MongoConfig` used instead of reading --config_train
-            (the demo passes its in-process store).
-        on_loss: called with (micro-batch number, loss) before the backward pass; returns the loss
-            to use. A hook for experiments and fault injection; None in normal runs.
-        after_step: called with the step number after each optimizer step.
+        mongo: used instead of reading --config_train (the demo passes its in-process store).
+        hooks: see :class:`Hooks`.
+    """
+    from dsgpt2.corpus.mongo import Connection
+
+    ensure_distributed_env()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    setup_logging(rank=rank)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    mongo = mongo or load_config(cfg.data.config_train)
+    vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
+    check_attention(cfg.compute.attn_implementation, device)
+    own_schedule = cfg.schedule.lr_schedule != "deepspeed"
+    ds_config = load_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device, own_schedule)
+    check_attention(cfg.compute.attn_implementation, device, ds_config)
+    lr_schedule = apply_schedule(ds_config, cfg.schedule, cfg.run.train_iters)
+    prepare_deepspeed_environment()
+    import deepspeed
+
+    # First: the barriers and broadcasts below need the process group.
+    backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    conn = Connection(mongo)
+    conn.ping()
+    marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, cfg.data.allow_corpus_problems)))
+    init = init_weights(cfg, vocab_size)
+    context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
+    spec = cfg.data_spec(context)
+    feed = Feed(cfg, mongo, conn, spec, rank, world)
+    fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
+    checkpointer = Checkpointer(cfg, fp, world, conn, marks)
+    found = on_rank0(checkpointer.find)
+    feed.start(marks, found[2] if found else None)
+    engine = build_engine(cfg, ds_config, lr_schedule, spec, vocab_size, init, device, world)
+    state = checkpointer.restore(
+        engine.engine, found[:2] if found else None, feed.state.streams[0], lr_schedule
+    )
+    run_config = {
+        "args": cfg.to_dict(),
+        "mongo": mongo.to_dict(),
+        "deepspeed": ds_config,
+        "fingerprint": fp,
+        "model": engine.model_config.to_dict(),
+    }
+    return Trainer(cfg, mongo, feed, engine, checkpointer, state, run_config, hooks)
+
+
+class Trainer:
+    """One training run, its parts built (:func:`build`): :meth:`train` runs it to its end.
+
+    Args:
+        cfg: the run's configuration.
+        mongo: the corpus's connection config.
+        feed: the data feed, started at the resumed position.
+        engine: the model under DeepSpeed, its state restored.
+        checkpointer: finds, writes and verifies the run's checkpoints.
+        state: the step, tokens and counters the run resumes from.
+        run_config: what the run records of itself (metrics, wandb, the checkpoint).
+        hooks: see :class:`Hooks`.
     """
 
     def __init__(
         self,
         cfg: TrainConfig,
-        mongo: Any = None,
-        on_loss: LossHook | None = None,
-        after_step: StepHook | None = None,
+        mongo: MongoConfig,
+        feed: Feed,
+        engine: Engine,
+        checkpointer: Checkpointer,
+        state: TrainState,
+        run_config: dict[str, Any],
+        hooks: Hooks = Hooks(),
     ) -> None:
-        self.cfg = cfg
-        self._mongo = mongo
-        self.on_loss = on_loss
-        self.after_step = after_step
-        ensure_distributed_env()
-        self.rank = int(os.environ["RANK"])
-        self.world = int(os.environ["WORLD_SIZE"])
-        setup_logging(rank=self.rank)
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.cfg, self.mongo, self.feed, self.checkpointer = cfg, mongo, feed, checkpointer
+        self.state, self.hooks = state, hooks
+        self.engine, self.model_config = engine.engine, engine.model_config
+        self.micro_batch, self.grad_accum = engine.micro_batch, engine.grad_accum
+        self.rank, self.world = feed.rank, feed.world
+        self.stream = BlockStream(
+            feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, feed.state,
+            cfg.data.num_workers, feed.stages, self.grad_accum,
+        )  # fmt: skip
+        eot = feed.spec.eot if cfg.compute.doc_mask else None
+        self.validator = Validator(cfg, feed.val_data, self.rank, self.world, self.micro_batch, eot)
+        self.runlog = RunLog(cfg, self.rank, self.world, run_config, engine.flops_per_token,
+                             engine.peak_flops, (state.step, state.tokens))  # fmt: skip
         self.stop = StopRequest()
+        self.started = state.step
+        # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
+        self._norm_by_hand = zero_stage(run_config["deepspeed"]) == 0
+        self._hand_norm: float | None = None
+        self.last_val: float | None = None
         self.run_of_bad = 0
-
-    # ------------------------------------------------------------ build
-
-    def build(self) -> None:
-        from dsgpt2.corpus.mongo import Connection
-
-        cfg = self.cfg
-        self.mongo = self._mongo or load_config(cfg.data.config_train)
-        self.vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
-        check_attention(cfg.compute.attn_implementation, self.device)
-        self.ds_config = load_ds_config(
-            cfg.engine.deepspeed_config,
-            self.world,
-            cfg.run.train_iters,
-            self.device,
-            own_schedule=cfg.schedule.lr_schedule != "deepspeed",
-        )
-        check_attention(cfg.compute.attn_implementation, self.device, self.ds_config)
-        self.lr_schedule = apply_schedule(self.ds_config, cfg.schedule, cfg.run.train_iters)
-        prepare_deepspeed_environment()
-        import deepspeed
-
-        # First: the barriers and broadcasts below need the process group.
-        backend = cfg.engine.distributed_backend or ("nccl" if self.device == "cuda" else "gloo")
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
-        self.conn = conn = Connection(self.mongo)
-        conn.ping()
-        self.marks = tuple(on_rank0(lambda: corpus_marks(self.mongo, conn, cfg.data.allow_corpus_problems)))
-        init = init_weights(cfg, self.vocab_size)
-        context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
-        self.spec = cfg.data_spec(context)
-        self.feed = Feed(cfg, self.mongo, conn, self.spec, self.rank, self.world)
-        self.fingerprint = {
-            **fingerprint(self.mongo, cfg.data.vocab_dir, self.spec),
-            "mixture": bool(self.feed.stages),
-        }
-        self.checkpointer = Checkpointer(cfg, self.fingerprint, self.world, conn, self.marks)
-        # Before any model is built: a checkpoint that cannot be resumed fails in seconds.
-        found = on_rank0(self.checkpointer.find)
-        self.resume_from = found[:2] if found else None
-        self.feed.start(self.marks, found[2] if found else None)
-        built = build_engine(
-            cfg, self.ds_config, self.lr_schedule, self.spec, self.vocab_size, init, self.device, self.world
-        )
-        self.engine, self.model_config = built.engine, built.model_config
-        self.micro_batch, self.grad_accum = built.micro_batch, built.grad_accum
-        self.flops_per_token, self.peak_flops = built.flops_per_token, built.peak_flops
-
-    # ------------------------------------------------------------ resume
-
-    # ------------------------------------------------------------ loop
 
     def train(self) -> dict[str, Any]:
         """Train until --train_iters, a stop signal or a lost database; return the summary."""
-        r = self.cfg.run
-        state = self.checkpointer.restore(
-            self.engine, self.resume_from, self.feed.state.streams[0], self.lr_schedule
-        )
-        f = self.feed
-        self.stream = BlockStream(
-            f.train_data, f.schedule, self.rank, self.world, self.micro_batch, f.state,
-            self.cfg.data.num_workers, f.stages, self.grad_accum,
-        )  # fmt: skip
-        eot = self.spec.eot if self.cfg.compute.doc_mask else None
-        self.validator = Validator(self.cfg, f.val_data, self.rank, self.world, self.micro_batch, eot)
-        self.runlog = RunLog(self.cfg, self.rank, self.world, self._run_config(), self.flops_per_token,
-                             self.peak_flops, (state.step, state.tokens))  # fmt: skip
+        r, state = self.cfg.run, self.state
         self.stop.install()
-        self.started = state.step
-        # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
-        self._norm_by_hand = zero_stage(self.ds_config) == 0
-        self._hand_norm: float | None = None
-        self.last_val: float | None = None
         self.batches = iter(self.stream)
         # The state and data position after the last whole step: what a checkpoint written when the
         # database goes away mid-accumulation must hold.
@@ -184,8 +197,8 @@ class Trainer:
                     if self.maybe_follow(state):
                         boundary = (replace(state), self.stream.state.copy())
                     self.maybe_save(state)
-                    if self.after_step is not None:
-                        self.after_step(state.step)
+                    if self.hooks.after_step is not None:
+                        self.hooks.after_step(state.step)
             except MongoUnavailableError as exc:
                 self._abort_on_lost_database(exc, *boundary)
             finally:
@@ -207,8 +220,8 @@ class Trainer:
             batch = next(batches)
             state.micro += 1
             loss = self._forward(batch)
-            if self.on_loss is not None:
-                loss = self.on_loss(state.micro, loss)
+            if self.hooks.on_loss is not None:
+                loss = self.hooks.on_loss(state.micro, loss)
             # The one wait on the device per micro-batch: a non-finite loss must not reach backward,
             # where its gradients would join the accumulated ones and no engine lets them be dropped.
             if not _all_finite(loss):
@@ -229,7 +242,7 @@ class Trainer:
 
     def _forward(self, batch: Any) -> torch.Tensor:
         device = self.engine.device
-        eot = self.spec.eot if self.cfg.compute.doc_mask else None
+        eot = self.feed.spec.eot if self.cfg.compute.doc_mask else None
         out = self.engine(**batch_inputs(batch, device, eot), labels=to_device(batch.labels, device))
         if not bool((batch.labels[:, 1:] != IGNORE).any()):
             # Context only (a conversation block without reply tokens): the mean over no tokens is
@@ -348,15 +361,6 @@ class Trainer:
         data = lambda: self.feed.state_dict(position)  # noqa: E731
         self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
 
-    def _run_config(self) -> dict[str, Any]:
-        return {
-            "args": self.cfg.to_dict(),
-            "mongo": self.mongo.to_dict(),
-            "deepspeed": self.ds_config,
-            "fingerprint": self.fingerprint,
-            "model": self.model_config.to_dict(),
-        }
-
 
 def _grad_norm(module: Any) -> float:
     """The 2-norm of the gradients held on the parameters (after the boundary's all-reduce)."""
@@ -396,12 +400,11 @@ def main(
 ) -> int:
     """``ds_trainer.py``: parse, build, train. User errors end with one line and their exit code.
 
-    ``on_loss``/``after_step``: see :class:`Trainer` (the test suite injects faults through them).
+    ``on_loss``/``after_step``: see :class:`Hooks` (the test suite injects faults through them).
     """
 
     def run() -> int:
-        trainer = Trainer(parse(argv), on_loss=on_loss, after_step=after_step)
-        trainer.build()
+        trainer = build(parse(argv), hooks=Hooks(on_loss, after_step))
         summary = trainer.train()
         if trainer.rank == 0:
             print("\n".join(summary_lines(summary)))
