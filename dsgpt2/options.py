@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -30,6 +31,8 @@ def option(
     choices: Iterable[str] | None = None,
     metavar: str | None = None,
     hidden: bool = False,
+    flag: str | None = None,
+    repeat: bool = False,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -39,6 +42,11 @@ def option(
         type: argparse type converter (default: from the annotation).
         choices: the allowed values.
         hidden: not shown in ``--help`` (test hooks).
+        flag: the option's name where it differs from the field's (``--flag``, parsed into ``flag``).
+        repeat: a tuple field given once per value (``--collection a --collection b``).
+
+    A ``bool | None`` field becomes a pair, ``--name`` and ``--no_name``, left None when neither is
+    given (the caller's default applies).
     """
     meta = {
         "help": help,
@@ -46,6 +54,8 @@ def option(
         "choices": list(choices) if choices is not None else None,
         "metavar": metavar,
         "hidden": hidden,
+        "flag": flag,
+        "repeat": repeat,
     }
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=default.copy, metadata=meta)
@@ -76,7 +86,8 @@ def add_options(
     for name in only or fields:
         f = fields[name]
         meta = f.metadata
-        kind, _ = _base_type(hints[name])
+        dest = meta.get("flag") or name
+        kind, optional = _base_type(hints[name])
         default = (defaults or {}).get(name, _default(f))
         help_text = meta.get("help", "")
         if meta.get("hidden"):
@@ -84,12 +95,21 @@ def add_options(
         elif _shown(default) and "default" not in help_text:
             shown = ",".join(default) if isinstance(default, tuple) else default
             help_text = f"{help_text} (default: {shown})"
-        kwargs: dict[str, Any] = {"dest": name, "help": help_text}
+        kwargs: dict[str, Any] = {"dest": dest, "help": help_text}
+        if kind is bool and optional:
+            pair = parser.add_mutually_exclusive_group()
+            pair.add_argument(f"--{dest}", action="store_const", const=True, default=default, **kwargs)
+            no = argparse.SUPPRESS if meta.get("hidden") else f"the opposite of --{dest}"
+            pair.add_argument(f"--no_{dest}", dest=dest, action="store_const", const=False, help=no)
+            continue
         if kind is bool:
             kwargs["action"] = "store_true"
         else:
-            if typing.get_origin(kind) is list:
-                kwargs["nargs"] = "*"
+            if typing.get_origin(kind) in (list, tuple) and not meta.get("type"):
+                if meta.get("repeat"):
+                    kwargs["action"] = "append"
+                else:
+                    kwargs["nargs"] = "*"
                 kind = typing.get_args(kind)[0]
             kwargs["type"] = meta.get("type") or kind
             if meta.get("choices"):
@@ -100,8 +120,7 @@ def add_options(
             kwargs["required"] = True
         else:
             kwargs["default"] = default
-        flag = "--" + name
-        parser.add_argument(flag, **kwargs)
+        parser.add_argument(f"--{dest}", **kwargs)
 
 
 def _shown(default: Any) -> bool:
@@ -119,33 +138,76 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 
 def from_namespace(cls: type, args: argparse.Namespace, **override: Any) -> Any:
     """An instance of ``cls`` from the parsed ``args`` (fields it has), validated on construction."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    values = {}
+    for f in dataclasses.fields(cls):
+        dest = f.metadata.get("flag") or f.name
+        if hasattr(args, dest):
+            values[f.name] = getattr(args, dest)
     values.update(override)
     return cls(**values)
 
 
-# ---------------------------------------------------------------- checks (the message names the flag)
+# ---------------------------------------------------------------- checks
+# One family for every setting, from a flag or a request body: ``name`` is the setting as the user
+# wrote it (``--train_iters`` for a flag, ``temperature`` in a request), the message its range.
+# ``optional``: None means "not given" and passes.
 
 
-def check_positive(flag: str, value: int | None) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(f"--{flag} must be a positive integer, got {value}")
+def check_int(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
+    """``value`` is an integer (not a bool) in ``[low, high]``."""
+    if optional and value is None:
+        return
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not is_int or value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
+        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
 
 
-def check_non_negative(flag: str, value: int | None) -> None:
-    if value is not None and value < 0:
-        raise ConfigError(f"--{flag} must be 0 or more, got {value}")
+def check_number(
+    name: str,
+    value: Any,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    or_zero: bool = False,
+    optional: bool = False,
+) -> None:
+    """``value`` is a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``; no upper
+    bound with ``high`` None); ``or_zero``: 0 is accepted too."""
+    if optional and value is None:
+        return
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and not (or_zero and value == 0):
+        ok = (value > low if low_open else value >= low) and (high is None or value <= high)
+    if not ok:
+        also = "0 or " if or_zero else ""
+        if high is None:
+            bound = f"above {low}" if low_open else f"at least {low}"
+        else:
+            bound = f"in {'(' if low_open else '['}{low}, {high}]"
+        raise ConfigError(f"{name} must be {also}a number {bound}, got {value!r}")
 
 
-def check_ratio(flag: str, value: float | None) -> None:
-    if value is not None and not 0 < value <= 1:
-        raise ConfigError(f"--{flag} must be a share in (0, 1], got {value}")
+def check_positive(name: str, value: int | None) -> None:
+    check_int(name, value, 1, optional=True)
 
 
-def check_choice(flag: str, value: str | None, choices: Iterable[str]) -> None:
+def check_non_negative(name: str, value: int | None) -> None:
+    check_int(name, value, 0, optional=True)
+
+
+def check_ratio(name: str, value: float | None) -> None:
+    """A share in (0, 1]."""
+    if value is not None and not (
+        isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
+    ):
+        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def check_choice(name: str, value: str | None, choices: Iterable[str]) -> None:
     choices = list(choices)
     if value is not None and value not in choices:
-        raise ConfigError(f"--{flag} {value!r} is not one of {', '.join(choices)}")
+        raise ConfigError(f"{name} {value!r} is not one of {', '.join(choices)}")
 
 
 def as_path(value: str | Path | None) -> Path | None:

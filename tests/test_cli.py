@@ -230,3 +230,45 @@ def test_the_command_line_starts_without_torch() -> None:
     code = "import sys, dsgpt2.cli as c; c.build_parser(); print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.stdout.strip() == "False", result.stderr
+
+
+def test_settings_come_from_their_dataclass_through_the_flags() -> None:
+    """Each flag lands in its settings object by one road (``from_namespace``), renamed flags too."""
+    from dsgpt2.infer.settings import EvalRequest, ServeLimits
+    from dsgpt2.options import from_namespace
+    from dsgpt2.tokenizer.texts import DownloadSettings, Draw
+
+    parse = build_parser().parse_args
+    ev = ["evaluate", "--model", "m", "--config", "c.json"]
+    request = from_namespace(EvalRequest, parse(
+        [*ev, "--collection", "news", "--collection", "wiki", "--stop", "50", "--split_seed", "4",
+         "--context_length", "32", "--num_workers", "0", "--no_doc_mask"]
+    ))  # fmt: skip
+    assert request.collections == ("news", "wiki") and request.window == (0, 50)
+    assert (request.seed, request.context, request.workers, request.doc_mask) == (4, 32, 0, False)
+    assert from_namespace(EvalRequest, parse(ev)) == EvalRequest()
+    serve = parse(["serve", "--model", "m", "--max_tokens_limit", "32", "--max_new_tokens", "9"])
+    assert from_namespace(ServeLimits, serve) == ServeLimits(max_new_tokens=32) and serve.max_new_tokens == 9
+    down = parse(["vocab", "download", "--config", "c", "--count", "7", "--shards", "3", "--overwrite"])
+    assert from_namespace(Draw, down) == Draw(count=7)
+    assert from_namespace(DownloadSettings, down) == DownloadSettings(shards=3, overwrite=True)
+
+
+def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) -> None:
+    ev = ["evaluate", "--model", str(tmp_path / "no-model"), "--config", str(cfg)]
+    down = ["vocab", "download", "--config", str(cfg), "--out", str(tmp_path / "shards")]
+    cases = [
+        ([*ev, "--start", "-1"], ["--start", "at least 0"]),
+        ([*ev, "--start", "9", "--stop", "3"], ["--start/--stop"]),
+        ([*ev, "--tr_ratio", "2"], ["--tr_ratio", "(0, 1]"]),
+        ([*down, "--fraction", "0.5", "--count", "3"], ["--fraction or --count"]),
+        ([*down, "--fraction", "0"], ["--fraction must be in (0, 1]"]),
+        ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
+        (
+            ["serve", "--model", "m", "--max_tokens_limit", "8", "--max_new_tokens", "9"],
+            ["--max_tokens_limit"],
+        ),
+    ]
+    for args, needles in cases:
+        _one_line_error(run_cli(*args), *needles)
+    assert not (tmp_path / "shards").exists()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.argtypes import non_negative_int, port, positive_int
+from dsgpt2.argtypes import port
 from dsgpt2.commands.common import (
     check_writable,
     load_config_arg,
@@ -59,36 +59,10 @@ def add_evaluate(sub: Any) -> None:
     )
     _add_model(p)
     p.add_argument("--config", required=True, metavar="JSON", help="connection config of the corpus")
-    p.add_argument(
-        "--split",
-        default="val",
-        choices=["val", "train", "all"],
-        help="the run's validation or training split, or every document (default: val)",
-    )
-    p.add_argument("--collection", action="append", help="evaluate on this collection (repeatable)")
-    p.add_argument("--start", type=int, help="first document of the unified index (default: 0)")
-    p.add_argument("--stop", type=positive_int, help="end of the unified index range (default: all)")
-    p.add_argument("--task", choices=["lm", "conversation"], help="default: the run's")
-    p.add_argument("--reply_speakers", help="conversation task: speakers scored (default: the run's)")
-    p.add_argument("--tr_ratio", type=float, help="split ratio (default: the run's)")
-    p.add_argument("--split_seed", type=int, help="split seed (default: the run's)")
-    p.add_argument("--context_length", type=positive_int, help="tokens per block (default: the run's)")
-    p.add_argument("--batch_size", type=positive_int, default=8, help="blocks per forward pass (default 8)")
-    p.add_argument("--max_batches", type=positive_int, help="stop after this many batches (default: all)")
-    p.add_argument(
-        "--num_workers", type=non_negative_int, default=2, help="tokenizing worker processes (default 2)"
-    )
-    mask = p.add_mutually_exclusive_group()
-    mask.add_argument(
-        "--doc_mask",
-        action="store_const",
-        const=True,
-        help="attention within documents only (default: as the model trained)",
-    )
-    no_mask = mask.add_argument(
-        "--no_doc_mask", dest="doc_mask", action="store_const", const=False, help="attention across documents"
-    )
-    p._option_string_actions["--no-doc_mask"] = no_mask  # the earlier spelling, unlisted
+    from dsgpt2.infer.settings import EvalRequest
+
+    add_options(p, EvalRequest)
+    p._option_string_actions["--no-doc_mask"] = p._option_string_actions["--no_doc_mask"]  # earlier spelling
     p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
     p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -150,17 +124,10 @@ def add_serve(sub: Any) -> None:
     p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
     from dsgpt2.infer.settings import ServeLimits
 
-    add_options(p, ServeLimits, only=["max_prompt_chars", "max_concurrent", "max_batch"])
+    add_options(p, ServeLimits, only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch"])
     p.add_argument(
         "--api_key",
         help=f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)",
-    )
-    # ServeLimits.max_new_tokens under a name of its own: --max_new_tokens is the default request's.
-    p.add_argument(
-        "--max_tokens_limit",
-        type=positive_int,
-        default=ServeLimits().max_new_tokens,
-        help=f"largest max_new_tokens a request may ask (default: {ServeLimits().max_new_tokens})",
     )
     _add_generation(p, serving=True)
     p.set_defaults(func=cmd_serve)
@@ -220,29 +187,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
 
-    from dsgpt2.infer.evaluate import EvalRequest, default_report_path, evaluate, report_lines, write_report
+    from dsgpt2.infer.evaluate import default_report_path, evaluate, report_lines, write_report
+    from dsgpt2.infer.settings import EvalRequest
 
-    if args.stop is not None and args.start is None:
-        args.start = 0
-    if args.start is not None and args.start < 0:
-        raise usage("evaluate", f"--start must be 0 or more, got {args.start}")
-    window = None
-    if args.start is not None:
-        window = (args.start, args.stop if args.stop is not None else 2**62)
-    request = EvalRequest(
-        split=args.split,
-        collections=tuple(args.collection) if args.collection else None,
-        window=window,
-        task=args.task,
-        reply_speakers=args.reply_speakers,
-        tr_ratio=args.tr_ratio,
-        seed=args.split_seed,
-        context=args.context_length,
-        batch_size=args.batch_size,
-        max_batches=args.max_batches,
-        workers=args.num_workers,
-        doc_mask=args.doc_mask,
-    )
+    request = from_namespace(EvalRequest, args)
     config = load_config_arg(args)
     loaded = _load_model(args)
     path = Path(args.report) if args.report else default_report_path(loaded.name, args.split)
@@ -326,12 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from dsgpt2.infer.serve import make_app, serve
     from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
-    limits = ServeLimits(
-        max_prompt_chars=args.max_prompt_chars,
-        max_new_tokens=args.max_tokens_limit,
-        max_concurrent=args.max_concurrent,
-        max_batch=args.max_batch,
-    )
+    limits = from_namespace(ServeLimits, args)
     if args.max_new_tokens is None:
         args.max_new_tokens = min(SamplingParams().max_new_tokens, limits.max_new_tokens)
     if args.max_new_tokens > limits.max_new_tokens:

@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.argtypes import positive_int
 from dsgpt2.commands.common import (
     add_config,
     load_config_arg,
@@ -38,11 +37,10 @@ def add_vocab(sub: Any) -> None:
     )
     add_config(p)
     p.add_argument("--out", default="runs/vocab_corpus", help="shard directory (default: runs/vocab_corpus)")
-    _add_sampling(p)
-    p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default: 2)")
-    p.add_argument("--shards", type=positive_int, help="number of shards (default: one per 50,000 documents)")
-    p.add_argument("--chunk", type=positive_int, default=1000, help="documents per query (default: 1000)")
-    p.add_argument("--overwrite", action="store_true", help="replace shards of a different download in --out")
+    from dsgpt2.tokenizer.texts import DownloadSettings, Draw
+
+    add_options(p, Draw)
+    add_options(p, DownloadSettings)
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_vocab_download)
 
@@ -64,37 +62,25 @@ def add_vocab(sub: Any) -> None:
     )
     p.add_argument("--config", metavar="JSON", help="connection config (with --from_mongo)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    _add_sampling(p)
     p.add_argument("--out", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)")
     from dsgpt2.tokenizer.bpe import VocabSettings
 
+    add_options(p, Draw)
     add_options(p, VocabSettings)
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_vocab_train)
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
-    group = p.add_mutually_exclusive_group()
-    group.add_argument("--fraction", type=float, help="draw this fraction of the documents, in (0, 1]")
-    group.add_argument("--count", type=positive_int, help="draw about this many documents")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draw (default: 0)")
-
-
 def cmd_vocab_download(args: argparse.Namespace) -> int:
 
-    from dsgpt2.tokenizer.texts import download
+    from dataclasses import asdict
 
+    from dsgpt2.tokenizer.texts import DownloadSettings, Draw, download
+
+    draw, settings = from_namespace(Draw, args), from_namespace(DownloadSettings, args)
+    config = load_config_arg(args)
     report = download(
-        load_config_arg(args),
-        Path(args.out),
-        fraction=args.fraction,
-        count=args.count,
-        seed=args.seed,
-        workers=args.workers,
-        shards=args.shards,
-        chunk=args.chunk,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
+        config, Path(args.out), **asdict(draw), **asdict(settings), progress=not args.no_progress
     )
     print("\n".join(report.lines()))
     return 0
@@ -104,18 +90,18 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
 
     from dsgpt2.corpus.documents import SkipTally
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
-    from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
+    from dsgpt2.tokenizer.texts import Draw, mongo_texts, shard_texts
 
-    settings = from_namespace(VocabSettings, args)
+    settings, draw = from_namespace(VocabSettings, args), from_namespace(Draw, args)
     if args.from_mongo:
         if not args.config:
             raise usage("vocab train", "--from_mongo needs --config")
         config = load_config_arg(args)
-        texts, wrapper = mongo_texts(config, args.fraction, args.count, args.seed)
+        texts, wrapper = mongo_texts(config, draw.fraction, draw.count, draw.seed)
         skipped = wrapper.skipped
         source = f"{config.display_uri} {config.db}.{','.join(config.collections)}"
     else:
-        if args.fraction or args.count:
+        if draw.sampled:
             raise usage("vocab train", "--fraction/--count go with --from_mongo; sample at `vocab download`")
         skipped = SkipTally()
         texts = shard_texts(Path(args.input), skipped=skipped)

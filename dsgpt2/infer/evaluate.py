@@ -28,11 +28,10 @@ from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spe
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
+from dsgpt2.infer.settings import EvalRequest
 from dsgpt2.model import batch_nll, perplexity
 
 log = logging.getLogger(__name__)
-
-EVAL_SPLITS = ("val", "train", "all")
 
 
 @dataclass
@@ -85,33 +84,6 @@ def evaluate_batches(
     return EvalMetrics(loss, perplexity(loss), tokens, blocks, seconds=time.monotonic() - started)
 
 
-@dataclass
-class EvalRequest:
-    """What to evaluate on; a field left None comes from the model's training run."""
-
-    split: str = "val"
-    collections: tuple[str, ...] | None = None
-    window: tuple[int, int] | None = None
-    task: str | None = None
-    reply_speakers: str | None = None
-    tr_ratio: float | None = None
-    seed: int | None = None
-    chunk_docs: int | None = None
-    context: int | None = None
-    batch_size: int = 8
-    max_batches: int | None = None
-    workers: int = 2
-    doc_mask: bool | None = None  # None: as the model trained
-
-    def __post_init__(self) -> None:
-        if self.split not in EVAL_SPLITS:
-            raise ConfigError(f"--split {self.split!r}: choose one of {', '.join(EVAL_SPLITS)}")
-        if self.tr_ratio is not None and not 0 < self.tr_ratio <= 1:
-            raise ConfigError(f"--tr_ratio must be in (0, 1]; got {self.tr_ratio}")
-        if self.window is not None and not 0 <= self.window[0] < self.window[1]:
-            raise ConfigError(f"--start/--stop: need 0 <= start < stop; got {self.window}")
-
-
 def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
     """The data spec: the request's choices over the training run's, over defaults."""
     run = loaded.run.get("fingerprint", {})
@@ -121,7 +93,7 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
     return make_spec(
         loaded.tokenizer_dir,
         context,
-        request.chunk_docs or run.get("chunk_docs", DEFAULT_CHUNK_DOCS),
+        run.get("chunk_docs", DEFAULT_CHUNK_DOCS),
         request.tr_ratio or run.get("tr_ratio", DEFAULT_TR_RATIO),
         request.seed if request.seed is not None else run.get("seed", DEFAULT_SEED),
         request.task or run.get("task", "lm"),

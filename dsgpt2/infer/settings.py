@@ -1,19 +1,27 @@
-"""The settings of the model commands, each field also a flag: sampling, and serving's limits.
+"""The settings of the model commands, each field also a flag: sampling, serving's limits, what
+to evaluate on.
 
 Kept free of torch so that the command line parses (and answers ``--help``) without loading it.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dsgpt2.argtypes import positive_int
+from dsgpt2.argtypes import non_negative_int, positive_int
 from dsgpt2.errors import ConfigError
-from dsgpt2.options import option
+from dsgpt2.options import (
+    check_choice,
+    check_int,
+    check_non_negative,
+    check_number,
+    check_positive,
+    check_ratio,
+    option,
+)
 
 MAX_SAMPLES = 16
 MIN_TEMPERATURE = 0.01
@@ -43,15 +51,14 @@ class SamplingParams:
     seed: int = option(0, "the same seed, prompt and model give the same text")
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, 1)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
-        if self.temperature != 0:
-            _check_float("temperature", self.temperature, MIN_TEMPERATURE, 100.0, zero=True)
-        _check_int("top_k", self.top_k, 0)
-        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
-        _check_int("num_samples", self.num_samples, 1, MAX_SAMPLES)
-        _check_int("seed", self.seed, 0, 2**63 - 1)
+        check_number("temperature", self.temperature, MIN_TEMPERATURE, 100.0, or_zero=True)
+        check_int("top_k", self.top_k, 0)
+        check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        check_number("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
+        check_int("num_samples", self.num_samples, 1, MAX_SAMPLES)
+        check_int("seed", self.seed, 0, 2**63 - 1)
         if self.temperature == 0 and self.num_samples > 1:
             raise ConfigError(
                 "num_samples > 1 needs sampling: greedy decoding (temperature 0) gives one answer; "
@@ -97,30 +104,15 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
     raise ConfigError(f"{name} must be a number, got {value!r}")
 
 
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
-        bound = f"between {low} and {high}" if high else f"at least {low}"
-        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
-
-
-def _check_float(
-    name: str, value: Any, low: float, high: float, low_open: bool = False, zero: bool = False
-) -> None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        also = "0 or " if zero else ""
-        raise ConfigError(f"{name} must be {also}a number in {bracket}{low}, {high}], got {value!r}")
-
-
 @dataclass(frozen=True)
 class ServeLimits:
     """What one request may ask for, and how many may generate at once."""
 
     max_prompt_chars: int = option(4000, "longest prompt accepted", type=positive_int)
-    max_new_tokens: int = option(256, "largest max_new_tokens a request may ask", type=positive_int)
+    # A flag of its own: --max_new_tokens is the default request's (SamplingParams).
+    max_new_tokens: int = option(
+        256, "largest max_new_tokens a request may ask", type=positive_int, flag="max_tokens_limit"
+    )
     max_concurrent: int = option(
         16, "requests in flight at once (decoding or waiting for room in the batch); more get 503",
         type=positive_int,
@@ -130,5 +122,59 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name} must be a positive integer, got {value!r}")
+            check_int(f"--{name}", value, 1)
+
+
+EVAL_SPLITS = ("val", "train", "all")
+
+
+@dataclass
+class EvalRequest:
+    """What to evaluate on, each field also a ``dsgpt2 evaluate`` flag; one left None comes from the
+    model's training run."""
+
+    split: str = option(
+        "val", "the run's validation or training split, or every document", choices=EVAL_SPLITS
+    )
+    collections: tuple[str, ...] | None = option(
+        None,
+        "evaluate on this collection (repeatable; default: the config's)",
+        flag="collection",
+        repeat=True,
+    )
+    start: int | None = option(None, "first document of the unified index (default: 0)")
+    stop: int | None = option(None, "end of the unified index range (default: all)", type=positive_int)
+    task: str | None = option(None, "lm or conversation (default: the run's)", choices=["lm", "conversation"])
+    reply_speakers: str | None = option(None, "conversation task: speakers scored (default: the run's)")
+    tr_ratio: float | None = option(None, "split ratio (default: the run's)")
+    seed: int | None = option(None, "split seed (default: the run's)", flag="split_seed")
+    context: int | None = option(
+        None, "tokens per block (default: the run's)", type=positive_int, flag="context_length"
+    )
+    batch_size: int = option(8, "blocks per forward pass", type=positive_int)
+    max_batches: int | None = option(None, "stop after this many batches (default: all)", type=positive_int)
+    workers: int = option(2, "tokenizing worker processes", type=non_negative_int, flag="num_workers")
+    doc_mask: bool | None = option(None, "attention within documents only (default: as the model trained)")
+
+    def __post_init__(self) -> None:
+        check_choice("--split", self.split, EVAL_SPLITS)
+        if self.collections is not None:
+            self.collections = tuple(self.collections)
+        check_non_negative("--start", self.start)
+        check_positive("--stop", self.stop)
+        if self.stop is not None and self.start is None:
+            self.start = 0
+        if self.start is not None and self.stop is not None and self.start >= self.stop:
+            raise ConfigError(f"--start/--stop: need start < stop; got {self.start} and {self.stop}")
+        check_ratio("--tr_ratio", self.tr_ratio)
+        check_positive("--context_length", self.context)
+        check_positive("--batch_size", self.batch_size)
+        check_positive("--max_batches", self.max_batches)
+        check_non_negative("--num_workers", self.workers)
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The unified-index range asked for; None: every document."""
+        if self.start is None:
+            return None
+        return (self.start, self.stop if self.stop is not None else 2**62)

@@ -23,7 +23,7 @@ from dsgpt2.argtypes import comma_list, non_negative_int, positive_int
 from dsgpt2.corpus.documents import SkipTally
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text
-from dsgpt2.options import option
+from dsgpt2.options import check_non_negative, check_positive, option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)
@@ -83,12 +83,9 @@ class VocabSettings:
                 f"--vocab_size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
                 f"got {self.vocab_size}"
             )
-        if self.min_frequency < 1:
-            raise ConfigError(f"--min_frequency must be at least 1; got {self.min_frequency}")
-        if self.reserved < 0:
-            raise ConfigError(f"--reserved must be 0 or more; got {self.reserved}")
-        if self.context_length <= 0:
-            raise ConfigError(f"--context_length must be positive; got {self.context_length}")
+        check_positive("--min_frequency", self.min_frequency)
+        check_non_negative("--reserved", self.reserved)
+        check_positive("--context_length", self.context_length)
         for s in self.speakers:
             if not _SPEAKER_NAME.match(s):
                 raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")

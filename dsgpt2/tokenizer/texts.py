@@ -31,12 +31,14 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
+from dsgpt2.argtypes import positive_int
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.corpus.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.corpus.draws import select, shard_ranges
 from dsgpt2.corpus.mongo import MongoWrapper, require_nonempty
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
+from dsgpt2.options import check_int, check_positive, check_ratio, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,19 +47,49 @@ MANIFEST = "manifest.json"
 _SHARD_DOCS = 50_000
 
 
-def sample_fraction(total: int, fraction: float | None, count: int | None) -> float:
-    """The per-document probability that draws ``fraction`` of, or about ``count`` of, ``total``."""
-    if fraction is not None and count is not None:
-        raise ConfigError("give --fraction or --count, not both")
-    if fraction is not None:
-        if not 0 < fraction <= 1:
-            raise ConfigError(f"--fraction must be in (0, 1]; got {fraction}")
-        return fraction
-    if count is not None:
-        if count <= 0:
-            raise ConfigError(f"--count must be a positive number of documents; got {count}")
-        return min(1.0, count / total) if total else 1.0
-    return 1.0
+@dataclass(frozen=True)
+class Draw:
+    """Which documents a vocabulary corpus holds: every one, or a seeded sample, each field a flag."""
+
+    fraction: float | None = option(None, "draw this fraction of the documents, in (0, 1]")
+    count: int | None = option(None, "draw about this many documents", type=positive_int)
+    seed: int = option(0, "seed of the draw")
+
+    def __post_init__(self) -> None:
+        if self.fraction is not None and self.count is not None:
+            raise ConfigError("give --fraction or --count, not both")
+        check_ratio("--fraction", self.fraction)
+        check_positive("--count", self.count)
+        check_int("--seed", self.seed, 0)
+
+    @property
+    def sampled(self) -> bool:
+        return self.fraction is not None or self.count is not None
+
+    def probability(self, total: int) -> float:
+        """The per-document probability that draws ``fraction`` of, or about ``count`` of, ``total``."""
+        if self.fraction is not None:
+            return self.fraction
+        if self.count is not None:
+            return min(1.0, self.count / total) if total else 1.0
+        return 1.0
+
+
+@dataclass(frozen=True)
+class DownloadSettings:
+    """How ``vocab download`` splits and runs its work, each field a flag."""
+
+    workers: int = option(2, "worker processes", type=positive_int)
+    shards: int | None = option(
+        None, "number of shards (default: one per 50,000 documents)", type=positive_int
+    )
+    chunk: int = option(1000, "documents per query", type=positive_int)
+    overwrite: bool = option(False, "replace shards of a different download in --out")
+
+    def __post_init__(self) -> None:
+        check_positive("--workers", self.workers)
+        check_positive("--shards", self.shards)
+        check_positive("--chunk", self.chunk)
 
 
 # ---------------------------------------------------------------- download
@@ -106,14 +138,14 @@ def download(
     Raises:
         ConfigError: bad options, or ``out`` holds a different download and ``overwrite`` is off.
     """
-    if workers <= 0 or chunk <= 0 or (shards is not None and shards <= 0):
-        raise ConfigError("--workers, --shards and --chunk must be positive")
+    draw = Draw(fraction, count, seed)
+    DownloadSettings(workers, shards, chunk, overwrite)
     _check_out_dir(out)
     started = time.monotonic()
     wrapper = MongoWrapper(config)
     require_nonempty(wrapper)
     total = len(wrapper)
-    p = sample_fraction(total, fraction, count)
+    p = draw.probability(total)
     ranges = shard_ranges(total, shards or max(workers, -(-total // _SHARD_DOCS)))
     plan = {
         "db": config.db,
@@ -357,9 +389,10 @@ def mongo_texts(
     A background thread fetches the next chunks while the trainer consumes
     the current one, so that server round trips overlap with training.
     """
+    draw = Draw(fraction, count, seed)
     wrapper = MongoWrapper(config)
     require_nonempty(wrapper)
-    p = sample_fraction(len(wrapper), fraction, count)
+    p = draw.probability(len(wrapper))
 
     def chunks() -> Iterator[list[str]]:
         for lo in range(0, len(wrapper), chunk):

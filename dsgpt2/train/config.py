@@ -23,6 +23,7 @@ from dsgpt2.options import (
     as_path,
     check_choice,
     check_non_negative,
+    check_number,
     check_positive,
     check_ratio,
     from_namespace,
@@ -65,7 +66,7 @@ class ModelOptions:
             raise ConfigError(
                 f"--model_select {self.model_select!r} is not a preset; choose one of {', '.join(PRESETS)}"
             )
-        check_positive("context_length", self.context_length)
+        check_positive("--context_length", self.context_length)
         if self.model_config is not None:
             if not self.model_config.is_file():
                 raise ConfigError(f"--model_config {self.model_config}: file not found")
@@ -111,11 +112,11 @@ class DataOptions:
 
     def __post_init__(self) -> None:
         self.config_train, self.vocab_dir = Path(self.config_train), as_path(self.vocab_dir)
-        check_non_negative("follow", self.follow)
+        check_non_negative("--follow", self.follow)
         self.cache_dir = as_path(self.cache_dir)
-        check_ratio("tr_ratio", self.tr_ratio)
-        check_positive("chunk_docs", self.chunk_docs)
-        check_non_negative("num_workers", self.num_workers)
+        check_ratio("--tr_ratio", self.tr_ratio)
+        check_positive("--chunk_docs", self.chunk_docs)
+        check_non_negative("--num_workers", self.num_workers)
         if not self.config_train.is_file():
             raise ConfigError(f"--config_train {self.config_train}: file not found")
         if self.vocab_dir is not None and not (self.vocab_dir / "tokenizer.json").is_file():
@@ -144,8 +145,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
         for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
-            check_positive(name, getattr(self, name))
-        check_positive("max_nonfinite", self.max_nonfinite)
+            check_positive(f"--{name}", getattr(self, name))
+        check_positive("--max_nonfinite", self.max_nonfinite)
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
@@ -172,9 +173,8 @@ class ComputeOptions:
     )
 
     def __post_init__(self) -> None:
-        check_choice("attn_implementation", self.attn_implementation, ATTENTION)
-        if self.peak_tflops is not None and not self.peak_tflops > 0:
-            raise ConfigError(f"--peak_tflops {self.peak_tflops}: must be > 0")
+        check_choice("--attn_implementation", self.attn_implementation, ATTENTION)
+        check_number("--peak_tflops", self.peak_tflops, 0, low_open=True, optional=True)
 
 
 @dataclass
@@ -197,13 +197,11 @@ class ScheduleOptions:
     decay_fraction: float = option(0.2, "wsd: the share of --train_iters spent decaying", type=ratio)
 
     def __post_init__(self) -> None:
-        check_choice("lr_schedule", self.lr_schedule, KINDS)
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"--lr {self.lr}: must be > 0")
-        check_non_negative("warmup_iters", self.warmup_iters)
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"--min_lr_ratio {self.min_lr_ratio}: must be within [0, 1]")
-        check_ratio("decay_fraction", self.decay_fraction)
+        check_choice("--lr_schedule", self.lr_schedule, KINDS)
+        check_number("--lr", self.lr, 0, low_open=True, optional=True)
+        check_non_negative("--warmup_iters", self.warmup_iters)
+        check_number("--min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_ratio("--decay_fraction", self.decay_fraction)
 
 
 @dataclass
@@ -224,8 +222,8 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
-        check_positive("save_interval", self.save_interval)
-        check_non_negative("keep_last", self.keep_last)
+        check_positive("--save_interval", self.save_interval)
+        check_non_negative("--keep_last", self.keep_last)
         if self.ckpt_id and not self.load_dir:
             self.load_dir = self.ckpt_dir
         if self.no_resume and self.load_dir:

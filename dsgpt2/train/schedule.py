@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.options import check_choice, check_number, check_ratio
 
 KINDS = ("deepspeed", "cosine", "wsd")
 
@@ -40,14 +41,10 @@ class Schedule:
     decay_fraction: float = 0.2
 
     def __post_init__(self) -> None:
-        if self.kind not in ("cosine", "wsd"):
-            raise ConfigError(f"--lr_schedule {self.kind!r}: choose one of {', '.join(KINDS)}")
-        if not self.peak > 0:
-            raise ConfigError(f"--lr {self.peak}: the peak learning rate must be > 0")
-        if not 0 <= self.min_ratio <= 1:
-            raise ConfigError(f"--min_lr_ratio {self.min_ratio}: must be within [0, 1]")
-        if not 0 < self.decay_fraction <= 1:
-            raise ConfigError(f"--decay_fraction {self.decay_fraction}: must be within (0, 1]")
+        check_choice("--lr_schedule", self.kind, ("cosine", "wsd"))
+        check_number("--lr", self.peak, 0, low_open=True)
+        check_number("--min_lr_ratio", self.min_ratio, 0, 1)
+        check_ratio("--decay_fraction", self.decay_fraction)
         if self.warmup < 0 or (self.warmup > 0 and self.warmup >= self.total):
             raise ConfigError(f"--warmup_iters {self.warmup}: must be below --train_iters {self.total}")
 
