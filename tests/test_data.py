@@ -165,6 +165,28 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
     assert np.array_equal((batch.labels.numpy() != -100), expected)
 
 
+def test_tokenize_ahead_for_a_conversation_run(tokenizer: Path, tmp_path: Path) -> None:
+    """`dsgpt2 tokenize --task conversation` builds the cache a conversation run then reuses."""
+    from conftest import write_config
+    from dsgpt2.cli import main
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.data.cache import cache_fingerprint
+    from dsgpt2.train.config import DataOptions, ModelOptions, data_spec
+
+    conn = Connection(make_config(["chat"]))
+    ingest(conn, "chat", [builtin_source("stdlib-chat", 120)])
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongomock://",
+                       MONGO_CONNECTION_DB="testdb", COLLECTIONS=["chat"])  # fmt: skip
+    cache = tmp_path / "cache"
+    assert main(["tokenize", "--config_train", str(cfg), "--vocab_dir", str(tokenizer), "--context_length",
+                 "32", "--chunk_docs", "50", "--cache_dir", str(cache), "--num_workers", "0",
+                 "--task", "conversation", "--reply_speakers", "bot"]) == 0  # fmt: skip
+    data = DataOptions(config_train=cfg, vocab_dir=tokenizer, chunk_docs=50)
+    run = data_spec(data, ModelOptions(context_length=32, task="conversation"), 32)
+    assert run.task == "conversation"
+    assert cache_fingerprint(cache) == fingerprint(load_config(cfg), tokenizer, run)
+
+
 class _Pids(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return 6

@@ -344,7 +344,15 @@ def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp
     from dsgpt2.errors import CorpusError
 
     with pytest.raises(CorpusError, match="no <\\|speaker\\|> token"):
-        make_spec(models["lm"], 64, 100, 0.9, 1, "conversation", "assistant")
+        make_spec(
+            models["lm"],
+            context=64,
+            chunk_docs=100,
+            tr_ratio=0.9,
+            seed=1,
+            task="conversation",
+            reply_speakers="assistant",
+        )
     assert np.array_equal(np.arange(3), np.arange(3))
 
 

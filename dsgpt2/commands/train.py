@@ -19,8 +19,8 @@ def add_tokenize(sub: Any) -> None:
         description=(
             "Tokenize and pack the training and validation splits into memory-mapped files, ahead of "
             "training. Use the data flags the training run will use: the cache is fingerprinted by the "
-            "collections, their counts, the tokenizer, the context, the split and the seed, and a run "
-            "with other settings rebuilds it."
+            "collections, their counts, the tokenizer, the context, the split, the seed and the task "
+            "(--task conversation: reply-only labels), and a run with other settings rebuilds it."
         ),
     )
     from dsgpt2.options import add_options
@@ -30,7 +30,7 @@ def add_tokenize(sub: Any) -> None:
     data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "cache_dir", "num_workers"]
     defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
     add_options(p, DataOptions, only=data_flags, defaults=defaults)
-    add_options(p, ModelOptions, only=["model_select", "context_length"])
+    add_options(p, ModelOptions, only=["model_select", "context_length", "task", "reply_speakers"])
     p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_tokenize)
@@ -59,14 +59,13 @@ def add_plan(sub: Any) -> None:
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.config import load_config
     from dsgpt2.data.cache import prepare_cache
-    from dsgpt2.data.sources import make_spec
     from dsgpt2.options import from_namespace
-    from dsgpt2.train.config import DataOptions, ModelOptions
+    from dsgpt2.train.config import DataOptions, ModelOptions, data_spec
     from dsgpt2.train.engine import run_context
 
-    data = from_namespace(DataOptions, args)
-    context = run_context(from_namespace(ModelOptions, args))
-    spec = make_spec(data.vocab_dir, context, data.chunk_docs, data.tr_ratio, data.seed)
+    data, model = from_namespace(DataOptions, args), from_namespace(ModelOptions, args)
+    context = run_context(model)
+    spec = data_spec(data, model, context)
     meta, added = prepare_cache(
         load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
     )

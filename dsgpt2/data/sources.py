@@ -54,6 +54,7 @@ class DataSpec:
 
 def make_spec(
     tokenizer_dir: Path,
+    *,
     context: int,
     chunk_docs: int,
     tr_ratio: float,

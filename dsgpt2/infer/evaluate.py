@@ -92,12 +92,12 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
         raise ConfigError(f"--context_length {context}: the model has {loaded.context} positions")
     return make_spec(
         loaded.tokenizer_dir,
-        context,
-        run.get("chunk_docs", DEFAULT_CHUNK_DOCS),
-        request.tr_ratio or run.get("tr_ratio", DEFAULT_TR_RATIO),
-        request.seed if request.seed is not None else run.get("seed", DEFAULT_SEED),
-        request.task or run.get("task", "lm"),
-        request.reply_speakers or run.get("reply_speakers", "bot"),
+        context=context,
+        chunk_docs=run.get("chunk_docs", DEFAULT_CHUNK_DOCS),
+        tr_ratio=request.tr_ratio or run.get("tr_ratio", DEFAULT_TR_RATIO),
+        seed=request.seed if request.seed is not None else run.get("seed", DEFAULT_SEED),
+        task=request.task or run.get("task", "lm"),
+        reply_speakers=request.reply_speakers or run.get("reply_speakers", "bot"),
     )
 
 

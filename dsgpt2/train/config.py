@@ -246,6 +246,22 @@ class EngineOptions:
         self.deepspeed_config = Path(self.deepspeed_config)
 
 
+def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
+    """The blocks a run of these options reads (the data fingerprint's settings): training's, and
+    ``dsgpt2 tokenize``'s cache for it."""
+    from dsgpt2.data.sources import make_spec
+
+    return make_spec(
+        data.vocab_dir,
+        context=context,
+        chunk_docs=data.chunk_docs,
+        tr_ratio=data.tr_ratio,
+        seed=data.seed,
+        task=model.task,
+        reply_speakers=model.reply_speakers,
+    )
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run is told."""
@@ -278,10 +294,7 @@ class TrainConfig:
 
     def data_spec(self, context: int) -> DataSpec:
         """The blocks this run reads (the data fingerprint's settings), for a model of ``context``."""
-        from dsgpt2.data.sources import make_spec
-
-        d, m = self.data, self.model
-        return make_spec(d.vocab_dir, context, d.chunk_docs, d.tr_ratio, d.seed, m.task, m.reply_speakers)
+        return data_spec(self.data, self.model, context)
 
     @property
     def cache_dir(self) -> Path:
