@@ -582,3 +582,27 @@ def test_api_defaults_and_field_mapping() -> None:
     for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
         with pytest.raises(ApiError, match=r"messages|last message|role"):
             chat_request({"messages": messages}, "m", limits, defaults)
+
+
+def test_every_route_checks_a_request_against_the_context_one_way(pretrained: Path) -> None:
+    """A length the context cannot hold: the same check and message on /generate and the OpenAI
+    route, each naming the parameter as its request spells it."""
+    from starlette.testclient import TestClient
+
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(pretrained))
+    context = generator.context
+    with TestClient(make_app(generator, ServeLimits(max_new_tokens=10 * context))) as client:
+        r = client.post("/generate", json={"prompt": "a", "max_new_tokens": context})
+        assert r.status_code == 400
+        assert f"max_new_tokens {context} does not fit the model's context of {context}" in r.text
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": context})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens"
+        assert error["message"].startswith(
+            f"max_tokens {context} does not fit the model's context of {context}"
+        )
+        ok = client.post("/generate", json={"prompt": "a", "max_new_tokens": context - 1})
+        assert ok.status_code == 200, ok.text

@@ -146,16 +146,12 @@ def sampling(
     values["top_k"] = 0
     try:
         params = SamplingParams.from_mapping(values, replace(defaults, repetition_penalty=1.0))
+        limits.check_length(params.max_new_tokens, "max_tokens")
     except ConfigError as exc:
         message = str(exc)
         for api, ours in names.items():
             message = message.replace(ours, api)
         raise ApiError(message, _param_of(message, names)) from None
-    if params.max_new_tokens > limits.max_new_tokens:
-        raise ApiError(
-            f"max_tokens {params.max_new_tokens} is more than this server allows ({limits.max_new_tokens})",
-            "max_tokens",
-        )
     return params
 
 

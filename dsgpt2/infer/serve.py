@@ -81,13 +81,9 @@ def parse_request(
         )
     try:
         params = SamplingParams.from_mapping(values, defaults)
+        limits.check_length(params.max_new_tokens)
     except ConfigError as exc:
         raise BadRequest(str(exc)) from None
-    if params.max_new_tokens > limits.max_new_tokens:
-        raise BadRequest(
-            f"max_new_tokens {params.max_new_tokens} is more than this server allows "
-            f"({limits.max_new_tokens})"
-        )
     return prompt, params
 
 
@@ -163,8 +159,8 @@ class Service:
         generator = self.generator
         try:
             prompt, params = parse_request(values, prompt_key, self.limits, self.defaults)
-            decode = DecodeRequest(generator.decoder.fit(generator.encode(prompt), params), params)
-        except (BadRequest, ConfigError) as exc:
+            decode = DecodeRequest(fit_prompt(generator, generator.encode(prompt), params), params)
+        except (BadRequest, ApiError) as exc:
             return _error(str(exc), 400, api=False)
         failed = await self.decode(request, [decode], api=False)
         if failed is not None:
@@ -248,19 +244,27 @@ class Service:
         )
 
 
-def _fit(generator: Generator, ids: list[int], api: ApiRequest) -> list[int]:
+def fit_prompt(
+    generator: Generator, ids: list[int], params: SamplingParams, length: str = "max_new_tokens"
+) -> list[int]:
+    """The tokens a request decodes from (the prompt's last ones, leaving room for the tokens asked):
+    every route's one check of a request against the model's context.
+
+    Raises:
+        ApiError: the length asked (``length``: as the request spells it) leaves no room.
+    """
     try:
-        return generator.decoder.fit(ids, api.params)
+        return generator.decoder.fit(ids, params)
     except ConfigError:
         raise ApiError(
-            f"max_tokens {api.params.max_new_tokens} does not fit the model's context of "
-            f"{generator.context} tokens",
-            "max_tokens",
+            f"{length} {params.max_new_tokens} does not fit the model's context of {generator.context} "
+            f"tokens; ask for fewer than {generator.context}",
+            length,
         ) from None
 
 
 def _completion_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
-    fitted = [_fit(generator, generator.encode(p), api) for p in api.prompts]
+    fitted = [fit_prompt(generator, generator.encode(p), api.params, "max_tokens") for p in api.prompts]
     return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
 
 
@@ -275,7 +279,7 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
             "on conversations; use /v1/completions",
             "messages",
         ) from None
-    ids = _fit(generator, session.prompt(api.turns), api)
+    ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
 

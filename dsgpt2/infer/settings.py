@@ -124,6 +124,15 @@ class ServeLimits:
         for name, value in asdict(self).items():
             check_int(f"--{name}", value, 1)
 
+    def check_length(self, asked: int, name: str = "max_new_tokens") -> None:
+        """A request's length within what this server allows (``name``: as the request spells it).
+
+        Raises:
+            ConfigError: more tokens than ``max_new_tokens`` (--max_tokens_limit).
+        """
+        if asked > self.max_new_tokens:
+            raise ConfigError(f"{name} {asked} is more than this server allows ({self.max_new_tokens})")
+
 
 EVAL_SPLITS = ("val", "train", "all")
 
