@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -178,6 +178,8 @@ class Trainer:
         self._hand_norm: float | None = None
         self.last_val: float | None = None
         self.run_of_bad = 0
+        self._step_lr = 0.0  # the rate the current step trains at
+        self.batches: Iterator[Any] = iter(())  # the stream's batches, from train() on
 
     def train(self) -> dict[str, Any]:
         """Train until --train_iters, a stop signal or a lost database; return the summary."""
@@ -212,7 +214,7 @@ class Trainer:
         :meth:`log_step` does at log intervals only), and their block ids with --log_block_ids.
         """
         self.engine.train()
-        self._step_lr = self.engine.get_lr()[0]  # the rate this step trains at
+        self._step_lr = self.engine.get_lr()[0]
         losses: list[torch.Tensor] = []
         ids: list[Any] = []
         norm_due = self.runlog.should_log(state.step + 1) and self._norm_by_hand
