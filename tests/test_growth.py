@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, store_config, write_config
+from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.config import load_config
@@ -145,6 +146,12 @@ def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     for step in range(5, 9):
         assert resumed[step]["block_ids"] == straight[step]["block_ids"], step
         assert resumed[step]["loss"] == pytest.approx(straight[step]["loss"], abs=1e-6)
+    # The run's record: the growth taken in at resume, as the followed run has the one it took in.
+    growth = records(tmp_path, "growth")
+    assert list(growth) == [4] and growth[4]["added"] == records(followed, "growth")[4]["added"] == {"a": 300}
+    assert growth[4]["at"] == "resume" and records(followed, "growth")[4]["at"] == "follow"
+    saved = read_client_state(tmp_path / "ckpt", "global_step8")
+    assert saved["data"]["growth"] == [{"step": 4, "added": {"a": 300}, "at": "resume"}]
 
 
 def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(

@@ -59,6 +59,10 @@ class Feed:
         self.stages = mixture_stages(mongo.weights, cfg.data.mixture, mongo.collections)
         self.streams = streams_of(len(mongo.collections), self.stages)
         self._prefix: tuple[tuple[int, ...], dict[str, Any]] | None = None
+        # Every growth the run took in: {"step", "added": {collection: documents}, "at": resume|follow}.
+        self.growth: list[dict[str, Any]] = []
+        # The table's marks before and after the growth taken in at resume; None when none came.
+        self.resume_growth: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def start(self, marks: tuple[int, ...], saved: dict[str, Any] | None) -> None:
         """The table, schedule, datasets and this rank's state: fresh at ``marks``, or from the
@@ -71,6 +75,7 @@ class Feed:
             states = [ReadState.start(len(self.streams)) for _ in range(self.world)]
         else:
             self.schedule = Schedule(ChunkTable.from_dict(saved["table"]), self.streams, seed)
+            self.growth = list(saved.get("growth", []))
             states = [ReadState.from_dict(d) for d in saved["ranks"]]
             if len(states) != self.world:
                 states = redeal_states(self.schedule, states, self.world)
@@ -80,7 +85,9 @@ class Feed:
                 for state, mine in zip(states, dealt, strict=True):
                     for s, items in mine.items():
                         state.streams[s].queue.extend(items)
+                before = self.schedule.table.marks
                 self.schedule = Schedule(table, self.streams, seed)
+                self.resume_growth = (before, self.schedule.table.marks)
                 self._log_growth(added, "now" if self.cfg.data.follow else "from the next epoch")
         self._check_enough_chunks()
         self.state = states[self.rank]
@@ -137,6 +144,17 @@ class Feed:
             self.train_data, _ = self._datasets()
         return dealt[self.rank]
 
+    def record_growth(
+        self, step: int, before: tuple[int, ...], after: tuple[int, ...], at: str
+    ) -> dict[str, Any]:
+        """Note in the run's history (kept in every checkpoint after) the documents the marks
+        ``before`` → ``after`` added at ``step``; returns the record."""
+        names = self.mongo.collections
+        added = {n: a - b for n, a, b in zip(names, after, before, strict=True) if a > b}
+        record = {"step": step, "added": added, "at": at}
+        self.growth.append(record)
+        return record
+
     def _log_growth(self, added: list[tuple[int, int, int]], when: str) -> None:
         parts = [f"{self.mongo.collections[c]} {lo}..{hi}" for c, lo, hi in added]
         log.info("taking in new documents (%s) %s", ", ".join(parts), when)
@@ -158,6 +176,7 @@ class Feed:
             "table": self.schedule.table.to_dict(),
             "streams": [list(s) for s in self.streams],
             "prefix": self._prefix[1] if self._prefix else None,
+            "growth": self.growth,
             "ranks": gather(state.to_dict()),
         }
 

@@ -190,6 +190,10 @@ class Trainer:
         # database goes away mid-accumulation must hold.
         boundary = (replace(state), self.stream.state.copy())
         with self.runlog.open():
+            if self.feed.resume_growth is not None:
+                # Taken in before the first step: as much the run's record as growth followed mid-run.
+                record = self.feed.record_growth(state.step, *self.feed.resume_growth, "resume")
+                self.runlog.write({"event": "growth", **record})
             try:
                 while state.step < r.train_iters and not self.stop.name:
                     losses, ids = self.train_step(state, self.batches)
@@ -317,9 +321,7 @@ class Trainer:
         self.stream.regrow(self.feed.train_data, self.feed.schedule, dealt)
         self.batches = iter(self.stream)
         after = self.feed.schedule.table.marks
-        self.runlog.write({"event": "growth", "step": state.step,
-                     "added": {n: a - b for n, a, b in zip(self.mongo.collections, after, before, strict=True)
-                               if a > b}})  # fmt: skip
+        self.runlog.write({"event": "growth", **self.feed.record_growth(state.step, before, after, "follow")})
         return True
 
     def maybe_save(self, state: TrainState) -> None:
