@@ -424,6 +424,63 @@ def _launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subp
     return result
 
 
+def _launch_nodes(corpus: dict[str, Path], run: Path, per_node: list[list[str]], *extra: str) -> list[str]:
+    """One `deepspeed --no_ssh --node_rank R` launch per simulated node (a hostfile with 1 and 2
+    slots: world 3), all at once; ``per_node``: each node's own flags. Returns each node's output."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hostfile = run / "hostfile"
+    run.mkdir(parents=True, exist_ok=True)
+    hostfile.write_text("node0 slots=1\nnode1 slots=2\n")
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
+                "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+    nodes = []
+    for rank, own in enumerate(per_node):
+        argv = [*launcher, "--node_rank", str(rank), str(ROOT / "ds_trainer.py"),
+                *trainer_args(corpus, run, *extra, *own)]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outputs = [node.communicate(timeout=400)[0] for node in nodes]
+    for node, out in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, out[-3000:]
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["streaming", "cached"])
+def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
+    corpus: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    """Two nodes (1 + 2 ranks), each with its own cache directory (node-local disks): one cache per
+    node, built by the node's first rank; across the 3 ranks, epoch 0's blocks are exactly those of
+    a one-rank run's epoch 0, none twice."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    mockstore.reset()
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1", "--data_mode", mode)
+    train(small, tmp_path / "one", "--train_iters", "40", *common[:-2])
+    whole = [tuple(b) for r in read_metrics(tmp_path / "one" / "ws" / "block_ids_rank0.jsonl")
+             for b in r["block_ids"] if b[0] == 0]  # fmt: skip
+    caches = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
+    out = _launch_nodes(small, tmp_path / "two", [["--cache_dir", str(c)] for c in caches],
+                        "--train_iters", "24", *common)  # fmt: skip
+    read = []
+    for rank in range(3):
+        records = read_metrics(tmp_path / "two" / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert records[-1]["block_ids"][-1][0] >= 1, f"rank {rank} did not finish epoch 0"
+        read += [tuple(b) for r in records for b in r["block_ids"] if b[0] == 0]
+    assert len(read) == len(set(read)), "a block was read twice"
+    assert set(read) == set(whole)
+    if mode == "cached":
+        assert all((c / "cache.json").is_file() for c in caches)
+        assert "2 cache directories, built by ranks 0, 1" in out[0]
+        assert not list(caches[1].glob(".rank-*"))
+
+
 def test_resume_on_another_number_of_ranks_reads_every_block_once(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ epoch, or at once with ``--follow``) and, with ``--follow N``, every N steps whi
 from __future__ import annotations
 
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,8 @@ from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take
 from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
-from dsgpt2.errors import ConfigError
-from dsgpt2.train.collective import barrier, gather, on_rank0
+from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.train.collective import barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import TrainConfig
 
 log = logging.getLogger("dsgpt2.train.feed")
@@ -115,14 +116,47 @@ class Feed:
         if d.data_mode == "streaming":
             return tuple(StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s) for s in SPLITS)
         cache_dir = self.cfg.cache_dir
-        if self.rank == 0:
-            meta, added = prepare_cache(
-                self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers, table=table
-            )
-            state = f"{added} chunk(s) tokenized and added" if added else "up to date, reused"
-            log.info("token cache %s: %s (%d chunks)", cache_dir, state, meta["chunks"])
-        barrier()
+        self._prepare_caches(cache_dir, table)
         return CachedChunks(cache_dir, "train", table), CachedChunks(cache_dir, "val", table)
+
+    def _prepare_caches(self, cache_dir: Path, table: ChunkTable) -> None:
+        """Make every rank's ``cache_dir`` hold the table's chunks: one builder per directory,
+        whether the nodes share it or each has its own (node-local disks); every rank waits.
+
+        Which ranks share a directory is found out, not assumed from the launch: each rank leaves a
+        file named for this call and its rank there, then looks each rank's name up (a lookup by
+        name, which a network file system answers from the server); the lowest rank that sees its
+        own builds. A builder's user error is raised on every rank.
+        """
+        d = self.cfg.data
+        call = on_rank0(lambda: uuid.uuid4().hex)
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            probe = cache_dir / f".rank-{call}-{self.rank}"
+            probe.touch()
+        except OSError as exc:
+            raise ConfigError(f"--cache_dir {cache_dir}: cannot write there ({exc.strerror})") from None
+        barrier()
+        sharing = [r for r in range(self.world) if (cache_dir / f".rank-{call}-{r}").exists()]
+        outcome: tuple[str, str] | str | None = None
+        if sharing[0] == self.rank:
+            try:
+                meta, added = prepare_cache(
+                    self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers, table=table
+                )
+                state = f"{added} chunk(s) tokenized and added" if added else "up to date, reused"
+                outcome = f"{state} ({meta['chunks']} chunks)"
+            except DsGpt2Error as exc:
+                outcome = (type(exc).__name__, str(exc))
+        outcomes = gather(outcome)  # also the wait for every builder
+        probe.unlink(missing_ok=True)
+        raise_shared(next((o for o in outcomes if isinstance(o, tuple)), None))
+        builders = [r for r, o in enumerate(outcomes) if o is not None]
+        log.info(
+            "token cache %s: %s; %d cache director%s, built by rank%s %s",
+            cache_dir, outcomes[0], len(builders), "y" if len(builders) == 1 else "ies",
+            "" if len(builders) == 1 else "s", ", ".join(map(str, builders)),
+        )  # fmt: skip
 
     def follow(self, marks: tuple[int, ...], states: list[ReadState]) -> dict[int, list[Any]] | None:
         """Take in what ``marks`` add (whole chunks), dealt at once; ``states``: every rank's, now.
