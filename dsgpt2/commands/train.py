@@ -20,7 +20,9 @@ def add_tokenize(sub: Any) -> None:
             "Tokenize and pack the training and validation splits into memory-mapped files, ahead of "
             "training. Use the data flags the training run will use: the cache is fingerprinted by the "
             "collections, their counts, the tokenizer, the context, the split, the seed and the task "
-            "(--task conversation: reply-only labels), and a run with other settings rebuilds it."
+            "(--task conversation: reply-only labels), and a run with other settings rebuilds it. "
+            "Several nodes: a shared --cache_dir is built once; with node-local disks, run this on every "
+            "node with its own --cache_dir (a run builds what a node lacks, one builder per directory)."
         ),
     )
     from dsgpt2.options import add_options
