@@ -22,6 +22,12 @@ class MongoUnavailableError(DsGpt2Error):
     """The MongoDB server cannot be reached or keeps failing."""
 
 
+class PeerLostError(DsGpt2Error):
+    """Another rank of the run died or stopped answering: this one stops too (re-run to resume)."""
+
+    exit_code = 3
+
+
 class CorpusError(DsGpt2Error):
     """The corpus in MongoDB is not usable as it is (broken idx, empty collection)."""
 

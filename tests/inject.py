@@ -1,11 +1,13 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
     python tests/inject.py [--nonfinite_at N ...] [--exit_after STEP] [--after STEP=COMMAND ...]
-        -- DS_TRAINER_FLAGS...
+        [--kill_group_after STEP] -- DS_TRAINER_FLAGS...
 
 --nonfinite_at: the loss of these micro-batches becomes NaN; --exit_after: die like a killed job
 right after that step (no cleanup, no final checkpoint), exit code 17; --after: run the shell
-COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it.
+COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it;
+--kill_group_after: SIGKILL this process's whole process group after that step (a node lost at once:
+its launcher, its ranks, their workers, when the node's launch was its own group).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 
@@ -26,6 +29,7 @@ def main() -> int:
     p.add_argument("--nonfinite_at", type=int, nargs="*", default=[])
     p.add_argument("--exit_after", type=int)
     p.add_argument("--after", action="append", default=[])
+    p.add_argument("--kill_group_after", type=int)
     argv = sys.argv[1:]
     cut = argv.index("--")
     # The deepspeed launcher puts --local_rank=N first: it is the trainer's.
@@ -43,6 +47,8 @@ def main() -> int:
             for child in multiprocessing.active_children():
                 child.kill()
             os._exit(17)
+        if step == faults.kill_group_after:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
 
     return trainer.main([*launcher_args, *argv[cut + 1 :]], on_loss=on_loss, after_step=after_step)
 

@@ -424,9 +424,17 @@ def _launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subp
     return result
 
 
-def _launch_nodes(corpus: dict[str, Path], run: Path, per_node: list[list[str]], *extra: str) -> list[str]:
+def _launch_nodes(
+    corpus: dict[str, Path],
+    run: Path,
+    per_node: list[list[str]],
+    *extra: str,
+    faults: list[list[str]] | None = None,
+    expect: tuple[int, ...] = (0, 0),
+) -> list[tuple[str, float]]:
     """One `deepspeed --no_ssh --node_rank R` launch per simulated node (a hostfile with 1 and 2
-    slots: world 3), all at once; ``per_node``: each node's own flags. Returns each node's output."""
+    slots: world 3), all at once, each its own process group; ``per_node``: each node's own flags,
+    ``faults``: each node's tests/inject.py flags. Returns each node's output and when it ended."""
     import socket
 
     with socket.socket() as s:
@@ -437,17 +445,33 @@ def _launch_nodes(corpus: dict[str, Path], run: Path, per_node: list[list[str]],
     hostfile.write_text("node0 slots=1\nnode1 slots=2\n")
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh",
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
-    nodes = []
+    nodes, logs = [], []
     for rank, own in enumerate(per_node):
-        argv = [*launcher, "--node_rank", str(rank), str(ROOT / "ds_trainer.py"),
-                *trainer_args(corpus, run, *extra, *own)]  # fmt: skip
-        nodes.append(
-            subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        )
-    outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    for node, out in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, out[-3000:]
-    return outputs
+        inject = [str(ROOT / "tests" / "inject.py"), *faults[rank], "--"] if faults and faults[rank] else []
+        script = inject or [str(ROOT / "ds_trainer.py")]
+        argv = [*launcher, "--node_rank", str(rank), *script, *trainer_args(corpus, run, *extra, *own)]
+        logs.append(open(run / f"node{rank}.log", "w+"))  # noqa: SIM115 - closed below
+        nodes.append(subprocess.Popen(argv, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    ended = [0.0] * len(nodes)
+    deadline = time.monotonic() + 400
+    while not all(ended) and time.monotonic() < deadline:
+        for i, node in enumerate(nodes):
+            if not ended[i] and node.poll() is not None:
+                ended[i] = time.monotonic()
+        time.sleep(0.2)
+    results = []
+    for node, log, end in zip(nodes, logs, ended, strict=True):
+        if not end:
+            os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        log.seek(0)
+        results.append((log.read(), end))
+        log.close()
+    for (out, end), code, node in zip(results, expect, nodes, strict=True):
+        assert end, "a node did not end: " + out[-3000:]
+        assert node.returncode == code, out[-3000:]
+    return results
 
 
 @pytest.mark.parametrize("mode", ["streaming", "cached"])
@@ -466,8 +490,8 @@ def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
     whole = [tuple(b) for r in read_metrics(tmp_path / "one" / "ws" / "block_ids_rank0.jsonl")
              for b in r["block_ids"] if b[0] == 0]  # fmt: skip
     caches = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
-    out = _launch_nodes(small, tmp_path / "two", [["--cache_dir", str(c)] for c in caches],
-                        "--train_iters", "24", *common)  # fmt: skip
+    out = [o for o, _ in _launch_nodes(small, tmp_path / "two", [["--cache_dir", str(c)] for c in caches],
+                                       "--train_iters", "24", *common)]  # fmt: skip
     read = []
     for rank in range(3):
         records = read_metrics(tmp_path / "two" / "ws" / f"block_ids_rank{rank}.jsonl")
@@ -479,6 +503,53 @@ def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
         assert all((c / "cache.json").is_file() for c in caches)
         assert "2 cache directories, built by ranks 0, 1" in out[0]
         assert not list(caches[1].glob(".rank-*"))
+
+
+def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Node 1 (ranks 1 and 2) is killed at once after step 6 of 12, its checkpoint at step 4:
+    node 0 ends within --dist_timeout, one line and exit 3, the checkpoint intact; the same two
+    commands resume, to the straight run's blocks and losses. A node that never comes: the one
+    launched ends after --dist_timeout with one line."""
+    from dsgpt2.checkpoints.format import complete_tags
+
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    mockstore.reset()
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "4", "--num_workers", "1", "--train_iters", "12")
+    timeout = ("--dist_timeout", "60")
+    _launch_nodes(small, tmp_path / "straight", [[], []], *common, *timeout)
+
+    run = tmp_path / "lost"
+    kill = [[], ["--kill_group_after", "6"]]
+    (out, end), (_, killed) = _launch_nodes(small, run, [[], []], *common, *timeout, faults=kill, expect=(3, -9))  # fmt: skip
+    assert end - killed < 60
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "rank 0 of 3 stops at step 7: a rank or node of the run died" in errors[0]
+    assert f"the last whole checkpoint, {run / 'ckpt'}/global_step4, is kept" in errors[0]
+    assert complete_tags(run / "ckpt") == ["global_step4"]
+    assert (run / "ckpt" / "latest").read_text().strip() == "global_step4"
+
+    _launch_nodes(small, run, [[], []], *common, *timeout)
+    straight, resumed = steps(tmp_path / "straight"), steps(run)
+    assert sorted(resumed) == sorted(straight) == list(range(1, 13))
+    for step in straight:
+        assert abs(resumed[step]["loss"] - straight[step]["loss"]) <= 1e-6, step
+    for rank in range(3):
+        ids = [{r["step"]: r["block_ids"] for r in read_metrics(d / "ws" / f"block_ids_rank{rank}.jsonl")}
+               for d in (tmp_path / "straight", run)]  # fmt: skip
+        assert ids[0] == ids[1], f"rank {rank} read other blocks"
+
+    start = time.monotonic()
+    alone = tmp_path / "alone"
+    [(out, end)] = _launch_nodes(small, alone, [[]], *common, "--dist_timeout", "10", expect=(3,))
+    assert end - start < 10 + 60  # the launch's own start-up, then the timeout
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "stops at start-up: only 1 of 3 ranks joined the run within --dist_timeout 10 s" in errors[0]
 
 
 def test_resume_on_another_number_of_ranks_reads_every_block_once(

@@ -12,6 +12,7 @@ the cache as it was before.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,11 @@ def build_cache(
     fp: dict[str, Any],
     vocab_size: int,
     workers: int = 2,
+    tick: Callable[[], None] | None = None,
 ) -> dict[str, int]:
     """Tokenize every chunk of each split's table into ``cache_dir``: the chunks it already holds
-    under the same fingerprint are kept, the others appended. Return the blocks per split."""
+    under the same fingerprint are kept, the others appended. Return the blocks per split.
+    ``tick``: called after each chunk (a training run's other ranks wait meanwhile)."""
     from tqdm import tqdm
 
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +133,8 @@ def build_cache(
                     handles["loss"][0].write(item.loss.astype(np.bool_).tobytes())
                 offsets.append(offsets[-1] + len(item.blocks))
                 lasts.append(item.last)
+                if tick is not None:
+                    tick()
         finally:
             for f, _ in handles.values():
                 f.close()
@@ -156,8 +161,10 @@ def prepare_cache(
     workers: int = 2,
     force: bool = False,
     table: ChunkTable | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """Make the token cache hold every chunk of ``table`` (default: the corpus as it is now).
+    """Make the token cache hold every chunk of ``table`` (default: the corpus as it is now);
+    ``tick``: see :func:`build_cache`.
 
     Returns:
         (the cache's meta, how many chunks were tokenized now: 0 when it was up to date).
@@ -172,7 +179,7 @@ def prepare_cache(
         (cache_dir / "cache.json").unlink(missing_ok=True)
     before = (_meta(cache_dir) or {}).get("chunks", 0) if cache_fingerprint(cache_dir) == fp else 0
     sources = {split: StreamingChunks(config, table, tokenizer_dir, spec, split) for split in SPLITS}
-    build_cache(sources, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers)
+    build_cache(sources, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick)
     meta = _meta(cache_dir) or {}
     return meta, int(meta["chunks"]) - int(before)
 

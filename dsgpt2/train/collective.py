@@ -1,15 +1,20 @@
-"""Collectives the run needs besides DeepSpeed's: one rank decides, every rank follows.
+"""Collectives the run needs besides DeepSpeed's: one rank decides, every rank follows; and what a
+rank does when the others are gone.
 
-Each is a no-op in a single process without a process group.
+Each collective is a no-op in a single process without a process group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 from dsgpt2.checkpoints import format as checkpoint
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.errors import DsGpt2Error, PeerLostError
 
 
 def broadcast(values: list[Any]) -> None:
@@ -73,3 +78,86 @@ def all_sum(values: list[int], device: Any) -> list[int]:
         counts = counts.to(device)
         dist.all_reduce(counts)
     return counts.tolist()
+
+
+class Rounds:
+    """Ranks that wait while others work alone (a cache build, hours on a large corpus) stay in
+    touch: a working rank calls :meth:`tick` between pieces of work, every rank calls
+    :meth:`finish` with its outcome. Each is a round of one small collective, so a worker that dies
+    or freezes is noticed within the process group's timeout, whatever the length of the work.
+
+    Args:
+        every: the least number of seconds between a working rank's rounds.
+    """
+
+    _WORKING = "working"
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every = every
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        """A round, if ``every`` seconds have passed since this rank's last one."""
+        if time.monotonic() - self._last >= self.every:
+            gather(self._WORKING)
+            self._last = time.monotonic()
+
+    def finish(self, outcome: Any) -> list[Any]:
+        """Rounds until every rank has finished; returns every rank's ``outcome``, in rank order."""
+        while True:
+            outcomes = gather(("done", outcome))
+            if all(o != self._WORKING for o in outcomes):
+                return [o[1] for o in outcomes]
+
+
+# What gloo (and NCCL) say when a peer's process or node is gone, and when one stops answering.
+_CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+_TIMED_OUT = ("Timed out", "timed out", "collective operation timeout")
+
+
+def peer_lost(exc: BaseException, timeout: int, where: str, ckpt_dir: Any) -> PeerLostError | None:
+    """The one-line error for a collective that failed because another rank died or froze; None
+    when ``exc`` is something else (a bug keeps its traceback).
+
+    Args:
+        exc: what the collective raised.
+        timeout: --dist_timeout, in seconds.
+        where: when it happened ("start-up", "step 12").
+        ckpt_dir: the run's checkpoint directory (its last complete checkpoint is named).
+    """
+    import torch.distributed as dist
+
+    text = str(exc)
+    if not isinstance(exc, RuntimeError):
+        return None
+    if "waiting for clients" in text:
+        joined = re.search(r"(\d+)/(\d+) clients joined", text)
+        what = (f"only {joined[1]} of {joined[2]} ranks" if joined else "not every rank") + (
+            f" joined the run within --dist_timeout {timeout} s: a node did not start or cannot reach "
+            "--master_addr"
+        )
+    elif any(s in text for s in _CLOSED):
+        peer = re.search(r"\[([^\]]+)\]:(\d+)", text)
+        what = "a rank or node of the run died (" + (
+            f"its connection from {peer[1]}:{peer[2]} closed)" if peer else "its connection closed)"
+        )
+    elif "trying to connect" in text:
+        what = f"the run's first node (--master_addr) did not answer within --dist_timeout {timeout} s"
+    elif any(s in text for s in _TIMED_OUT):
+        what = f"another rank or node stopped answering for --dist_timeout {timeout} s"
+    elif isinstance(exc, dist.DistError):
+        what = f"the process group failed ({text.strip().splitlines()[-1][:200]})"
+    else:
+        return None
+    rank = f"rank {os.environ.get('RANK', '?')} of {os.environ.get('WORLD_SIZE', '?')}"
+    if dist.is_initialized():
+        # Left for the interpreter's exit, a group that lost a peer may abort the process there.
+        # Already on the way out: the first error is the one to tell.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    tags = checkpoint.complete_tags(ckpt_dir) if ckpt_dir is not None else []
+    kept = f"the last whole checkpoint, {ckpt_dir}/{tags[-1]}, is kept" if tags else "no checkpoint yet"
+    return PeerLostError(
+        f"{rank} stops at {where}: {what}; {kept}: run the same command on every node again"
+        + (" to resume" if tags else "")
+    )

@@ -239,11 +239,18 @@ class EngineOptions:
         None, "torch.distributed backend (default: nccl on GPU, gloo on CPU)"
     )
     local_rank: int = option(-1, "set by the deepspeed launcher")
+    dist_timeout: int = option(
+        600,
+        "seconds a rank waits for the others (start-up included) before it gives them up: a rank or "
+        "node that died or froze ends every other rank within this time, with the last whole "
+        "checkpoint kept. Longer than the longest single wait of the run (a checkpoint's writing)",
+    )
 
     def __post_init__(self) -> None:
         if not self.deepspeed_config:
             raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
         self.deepspeed_config = Path(self.deepspeed_config)
+        check_positive("--dist_timeout", self.dist_timeout)
 
 
 def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
@@ -335,7 +342,7 @@ def build_parser() -> OneLineErrorParser:
     for title, cls in GROUPS:
         add_options(p.add_argument_group(title), cls)
     g = p.add_argument_group("distributed")
-    add_options(g, EngineOptions, only=["distributed_backend", "local_rank"])
+    add_options(g, EngineOptions, only=["distributed_backend", "local_rank", "dist_timeout"])
     prepare_deepspeed_environment()
     import deepspeed
 

@@ -23,7 +23,7 @@ from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import ConfigError, DsGpt2Error
-from dsgpt2.train.collective import barrier, gather, on_rank0, raise_shared
+from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import TrainConfig
 
 log = logging.getLogger("dsgpt2.train.feed")
@@ -126,7 +126,8 @@ class Feed:
         Which ranks share a directory is found out, not assumed from the launch: each rank leaves a
         file named for this call and its rank there, then looks each rank's name up (a lookup by
         name, which a network file system answers from the server); the lowest rank that sees its
-        own builds. A builder's user error is raised on every rank.
+        own builds. A builder's user error is raised on every rank. While builders work, every
+        rank stays in touch (:class:`Rounds`): a builder that dies is noticed within --dist_timeout.
         """
         d = self.cfg.data
         call = on_rank0(lambda: uuid.uuid4().hex)
@@ -139,16 +140,18 @@ class Feed:
         barrier()
         sharing = [r for r in range(self.world) if (cache_dir / f".rank-{call}-{r}").exists()]
         outcome: tuple[str, str] | str | None = None
+        rounds = Rounds(every=min(5.0, self.cfg.engine.dist_timeout / 4))
         if sharing[0] == self.rank:
             try:
                 meta, added = prepare_cache(
-                    self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers, table=table
-                )
+                    self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers,
+                    table=table, tick=rounds.tick,
+                )  # fmt: skip
                 state = f"{added} chunk(s) tokenized and added" if added else "up to date, reused"
                 outcome = f"{state} ({meta['chunks']} chunks)"
             except DsGpt2Error as exc:
                 outcome = (type(exc).__name__, str(exc))
-        outcomes = gather(outcome)  # also the wait for every builder
+        outcomes = rounds.finish(outcome)
         probe.unlink(missing_ok=True)
         raise_shared(next((o for o in outcomes if isinstance(o, tuple)), None))
         builders = [r for r, o in enumerate(outcomes) if o is not None]

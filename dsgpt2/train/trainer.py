@@ -12,6 +12,7 @@ import os
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from dsgpt2.log import setup_logging
 from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
-from dsgpt2.train.collective import all_sum, gather, on_rank0
+from dsgpt2.train.collective import all_sum, gather, on_rank0, peer_lost
 from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.ds_config import (
     apply_schedule,
@@ -107,7 +108,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
 
     # First: the barriers and broadcasts below need the process group.
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    deepspeed.init_distributed(
+        dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
+    )
     conn = Connection(mongo)
     conn.ping()
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, cfg.data.allow_corpus_problems)))
@@ -408,8 +411,17 @@ def main(
     """
 
     def run() -> int:
-        trainer = build(parse(argv), hooks=Hooks(on_loss, after_step))
-        summary = trainer.train()
+        cfg = parse(argv)
+        trainer = None
+        try:
+            trainer = build(cfg, hooks=Hooks(on_loss, after_step))
+            summary = trainer.train()
+        except RuntimeError as exc:
+            where = "start-up" if trainer is None else f"step {trainer.state.step + 1}"
+            lost = peer_lost(exc, cfg.engine.dist_timeout, where, cfg.ckpt.ckpt_dir)
+            if lost is None:
+                raise
+            raise lost from None
         if trainer.rank == 0:
             print("\n".join(summary_lines(summary)))
         return 0

@@ -1,0 +1,82 @@
+"""The run's own collectives over a real gloo group of two processes: a peer that dies or freezes
+ends the other within the group's timeout, and a long single-rank work (a cache build) does not."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+
+# Rank 1 works alone for WORK seconds (ticking) while rank 0 waits, under a TIMEOUT-second group;
+# FAULT: none, or what happens to rank 1 a second into its work.
+SCRIPT = """
+import datetime, os, signal, sys, time
+import torch.distributed as dist
+from dsgpt2.errors import PeerLostError
+from dsgpt2.train.collective import Rounds, peer_lost
+
+rank, timeout, work, fault = int(os.environ["RANK"]), float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
+rounds = Rounds(every=timeout / 4)
+try:
+    if rank == 1:
+        start = time.monotonic()
+        while time.monotonic() - start < work:
+            time.sleep(0.05)
+            rounds.tick()
+            if time.monotonic() - start > 1 and fault != "none":
+                os.kill(os.getpid(), signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+    print("outcomes", rounds.finish(f"rank {rank}"), flush=True)
+except RuntimeError as exc:
+    lost = peer_lost(exc, int(timeout), "step 3", None)
+    if lost is None:
+        raise
+    print(lost, flush=True)
+    sys.exit(lost.exit_code)
+"""
+
+
+def _two_ranks(timeout: float, work: float, fault: str) -> tuple[subprocess.CompletedProcess, float]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    cmd = [sys.executable, "-c", SCRIPT, str(timeout), str(work), fault]
+    procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]  # fmt: skip
+    start = time.monotonic()
+    out, _ = procs[0].communicate(timeout=120)
+    elapsed = time.monotonic() - start
+    if procs[1].poll() is None:
+        procs[1].kill()  # frozen: SIGKILL reaches a stopped process
+    procs[1].communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, procs[0].returncode, out), elapsed
+
+
+@pytest.mark.slow
+def test_a_long_single_rank_work_outlasts_the_timeout_without_ending_the_run() -> None:
+    done, elapsed = _two_ranks(timeout=2, work=6, fault="none")
+    assert done.returncode == 0, done.stdout
+    assert "outcomes ['rank 0', 'rank 1']" in done.stdout
+    assert elapsed > 6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [
+        ("dies", "rank 0 of 2 stops at step 3: a rank or node of the run died (its connection from"),
+        ("freezes", "stops at step 3: another rank or node stopped answering for --dist_timeout 3 s"),
+    ],
+)
+def test_a_peer_that_dies_or_freezes_mid_work_ends_the_other_in_bounded_time(fault: str, said: str) -> None:
+    lost, elapsed = _two_ranks(timeout=3, work=30, fault=fault)
+    assert lost.returncode == 3, lost.stdout
+    assert said in lost.stdout and "Traceback" not in lost.stdout
+    assert elapsed < 15 + 1 + 2 * 3  # start-up, the work's first second, a timeout or two
