@@ -4,6 +4,10 @@ A collection is valid when its documents carry integer ``idx`` values
 0..n-1, each once, under a unique index, and meta_info records n. Every
 problem found comes with the fix. The checks run on the server (counts,
 aggregations, indexed lookups), never by reading the documents here.
+
+Two depths: :func:`validate_collection` examines every document (``dsgpt2 validate``; minutes on
+a collection of tens of millions); :func:`quick_check` reads only what the index and the
+collection's metadata answer, in the same few commands at any size (what a run checks at start).
 """
 
 from __future__ import annotations
@@ -237,18 +241,85 @@ def _first_gap(coll: Any, hi: int) -> int | None:
     return lo_
 
 
+def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> CollectionReport:
+    """What the unique index, the collection's metadata and meta_info say of ``name``, without a
+    scan: the index is there; the collection holds meta_info's count n (its metadata count); the
+    index's two ends are the integers 0 and n-1. With a unique index these leave no room for a gap,
+    a duplicate or a missing, null, string or negative idx (all of them sort outside the integers
+    0..n-1, or make the count differ), only for a fractional idx between two integers: that and
+    the text of each document are what ``dsgpt2 validate`` examines. ``meta``: the collection's
+    meta_info entry (None when it has none).
+    """
+    coll = conn.db[name]
+
+    def run(what: str, fn: Any) -> Any:
+        return with_retries(fn, conn.config, f"checking {name}: {what}")
+
+    documents = run("count", coll.estimated_document_count)
+    meta_count = meta.get("count") if meta else None
+    report = CollectionReport(name, documents, meta_count)
+    problems = report.problems
+    if documents == 0:
+        problems.append(Problem("empty", f"collection {name!r} holds no document (or does not exist)",
+                                f"ingest documents: dsgpt2 ingest --collection {name} FILE..."))  # fmt: skip
+        return report
+    if run("indexes", lambda: idx_index_name(coll)) is None:
+        problems.append(
+            Problem(
+                "missing_idx_index",
+                "no unique index on idx: lookups scan the collection and duplicates go unnoticed",
+                f"dsgpt2 validate --fix (or db.{name}.createIndex({{idx: 1}}, {{unique: true}}))",
+            )
+        )
+        return report
+    sources = (meta or {}).get("sources") or {}
+    ingesting = any(isinstance(v, dict) and not v.get("complete") for v in sources.values())
+    problems += _meta_problems(conn, name, meta_count, documents, ingesting)
+    n = meta_count if meta_count is not None else documents
+    # In the index, missing and null idx sort before every number, strings and the other types
+    # after them: the two ends show any of them.
+    for end, direction, expected in (("first", 1, 0), ("last", -1, n - 1)):
+        idx = run("idx ends", lambda d=direction: _index_end(coll, d))
+        if not isinstance(idx, int) or isinstance(idx, bool) or idx != expected:
+            problems.append(
+                Problem(
+                    "idx_ends",
+                    f"the {end} idx in index order is {idx!r} ({type(idx).__name__}), not {expected}: "
+                    "idx must run 0..n-1 as integers",
+                    f"dsgpt2 validate {name} names the documents and the fix",
+                )
+            )
+    return report
+
+
+def _index_end(coll: Any, direction: int) -> Any:
+    """The idx at one end of the idx index (1: the lowest), or None for an empty collection."""
+    doc = next(iter(coll.find({}, {"_id": 0, "idx": 1}).sort("idx", direction).limit(1)), None)
+    return None if doc is None else doc.get("idx")
+
+
 def validate_corpus(conn: Connection, names: list[str] | None = None) -> list[CollectionReport]:
     """Validate each of ``names`` (default: the configured collections)."""
     return [validate_collection(conn, n) for n in (names or list(conn.config.collections))]
 
 
-def require_valid(conn: Connection, names: list[str] | None = None) -> list[CollectionReport]:
-    """Validate, and refuse a corpus with errors (what training calls before it starts).
+def require_valid(
+    conn: Connection, names: list[str] | None = None, full: bool = True
+) -> list[CollectionReport]:
+    """Check, and refuse a corpus with errors (what training calls before it starts).
+
+    Args:
+        full: every document examined (:func:`validate_collection`); else :func:`quick_check`.
 
     Raises:
         CorpusError: naming each problem and its fix.
     """
-    reports = validate_corpus(conn, names)
+    names = names or list(conn.config.collections)
+    if full:
+        reports = validate_corpus(conn, names)
+    else:
+        meta = with_retries(lambda: read_meta(conn, names), conn.config, "reading meta_info")
+        reports = [quick_check(conn, n, meta.get(n)) for n in names]
     bad = [r for r in reports if not r.ok]
     if bad:
         details = "; ".join(

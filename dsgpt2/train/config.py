@@ -95,7 +95,12 @@ class DataOptions:
     cache_dir: Path | None = option(None, "token cache (default: WORKSPACE/cache)")
     chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", type=positive_int)
     num_workers: int = option(2, "DataLoader workers per rank", type=non_negative_int)
-    allow_corpus_problems: bool = option(False, "train even if validate finds problems")
+    allow_corpus_problems: bool = option(False, "train even if the corpus check finds problems")
+    check_corpus: bool = option(
+        False,
+        "at start, examine every document as `dsgpt2 validate` does (minutes on tens of millions); "
+        "by default the start reads only what the idx index and meta_info answer",
+    )
     follow: int = option(
         0,
         "every N steps, take in the documents ingested since (whole chunks), at once; 0: a resumed "

@@ -29,14 +29,17 @@ from dsgpt2.train.config import TrainConfig
 log = logging.getLogger("dsgpt2.train.feed")
 
 
-def corpus_marks(mongo: MongoConfig, conn: Connection, allow_problems: bool) -> tuple[int, ...]:
+def corpus_marks(
+    mongo: MongoConfig, conn: Connection, allow_problems: bool, full_check: bool = False
+) -> tuple[int, ...]:
     """The documents of each collection a run may read, once the corpus passed its check (unless
-    ``allow_problems``); read on rank 0, whose verdict and counts every rank takes."""
+    ``allow_problems``): the quick one (index and meta_info), or every document with
+    ``full_check``. Read on rank 0, whose verdict and counts every rank takes."""
     from dsgpt2.corpus.mongo import MongoWrapper
     from dsgpt2.corpus.validate import require_valid
 
     if not allow_problems:
-        require_valid(conn)
+        require_valid(conn, full=full_check)
     return tuple(MongoWrapper(mongo, connection=conn).counts)
 
 

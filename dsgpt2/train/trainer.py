@@ -113,7 +113,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     )
     conn = Connection(mongo)
     conn.ping()
-    marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, cfg.data.allow_corpus_problems)))
+    d = cfg.data
+    marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
     init = init_weights(cfg, vocab_size)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context)
