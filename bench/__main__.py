@@ -6,7 +6,7 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch, bench_generate, bench_gpu, bench_serve, bench_train, bench_vocab
+from bench import bench_fetch, bench_generate, bench_gpu, bench_serve, bench_startup, bench_train, bench_vocab
 from bench.common import write_results
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
@@ -57,6 +57,7 @@ def main() -> int:
         "generate": lambda: bench_generate.generation_speed(texts, results),
         "serve": lambda: bench_serve.serving(texts, results),
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
+        "startup": lambda: bench_startup.startup(results),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

@@ -76,6 +76,52 @@ def test_training_refuses_a_broken_corpus() -> None:
     assert [r.name for r in require_valid(conn)] == ["a"]
 
 
+def _break(conn: Connection, how: str) -> None:
+    a, meta = conn.db["a"], conn.db["meta_info"]
+    if how == "no index":
+        a.drop_indexes()
+    elif how == "gap, count kept":
+        a.delete_one({"idx": 2})
+    elif how == "gap, count lowered":
+        a.delete_one({"idx": 2})
+        meta.update_one({"collection": "a"}, {"$set": {"count": 4}})
+    elif how == "string idx":
+        a.insert_one({"idx": "7", "filt_text": "str"})
+        meta.update_one({"collection": "a"}, {"$set": {"count": 6}})
+    elif how == "string for an int":
+        a.update_one({"idx": 2}, {"$set": {"idx": "2"}})
+    elif how == "no idx":
+        a.update_one({"idx": 0}, {"$unset": {"idx": ""}})
+    elif how == "negative idx":
+        a.update_one({"idx": 0}, {"$set": {"idx": -1}})
+    elif how == "count wrong":
+        meta.update_one({"collection": "a"}, {"$set": {"count": 9}})
+
+
+@pytest.mark.parametrize(
+    ("how", "kind"),
+    [
+        ("no index", "missing_idx_index"),
+        ("gap, count kept", "meta_count_mismatch"),
+        ("gap, count lowered", "idx_ends"),
+        ("string idx", "idx_ends"),
+        ("string for an int", "idx_ends"),
+        ("no idx", "idx_ends"),
+        ("negative idx", "idx_ends"),
+        ("count wrong", "meta_count_mismatch"),
+    ],
+)
+def test_the_quick_check_at_start_refuses_what_the_full_check_does(how: str, kind: str) -> None:
+    """From the index and the counts alone, each broken corpus is refused, naming validate."""
+    conn = _conn("a")
+    seed(conn, "a", [f"t{i}" for i in range(5)])
+    assert require_valid(conn, full=False)[0].problems == []
+    _break(conn, how)
+    with pytest.raises(CorpusError, match=rf"a: {kind} .*fix: .*validate") as refused:
+        require_valid(conn, full=False)
+    assert not validate_collection(conn, "a").ok, refused.value  # the full check agrees
+
+
 def test_fix_creates_index_and_records_count() -> None:
     conn = _conn("a")
     seed(conn, "a", ["x", "y"], index=False, meta=False)
