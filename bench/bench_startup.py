@@ -1,7 +1,9 @@
 """Start-up against corpus size: launch-to-first-loss time and the MongoDB commands of a launch, a
 resume, `info`, `evaluate` and `export`, on the wire-protocol test server at two corpus sizes 8x
-apart (bench/audit.py counts the commands). The server inserts slowly as a collection grows, so the
-two corpora are built once and kept in bench/results/startup/ for later runs.
+apart (bench/audit.py counts the commands); and, for reference, a resume with the full corpus check
+(`--check_corpus`, what every start ran before), whose unbounded commands grow with the corpus. The
+server inserts slowly as a collection grows, so the two corpora are built once and kept in
+bench/results/startup/ for later runs.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _corpus(base: Path, uri: str, n: int) -> tuple[Path, dict[str, str]]:
         print(f"   building the {n}-document corpus on the wire server (once; kept in {base})", flush=True)
         from dsgpt2.corpus.ingest import builtin_source, ingest
 
-        ingest(conn, "stdlib", [builtin_source("stdlib", n)], batch_size=500)
+        ingest(conn, "stdlib", [builtin_source("stdlib", n)], batch_size=100)
     conn.close()
     return config, env
 
@@ -54,6 +56,8 @@ def _commands(config: Path, tok: Path, work: Path) -> dict[str, list[str]]:
         "evaluate": ["dsgpt2", "evaluate", "--model", str(work / "ckpt"), "--config", str(config),
                      "--no_record", "--max_batches", "2", "--report", str(work / "e.json"), "--no_progress"],
         "export": ["dsgpt2", "export", "--ckpt_dir", str(work / "ckpt"), "--out", str(work / "export")],
+        # The check every start ran before: each document examined (counts and aggregations).
+        "resume --check_corpus": ["train", *run, "--train_iters", "3", "--check_corpus"],
     }  # fmt: skip
 
 
@@ -98,9 +102,11 @@ def startup(results: Path) -> list[Metric]:
         docs = sum(c["returned"] or 0 for c in at[large].startup() if c["name"] == "find")
         t = {n: statistics.median(seconds[name, n]) for n in SIZES}
         counts = [len(at[n].startup()) for n in (large, small)]
+        full = name.endswith("--check_corpus")  # the anchor: how the start grew with the corpus
         metrics.append(Metric(f"start-up {name}: commands at {large} ÷ {small} docs", *counts, "commands",
-                              "same, bounded", same and not unbounded,
+                              "info" if full else "same, bounded", full or (same and not unbounded),
                               f"{docs} documents read; unbounded: {unbounded or 'none'}"))  # fmt: skip
         metrics.append(Metric(f"start-up {name}: seconds at {large} ÷ {small} docs", t[large], t[small], "s",
-                              "<= 1.3", t[large] <= 1.3 * t[small], "wire server, not MongoDB"))  # fmt: skip
+                              "info" if full else "<= 1.3", full or t[large] <= 1.3 * t[small],
+                              "wire server, not MongoDB"))  # fmt: skip
     return metrics

@@ -524,7 +524,8 @@ def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
 
     run = tmp_path / "lost"
     kill = [[], ["--kill_group_after", "6"]]
-    (out, end), (_, killed) = _launch_nodes(small, run, [[], []], *common, *timeout, faults=kill, expect=(3, -9))  # fmt: skip
+    nodes = _launch_nodes(small, run, [[], []], *common, *timeout, faults=kill, expect=(3, -9))
+    (out, end), (_, killed) = nodes
     assert end - killed < 60
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
