@@ -778,3 +778,40 @@ def test_a_compiled_model_trains_as_the_eager_one(
     from dsgpt2.infer.export import export
 
     assert export(tmp_path / "ckpt", tmp_path / "model")["step"] == 3
+
+
+def test_early_stopping_keeps_the_best_checkpoint_and_survives_a_resume(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """With --min_delta 100 no evaluation after the first improves: evaluating every 2 steps with
+    --patience 2, the run stops early at step 6; the best (step 2) is tagged `best`, kept by
+    --keep_last 1 and loaded by `--ckpt_id best`. Killed at step 5 and resumed from step 4, the
+    count of evaluations without improvement carries over: the same stop at step 6."""
+    from conftest import run_cli
+    from dsgpt2.checkpoints.format import complete_tags
+
+    flags = ("--train_iters", "20", "--eval_interval", "2", "--save_interval", "4", "--keep_last", "1",
+             "--early_stopping", "--patience", "2", "--min_delta", "100")  # fmt: skip
+    straight = train(corpus, tmp_path / "straight", *flags)
+    assert "stopped: early at step 6" in straight.stdout
+    ckpt = tmp_path / "straight" / "ckpt"
+    assert (ckpt / "best").read_text() == "global_step2"
+    assert complete_tags(ckpt) == ["global_step2", "global_step6"]  # step 4 pruned, the best kept
+    end = [r for r in read_metrics(tmp_path / "straight" / "ws" / "metrics.jsonl") if r["event"] == "end"]
+    assert end[-1]["stopped"] == "early" and end[-1]["step"] == 6
+
+    best = ("--ckpt_id", "best")
+    exported = run_cli("export", "--ckpt_dir", str(ckpt), *best, "--out", str(tmp_path / "best"))
+    assert exported.returncode == 0 and "global_step2" in exported.stdout, exported.stderr
+    sampled = run_cli("generate", "--model", str(ckpt), *best, "--max_new_tokens", "4", "Hello")
+    assert sampled.returncode == 0, sampled.stderr
+    none = run_cli("export", "--ckpt_dir", str(tmp_path / "none"), *best, "--out", str(tmp_path / "x"))
+    assert none.returncode == 2 and "no readable `best` file" in none.stderr
+
+    killed = train(corpus, tmp_path / "resumed", *flags, faults=("--exit_after", "5"), check=False)
+    assert killed.returncode == 17
+    resumed = train(corpus, tmp_path / "resumed", *flags)
+    assert "stopped: early at step 6" in resumed.stdout
+    assert (tmp_path / "resumed" / "ckpt" / "best").read_text() == "global_step2"
+    again = train(corpus, tmp_path / "resumed", *flags)  # the same command once more: nothing to train
+    assert "stopped: early at step 6" in again.stdout

@@ -24,6 +24,7 @@ from dsgpt2.errors import DsGpt2Error
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+BEST = "best"  # names the best checkpoint of an --early_stopping run; `--ckpt_id best` reads it
 COMPLETE = "dsgpt2_complete.json"
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -122,6 +123,13 @@ def resolve(load_dir: Path, ckpt_id: str | None) -> str:
         CheckpointError: no checkpoint there; ``latest`` unreadable or naming a missing, incomplete
             or damaged checkpoint (the message names the newest intact one).
     """
+    if ckpt_id == BEST:
+        ckpt_id = best_tag(load_dir)
+        if ckpt_id is None:
+            raise CheckpointError(
+                f"--ckpt_id best: {load_dir} has no readable `best` file (a run with --early_stopping "
+                f"writes one); complete checkpoints there: {complete_tags(load_dir) or 'none'}"
+            )
     if ckpt_id:
         if not is_complete(load_dir, ckpt_id):
             present = complete_tags(load_dir)
@@ -151,6 +159,15 @@ def resolve(load_dir: Path, ckpt_id: str | None) -> str:
         )
     _check_intact(load_dir, tag)
     return tag
+
+
+def best_tag(ckpt_dir: Path) -> str | None:
+    """The tag the ``best`` file names, or None when there is none (or it is garbled)."""
+    try:
+        tag = (ckpt_dir / BEST).read_bytes().decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    return tag if _TAG.match(tag) else None
 
 
 def _check_intact(ckpt_dir: Path, tag: str) -> None:

@@ -20,9 +20,11 @@ import numpy as np
 import torch
 
 from dsgpt2.checkpoints.format import (
+    BEST,
     COMPLETE,
     LATEST,
     CheckpointError,
+    best_tag,
     complete_tags,
     damage,
     file_digests,
@@ -84,12 +86,19 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], k
     return tag
 
 
+def mark_best(ckpt_dir: Path, tag: str) -> None:
+    """Name ``tag`` (complete) the run's best checkpoint: ``ckpt_dir/best``, replaced atomically."""
+    atomic_write_text(ckpt_dir / BEST, tag)
+
+
 def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
-    """Remove all but the ``keep_last`` newest complete checkpoints (unreadable markers are left alone)."""
+    """Remove all but the ``keep_last`` newest complete checkpoints (unreadable markers are left
+    alone, the one ``best`` names is kept)."""
     if keep_last <= 0:
         return
+    best = best_tag(ckpt_dir)
     for old in complete_tags(ckpt_dir)[:-keep_last]:
-        if old != keep:
+        if old not in (keep, best):
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
             log.info("removed old checkpoint %s (keeping the last %d)", old, keep_last)
 

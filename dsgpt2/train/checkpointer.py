@@ -40,6 +40,10 @@ class TrainState:
     tokens: int = 0
     micro: int = 0  # micro-batches drawn, skipped ones included
     nonfinite: int = 0
+    # --early_stopping: the best value of --monitor, its step, evaluations since it without improvement.
+    best: float | None = None
+    best_step: int = 0
+    stale: int = 0
 
 
 class Checkpointer:
@@ -131,7 +135,9 @@ class Checkpointer:
         load_dir, tag = where
         saved = checkpoint.load(engine, load_dir, tag)["dsgpt2"]
         checkpoint.set_rng_state(saved["rng"])
-        state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"])
+        early = saved.get("early") or {}
+        state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"],
+                           early.get("best"), early.get("best_step", 0), early.get("stale", 0))  # fmt: skip
         log.info(
             "resumed from %s at step %d (epoch %d, chunk %d, block %d)",
             load_dir / tag,
@@ -168,7 +174,7 @@ class Checkpointer:
         data: Callable[[], dict[str, Any]],
         model_config: Any,
         mongo: Any,
-    ) -> None:
+    ) -> str:
         """Save ``engine`` at ``state.step`` with everything a resume needs (``data()``: the feed's
         position, a collective taken once the weights are known to be finite); refused for
         non-finite weights."""
@@ -182,6 +188,7 @@ class Checkpointer:
                 "tokens": state.tokens,
                 "micro": state.micro,
                 "nonfinite": state.nonfinite,
+                "early": {"best": state.best, "best_step": state.best_step, "stale": state.stale},
                 "lr": engine.get_lr()[0],
                 "data": data(),
                 "rng": checkpoint.rng_state(),
@@ -194,3 +201,4 @@ class Checkpointer:
         }
         tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last)
         log.info("saved checkpoint %s", c.ckpt_dir / tag)
+        return tag

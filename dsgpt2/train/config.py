@@ -146,12 +146,25 @@ class RunOptions:
     max_nonfinite: int = option(5, "abort after this many non-finite losses in a row", type=positive_int)
     wandb: str = option("offline", "wandb mode", choices=["offline", "online", "off"])
     wandb_dir: Path | None = option(None, "wandb directory (default: WORKSPACE)")
+    early_stopping: bool = option(
+        False,
+        "stop after --patience evaluations without improvement of --monitor; the best checkpoint is "
+        "saved when it is measured, tagged `best` (--ckpt_id best) and never pruned by --keep_last",
+    )
+    patience: int = option(5, "evaluations without improvement before --early_stopping stops the run")
+    monitor: str = option(
+        "val_loss", "what --early_stopping watches (lower is better)", choices=["val_loss", "val_ppl"]
+    )
+    min_delta: float = option(0.0, "the least decrease of --monitor that counts as an improvement")
 
     def __post_init__(self) -> None:
         self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
         for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
             check_positive(f"--{name}", getattr(self, name))
         check_positive("--max_nonfinite", self.max_nonfinite)
+        check_positive("--patience", self.patience)
+        check_choice("--monitor", self.monitor, ["val_loss", "val_ppl"])
+        check_number("--min_delta", self.min_delta, 0.0)
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")

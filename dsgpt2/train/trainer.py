@@ -29,6 +29,7 @@ from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
 from dsgpt2.train.collective import all_sum, gather, on_rank0, peer_lost
 from dsgpt2.train.config import TrainConfig, parse
@@ -199,7 +200,7 @@ class Trainer:
                 record = self.feed.record_growth(state.step, *self.feed.resume_growth, "resume")
                 self.runlog.write({"event": "growth", **record})
             try:
-                while state.step < r.train_iters and not self.stop.name:
+                while state.step < r.train_iters and not self.stop.name and not self.stopped_early:
                     losses, ids = self.train_step(state, self.batches)
                     boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, losses, ids)
@@ -310,6 +311,32 @@ class Trainer:
         if self.last_val is not None:
             self.runlog.write({"event": "eval", "step": state.step, "val_loss": self.last_val,
                          "val_ppl": perplexity(self.last_val)})  # fmt: skip
+            if self.cfg.run.early_stopping:
+                self._watch(state, self.last_val)
+
+    def _watch(self, state: TrainState, val_loss: float) -> None:
+        """--early_stopping: an improvement is saved at once and tagged best; --patience
+        evaluations without one end the run."""
+        r = self.cfg.run
+        value = val_loss if r.monitor == "val_loss" else perplexity(val_loss)
+        if state.best is None or value < state.best - r.min_delta:
+            state.best, state.best_step, state.stale = value, state.step, 0
+            tag = self.save(state, self.stream.state)
+            if self.rank == 0:
+                mark_best(self.cfg.ckpt.ckpt_dir, tag)
+            log.info("best %s so far: %.4f at step %d (checkpoint %s, tagged best)", r.monitor, value,
+                     state.step, tag)  # fmt: skip
+            return
+        state.stale += 1
+        if self.stopped_early:
+            log.info(
+                "early stop: %s has not improved by more than %g for %d evaluations (best %.4f at step %d)",
+                r.monitor, r.min_delta, state.stale, state.best, state.best_step,
+            )  # fmt: skip
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.cfg.run.early_stopping and self.state.stale >= self.cfg.run.patience
 
     def maybe_follow(self, state: TrainState) -> bool:
         """With --follow: take in the documents ingested since the last look, dealt at once.
@@ -358,16 +385,16 @@ class Trainer:
             "val_ppl": perplexity(last_val) if last_val is not None else None,
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
-            "stopped": self.stop.name or "done",
+            "stopped": self.stop.name or ("early" if self.stopped_early else "done"),
             "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
         }
         if self.runlog.metrics:
             summary["plot"] = self.runlog.close(summary)
         return summary
 
-    def save(self, state: TrainState, position: ReadState) -> None:
+    def save(self, state: TrainState, position: ReadState) -> str:
         data = lambda: self.feed.state_dict(position)  # noqa: E731
-        self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
+        return self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
 
 
 def _grad_norm(module: Any) -> float:
