@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 
 from dsgpt2 import __version__
@@ -22,10 +23,15 @@ The environment variable MONGO_CONNECTION_STRING overrides the file's
 connection string: keep passwords there, not in files. mongomock://PATH is an
 in-process store persisted in PATH, for tests and the demo.
 
+A .yaml or .toml file given as --config is an experiment file instead: its
+keys are the command's flags (flags typed after it override them), and its
+`config` key names the connection config.
+
 Typical first steps:
   dsgpt2 ingest --config configs/sample.json --sample stdlib
   dsgpt2 validate --config configs/sample.json
   dsgpt2 info --config configs/sample.json
+  dsgpt2 train --config configs/recipes/demo.yaml
 """
 
 
@@ -35,6 +41,11 @@ def build_parser() -> OneLineErrorParser:
     )
     parser.add_argument("--version", action="version", version=f"dsgpt2 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub.add_parser(
+        "train",
+        help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
+        add_help=False,
+    )
     for add in (
         corpus.add_ingest,
         corpus.add_validate,
@@ -55,7 +66,22 @@ def build_parser() -> OneLineErrorParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dsgpt2`` command; user errors print one line and return their exit code."""
-    args = build_parser().parse_args(argv)
+    argv = _local_rank_last(list(sys.argv[1:] if argv is None else argv))
+    if argv[:1] == ["train"]:
+        # The trainer's own parser (it imports DeepSpeed, so only when asked for).
+        from dsgpt2.train.trainer import main as train
+
+        return train(argv[1:], prog="dsgpt2 train")
+    from dsgpt2.runfile import parse_args
+
+    args = parse_args(build_parser(), argv)
     setup_logging(verbose=getattr(args, "verbose", False))
     func: Callable[[argparse.Namespace], int] = args.func
     return run_command("dsgpt2", lambda: func(args))
+
+
+def _local_rank_last(argv: list[str]) -> list[str]:
+    """``deepspeed --module dsgpt2 train ...`` runs ``python -m dsgpt2 --local_rank=N train ...``:
+    the launcher's flag goes before the command, where only the command's parser knows it."""
+    lead = [t for t in argv[:1] if t.startswith("--local_rank=")]
+    return [*argv[len(lead) :], *lead]

@@ -658,8 +658,9 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("dsgpt2-*.whl")
     shipped = sorted(p.name for p in (ROOT / "configs").glob("*.json"))
+    runs = sorted(p.name for p in (ROOT / "configs" / "recipes").iterdir())
     inside = sorted(Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/configs/" in n)
-    assert inside == shipped and "ds_config_cpu.json" in inside
+    assert inside == sorted(shipped + runs) and "ds_config_cpu.json" in inside and "demo.yaml" in runs
     target = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],

@@ -67,11 +67,24 @@ def test_readme_has_commands() -> None:
     assert any("pipelines/all.sh" in c for c in _blocks())
 
 
-@pytest.mark.parametrize("command", [c for c in _blocks() if _split(c)[1][:1] == ["dsgpt2"]])
+def _is_train(words: list[str]) -> bool:
+    """`dsgpt2 train ...` or `deepspeed ... --module dsgpt2 train ...`."""
+    module = words[words.index("--module") + 1 :] if "--module" in words else []
+    return words[:2] == ["dsgpt2", "train"] or module[:2] == ["dsgpt2", "train"]
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in _blocks() if _split(c)[1][:1] == ["dsgpt2"] and not _is_train(_split(c)[1])]
+)
 def test_dsgpt2_commands_parse(command: str) -> None:
     from dsgpt2.cli import build_parser
+    from dsgpt2.runfile import parse_args
 
-    _parse(build_parser(), _split(command)[1][1:])
+    words = _split(command)[1][1:]
+    try:
+        parse_args(build_parser(), words)
+    except SystemExit as exc:
+        assert exc.code == 0, words
 
 
 @pytest.mark.parametrize("command", [c for c in _inline() if c.startswith("dsgpt2 ")])
@@ -82,12 +95,20 @@ def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
         assert flag in parser._option_string_actions, (flag, command)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("command", [c for c in _blocks() if "ds_trainer.py" in _split(c)[1][:4]])
+@pytest.mark.parametrize(
+    "command", [c for c in _blocks() if "ds_trainer.py" in _split(c)[1][:6] or _is_train(_split(c)[1])]
+)
 def test_trainer_commands_parse(command: str) -> None:
-    from dsgpt2.train.config import build_parser
+    """ds_trainer.py, dsgpt2 train and deepspeed --module dsgpt2 train lines, experiment files applied."""
+    from dsgpt2.runfile import COMMANDS, parse_args
+    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
 
     words = _split(command)[1]
-    _parse(build_parser(), words[words.index("ds_trainer.py") + 1 :])
+    start = words.index("ds_trainer.py") + 1 if "ds_trainer.py" in words else words.index("train") + 1
+    try:
+        parse_args(build_parser(), words[start:], command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)
+    except SystemExit as exc:
+        assert exc.code == 0, words
 
 
 def _documented(script: Path) -> set[str]:

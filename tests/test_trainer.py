@@ -815,3 +815,49 @@ def test_early_stopping_keeps_the_best_checkpoint_and_survives_a_resume(
     assert (tmp_path / "resumed" / "ckpt" / "best").read_text() == "global_step2"
     again = train(corpus, tmp_path / "resumed", *flags)  # the same command once more: nothing to train
     assert "stopped: early at step 6" in again.stdout
+
+
+def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_the_resolved_one(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """`deepspeed --module dsgpt2 train --config run.toml` on two ranks: the file's flags, the command
+    line over them; the resolved configuration in the run directory and the checkpoint runs again."""
+    import socket
+
+    import yaml
+
+    from dsgpt2.train.config import parse
+
+    flags = trainer_args(corpus, tmp_path, "--train_iters", "50", "--save_interval", "2")
+    lines, i = [], 0
+    while i < len(flags):  # `--name value` / `--name` pairs, the TOML a user would write
+        name = flags[i][2:]
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value = flags[i + 1]
+            lines.append(f"{name} = {value if value.isdigit() else json.dumps(value)}")
+            i += 2
+        else:
+            lines.append(f"{name} = true")
+            i += 1
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("\n".join(lines) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    result = subprocess.run(
+        [*launcher, "--module", "dsgpt2", "train", "--config", str(run_file), "--train_iters", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"  # 4 from the command line
+    assert [r["step"] for r in read_metrics(tmp_path / "ws" / "block_ids_rank1.jsonl")] == [1, 2, 3, 4]
+    resolved = tmp_path / "ws" / "config.yaml"
+    values = yaml.safe_load(resolved.read_text())
+    assert values["train_iters"] == 4 and values["save_interval"] == 2 and values["context_length"] == 64
+    assert values["log_block_ids"] is True and values["config_train"] == str(corpus["config"])
+    assert (tmp_path / "ckpt" / "global_step4" / "config.yaml").read_text() == resolved.read_text()
+    # The resolved file runs the same configuration again.
+    again = parse(["--config", str(resolved)])
+    from_file = parse(["--config", str(run_file), "--train_iters", "4"])
+    assert again.to_dict() == from_file.to_dict()

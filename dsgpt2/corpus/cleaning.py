@@ -27,19 +27,46 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")
 _NEWLINES = re.compile(r"\r\n?|[\x85\u2028\u2029]")
 _INVISIBLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u200b\u2060\ufeff]")
 _INDENT = re.compile(r"^[ \t]+", re.MULTILINE)
-_SPACES = re.compile(r"(?<=\S)[ \t\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000]+")
+_SPACE = " \t\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000"
+# Runs of spaces that rule 5 changes: two or more, or one that is not " " (a single " " stays as it
+# is). Starting with a character class, not a look-behind, lets the regex engine skip ahead to
+# candidates; the run's left neighbour is checked in _collapse.
+_SPACES = re.compile(f"[{_SPACE}]{{2,}}|[{_SPACE[1:]}]")
+# The common case, text whose only spaces are " ": runs of two or more, found by their literal
+# prefix (the engine searches for "  " instead of trying a match at every word gap).
+_ODD_SPACE = re.compile(f"[{_SPACE[1:]}]")
+_DOUBLE = re.compile("  +")
 _TRAILING = re.compile(r"[ \t]+$", re.MULTILINE)
 _BLANKS = re.compile(r"\n{3,}")
 
 
+def _collapse(m: re.Match[str]) -> str:
+    # Inside a line (after a non-space) a run becomes one space; at a line's start it is indentation.
+    # The left neighbour is never another space (runs are matched whole) nor a line break other than
+    # \n (rules 3 and 4 ran first).
+    start = m.start()
+    return m[0] if start == 0 or m.string[start - 1] == "\n" else " "
+
+
 def clean_text(text: str) -> str:
     """Clean one document's text by the rules of :data:`CLEANER_VERSION` (see module doc)."""
-    text = _SURROGATE.sub("\ufffd", text)
-    text = unicodedata.normalize("NFC", text)
-    text = _NEWLINES.sub("\n", text)
+    # Each rule runs only where its characters occur: `in` and isascii() scan at memory speed, a
+    # regex substitution tries a match at every candidate (most documents need few of the rules).
+    if not text.isascii():
+        text = _SURROGATE.sub("\ufffd", text)
+        text = unicodedata.normalize("NFC", text)
+        text = _NEWLINES.sub("\n", text)
+    elif "\r" in text:
+        text = _NEWLINES.sub("\n", text)
     text = _INVISIBLE.sub("", text)
-    text = _INDENT.sub(lambda m: m[0].replace("\t", "    "), text)
-    text = _SPACES.sub(" ", text)
-    text = _TRAILING.sub("", text)
-    text = _BLANKS.sub("\n\n", text)
+    if "\t" in text:
+        text = _INDENT.sub(lambda m: m[0].replace("\t", "    "), text)
+    if _ODD_SPACE.search(text):
+        text = _SPACES.sub(_collapse, text)
+    elif "  " in text:
+        text = _DOUBLE.sub(_collapse, text)
+    if " \n" in text or "\t\n" in text:
+        text = _TRAILING.sub("", text)
+    if "\n\n\n" in text:
+        text = _BLANKS.sub("\n\n", text)
     return text.strip()

@@ -53,8 +53,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep_last: int) -> str:
+def save(
+    engine: Any,
+    ckpt_dir: Path,
+    step: int,
+    client_state: dict[str, Any],
+    keep_last: int,
+    files: dict[str, str] | None = None,
+) -> str:
     """Save a checkpoint of every rank, then mark it complete and point ``latest`` at it.
+
+    ``files``: text files (name → content) saved beside the states, covered by the marker's digests.
 
     A complete, intact checkpoint of this step is never written again (``latest`` may name it, and
     a resumed run reaches the same state); a damaged or partial one is replaced.
@@ -77,6 +86,8 @@ def save(engine: Any, ckpt_dir: Path, step: int, client_state: dict[str, Any], k
     if distributed:
         dist.barrier()
     if engine.global_rank == 0:
+        for name, text in (files or {}).items():
+            atomic_write_text(ckpt_dir / tag / name, text)
         marker = {"step": step, "time": time.time(), "files": file_digests(ckpt_dir / tag)}
         atomic_write_text(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
         atomic_write_text(ckpt_dir / LATEST, tag)

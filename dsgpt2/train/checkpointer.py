@@ -22,7 +22,7 @@ from dsgpt2.checkpoints.format import (
 from dsgpt2.data.dealing import Position
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.train import checkpoint
-from dsgpt2.train.config import TrainConfig
+from dsgpt2.train.config import RESOLVED, TrainConfig
 from dsgpt2.train.feed import check_saved_data
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ class Checkpointer:
                 "mongo": mongo.to_dict(),
             }
         }
-        tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last)
+        files = {RESOLVED: self.cfg.resolved()}
+        tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last, files)
         log.info("saved checkpoint %s", c.ckpt_dir / tag)
         return tag

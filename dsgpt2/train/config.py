@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
 
 DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
+# The run's resolved configuration (flags, experiment file and defaults), in the run directory and in
+# every checkpoint: `ds_trainer.py --config` runs it again.
+RESOLVED = "config.yaml"
 
 
 @dataclass
@@ -335,6 +338,14 @@ class TrainConfig:
                 out[k] = str(v) if isinstance(v, Path) else v
         return out
 
+    def resolved(self) -> str:
+        """Every option as an experiment file (YAML) that runs this configuration again:
+        ``ds_trainer.py --config THIS`` (the launcher's --local_rank left out)."""
+        from dsgpt2.runfile import dump_yaml
+
+        values = {k: v for k, v in self.to_dict().items() if k != "local_rank"}
+        return "# The resolved configuration of a dsgpt2 training run.\n" + dump_yaml(values)
+
 
 GROUPS = (
     ("model", ModelOptions),
@@ -346,9 +357,9 @@ GROUPS = (
 )
 
 
-def build_parser() -> OneLineErrorParser:
+def build_parser(prog: str = "ds_trainer.py") -> OneLineErrorParser:
     p = OneLineErrorParser(
-        prog="ds_trainer.py",
+        prog=prog,
         description=(
             "Train GPT-2 with DeepSpeed on the MongoDB corpus named by --config_train. Runs under the "
             "`deepspeed` launcher (one or many GPUs and nodes) or as a single process "
@@ -356,6 +367,12 @@ def build_parser() -> OneLineErrorParser:
             "--ckpt_dir; --no_resume refuses to instead. Ctrl-C or SIGTERM: a checkpoint after the "
             "current step, then exit."
         ),
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="an experiment file (.yaml, .yml or .toml) whose keys are these flags (flags given here "
+        "override it); a .json file is the connection config, as --config_train",
     )
     for title, cls in GROUPS:
         add_options(p.add_argument_group(title), cls)
@@ -381,10 +398,22 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def parse(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Parse ``ds_trainer.py``'s flags into a checked :class:`TrainConfig`.
+def parse(argv: Sequence[str] | None = None, prog: str = "ds_trainer.py") -> TrainConfig:
+    """Parse ``ds_trainer.py``'s flags (and an experiment file, ``--config run.yaml``) into a checked
+    :class:`TrainConfig`.
 
     Raises:
         ConfigError: a value or a combination of flags that cannot work, naming the flags and the fix.
     """
-    return config_from_args(build_parser().parse_args(argv))
+    import sys
+
+    from dsgpt2.runfile import COMMANDS, parse_args
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(build_parser(prog), argv, command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)
+    return config_from_args(args)
+
+
+# The connection config is --config_train here, --config in the other commands: an experiment file's
+# `config` key (and --config FILE.json) means the same JSON for both.
+TRAIN_ALIASES = {"config": "config_train"}

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from dsgpt2.train.config import TrainConfig
+from dsgpt2.files import atomic_write_text
+from dsgpt2.train.config import RESOLVED, TrainConfig
 from dsgpt2.train.metrics import MetricsLog, plot_losses
 
 
@@ -46,6 +47,8 @@ class RunLog:
         self.peak_flops = peak_flops
         r = cfg.run
         self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, run_config) if rank == 0 else None
+        if rank == 0:
+            atomic_write_text(r.workspace / RESOLVED, cfg.resolved())
         self.started = (*start, time.monotonic())
         self._last = self.started
         self.bar: Any = None

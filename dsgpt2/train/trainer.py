@@ -431,15 +431,19 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def main(
-    argv: Sequence[str] | None = None, on_loss: LossHook | None = None, after_step: StepHook | None = None
+    argv: Sequence[str] | None = None,
+    on_loss: LossHook | None = None,
+    after_step: StepHook | None = None,
+    prog: str = "ds_trainer.py",
 ) -> int:
-    """``ds_trainer.py``: parse, build, train. User errors end with one line and their exit code.
+    """``ds_trainer.py`` and ``dsgpt2 train``: parse, build, train. User errors end with one line and
+    their exit code.
 
     ``on_loss``/``after_step``: see :class:`Hooks` (the test suite injects faults through them).
     """
 
     def run() -> int:
-        cfg = parse(argv)
+        cfg = parse(argv, prog)
         trainer = None
         try:
             trainer = build(cfg, hooks=Hooks(on_loss, after_step))
@@ -454,4 +458,4 @@ def main(
             print("\n".join(summary_lines(summary)))
         return 0
 
-    return run_command("ds_trainer.py", run)
+    return run_command(prog, run)

@@ -1,0 +1,290 @@
+"""Experiment files: a command's flags kept in a YAML or TOML file (``--config run.yaml``).
+
+Every key is one of the command's flags, spelled as on the command line without the dashes
+(``train_iters: 2000``, ``early_stopping: true``, ``collection: [news, wiki]``). The file's values
+become the parser's defaults, so a flag typed on the command line overrides the file. A key the
+command does not have, or a value of the wrong type, is one line naming the file and the key.
+
+One file can serve several commands: top-level keys apply to the command that reads the file, and a
+table named for a command (``[train]``, ``[evaluate]``, ``[vocab.train]`` in TOML; ``train:`` in
+YAML) holds keys for that command alone, over the top-level ones. Tables for other commands are left
+to them.
+
+``--config FILE.json`` keeps its meaning everywhere (the MongoDB connection config); a file ending
+in ``.yaml``, ``.yml`` or ``.toml`` is an experiment file, and its ``config`` key names the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+
+SUFFIXES = (".yaml", ".yml", ".toml")
+YAML_WORDS = {False: "off", True: "on"}
+FLAG = "--config"
+# Every dsgpt2 command, nested ones included: the names of tables in an experiment file (a test keeps
+# this equal to the command line's).
+COMMANDS = frozenset(
+    {"ingest", "validate", "info", "vocab", "download", "train", "tokenize", "plan", "export", "evaluate",
+     "generate", "chat", "serve", "demo"}
+)  # fmt: skip
+
+
+def is_run_file(value: str) -> bool:
+    return Path(value).suffix.lower() in SUFFIXES
+
+
+def find_run_file(argv: Sequence[str]) -> tuple[list[str], Path | None]:
+    """``argv`` without its ``--config FILE.yaml|.toml`` and that file (None: no experiment file)."""
+    rest: list[str] = []
+    found: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        value = None
+        if token == FLAG and i + 1 < len(argv):
+            value, step = argv[i + 1], 2
+        elif token.startswith(FLAG + "="):
+            value, step = token[len(FLAG) + 1 :], 1
+        if value is not None and is_run_file(value):
+            found.append(value)
+            i += step
+            continue
+        rest.append(token)
+        i += 1
+    if len(found) > 1:
+        raise ConfigError(f"{FLAG}: one experiment file at a time, got {', '.join(found)}")
+    return rest, Path(found[0]) if found else None
+
+
+def read_run_file(path: Path) -> dict[str, Any]:
+    """The file's mapping; a missing, unreadable or malformed file is one line."""
+    if not path.is_file():
+        raise ConfigError(f"{FLAG} {path}: file not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{FLAG} {path}: cannot read it ({exc})") from None
+    if path.suffix.lower() == ".toml":
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{FLAG} {path}: not valid TOML ({exc})") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1}" if where is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ConfigError(f"{FLAG} {path}: not valid YAML{at} ({problem})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{FLAG} {path}: expected a mapping of flag names to values, got {type(data).__name__}"
+        )
+    return data
+
+
+def settings_for(
+    data: Mapping[str, Any], command: Sequence[str], sections: Collection[str], path: Path
+) -> dict[str, Any]:
+    """The keys that apply to ``command`` (e.g. ``("vocab", "train")``): the top-level ones, then its
+    table's. ``sections``: the names of every command (their tables are not keys)."""
+
+    def own(table: Mapping[str, Any]) -> dict[str, Any]:
+        return {str(k): v for k, v in table.items() if not (k in sections and isinstance(v, dict))}
+
+    out = own(data)
+    table: Any = data
+    for i, name in enumerate(command):
+        table = table.get(name)
+        if table is None:
+            return out
+        if not isinstance(table, dict):
+            where = ".".join(command[: i + 1])
+            raise ConfigError(f"{FLAG} {path}: [{where}] must be a table of flags, got {table!r}")
+    out.update(own(table))
+    return out
+
+
+def apply_run_file(
+    parser: argparse.ArgumentParser,
+    settings: Mapping[str, Any],
+    path: Path,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """Make ``settings`` the defaults of ``parser`` (command-line flags still override them).
+
+    ``aliases``: keys that stand for another flag (the trainer's ``config`` is ``config_train``).
+    """
+    by_name: dict[str, argparse.Action] = {}
+    for action in parser._actions:
+        if action.dest in (argparse.SUPPRESS, "help", "version"):
+            continue
+        for flag in action.option_strings:
+            if flag.startswith("--"):
+                by_name.setdefault(flag[2:], action)
+        if not action.option_strings:
+            by_name.setdefault(action.dest, action)
+        by_name.setdefault(action.dest, action)
+    for key, value in settings.items():
+        name = (aliases or {}).get(key, key)
+        action = by_name.get(name) or by_name.get(name.replace("-", "_"))
+        if action is None:
+            known = sorted(k for k in by_name if "-" not in k)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"{FLAG} {path}: unknown key {key!r}; {hint}the keys are the flags of "
+                f"`{parser.prog} --help`: {', '.join(known)}"
+            )
+        if value is None:
+            continue
+        converted = _convert(action, key, value, path)
+        if isinstance(action, argparse._StoreConstAction):
+            # A switch: true sets what the flag sets; false the opposite (or leaves the default).
+            if not converted:
+                if not isinstance(action.const, bool):
+                    continue
+                converted = not action.const
+            else:
+                converted = action.const
+            for other in parser._actions:
+                if other.dest == action.dest:
+                    other.default = converted
+        else:
+            action.default = converted
+        action.required = False
+        parser.set_defaults(**{action.dest: converted})
+
+
+def _convert(action: argparse.Action, key: str, value: Any, path: Path) -> Any:
+    def wrong(expected: str) -> ConfigError:
+        return ConfigError(f"{FLAG} {path}: key {key!r} must be {expected}, got {value!r}")
+
+    if isinstance(action, argparse._StoreConstAction):
+        if not isinstance(value, bool):
+            raise wrong("true or false")
+        return value
+    many = action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction)
+    if many:
+        items = value if isinstance(value, list) else [value]
+        return [_one(action, key, item, path, wrong) for item in items]
+    if isinstance(value, list | dict):
+        raise wrong("a single value")
+    return _one(action, key, value, path, wrong)
+
+
+def _one(action: argparse.Action, key: str, value: Any, path: Path, wrong: Any) -> Any:
+    if isinstance(value, bool) and action.choices and YAML_WORDS[value] in action.choices:
+        value = YAML_WORDS[value]  # YAML reads an unquoted `off` as false: `wandb: off` means "off"
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        expected = "one of " + ", ".join(map(str, action.choices)) if action.choices else "a value"
+        if isinstance(value, bool):
+            raise wrong(f"{expected}, not true/false")
+        raise wrong(expected)
+    text = str(value)
+    convert = action.type
+    try:
+        converted = convert(text) if callable(convert) else text
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+        if isinstance(exc, argparse.ArgumentTypeError):
+            raise ConfigError(f"{FLAG} {path}: key {key!r}: {exc}") from None
+        name = getattr(convert, "__name__", "value")
+        expected = {"int": "an integer", "float": "a number"}.get(name, f"a valid {name}")
+        raise ConfigError(f"{FLAG} {path}: key {key!r}: expected {expected}, got {value!r}") from None
+    if action.choices is not None and converted not in action.choices:
+        raise ConfigError(
+            f"{FLAG} {path}: key {key!r}: {value!r} is not one of {', '.join(map(str, action.choices))}"
+        )
+    return converted
+
+
+def subparser_for(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The (sub)parser that ``argv`` reaches and the command names on the way (``["vocab", "train"]``)."""
+    path: list[str] = []
+    current = parser
+    for token in argv:
+        if token.startswith("-"):
+            continue
+        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs or token not in subs[0].choices:
+            break
+        current = subs[0].choices[token]
+        path.append(token)
+    return current, path
+
+
+def command_names(parser: argparse.ArgumentParser) -> set[str]:
+    """Every subcommand name below ``parser`` (the names a table in an experiment file may have)."""
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                names.add(name)
+                names |= command_names(sub)
+    return names
+
+
+def dump_yaml(values: Mapping[str, Any]) -> str:
+    """``values`` as an experiment file that gives them back (None left out: the default)."""
+    import yaml
+
+    plain = {k: _plain(v) for k, v in values.items() if v is not None}
+    return yaml.safe_dump(plain, sort_keys=False, default_flow_style=None)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def parse_args(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str],
+    command: Sequence[str] | None = None,
+    sections: Collection[str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with an experiment file named by ``--config`` applied first.
+
+    ``command``: the command names the file's tables are looked up by (default: the subcommands
+    ``argv`` names); ``sections``: every command name (default: ``parser``'s subcommands);
+    ``aliases``: flags that ``config`` stands for in this parser (``{"config": "config_train"}``:
+    ``--config FILE.json`` and the file's ``config`` key then name the connection config).
+    """
+    try:
+        rest, path = find_run_file(argv)
+        if aliases and "config" in aliases:
+            rest = [f"--{aliases['config']}" if t == FLAG else t for t in rest]
+            rest = [t.replace(FLAG + "=", f"--{aliases['config']}=", 1) if t.startswith(FLAG + "=") else t
+                    for t in rest]  # fmt: skip
+        if path is not None:
+            target, names = subparser_for(parser, rest)
+            if command is not None:
+                target, names = parser, list(command)
+            known = COMMANDS if sections is None else sections
+            settings = settings_for(read_run_file(path), names, known, path)
+            apply_run_file(target, settings, path, aliases)
+    except ConfigError as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+    return parser.parse_args(rest)
