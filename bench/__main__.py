@@ -6,7 +6,16 @@ import logging
 import sys
 from pathlib import Path
 
-from bench import bench_fetch, bench_generate, bench_gpu, bench_serve, bench_startup, bench_train, bench_vocab
+from bench import (
+    bench_fetch,
+    bench_generate,
+    bench_gpu,
+    bench_ingest,
+    bench_serve,
+    bench_startup,
+    bench_train,
+    bench_vocab,
+)
 from bench.common import write_results
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
@@ -51,6 +60,7 @@ def main() -> int:
     results = Path(__file__).parent / "results"
     suites = {
         "fetch": lambda: bench_fetch.run(texts),
+        "ingest": lambda: bench_ingest.ingest_bench(texts, results),
         "vocab": lambda: bench_vocab.run(texts, results),
         "train_data": lambda: _train_data(texts, results),
         "deepspeed": bench_train.deepspeed_overhead,

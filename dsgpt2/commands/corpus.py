@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from dsgpt2.argtypes import positive_int
+from dsgpt2.argtypes import comma_list, positive_int
 from dsgpt2.commands.common import (
     add_config,
     load_config_arg,
@@ -26,20 +26,28 @@ def add_ingest(sub: Any) -> None:
             "Load documents into a collection: each record's text is kept as `form`, cleaned into "
             "`filt_text` and numbered with `idx` after the collection's last one. Interrupted and "
             "re-run with the same arguments, it resumes without duplicating or skipping records. "
-            "Files may be gzipped."
+            "Text files may be gzipped. Parquet (FineWeb's layout: text, id, url, dump, ...), Arrow "
+            "files and `datasets` save_to_disk directories are read in record batches (bounded "
+            "memory); --keep_fields stores chosen columns on each document."
         ),
         epilog=(
             "examples:\n"
             "  dsgpt2 ingest --config c.json --sample stdlib\n"
             "  dsgpt2 ingest --config c.json --collection news news.jsonl.gz --field body\n"
             "  dsgpt2 ingest --config c.json --collection books --split paragraph books/*.txt\n"
+            "  dsgpt2 ingest --config c.json --collection fineweb \\\n"
+            "      --keep_fields id,url,dump,language_score fineweb/data/CC-MAIN-2024-10/*.parquet\n"
+            "  dsgpt2 ingest --config c.json --collection wiki wiki_saved/   # Dataset.save_to_disk\n"
             "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config(p)
     p.add_argument(
-        "inputs", nargs="*", metavar="FILE", help="input files (.txt, .jsonl, .csv, optionally .gz)"
+        "inputs",
+        nargs="*",
+        metavar="FILE",
+        help="input files (.txt, .jsonl, .csv, optionally .gz; .parquet, .arrow) or `datasets` directories",
     )
     p.add_argument(
         "--sample",
@@ -51,10 +59,22 @@ def add_ingest(sub: Any) -> None:
     p.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "text", "jsonl", "csv", "conversation"],
-        help="input format; auto goes by the file extension (default: auto)",
+        choices=["auto", "text", "jsonl", "csv", "conversation", "parquet", "arrow", "dataset"],
+        help="input format; auto goes by the file extension, and knows Parquet and Arrow by their first "
+        "bytes (default: auto)",
     )
-    p.add_argument("--field", default="text", help="jsonl: the field holding the text (default: text)")
+    p.add_argument(
+        "--field",
+        default="text",
+        help="jsonl, parquet, arrow, dataset: the field holding the text (default: text)",
+    )
+    p.add_argument(
+        "--keep_fields",
+        type=comma_list,
+        default=(),
+        metavar="A,B,...",
+        help="also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score",
+    )
     p.add_argument("--column", default="text", help="csv: the column holding the text (default: text)")
     p.add_argument(
         "--split",
@@ -127,7 +147,13 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     sources = [builtin_source(args.sample, args.limit)] if args.sample else []
     sources += [
         file_source(
-            path, args.format, field=args.field, column=args.column, split=args.split, encoding=args.encoding
+            path,
+            args.format,
+            field=args.field,
+            column=args.column,
+            split=args.split,
+            encoding=args.encoding,
+            keep_fields=args.keep_fields,
         )
         for path in args.inputs
     ]

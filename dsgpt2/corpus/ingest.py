@@ -34,6 +34,9 @@ from tqdm import tqdm
 
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
+from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
+from dsgpt2.corpus.columnar import detect as detect_columnar
 from dsgpt2.corpus.documents import SkipTally, utf8_encodable
 from dsgpt2.corpus.mongo import (
     Connection,
@@ -49,7 +52,7 @@ from dsgpt2.errors import BadDocumentError, IngestError
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "text", "jsonl", "csv", "conversation")
+FORMATS = ("auto", "text", "jsonl", "csv", "conversation", *COLUMNAR)
 SPLITS = ("line", "paragraph")
 # Speaker names given to query/reply pairs.
 QUERY_SPEAKER = "user"
@@ -74,6 +77,8 @@ class Source:
     kind: str  # "text" or "conversation"
     read: Callable[[], Iterator[Any]] = field(repr=False, compare=False)
     decoding: DecodeTally | None = field(default=None, repr=False, compare=False)
+    # Sources that can start at a record number without reading the ones before it (columnar files).
+    read_from: Callable[[int], Iterator[Any]] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
@@ -100,7 +105,12 @@ def _key(*parts: str) -> str:
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """The format a file name implies: ``.jsonl``/``.json`` → jsonl, ``.csv`` → csv, else text."""
+    """The format a path implies: ``.jsonl``/``.json`` → jsonl, ``.csv`` → csv, ``.parquet`` → parquet,
+    ``.arrow``/``.feather`` → arrow, a ``save_to_disk`` directory → dataset (Parquet and Arrow are also
+    known by their first bytes, whatever the name), else text."""
+    columnar = detect_columnar(Path(path))
+    if columnar:
+        return columnar
     name = str(path).lower().removesuffix(".gz")
     if name.endswith((".jsonl", ".json", ".ndjson")):
         return "jsonl"
@@ -116,14 +126,18 @@ def file_source(
     column: str = "text",
     split: str = "line",
     encoding: str = "utf-8",
+    keep_fields: tuple[str, ...] = (),
 ) -> Source:
-    """A file (gzip transparently) read as ``fmt`` in ``encoding``.
+    """A file (gzip transparently) read as ``fmt`` in ``encoding``; a Parquet or Arrow file, or a
+    ``datasets`` directory, read in record batches. ``keep_fields``: columns (jsonl: keys) stored on
+    each document beside its text.
 
     Raises:
-        IngestError: the file is missing, or the format or its options are invalid.
+        IngestError: the file is missing, binary where text is expected, or the format or its options
+            are invalid.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.is_file() and not (p.is_dir() and fmt in ("auto", "dataset")):
         raise IngestError(f"input file {str(p)!r} not found")
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -133,18 +147,35 @@ def file_source(
         codecs.lookup(encoding)
     except LookupError:
         raise IngestError(f"unknown --encoding {encoding!r}; e.g. utf-8, latin-1, cp1252") from None
+    check_keep_fields(keep_fields)
     tally = DecodeTally(encoding)
     fmt = detect_format(p) if fmt == "auto" else fmt
+    kept = f" +{','.join(keep_fields)}" if keep_fields else ""
+    if fmt in COLUMNAR:
+        table = Table(p, fmt, field, keep_fields)
+        key = _key("file", str(p.resolve()), fmt, field, *keep_fields)
+        label = f"{p.name} ({fmt}: {field}{kept})"
+        return Source(key, label, "text", table.rows, read_from=table.rows)
+    if keep_fields and fmt not in ("jsonl", "csv"):
+        raise IngestError(f"--keep_fields goes with jsonl, csv, parquet, arrow and dataset inputs, not {fmt}")
+    if codecs.lookup(encoding).name in ("utf-8", "ascii", "latin-1", "cp1252", "iso8859-1"):
+        binary = sniff_binary(p)
+        if binary:
+            raise IngestError(
+                f"{p.name} is {binary}, not {fmt} text; nothing was stored. Parquet, Arrow and `datasets` "
+                "inputs are read by their own readers (--format parquet|arrow|dataset); convert other "
+                "binary files to text first"
+            )
     option = {"text": split, "jsonl": field, "csv": column, "conversation": ""}[fmt]
-    key = _key("file", str(p.resolve()), fmt, option)
-    label = f"{p.name} ({fmt}{': ' + option if option else ''})"
+    key = _key("file", str(p.resolve()), fmt, option, *keep_fields)
+    label = f"{p.name} ({fmt}{': ' + option if option else ''}{kept})"
     if fmt == "text":
         return Source(key, label, "text", lambda: _read_text(p, split, tally), tally)
     if fmt == "jsonl":
-        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally), tally)
+        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally, keep_fields), tally)
     if fmt == "csv":
-        _check_csv_header(p, column, tally)
-        return Source(key, label, "text", lambda: _read_csv(p, column, tally), tally)
+        _check_csv_header(p, column, tally, keep_fields)
+        return Source(key, label, "text", lambda: _read_csv(p, column, tally, keep_fields), tally)
     return Source(key, label, "conversation", lambda: _read_conversations(p, tally), tally)
 
 
@@ -223,7 +254,9 @@ def _json_lines(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
                 yield BadRecord("bad_json")
 
 
-def _read_jsonl(path: Path, field_name: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+def _read_jsonl(
+    path: Path, field_name: str, tally: DecodeTally | None = None, keep: tuple[str, ...] = ()
+) -> Iterator[Any]:
     for obj in _json_lines(path, tally):
         if isinstance(obj, BadRecord):
             yield obj
@@ -231,6 +264,8 @@ def _read_jsonl(path: Path, field_name: str, tally: DecodeTally | None = None) -
             yield BadRecord("bad_json")
         elif field_name not in obj:
             yield BadRecord("no_field")
+        elif keep:
+            yield Row(obj[field_name], {k: storable(obj.get(k)) for k in keep})
         else:
             yield obj[field_name]
 
@@ -240,20 +275,28 @@ def _csv_reader(f: TextIO) -> csv.DictReader:
     return csv.DictReader(f)
 
 
-def _check_csv_header(path: Path, column: str, tally: DecodeTally | None = None) -> None:
+def _check_csv_header(
+    path: Path, column: str, tally: DecodeTally | None = None, keep: tuple[str, ...] = ()
+) -> None:
     with open_text(path, DecodeTally(tally.encoding) if tally else None) as f:
         header = _csv_reader(f).fieldnames or []
-    if column not in header:
-        raise IngestError(
-            f"{path.name} has no column {column!r}; its columns are {header}; pick one with --column"
-        )
+    for name, flag in [(column, "--column"), *((k, "--keep_fields") for k in keep)]:
+        if name not in header:
+            raise IngestError(
+                f"{path.name} has no column {name!r}; its columns are {header}; pick one with {flag}"
+            )
 
 
-def _read_csv(path: Path, column: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+def _read_csv(
+    path: Path, column: str, tally: DecodeTally | None = None, keep: tuple[str, ...] = ()
+) -> Iterator[Any]:
     with open_text(path, tally) as f:
         for row in _csv_reader(f):
             value = row.get(column)
-            yield BadRecord("no_field") if value is None else value
+            if value is None:
+                yield BadRecord("no_field")
+            else:
+                yield Row(value, {k: row.get(k) for k in keep}) if keep else value
 
 
 def _read_conversations(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
@@ -298,6 +341,11 @@ def make_document(record: Any, kind: str) -> dict[str, Any] | str:
     """The fields of a document for ``record``, or the reason it is skipped."""
     if isinstance(record, BadRecord):
         return record.reason
+    if isinstance(record, Row):
+        doc = make_document(record.text, kind)
+        if isinstance(doc, dict):
+            doc.update(record.fields)
+        return doc
     if kind == "conversation":
         text = "\n".join(f"{t['speaker']}: {t['text']}" for t in record["turns"])
         return {"form": record["form"], "filt_text": text, "turns": record["turns"]}
@@ -427,7 +475,7 @@ def _ingest_source(
     damage: BaseException | None = None
     # disable=None: no bar when stderr is not a terminal (logs, CI).
     bar = tqdm(desc=source.label[:40], unit="doc", disable=None if progress else True, initial=start)
-    records = enumerate(source.read())
+    records = enumerate(source.read_from(start), start) if source.read_from else enumerate(source.read())
     try:
         while True:
             try:

@@ -1,0 +1,284 @@
+"""Columnar inputs: Parquet files, Arrow files and streams, and ``datasets`` directories.
+
+FineWeb, FineWeb-Edu, RedPajama and most corpora on the Hugging Face Hub ship as Parquet (``text`` and
+metadata columns: ``id``, ``url``, ``dump``, ``language_score``...); ``datasets.Dataset.save_to_disk``
+writes Arrow streams beside a ``state.json``. Each is read in record batches of at most
+:data:`BATCH_ROWS` rows and only the columns asked for, so memory stays bounded whatever the file's
+size; a resumed read starts at a row number without decoding the row groups before it.
+
+Rows come out as :class:`Row` (the text and the kept columns' values, made storable in MongoDB).
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.errors import IngestError
+
+BATCH_ROWS = 1024
+FORMATS = ("parquet", "arrow", "dataset")
+PARQUET_MAGIC = b"PAR1"
+ARROW_FILE_MAGIC = b"ARROW1"
+ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (a continuation marker)
+SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow"}
+# What a document already holds: a kept column may not take one of these names.
+RESERVED = ("_id", "idx", "form", "filt_text", "source", "source_pos", "turns")
+INT64_MAX = 2**63 - 1
+
+
+class Row:
+    """One input row: its text (any type: the ingest decides whether it is usable) and kept fields."""
+
+    __slots__ = ("fields", "text")
+
+    def __init__(self, text: Any, fields: dict[str, Any]) -> None:
+        self.text = text
+        self.fields = fields
+
+
+def detect(path: Path) -> str | None:
+    """``parquet``, ``arrow`` or ``dataset`` by the path's suffix, layout or first bytes; None otherwise."""
+    if path.is_dir():
+        return "dataset"
+    kind = SUFFIXES.get(path.suffix.lower())
+    if kind:
+        return kind
+    head = _head(path, 8)
+    if head.startswith(PARQUET_MAGIC):
+        return "parquet"
+    if head.startswith(ARROW_FILE_MAGIC) or head.startswith(ARROW_STREAM_MAGIC):
+        return "arrow"
+    return None
+
+
+def _head(path: Path, n: int) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
+def check_keep_fields(keep: Sequence[str]) -> None:
+    """Refuse kept fields that would overwrite a document's own."""
+    clash = [k for k in keep if k in RESERVED or k.startswith("$") or "." in k or not k]
+    if clash:
+        raise IngestError(
+            f"--keep_fields {','.join(clash)}: a document's own fields ({', '.join(RESERVED)}), names "
+            "with '.' or starting with '$' cannot be kept; rename the column"
+        )
+
+
+def dataset_files(path: Path) -> list[Path]:
+    """The Arrow files of a ``save_to_disk`` directory, in order (its ``state.json``)."""
+    if (path / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        except (OSError, ValueError, KeyError, TypeError):
+            splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise IngestError(
+            f"{path} holds a DatasetDict with splits {', '.join(map(str, splits))}: give one split's "
+            f"directory, e.g. {path / str(splits[0] if splits else 'train')}"
+        )
+    state = path / "state.json"
+    if not state.is_file():
+        raise IngestError(
+            f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json); "
+            "give files, or a directory written by Dataset.save_to_disk"
+        )
+    try:
+        files = [path / entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise IngestError(f"{state}: not a `datasets` state file ({exc})") from None
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise IngestError(f"{path}: the data file(s) {', '.join(missing)} named in state.json are missing")
+    return files
+
+
+class Table:
+    """One columnar input: its schema checked at once, its rows read in bounded batches."""
+
+    def __init__(self, path: Path, kind: str, field: str, keep: Sequence[str]) -> None:
+        import pyarrow as pa
+
+        self.path, self.kind, self.field, self.keep = path, kind, field, list(keep)
+        self.files = dataset_files(path) if kind == "dataset" else [path]
+        try:
+            schemas = [self._schema(f) for f in self.files]
+        except (pa.ArrowException, OSError) as exc:
+            raise IngestError(f"{path}: not a readable {kind} input ({_first_line(exc)})") from None
+        names = schemas[0].names if schemas else []
+        wanted = [field, *self.keep]
+        absent = [c for c in wanted if c not in names]
+        if absent:
+            which = "--field" if field in absent else "--keep_fields"
+            raise IngestError(
+                f"{path.name} has no column {', '.join(map(repr, absent))} ({which}); its columns are "
+                f"{', '.join(names)}"
+            )
+        kind_of_text = schemas[0].field(field).type
+        if not (pa.types.is_string(kind_of_text) or pa.types.is_large_string(kind_of_text)
+                or str(kind_of_text) == "string_view"):  # fmt: skip
+            raise IngestError(
+                f"{path.name}: column {field!r} holds {kind_of_text}, not text; pick the text column "
+                "with --field"
+            )
+        self.columns = list(dict.fromkeys(wanted))
+
+    def _schema(self, file: Path) -> Any:
+        import pyarrow.parquet as pq
+
+        if self.kind == "parquet":
+            return pq.read_schema(file)
+        with self._open_ipc(file) as reader:
+            return reader.schema
+
+    def _open_ipc(self, file: Path) -> Any:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        source = pa.memory_map(str(file))
+        if _head(file, 6) == ARROW_FILE_MAGIC:
+            return ipc.open_file(source)
+        return ipc.open_stream(source)
+
+    def rows(self, start: int = 0) -> Iterator[Row]:
+        """Every row from row number ``start`` on (the rows before it are not decoded)."""
+        import pyarrow as pa
+
+        try:
+            skip = start
+            for file in self.files:
+                if skip:
+                    rows = self._count(file)
+                    if skip >= rows:
+                        skip -= rows
+                        continue
+                for batch in self._batches(file, skip):
+                    yield from self._rows(batch)
+                skip = 0
+        except pa.ArrowException as exc:
+            # Damage found mid-read: the ingest keeps what came before and names the file.
+            raise OSError(_first_line(exc)) from None
+
+    def _count(self, file: Path) -> int:
+        import pyarrow.parquet as pq
+
+        if self.kind == "parquet":
+            return pq.ParquetFile(file).metadata.num_rows
+        with self._open_ipc(file) as reader:
+            return sum(b.num_rows for b in _ipc_batches(reader))
+
+    def _batches(self, file: Path, skip: int) -> Iterator[Any]:
+        """Record batches of at most BATCH_ROWS rows of ``file``, the first ``skip`` rows left out."""
+
+        if self.kind == "parquet":
+            batches = self._parquet_batches(file, skip)
+            skip = 0
+        else:
+            reader = self._open_ipc(file)
+            batches = (b.select(self.columns) for b in _ipc_batches(reader))
+        for batch in batches:
+            if skip >= batch.num_rows:
+                skip -= batch.num_rows
+                continue
+            for offset in range(skip, batch.num_rows, BATCH_ROWS):
+                yield batch.slice(offset, BATCH_ROWS)
+            skip = 0
+
+    def _parquet_batches(self, file: Path, skip: int) -> Iterator[Any]:
+        """One row group at a time (damage in a group surfaces after the groups before it), the
+        groups wholly before ``skip`` not read at all."""
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(file)
+        for i in range(pf.num_row_groups):
+            n = pf.metadata.row_group(i).num_rows
+            if skip >= n:
+                skip -= n
+                continue
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[i], columns=self.columns):
+                if skip >= batch.num_rows:
+                    skip -= batch.num_rows
+                    continue
+                yield batch.slice(skip)
+                skip = 0
+
+    def _rows(self, batch: Any) -> Iterator[Row]:
+        texts = batch.column(self.field).to_pylist()
+        kept = [(name, batch.column(name).to_pylist()) for name in self.keep]
+        for i, text in enumerate(texts):
+            yield Row(text, {name: storable(values[i]) for name, values in kept})
+
+
+def _ipc_batches(reader: Any) -> Iterator[Any]:
+    if hasattr(reader, "num_record_batches"):
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+    else:
+        yield from reader
+
+
+def storable(value: Any) -> Any:
+    """``value`` as BSON can hold it: dates become datetimes, decimals floats, integers past int64
+    strings, times and durations ISO strings; lists and structs converted inside."""
+    if value is None or isinstance(value, bool | str | float | bytes | datetime.datetime):
+        return value
+    if isinstance(value, int):
+        return value if -INT64_MAX - 1 <= value <= INT64_MAX else str(value)
+    if isinstance(value, datetime.date):
+        return datetime.datetime(value.year, value.month, value.day)
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, datetime.time | datetime.timedelta):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        # Arrow maps come as lists of (key, value) tuples.
+        return [storable(v) for v in value]
+    return str(value)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def sniff_binary(path: Path) -> str | None:
+    """What a file named as text really is when it is not text (``PDF``, ``zip``...); None for text.
+
+    Gzip is text's own wrapper and is looked into; a NUL byte in the first 4 KB means binary.
+    """
+    head = _head(path, 4096)
+    if head[:2] == b"\x1f\x8b":
+        import gzip
+        import zlib
+
+        try:
+            with gzip.open(path, "rb") as f:
+                head = f.read(4096)
+        except (OSError, EOFError, zlib.error):
+            return None  # a damaged gzip: the reader reports it where it breaks
+    for magic, name in (
+        (PARQUET_MAGIC, "a Parquet file"),
+        (ARROW_FILE_MAGIC, "an Arrow file"),
+        (ARROW_STREAM_MAGIC, "an Arrow stream"),
+        (b"%PDF", "a PDF"),
+        (b"PK\x03\x04", "a zip archive"),
+        (b"BZh", "bzip2-compressed"),
+        (b"\xfd7zXZ\x00", "xz-compressed"),
+        (b"\x28\xb5\x2f\xfd", "zstd-compressed"),
+        (b"7z\xbc\xaf\x27\x1c", "a 7z archive"),
+    ):
+        if head.startswith(magic):
+            return name
+    if b"\x00" in head:
+        return "binary"
+    return None
