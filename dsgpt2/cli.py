@@ -48,6 +48,7 @@ def build_parser() -> OneLineErrorParser:
     )
     for add in (
         corpus.add_ingest,
+        corpus.add_index,
         corpus.add_validate,
         corpus.add_info,
         vocab.add_vocab,

@@ -327,3 +327,27 @@ def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_p
         conn = Connection(live.mongo)
         conn.client.drop_database(live.db)
         conn.close()
+
+
+def test_index_numbers_a_foreign_collection_in_place_and_later_documents_next(scratch: Connection) -> None:
+    """`dsgpt2 index` on a real server: bulk numbering, the sparse unique index that lets the
+    application go on inserting documents without idx, the quick check through that index."""
+    from dataclasses import replace
+
+    from dsgpt2.corpus.mongo import read_meta
+    from dsgpt2.corpus.numbering import index_collection
+    from dsgpt2.corpus.validate import quick_check, validate_collection
+
+    conn = Connection(replace(scratch.config, collections=("articles",), text_field="body"))
+    coll = conn.db["articles"]
+    coll.insert_many([{"_id": f"a{i:04d}", "body": f"Article {i}."} for i in range(120)])
+    first = index_collection(conn, "articles", "body", batch_size=50)
+    assert (first.numbered, first.count) == (120, 120)
+    coll.insert_many([{"_id": f"b{i:04d}", "body": f"Later {i}."} for i in range(15)])  # no idx
+    meta = read_meta(conn, ["articles"])["articles"]
+    assert quick_check(conn, "articles", meta).ok and validate_collection(conn, "articles").ok
+    second = index_collection(conn, "articles", "body", batch_size=50)
+    assert (second.numbered, second.count) == (15, 135)
+    texts = [d.text for d in MongoWrapper(conn.config, connection=conn).get_range(0, 135)]
+    assert texts == [f"Article {i}." for i in range(120)] + [f"Later {i}." for i in range(15)]
+    conn.close()

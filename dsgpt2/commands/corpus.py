@@ -96,6 +96,34 @@ def add_ingest(sub: Any) -> None:
     p.set_defaults(func=cmd_ingest)
 
 
+def add_index(sub: Any) -> None:
+    p = sub.add_parser(
+        "index",
+        help="number a collection already in MongoDB in place (idx, unique index, meta_info)",
+        description=(
+            "Make a collection that another application wrote into a training collection, without a "
+            "copy: each document without an idx gets the next number in _id order, the unique idx index "
+            "is built (sparse: documents without idx may still be inserted) and meta_info records the "
+            "count. Killed and re-run, it numbers every document exactly once; run again later, it "
+            "numbers the documents added since. Training reads the documents' --field through "
+            "TEXT_FIELD in the connection config."
+        ),
+        epilog="example:\n  dsgpt2 index --config c.json --collection articles --field body",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config(p)
+    p.add_argument("--collection", required=True, help="the collection to number")
+    p.add_argument("--field", default="text", help="the field holding each document's text (default: text)")
+    p.add_argument(
+        "--batch_size",
+        type=positive_int,
+        default=1000,
+        help="documents numbered per bulk write (default: 1000)",
+    )
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_index)
+
+
 def add_validate(sub: Any) -> None:
     p = sub.add_parser(
         "validate",
@@ -124,6 +152,27 @@ def add_info(sub: Any) -> None:
     add_config(p)
     p.add_argument("--json", action="store_true", help="print as JSON")
     p.set_defaults(func=cmd_info)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.mongo import connect
+    from dsgpt2.corpus.numbering import index_collection
+
+    config = load_config_arg(args)
+    problem = collection_name_problem(args.collection)
+    if problem:
+        raise usage("index", f"--collection {args.collection!r} is not a collection name: {problem}")
+    report = index_collection(
+        connect(config), args.collection, args.field, args.batch_size, not args.no_progress
+    )
+    print("\n".join(report.lines()))
+    if config.text_field != args.field:
+        setting = json.dumps({"TEXT_FIELD": args.field})[1:-1]
+        print(f"note: {args.config} reads TEXT_FIELD {config.text_field!r}; set {setting} in it to train "
+              f"on {args.collection!r}")  # fmt: skip
+    if args.collection not in config.collections:
+        print(f"note: {args.collection!r} is not in the COLLECTIONS of {args.config}; add it to train on it")
+    return 0
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:

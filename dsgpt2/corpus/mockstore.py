@@ -127,7 +127,12 @@ def _dump(store: ServerStore) -> Iterable[dict[str, Any]]:
         for name in db.list_collection_names():
             coll = db[name]
             indexes = [
-                {"name": n, "key": [list(k) for k in info["key"]], "unique": bool(info.get("unique"))}
+                {
+                    "name": n,
+                    "key": [list(k) for k in info["key"]],
+                    "unique": bool(info.get("unique")),
+                    "sparse": bool(info.get("sparse")),
+                }
                 for n, info in coll.index_information().items()
                 if n != "_id_"
             ]
@@ -157,7 +162,10 @@ def _load(path: str) -> ServerStore:
             target.database.create_collection(target.name)
         # Indexes after the documents: one uniqueness check instead of one per insert.
         for ix in indexes:
-            target.create_index([tuple(k) for k in ix["key"]], name=ix["name"], unique=ix["unique"])
+            options = {"sparse": True} if ix.get("sparse") else {}
+            target.create_index(
+                [tuple(k) for k in ix["key"]], name=ix["name"], unique=ix["unique"], **options
+            )
 
     for record in records:
         if "collection" in record:

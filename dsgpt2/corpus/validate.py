@@ -93,6 +93,9 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
         return report
 
     not_int = run("idx types", lambda: coll.count_documents(NOT_INT_IDX))
+    unnumbered, waiting = _unnumbered(coll, meta, run)
+    problems += waiting
+    not_int -= unnumbered
     if not_int:
         examples = run("idx examples", lambda: list(coll.find(NOT_INT_IDX, {"idx": 1}).limit(_EXAMPLES)))
         shown = ", ".join(f"{d.get('idx', '<missing>')!r} ({type(d.get('idx')).__name__})" for d in examples)
@@ -152,10 +155,30 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
                 )
             )
 
+    problems += _meta_problems(conn, name, meta_count, documents, _growing(meta))
+    return report
+
+
+def _unnumbered(coll: Any, meta: dict[str, Any] | None, run: Any) -> tuple[int, list[Problem]]:
+    """In a collection numbered in place, the documents its application added since the last
+    `dsgpt2 index`: not an error, they wait for their numbers."""
+    numbered = (meta or {}).get("numbered_in_place")
+    n = run("unnumbered", lambda: coll.count_documents({"idx": {"$exists": False}})) if numbered else 0
+    if not n:
+        return 0, []
+    message = (
+        f"{n} document(s) added since the last `dsgpt2 index` have no idx yet: training does not read them"
+    )
+    fix = f"dsgpt2 index --collection {coll.name} --field {numbered.get('field', 'text')} numbers them"
+    return n, [Problem("unnumbered", message, fix, severity="warning")]
+
+
+def _growing(meta: dict[str, Any] | None) -> bool:
+    """Documents past meta_info's count are expected: an ingest is running, or the collection is
+    numbered in place and its application adds documents that the next `dsgpt2 index` numbers."""
     sources = (meta or {}).get("sources") or {}
     ingesting = any(isinstance(v, dict) and not v.get("complete") for v in sources.values())
-    problems += _meta_problems(conn, name, meta_count, documents, ingesting)
-    return report
+    return ingesting or bool((meta or {}).get("numbered_in_place"))
 
 
 def _meta_problems(
@@ -169,9 +192,9 @@ def _meta_problems(
         out.append(
             Problem(
                 "ingest_in_progress",
-                f"an ingest is under way: {documents - meta_count} document(s) past the count "
-                f"{meta_count} are not counted yet",
-                "none needed; a rerun of the interrupted ingest completes it",
+                f"{documents - meta_count} document(s) past the count {meta_count} are not counted yet "
+                "(an ingest under way, or documents added since the last `dsgpt2 index`)",
+                "none needed; a rerun of the interrupted ingest, or of dsgpt2 index, counts them",
                 severity="warning",
             )
         )
@@ -272,14 +295,14 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
             )
         )
         return report
-    sources = (meta or {}).get("sources") or {}
-    ingesting = any(isinstance(v, dict) and not v.get("complete") for v in sources.values())
-    problems += _meta_problems(conn, name, meta_count, documents, ingesting)
+    problems += _meta_problems(conn, name, meta_count, documents, _growing(meta))
     n = meta_count if meta_count is not None else documents
     # In the index, missing and null idx sort before every number, strings and the other types
-    # after them: the two ends show any of them.
+    # after them: the two ends show any of them. A collection numbered in place has a sparse index
+    # (its application adds documents without idx), which only a query that asks for idx can use.
+    only = {"idx": {"$exists": True}} if (meta or {}).get("numbered_in_place") else {}
     for end, direction, expected in (("first", 1, 0), ("last", -1, n - 1)):
-        idx = run("idx ends", lambda d=direction: _index_end(coll, d))
+        idx = run("idx ends", lambda d=direction: _index_end(coll, d, only))
         if not isinstance(idx, int) or isinstance(idx, bool) or idx != expected:
             problems.append(
                 Problem(
@@ -292,9 +315,9 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
     return report
 
 
-def _index_end(coll: Any, direction: int) -> Any:
+def _index_end(coll: Any, direction: int, query: dict[str, Any] | None = None) -> Any:
     """The idx at one end of the idx index (1: the lowest), or None for an empty collection."""
-    doc = next(iter(coll.find({}, {"_id": 0, "idx": 1}).sort("idx", direction).limit(1)), None)
+    doc = next(iter(coll.find(query or {}, {"_id": 0, "idx": 1}).sort("idx", direction).limit(1)), None)
     return None if doc is None else doc.get("idx")
 
 

@@ -1,0 +1,205 @@
+"""``dsgpt2 index``: number a collection that already lives in MongoDB, in place.
+
+A collection written by another application (``{"_id", "title", "body", ...}``) becomes a training
+collection without a copy: every document without an ``idx`` gets the next number, in ``_id`` order,
+the unique idx index is built, and meta_info records the count and the text field. Training then
+reads the documents' own field (``TEXT_FIELD`` in the connection config).
+
+Exactly once, even when killed: a document is numbered by a conditional update (``idx`` still
+absent), batch by batch in ``_id`` order with ordered bulk writes, so the numbered documents always
+hold 0..k-1 and a re-run continues at k. Documents added later (without ``idx``) get the next
+numbers from the next run; the unique index is sparse (it holds the documents that have an ``idx``),
+so the application can go on inserting documents without one.
+
+Two passes never run at once: a lease in meta_info (owner, heartbeat) refuses a second ``index``
+of the same collection, and an unfinished ``ingest`` into it is refused too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pymongo
+from pymongo.errors import OperationFailure, PyMongoError
+from tqdm import tqdm
+
+from dsgpt2.corpus.mongo import Connection, idx_index_name, max_idx, read_meta, with_retries, write_meta
+from dsgpt2.errors import CorpusError
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 60.0  # a lease older than this belongs to a process that died
+UNNUMBERED = {"idx": {"$exists": False}}
+NUMBERED = {"idx": {"$exists": True}}
+
+
+@dataclass
+class IndexReport:
+    """What one ``dsgpt2 index`` run did."""
+
+    collection: str
+    field: str
+    numbered: int  # documents numbered by this run
+    count: int  # documents numbered in all (idx 0..count-1)
+    without_text: int  # numbered documents whose field is absent or not a string (skipped by training)
+    seconds: float
+
+    def lines(self) -> list[str]:
+        also = (
+            f"; {self.without_text} of them have no text in {self.field!r} (training skips and counts them)"
+        )
+        return [
+            f"{self.collection}: {self.numbered} document(s) numbered by this run, idx 0..{self.count - 1} "
+            f"in all ({self.seconds:.1f}s){also if self.without_text else ''}",
+            f"train on it with TEXT_FIELD {self.field!r} in the connection config; documents added "
+            "later get the next numbers from the same command",
+        ]
+
+
+def index_collection(
+    conn: Connection, name: str, field: str, batch_size: int = 1000, progress: bool = False
+) -> IndexReport:
+    """Number the documents of ``name`` that have no ``idx`` (see module doc).
+
+    Raises:
+        CorpusError: the collection is missing or empty, its idx values are not 0..k-1 integers, or
+            another process is indexing or ingesting it.
+    """
+    started = time.monotonic()
+    coll = conn.db[name]
+    cfg = conn.config
+
+    def run(what: str, fn: Any) -> Any:
+        return with_retries(fn, cfg, f"indexing {name}: {what}")
+
+    if name not in run("collections", conn.db.list_collection_names):
+        raise CorpusError(f"collection {name!r} not found in database {cfg.db!r}; nothing to number")
+    meta = run("meta", lambda: read_meta(conn, [name])).get(name) or {}
+    sources = meta.get("sources") or {}
+    if any(isinstance(v, dict) and not v.get("complete") for v in sources.values()):
+        raise CorpusError(
+            f"an ingest into {name!r} is unfinished or running; let it finish (or re-run it) before "
+            "`dsgpt2 index`"
+        )
+    owner = _take_lease(conn, name)
+    try:
+        _check_numbers(conn, name)
+        top = run("largest idx", lambda: max_idx(coll))
+        next_idx = 0 if top is None else top + 1
+        numbered = 0
+        # Documents are taken in _id order, resuming after the last _id this run numbered: a range on
+        # the _id index, so each batch costs its own documents, not a scan from the start.
+        last_id: Any = None
+        bar = tqdm(desc=f"index {name}", unit="doc", disable=None if progress else True)
+        try:
+            while True:
+                query = dict(UNNUMBERED) if last_id is None else {**UNNUMBERED, "_id": {"$gt": last_id}}
+                ids = run("next batch", lambda q=query: [d["_id"] for d in coll.find(q, {"_id": 1})
+                                                         .sort("_id", 1).limit(batch_size)])  # fmt: skip
+                if not ids:
+                    break
+                # A retried batch gives each document the same number (its place in the batch), and
+                # the documents it already numbered keep theirs.
+                run("numbering", lambda i=ids, n=next_idx: _number(conn, coll, i, n))
+                mine = {"_id": {"$in": ids}, "idx": {"$gte": next_idx, "$lt": next_idx + len(ids)}}
+                if run("check", lambda q=mine: coll.count_documents(q)) != len(ids):
+                    raise CorpusError(
+                        f"another process numbered documents of {name!r} during this run; run "
+                        "`dsgpt2 validate` and then `dsgpt2 index` again"
+                    )
+                next_idx += len(ids)
+                numbered += len(ids)
+                last_id = ids[-1]
+                bar.update(len(ids))
+                _record(conn, name, field, next_idx, owner)
+        finally:
+            bar.close()
+        _ensure_sparse_index(conn, name)
+        _record(conn, name, field, next_idx, owner)
+        no_text = [{field: {"$exists": False}}, {field: {"$not": {"$type": "string"}}}]
+        bad = {"idx": {"$gte": next_idx - numbered}, "$or": no_text}
+        without = run("texts", lambda: coll.count_documents(bad)) if numbered else 0
+    finally:
+        _release_lease(conn, name, owner)
+    log.info("%s: %d numbered, %d in all", name, numbered, next_idx)
+    return IndexReport(name, field, numbered, next_idx, without, time.monotonic() - started)
+
+
+def _number(conn: Connection, coll: Any, ids: list[Any], first: int) -> int:
+    """Give ``ids`` (in order) the numbers ``first``, ``first + 1``, ... where they have none yet; an
+    ordered bulk write, so a failure leaves a prefix numbered. Returns how many were numbered."""
+    if conn.config.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateOne
+        return sum(coll.update_one({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}).modified_count
+                   for k, i in enumerate(ids))  # fmt: skip
+    updates = [
+        pymongo.UpdateOne({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}) for k, i in enumerate(ids)
+    ]
+    return coll.bulk_write(updates, ordered=True).modified_count
+
+
+def _check_numbers(conn: Connection, name: str) -> None:
+    """The numbered documents must hold 0..k-1 as integers: the next numbers follow them."""
+    coll = conn.db[name]
+    bad = coll.count_documents({"idx": {"$exists": True, "$not": {"$type": "number"}}})
+    if bad:
+        raise CorpusError(
+            f"{bad} document(s) of {name!r} have an idx that is not an integer; run `dsgpt2 validate "
+            f"--collection {name}` and fix them before numbering"
+        )
+    numbered = coll.count_documents(NUMBERED)
+    top = max_idx(coll)
+    if numbered and (top != numbered - 1 or coll.find_one({"idx": {"$lt": 0}}) is not None):
+        raise CorpusError(
+            f"the {numbered} numbered document(s) of {name!r} do not hold idx 0..{numbered - 1} (the "
+            f"largest is {top}); run `dsgpt2 validate --collection {name}` and fix them first"
+        )
+
+
+def _ensure_sparse_index(conn: Connection, name: str) -> None:
+    coll = conn.db[name]
+    if idx_index_name(coll) is not None:
+        return
+    try:
+        coll.create_index([("idx", pymongo.ASCENDING)], unique=True, sparse=True, name="idx_unique")
+    except (OperationFailure, PyMongoError) as exc:
+        raise CorpusError(f"cannot create the unique idx index on {name!r}: {exc}") from None
+
+
+def _record(conn: Connection, name: str, field: str, count: int, owner: str) -> None:
+    write_meta(conn, name, {"count": count, "numbered_in_place": {"field": field, "updated_at": time.time()},
+                            "indexing.heartbeat": time.time(), "indexing.owner": owner})  # fmt: skip
+    conn.commit()
+
+
+def _take_lease(conn: Connection, name: str) -> str:
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    meta = conn.db[conn.config.meta_collection]
+    now = time.time()
+    stale = now - LEASE_SECONDS
+    # The collection's meta_info entry exists before the conditional update takes the lease.
+    meta.update_one({"collection": name}, {"$setOnInsert": {"collection": name}}, upsert=True)
+    taken = meta.find_one_and_update(
+        {"collection": name, "$or": [{"indexing.owner": None}, {"indexing.heartbeat": {"$lt": stale}}]},
+        {"$set": {"indexing": {"owner": owner, "heartbeat": now}}},
+    )  # fmt: skip
+    if taken is None:
+        held = (meta.find_one({"collection": name}) or {}).get("indexing") or {}
+        age = now - float(held.get("heartbeat") or now)
+        raise CorpusError(
+            f"another process ({held.get('owner')}) is numbering {name!r} (its last sign of life "
+            f"{age:.0f}s ago); wait for it, or re-run after {LEASE_SECONDS:.0f}s without one"
+        )
+    conn.commit()
+    return owner
+
+
+def _release_lease(conn: Connection, name: str, owner: str) -> None:
+    meta = conn.db[conn.config.meta_collection]
+    meta.update_one({"collection": name, "indexing.owner": owner}, {"$set": {"indexing": {"owner": None}}})
+    conn.commit()
