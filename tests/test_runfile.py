@@ -138,7 +138,8 @@ def test_the_table_names_are_the_commands() -> None:
 def test_the_shipped_demo_recipe_is_the_demo(files: dict[str, Path]) -> None:
     from dsgpt2 import demo
 
-    cfg = parse(["--config", str(ROOT / "configs" / "recipes" / "demo.yaml"), "--vocab_dir", str(files["tok"])])
+    recipe = ROOT / "configs" / "recipes" / "demo.yaml"
+    cfg = parse(["--config", str(recipe), "--vocab_dir", str(files["tok"])])
     assert cfg.data.config_train == Path("configs/sample.json")
     ds = json.loads(Path(ROOT / cfg.engine.deepspeed_config).read_text())
     assert cfg.engine.deepspeed_config.name == demo.DEMO_DS_CONFIG

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.argtypes import port
+from dsgpt2.argtypes import port, positive_int
 from dsgpt2.commands.common import (
     check_writable,
     load_config_arg,
@@ -63,6 +63,13 @@ def add_evaluate(sub: Any) -> None:
 
     add_options(p, EvalRequest)
     p._option_string_actions["--no-doc_mask"] = p._option_string_actions["--no_doc_mask"]  # earlier spelling
+    p.add_argument(
+        "--hellaswag",
+        metavar="FILE.jsonl",
+        help="score HellaSwag instead (llm.c's hellaswag_val.jsonl layout: ctx, four endings, label): "
+        "acc by summed, acc_norm by mean ending loss",
+    )
+    p.add_argument("--hellaswag_limit", type=positive_int, help="only the first N HellaSwag examples")
     p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
     p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -192,10 +199,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     request = from_namespace(EvalRequest, args)
     config = load_config_arg(args)
+    examples = None
+    if args.hellaswag:
+        from dsgpt2.hellaswag import read_examples
+
+        examples = read_examples(Path(args.hellaswag), args.hellaswag_limit)
     loaded = _load_model(args)
-    path = Path(args.report) if args.report else default_report_path(loaded.name, args.split)
+    split = "hellaswag" if examples else args.split
+    path = Path(args.report) if args.report else default_report_path(loaded.name, split)
     check_writable(path, "--report")
-    report = evaluate(loaded, config, request, progress=not args.no_progress)
+    if examples:
+        from dsgpt2.infer.evaluate import hellaswag_report
+
+        report = hellaswag_report(loaded, examples, Path(args.hellaswag))
+    else:
+        report = evaluate(loaded, config, request, progress=not args.no_progress)
     write_report(report, path)
     print("\n".join(report_lines(report)))
     print(f"report: {path}")

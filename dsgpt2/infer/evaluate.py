@@ -158,6 +158,25 @@ def evaluate(
     }
 
 
+def hellaswag_report(loaded: LoadedModel, examples: list[Any], path: Path) -> dict[str, Any]:
+    """HellaSwag accuracy of ``loaded`` on ``examples`` (see :mod:`dsgpt2.hellaswag`)."""
+    from dsgpt2.hellaswag import encoder, result, score
+
+    started = time.monotonic()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = loaded.model.to(device).eval()
+    with torch.no_grad():
+        total = score(model, encoder(loaded.tokenizer_dir), examples, device, loaded.context)
+    return {
+        "model": loaded.name,
+        "step": loaded.run.get("step"),
+        "split": "hellaswag",
+        "hellaswag": str(path),
+        "metrics": {**result(total), "seconds": time.monotonic() - started},
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
 def default_report_path(model_name: str, split: str) -> Path:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name.strip("/")).strip("_.")[-80:] or "model"
     return Path("runs/eval") / f"{slug}-{split}.json"
@@ -170,6 +189,12 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 def report_lines(report: dict[str, Any]) -> list[str]:
     m = report["metrics"]
+    if "hellaswag" in report:
+        return [
+            f"{report['model']} (step {report['step']}) on HellaSwag ({report['hellaswag']}): "
+            f"acc {m['hellaswag_acc']:.4f}, acc_norm {m['hellaswag_acc_norm']:.4f} over "
+            f"{m['hellaswag_examples']} examples in {m['seconds']:.1f}s"
+        ]
     lines = [
         f"{report['model']} (step {report['step']}) on the {report['split']} split of "
         f"{report['db']}.{','.join(report['collections'])} [{report['task']}]",
