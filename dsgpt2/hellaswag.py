@@ -83,6 +83,8 @@ def score(
     """
     import torch
 
+    from dsgpt2.model import span_nll
+
     total = torch.zeros(3, dtype=torch.float64, device=device)
     for start in range(0, len(examples), batch_examples):
         chunk = examples[start : start + batch_examples]
@@ -97,9 +99,8 @@ def score(
         sums, means = [], []
         for i, (tokens, begin) in enumerate(built):
             # Position t predicts token t + 1: the ending's tokens come from positions begin-1 .. n-2.
-            pred = logits[i, begin - 1 : len(tokens) - 1].float()
             target = ids[i, begin : len(tokens)].to(device)
-            nll = torch.nn.functional.cross_entropy(pred, target, reduction="sum")
+            nll = span_nll(logits[i, begin - 1 : len(tokens) - 1], target)
             sums.append(nll)
             means.append(nll / len(target))
         sums_t = torch.stack(sums).view(len(chunk), ENDINGS)

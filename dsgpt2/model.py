@@ -205,6 +205,14 @@ def batch_nll(forward: Any, batch: Any, device: Any, doc_mask_eot: int | None = 
     return nll.double(), predicted_tokens(batch.labels)
 
 
+def span_nll(logits: Any, targets: Any) -> Any:
+    """Summed negative log-likelihood of ``targets`` (T,) under ``logits`` (T, V), upcast to float32
+    as :func:`batch_nll` does: a completion's loss (HellaSwag's endings)."""
+    import torch
+
+    return torch.nn.functional.cross_entropy(logits.float(), targets, reduction="sum")
+
+
 def doc_position_ids(input_ids: Any, eot: int) -> Any:
     """Positions that restart after every ``eot``: ``(B, T)`` → ``(B, T)``.
 

@@ -126,7 +126,8 @@ def test_no_class_is_longer_than_300_lines() -> None:
 
 def test_one_held_out_measure() -> None:
     """Validation during training and ``dsgpt2 evaluate`` take the held-out loss by one function
-    (``model.batch_nll``): no second softmax over logits to drift from it."""
+    (``model.batch_nll``; HellaSwag's endings by ``model.span_nll``): no second softmax over logits to
+    drift from it."""
     calls = {
         f"{path.relative_to(PACKAGE)}"
         for path in _modules()
