@@ -33,6 +33,9 @@ try:
             if time.monotonic() - start > 1 and fault != "none":
                 os.kill(os.getpid(), signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
     print("outcomes", rounds.finish(f"rank {rank}"), flush=True)
+    # As the trainer ends: a group left to interpreter exit can abort the process (gloo's threads).
+    dist.barrier()
+    dist.destroy_process_group()
 except RuntimeError as exc:
     lost = peer_lost(exc, int(timeout), "step 3", None)
     if lost is None:
