@@ -284,7 +284,8 @@ def _train(
     # The config object, not the file: the file holds no password (to_dict redacts it).
     trainer = build_trainer(cfg, mongo=config)
     result = trainer.train()
-    evals = [r for r in read_metrics(run / "train" / "metrics.jsonl") if r["event"] == "eval"]
+    records = read_metrics(run / "train" / "metrics.jsonl")
+    evals = [r for r in records if r["event"] == "eval" and "val_ppl" in r]
     return {
         "steps": result["step"],
         "tokens": result["tokens"],

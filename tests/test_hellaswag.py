@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,49 @@ def test_a_malformed_file_is_one_line(tmp_path: Path, sample_texts: list[str], l
         "evaluate", "--model", str(tmp_path / "none"), "--config", str(cfg), "--hellaswag", str(path)
     )
     assert out.returncode == 2 and what in out.stderr and out.stderr.count("\n") == 1
+
+
+def readme_block(containing: str) -> str:
+    """The README's bash block that holds ``containing``."""
+    from conftest import ROOT
+
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    (block,) = [b for b in blocks if containing in b]
+    return block
+
+
+@pytest.mark.slow
+def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample_texts: list[str]) -> None:
+    """The README's lm-eval commands, run as written in a directory holding `runs/model` (an export)
+    and `hellaswag_val.jsonl`: EleutherAI's `lm_eval --model hf` loads the export and runs the local
+    task offline. Its acc, the ending of least summed loss, is the acc `dsgpt2 evaluate --hellaswag`
+    reports on the same file."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    model_dir = tiny_export(tmp_path / "built", sample_texts[:300], context=128)
+    shutil.copytree(model_dir, tmp_path / "runs" / "model")
+    data = tmp_path / "hellaswag_val.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in examples(sample_texts[300:], 24)))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    harness = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_block("lm_eval --model hf")],
+                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert harness.returncode == 0, (harness.stdout + harness.stderr)[-3000:]
+    (results,) = (tmp_path / "runs" / "lm_eval").rglob("results_*.json")
+    theirs = json.loads(results.read_text())["results"]["hellaswag_local"]
+
+    cfg, _ = store_config(tmp_path)
+    report = tmp_path / "report.json"
+    ours = run_cli("evaluate", "--model", str(tmp_path / "runs" / "model"), "--config", str(cfg),
+                   "--hellaswag", str(data), "--report", str(report), "--no_record")  # fmt: skip
+    assert ours.returncode == 0, ours.stderr
+    metrics = json.loads(report.read_text())["metrics"]
+    assert metrics["hellaswag_examples"] == theirs_count(results) == 24
+    assert theirs["acc,none"] == pytest.approx(metrics["hellaswag_acc"])
+
+
+def theirs_count(results: Path) -> int:
+    return int(json.loads(results.read_text())["n-samples"]["hellaswag_local"]["effective"])

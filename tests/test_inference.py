@@ -407,3 +407,30 @@ def test_export_refuses_what_would_ship_a_wrong_model_or_overwrite(
     assert main(["export", "--ckpt_dir", ckpt, "--out", str(out)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
     assert "Writing model shards" not in capsys.readouterr().err
+
+
+def test_conversation_finetuning_stops_early_on_the_reply_loss_and_keeps_its_best(
+    models: dict[str, Path],
+) -> None:
+    """Early stopping where it matters most: a conversation finetune from the pretrained export,
+    watching the validation loss over the replies. With --min_delta 100 only the first evaluation
+    (step 4) improves; --patience 2 ends the run at step 12, the best kept by --keep_last 1 and
+    exported by --ckpt_id best."""
+    from dsgpt2.checkpoints.format import complete_tags
+    from dsgpt2.train.metrics import read_metrics
+
+    base = models["base"]
+    _train(base, "chat_early", models["chat_config"], "--init_from", str(models["lm"]), "--task",
+           "conversation", "--train_iters", "200", "--eval_interval", "4", "--eval_iters", "2",
+           "--save_interval", "1000", "--keep_last", "1", "--early_stopping", "--patience", "2",
+           "--min_delta", "100")  # fmt: skip
+    records = read_metrics(base / "chat_early" / "ws" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8, 12]
+    end = [r for r in records if r["event"] == "end"][-1]
+    assert end["stopped"] == "early" and end["step"] == 12
+    ckpt = base / "chat_early" / "ckpt"
+    assert (ckpt / "best").read_text() == "global_step4"
+    assert complete_tags(ckpt) == ["global_step4", "global_step12"]
+    best = run_cli("export", "--ckpt_dir", str(ckpt), "--ckpt_id", "best", "--out", str(base / "chat_best"))
+    assert best.returncode == 0 and "global_step4" in best.stdout, best.stderr
+    assert load_model(base / "chat_best").run["step"] == 4

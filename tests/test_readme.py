@@ -3,6 +3,7 @@ every variable set for a script is one its header documents."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -98,12 +99,16 @@ def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
 @pytest.mark.parametrize(
     "command", [c for c in _blocks() if "ds_trainer.py" in _split(c)[1][:6] or _is_train(_split(c)[1])]
 )
-def test_trainer_commands_parse(command: str) -> None:
-    """ds_trainer.py, dsgpt2 train and deepspeed --module dsgpt2 train lines, experiment files applied."""
+def test_trainer_commands_parse(command: str, tmp_path: Path) -> None:
+    """ds_trainer.py, dsgpt2 train and deepspeed --module dsgpt2 train lines, experiment files applied
+    (a file the README asks the user to supply is written in the layout it names)."""
     from dsgpt2.runfile import COMMANDS, parse_args
     from dsgpt2.train.config import TRAIN_ALIASES, build_parser
 
     words = _split(command)[1]
+    supplied = tmp_path / "hellaswag_val.jsonl"
+    supplied.write_text(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1}) + "\n")
+    words = [str(supplied) if w == supplied.name else w for w in words]
     start = words.index("ds_trainer.py") + 1 if "ds_trainer.py" in words else words.index("train") + 1
     try:
         parse_args(build_parser(), words[start:], command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)

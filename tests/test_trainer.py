@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, sample_corpus, store_config
+from conftest import ROOT, run_cli, sample_corpus, store_config
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
@@ -787,7 +787,6 @@ def test_early_stopping_keeps_the_best_checkpoint_and_survives_a_resume(
     --patience 2, the run stops early at step 6; the best (step 2) is tagged `best`, kept by
     --keep_last 1 and loaded by `--ckpt_id best`. Killed at step 5 and resumed from step 4, the
     count of evaluations without improvement carries over: the same stop at step 6."""
-    from conftest import run_cli
     from dsgpt2.checkpoints.format import complete_tags
 
     flags = ("--train_iters", "20", "--eval_interval", "2", "--save_interval", "4", "--keep_last", "1",
@@ -861,3 +860,61 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
     again = parse(["--config", str(resolved)])
     from_file = parse(["--config", str(run_file), "--train_iters", "4"])
     assert again.to_dict() == from_file.to_dict()
+
+
+def test_hellaswag_at_each_evaluation_on_two_zero3_ranks_equals_evaluating_the_checkpoint(
+    corpus: dict[str, Path], tmp_path: Path, sample_texts: list[str]
+) -> None:
+    """--hellaswag on two gloo ranks under ZeRO-3: nine examples, four scored on each rank (the one
+    left over left out, so both ranks run the same forwards), logged at every evaluation; the final
+    record's accuracies are those `dsgpt2 evaluate --hellaswag` takes of the final checkpoint."""
+    from test_hellaswag import examples
+
+    path = tmp_path / "hellaswag_val.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples(sample_texts, 9)))
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": 3}
+    (tmp_path / "ds3.json").write_text(json.dumps(ds))
+    staged = dict(corpus, ds=tmp_path / "ds3.json")
+    result = _launch(staged, tmp_path, 2, "--train_iters", "4", "--eval_interval", "2", "--save_interval",
+                     "100", "--num_workers", "1", "--hellaswag", str(path))  # fmt: skip
+    assert "HellaSwag: acc" in result.stdout + result.stderr
+    evals = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(r["hellaswag_examples"] == 8 and "val_loss" in r for r in evals)
+    end = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert end["hellaswag_acc"] == evals[-1]["hellaswag_acc"]
+
+    report = tmp_path / "report.json"
+    alone = run_cli("evaluate", "--model", str(tmp_path / "ckpt"), "--config", str(corpus["config"]),
+                    "--hellaswag", str(path), "--hellaswag_limit", "8", "--report", str(report),
+                    "--no_record")  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    metrics = json.loads(report.read_text())["metrics"]
+    assert metrics["hellaswag_examples"] == 8
+    assert metrics["hellaswag_acc"] == evals[-1]["hellaswag_acc"]
+    assert metrics["hellaswag_acc_norm"] == evals[-1]["hellaswag_acc_norm"]
+
+
+def test_a_bad_hellaswag_file_stops_the_run_before_it_starts(corpus: dict[str, Path], tmp_path: Path) -> None:
+    bad = tmp_path / "hellaswag_val.jsonl"
+    bad.write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n')
+    result = train(corpus, tmp_path, "--train_iters", "2", "--hellaswag", str(bad), check=False)
+    assert result.returncode == 2
+    assert "line 1 is not a HellaSwag example" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_fewer_hellaswag_examples_than_ranks_is_refused_before_training(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.train.config import parse
+    from dsgpt2.train.validator import Validator
+
+    one = tmp_path / "hellaswag_val.jsonl"
+    one.write_text(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}) + "\n")
+    cfg = parse(trainer_args(corpus, tmp_path, "--hellaswag", str(one)))
+    assert len(Validator(cfg, None, 0, 1, 4, None, 64)._hellaswag) == 1
+    with pytest.raises(ConfigError, match="1 example\\(s\\) for 2 ranks"):
+        Validator(cfg, None, 1, 2, 4, None, 64)

@@ -188,12 +188,13 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:
+    from dsgpt2.hellaswag import describe
+
     m = report["metrics"]
     if "hellaswag" in report:
         return [
             f"{report['model']} (step {report['step']}) on HellaSwag ({report['hellaswag']}): "
-            f"acc {m['hellaswag_acc']:.4f}, acc_norm {m['hellaswag_acc_norm']:.4f} over "
-            f"{m['hellaswag_examples']} examples in {m['seconds']:.1f}s"
+            f"{describe(m)} in {m['seconds']:.1f}s"
         ]
     lines = [
         f"{report['model']} (step {report['step']}) on the {report['split']} split of "

@@ -159,9 +159,24 @@ class RunOptions:
         "val_loss", "what --early_stopping watches (lower is better)", choices=["val_loss", "val_ppl"]
     )
     min_delta: float = option(0.0, "the least decrease of --monitor that counts as an improvement")
+    hellaswag: Path | None = option(
+        None,
+        "also score HellaSwag at each evaluation (llm.c's hellaswag_val.jsonl layout: ctx, four endings, "
+        "label), the examples shared among the ranks; logged in the eval record",
+        metavar="FILE",
+    )
+    hellaswag_limit: int | None = option(
+        None, "only the first N HellaSwag examples at each evaluation", type=positive_int
+    )
 
     def __post_init__(self) -> None:
         self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
+        self.hellaswag = as_path(self.hellaswag)
+        check_positive("--hellaswag_limit", self.hellaswag_limit)
+        if self.hellaswag is not None:
+            from dsgpt2.hellaswag import read_examples
+
+            read_examples(self.hellaswag, self.hellaswag_limit)  # a bad file stops the run before it starts
         for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
             check_positive(f"--{name}", getattr(self, name))
         check_positive("--max_nonfinite", self.max_nonfinite)

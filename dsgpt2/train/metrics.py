@@ -118,7 +118,7 @@ def plot_losses(metrics_path: Path, out: Path) -> Path | None:
     train = [
         (r["step"], r["loss"]) for r in records if r.get("event") == "train" and math.isfinite(r["loss"])
     ]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("event") == "eval"]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("event") == "eval" and "val_loss" in r]
     if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -26,6 +26,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.exits import run_command
+from dsgpt2.hellaswag import describe
 from dsgpt2.log import setup_logging
 from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
@@ -173,7 +174,8 @@ class Trainer:
             cfg.data.num_workers, feed.stages, self.grad_accum,
         )  # fmt: skip
         eot = feed.spec.eot if cfg.compute.doc_mask else None
-        self.validator = Validator(cfg, feed.val_data, self.rank, self.world, self.micro_batch, eot)
+        self.validator = Validator(cfg, feed.val_data, self.rank, self.world, self.micro_batch, eot,
+                                   feed.spec.context)  # fmt: skip
         self.runlog = RunLog(cfg, self.rank, self.world, run_config, engine.flops_per_token,
                              engine.peak_flops, (state.step, state.tokens))  # fmt: skip
         self.stop = StopRequest()
@@ -182,6 +184,7 @@ class Trainer:
         self._norm_by_hand = zero_stage(run_config["deepspeed"]) == 0
         self._hand_norm: float | None = None
         self.last_val: float | None = None
+        self.last_hellaswag: dict[str, Any] = {}
         self.run_of_bad = 0
         self._step_lr = 0.0  # the rate the current step trains at
         self.batches: Iterator[Any] = iter(())  # the stream's batches, from train() on
@@ -308,11 +311,18 @@ class Trainer:
         if not self.validator.should_validate(state.step):
             return
         self.last_val = self.validator.validate(self.engine)
+        hellaswag = self.validator.hellaswag(self.engine)
+        record: dict[str, Any] = {"event": "eval", "step": state.step}
         if self.last_val is not None:
-            self.runlog.write({"event": "eval", "step": state.step, "val_loss": self.last_val,
-                         "val_ppl": perplexity(self.last_val)})  # fmt: skip
-            if self.cfg.run.early_stopping:
-                self._watch(state, self.last_val)
+            record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val))
+        if hellaswag is not None:
+            self.last_hellaswag = hellaswag
+            record.update(hellaswag)
+            log.info("step %d: HellaSwag %s", state.step, describe(hellaswag))
+        if len(record) > 2:
+            self.runlog.write(record)
+        if self.last_val is not None and self.cfg.run.early_stopping:
+            self._watch(state, self.last_val)
 
     def _watch(self, state: TrainState, val_loss: float) -> None:
         """--early_stopping: an improvement is saved at once and tagged best; --patience
@@ -387,6 +397,7 @@ class Trainer:
             "skipped_documents": self.stream.skipped,
             "stopped": self.stop.name or ("early" if self.stopped_early else "done"),
             "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
+            **self.last_hellaswag,
         }
         if self.runlog.metrics:
             summary["plot"] = self.runlog.close(summary)
@@ -422,6 +433,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
     if summary.get("val_loss") is not None:
         lines.append(f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}")
+    if summary.get("hellaswag_examples"):
+        lines.append(f"HellaSwag: {describe(summary)}")
     lines.append(f"checkpoint: {summary['checkpoint']}")
     if summary.get("plot"):
         lines.append(f"loss plot: {summary['plot']}")

@@ -1,6 +1,7 @@
 """Validation during training: this rank's held-out batches, read once, and their mean token loss
 under no_grad, summed over every rank: the measure ``dsgpt2 evaluate`` takes
-(:func:`~dsgpt2.model.batch_nll`)."""
+(:func:`~dsgpt2.model.batch_nll`). With ``--hellaswag``, HellaSwag's accuracies as ``dsgpt2
+evaluate --hellaswag`` takes them, each rank scoring an equal share of the examples."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from dsgpt2.data.loader import eval_batches
+from dsgpt2.errors import ConfigError
 from dsgpt2.model import batch_nll
 from dsgpt2.train.config import TrainConfig
 
@@ -22,6 +24,7 @@ class Validator:
         rank, world: this rank among the run's ranks.
         micro_batch: the training micro-batch, the default evaluation batch.
         doc_mask_eot: the end-of-text id when the run attends within documents (--doc_mask).
+        context: the model's context (HellaSwag's rows are cut to it).
     """
 
     def __init__(
@@ -32,14 +35,18 @@ class Validator:
         world: int,
         micro_batch: int,
         doc_mask_eot: int | None,
+        context: int = 1024,
     ) -> None:
         self.run = cfg.run
+        self.vocab_dir, self.context = cfg.data.vocab_dir, context
         self.doc_mask_eot = doc_mask_eot
         self.val_data = val_data
         self.rank = rank
         self.world = world
         self.batch = cfg.run.eval_batch_size or micro_batch
         self._batches: list[Any] | None = None
+        self._hellaswag: list[Any] = self._hellaswag_share() if cfg.run.hellaswag else []
+        self._encode: Any = None
 
     def should_validate(self, step: int) -> bool:
         return step % self.run.eval_interval == 0 or step == self.run.train_iters
@@ -67,3 +74,38 @@ class Validator:
         total = total.cpu()
         engine.train()
         return float(total[0] / total[1]) if total[1] > 0 else None
+
+    def hellaswag(self, engine: Any) -> dict[str, float | int] | None:
+        """HellaSwag's accuracies, every rank's share scored and the counts summed (None without
+        ``--hellaswag``)."""
+        import torch.distributed as dist
+
+        from dsgpt2.hellaswag import ENDINGS, encoder, result, score
+
+        if not self._hellaswag:
+            return None
+        if self._encode is None:
+            self._encode = encoder(self.vocab_dir)
+        engine.eval()
+        with torch.no_grad():
+            total = score(engine, self._encode, self._hellaswag, engine.device, self.context,
+                          max(1, self.batch // ENDINGS))  # fmt: skip
+        if dist.is_initialized() and self.world > 1:
+            dist.all_reduce(total)
+        engine.train()
+        return result(total)
+
+    def _hellaswag_share(self) -> list[Any]:
+        """This rank's contiguous share of the examples: the same number on every rank, the few left
+        over (fewer than the ranks) left out, so that every rank runs the same forwards (under ZeRO-3
+        each gathers from all ranks). Read before the first step: a file too small stops the run then."""
+        from dsgpt2.hellaswag import read_examples
+
+        examples = read_examples(self.run.hellaswag, self.run.hellaswag_limit)
+        share = len(examples) // self.world
+        if share == 0:
+            raise ConfigError(
+                f"--hellaswag {self.run.hellaswag}: {len(examples)} example(s) for {self.world} ranks; "
+                "each rank needs at least one"
+            )
+        return examples[self.rank * share : (self.rank + 1) * share]
