@@ -127,3 +127,8 @@ def test_pipeline_commands_use_documented_settings(command: str) -> None:
     script = ROOT / words[words.index("bash") + 1]
     assert script.is_file(), script
     assert set(env) <= _documented(script), (set(env) - _documented(script), script.name)
+
+
+def test_files_the_readme_names_in_the_repository_exist() -> None:
+    named = set(re.findall(r"`((?:dsgpt2|configs|tests|pipelines)/[A-Za-z0-9_./-]+)`", README.read_text()))
+    assert named and not [p for p in named if not (ROOT / p).exists()]
