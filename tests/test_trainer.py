@@ -918,3 +918,18 @@ def test_fewer_hellaswag_examples_than_ranks_is_refused_before_training(
     assert len(Validator(cfg, None, 0, 1, 4, None, 64)._hellaswag) == 1
     with pytest.raises(ConfigError, match="1 example\\(s\\) for 2 ranks"):
         Validator(cfg, None, 1, 2, 4, None, 64)
+
+
+def test_a_finished_run_leaves_its_process_group(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """The group is closed at the end of a run, not left to the interpreter's exit (where NCCL warns
+    of it and gloo may abort a process that trained well)."""
+    code = (
+        "import sys, torch.distributed as dist; from dsgpt2.train import trainer; "
+        "rc = trainer.main(sys.argv[1:]); print('group open after the run:', dist.is_initialized()); "
+        "sys.exit(rc)"
+    )
+    args = trainer_args(corpus, tmp_path, "--train_iters", "2")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "group open after the run: False" in result.stdout

@@ -161,3 +161,14 @@ def peer_lost(exc: BaseException, timeout: int, where: str, ckpt_dir: Any) -> Pe
         f"{rank} stops at {where}: {what}; {kept}: run the same command on every node again"
         + (" to resume" if tags else "")
     )
+
+
+def leave_process_group() -> None:
+    """A run's normal end: every rank done with every collective, then the group closed, rather
+    than left to the interpreter's exit (where NCCL warns of it and gloo may abort the process)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()

@@ -32,7 +32,7 @@ from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
-from dsgpt2.train.collective import all_sum, gather, on_rank0, peer_lost
+from dsgpt2.train.collective import all_sum, gather, leave_process_group, on_rank0, peer_lost
 from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.ds_config import (
     apply_schedule,
@@ -461,6 +461,7 @@ def main(
         try:
             trainer = build(cfg, hooks=Hooks(on_loss, after_step))
             summary = trainer.train()
+            leave_process_group()
         except RuntimeError as exc:
             where = "start-up" if trainer is None else f"step {trainer.state.step + 1}"
             lost = peer_lost(exc, cfg.engine.dist_timeout, where, cfg.ckpt.ckpt_dir)
