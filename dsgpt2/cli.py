@@ -49,6 +49,7 @@ def build_parser() -> OneLineErrorParser:
     for add in (
         corpus.add_ingest,
         corpus.add_index,
+        corpus.add_dedup,
         corpus.add_validate,
         corpus.add_info,
         vocab.add_vocab,

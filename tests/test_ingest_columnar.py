@@ -77,7 +77,14 @@ def test_parquet_in_fineweb_layout_with_kept_fields(tmp_path: Path) -> None:
     # Without --keep_fields only the text is stored.
     conn2 = Connection(make_config(["b"]))
     ingest(conn2, "b", [file_source(path)])
-    assert set(conn2.db["b"].find_one({}, {"_id": 0})) == {"idx", "form", "filt_text", "source", "source_pos"}
+    assert set(conn2.db["b"].find_one({}, {"_id": 0})) == {
+        "idx",
+        "form",
+        "filt_text",
+        "text_hash",
+        "source",
+        "source_pos",
+    }
 
 
 def test_arrow_file_stream_and_a_datasets_directory(tmp_path: Path) -> None:

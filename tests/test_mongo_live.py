@@ -351,3 +351,34 @@ def test_index_numbers_a_foreign_collection_in_place_and_later_documents_next(sc
     texts = [d.text for d in MongoWrapper(conn.config, connection=conn).get_range(0, 135)]
     assert texts == [f"Article {i}." for i in range(120)] + [f"Later {i}." for i in range(15)]
     conn.close()
+
+
+def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connection) -> None:
+    """`dedup --exact` on a real server: the hash index, $group over collections joined by
+    $unionWith, bulk UpdateMany marks; `ingest --dedup` asks the hash index."""
+    from dataclasses import replace
+
+    from test_dedup import marks, planted, reference
+
+    from dsgpt2.corpus.dedup import dedup_exact
+    from dsgpt2.corpus.ingest import Source, ingest
+
+    def memory_source(key: str, batch: list[str]) -> Source:
+        return Source(key, key, "text", read=lambda: iter(batch))
+
+    conn = Connection(replace(scratch.config, collections=("news", "web")))
+    texts = {"news": planted(7, 60, 25), "web": planted(8, 40, 25)}
+    for name, batch in texts.items():
+        ingest(conn, name, [memory_source(name, batch)], batch_size=50)
+    first = dedup_exact(conn, ["news", "web"], batch_size=32)
+    expected = reference(texts)
+    assert marks(conn, ["news", "web"]) == expected
+    assert sum(c.marked for c in first.collections) == len(expected)
+    assert sum(c.marked for c in dedup_exact(conn, ["news", "web"]).collections) == 0
+    more = planted(9, 30, 40)
+    report = ingest(conn, "web", [memory_source("more", more)], batch_size=8, dedup=True)
+    held = set(texts["news"]) | set(texts["web"])
+    fresh = [t for i, t in enumerate(more) if t not in held and t not in more[:i]]
+    assert report.sources[0].skipped["duplicate"] == 30 - len(fresh)
+    assert [d["filt_text"] for d in conn.db["web"].find({"idx": {"$gte": 40}}).sort("idx", 1)] == fresh
+    conn.close()

@@ -1,4 +1,4 @@
-"""The corpus commands: ingest, validate, info."""
+"""The corpus commands: ingest, index, dedup, validate, info."""
 
 from __future__ import annotations
 
@@ -92,8 +92,60 @@ def add_ingest(sub: Any) -> None:
         "U+FFFD and are counted (default: utf-8)",
     )
     p.add_argument("--strict", action="store_true", help="stop at the first unusable record")
+    p.add_argument(
+        "--dedup",
+        action="store_true",
+        help="skip a record whose text the corpus already holds (this collection and the config's), "
+        "counted as duplicate",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ingest)
+
+
+def add_dedup(sub: Any) -> None:
+    p = sub.add_parser(
+        "dedup",
+        help="mark duplicate documents in place (dup_of: the copy they repeat)",
+        description=(
+            "--exact: store text_hash (a hash of the text training reads) on every document without one "
+            "and index it, group the hashes with MongoDB's aggregation pipeline over the collections, "
+            "and mark every copy of a text but the first (the earliest collection in COLLECTIONS "
+            'order, then the smallest idx) with dup_of: "collection:idx". Nothing is deleted. Killed '
+            "and re-run, it ends as a straight run."
+        ),
+        epilog="example:\n  dsgpt2 dedup --config c.json --exact",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config(p)
+    p.add_argument("--exact", action="store_true", help="exact duplicates, by text_hash")
+    p.add_argument(
+        "--collection", action="append", help="only these collections (repeatable; default: the config's)"
+    )
+    p.add_argument(
+        "--batch_size",
+        type=positive_int,
+        default=1000,
+        help="documents per read and bulk write (default: 1000)",
+    )
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_dedup)
+
+
+def cmd_dedup(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.dedup import dedup_exact
+    from dsgpt2.corpus.mongo import connect
+
+    if not args.exact:
+        raise usage("dedup", "say which duplicates: --exact")
+    config = load_config_arg(args)
+    names = args.collection or list(config.collections)
+    for name in names:
+        problem = collection_name_problem(name)
+        if problem:
+            raise usage("dedup", f"--collection {name!r} is not a collection name: {problem}")
+    report = dedup_exact(connect(config), names, args.batch_size, not args.no_progress)
+    print("\n".join(report.lines()))
+    return 0
 
 
 def add_index(sub: Any) -> None:
@@ -215,6 +267,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         strict=args.strict,
         progress=not args.no_progress,
+        dedup=args.dedup,
     )
     for line in report.lines():
         print(line)

@@ -32,6 +32,7 @@ SKIP_REASONS = {
     "bad_json": "an input line is not a JSON object",
     "bad_conversation": "not a list of {speaker, text} turns nor a query/reply pair",
     "unknown_speaker": "a turn's speaker has no <|speaker|> token in the vocabulary",
+    "duplicate": "the text is already in the corpus (ingest --dedup)",
 }
 
 _ABSENT = object()

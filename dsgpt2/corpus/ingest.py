@@ -1,8 +1,9 @@
 """Ingest: text files or the built-in sample corpus → documents in a collection.
 
-Each source record becomes ``{"idx", "form", "filt_text", "source", "source_pos"}``
+Each source record becomes ``{"idx", "form", "filt_text", "text_hash", "source", "source_pos"}``
 (conversations also keep ``turns``): ``idx`` continues after the collection's
-largest one, ``form`` is the original text and ``filt_text`` its cleaned form.
+largest one, ``form`` is the original text, ``filt_text`` its cleaned form and
+``text_hash`` the hash of the text training reads (:mod:`dsgpt2.corpus.dedup`).
 
 Exactly once, even when killed: before its first insert a source is recorded
 in meta_info; each batch is inserted in order and then meta_info records how
@@ -37,6 +38,7 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
 from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
+from dsgpt2.corpus.dedup import HASH, SeenTexts, document_hash
 from dsgpt2.corpus.documents import SkipTally, utf8_encodable
 from dsgpt2.corpus.mongo import (
     Connection,
@@ -414,8 +416,11 @@ def ingest(
     batch_size: int = 1000,
     strict: bool = False,
     progress: bool = False,
+    dedup: bool = False,
 ) -> IngestReport:
-    """Append every record of ``sources`` to ``collection`` exactly once (see module doc).
+    """Append every record of ``sources`` to ``collection`` exactly once (see module doc). With
+    ``dedup``, a record whose text the corpus already holds (``collection`` and the config's
+    collections, by ``text_hash``) is skipped and counted as ``duplicate``.
 
     Raises:
         IngestError: bad options or unreadable input.
@@ -428,16 +433,23 @@ def ingest(
     coll = conn.db[collection]
     with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
         with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
+        seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
         reports = []
         for source in sources:
-            reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress))
+            reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress, seen))
         top = max_idx(coll)
     count = 0 if top is None else top + 1
     return IngestReport(collection, reports, count, time.monotonic() - started)
 
 
 def _ingest_source(
-    conn: Connection, collection: str, source: Source, batch_size: int, strict: bool, progress: bool
+    conn: Connection,
+    collection: str,
+    source: Source,
+    batch_size: int,
+    strict: bool,
+    progress: bool,
+    seen: SeenTexts | None = None,
 ) -> SourceReport:
     coll = conn.db[collection]
     report = SourceReport(source.label, decoding=source.decoding)
@@ -497,12 +509,12 @@ def _ingest_source(
                         f"{source.label}: record {pos} is unusable ({doc}); fix it, or run without --strict"
                     )
                 continue
-            batch.append({"idx": next_idx, **doc, "source": source.key, "source_pos": pos})
-            next_idx += 1
+            doc[HASH] = document_hash(doc, conn.config.text_field)
+            batch.append({**doc, "source": source.key, "source_pos": pos})
             if len(batch) >= batch_size:
-                _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx)
+                next_idx = _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx, seen)
                 batch = []
-        _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx)
+        next_idx = _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx, seen)
         if damage is not None:
             raise IngestError(
                 f"{source.label}: the file is damaged after record {pos + 1} "
@@ -525,12 +537,21 @@ def _flush(
     report: SourceReport,
     batch: list[dict[str, Any]],
     records: int,
-    idx_end: int,
-) -> None:
+    next_idx: int,
+    seen: SeenTexts | None,
+) -> int:
+    """Number and insert ``batch`` (with ``--dedup``, less the texts the corpus holds), record how far
+    the source is read; returns the next idx."""
+    if seen is not None:
+        fresh = seen.fresh(batch)
+        report.skipped["duplicate"] += len(batch) - len(fresh)
+        batch = fresh
     if batch:
-        insert_batch(conn, coll, batch)
+        insert_batch(conn, coll, [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)])
         report.inserted += len(batch)
-    _record(conn, collection, source, report, records=records, idx_end=idx_end, complete=False)
+        next_idx += len(batch)
+    _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False)
+    return next_idx
 
 
 def _record(
