@@ -50,6 +50,7 @@ def build_parser() -> OneLineErrorParser:
         corpus.add_ingest,
         corpus.add_index,
         corpus.add_dedup,
+        corpus.add_curate,
         corpus.add_validate,
         corpus.add_info,
         vocab.add_vocab,

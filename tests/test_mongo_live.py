@@ -382,3 +382,19 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     assert report.sources[0].skipped["duplicate"] == 30 - len(fresh)
     assert [d["filt_text"] for d in conn.db["web"].find({"idx": {"$gte": 40}}).sort("idx", 1)] == fresh
     conn.close()
+
+
+def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
+    """`curate` on a real server: bulk UpdateOne of signals and verdicts, counted by rule set."""
+    from test_curate import BAD, PROSE
+
+    from dsgpt2.corpus.curate import curate
+    from dsgpt2.corpus.quality import RULES, resolve_thresholds
+
+    texts = [PROSE, *BAD.values()] * 3
+    scratch.db["a"].insert_many([{"_id": i, "idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    first = curate(scratch, ["a"], RULES, resolve_thresholds({}), batch_size=4)
+    (part,) = first.collections
+    assert (part.documents, part.judged, part.passing_all) == (15, 15, 3)
+    assert part.failing == {"gopher": 6, "repetition": 6, "c4": 9}  # bullets fail all three
+    assert curate(scratch, ["a"], RULES, resolve_thresholds({}), batch_size=4).collections[0].judged == 0

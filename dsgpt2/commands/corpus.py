@@ -1,4 +1,4 @@
-"""The corpus commands: ingest, index, dedup, validate, info."""
+"""The corpus commands: ingest, index, dedup, curate, validate, info."""
 
 from __future__ import annotations
 
@@ -118,16 +118,7 @@ def add_dedup(sub: Any) -> None:
     )
     add_config(p)
     p.add_argument("--exact", action="store_true", help="exact duplicates, by text_hash")
-    p.add_argument(
-        "--collection", action="append", help="only these collections (repeatable; default: the config's)"
-    )
-    p.add_argument(
-        "--batch_size",
-        type=positive_int,
-        default=1000,
-        help="documents per read and bulk write (default: 1000)",
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    _add_pass_options(p)
     p.set_defaults(func=cmd_dedup)
 
 
@@ -138,14 +129,101 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     if not args.exact:
         raise usage("dedup", "say which duplicates: --exact")
     config = load_config_arg(args)
+    names = _collections(args, config, "dedup")
+    report = dedup_exact(connect(config), names, args.batch_size, not args.no_progress)
+    print("\n".join(report.lines()))
+    return 0
+
+
+def add_curate(sub: Any) -> None:
+    from dsgpt2.corpus.quality import RULES, THRESHOLDS
+
+    listed = "; ".join(f"{name} ({rule}, default {default:g}): {what}" for name, (default, rule, what)
+                       in THRESHOLDS.items())  # fmt: skip
+    p = sub.add_parser(
+        "curate",
+        help="store quality signals and per-rule-set verdicts on each document (Gopher, C4, repetition)",
+        description=(
+            "Measure each document's text (words, mean word length, symbol, bullet and ellipsis ratios, "
+            "stop words, repeated lines, paragraphs and n-grams, C4's line filter) into `quality`, and "
+            "judge it by each rule set of --rules into `passes` (e.g. passes.gopher: true). Killed and "
+            "re-run, it continues; run with other thresholds, it judges every document again. "
+            f"Thresholds: {listed}."
+        ),
+        epilog="example:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config(p)
+    p.add_argument(
+        "--rules",
+        type=comma_list,
+        default=RULES,
+        metavar="A,B",
+        help=f"rule sets (default: {','.join(RULES)})",
+    )
+    p.add_argument(
+        "--threshold",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
+    )
+    _add_pass_options(p)
+    p.set_defaults(func=cmd_curate)
+
+
+def cmd_curate(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.curate import curate
+    from dsgpt2.corpus.mongo import connect
+    from dsgpt2.corpus.quality import RULES, resolve_thresholds
+
+    unknown = [r for r in args.rules if r not in RULES]
+    if unknown:
+        raise usage("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {', '.join(RULES)}")
+    overrides = {}
+    for item in args.threshold:
+        name, sep, value = item.partition("=")
+        try:
+            overrides[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise usage("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
+    try:
+        thresholds = resolve_thresholds(overrides)
+    except ValueError as exc:
+        raise usage("curate", f"--threshold: {exc}") from None
+    config = load_config_arg(args)
+    names = _collections(args, config, "curate")
+    report = curate(
+        connect(config), names, list(args.rules), thresholds, args.batch_size, not args.no_progress
+    )
+    print("\n".join(report.lines()))
+    return 0
+
+
+def _add_pass_options(p: argparse.ArgumentParser) -> None:
+    """The options of a pass over the collections (dedup, curate)."""
+    p.add_argument(
+        "--collection", action="append", help="only these collections (repeatable; default: the config's)"
+    )
+    p.add_argument(
+        "--batch_size",
+        type=positive_int,
+        default=1000,
+        help="documents per read and bulk write (default: 1000)",
+    )
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+
+
+def _collections(args: argparse.Namespace, config: Any, command: str) -> list[str]:
+    """--collection (repeatable), else the config's COLLECTIONS; a bad name is a usage error."""
     names = args.collection or list(config.collections)
     for name in names:
         problem = collection_name_problem(name)
         if problem:
-            raise usage("dedup", f"--collection {name!r} is not a collection name: {problem}")
-    report = dedup_exact(connect(config), names, args.batch_size, not args.no_progress)
-    print("\n".join(report.lines()))
-    return 0
+            raise usage(command, f"--collection {name!r} is not a collection name: {problem}")
+    return names
 
 
 def add_index(sub: Any) -> None:

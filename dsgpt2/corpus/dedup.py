@@ -27,9 +27,9 @@ from typing import Any
 
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
-from tqdm import tqdm
 
 from dsgpt2.corpus.mongo import Connection, read_meta, with_retries, write_meta
+from dsgpt2.corpus.passes import each_batch, require_present, set_fields
 from dsgpt2.errors import CorpusError
 
 log = logging.getLogger(__name__)
@@ -47,16 +47,22 @@ def hash_text(text: str) -> str:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
-def document_hash(doc: dict[str, Any], text_field: str) -> str | None:
-    """The hash of what training reads of ``doc``: its ``text_field``, else its conversation turns;
-    None when it holds neither (training skips it)."""
+def document_text(doc: dict[str, Any], text_field: str) -> str | None:
+    """What training reads of ``doc``: its ``text_field``, else its conversation turns as the
+    ``speaker: text`` lines ingest writes; None when it holds neither (training skips it)."""
     value = doc.get(text_field)
     if isinstance(value, str):
-        return hash_text(value)
+        return value
     turns = doc.get("turns")
     if isinstance(turns, list) and all(isinstance(t, dict) for t in turns):
-        return hash_text("\n".join(f"{t.get('speaker')}: {t.get('text')}" for t in turns))
+        return "\n".join(f"{t.get('speaker')}: {t.get('text')}" for t in turns)
     return None
+
+
+def document_hash(doc: dict[str, Any], text_field: str) -> str | None:
+    """The hash of :func:`document_text`; None for a document without text."""
+    text = document_text(doc, text_field)
+    return None if text is None else hash_text(text)
 
 
 def ensure_hash_index(conn: Connection, name: str) -> None:
@@ -112,10 +118,7 @@ def dedup_exact(
     """
     started = time.monotonic()
     cfg = conn.config
-    present = with_retries(conn.db.list_collection_names, cfg, "dedup: collections")
-    missing = [n for n in names if n not in present]
-    if missing:
-        raise CorpusError(f"collection(s) {', '.join(map(repr, missing))} not found in database {cfg.db!r}")
+    require_present(conn, names, "dedup")
     report = DedupReport([CollectionDedup(n) for n in names])
     for part in report.collections:
         part.hashed = hash_collection(conn, part.name, batch_size, progress)
@@ -150,46 +153,29 @@ def hash_collection(conn: Connection, name: str, batch_size: int = 1000, progres
     """Store ``text_hash`` on the documents of ``name`` without one (all of them when the hashes were
     taken of another field than the config's TEXT_FIELD); returns how many were hashed."""
     cfg = conn.config
-    coll = conn.db[name]
     meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
     hashed_field = (meta.get("hashes") or {}).get("field")
     every = hashed_field is not None and hashed_field != cfg.text_field
     if every:
         log.info("%s: hashes were taken of %r, TEXT_FIELD is %r: hashing every document again", name,
                  hashed_field, cfg.text_field)  # fmt: skip
-    todo: dict[str, Any] = (
-        {"idx": {"$exists": True}} if every else {"idx": {"$exists": True}, HASH: {"$exists": False}}
-    )
-    wanted = {"_id": 1, "idx": 1, cfg.text_field: 1, "turns": 1}
-    done, last = 0, -1
-    bar = tqdm(desc=f"hash {name}", unit="doc", disable=None if progress else True)
-    try:
-        while True:
-            query = {**todo, "idx": {"$gt": last}}
-            batch = with_retries(lambda q=query: list(coll.find(q, wanted).sort("idx", 1).limit(batch_size)),
-                                 cfg, f"dedup: reading {name}")  # fmt: skip
-            if not batch:
-                break
-            updates = [(d["_id"], document_hash(d, cfg.text_field)) for d in batch]
-            with_retries(lambda u=updates: _set_hashes(conn, coll, u), cfg, f"dedup: hashing {name}")
-            done += len(batch)
-            last = batch[-1]["idx"]
-            bar.update(len(batch))
-    finally:
-        bar.close()
+    todo: dict[str, Any] = {"idx": {"$exists": True}}
+    if not every:
+        todo[HASH] = {"$exists": False}
+    done = 0
+    for batch in each_batch(
+        conn, name, todo, {cfg.text_field: 1, "turns": 1}, batch_size, f"hash {name}", progress
+    ):
+        updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
+        _set_hashes(conn, name, updates)
+        done += len(batch)
     write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
     conn.commit()
     return done
 
 
-def _set_hashes(conn: Connection, coll: Any, updates: list[tuple[Any, str | None]]) -> None:
-    if conn.config.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateOne
-        for _id, h in updates:
-            coll.update_one({"_id": _id}, {"$set": {HASH: h}})
-        return
-    coll.bulk_write(
-        [pymongo.UpdateOne({"_id": _id}, {"$set": {HASH: h}}) for _id, h in updates], ordered=False
-    )
+def _set_hashes(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]]) -> None:
+    set_fields(conn, name, updates, "dedup: hashing")
 
 
 def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:

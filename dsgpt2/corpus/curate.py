@@ -1,0 +1,122 @@
+"""``dsgpt2 curate``: quality signals and verdicts stored on each document, in place.
+
+Each document of the collections gets ``quality`` (the measures of :func:`dsgpt2.corpus.quality.
+signals` of the text training reads) and ``passes`` (``{"gopher": true, "c4": false, ...}`` for the
+rule sets asked, and ``key``: the signals' version, the rule sets and the thresholds they were judged
+by). A pass selects the documents whose ``passes.key`` is not this run's, so it is resumable (killed,
+it continues with the documents not yet judged) and a run with other thresholds judges every document
+again. ``{"passes.gopher": true}`` selects the documents that pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsgpt2.corpus.dedup import document_text
+from dsgpt2.corpus.mongo import Connection, with_retries, write_meta
+from dsgpt2.corpus.passes import each_batch, require_present, set_fields
+from dsgpt2.corpus.quality import SIGNALS_VERSION, failed, signals, verdicts
+
+
+def run_key(rules: Sequence[str], thresholds: Mapping[str, float]) -> str:
+    """What a document's verdicts were judged by: the signals' version, the rule sets, the thresholds."""
+    used = {k: v for k, v in sorted(thresholds.items())}
+    blob = json.dumps([SIGNALS_VERSION, sorted(rules), used], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class CollectionCuration:
+    name: str
+    documents: int = 0
+    judged: int = 0  # by this run
+    failing: dict[str, int] = field(default_factory=dict)  # rule set → documents that fail it
+    passing_all: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CurationReport:
+    rules: list[str]
+    collections: list[CollectionCuration]
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = []
+        for c in self.collections:
+            fails = ", ".join(f"{rule} {c.failing[rule]} ({c.failing[rule] / max(c.documents, 1):.1%})"
+                              for rule in self.rules)  # fmt: skip
+            out.append(f"{c.name}: {c.documents} documents, {c.judged} judged by this run; failing: {fails}; "
+                       f"passing all: {c.passing_all}")  # fmt: skip
+            out.extend(f"  e.g. {e}" for e in c.examples)
+        out.append(f"({self.seconds:.1f}s)")
+        return out
+
+
+def curate(
+    conn: Connection,
+    names: Sequence[str],
+    rules: Sequence[str],
+    thresholds: Mapping[str, float],
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> CurationReport:
+    """Measure and judge every document of ``names`` not judged by this run's key (see module doc).
+
+    Raises:
+        CorpusError: a collection is missing.
+    """
+    started = time.monotonic()
+    cfg = conn.config
+    require_present(conn, names, "curate")
+    key = run_key(rules, thresholds)
+    report = CurationReport(list(rules), [CollectionCuration(n) for n in names])
+    for part in report.collections:
+        todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
+        wanted = {cfg.text_field: 1, "turns": 1}
+        for batch in each_batch(conn, part.name, todo, wanted, batch_size, f"curate {part.name}", progress):
+            updates = []
+            for doc in batch:
+                text = document_text(doc, cfg.text_field)
+                measured = signals(text) if text is not None else None
+                judged = verdicts(measured, rules, thresholds) if measured else dict.fromkeys(rules, False)
+                updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
+                                             "passes": {"key": key, **judged}}))  # fmt: skip
+            set_fields(conn, part.name, updates, "curate")
+            conn.commit()
+            part.judged += len(batch)
+        _summarize(conn, part, rules, thresholds)
+        write_meta(conn, part.name, {"curate": {"rules": list(rules), "thresholds": dict(thresholds),
+                                                "key": key, "at": time.time()}})  # fmt: skip
+        conn.commit()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _summarize(
+    conn: Connection, part: CollectionCuration, rules: Sequence[str], thresholds: Mapping[str, float]
+) -> None:
+    coll = conn.db[part.name]
+
+    def count(q: dict[str, Any]) -> int:
+        return with_retries(lambda: coll.count_documents(q), conn.config, f"curate: counting {part.name}")
+
+    part.documents = count({"idx": {"$exists": True}})
+    for rule in rules:
+        part.failing[rule] = count({f"passes.{rule}": False})
+    part.passing_all = count({f"passes.{rule}": True for rule in rules})
+    for rule in rules:
+        doc = coll.find_one({f"passes.{rule}": False}, {"idx": 1, "quality": 1}, sort=[("idx", 1)])
+        if doc is None:
+            continue
+        why = (
+            failed(doc.get("quality") or {}, rule, thresholds)
+            if doc.get("quality", {}).get("words") is not None
+            else []
+        )
+        part.examples.append(f"{part.name}:{doc['idx']} fails {rule}: {', '.join(why[:3]) or 'no text'}")
