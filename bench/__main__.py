@@ -11,6 +11,7 @@ from bench import (
     bench_generate,
     bench_gpu,
     bench_ingest,
+    bench_neardup,
     bench_serve,
     bench_startup,
     bench_train,
@@ -68,6 +69,7 @@ def main() -> int:
         "serve": lambda: bench_serve.serving(texts, results),
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
         "startup": lambda: bench_startup.startup(results),
+        "neardup": lambda: bench_neardup.neardup(texts),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

@@ -43,6 +43,29 @@ def positive_int(text: str) -> int:
     return value
 
 
+def part_of(text: str) -> tuple[int, int]:
+    """``R/M``: the R-th (from 1) of M parts."""
+    r, sep, m = text.partition("/")
+    try:
+        part, parts = int(r), int(m)
+    except ValueError:
+        sep = ""
+    if not sep or not 1 <= part <= parts:
+        raise argparse.ArgumentTypeError(f"expected R/M with 1 <= R <= M (e.g. 2/4), got {text!r}")
+    return part, parts
+
+
+def unit_fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

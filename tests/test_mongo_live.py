@@ -384,6 +384,39 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     conn.close()
 
 
+def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> None:
+    """`dedup --near` on a real server: two worker processes sign their idx ranges with bulk writes,
+    the bands are indexed and grouped by $unwind/$group over $unionWith, the marks equal a straight
+    in-memory clustering of the same texts; `curate` in two workers judges every document once."""
+    from dataclasses import replace
+
+    from test_neardup import corpus, near_marks
+
+    from dsgpt2.corpus.curate import curate
+    from dsgpt2.corpus.minhash import LshParams, cluster_texts
+    from dsgpt2.corpus.neardup import dedup_near
+    from dsgpt2.corpus.passes import Split
+    from dsgpt2.corpus.quality import resolve_thresholds
+
+    docs, _ = corpus(originals=25, seed=3)
+    half = len(docs) // 2
+    conn = Connection(replace(scratch.config, collections=("news", "web")))
+    for name, part in (("news", docs[:half]), ("web", docs[half:])):
+        conn.db[name].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(part)])
+        conn.db[name].create_index("idx", unique=True)
+    params = LshParams(threshold=0.8)
+    report = dedup_near(conn, ["news", "web"], params, batch_size=8, split=Split(workers=2))
+    assert [c.signed for c in report.collections] == [half, len(docs) - half]
+    labels = [f"news:{i}" for i in range(half)] + [f"web:{i}" for i in range(len(docs) - half)]
+    straight = {labels[k]: labels[v] for k, v in cluster_texts(docs, params).items()}
+    assert straight and near_marks(conn, ["news", "web"]) == straight
+    assert "lsh_1" in {i["name"] for i in conn.db["web"].list_indexes()}
+    judged = curate(conn, ["news"], ["gopher"], resolve_thresholds({}), batch_size=8, split=Split(workers=2))
+    assert judged.collections[0].judged == half
+    assert conn.db["news"].count_documents({"passes.gopher": {"$exists": True}}) == half
+    conn.close()
+
+
 def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
     """`curate` on a real server: bulk UpdateOne of signals and verdicts, counted by rule set."""
     from test_curate import BAD, PROSE

@@ -7,7 +7,7 @@ import json
 import logging
 from typing import Any
 
-from dsgpt2.argtypes import comma_list, positive_int
+from dsgpt2.argtypes import comma_list, part_of, positive_int, unit_fraction
 from dsgpt2.commands.common import (
     add_config,
     load_config_arg,
@@ -105,33 +105,75 @@ def add_ingest(sub: Any) -> None:
 def add_dedup(sub: Any) -> None:
     p = sub.add_parser(
         "dedup",
-        help="mark duplicate documents in place (dup_of: the copy they repeat)",
+        help="mark duplicate and near-duplicate documents in place (dup_of, near_dup_of)",
         description=(
             "--exact: store text_hash (a hash of the text training reads) on every document without one "
             "and index it, group the hashes with MongoDB's aggregation pipeline over the collections, "
             "and mark every copy of a text but the first (the earliest collection in COLLECTIONS "
-            'order, then the smallest idx) with dup_of: "collection:idx". Nothing is deleted. Killed '
-            "and re-run, it ends as a straight run."
+            'order, then the smallest idx) with dup_of: "collection:idx".\n\n'
+            "--near: store lsh (MinHash LSH band values of the text's word n-grams) on every document "
+            "not signed under these settings and index it, group the band values with the aggregation "
+            "pipeline, confirm each candidate pair on the texts (Jaccard similarity of their n-gram "
+            "sets >= --threshold), cluster the confirmed pairs and mark every document of a cluster "
+            'but the first with near_dup_of: "collection:idx".\n\n'
+            "Nothing is deleted; select the rest with a FILTER. Killed and re-run, a pass ends as a "
+            "straight run. --workers splits hashing and signing by idx ranges across processes; "
+            "--part R/M does only this machine's share of them (then one run without --part marks)."
         ),
-        epilog="example:\n  dsgpt2 dedup --config c.json --exact",
+        epilog=(
+            "examples:\n  dsgpt2 dedup --config c.json --exact --near --threshold 0.8\n"
+            "  dsgpt2 dedup --config c.json --near --workers 4 --part 1/2   # machine 1 of 2, then:\n"
+            "  dsgpt2 dedup --config c.json --near"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config(p)
     p.add_argument("--exact", action="store_true", help="exact duplicates, by text_hash")
+    p.add_argument("--near", action="store_true", help="near duplicates, by MinHash LSH")
+    p.add_argument(
+        "--threshold",
+        type=unit_fraction,
+        default=0.8,
+        help="--near: the Jaccard similarity of word n-gram sets from which two texts are near "
+        "duplicates (default: 0.8)",
+    )
+    p.add_argument("--ngram", type=positive_int, default=5, help="--near: words per shingle (default: 5)")
+    p.add_argument(
+        "--num_perm",
+        type=positive_int,
+        default=128,
+        help="--near: MinHash permutations; the bands are chosen from them for --threshold (default: 128)",
+    )
     _add_pass_options(p)
     p.set_defaults(func=cmd_dedup)
 
 
 def cmd_dedup(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.dedup import dedup_exact
+    from dsgpt2.corpus.minhash import LshParams
     from dsgpt2.corpus.mongo import connect
+    from dsgpt2.corpus.neardup import dedup_near
 
-    if not args.exact:
-        raise usage("dedup", "say which duplicates: --exact")
+    if not (args.exact or args.near):
+        raise usage("dedup", "say which duplicates: --exact, --near, or both")
+    try:
+        params = LshParams(threshold=args.threshold, ngram=args.ngram, num_perm=args.num_perm)
+    except ValueError as exc:
+        raise usage("dedup", str(exc)) from None
     config = load_config_arg(args)
     names = _collections(args, config, "dedup")
-    report = dedup_exact(connect(config), names, args.batch_size, not args.no_progress)
-    print("\n".join(report.lines()))
+    split = _split(args)
+    conn = connect(config)
+    lines = []
+    if args.exact:
+        lines += dedup_exact(conn, names, args.batch_size, not args.no_progress, split).lines()
+    if args.near:
+        lines += dedup_near(conn, names, params, args.batch_size, not args.no_progress, split).lines()
+    if split.parts > 1:
+        lines.append(
+            f"part {split.part + 1}/{split.parts} done: once every part is, run once without --part to mark"
+        )
+    print("\n".join(lines))
     return 0
 
 
@@ -196,7 +238,13 @@ def cmd_curate(args: argparse.Namespace) -> int:
     config = load_config_arg(args)
     names = _collections(args, config, "curate")
     report = curate(
-        connect(config), names, list(args.rules), thresholds, args.batch_size, not args.no_progress
+        connect(config),
+        names,
+        list(args.rules),
+        thresholds,
+        args.batch_size,
+        not args.no_progress,
+        _split(args),
     )
     print("\n".join(report.lines()))
     return 0
@@ -213,7 +261,26 @@ def _add_pass_options(p: argparse.ArgumentParser) -> None:
         default=1000,
         help="documents per read and bulk write (default: 1000)",
     )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="processes for the per-document work, each on its own idx range (default: 1)",
+    )
+    p.add_argument(
+        "--part",
+        type=part_of,
+        metavar="R/M",
+        help="only the R-th of M idx ranges of each collection: machine R of M runs its part",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+
+
+def _split(args: argparse.Namespace) -> Any:
+    from dsgpt2.corpus.passes import Split
+
+    part, parts = args.part or (1, 1)
+    return Split(workers=args.workers, part=part - 1, parts=parts)
 
 
 def _collections(args: argparse.Namespace, config: Any, command: str) -> list[str]:

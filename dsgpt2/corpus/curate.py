@@ -15,11 +15,12 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from dsgpt2.corpus.dedup import document_text
 from dsgpt2.corpus.mongo import Connection, with_retries, write_meta
-from dsgpt2.corpus.passes import each_batch, require_present, set_fields
+from dsgpt2.corpus.passes import WHOLE, Split, each_batch, require_present, run_split, set_fields
 from dsgpt2.corpus.quality import SIGNALS_VERSION, failed, signals, verdicts
 
 
@@ -65,37 +66,58 @@ def curate(
     thresholds: Mapping[str, float],
     batch_size: int = 1000,
     progress: bool = False,
+    split: Split = WHOLE,
 ) -> CurationReport:
-    """Measure and judge every document of ``names`` not judged by this run's key (see module doc).
+    """Measure and judge every document of ``names`` not judged by this run's key (see module doc),
+    over this machine's idx ranges of ``split``.
 
     Raises:
         CorpusError: a collection is missing.
     """
     started = time.monotonic()
-    cfg = conn.config
     require_present(conn, names, "curate")
     key = run_key(rules, thresholds)
     report = CurationReport(list(rules), [CollectionCuration(n) for n in names])
+    work = partial(judge_range, rules=list(rules), thresholds=dict(thresholds), batch_size=batch_size,
+                   progress=progress and split.workers == 1)  # fmt: skip
     for part in report.collections:
-        todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
-        wanted = {cfg.text_field: 1, "turns": 1}
-        for batch in each_batch(conn, part.name, todo, wanted, batch_size, f"curate {part.name}", progress):
-            updates = []
-            for doc in batch:
-                text = document_text(doc, cfg.text_field)
-                measured = signals(text) if text is not None else None
-                judged = verdicts(measured, rules, thresholds) if measured else dict.fromkeys(rules, False)
-                updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
-                                             "passes": {"key": key, **judged}}))  # fmt: skip
-            set_fields(conn, part.name, updates, "curate")
-            conn.commit()
-            part.judged += len(batch)
+        part.judged = run_split(conn, part.name, work, split, "curate")
         _summarize(conn, part, rules, thresholds)
         write_meta(conn, part.name, {"curate": {"rules": list(rules), "thresholds": dict(thresholds),
                                                 "key": key, "at": time.time()}})  # fmt: skip
         conn.commit()
     report.seconds = time.monotonic() - started
     return report
+
+
+def judge_range(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    rules: Sequence[str] = (),
+    thresholds: Mapping[str, float] | None = None,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Measure and judge the documents of ``name`` of idx in ``span`` not judged by this key."""
+    cfg = conn.config
+    thresholds = thresholds or {}
+    key = run_key(rules, thresholds)
+    todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
+    wanted = {cfg.text_field: 1, "turns": 1}
+    done = 0
+    for batch in each_batch(conn, name, todo, wanted, batch_size, f"curate {name}", progress, span):
+        updates = []
+        for doc in batch:
+            text = document_text(doc, cfg.text_field)
+            measured = signals(text) if text is not None else None
+            judged = verdicts(measured, rules, thresholds) if measured else dict.fromkeys(rules, False)
+            updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
+                                         "passes": {"key": key, **judged}}))  # fmt: skip
+        set_fields(conn, name, updates, "curate")
+        conn.commit()
+        done += len(batch)
+    return done
 
 
 def _summarize(

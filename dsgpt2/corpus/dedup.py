@@ -23,14 +23,21 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pymongo
-from pymongo.errors import OperationFailure, PyMongoError
 
 from dsgpt2.corpus.mongo import Connection, read_meta, with_retries, write_meta
-from dsgpt2.corpus.passes import each_batch, require_present, set_fields
-from dsgpt2.errors import CorpusError
+from dsgpt2.corpus.passes import (
+    WHOLE,
+    Split,
+    each_batch,
+    ensure_index,
+    require_present,
+    run_split,
+    set_fields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +73,7 @@ def document_hash(doc: dict[str, Any], text_field: str) -> str | None:
 
 
 def ensure_hash_index(conn: Connection, name: str) -> None:
-    try:
-        conn.db[name].create_index([(HASH, pymongo.ASCENDING)], name=HASH_INDEX)
-    except (OperationFailure, PyMongoError) as exc:
-        raise CorpusError(
-            f"cannot create the {HASH} index on {name!r}: {conn.config.scrub(str(exc))}"
-        ) from None
+    ensure_index(conn, name, HASH)
 
 
 @dataclass
@@ -109,9 +111,14 @@ class DedupReport:
 
 
 def dedup_exact(
-    conn: Connection, names: Sequence[str], batch_size: int = 1000, progress: bool = False
+    conn: Connection,
+    names: Sequence[str],
+    batch_size: int = 1000,
+    progress: bool = False,
+    split: Split = WHOLE,
 ) -> DedupReport:
-    """Hash what is unhashed, group the hashes, mark every copy but the first (see module doc).
+    """Hash what is unhashed, group the hashes, mark every copy but the first (see module doc). With
+    ``split.parts`` > 1, only hash this machine's part: one run without parts then marks.
 
     Raises:
         CorpusError: a collection is missing, or an index cannot be built.
@@ -121,8 +128,11 @@ def dedup_exact(
     require_present(conn, names, "dedup")
     report = DedupReport([CollectionDedup(n) for n in names])
     for part in report.collections:
-        part.hashed = hash_collection(conn, part.name, batch_size, progress)
+        part.hashed = hash_collection(conn, part.name, batch_size, progress, split)
         with_retries(lambda n=part.name: ensure_hash_index(conn, n), cfg, f"dedup: indexing {part.name}")
+    if split.parts > 1:
+        report.seconds = time.monotonic() - started
+        return report
     marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
     writer = _Marker(conn, names, marked, unmarked)
     for h, first, ranks in with_retries(lambda: list(exact_groups(conn, names)), cfg, "dedup: grouping"):
@@ -149,9 +159,12 @@ def dedup_exact(
     return report
 
 
-def hash_collection(conn: Connection, name: str, batch_size: int = 1000, progress: bool = False) -> int:
+def hash_collection(
+    conn: Connection, name: str, batch_size: int = 1000, progress: bool = False, split: Split = WHOLE
+) -> int:
     """Store ``text_hash`` on the documents of ``name`` without one (all of them when the hashes were
-    taken of another field than the config's TEXT_FIELD); returns how many were hashed."""
+    taken of another field than the config's TEXT_FIELD), over this machine's idx ranges of ``split``;
+    returns how many were hashed."""
     cfg = conn.config
     meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
     hashed_field = (meta.get("hashes") or {}).get("field")
@@ -159,18 +172,34 @@ def hash_collection(conn: Connection, name: str, batch_size: int = 1000, progres
     if every:
         log.info("%s: hashes were taken of %r, TEXT_FIELD is %r: hashing every document again", name,
                  hashed_field, cfg.text_field)  # fmt: skip
+    work = partial(hash_range, every=every, batch_size=batch_size, progress=progress and split.workers == 1)
+    done = run_split(conn, name, work, split, "hash")
+    if split.parts == 1:  # the field is recorded once every range is hashed under it
+        write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
+        conn.commit()
+    return done
+
+
+def hash_range(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    every: bool = False,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Hash the documents of ``name`` of idx in ``span`` without a hash (all of them with ``every``)."""
+    cfg = conn.config
     todo: dict[str, Any] = {"idx": {"$exists": True}}
     if not every:
         todo[HASH] = {"$exists": False}
     done = 0
-    for batch in each_batch(
-        conn, name, todo, {cfg.text_field: 1, "turns": 1}, batch_size, f"hash {name}", progress
-    ):
+    fields = {cfg.text_field: 1, "turns": 1}
+    for batch in each_batch(conn, name, todo, fields, batch_size, f"hash {name}", progress, span):
         updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
         _set_hashes(conn, name, updates)
+        conn.commit()
         done += len(batch)
-    write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
-    conn.commit()
     return done
 
 

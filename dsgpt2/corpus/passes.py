@@ -3,18 +3,30 @@ writes: the shape of every curation pass (hashes, quality signals).
 
 Resumable by its query: a pass selects the documents still without its result, so a pass killed
 and run again continues with those, and ends as a straight one.
+
+Split by idx ranges: each collection's idx range is cut into contiguous ranges, one per worker
+process (``--workers``), after this machine's share of them (``--part R/M``). Contiguous idx ranges
+keep a worker's reads on one shard of a collection sharded by idx range, and on one stretch of the
+idx index anywhere else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import logging
+import multiprocessing
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pymongo
+from pymongo.errors import OperationFailure, PyMongoError
 from tqdm import tqdm
 
 from dsgpt2.corpus.mongo import Connection, with_retries
 from dsgpt2.errors import CorpusError
+
+log = logging.getLogger(__name__)
 
 
 def require_present(conn: Connection, names: Sequence[str], what: str) -> None:
@@ -27,6 +39,16 @@ def require_present(conn: Connection, names: Sequence[str], what: str) -> None:
         )
 
 
+def ensure_index(conn: Connection, name: str, field: str) -> None:
+    """An ascending index on ``field`` of ``name`` (named ``field_1``); a refusal is a CorpusError."""
+    try:
+        conn.db[name].create_index([(field, pymongo.ASCENDING)], name=f"{field}_1")
+    except (OperationFailure, PyMongoError) as exc:
+        raise CorpusError(
+            f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"
+        ) from None
+
+
 def each_batch(
     conn: Connection,
     name: str,
@@ -35,16 +57,18 @@ def each_batch(
     batch_size: int,
     desc: str,
     progress: bool = False,
+    span: tuple[int, int] | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
     """The numbered documents of ``name`` matching ``query``, ``batch_size`` at a time, in idx order
-    (each batch a range on the idx index after the last one), with ``_id``, ``idx`` and ``fields``."""
+    (each batch a range on the idx index after the last one), with ``_id``, ``idx`` and ``fields``;
+    only those of idx in ``[start, stop)`` when ``span`` is given."""
     coll = conn.db[name]
     wanted = {"_id": 1, "idx": 1, **fields}
-    last = -1
+    last = -1 if span is None else span[0] - 1
     bar = tqdm(desc=desc, unit="doc", disable=None if progress else True)
     try:
         while True:
-            q = {**query, "idx": {"$gt": last}}
+            q = {**query, "idx": {"$gt": last} if span is None else {"$gt": last, "$lt": span[1]}}
             batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1).limit(batch_size)),
                                  conn.config, f"{desc}: reading {name}")  # fmt: skip
             if not batch:
@@ -69,3 +93,78 @@ def set_fields(conn: Connection, name: str, updates: list[tuple[Any, dict[str, A
 
     if updates:
         with_retries(write, conn.config, f"{what}: writing {name}")
+
+
+def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
+    """The smallest and largest idx of ``name`` (two reads on the idx index); None when it has none."""
+    coll = conn.db[name]
+
+    def end(direction: int) -> int | None:
+        q = {"idx": {"$exists": True}}
+        doc = with_retries(lambda: coll.find_one(q, {"idx": 1}, sort=[("idx", direction)]),
+                           conn.config, f"reading the idx range of {name}")  # fmt: skip
+        return None if doc is None else int(doc["idx"])
+
+    lo, hi = end(pymongo.ASCENDING), end(pymongo.DESCENDING)
+    return None if lo is None or hi is None else (lo, hi)
+
+
+def spans(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
+    """``[lo, hi]`` cut into ``parts`` contiguous ``[start, stop)`` ranges as even as integers allow
+    (fewer when there are fewer idx values than parts)."""
+    n = hi - lo + 1
+    parts = max(1, min(parts, n))
+    cuts = [lo + n * i // parts for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a pass's per-document work is split: ``workers`` processes here, and this machine's
+    ``part`` (0-based) of ``parts`` idx ranges of each collection."""
+
+    workers: int = 1
+    part: int = 0
+    parts: int = 1
+
+    def ranges(self, bounds: tuple[int, int]) -> list[tuple[int, int]]:
+        mine = spans(*bounds, self.parts)
+        if self.part >= len(mine):  # more machines than idx values: nothing here
+            return []
+        start, stop = mine[self.part]
+        return spans(start, stop - 1, self.workers)
+
+
+WHOLE = Split()
+
+
+def run_split(conn: Connection, name: str, work: Callable[..., int], split: Split, what: str) -> int:
+    """``work(conn, name, span=(start, stop))`` over this machine's idx ranges of ``name``, one range per
+    worker process (a real server; mongomock's store lives in this process, so there the ranges run one
+    after another here); returns the sum of what the calls return.
+
+    ``work`` must be picklable (a module-level function, or a ``functools.partial`` of one): each
+    worker process opens its own connection from the config.
+    """
+    bounds = idx_bounds(conn, name)
+    if bounds is None:
+        return 0
+    ranges = split.ranges(bounds)
+    if split.workers == 1 or len(ranges) == 1 or conn.config.is_mock:
+        if split.workers > 1 and conn.config.is_mock:
+            log.info("%s %s: mongomock's store lives in this process, the %d ranges run here in turn",
+                     what, name, len(ranges))  # fmt: skip
+        return sum(work(conn, name, span=r) for r in ranges)
+    log.info("%s %s: idx ranges %s in %d worker processes", what, name, ranges, len(ranges))
+    with ProcessPoolExecutor(len(ranges), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_work, work, conn.config, name, r) for r in ranges]
+        return sum(f.result() for f in futures)
+
+
+def _work(work: Callable[..., int], config: Any, name: str, span: tuple[int, int]) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    conn = Connection(config)
+    try:
+        return work(conn, name, span=span)
+    finally:
+        conn.close()
