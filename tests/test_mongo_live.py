@@ -25,7 +25,7 @@ from pymongo import monitoring
 from conftest import ROOT, make_config, run_cli
 from dsgpt2.corpus.config import ENV_URI, MongoConfig, load_config, redact_uri
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
-from dsgpt2.errors import MongoUnavailableError
+from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.train.metrics import read_metrics
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
@@ -415,6 +415,31 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     assert judged.collections[0].judged == half
     assert conn.db["news"].count_documents({"passes.gopher": {"$exists": True}}) == half
     conn.close()
+
+
+def test_filter_on_the_server_skips_counts_and_refuses_bad_operators(scratch: Connection) -> None:
+    """FILTER on a real server: reads ask `$and` of the idx range and the filter, the documents left out
+    are found with `$nor` (idx only) and counted; an operator the server refuses is one line."""
+    from dataclasses import replace
+
+    from test_filter import KEEP, left_out, mark, texts
+
+    from dsgpt2.corpus.config import canonical_filter
+    from dsgpt2.corpus.mongo import MongoWrapper, check_filter, write_meta
+
+    scratch.db["a"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts(40))])
+    scratch.db["a"].create_index("idx", unique=True)
+    write_meta(scratch, "a", {"count": 40})
+    mark(scratch, "a", 40)
+    cfg = replace(scratch.config, filter=canonical_filter(KEEP))
+    wrapper = MongoWrapper(cfg)
+    assert [d.index for d in wrapper.get_range(0, 40)] == [i for i in range(40) if not left_out(i)]
+    assert dict(wrapper.skipped) == {"filtered": sum(map(left_out, range(40)))}
+    wrapper.connection.close()
+    refused = Connection(replace(scratch.config, filter=canonical_filter({"a": {"$nosuch": 1}})))
+    with pytest.raises(ConfigError, match="refused by the server"):
+        check_filter(refused)
+    refused.close()
 
 
 def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -142,6 +143,41 @@ def test_crash_and_resume_sees_the_same_batches(
         assert a[step]["block_ids"] == b[step]["block_ids"], step
         for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
             assert abs(x - y) <= 1e-6, (step, x, y)
+
+
+def test_a_filter_run_skips_what_it_leaves_out_and_resumes_exactly(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A copy of the corpus with every 3rd document marked a duplicate and FILTER leaving them out:
+    the run counts them, a crashed and resumed run retraces a straight one, and another FILTER is
+    other data for a resume."""
+    data = json.loads(corpus["config"].read_text())
+    store = tmp_path / "db.mongo"
+    shutil.copy(data["MONGO_CONNECTION_STRING"].removeprefix("mongomock://"), store)
+    keep = {"dup_of": {"$exists": False}}
+    cfg = tmp_path / "filtered.json"
+    cfg.write_text(json.dumps({**data, "MONGO_CONNECTION_STRING": f"mongomock://{store}", "FILTER": keep}))
+    mockstore.reset()
+    conn = Connection(load_config(cfg))
+    conn.db["stdlib"].update_many({"idx": {"$in": list(range(0, 2000, 3))}}, {"$set": {"dup_of": "stdlib:1"}})
+    conn.commit()
+    mockstore.reset()
+    filtered = dict(corpus, config=cfg)
+    run = ("--train_iters", "6", "--save_interval", "3")
+    straight = train(filtered, tmp_path / "straight", *run)
+    assert re.search(r"documents read: \d+ skipped \(filtered: \d+", straight.stdout + straight.stderr)
+    crashed = train(filtered, tmp_path / "split", *run, check=False, faults=("--exit_after", "4"))
+    assert crashed.returncode == 17
+    train(filtered, tmp_path / "split", *run)
+    a, b = steps(tmp_path / "straight"), steps(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    for step in range(1, 7):
+        assert a[step]["block_ids"] == b[step]["block_ids"], step
+        for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
+            assert abs(x - y) <= 1e-6, (step, x, y)
+    cfg.write_text(json.dumps({**data, "MONGO_CONNECTION_STRING": f"mongomock://{store}", "FILTER": {}}))
+    other = train(filtered, tmp_path / "split", "--train_iters", "8", check=False)
+    assert other.returncode == 2 and "saved for other data" in other.stderr and "filter" in other.stderr
 
 
 def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path: Path) -> None:

@@ -452,16 +452,19 @@ def cmd_info(args: argparse.Namespace) -> int:
     meta = read_meta(wrapper.connection, list(config.collections))
     total = max(len(wrapper), 1)
     weights = [w / sum(config.weights) for w in config.weights] or [None] * len(config.collections)
+    passing = _passing(wrapper)
     info = {
         "uri": config.display_uri,
         "db": config.db,
         "documents": len(wrapper),
+        "filter": config.filter_query,
         "collections": [
             {
                 "name": name,
                 "count": count,  # the high-water mark: [0, count) is complete
                 "natural_share": count / total,
                 "weight": weight,
+                "passing_filter": passing.get(name),
                 "last_run": meta.get(name, {}).get("trained"),
                 "growth_since_last_run": count - meta[name]["trained"]["mark"]
                 if isinstance(meta.get(name, {}).get("trained"), dict)
@@ -479,12 +482,16 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{info['uri']} / {info['db']}: {info['documents']} documents")
+    if config.filter:
+        print(f"FILTER {config.filter}")
     for c in info["collections"]:
         share = f"{c['natural_share']:.1%} of the documents"
         if c["weight"] is not None:
             share += f", weight {c['weight']:.1%} of the tokens"
         print(f"  {c['name']}: {c['count']} documents, high-water mark {c['count']} ({share}; "
               f"cleaner {c['cleaner_version'] or '-'})")  # fmt: skip
+        if c["passing_filter"] is not None:
+            print(f"    FILTER keeps {c['passing_filter']} ({c['passing_filter'] / max(c['count'], 1):.1%})")
         if c["last_run"]:
             print(f"    last run ({c['last_run'].get('run')}) trained to {c['last_run']['mark']}: "
                   f"{c['growth_since_last_run']:+d} since")  # fmt: skip
@@ -492,3 +499,20 @@ def cmd_info(args: argparse.Namespace) -> int:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
     return 0
+
+
+def _passing(wrapper: Any) -> dict[str, int]:
+    """Per collection, how many of the documents below its high-water mark FILTER keeps (none without
+    a FILTER)."""
+    from dsgpt2.corpus.mongo import with_retries
+
+    query = wrapper.config.filter_query
+    if query is None:
+        return {}
+    conn, out = wrapper.connection, {}
+    for name, count in zip(wrapper.collections, wrapper.counts, strict=True):
+        q = {"$and": [{"idx": {"$lt": count}}, query]}
+        out[name] = with_retries(
+            lambda n=name, q=q: conn.db[n].count_documents(q), conn.config, f"counting {name}"
+        )
+    return out

@@ -45,7 +45,15 @@ _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
     "STRICT": ("strict", (bool,), "fail on the first bad document instead of skipping it"),
     "READ_PREFERENCE": ("read_preference", (str,), "which replica set members answer training reads"),
     "READ_PREFERENCE_TAGS": ("read_preference_tags", (list,), "tag sets of the members to read from"),
+    "FILTER": (
+        "filter",
+        (dict,),
+        "a MongoDB query over document fields: only the documents it matches are read "
+        '(e.g. {"dup_of": {"$exists": false}, "passes.gopher": true})',
+    ),
 }
+# Server-side JavaScript: slow, often disabled, and no business of a data filter.
+_FILTER_REFUSED = ("$where", "$function", "$accumulator")
 READ_PREFERENCES = ("primary", "primaryPreferred", "secondary", "secondaryPreferred", "nearest")
 _REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
 
@@ -101,6 +109,9 @@ class MongoConfig:
             ``secondaryPreferred`` keeps them off the primary). Writes always go to the primary.
         read_preference_tags: tag sets narrowing those members, tried in order
             (``[{"dc": "east"}, {}]``); not with ``primary``.
+        filter: the FILTER query as canonical JSON ("" for none): documents it does not match are
+            skipped (counted as ``filtered``) by training, validation, vocabulary download,
+            evaluation and info; see :attr:`filter_query`.
         weights: mixture weights, one per collection (token shares; see
             :mod:`dsgpt2.data.mixture`), from ``{"name": ..., "weight": ...}`` entries of
             COLLECTIONS; empty: collections are read in proportion to their sizes.
@@ -119,6 +130,7 @@ class MongoConfig:
     strict: bool = False
     read_preference: str = "primary"
     read_preference_tags: tuple[dict[str, str], ...] = ()
+    filter: str = ""
     weights: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
@@ -173,6 +185,9 @@ class MongoConfig:
             raise ConfigError(
                 "READ_PREFERENCE_TAGS do not apply to READ_PREFERENCE primary; pick another mode"
             )
+        problem = filter_problem(self.filter_query if self.filter else {})
+        if problem:
+            raise ConfigError(f"FILTER {self.filter}: {problem}")
 
     def __repr__(self) -> str:
         return (
@@ -188,6 +203,11 @@ class MongoConfig:
     def hosts(self) -> str:
         """The host part of the connection string, without credentials."""
         return uri_hosts(self.uri)
+
+    @property
+    def filter_query(self) -> dict[str, Any] | None:
+        """FILTER as a query document, None when the config has none (or an empty one)."""
+        return json.loads(self.filter) if self.filter else None
 
     @property
     def is_mock(self) -> bool:
@@ -207,6 +227,7 @@ class MongoConfig:
                 {"name": n, "weight": w} for n, w in zip(self.collections, self.weights, strict=True)
             ]
         values["read_preference_tags"] = list(self.read_preference_tags)
+        values["filter"] = self.filter_query or {}
         return {key: values[name] for key, (name, _, _) in _KEYS.items()}
 
     def with_collections(self, collections: list[str] | tuple[str, ...]) -> MongoConfig:
@@ -250,6 +271,28 @@ def _collection_entries(source: str, entries: list[Any]) -> tuple[tuple[Any, ...
     return tuple(names), tuple(weights)
 
 
+def canonical_filter(query: Mapping[str, Any]) -> str:
+    """FILTER as stored and fingerprinted: compact JSON, keys in the order given (an equality match on
+    a subdocument depends on it); an empty query is no filter."""
+    return json.dumps(query, separators=(",", ":"), ensure_ascii=False) if query else ""
+
+
+def filter_problem(query: Any, where: str = "") -> str | None:
+    """Why ``query`` cannot be a FILTER, or None."""
+    if not isinstance(query, Mapping):
+        return f"{where or 'it'} must be a JSON object (a MongoDB query), got {type(query).__name__}"
+    for key, value in query.items():
+        if key in _FILTER_REFUSED:
+            return f"{key} runs JavaScript on the server; write the condition with query operators"
+        nested = value if isinstance(value, list) else [value]
+        for item in nested:
+            if isinstance(item, Mapping):
+                problem = filter_problem(item, key)
+                if problem:
+                    return problem
+    return None
+
+
 def _positive(key: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{key} must be a positive integer; got {value}")
@@ -279,6 +322,8 @@ def config_from_dict(
                 f"{source}: {key} must be {expected}; got {type(value).__name__} {_safe_value(key, value)!r}"
             )
         values[name] = tuple(value) if key == "READ_PREFERENCE_TAGS" else value
+        if key == "FILTER":
+            values["filter"] = canonical_filter(value)
         if key == "COLLECTIONS":
             values["collections"], values["weights"] = _collection_entries(source, value)
     override = env.get(ENV_URI, "").strip()

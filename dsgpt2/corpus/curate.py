@@ -56,6 +56,8 @@ class CurationReport:
                        f"passing all: {c.passing_all}")  # fmt: skip
             out.extend(f"  e.g. {e}" for e in c.examples)
         out.append(f"({self.seconds:.1f}s)")
+        keep = ", ".join(f'"passes.{rule}": true' for rule in self.rules)
+        out.append(f'to train on the documents that pass, add to the config: "FILTER": {{{keep}}}')
         return out
 
 

@@ -107,6 +107,10 @@ class DedupReport:
             )
         out.append(f"{self.groups} text(s) held more than once ({self.seconds:.1f}s)")
         out.extend(f"e.g. {copy} repeats {kept}" for copy, kept in self.examples)
+        out.append(
+            "to train on one copy of each text, add to the config: "
+            f'"FILTER": {{"{DUP_OF}": {{"$exists": false}}}}'
+        )
         return out
 
 

@@ -33,6 +33,7 @@ SKIP_REASONS = {
     "bad_conversation": "not a list of {speaker, text} turns nor a query/reply pair",
     "unknown_speaker": "a turn's speaker has no <|speaker|> token in the vocabulary",
     "duplicate": "the text is already in the corpus (ingest --dedup)",
+    "filtered": "left out by the config's FILTER",
 }
 
 _ABSENT = object()

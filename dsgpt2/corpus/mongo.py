@@ -262,6 +262,28 @@ def require_collections(conn: Connection, config_path: str = "CONFIG") -> None:
     )
 
 
+def check_filter(conn: Connection) -> None:
+    """Ask the server to run the config's FILTER once (on no document: ``idx`` -1 through the idx
+    index), so that an operator it refuses is one line before any work, not a failure in a worker.
+
+    Raises:
+        ConfigError: the server refuses the query.
+    """
+    config = conn.config
+    query = config.filter_query
+    if query is None:
+        return
+    name = config.collections[0]
+    try:
+        with_retries(lambda: conn.db[name].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1}), config,
+                     f"checking FILTER on {name}")  # fmt: skip
+    except OperationFailure as exc:
+        raise ConfigError(
+            f"FILTER {config.filter} is refused by the server: {config.scrub(_first_line(exc))}; "
+            "fix the query in the config"
+        ) from None
+
+
 def connect(config: MongoConfig) -> Connection:
     """Open a connection and check that the server answers."""
     conn = Connection(config)
@@ -340,6 +362,10 @@ class MongoWrapper:
         if len(self.counts) != len(self.collections) or any(c < 0 for c in self.counts):
             raise ConfigError(f"counts {list(self.counts)} do not match {list(self.collections)}")
         self.offsets: tuple[int, ...] = tuple(_cumulative(self.counts))
+        # FILTER: asked of every read; the documents it leaves out are counted as `filtered`.
+        self.filter = config.filter_query
+        if self.filter is not None and counts is None:
+            check_filter(connection)
 
     def __repr__(self) -> str:
         counts = dict(zip(self.collections, self.counts, strict=True))
@@ -387,9 +413,10 @@ class MongoWrapper:
         """The text (or turns) of document ``index``, or None when it is bad (counted in ``skipped``)."""
         index = self._normalize(operator.index(index))
         pos, local = self.locate(index)
-        found = self._query(pos, {"idx": local})
+        filt = {"idx": local}
+        found = self._query(pos, filt)
         doc = found.get(local)
-        return self._check(index, pos, local, doc)
+        return self._check(index, pos, local, doc, self._left_out(pos, filt, found, 1))
 
     def get_many(self, indices: Iterable[int]) -> list[Doc]:
         """The usable documents among ``indices``, in the order asked.
@@ -405,6 +432,7 @@ class MongoWrapper:
             pos, local = self.locate(i)
             by_coll.setdefault(pos, set()).add(local)
         fetched: dict[int, dict[int, dict[str, Any]]] = {}
+        left_out: dict[int, set[int]] = {}
         for pos, locals_ in sorted(by_coll.items()):
             lo, hi = min(locals_), max(locals_)
             if hi - lo + 1 == len(locals_):
@@ -412,10 +440,11 @@ class MongoWrapper:
             else:
                 filt = {"idx": {"$in": sorted(locals_)}}
             fetched[pos] = self._query(pos, filt, batch=len(locals_))
+            left_out[pos] = self._left_out(pos, filt, fetched[pos], len(locals_))
         out = []
         for i in wanted:
             pos, local = self.locate(i)
-            text = self._check(i, pos, local, fetched[pos].get(local))
+            text = self._check(i, pos, local, fetched[pos].get(local), local in left_out[pos])
             if text is not None:
                 out.append(Doc(i, text))
         return out
@@ -427,10 +456,12 @@ class MongoWrapper:
         while start < stop:
             pos, lo = self.locate(start)
             hi = min(stop, self.offsets[pos + 1]) - self.offsets[pos]
-            fetched = self._query(pos, {"idx": {"$gte": lo, "$lt": hi}}, batch=hi - lo)
+            filt = {"idx": {"$gte": lo, "$lt": hi}}
+            fetched = self._query(pos, filt, batch=hi - lo)
+            left_out = self._left_out(pos, filt, fetched, hi - lo)
             for local in range(lo, hi):
                 index = self.offsets[pos] + local
-                text = self._check(index, pos, local, fetched.get(local))
+                text = self._check(index, pos, local, fetched.get(local), local in left_out)
                 if text is not None:
                     out.append(Doc(index, text))
             start = self.offsets[pos] + hi
@@ -447,14 +478,29 @@ class MongoWrapper:
     def _normalize(self, index: int) -> int:
         return index + len(self) if index < 0 else index
 
-    def _query(self, pos: int, filt: dict[str, Any], batch: int = 1) -> dict[int, dict[str, Any]]:
+    def _left_out(self, pos: int, filt: dict[str, Any], fetched: dict[int, Any], asked: int) -> set[int]:
+        """The idx of the documents of ``filt`` that FILTER left out of ``fetched``: asked of the server
+        only when some asked for did not come (one query, idx only)."""
+        if self.filter is None or len(fetched) >= asked:
+            return set()
+        out = self._query(
+            pos, {"$and": [filt, {"$nor": [self.filter]}]}, asked - len(fetched), unfiltered=True
+        )
+        return set(out)
+
+    def _query(
+        self, pos: int, filt: dict[str, Any], batch: int = 1, unfiltered: bool = False
+    ) -> dict[int, dict[str, Any]]:
+        """The documents of ``filt`` (and FILTER, unless ``unfiltered``: then their idx only) by idx."""
         name = self.collections[pos]
         # Raw documents, decoded one by one below: a single document with
         # undecodable UTF-8 must not fail the whole batch.
         coll = self._conn.db[name].with_options(
             codec_options=RAW_DOCUMENTS, read_preference=read_preference(self.config)
         )
-        projection = {"_id": 0, "idx": 1, self.field: 1}
+        projection = {"_id": 0, "idx": 1} if unfiltered else {"_id": 0, "idx": 1, self.field: 1}
+        if self.filter is not None and not unfiltered:
+            filt = {"$and": [filt, self.filter]}
 
         def run() -> list[Any]:
             # One batch for the whole answer: no getMore round trip under 16 MB.
@@ -475,7 +521,12 @@ class MongoWrapper:
         self.query_seconds += time.perf_counter() - started
         return out
 
-    def _check(self, index: int, pos: int, local: int, doc: dict[str, Any] | None) -> Any:
+    def _check(
+        self, index: int, pos: int, local: int, doc: dict[str, Any] | None, left_out: bool = False
+    ) -> Any:
+        if left_out:  # not a bad document: one the config chose not to read (never strict's concern)
+            self.skipped["filtered"] += 1
+            return None
         if doc is None:
             reason = "missing"
             value = None

@@ -195,6 +195,10 @@ class NearReport:
             f"confirmed, {self.clusters} cluster(s) ({self.seconds:.1f}s)"
         )
         out.extend(f"e.g. {copy} repeats {kept} (Jaccard {j:.2f})" for copy, kept, j in self.examples)
+        out.append(
+            "to train on one of each cluster, add to the config: "
+            f'"FILTER": {{"{NEAR_OF}": {{"$exists": false}}}}'
+        )
         return out
 
 

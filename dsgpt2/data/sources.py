@@ -109,6 +109,8 @@ def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dic
         "text_field": config.text_field,
         "tokenizer": tokenizer_digest(tokenizer_dir),
         **asdict(spec),
+        # Only when set: the fingerprints of runs without a FILTER stay what they were.
+        **({"filter": config.filter} if config.filter else {}),
     }
 
 

@@ -148,6 +148,7 @@ def evaluate(
         "window": list(window) if window else None,
         "db": config.db,
         "collections": list(config.collections),
+        "filter": config.filter_query,
         "data_fingerprint": fingerprint(config, loaded.tokenizer_dir, spec),
         "counts": list(counts),
         "batch_size": request.batch_size,

@@ -152,6 +152,7 @@ def download(
         "collections": list(config.collections),
         "counts": list(wrapper.counts),
         "text_field": config.text_field,
+        **({"filter": config.filter} if config.filter else {}),
         "fraction": p,
         "seed": seed,
         "shards": [list(r) for r in ranges],
@@ -168,8 +169,8 @@ def download(
         if manifest and manifest.get("plan") != plan:
             if not overwrite:
                 raise ConfigError(
-                    f"{out} holds shards of a different download (other collections, counts, sample or "
-                    f"shard layout); pass --overwrite to replace them, or choose another --out"
+                    f"{out} holds shards of a different download (other collections, counts, FILTER, "
+                    f"sample or shard layout); pass --overwrite to replace them, or choose another --out"
                 )
             for old in out.glob("shard-*.jsonl"):
                 old.unlink()

@@ -20,6 +20,7 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.format import tag_for
 from dsgpt2.corpus.config import MongoConfig, load_config
+from dsgpt2.corpus.documents import SkipTally
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
@@ -440,6 +441,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         lines.append(f"loss plot: {summary['plot']}")
     if summary.get("nonfinite"):
         lines.append(f"non-finite losses skipped: {summary['nonfinite']}")
+    if summary.get("skipped_documents"):
+        lines.append(f"documents read: {SkipTally(summary['skipped_documents']).summary()}")
     return lines
 
 
