@@ -130,3 +130,44 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
     assert report.collections[0].judged == 90 - 40
     assert {d["idx"]: (d["quality"], d["passes"]) for d in killed.db["docs"].find()} == expected
     assert report.collections[0].failing["repetition"] == 30
+
+
+def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -> None:
+    """Two collections through dedup --exact --near and curate, then `curate report`: each reason's
+    count equals a direct count of its mark, with examples, and a PNG."""
+    from dsgpt2.corpus.curation_report import REASONS
+
+    cfg, store = store_config(tmp_path, ["news", "web"])
+    texts = {
+        "news": [PROSE, PROSE, *BAD.values(), PROSE + " And one more line."],
+        "web": [PROSE, *BAD.values()],
+    }
+    for name, batch in texts.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in batch))
+        assert run_cli("ingest", "--config", str(cfg), "--collection", name, str(path)).returncode == 0
+    for args in (["dedup", "--exact", "--near"], ["curate"]):
+        done = run_cli(*args, "--config", str(cfg), "--no_progress")
+        assert done.returncode == 0, done.stderr
+    plot = tmp_path / "out" / "curation.png"
+    done = run_cli("curate", "report", "--config", str(cfg), "--plot", str(plot), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot"] == str(plot)
+    conn = Connection(make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
+                                  MONGO_CONNECTION_DB="d"))  # fmt: skip
+    for part in report["collections"]:
+        coll = conn.db[part["name"]]
+        assert part["documents"] == len(texts[part["name"]])
+        for reason, query in REASONS.items():
+            assert part["removed"][reason] == coll.count_documents(query), (part["name"], reason)
+        assert part["kept"] == coll.count_documents({"$nor": list(REASONS.values())})
+    web = report["collections"][1]
+    assert web["removed"]["exact duplicate"] == 1 + len(BAD) and web["kept"] == 0  # all of web is in news
+    assert web["examples"]["exact duplicate"][0].startswith("web:0 (of news:0): ")
+    lines = run_cli("curate", "report", "--config", str(cfg), "--plot", str(plot))
+    assert (
+        lines.returncode == 0
+        and "  exact duplicate" in lines.stdout
+        and "e.g. web:0 (of news:0)" in lines.stdout
+    )

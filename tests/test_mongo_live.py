@@ -447,6 +447,7 @@ def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
     from test_curate import BAD, PROSE
 
     from dsgpt2.corpus.curate import curate
+    from dsgpt2.corpus.curation_report import summarize
     from dsgpt2.corpus.quality import RULES, resolve_thresholds
 
     texts = [PROSE, *BAD.values()] * 3
@@ -456,3 +457,7 @@ def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
     assert (part.documents, part.judged, part.passing_all) == (15, 15, 3)
     assert part.failing == {"gopher": 6, "repetition": 6, "c4": 9}  # bullets fail all three
     assert curate(scratch, ["a"], RULES, resolve_thresholds({}), batch_size=4).collections[0].judged == 0
+    (summary,) = summarize(scratch, ["a"])  # `curate report`: one $facet aggregation per collection
+    assert summary.documents == 15 and summary.judged == 15
+    assert {r: summary.removed[f"fails {r}"] for r in RULES} == part.failing
+    assert summary.kept == 3 and len(summary.examples["fails c4"]) == 2

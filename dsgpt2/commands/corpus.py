@@ -7,9 +7,10 @@ import json
 import logging
 from typing import Any
 
-from dsgpt2.argtypes import comma_list, part_of, positive_int, unit_fraction
+from dsgpt2.argtypes import comma_list, non_negative_int, part_of, positive_int, unit_fraction
 from dsgpt2.commands.common import (
     add_config,
+    check_writable,
     load_config_arg,
     usage,
 )
@@ -192,8 +193,18 @@ def add_curate(sub: Any) -> None:
             "re-run, it continues; run with other thresholds, it judges every document again. "
             f"Thresholds: {listed}."
         ),
-        epilog="example:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30",
+        epilog=(
+            "examples:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30\n"
+            "  dsgpt2 curate report --config c.json --plot curation.png   # what every pass marked"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "action",
+        nargs="?",
+        choices=["report"],
+        help="report: print and plot what dedup and curate marked per collection, with examples "
+        "(reads the marks; judges nothing)",
     )
     add_config(p)
     p.add_argument(
@@ -210,6 +221,11 @@ def add_curate(sub: Any) -> None:
         metavar="NAME=VALUE",
         help="change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
     )
+    p.add_argument("--plot", default="runs/curation.png", help="report: the PNG (default: runs/curation.png)")
+    p.add_argument(
+        "--examples", type=non_negative_int, default=2, help="report: examples per reason (default: 2)"
+    )
+    p.add_argument("--json", action="store_true", help="report: print JSON instead of lines")
     _add_pass_options(p)
     p.set_defaults(func=cmd_curate)
 
@@ -219,6 +235,8 @@ def cmd_curate(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.mongo import connect
     from dsgpt2.corpus.quality import RULES, resolve_thresholds
 
+    if args.action == "report":
+        return _curation_report(args)
     unknown = [r for r in args.rules if r not in RULES]
     if unknown:
         raise usage("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {', '.join(RULES)}")
@@ -247,6 +265,26 @@ def cmd_curate(args: argparse.Namespace) -> int:
         _split(args),
     )
     print("\n".join(report.lines()))
+    return 0
+
+
+def _curation_report(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from dsgpt2.corpus import curation_report
+    from dsgpt2.corpus.mongo import connect
+
+    config = load_config_arg(args)
+    names = _collections(args, config, "curate")
+    plot = Path(args.plot)
+    check_writable(plot, "--plot")
+    parts = curation_report.summarize(connect(config), names, args.examples)
+    curation_report.plot(parts, plot)
+    if args.json:
+        print(json.dumps({"collections": [asdict(p) for p in parts], "plot": str(plot)}, indent=2))
+    else:
+        print("\n".join([*curation_report.report_lines(parts), f"plot: {plot}"]))
     return 0
 
 
