@@ -11,6 +11,7 @@ The wire server inserts slowly (about 50 documents/s through ingest): corpora st
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import uuid
@@ -411,6 +412,14 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     straight = {labels[k]: labels[v] for k, v in cluster_texts(docs, params).items()}
     assert straight and near_marks(conn, ["news", "web"]) == straight
     assert "lsh_1" in {i["name"] for i in conn.db["web"].list_indexes()}
+    from test_neardup import _near
+
+    from dsgpt2.corpus.ingest import Source, ingest
+
+    copy = _near(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
+    report = ingest(conn, "more", [Source("more", "more", "text", read=lambda: iter([copy]))], dedup=True)
+    assert report.sources[0].near_duplicates == 1
+    assert conn.db["more"].find_one({"idx": 0})["near_dup_of"] == straight.get("news:0", "news:0")
     judged = curate(conn, ["news"], ["gopher"], resolve_thresholds({}), batch_size=8, split=Split(workers=2))
     assert judged.collections[0].judged == half
     assert conn.db["news"].count_documents({"passes.gopher": {"$exists": True}}) == half

@@ -5,6 +5,7 @@ answers are computed independently; killed and split passes ending as a straight
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from itertools import islice
@@ -242,3 +243,58 @@ def test_dedup_near_refusals_are_one_line(tmp_path: Path) -> None:
         done = run_cli("dedup", "--config", str(cfg), *args)
         assert done.returncode == 2 and says in done.stderr, (args, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    return [f"w{rng.randrange(20000)}" for _ in range(n)]
+
+
+def _near(rng: random.Random, words: list[str], changes: int = 4) -> str:
+    copy = list(words)
+    for i in rng.sample(range(len(copy)), changes):
+        copy[i] = "changed"
+    return " ".join(copy)
+
+
+def test_ingest_dedup_after_a_near_pass_signs_and_marks_what_arrives(tmp_path: Path) -> None:
+    """A growing corpus: documents ingested after `dedup --near` are signed at ingest and checked
+    against the lsh index (and against each other); a near copy is kept but marked, an exact copy is
+    skipped, and a reader with a FILTER (a --follow run's) leaves the copies out."""
+    rng = random.Random(5)
+    old = [_words(rng, 300) for _ in range(20)]
+    cfg, store = _ingest_files(tmp_path, {"news": [" ".join(w) for w in old]})
+    assert run_cli("dedup", "--config", str(cfg), "--exact", "--near", "--no_progress").returncode == 0
+    fresh = _words(rng, 300)
+    arriving = [
+        _near(rng, old[3]),
+        " ".join(old[5]),
+        " ".join(fresh),
+        _near(rng, fresh),
+        " ".join(_words(rng, 300)),
+    ]
+    path = tmp_path / "more.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in arriving))
+    data = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**data, "COLLECTIONS": ["news", "web"]}))
+    done = run_cli("ingest", "--config", str(cfg), "--collection", "web", str(path), "--dedup",
+                   "--batch_size", "2", "--no_progress")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "4 inserted (2 marked near_dup_of), 1 skipped (duplicate: 1)" in done.stdout
+    conn = Connection(
+        make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
+    )
+    assert near_marks(conn, ["web"]) == {
+        "web:0": "news:3",
+        "web:2": "web:1",
+    }  # the batch boundary between them
+    assert conn.db["web"].count_documents({"lsh_key": LshParams().key}) == 4
+    again = run_cli("dedup", "--config", str(cfg), "--near", "--no_progress")
+    assert again.returncode == 0 and "web: 4 documents, 0 signed by this run" in again.stdout
+    conn = Connection(conn.config)
+    assert near_marks(conn, ["web"]) == {"web:0": "news:3", "web:2": "web:1"}
+    from dsgpt2.corpus.mongo import MongoWrapper
+
+    keep = {"near_dup_of": {"$exists": False}}
+    follow = MongoWrapper(make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
+                                      MONGO_CONNECTION_DB="d", FILTER=keep))  # fmt: skip
+    assert [d.index for d in follow.get_range(20, 24)] == [21, 23] and follow.skipped["filtered"] == 2

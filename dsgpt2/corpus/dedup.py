@@ -311,6 +311,7 @@ class SeenTexts:
 
     def __init__(self, conn: Connection, names: Sequence[str]) -> None:
         self.conn, self.names = conn, list(dict.fromkeys(names))
+        self.near: Any = None  # a NearLookup, once `dedup --near` has run on these collections
 
     @classmethod
     def open(cls, conn: Connection, names: Sequence[str]) -> SeenTexts:
@@ -330,7 +331,15 @@ class SeenTexts:
                     name,
                     HASH,
                 )
+        from dsgpt2.corpus.neardup import NearLookup
+
+        seen.near = NearLookup.open(conn, seen.names)
         return seen
+
+    def mark_near(self, name: str, docs: list[dict[str, Any]]) -> int:
+        """Sign numbered ``docs`` and mark their near copies (see :class:`NearLookup`); 0 when no
+        ``dedup --near`` has run."""
+        return self.near.mark(name, docs) if self.near is not None else 0
 
     def fresh(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """``docs`` less those whose text a collection holds, or an earlier one of ``docs``."""

@@ -374,6 +374,7 @@ class SourceReport:
     resumed_at: int = 0
     already_done: bool = False
     decoding: DecodeTally | None = None
+    near_duplicates: int = 0  # inserted marked near_dup_of (ingest --dedup after a dedup --near)
 
 
 @dataclass
@@ -396,9 +397,9 @@ class IngestReport:
                 out.append(f"{s.label}: already ingested, nothing to do")
                 continue
             resumed = f", resumed after record {s.resumed_at}" if s.resumed_at else ""
-            out.append(
-                f"{s.label}: {s.read} records read{resumed}, {s.inserted} inserted, {s.skipped.summary()}"
-            )
+            near = f" ({s.near_duplicates} marked near_dup_of)" if s.near_duplicates else ""
+            read = f"{s.label}: {s.read} records read{resumed}"
+            out.append(f"{read}, {s.inserted} inserted{near}, {s.skipped.summary()}")
             if s.decoding is not None and s.decoding.replaced:
                 out.append(
                     f"{s.label}: {s.decoding.replaced} byte sequence(s) not valid {s.decoding.encoding} "
@@ -547,7 +548,10 @@ def _flush(
         report.skipped["duplicate"] += len(batch) - len(fresh)
         batch = fresh
     if batch:
-        insert_batch(conn, coll, [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)])
+        numbered = [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)]
+        if seen is not None:
+            report.near_duplicates += seen.mark_near(collection, numbered)
+        insert_batch(conn, coll, numbered)
         report.inserted += len(batch)
         next_idx += len(batch)
     _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False)

@@ -23,7 +23,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
@@ -31,8 +31,8 @@ import numpy as np
 import pymongo
 
 from dsgpt2.corpus.dedup import document_text
-from dsgpt2.corpus.minhash import Clusters, LshParams, Signer, jaccard, shingles
-from dsgpt2.corpus.mongo import Connection, with_retries, write_meta
+from dsgpt2.corpus.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
+from dsgpt2.corpus.mongo import Connection, read_meta, with_retries, write_meta
 from dsgpt2.corpus.passes import (
     WHOLE,
     Split,
@@ -243,6 +243,7 @@ def dedup_near(
             "duplicates": part.duplicates,
             "key": params.key,
             "threshold": params.threshold,
+            "params": asdict(params),
             "at": time.time(),
         }
         write_meta(conn, part.name, {"dedup.near": done})
@@ -309,3 +310,60 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
                                  cfg, f"dedup --near: unmarking {name}")  # fmt: skip
         conn.commit()
     return marked, unmarked
+
+
+class NearLookup:
+    """``ingest --dedup`` on a corpus that ``dedup --near`` has run on: each new document is signed
+    under the same settings (so that no later pass signs it again) and asked of the ``lsh`` index of
+    every collection (one ``$in`` query per collection and batch); one whose near copy, confirmed on
+    the texts, the corpus holds, or an earlier document of the batch, is marked ``near_dup_of`` that
+    copy's cluster (the copy's own ``near_dup_of``, else the copy). It is kept, marked: a FILTER
+    leaves it out, and the next ``dedup --near`` clusters it with the rest."""
+
+    def __init__(self, conn: Connection, names: Sequence[str], params: LshParams) -> None:
+        self.conn, self.names, self.params = conn, list(names), params
+        self.signer = Signer(params)
+
+    @classmethod
+    def open(cls, conn: Connection, names: Sequence[str]) -> NearLookup | None:
+        """The lookup under the settings of the last ``dedup --near`` on ``names``; None if none ran."""
+        meta = with_retries(lambda: read_meta(conn, names), conn.config, "ingest --dedup: meta")
+        for name in names:
+            params = ((meta.get(name) or {}).get("dedup") or {}).get("near", {}).get("params")
+            if params:
+                return cls(conn, names, LshParams(**params))
+        return None
+
+    def mark(self, name: str, docs: list[dict[str, Any]]) -> int:
+        """Sign ``docs`` (numbered, about to be inserted into ``name``) in place and mark their near
+        copies; returns how many were marked."""
+        cfg, p = self.conn.config, self.params
+        sets = [shingles(document_text(d, cfg.text_field) or "", p.ngram) for d in docs]
+        bands = [
+            band_values(signature(s, self.signer.perms), p.bands, p.rows) if len(s) else [] for s in sets
+        ]
+        wanted = sorted({v for b in bands for v in b})
+        held: list[tuple[tuple[int, int], str, set[int], np.ndarray]] = []  # (order, root, bands, shingles)
+        for rank, other in enumerate(self.names):
+            if not wanted:
+                break
+            coll = self.conn.db[other]
+            q = {BANDS: {"$in": wanted}, BANDS_KEY: p.key}
+            fields = {"idx": 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, "turns": 1}
+            found = with_retries(lambda c=coll, q=q, f=fields: list(c.find(q, f)), cfg,
+                                 f"ingest --dedup: near copies in {other}")  # fmt: skip
+            for c in found:
+                text = document_text(c, cfg.text_field) or ""
+                root = c.get(NEAR_OF) or f"{other}:{c['idx']}"
+                held.append(((rank, c["idx"]), root, set(c[BANDS]), shingles(text, p.ngram)))
+        marked = 0
+        rank = self.names.index(name) if name in self.names else len(self.names)
+        for doc, mine, sh in zip(docs, bands, sets, strict=True):
+            doc[BANDS], doc[BANDS_KEY] = mine, p.key
+            first = min((h for h in held if h[2].intersection(mine) and jaccard(sh, h[3]) >= p.threshold),
+                        default=None, key=lambda h: h[0])  # fmt: skip
+            if first is not None:
+                doc[NEAR_OF] = first[1]
+                marked += 1
+            held.append(((rank, doc["idx"]), doc.get(NEAR_OF) or f"{name}:{doc['idx']}", set(mine), sh))
+        return marked
