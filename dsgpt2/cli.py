@@ -56,6 +56,7 @@ def build_parser() -> OneLineErrorParser:
         vocab.add_vocab,
         train.add_tokenize,
         train.add_plan,
+        train.add_lineage,
         infer.add_export,
         infer.add_evaluate,
         infer.add_generate,

@@ -182,3 +182,36 @@ def server_uri(request: pytest.FixtureRequest) -> str:
             pytest.skip(f"no MongoDB server named by {ENV_SERVER} (e.g. the compose stack)")
         return uri
     return str(request.getfixturevalue("wire_server").uri())
+
+
+def logged_blocks(workspace: Path, ranks: int, upto: int) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """(chunk, block) → the (step, rank) that trained on it, from --log_block_ids files (the last
+    record of each step: a resumed run logs the steps after its checkpoint again)."""
+    from dsgpt2.train.metrics import read_metrics
+
+    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for rank in range(ranks):
+        last = {r["step"]: r["block_ids"] for r in read_metrics(workspace / f"block_ids_rank{rank}.jsonl")}
+        for step, ids in last.items():
+            for _, c, b in ids if step <= upto else ():
+                out.setdefault((c, b), set()).add((step, rank))
+    return out
+
+
+def check_lineage(ckpt_dir: Path, workspace: Path, config: Path, docs: dict[str, int], ranks: int = 1) -> Any:
+    """``dsgpt2 lineage`` for every document of ``docs`` (collection → count): each one's (step,
+    rank) pairs are exactly those whose logged block ids hold its blocks."""
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.train.lineage import lineage
+
+    wanted = [f"{name}:{i}" for name, n in docs.items() for i in range(n)]
+    result = lineage(ckpt_dir, wanted, load_config(config))
+    logged = logged_blocks(workspace, ranks, result.step)
+    seen = 0
+    for d in result.docs:
+        want = set().union(*(logged.get((d.chunk, b), set()) for b in d.blocks))
+        assert {(s.step, s.rank) for s in d.sightings} == want, d.doc
+        assert (d.status == "trained") == bool(want), d.doc
+        seen += bool(want)
+    assert seen, "no document was trained on: nothing compared"
+    return result

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, store_config, write_config
+from conftest import ROOT, check_lineage, store_config, write_config
 from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
@@ -122,6 +122,8 @@ def test_follow_trains_on_documents_ingested_meanwhile(followed: Path) -> None:
     assert after & {3, 4, 5}, after  # dealt at once: read in the very next steps
     ids = [tuple(i) for s in steps.values() for i in s["block_ids"]]
     assert len(ids) == len(set(ids))
+    found = check_lineage(followed / "ckpt", followed / "ws", followed / "c.json", {"a": 500, "b": 100})
+    assert any(d.status == "trained" and d.chunk in (3, 4, 5) for d in found.docs)  # growth, dealt at once
 
 
 def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
@@ -152,6 +154,8 @@ def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     assert growth[4]["at"] == "resume" and records(followed, "growth")[4]["at"] == "follow"
     saved = read_client_state(tmp_path / "ckpt", "global_step8")
     assert saved["data"]["growth"] == [{"step": 4, "added": {"a": 300}, "at": "resume"}]
+    assert [launch["step"] for launch in saved["data"]["launches"]] == [0, 4]
+    check_lineage(tmp_path / "ckpt", tmp_path / "ws", cfg, {"a": 500, "b": 100})
 
 
 def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(
@@ -207,6 +211,7 @@ def test_mixture_weights_and_stages_hold_across_two_resumes(corpus: dict[str, Pa
     a, b = records(straight), records(resumed)
     assert [a[s]["block_ids"] for s in range(1, 13)] == [b[s]["block_ids"] for s in range(1, 13)]
     assert b[12]["collection_tokens"] == a[12]["collection_tokens"]
+    check_lineage(resumed / "ckpt", resumed / "ws", cfg, {"a": 200, "b": 100})
 
 
 def test_mixture_flag_errors_are_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
@@ -283,3 +288,4 @@ def test_two_ranks_follow_growth_with_a_mixture_from_one_cache(
     assert {c for _, c, _ in ids[0] + ids[1]} & set(range(6, 12))
     assert json.loads((tmp_path / "ws" / "cache" / "cache.json").read_text())["chunks"] == 12
     assert shares(tmp_path, 1, 8)["a"] == pytest.approx(0.6, abs=0.05)
+    check_lineage(tmp_path / "ckpt", tmp_path / "ws", cfg, {"a": 500, "b": 100}, ranks=2)

@@ -12,10 +12,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from conftest import ROOT, run_cli, sample_corpus, store_config
+from conftest import ROOT, check_lineage, run_cli, sample_corpus, store_config
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
@@ -126,6 +127,36 @@ def straight_run(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     return run
 
 
+def _lineage_cli(ckpt: Path, found: Any) -> None:
+    """What a user reads: the steps and checkpoints of a trained document, why another never trained,
+    one line for a bad --doc; the run's own connection config by default."""
+    trained = next(d for d in found.docs if d.status == "trained")
+    val = next(d for d in found.docs if d.status == "validation")
+    out = run_cli("lineage", "--ckpt_dir", str(ckpt), "--doc", trained.doc, "--doc", val.doc)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert (
+        lines[0].startswith(f"{trained.doc}: chunk {trained.chunk}, block")
+        and f"at {len(trained.steps)} step(s)" in lines[0]
+    )
+    assert f"  step {trained.steps[0]}: rank 0, epoch " in lines[1]
+    assert f"checkpoints that saw it (step >= {trained.steps[0]}): " in out.stdout
+    assert "global_step8" in out.stdout and (trained.steps[0] > 4) == ("global_step4" not in out.stdout)
+    assert f"{val.doc} (chunk {val.chunk}): in the validation split: never trained on" in out.stdout
+    assert (
+        lines[-1]
+        == f"replayed 8 step(s) on 1 rank(s) to {ckpt / 'global_step8'}: its saved data position matches"
+    )
+    as_json = json.loads(run_cli("lineage", "--ckpt_dir", str(ckpt), "--doc", trained.doc, "--json").stdout)
+    assert as_json["docs"][0]["steps"] == trained.steps and as_json["step"] == 8
+    for bad, says in (
+        ("stdlib", "write COLLECTION:IDX"),
+        ("news:3", "'news' is not one of the run's collections"),
+    ):
+        out = run_cli("lineage", "--ckpt_dir", str(ckpt), "--doc", bad)
+        assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("mode", ["streaming", "cached"])
 def test_crash_and_resume_sees_the_same_batches(
     corpus: dict[str, Path], straight_run: Path, tmp_path: Path, mode: str
@@ -137,6 +168,12 @@ def test_crash_and_resume_sees_the_same_batches(
     assert crashed.returncode == 17
     assert (tmp_path / "split" / "ckpt" / "latest").read_text() == "global_step4"
     train(corpus, tmp_path / "split", *common)
+    # The replay of the run's record names the very steps that read each document.
+    found = check_lineage(
+        tmp_path / "split" / "ckpt", tmp_path / "split" / "ws", corpus["config"], {"stdlib": 2000}
+    )
+    if mode == "streaming":
+        _lineage_cli(tmp_path / "split" / "ckpt", found)
     a, b = steps(straight_run), steps(tmp_path / "split")
     assert sorted(a) == sorted(b) == list(range(1, 9))
     for step in range(1, 9):
@@ -248,6 +285,8 @@ def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path
     assert event["micro"] == 3 and event["params_before"] == event["params_after"]
     assert all(math.isfinite(r["loss"]) for r in records if r["event"] == "train")
     assert "non-finite losses skipped: 1" in result.stdout
+    # The skipped micro-batch was read, never trained on: not in the document's steps.
+    check_lineage(tmp_path / "once" / "ckpt", tmp_path / "once" / "ws", corpus["config"], {"stdlib": 2000})
 
     bad = train(
         corpus,
@@ -621,6 +660,8 @@ def test_resume_on_another_number_of_ranks_reads_every_block_once(
     both = before + epoch0(tmp_path / "elastic", 0, after=4)
     assert len(both) == len(set(both)), "a block was trained twice"
     assert set(both) == set(whole), "a block was skipped"
+    # Two ranks, then one, the leftovers of their epoch dealt anew: replayed as they were read.
+    check_lineage(tmp_path / "elastic" / "ckpt", tmp_path / "elastic" / "ws", cfg, {"small": 150}, ranks=2)
 
     # Where DeepSpeed's optimizer state is partitioned per rank, it cannot follow: one line.
     (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")

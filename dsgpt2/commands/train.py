@@ -1,4 +1,5 @@
-"""The training-side commands: tokenize (the token cache), plan (memory per ZeRO stage)."""
+"""The training-side commands: tokenize (the token cache), plan (memory per ZeRO stage), lineage
+(which steps of a run trained on a document)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,49 @@ def add_plan(sub: Any) -> None:
     p.add_argument("--num_nodes", type=positive_int, default=1, help="nodes (default 1)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_plan)
+
+
+def add_lineage(sub: Any) -> None:
+    p = sub.add_parser(
+        "lineage",
+        help="the steps and checkpoints of a run that trained on a document",
+        description=(
+            "Which steps of a training run, and so which of its checkpoints, trained on a document: its "
+            "chunk and blocks, and each rank's reading replayed from the run's own record (launches, "
+            "ranks, growth, mixture stages, skipped micro-batches), checked against the data position "
+            "the checkpoint saved. Chunks are read and tokenized again; no model is built."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234\n"
+            "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234 --doc wiki:7 --json"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--ckpt_dir", required=True, help="the run's checkpoint directory")
+    p.add_argument(
+        "--doc", required=True, action="append", metavar="COLLECTION:IDX", help="a document (repeatable)"
+    )
+    p.add_argument("--ckpt_id", help="replay up to this checkpoint (default: the one `latest` names)")
+    p.add_argument("--config", metavar="JSON", help="connection config (default: the run's --config_train)")
+    p.add_argument("--vocab_dir", help="the run's tokenizer (default: the one it recorded)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_lineage)
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    import json
+
+    from dsgpt2.corpus.config import load_config
+    from dsgpt2.train.lineage import lineage, lineage_lines
+
+    ckpt_dir = Path(args.ckpt_dir)
+    mongo = load_config(args.config) if args.config else None
+    vocab = Path(args.vocab_dir) if args.vocab_dir else None
+    result = lineage(ckpt_dir, args.doc, mongo, args.ckpt_id, vocab)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(lineage_lines(result)))
+    return 0
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:

@@ -200,7 +200,8 @@ class StreamingChunks(Dataset):
         # encode_batch_fast: no character offsets, which packing never needs.
         return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def __getitem__(self, chunk: int) -> Chunk:
+    def _documents(self, chunk: int) -> tuple[list[Any], dict[str, int]]:
+        """The documents of ``chunk`` in this split, in idx order, and what was skipped (reason → n)."""
         self._ready()
         c, lo, hi = self.table.locate(chunk)
         local = np.arange(lo, hi)
@@ -221,6 +222,10 @@ class StreamingChunks(Dataset):
         else:
             docs = self._wrapper.get_many(wanted.tolist())
         skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
+        return docs, skipped
+
+    def __getitem__(self, chunk: int) -> Chunk:
+        docs, skipped = self._documents(chunk)
         if self.spec.task != "conversation":
             blocks, last = pack(self._encode([d.text for d in docs]), self.spec.context, *self._ids())
             return Chunk(chunk, blocks, last, len(docs), skipped)
@@ -233,6 +238,28 @@ class StreamingChunks(Dataset):
             skipped["unknown_speaker"] = unknown
         blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
         return Chunk(chunk, blocks, last, len(ids), skipped, loss)
+
+    def layout(self, chunk: int) -> dict[int, tuple[int, int]]:
+        """Where each document packed into ``chunk`` lies in it: idx (local to its collection) →
+        (first token, end) of its tokens and end-of-text in the chunk's blocks laid end to end.
+        Documents of another split, left out or without usable text are absent."""
+        docs, _ = self._documents(chunk)
+        offset = self._wrapper.offsets[self.table.locate(chunk)[0]]
+        if self.spec.task != "conversation":
+            lengths = [len(ids) + 1 for ids in self._encode([d.text for d in docs])]
+        else:
+            from dsgpt2.data.conversation import encode_conversations
+
+            lengths = []
+            for d in docs:  # one at a time: a conversation with an unknown speaker is left out
+                ids, _, _ = encode_conversations([d.text], self._encode, self._speakers, self.spec.replies)
+                lengths.append(len(ids[0]) + 1 if ids else 0)
+        out, at = {}, 0
+        for d, n in zip(docs, lengths, strict=True):
+            if n:
+                out[d.index - offset] = (at, at + n)
+                at += n
+        return out
 
     def _ids(self) -> tuple[int, int]:
         return self.spec.eot, self.spec.pad

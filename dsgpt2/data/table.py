@@ -95,6 +95,13 @@ class ChunkTable:
         lo = seg.lo + (chunk - seg.first_chunk) * self.chunk_docs
         return seg.collection, lo, min(lo + self.chunk_docs, seg.hi)
 
+    def chunk_of(self, collection: int, idx: int) -> int | None:
+        """The chunk holding document ``idx`` of ``collection``; None when the table lacks it."""
+        for s in self.segments:
+            if s.collection == collection and s.lo <= idx < s.hi:
+                return s.first_chunk + (idx - s.lo) // self.chunk_docs
+        return None
+
     def collection_of(self, chunks: np.ndarray) -> np.ndarray:
         """The collection of each chunk id."""
         where = np.searchsorted(np.array(self._starts()), chunks, side="right") - 1

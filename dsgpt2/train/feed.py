@@ -67,6 +67,10 @@ class Feed:
         self.growth: list[dict[str, Any]] = []
         # The table's marks before and after the growth taken in at resume; None when none came.
         self.resume_growth: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # The launches that led to this run's checkpoints, and the micro-batches skipped as non-finite:
+        # with the growth, all a replay of the run's reading needs (dsgpt2 lineage).
+        self.launches: list[dict[str, Any]] = []
+        self.skipped_micro: list[int] = []
 
     def start(self, marks: tuple[int, ...], saved: dict[str, Any] | None) -> None:
         """The table, schedule, datasets and this rank's state: fresh at ``marks``, or from the
@@ -80,6 +84,8 @@ class Feed:
         else:
             self.schedule = Schedule(ChunkTable.from_dict(saved["table"]), self.streams, seed)
             self.growth = list(saved.get("growth", []))
+            self.launches = list(saved.get("launches", []))
+            self.skipped_micro = list(saved.get("skipped_micro", []))
             states = [ReadState.from_dict(d) for d in saved["ranks"]]
             if len(states) != self.world:
                 states = redeal_states(self.schedule, states, self.world)
@@ -184,6 +190,15 @@ class Feed:
             self.train_data, _ = self._datasets()
         return dealt[self.rank]
 
+    def note_launch(self, step: int, micro: int, micro_batch: int, grad_accum: int) -> None:
+        """Record in the run's history (kept in every checkpoint after) that a launch of ``world``
+        ranks starts at ``step``, how it reads, and whether it deals growth at once."""
+        self.launches.append({
+            "step": step, "micro": micro, "world": self.world, "micro_batch": micro_batch,
+            "grad_accum": grad_accum, "stages": [[s.step, list(s.weights)] for s in self.stages],
+            "follow": self.cfg.data.follow,
+        })  # fmt: skip
+
     def record_growth(
         self, step: int, before: tuple[int, ...], after: tuple[int, ...], at: str
     ) -> dict[str, Any]:
@@ -217,6 +232,8 @@ class Feed:
             "streams": [list(s) for s in self.streams],
             "prefix": self._prefix[1] if self._prefix else None,
             "growth": self.growth,
+            "launches": self.launches,
+            "skipped_micro": self.skipped_micro,
             "ranks": gather(state.to_dict()),
         }
 

@@ -170,6 +170,7 @@ class Trainer:
         self.engine, self.model_config = engine.engine, engine.model_config
         self.micro_batch, self.grad_accum = engine.micro_batch, engine.grad_accum
         self.rank, self.world = feed.rank, feed.world
+        feed.note_launch(state.step, state.micro, self.micro_batch, self.grad_accum)
         self.stream = BlockStream(
             feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, feed.state,
             cfg.data.num_workers, feed.stages, self.grad_accum,
@@ -267,6 +268,7 @@ class Trainer:
 
     def _skip_nonfinite(self, state: TrainState) -> None:
         state.nonfinite += 1
+        self.feed.skipped_micro.append(state.micro)
         self.run_of_bad += 1
         checksum = _param_checksum(self.engine)
         self.runlog.write({"event": "nonfinite", "step": state.step, "micro": state.micro,

@@ -1,0 +1,395 @@
+"""Which steps of a run trained on a document: its reading replayed from the run's own record.
+
+A checkpoint holds everything that decided what each rank read: the chunk table and the growth taken
+in (when, how much), the launches (from which step, how many ranks, micro-batch and accumulation,
+mixture stages, whether growth was dealt at once) and the micro-batches skipped as non-finite. With
+the data fingerprint's settings, :class:`Replay` drives the trainer's own :class:`BlockStream` on
+every rank, from step 0 to the checkpoint's step, through the same redeals and growth; only the
+shape of each chunk's blocks is needed, so chunks are tokenized once and no model is built. The
+replay ends where the checkpoint's saved data position is, or the answer is refused (the corpus no
+longer reads as it did). A document's blocks come from its chunk's packing
+(:meth:`StreamingChunks.layout`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsgpt2.checkpoints.format import (
+    CheckpointError,
+    complete_tags,
+    has_checkpoints,
+    read_client_state,
+    read_marker,
+    resolve,
+)
+from dsgpt2.corpus.config import MongoConfig
+from dsgpt2.data.dealing import ReadState, Schedule, redeal_states, take_in
+from dsgpt2.data.loader import BlockStream
+from dsgpt2.data.mixture import Stage
+from dsgpt2.data.sources import Chunk, DataSpec, StreamingChunks, tokenizer_digest
+from dsgpt2.data.split import split_mask
+from dsgpt2.data.table import ChunkTable
+from dsgpt2.errors import ConfigError, DsGpt2Error
+
+log = logging.getLogger(__name__)
+
+BlockId = tuple[int, int, int]  # (epoch, chunk, block in chunk)
+
+
+class LineageError(DsGpt2Error):
+    """The run's reading cannot be replayed as it was (the corpus changed, an older checkpoint)."""
+
+
+class _Shapes:
+    """Chunks as a replay needs them: how many blocks, and the real tokens of the last one (each
+    chunk tokenized once, however many epochs read it)."""
+
+    def __init__(self, source: StreamingChunks) -> None:
+        self.source = source
+        self.known: dict[int, tuple[int, int]] = {}
+        context = source.spec.context
+        self._row = np.zeros(context, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, chunk: int) -> Chunk:
+        if chunk not in self.known:
+            item = self.source[chunk]
+            self.known[chunk] = (len(item.blocks), item.last)
+        n, last = self.known[chunk]
+        return Chunk(chunk, np.broadcast_to(self._row, (n, len(self._row))), last)
+
+
+@dataclass
+class Replay:
+    """The reading of a run as its checkpoint ``data`` (its data state) records it; see the module
+    docstring. ``shapes``: the training split's chunks of the checkpoint's table."""
+
+    data: dict[str, Any]
+    seed: int
+    shapes: Any
+    states: list[ReadState] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.final = ChunkTable.from_dict(self.data["table"])
+        self.streams = [tuple(s) for s in self.data["streams"]]
+        first = tuple(s for s in self.final.segments if s.generation == 0)
+        self.schedule = Schedule(
+            ChunkTable(self.final.names, self.final.chunk_docs, first), self.streams, self.seed
+        )
+        self.skipped = set(self.data.get("skipped_micro", []))
+        self.micro = 0
+
+    def steps(self, end: int) -> Iterator[tuple[int, list[list[BlockId]]]]:
+        """(step, the block ids each rank trained on in it), for steps 1..``end``; afterwards
+        :meth:`check` says whether the replay reached the checkpoint's position."""
+        launches = self.data["launches"]
+        for i, launch in enumerate(launches):
+            stop = launches[i + 1]["step"] if i + 1 < len(launches) else end
+            yield from self._launch(launch, min(stop, end))
+
+    def _launch(self, launch: dict[str, Any], stop: int) -> Iterator[tuple[int, list[list[BlockId]]]]:
+        start, world = int(launch["step"]), int(launch["world"])
+        if self.micro != int(launch["micro"]):
+            raise self._diverged(f"the launch at step {start} began at micro-batch {launch['micro']}")
+        if not self.states:
+            self.states = [ReadState.start(len(self.streams)) for _ in range(world)]
+        elif len(self.states) != world:
+            self.states = redeal_states(self.schedule, self.states, world)
+        for record in self._growth(start, "resume"):
+            dealt = self._take_in(record, deal=int(launch["follow"]) > 0)
+            for state, mine in zip(self.states, dealt, strict=True):
+                for s, items in mine.items():
+                    state.streams[s].queue.extend(items)
+        stages = [Stage(int(s), tuple(w)) for s, w in launch["stages"]]
+        mb, accum = int(launch["micro_batch"]), int(launch["grad_accum"])
+        readers = [
+            BlockStream(self.shapes, self.schedule, r, world, mb, self.states[r], 0, stages, accum)
+            for r in range(world)
+        ]
+        batches = [iter(b) for b in readers]
+        try:
+            for step in range(start + 1, stop + 1):
+                ids: list[list[BlockId]] = [[] for _ in range(world)]
+                trained = 0
+                while trained < accum:
+                    self.micro += 1
+                    drawn = [next(b) for b in batches]
+                    if self.micro in self.skipped:
+                        continue  # read, never trained on: no backward, no step
+                    trained += 1
+                    for r, batch in enumerate(drawn):
+                        ids[r].extend(tuple(int(x) for x in b) for b in batch.block_ids)
+                self.states = [b.state for b in readers]
+                yield step, ids
+                for record in self._growth(step, "follow"):
+                    dealt = self._take_in(record, deal=True)
+                    for reader, mine in zip(readers, dealt, strict=True):
+                        reader.regrow(self.shapes, self.schedule, mine)
+                    batches = [iter(b) for b in readers]
+        finally:
+            for reader in readers:
+                reader.close()
+        self.states = [b.state.copy() for b in readers]
+
+    def _growth(self, step: int, at: str) -> list[dict[str, Any]]:
+        return [g for g in self.data.get("growth", []) if int(g["step"]) == step and g["at"] == at]
+
+    def _take_in(self, record: dict[str, Any], deal: bool) -> list[dict[int, list[tuple[int, int, int]]]]:
+        table = self.schedule.table
+        marks = table.marks
+        added = [
+            (c, marks[c], marks[c] + int(record["added"][name]))
+            for c, name in enumerate(table.names)
+            if record["added"].get(name)
+        ]
+        grown, dealt = take_in(self.schedule, self.states, added, deal)
+        self.schedule = Schedule(grown, self.streams, self.seed)
+        return dealt
+
+    def check(self, tag: str) -> None:
+        """Raise unless the replay ended at the checkpoint's table and every rank's position."""
+        if self.schedule.table != self.final:
+            raise self._diverged(f"the table grew otherwise than {tag}'s")
+        if [s.to_dict() for s in self.states] != self.data["ranks"]:
+            raise self._diverged(f"the ranks' positions differ from those {tag} saved")
+
+    def _diverged(self, what: str) -> LineageError:
+        return LineageError(
+            f"replaying the run's reading went astray ({what}): the corpus no longer reads as it did "
+            "when the run trained (documents edited or removed, a FILTER's marks changed since)"
+        )
+
+
+@dataclass
+class Sighting:
+    """A step that trained on the document: on which rank, in which epoch, which of its blocks."""
+
+    step: int
+    rank: int
+    epoch: int
+    blocks: list[int]
+
+
+@dataclass
+class DocLineage:
+    """Where one document went in a run."""
+
+    doc: str
+    status: str  # trained, not-yet (read in no step so far), validation, left-out, beyond
+    chunk: int | None = None
+    blocks: list[int] = field(default_factory=list)
+    tokens: tuple[int, int] | None = None  # its tokens in the chunk's blocks laid end to end
+    sightings: list[Sighting] = field(default_factory=list)
+    checkpoints: list[str] = field(default_factory=list)
+    note: str = ""  # "beyond": what the run's table holds of the collection
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({s.step for s in self.sightings})
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {
+            "doc": self.doc,
+            "status": self.status,
+            "chunk": self.chunk,
+            "blocks": self.blocks,
+            "tokens": list(self.tokens) if self.tokens else None,
+            "steps": self.steps,
+            "sightings": [vars(s) for s in self.sightings],
+            "checkpoints": self.checkpoints,
+        }
+        return out
+
+
+def parse_doc(text: str, names: Sequence[str]) -> tuple[int, int]:
+    """``news:1234`` → (place of news in the collections, 1234)."""
+    name, sep, idx = text.rpartition(":")
+    if not sep or not idx.strip().isdigit():
+        raise ConfigError(f"--doc {text!r}: write COLLECTION:IDX, e.g. {names[0]}:1234")
+    if name not in names:
+        raise ConfigError(
+            f"--doc {text!r}: {name!r} is not one of the run's collections ({', '.join(names)})"
+        )
+    return names.index(name), int(idx)
+
+
+def spec_of(fingerprint: dict[str, Any]) -> DataSpec:
+    """The data spec a run's fingerprint records."""
+    return DataSpec(**{f.name: fingerprint[f.name] for f in fields(DataSpec) if f.name in fingerprint})
+
+
+@dataclass
+class RunLineage:
+    """A run's lineage answer: the checkpoint replayed to, and each document's."""
+
+    ckpt_dir: Path
+    tag: str
+    step: int
+    world: list[int]
+    docs: list[DocLineage]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ckpt_dir": str(self.ckpt_dir),
+            "checkpoint": self.tag,
+            "step": self.step,
+            "ranks": self.world,
+            "docs": [d.to_dict() for d in self.docs],
+        }
+
+
+def lineage(
+    ckpt_dir: Path,
+    docs: Sequence[str],
+    mongo: MongoConfig | None = None,
+    ckpt_id: str | None = None,
+    vocab_dir: Path | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> RunLineage:
+    """The steps and checkpoints of the run in ``ckpt_dir`` (up to ``ckpt_id``, default the latest)
+    that trained on each of ``docs`` (``COLLECTION:IDX``).
+
+    Args:
+        mongo: the corpus's connection config (default: the run's --config_train).
+        vocab_dir: the run's tokenizer (default: the one it recorded).
+        progress: called with (step, last step) as the replay goes.
+
+    Raises:
+        ConfigError: a bad --doc, a config or tokenizer of other data than the run's.
+        CheckpointError: no checkpoint, or one without the record a replay needs.
+        LineageError: the replay does not reach the checkpoint's data position.
+    """
+    if not has_checkpoints(ckpt_dir):
+        raise CheckpointError(
+            f"--ckpt_dir {ckpt_dir}: no checkpoint there (no `latest` file, no complete one)"
+        )
+    tag = resolve(ckpt_dir, ckpt_id)
+    saved = read_client_state(ckpt_dir, tag)
+    data, fp = saved["data"], saved["fingerprint"]
+    if "launches" not in data:
+        raise CheckpointError(
+            f"{ckpt_dir / tag} holds no record of the run's launches (saved by an older dsgpt2): its "
+            "reading cannot be replayed"
+        )
+    mongo = mongo or _run_config(saved)
+    _check_same_data(mongo, fp)
+    vocab = Path(vocab_dir or saved["vocab_dir"])
+    if not (vocab / "tokenizer.json").is_file() or tokenizer_digest(vocab) != fp["tokenizer"]:
+        raise ConfigError(f"{vocab}: not the tokenizer the run trained with; pass --vocab_dir with that one")
+    spec = spec_of(fp)
+    table = ChunkTable.from_dict(data["table"])
+    source = StreamingChunks(mongo, table, vocab, spec, "train")
+    wanted = [_place(d, parse_doc(d, list(table.names)), table, source, spec) for d in docs]
+    watch: dict[tuple[int, int], list[DocLineage]] = {}
+    for d in wanted:
+        for b in d.blocks:
+            watch.setdefault((d.chunk, b), []).append(d)  # type: ignore[arg-type]
+    step = int(saved["step"])
+    replay = Replay(data, spec.seed, _Shapes(source))
+    for s, ids in replay.steps(step):
+        for rank, blocks in enumerate(ids):
+            for e, c, b in blocks:
+                for d in watch.get((c, b), ()):
+                    _sighted(d, s, rank, e, b)
+        if progress:
+            progress(s, step)
+    replay.check(tag)
+    tags = {t: (read_marker(ckpt_dir, t) or {}).get("step", -1) for t in complete_tags(ckpt_dir)}
+    for d in wanted:
+        if d.sightings:
+            first = d.steps[0]
+            d.checkpoints = [t for t, n in tags.items() if first <= n <= step]
+        elif d.status == "trained":
+            d.status = "not-yet"
+    return RunLineage(ckpt_dir, tag, step, [int(launch["world"]) for launch in data["launches"]], wanted)
+
+
+def _sighted(d: DocLineage, step: int, rank: int, epoch: int, block: int) -> None:
+    last = d.sightings[-1] if d.sightings else None
+    if last and (last.step, last.rank, last.epoch) == (step, rank, epoch):
+        last.blocks.append(block)
+    else:
+        d.sightings.append(Sighting(step, rank, epoch, [block]))
+
+
+def _place(
+    doc: str, where: tuple[int, int], table: ChunkTable, source: StreamingChunks, spec: DataSpec
+) -> DocLineage:
+    """The document's chunk and blocks (empty where it never trains)."""
+    c, idx = where
+    chunk = table.chunk_of(c, idx)
+    if chunk is None:
+        return DocLineage(doc, "beyond", note=f"{table.marks[c]} documents of {table.names[c]}")
+    name = table.names[c]
+    if not split_mask(np.array([idx]), spec.tr_ratio, spec.seed, name)[0]:
+        return DocLineage(doc, "validation", chunk)
+    span = source.layout(chunk).get(idx)
+    if span is None:
+        return DocLineage(doc, "left-out", chunk)
+    first, end = span
+    blocks = list(range(first // spec.context, (end - 1) // spec.context + 1))
+    return DocLineage(doc, "trained", chunk, blocks, span)
+
+
+def _run_config(saved: dict[str, Any]) -> MongoConfig:
+    from dsgpt2.corpus.config import load_config
+
+    path = saved.get("args", {}).get("config_train")
+    if not path or not Path(path).is_file():
+        raise ConfigError(
+            f"the run's connection config ({path or 'not recorded'}) is not there; pass --config with it"
+        )
+    return load_config(path)
+
+
+def _check_same_data(mongo: MongoConfig, fp: dict[str, Any]) -> None:
+    mine = {"db": mongo.db, "collections": list(mongo.collections), "filter": mongo.filter or None}
+    theirs = {"db": fp["db"], "collections": fp["collections"], "filter": fp.get("filter")}
+    changed = [k for k in mine if mine[k] != theirs[k]]
+    if changed:
+        raise ConfigError(
+            f"the config reads other data than the run ({', '.join(changed)} differ: the run read "
+            f"{theirs['db']} {', '.join(theirs['collections'])}); pass the run's --config"
+        )
+
+
+STATUS = {
+    "validation": "in the validation split: never trained on",
+    "left-out": "left out of its chunk when read (FILTER, missing or without usable text): never trained on",
+    "beyond": "not among the {note} the run has read: never trained on",
+    "not-yet": "in the training split, not yet read by this step",
+}
+
+
+def lineage_lines(result: RunLineage) -> list[str]:
+    """What ``dsgpt2 lineage`` prints."""
+    out = []
+    for d in result.docs:
+        if d.status != "trained":
+            where = f" (chunk {d.chunk})" if d.chunk is not None else ""
+            out.append(f"{d.doc}{where}: {STATUS[d.status].format(note=d.note)}")
+            continue
+        blocks = f"block {d.blocks[0]}" if len(d.blocks) == 1 else f"blocks {d.blocks[0]}-{d.blocks[-1]}"
+        out.append(f"{d.doc}: chunk {d.chunk}, {blocks}; trained on at {len(d.steps)} step(s)")
+        for s in d.sightings:
+            out.append(
+                f"  step {s.step}: rank {s.rank}, epoch {s.epoch}, block(s) {', '.join(map(str, s.blocks))}"
+            )
+        first = d.steps[0]
+        saw = ", ".join(d.checkpoints) if d.checkpoints else "none kept"
+        out.append(f"  checkpoints that saw it (step >= {first}): {saw}")
+    ranks = "/".join(str(w) for w in dict.fromkeys(result.world))
+    out.append(
+        f"replayed {result.step} step(s) on {ranks} rank(s) to {result.ckpt_dir / result.tag}: "
+        "its saved data position matches"
+    )
+    return out
