@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -144,6 +145,72 @@ def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_p
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
 
 
+def test_layout_places_each_document_where_its_chunk_packs_it(source, tokenizer: Path) -> None:
+    """Each training document's span in its chunk's blocks holds its tokens and its end-of-text;
+    the spans tile the chunk; documents of the other split are absent (what lineage relies on)."""
+    from dsgpt2.tokenizer.bpe import load_tokenizer
+
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    tok = load_tokenizer(tokenizer)
+    for c in (0, 9):  # one chunk of each collection
+        coll, lo, hi = data.table.locate(c)
+        where, flat = data.layout(c), data[c].blocks.reshape(-1)
+        train = np.arange(lo, hi)[split_mask(np.arange(lo, hi), spec.tr_ratio, spec.seed, ("s", "t")[coll])]
+        assert sorted(where) == train.tolist()
+        docs = {
+            d["idx"]: d["filt_text"] for d in conn.db[("s", "t")[coll]].find({"idx": {"$in": train.tolist()}})
+        }
+        at = 0
+        for idx in train.tolist():
+            first, end = where[idx]
+            assert first == at and flat[end - 1] == spec.eot
+            assert flat[first : end - 1].tolist() == tok.encode(docs[idx], add_special_tokens=False).ids
+            at = end
+        assert at == data[c].valid.sum()
+
+
+def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokenizer: Path) -> None:
+    """Two ranks under mixture weights with a stage change, 2 micro-batches a step, micro-batch 3
+    skipped: the replay of that record yields each step's block ids and ends at the saved
+    positions; a record that ends elsewhere is refused."""
+    from dsgpt2.data.mixture import Stage
+    from dsgpt2.train.lineage import LineageError, Replay
+
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    streams, stages = [(0,), (1,)], [Stage(0, (0.5, 0.5)), Stage(3, (0.9, 0.1))]
+    schedule = Schedule(data.table, streams, 5)
+    ranks = [BlockStream(data, schedule, r, 2, 3, workers=0, stages=stages, grad_accum=2) for r in (0, 1)]
+    readers = [iter(b) for b in ranks]
+    logged, micro = [], 0
+    for _ in range(5):  # the trainer's steps: micro-batch 3 is drawn, then left out
+        ids: list[list] = [[], []]
+        trained = 0
+        while trained < 2:
+            micro += 1
+            drawn = [next(r) for r in readers]
+            if micro != 3:
+                trained += 1
+                for r, batch in enumerate(drawn):
+                    ids[r].extend(batch.block_ids)
+        logged.append(ids)
+    record = {
+        "table": data.table.to_dict(), "streams": [list(s) for s in streams], "growth": [],
+        "launches": [{"step": 0, "micro": 0, "world": 2, "micro_batch": 3, "grad_accum": 2,
+                      "stages": [[0, [0.5, 0.5]], [3, [0.9, 0.1]]], "follow": 0}],
+        "skipped_micro": [3], "ranks": [b.state.to_dict() for b in ranks],
+    }  # fmt: skip
+    replay = Replay(record, 5, data)
+    assert [ids for _, ids in replay.steps(5)] == logged
+    replay.check("global_step5")
+    record["skipped_micro"] = []
+    replay = Replay(record, 5, data)
+    list(replay.steps(5))
+    with pytest.raises(LineageError, match="the ranks' positions differ from those global_step5 saved"):
+        replay.check("global_step5")
+
+
 def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, tmp_path: Path) -> None:
     conn = Connection(make_config(["chat"]))
     ingest(conn, "chat", [builtin_source("stdlib-chat", 120)])
@@ -163,6 +230,9 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
     rows = [streaming["train"][c] for c in sorted({c for _, c, _ in batch.block_ids})]
     expected = np.concatenate([r.loss for r in rows])[: len(batch.labels)]
     assert np.array_equal((batch.labels.numpy() != -100), expected)
+    spans = sorted(streaming["train"].layout(0).values())
+    assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    assert spans[-1][1] == chunk.valid.sum()
 
 
 def test_tokenize_ahead_for_a_conversation_run(tokenizer: Path, tmp_path: Path) -> None:

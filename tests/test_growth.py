@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_lineage, store_config, write_config
+from conftest import ROOT, check_lineage, run_cli, store_config, write_config
 from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
@@ -175,6 +175,13 @@ def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(
     conn.commit()
     out = train(corpus, cfg, tmp_path, "--train_iters", "8", code=2)
     assert "a: documents below idx 500 (trained on) were changed or removed" in out.stderr
+    # Nor is the run's reading replayed over an edited corpus: one line, not a wrong answer.
+    astray = run_cli("lineage", "--ckpt_dir", str(tmp_path / "ckpt"), "--doc", "a:7")
+    assert astray.returncode == 2 and len(astray.stderr.strip().splitlines()) == 1
+    assert (
+        "a: documents below idx 500 (trained on) were changed or removed): its reading cannot be replayed"
+        in astray.stderr
+    )
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) <= 3
     conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": original}})
     conn.db["a"].delete_many({"idx": {"$gte": 450}})

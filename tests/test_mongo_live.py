@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from pymongo import monitoring
 
-from conftest import ROOT, make_config, run_cli
+from conftest import ROOT, logged_blocks, make_config, run_cli
 from dsgpt2.corpus.config import ENV_URI, MongoConfig, load_config, redact_uri
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import ConfigError, MongoUnavailableError
@@ -318,6 +318,15 @@ def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_p
         assert [(g["step"], g["added"]) for g in growth] == [(4, {"stdlib": 60})]
         later = {c for r in metrics if r["event"] == "train" and r["step"] > 4 for _, c, _ in r["block_ids"]}
         assert later & set(range(5, 8)), later  # chunks 5-7: documents 100-159
+        # Which steps read each document, new ones included: the replay against the server's corpus.
+        docs = [a for i in range(160) for a in ("--doc", f"stdlib:{i}")]
+        found = live.cli("lineage", "--ckpt_dir", str(tmp_path / "run" / "ckpt"), *docs, "--json")
+        assert found.returncode == 0, found.stderr
+        logged = logged_blocks(tmp_path / "run" / "ws", 1, 6)
+        for d in json.loads(found.stdout)["docs"]:
+            want = set().union(*(logged.get((d["chunk"], b), set()) for b in d["blocks"]))
+            assert {(s["step"], s["rank"]) for s in d["sightings"]} == want, d["doc"]
+        assert any(d["status"] == "trained" and d["chunk"] >= 5 for d in json.loads(found.stdout)["docs"])
         assert live.cli("ingest", "--config", str(live.config), "--format", "jsonl", "--no_progress",
                         str(tmp_path / "later.jsonl")).returncode == 0  # fmt: skip
         info = live.cli("info", "--config", str(live.config), "--json")

@@ -285,6 +285,7 @@ def lineage(
     vocab = Path(vocab_dir or saved["vocab_dir"])
     if not (vocab / "tokenizer.json").is_file() or tokenizer_digest(vocab) != fp["tokenizer"]:
         raise ConfigError(f"{vocab}: not the tokenizer the run trained with; pass --vocab_dir with that one")
+    _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)
     table = ChunkTable.from_dict(data["table"])
     source = StreamingChunks(mongo, table, vocab, spec, "train")
@@ -349,6 +350,23 @@ def _run_config(saved: dict[str, Any]) -> MongoConfig:
             f"the run's connection config ({path or 'not recorded'}) is not there; pass --config with it"
         )
     return load_config(path)
+
+
+def _check_prefix(mongo: MongoConfig, record: dict[str, Any]) -> None:
+    """The run's trained prefix still holds (the check a resume makes), or no replay is the run's."""
+    from dsgpt2.corpus.marks import prefix_problems, read_marks
+    from dsgpt2.corpus.mongo import Connection
+
+    conn = Connection(mongo)
+    try:
+        problems = prefix_problems(conn, record, read_marks(conn))
+    finally:
+        conn.close()
+    if problems:
+        raise LineageError(
+            f"the corpus no longer holds what the run trained on ({'; '.join(problems)}): its reading "
+            "cannot be replayed; restore those documents first"
+        )
 
 
 def _check_same_data(mongo: MongoConfig, fp: dict[str, Any]) -> None:
