@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 _GPU_NODES = ("/dev/nvidiactl", "/dev/kfd", "/proc/driver/nvidia")
 
@@ -26,3 +27,21 @@ def prepare_deepspeed_environment() -> None:
     plain = re.sub(r"(\d+\.\d+)[a-z]\b", r"\1", value)
     if plain != value:
         os.environ["TORCH_CUDA_ARCH_LIST"] = plain
+    use_own_ninja()
+
+
+def use_own_ninja() -> None:
+    """Have DeepSpeed's JIT builds (the CPU communication op, ~30 s to compile) run the ninja of
+    this Python's environment, the one DeepSpeed depends on.
+
+    torch runs whichever ``ninja`` comes first on PATH. Where a system ninja of another version is
+    found first by some commands (an environment used without activating it) and the environment's
+    by others, each one reads the other's build log as stale and compiles the op again: every
+    switch costs a full build. The environment's bin directory goes first on PATH when it holds ninja.
+    """
+    own = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(own, "ninja")):
+        return
+    path = os.environ.get("PATH", "")
+    if path.split(os.pathsep)[0] != own:
+        os.environ["PATH"] = os.pathsep.join([own, path]) if path else own

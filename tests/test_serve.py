@@ -500,15 +500,17 @@ def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> N
     from dsgpt2.infer.loading import load_model
 
     generator = Generator(load_model(pretrained))
-    step = generator.decoder.step
+    add = generator.decoder.add
     failures = [RuntimeError("CUDA error: an illegal memory access")] * 2
 
-    def failing_step() -> None:
-        if failures:
+    # The first forward of a request fails: a failure inside step() could come after an unseeded
+    # draw ended the request at end-of-text, and the client would rightly get its answer.
+    def failing_add(batch: list) -> None:
+        if failures and batch:
             raise failures.pop()
-        step()
+        add(batch)
 
-    generator.decoder.step = failing_step  # type: ignore[method-assign]
+    generator.decoder.add = failing_add  # type: ignore[method-assign]
     with TestClient(make_app(generator, ServeLimits())) as client:
         r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"

@@ -135,3 +135,30 @@ def test_arch_suffixes_deepspeed_cannot_read_are_made_plain() -> None:
     env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0a;10.0f+PTX"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "8.0;9.0;10.0+PTX"
+
+
+def test_deepspeed_builds_its_ops_with_the_environments_own_ninja(tmp_path: Path) -> None:
+    """A system ninja of another version first on PATH (an environment used without activating it)
+    and the environment's own for other commands: each reads the other's build log as stale and
+    compiles DeepSpeed's CPU op again (~30 s). Before DeepSpeed is imported, the environment's
+    ninja comes first."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    own = Path(sys.executable).parent / "ninja"
+    if not own.is_file():
+        pytest.skip("no ninja in this environment (DeepSpeed's dependency)")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.0\n")
+    (other / "ninja").chmod(0o755)
+    code = (
+        "import shutil; from dsgpt2.accelerator import prepare_deepspeed_environment as p; "
+        "print(shutil.which('ninja')); p(); p(); print(shutil.which('ninja'))"
+    )
+    env = {**os.environ, "PATH": f"{other}{os.pathsep}/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    before, after = out.stdout.split()
+    assert before == str(other / "ninja") and after == str(own) and shutil.which("ninja") is not None
