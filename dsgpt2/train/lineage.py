@@ -48,24 +48,28 @@ class LineageError(DsGpt2Error):
 
 
 class _Shapes:
-    """Chunks as a replay needs them: how many blocks, and the real tokens of the last one (each
-    chunk tokenized once, however many epochs read it)."""
+    """Chunks as a replay needs them: how many blocks, and the real tokens of the last one; and where
+    each document lies in them. Each chunk is read and tokenized once, however many epochs read it."""
 
     def __init__(self, source: StreamingChunks) -> None:
         self.source = source
-        self.known: dict[int, tuple[int, int]] = {}
-        context = source.spec.context
-        self._row = np.zeros(context, dtype=np.int32)
+        self.layouts: dict[int, dict[int, tuple[int, int]]] = {}
+        self._row = np.zeros(source.spec.context, dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.source)
 
+    def layout(self, chunk: int) -> dict[int, tuple[int, int]]:
+        """idx → (first token, end) of each document packed into ``chunk`` (see StreamingChunks.layout)."""
+        if chunk not in self.layouts:
+            self.layouts[chunk] = self.source.layout(chunk)
+        return self.layouts[chunk]
+
     def __getitem__(self, chunk: int) -> Chunk:
-        if chunk not in self.known:
-            item = self.source[chunk]
-            self.known[chunk] = (len(item.blocks), item.last)
-        n, last = self.known[chunk]
-        return Chunk(chunk, np.broadcast_to(self._row, (n, len(self._row))), last)
+        tokens = max((end for _, end in self.layout(chunk).values()), default=0)
+        context = len(self._row)
+        n = -(-tokens // context)
+        return Chunk(chunk, np.broadcast_to(self._row, (n, context)), tokens - (n - 1) * context if n else 0)
 
 
 @dataclass
@@ -288,14 +292,14 @@ def lineage(
     _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)
     table = ChunkTable.from_dict(data["table"])
-    source = StreamingChunks(mongo, table, vocab, spec, "train")
-    wanted = [_place(d, parse_doc(d, list(table.names)), table, source, spec) for d in docs]
+    shapes = _Shapes(StreamingChunks(mongo, table, vocab, spec, "train"))
+    wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
     watch: dict[tuple[int, int], list[DocLineage]] = {}
     for d in wanted:
         for b in d.blocks:
             watch.setdefault((d.chunk, b), []).append(d)  # type: ignore[arg-type]
     step = int(saved["step"])
-    replay = Replay(data, spec.seed, _Shapes(source))
+    replay = Replay(data, spec.seed, shapes)
     for s, ids in replay.steps(step):
         for rank, blocks in enumerate(ids):
             for e, c, b in blocks:
@@ -323,7 +327,11 @@ def _sighted(d: DocLineage, step: int, rank: int, epoch: int, block: int) -> Non
 
 
 def _place(
-    doc: str, where: tuple[int, int], table: ChunkTable, source: StreamingChunks, spec: DataSpec
+    doc: str,
+    where: tuple[int, int],
+    table: ChunkTable,
+    shapes: _Shapes,
+    spec: DataSpec,
 ) -> DocLineage:
     """The document's chunk and blocks (empty where it never trains)."""
     c, idx = where
@@ -333,7 +341,7 @@ def _place(
     name = table.names[c]
     if not split_mask(np.array([idx]), spec.tr_ratio, spec.seed, name)[0]:
         return DocLineage(doc, "validation", chunk)
-    span = source.layout(chunk).get(idx)
+    span = shapes.layout(chunk).get(idx)
     if span is None:
         return DocLineage(doc, "left-out", chunk)
     first, end = span
