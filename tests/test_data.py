@@ -175,7 +175,13 @@ def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokeni
     skipped: the replay of that record yields each step's block ids and ends at the saved
     positions; a record that ends elsewhere is refused."""
     from dsgpt2.data.mixture import Stage
-    from dsgpt2.train.lineage import LineageError, Replay
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.train.lineage import LineageError, Replay, parse_doc
+
+    assert parse_doc("t:12", ["s", "t"]) == (1, 12) and parse_doc("a:b:3", ["a:b"]) == (0, 3)
+    for bad in ("t", "t:x", "t:-1", ":3"):
+        with pytest.raises(ConfigError, match=r"write COLLECTION:IDX|not one of the run's collections"):
+            parse_doc(bad, ["s", "t"])
 
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
