@@ -15,6 +15,7 @@ from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import MongoConfig, config_from_dict
 from dsgpt2.corpus.mongo import Connection
 from wire_server import WireServer, unavailable_reason
+from zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,19 +110,11 @@ def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Any:
-    """Run the dsgpt2 command in a fresh process, as a user would."""
-    import subprocess
-
+    """Run the dsgpt2 command in a process of its own, as a user would (``python -m dsgpt2``, forked
+    from tests/zygote.py's pre-imported interpreter)."""
     full_env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "dsgpt2", *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        cwd=cwd or ROOT,
-        timeout=300,
-    )
+    return run_python(["-m", "dsgpt2", *args], cwd=cwd or ROOT, env=full_env)
 
 
 @pytest.fixture(scope="session")

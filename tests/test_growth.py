@@ -23,6 +23,7 @@ from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from zygote import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +89,7 @@ def train(
         "--eval_interval", "1000", "--eval_iters", "1", "--log_interval", "1", "--log_block_ids",
         "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"), *extra,
     ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, *script, *args], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    result = run_python([*script, *args], cwd=ROOT)
     assert result.returncode == code, result.stderr[-3000:]
     return result
 

@@ -25,6 +25,7 @@ from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model
 from dsgpt2.tokenizer.bpe import VocabSettings, load_tokenizer, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
+from zygote import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def _train(base: Path, name: str, config: Path, *extra: str) -> Path:
         "--workspace", str(base / name / "ws"),
         *extra,
     ]  # fmt: skip
-    result = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = run_python(args[1:], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     out = run_cli("export", "--ckpt_dir", str(base / name / "ckpt"), "--out", str(base / name / "model"))
     assert out.returncode == 0, out.stderr

@@ -13,7 +13,19 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "dsgpt2"
 # A stage may import the stages before it, never one after it.
-ORDER = ["corpus", "tokenizer", "data", "model", "checkpoints", "train", "infer", "demo", "commands", "cli"]
+ORDER = [
+    "corpus",
+    "tokenizer",
+    "data",
+    "lmloss",
+    "model",
+    "checkpoints",
+    "train",
+    "infer",
+    "demo",
+    "commands",
+    "cli",
+]
 
 
 def _stage(module: str) -> str | None:

@@ -4,8 +4,6 @@ override it, one line for a bad key or value, tables per command, the shipped ex
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ from conftest import ROOT, run_cli, store_config
 from dsgpt2.cli import build_parser as cli_parser
 from dsgpt2.runfile import COMMANDS, command_names, find_run_file
 from dsgpt2.train.config import parse
+from zygote import run_python
 
 
 @pytest.fixture
@@ -90,8 +89,7 @@ def test_a_bad_key_or_value_is_one_line_naming_it(
 ) -> None:
     prefix = "" if text.startswith("-") else f"config: {files['mongo']}\n"
     run = write(tmp_path / "bad.yaml", prefix + text)
-    result = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), "--config", str(run)],
-                            capture_output=True, text=True, cwd=ROOT, timeout=120)  # fmt: skip
+    result = run_python([str(ROOT / "ds_trainer.py"), "--config", str(run)], cwd=ROOT)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith(f"ds_trainer.py: error: --config {run}: ")

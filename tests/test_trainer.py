@@ -24,6 +24,7 @@ from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from zygote import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -97,15 +98,10 @@ def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
 def train(
     corpus: dict[str, Path], run: Path, *extra: str, check: bool = True, faults: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:
-    """ds_trainer.py as a user runs it; with ``faults``, through tests/inject.py's hooks."""
+    """``python ds_trainer.py`` as a user runs it (a fork of tests/zygote.py's pre-imported interpreter);
+    with ``faults``, through tests/inject.py's hooks."""
     script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
-    result = subprocess.run(
-        [sys.executable, *script, *trainer_args(corpus, run, *extra)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    result = run_python([*script, *trainer_args(corpus, run, *extra)], cwd=ROOT)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -459,6 +455,32 @@ def test_every_zero_stage_trains_resumes_and_exports(
     assert torch.allclose(torch.tensor(got["logits"]), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_chunked_loss_trains_and_validates_as_transformers_loss(
+    corpus: dict[str, Path], tmp_path: Path, stage: int
+) -> None:
+    """--loss_chunk (several chunks per micro-batch here) against --loss_chunk 0 (transformers' loss
+    over the whole logits): the same losses, gradient norms and validation, step by step; under ZeRO-3
+    the head's tied weight is gathered for the chunks as for the embedding."""
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": stage}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    staged = dict(corpus, ds=tmp_path / "ds.json")
+    runs = {}
+    for chunk in ("50", "0"):
+        run = tmp_path / f"chunk{chunk}"
+        train(staged, run, "--train_iters", "5", "--save_interval", "100", "--eval_interval", "5",
+              "--loss_chunk", chunk)  # fmt: skip
+        records = read_metrics(run / "ws" / "metrics.jsonl")
+        runs[chunk] = (steps(run), [r["val_loss"] for r in records if r["event"] == "eval"])
+    (chunked, chunked_val), (whole, whole_val) = runs["50"], runs["0"]
+    assert sorted(chunked) == sorted(whole) == [1, 2, 3, 4, 5]
+    for step in whole:
+        assert chunked[step]["loss"] == pytest.approx(whole[step]["loss"], rel=1e-5), step
+        assert chunked[step]["grad_norm"] == pytest.approx(whole[step]["grad_norm"], rel=1e-4), step
+    assert len(whole_val) == 1 and chunked_val == pytest.approx(whole_val, rel=1e-5)
+
+
 def test_two_ranks_under_the_deepspeed_launcher_share_one_cache(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -706,14 +728,7 @@ def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_pa
         "--num_workers",
         "1",
     )
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "ds_trainer.py"), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    result = run_python([str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, env=env)
     assert result.returncode == 3, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert (
@@ -732,13 +747,7 @@ def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_pa
         "--num_workers",
         "1",
     )
-    again = subprocess.run(
-        [sys.executable, str(ROOT / "ds_trainer.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    again = run_python([str(ROOT / "ds_trainer.py"), *args], cwd=ROOT)
     assert again.returncode == 0, again.stderr[-2000:]
     assert max(steps(tmp_path)) == step + 2
 

@@ -29,6 +29,7 @@ from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import EvalRequest
+from dsgpt2.lmloss import with_chunked_loss
 from dsgpt2.model import batch_nll, perplexity
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def evaluate(
         )
     dataset = StreamingChunks(config, counts, loaded.tokenizer_dir, spec, request.split, window)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = loaded.model.to(device)
+    model = with_chunked_loss(loaded.model.to(device), request.loss_chunk)
     stats: dict[str, Any] = {}
     batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats)
     doc_mask = request.doc_mask if request.doc_mask is not None else bool(loaded.run.get("doc_mask"))

@@ -13,6 +13,7 @@ from typing import Any
 
 from dsgpt2.argtypes import non_negative_int, positive_int
 from dsgpt2.errors import ConfigError
+from dsgpt2.model import DEFAULT_LOSS_CHUNK
 from dsgpt2.options import (
     check_choice,
     check_int,
@@ -164,6 +165,11 @@ class EvalRequest:
     max_batches: int | None = option(None, "stop after this many batches (default: all)", type=positive_int)
     workers: int = option(2, "tokenizing worker processes", type=non_negative_int, flag="num_workers")
     doc_mask: bool | None = option(None, "attention within documents only (default: as the model trained)")
+    loss_chunk: int = option(
+        DEFAULT_LOSS_CHUNK,
+        "cross-entropy over the LM head in chunks of this many tokens (0: over the whole logits at once)",
+        type=non_negative_int,
+    )
 
     def __post_init__(self) -> None:
         check_choice("--split", self.split, EVAL_SPLITS)

@@ -17,7 +17,7 @@ from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
-from dsgpt2.model import PRESETS, read_model_config
+from dsgpt2.model import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
 from dsgpt2.options import (
     add_options,
     as_path,
@@ -203,6 +203,12 @@ class ComputeOptions:
         False,
         "attention stops at <|endoftext|>: a token sees only its own document inside a packed block "
         "(training and validation)",
+    )
+    loss_chunk: int = option(
+        DEFAULT_LOSS_CHUNK,
+        "cross-entropy over the LM head in chunks of this many tokens, so the micro-batch's whole float32 "
+        "logits never exist at once (0: transformers' loss over the whole logits)",
+        type=non_negative_int,
     )
     peak_tflops: float | None = option(
         None, "the device's peak TFLOP/s for MFU (default: known GPUs at the run's precision; none on CPU)"

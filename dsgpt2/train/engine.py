@@ -16,6 +16,7 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.data.sources import DataSpec
 from dsgpt2.errors import ConfigError
+from dsgpt2.lmloss import with_chunked_loss
 from dsgpt2.model import (
     PRESETS,
     build_model,
@@ -112,6 +113,7 @@ def build_engine(
         model_config._attn_implementation = c.attn_implementation
         model = build_with_weights(init[0], init[1], str(m.init_from))
         log.info("initialised from %s", m.init_from)
+    model = with_chunked_loss(model, c.loss_chunk)
     if c.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     groups = param_groups(model, optimizer_weight_decay(ds_config))

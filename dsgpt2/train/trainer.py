@@ -262,8 +262,8 @@ class Trainer:
         out = self.engine(**batch_inputs(batch, device, eot), labels=to_device(batch.labels, device))
         if not bool((batch.labels[:, 1:] != IGNORE).any()):
             # Context only (a conversation block without reply tokens): the mean over no tokens is
-            # NaN; a zero loss keeps every rank stepping together.
-            return out.logits.sum() * 0.0
+            # NaN; a zero loss keeps every rank stepping together. (The chunked loss is 0 there.)
+            return out.loss * 0.0 if out.logits is None else out.logits.sum() * 0.0
         return out.loss
 
     def _skip_nonfinite(self, state: TrainState) -> None:

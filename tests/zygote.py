@@ -1,0 +1,168 @@
+"""An interpreter with torch, DeepSpeed and transformers imported once, forked for each Python command.
+
+A trainer process spends ~5 of its ~6 s on a tiny run importing torch, DeepSpeed and transformers, and
+the suite starts about a hundred. The server below imports them once per test worker; each command is
+a fork of it that runs the script or module as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would:
+its own argv, environment, working directory, stdin from /dev/null, stdout and stderr to files, default
+signal handlers, and the interpreter's normal exit (atexit hooks, exit code, a traceback and 1 on an
+uncaught exception). Tests that signal, kill or time a process, and the deepspeed launcher's ranks, still
+start real processes.
+
+    python tests/zygote.py      # the server: one JSON request per line on stdin, replies on stdout
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+PRELOAD = (
+    "torch",
+    "deepspeed",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "dsgpt2.train.trainer",
+    "dsgpt2.model",
+    "dsgpt2.cli",
+    "matplotlib.pyplot",
+)
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In the fork: become ``python SCRIPT``/``python -m MODULE``; SystemExit leaves through the server's
+    frames to the interpreter's own exit."""
+    import runpy
+
+    for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
+                           (2, request["err"], os.O_WRONLY)):  # fmt: skip
+        target = os.open(path, mode)
+        os.dup2(target, fd)
+        os.close(target)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
+    raise SystemExit(0)
+
+
+def serve() -> None:
+    import gc
+    import importlib
+
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    prepare_deepspeed_environment()  # as the trainer does before it imports DeepSpeed
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the forks' collections leave the preloaded objects' pages shared
+    reply.write("ready\n")
+    reply.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            reply.close()
+            _child(request)
+        reply.write(json.dumps({"pid": pid}) + "\n")
+        reply.flush()
+        _, status = os.waitpid(pid, 0)
+        reply.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        reply.flush()
+
+
+class Zygote:
+    """The test process's side: one server, one command at a time."""
+
+    def __init__(self) -> None:
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            text=True,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+        self.lock = threading.Lock()
+        ready = self._read(600)
+        self.errors.seek(0)
+        said = self.errors.read().decode()
+        # A warning printed while importing would reach no test's stderr: none may be printed.
+        if ready != "ready" or said.strip():
+            raise RuntimeError(f"zygote did not start cleanly: {ready!r} {said[-3000:]}")
+
+    def _read(self, timeout: float) -> str | None:
+        assert self.proc.stdout is not None
+        if not select.select([self.proc.stdout], [], [], timeout)[0]:
+            return None
+        return self.proc.stdout.readline().strip()
+
+    def run(
+        self, argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float
+    ) -> tuple[int, str, str]:
+        with self.lock, tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp, "out"), Path(tmp, "err")
+            out.touch()
+            err.touch()
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            pid = json.loads(self._read(60) or "{}")["pid"]
+            done = self._read(timeout)
+            if done is None:
+                os.kill(pid, signal.SIGKILL)
+                self._read(60)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
+            return json.loads(done)["code"], out.read_text(), err.read_text()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(30)
+        self.errors.close()
+
+
+_zygote: Zygote | None = None
+
+
+def run_python(
+    args: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` through the
+    server (started on first use, one per test worker)."""
+    global _zygote
+    if _zygote is None:
+        import atexit
+
+        _zygote = Zygote()
+        atexit.register(_zygote.close)
+    code, out, err = _zygote.run(list(args), cwd, dict(os.environ if env is None else env), timeout)
+    return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
+
+
+if __name__ == "__main__":
+    serve()
