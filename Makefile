@@ -53,9 +53,9 @@ wire: $(WIRE_STAMP)
 test: $(STAMP) wire
 	$(PY) -m pytest -x -q -n $(PYTEST_WORKERS) --dist worksteal
 
-# The quick lane: no DeepSpeed runs, no wire server.
+# The quick lane: no DeepSpeed runs, no wire server; a test file's module fixtures built once.
 test-fast: $(STAMP)
-	$(PY) -m pytest -x -q -m "not slow"
+	$(PY) -m pytest -x -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 # New environments, nothing reused, no lock: what a `pip install dsgpt2` would get today.
 latest:
@@ -73,7 +73,7 @@ latest:
 # The drift lane: the fast lane on the newest allowed versions (torch stays at TORCH_SPEC).
 test-latest: latest
 	$(LATEST_VENV)/bin/python -m pip list --format=freeze | grep -iE '^(deepspeed|transformers|tokenizers|pymongo|mongomock|numpy|starlette|uvicorn)=='
-	DSGPT2_UNLOCKED=1 $(LATEST_VENV)/bin/python -m pytest -x -q -m "not slow"
+	DSGPT2_UNLOCKED=1 $(LATEST_VENV)/bin/python -m pytest -x -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
 
 # Move the lock forward to the newest allowed versions; then `make test` and commit both lock files.
 # (torch's local build label is dropped: torch==2.13.0 matches the CPU and the CUDA builds alike.)

@@ -486,6 +486,25 @@ def test_shipped_ds_configs_match_the_hardware(toolkit: dict[str, dict[str, Any]
     assert not any(cpu.get(k, {}).get("enabled") for k in ("bf16", "fp16")), "CPU training is fp32"
 
 
+def test_every_shipped_gpu_config_steps_on_at_least_128k_tokens_per_gpu() -> None:
+    """DeepSpeed's optimizer step costs a fixed time per step on a GPU: the GPU configs amortize it over
+    at least 131,072 tokens per GPU at context 1,024, warm up as GPT-2's recipe does, and keep the
+    schedule in the config consistent with the optimizer's rate."""
+    gpu = {}
+    for path in sorted((ROOT / "configs").glob("ds_config*.json")):
+        ds = json.loads(path.read_text(encoding="utf-8"))
+        if any(ds.get(k, {}).get("enabled") for k in ("bf16", "fp16")):
+            gpu[path.name] = ds
+    assert {"ds_config.json", "ds_config_fp16.json", "ds_config_zero2_offload.json",
+            "ds_config_zero3_offload.json"} <= set(gpu)  # fmt: skip
+    for name, ds in gpu.items():
+        tokens = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 1024
+        assert tokens >= 131_072, (name, tokens)
+        params = ds["scheduler"]["params"]
+        assert params["warmup_max_lr"] == ds["optimizer"]["params"]["lr"], name
+        assert 0 < params["warmup_num_steps"] <= 2000, name
+
+
 def test_pipeline_script_exists(toolkit: dict[str, dict[str, Any]]) -> None:
     for service in toolkit.values():
         assert (ROOT / service["command"][1]).is_file()

@@ -248,6 +248,28 @@ def test_sample_corpus_is_real_deterministic_text(sample_texts: list[str]) -> No
     assert sum(w in common for w in words) > 0.08 * len(words)  # English prose, not code
 
 
+def test_the_docstring_walk_keeps_ast_walks_order_over_the_stdlib() -> None:
+    """The sample's docstrings come from a walk over statements only: the same nodes, in the same order,
+    as ``ast.walk`` finds, in every tenth file of the standard library (nested in classes, functions,
+    if, try, except, with, match)."""
+    import ast
+    import itertools
+
+    from dsgpt2.corpus.builtin import _source_files, _statement_walk, stdlib_root
+
+    kinds = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+    files = 0
+    for path in itertools.islice(_source_files(stdlib_root()), 0, None, 10):
+        try:
+            tree = ast.parse(path.read_bytes())
+        except (SyntaxError, ValueError):
+            continue
+        expected = [n for n in ast.walk(tree) if isinstance(n, kinds)]
+        assert [n for n in _statement_walk(tree) if isinstance(n, kinds)] == expected, path
+        files += 1
+    assert files > 50
+
+
 def test_sample_ingest(sample_texts: list[str]) -> None:
     conn = _conn()
     report = ingest(conn, "a", [builtin_source("stdlib", limit=300)], batch_size=100)

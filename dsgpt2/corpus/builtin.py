@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import sysconfig
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,11 +71,28 @@ def _source_files(root: Path) -> Iterator[Path]:
 
 
 def _docstrings(tree: ast.AST) -> Iterator[str]:
-    for node in ast.walk(tree):
+    for node in _statement_walk(tree):
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
             doc = ast.get_docstring(node, clean=True)
             if doc and len(doc) >= _MIN_DOC_CHARS:
                 yield doc
+
+
+_BLOCKS = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statement_walk(tree: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk``'s breadth-first order over the statements only (and the handlers and cases that hold
+    them): a docstring belongs to a module, class or function, never inside an expression, and leaving
+    the expressions out makes the walk several times faster while keeping its order."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        for field in node._fields:
+            value = getattr(node, field, None)
+            if isinstance(value, list):
+                todo.extend(v for v in value if isinstance(v, _BLOCKS))
+        yield node
 
 
 def _comment_blocks(source: str) -> Iterator[str]:

@@ -43,6 +43,7 @@ from dsgpt2.train.ds_config import (
 )
 from dsgpt2.train.engine import Engine, build_engine, init_context, init_weights, run_context
 from dsgpt2.train.feed import Feed, corpus_marks
+from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
@@ -169,6 +170,7 @@ class Trainer:
         self.state, self.hooks = state, hooks
         self.engine, self.model_config = engine.engine, engine.model_config
         self.micro_batch, self.grad_accum = engine.micro_batch, engine.grad_accum
+        self.micro_loop = MicroLoop(self.engine, self.grad_accum)
         self.rank, self.world = feed.rank, feed.world
         feed.note_launch(state.step, state.micro, self.micro_batch, self.grad_accum)
         self.stream = BlockStream(
@@ -222,39 +224,40 @@ class Trainer:
         return self.finish(state)
 
     def train_step(self, state: TrainState, batches: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped.
+        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped, with one wait on
+        the device per step (:mod:`dsgpt2.train.microloop`).
 
         Returns the micro-batches' losses, still on the device (reading them waits for it:
         :meth:`log_step` does at log intervals only), and their block ids with --log_block_ids.
         """
         self.engine.train()
         self._step_lr = self.engine.get_lr()[0]
-        losses: list[torch.Tensor] = []
-        ids: list[Any] = []
         norm_due = self.runlog.should_log(state.step + 1) and self._norm_by_hand
-        while len(losses) < self.grad_accum:
+
+        def draw() -> tuple[int, Any, torch.Tensor]:
             batch = next(batches)
             state.micro += 1
             loss = self._forward(batch)
             if self.hooks.on_loss is not None:
                 loss = self.hooks.on_loss(state.micro, loss)
-            # The one wait on the device per micro-batch: a non-finite loss must not reach backward,
-            # where its gradients would join the accumulated ones and no engine lets them be dropped.
-            if not _all_finite(loss):
-                del loss  # no backward, no step: the batch leaves the weights as they are
-                self._skip_nonfinite(state)
-                continue
+            return state.micro, batch, loss
+
+        def kept() -> None:
             self.run_of_bad = 0
-            self.engine.backward(loss)
-            if norm_due and len(losses) == self.grad_accum - 1:
+
+        def before_update() -> None:
+            if norm_due:
                 self._hand_norm = _grad_norm(self.engine.module)
-            self.engine.step()
-            losses.append(loss.detach())
-            state.tokens += batch.tokens * self.world
+
+        micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
+                                      before_update)  # fmt: skip
+        ids: list[Any] = []
+        for m in micros:
+            state.tokens += m.batch.tokens * self.world
             if self.cfg.run.log_block_ids:
-                ids.extend(batch.block_ids)
+                ids.extend(m.batch.block_ids)
         state.step += 1
-        return losses, ids
+        return [m.loss for m in micros], ids
 
     def _forward(self, batch: Any) -> torch.Tensor:
         device = self.engine.device
@@ -266,17 +269,18 @@ class Trainer:
             return out.loss * 0.0 if out.logits is None else out.logits.sum() * 0.0
         return out.loss
 
-    def _skip_nonfinite(self, state: TrainState) -> None:
+    def _skip_nonfinite(self, state: TrainState, micro: int) -> None:
+        """Record micro-batch ``micro`` as skipped (its loss was non-finite; nothing of it was applied)."""
         state.nonfinite += 1
-        self.feed.skipped_micro.append(state.micro)
+        self.feed.skipped_micro.append(micro)
         self.run_of_bad += 1
         checksum = _param_checksum(self.engine)
-        self.runlog.write({"event": "nonfinite", "step": state.step, "micro": state.micro,
+        self.runlog.write({"event": "nonfinite", "step": state.step, "micro": micro,
                      "params_before": checksum, "params_after": _param_checksum(self.engine),
                      "nonfinite_total": state.nonfinite})  # fmt: skip
         log.warning(
             "non-finite loss at micro-batch %d (step %d): skipped (%d in a row)",
-            state.micro, state.step + 1, self.run_of_bad,
+            micro, state.step + 1, self.run_of_bad,
         )  # fmt: skip
         if self.run_of_bad >= self.cfg.run.max_nonfinite:
             raise TrainingAborted(
@@ -417,16 +421,6 @@ def _grad_norm(module: Any) -> float:
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
-
-
-def _all_finite(loss: torch.Tensor) -> bool:
-    """Whether the loss is finite on every rank (so that all ranks skip together)."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1.0 if torch.isfinite(loss).all() else 0.0], device=loss.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() == 1.0)
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

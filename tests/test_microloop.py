@@ -1,0 +1,118 @@
+"""One wait on the device per optimizer step, and non-finite micro-batches skipped as a check before each
+backward would skip them: the same micro-batches, the same summed gradients, the same records."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from dsgpt2.train.microloop import MicroLoop
+
+
+class FakeEngine:
+    """DeepSpeed's accumulation as the loop drives it: backward sums gradients (scaled by 1/accum),
+    step applies them at a boundary the caller set."""
+
+    def __init__(self, module: torch.nn.Module, accum: int) -> None:
+        self.module, self.accum = module, accum
+        self.boundary: bool | None = None
+        self.updates: list[torch.Tensor] = []
+        self.backwards = 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.boundary = is_boundary
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.backwards += 1
+        (loss / self.accum).backward()
+
+    def step(self) -> None:
+        if self.boundary:
+            self.updates.append(self.module.weight.grad.clone())
+            self.module.weight.grad = None
+
+
+def _run(accum: int, bad: set[int], steps: int, guarded: bool = True) -> dict[str, Any]:
+    torch.manual_seed(0)
+    module = torch.nn.Linear(4, 1, bias=False)
+    engine = FakeEngine(module, accum)
+    loop = MicroLoop(engine, accum)
+    if not guarded:
+        loop.guard.finite = None
+        for h in loop.guard.handles:
+            h.remove()
+    xs = torch.randn(64, 4)
+    drawn = iter(range(1, 65))
+    events: list[tuple[str, int]] = []
+    reads = []
+
+    def draw() -> tuple[int, Any, torch.Tensor]:
+        n = next(drawn)
+        loss = (module(xs[n - 1]) ** 2).sum()
+        if n in bad:  # NaN through the graph, as an overflow in the forward would give
+            loss = loss * float("nan")
+        return n, SimpleNamespace(n=n), loss
+
+    kept = []
+    for _ in range(steps):
+        before = loop.host_reads
+        micros = loop.step(draw, lambda n: events.append(("skip", n)), lambda: events.append(("kept", 0)))
+        reads.append(loop.host_reads - before)
+        kept.append([m.number for m in micros])
+    return {"updates": engine.updates, "kept": kept, "events": events, "reads": reads, "xs": xs,
+            "weight": module.weight.detach().clone()}  # fmt: skip
+
+
+def _reference(xs: torch.Tensor, weight: torch.Tensor, numbers: list[int], accum: int) -> torch.Tensor:
+    """The gradient a check before each backward would have accumulated: the kept micro-batches only."""
+    w = weight.clone().requires_grad_(True)
+    for n in numbers:
+        ((xs[n - 1] @ w.t()) ** 2).sum().div(accum).backward()
+    return w.grad
+
+
+def test_a_step_of_finite_losses_waits_on_the_device_once() -> None:
+    run = _run(accum=4, bad=set(), steps=3)
+    assert run["reads"] == [1, 1, 1]
+    assert run["kept"] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]
+    for update, numbers in zip(run["updates"], run["kept"], strict=True):
+        torch.testing.assert_close(update, _reference(run["xs"], run["weight"], numbers, 4), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("bad", "kept"),
+    [
+        ({2}, [[1, 3, 4, 5], [6, 7, 8, 9]]),  # found at the step's wait: the first read
+        ({4}, [[1, 2, 3, 5], [6, 7, 8, 9]]),  # the closing micro-batch itself
+        ({1, 2, 3}, [[4, 5, 6, 7], [8, 9, 10, 11]]),  # several in a row
+        ({3, 5, 6}, [[1, 2, 4, 7], [8, 9, 10, 11]]),  # found at two waits
+        ({7}, [[1, 2, 3, 4], [5, 6, 8, 9]]),  # in the second step
+    ],
+)
+def test_non_finite_micro_batches_are_skipped_in_order_and_add_nothing(
+    bad: set[int], kept: list[list[int]]
+) -> None:
+    run = _run(accum=4, bad=bad, steps=2)
+    assert run["kept"] == kept
+    skipped = [n for what, n in run["events"] if what == "skip"]
+    assert skipped == sorted(bad)
+    # kept() and skipped() in micro-batch order: a run of bad ones is counted as a check per backward would.
+    order = list(range(1, max(max(k) for k in kept) + 1))
+    assert [("skip" if n in bad else "kept") for n in order] == [what for what, _ in run["events"]]
+    for update, numbers in zip(run["updates"], run["kept"], strict=True):
+        assert torch.isfinite(update).all()
+        torch.testing.assert_close(update, _reference(run["xs"], run["weight"], numbers, 4), rtol=0, atol=0)
+    assert all(r <= 1 + len(bad) for r in run["reads"])
+
+
+def test_without_the_guard_a_non_finite_micro_batch_would_poison_the_step() -> None:
+    run = _run(accum=4, bad={2}, steps=1, guarded=False)
+    assert not torch.isfinite(run["updates"][0]).all()
+
+
+def test_one_micro_batch_per_step_reads_once_per_micro_batch() -> None:
+    run = _run(accum=1, bad={2}, steps=2)
+    assert run["kept"] == [[1], [3]] and run["reads"] == [1, 2]
