@@ -8,7 +8,7 @@ signal handlers, and the interpreter's normal exit (atexit hooks, exit code, a t
 uncaught exception). Tests that signal, kill or time a process, and the deepspeed launcher's ranks, still
 start real processes.
 
-    python tests/zygote.py      # the server: one JSON request per line on stdin, replies on stdout
+    python tests/zygote.py model|corpus   # a server: one JSON request per line on stdin, replies on stdout
 """
 
 from __future__ import annotations
@@ -24,16 +24,24 @@ import threading
 from pathlib import Path
 from typing import Any
 
-PRELOAD = (
-    "torch",
-    "deepspeed",
-    "transformers",
-    "transformers.models.gpt2.modeling_gpt2",
-    "dsgpt2.train.trainer",
-    "dsgpt2.model",
-    "dsgpt2.cli",
-    "matplotlib.pyplot",
-)
+# Two servers per test worker: commands that build or run a model fork from one holding torch, DeepSpeed
+# and transformers; the others (ingest, vocab, dedup, info, ...) from one holding only what they import,
+# which a fork also leaves faster (an exit tears down every module the process holds).
+PRELOAD = {
+    "model": (
+        "torch",
+        "deepspeed",
+        "transformers",
+        "transformers.models.gpt2.modeling_gpt2",
+        "dsgpt2.train.trainer",
+        "dsgpt2.model",
+        "dsgpt2.cli",
+        "matplotlib.pyplot",
+    ),
+    "corpus": ("dsgpt2.cli", "dsgpt2.corpus.mongo", "pymongo", "mongomock", "tokenizers"),
+}
+MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", "generate", "chat", "serve",
+                  "demo"}  # fmt: skip
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -63,7 +71,7 @@ def _child(request: dict[str, Any]) -> None:
     raise SystemExit(0)
 
 
-def serve() -> None:
+def serve(kind: str) -> None:
     import gc
     import importlib
 
@@ -72,7 +80,7 @@ def serve() -> None:
     prepare_deepspeed_environment()  # as the trainer does before it imports DeepSpeed
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    for name in PRELOAD:
+    for name in PRELOAD[kind]:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # the forks' collections leave the preloaded objects' pages shared
@@ -96,10 +104,10 @@ def serve() -> None:
 class Zygote:
     """The test process's side: one server, one command at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, __file__],
+            [sys.executable, __file__, kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errors,
@@ -146,23 +154,24 @@ class Zygote:
         self.errors.close()
 
 
-_zygote: Zygote | None = None
+_zygotes: dict[str, Zygote] = {}
 
 
 def run_python(
     args: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` through the
-    server (started on first use, one per test worker)."""
-    global _zygote
-    if _zygote is None:
+    server (each kind started on first use, once per test worker)."""
+    model = args[0] != "-m" or (len(args) > 2 and args[2] in MODEL_COMMANDS)
+    kind = "model" if model else "corpus"
+    if kind not in _zygotes:
         import atexit
 
-        _zygote = Zygote()
-        atexit.register(_zygote.close)
-    code, out, err = _zygote.run(list(args), cwd, dict(os.environ if env is None else env), timeout)
+        _zygotes[kind] = Zygote(kind)
+        atexit.register(_zygotes[kind].close)
+    code, out, err = _zygotes[kind].run(list(args), cwd, dict(os.environ if env is None else env), timeout)
     return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1])
