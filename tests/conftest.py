@@ -25,6 +25,27 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+BUILD_OPS = """
+from dsgpt2.accelerator import prepare_deepspeed_environment
+prepare_deepspeed_environment()
+from deepspeed.accelerator import get_accelerator
+if get_accelerator().device_name() == "cpu":
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+"""
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """DeepSpeed's CPU communication op, built once in a process of its own before any test runs (the
+    controller, under xdist): the first DeepSpeed runs of a fresh clone then never race each other, or a
+    forked command, for its build, and no test's deadline pays for it. The quick lane runs none."""
+    import subprocess
+
+    config = session.config
+    if hasattr(config, "workerinput") or "not slow" in (config.option.markexpr or ""):
+        return
+    subprocess.run([sys.executable, "-c", BUILD_OPS], cwd=ROOT, capture_output=True, timeout=900, check=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``gpu`` tests skip, saying why, where torch sees no CUDA device."""
     import torch
