@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,21 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     # A failed build is not the suite's verdict: the first test to need the op then builds it, as before.
     subprocess.run([sys.executable, "-c", BUILD_OPS], cwd=ROOT, capture_output=True, timeout=900, check=False)
+
+
+_SESSION_START = time.time()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove the shared-memory allreduce buffers this session's DeepSpeed runs left in /dev/shm (66 MB
+    each; the tests that kill ranks leave theirs by design): left there, they hold RAM until reboot, and a
+    few hundred of them push a machine into swap."""
+    if hasattr(session.config, "workerinput"):
+        return
+    for path in Path("/dev/shm").glob("deepspeed_allreduce_buffer_*_127.0.0.1_*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime >= _SESSION_START:
+                path.unlink()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
