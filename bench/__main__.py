@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bench import (
+    bench_feed,
     bench_fetch,
     bench_generate,
     bench_gpu,
@@ -64,6 +65,7 @@ def main() -> int:
         "ingest": lambda: bench_ingest.ingest_bench(texts, results),
         "vocab": lambda: bench_vocab.run(texts, results),
         "train_data": lambda: _train_data(texts, results),
+        "feed": lambda: bench_feed.feed(texts, results),
         "deepspeed": bench_train.deepspeed_overhead,
         "generate": lambda: bench_generate.generation_speed(texts, results),
         "serve": lambda: bench_serve.serving(texts, results),

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Metric
+from bench.common import Metric, instant_backend
 
 VOCAB_SIZE = 8192
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -118,56 +118,20 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
         with PeakRss() as peak:
             seconds, size = timed()
     else:
-        with instant_backend(), PeakRss() as peak:
+        with instant_backend(_read_all), PeakRss() as peak:
             seconds, size = timed()
     return {"seconds": seconds, "bytes": size, "mem": peak.peak - before}
 
 
-class _Answer:
-    def __init__(self, docs: list[Any]) -> None:
-        self._docs = docs
-
-    def batch_size(self, _n: int) -> _Answer:
-        return self
-
-    def __iter__(self) -> Any:
-        return iter(self._docs)
-
-
-class instant_backend:
-    """Answer every find() from answers recorded beforehand: a server with no cost at all.
-
-    What remains to be timed is dsgpt2's own path (wrapper, prefetch thread,
-    counting, saving) and the BPE trainer, which is what the target is about;
-    mongomock's scans are not a server's cost and would drown it.
-    """
-
-    def __enter__(self) -> instant_backend:
-        from mongomock.collection import Collection
-
-        from dsgpt2.tokenizer.texts import mongo_texts
-
-        self._cls, self._find = Collection, Collection.find
-        answers: dict[str, list[Any]] = {}
-        real = self._find
-
-        def record(coll: Any, filt: Any = None, *a: Any, **k: Any) -> Any:
-            docs = list(real(coll, filt, *a, **k))
-            answers[repr((coll.name, filt))] = docs
-            return _Answer(docs)
-
-        Collection.find = record
-        texts_iter, _ = mongo_texts(_config(_STORE[0]))
-        for _ in texts_iter:
-            pass
-        Collection.find = lambda coll, filt=None, *a, **k: _Answer(answers[repr((coll.name, filt))])
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._cls.find = self._find
-
-
 _STORE: list[str] = []
+
+
+def _read_all() -> None:
+    from dsgpt2.tokenizer.texts import mongo_texts
+
+    texts_iter, _ = mongo_texts(_config(_STORE[0]))
+    for _ in texts_iter:
+        pass
 
 
 def _config(store: str) -> Any:

@@ -68,15 +68,17 @@ class _ChunkedNLL(torch.autograd.Function):
         return dh, dw, None, None
 
 
-@torch.compiler.disable
 def lm_head_nll(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> Any:
     """Summed next-token NLL (float32) of ``labels`` (B, T) given the final hidden states (B, T, d) and
     the head's ``weight`` (V, d), and how many tokens it counts: position t predicts t + 1, labels
-    equal to IGNORE are skipped. Left out of torch.compile: eager chunks, as transformers' loss is."""
+    equal to IGNORE are skipped."""
     d = hidden.size(-1)
     h = hidden[:, :-1].reshape(-1, d)
     y = labels[:, 1:].reshape(-1).to(h.device)
     return _ChunkedNLL.apply(h, weight, y, chunk), (y != IGNORE).sum()
+
+
+_EAGER_NLL: list[Any] = []  # lm_head_nll kept out of torch.compile, made on first use
 
 
 def _chunked_forward(self: Any, *args: Any, labels: Any = None, nll_sum: bool = False, **kwargs: Any) -> Any:
@@ -88,7 +90,7 @@ def _chunked_forward(self: Any, *args: Any, labels: Any = None, nll_sum: bool = 
 
     kwargs.pop("logits_to_keep", None)
     hidden = self.transformer(*args, **kwargs).last_hidden_state
-    nll, n = lm_head_nll(hidden, self.lm_head.weight, labels, self.loss_chunk)
+    nll, n = _EAGER_NLL[0](hidden, self.lm_head.weight, labels, self.loss_chunk)
     return CausalLMOutputWithCrossAttentions(loss=nll if nll_sum else nll / n.clamp(min=1))
 
 
@@ -96,6 +98,11 @@ def with_chunked_loss(model: Any, chunk: int) -> Any:
     """``model`` (a ``GPT2LMHeadModel``) computing its labelled loss in chunks of ``chunk`` tokens;
     0 leaves it as it is (transformers' loss over the whole logits)."""
     if chunk > 0:
+        if not _EAGER_NLL:
+            # Left out of torch.compile: eager chunks, as transformers' loss is. Wrapped here, not
+            # at import: torch.compiler.disable imports torch._dynamo, which sets an environment
+            # variable (TORCHINDUCTOR_CACHE_DIR) that importing dsgpt2 must leave alone.
+            _EAGER_NLL.append(torch.compiler.disable(lm_head_nll))
         model.loss_chunk = chunk
         model.forward = types.MethodType(_chunked_forward, model)
     return model

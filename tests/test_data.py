@@ -16,7 +16,7 @@ from conftest import ROOT, make_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.data.cache import CachedChunks, build_cache
-from dsgpt2.data.dealing import Position, Schedule
+from dsgpt2.data.dealing import Position, ReadState, Schedule
 from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
 from dsgpt2.data.split import split_mask
@@ -107,6 +107,80 @@ def test_position_resumes_on_the_next_block(source, tokenizer: Path) -> None:
     for a, b in zip(again, rest, strict=True):
         assert (a.input_ids == b.input_ids).all() and (a.labels == b.labels).all()
     assert len({tuple(i) for b in first + rest for i in b.block_ids}) == 13 * 5  # no block twice
+
+
+class _Logged(torch.utils.data.Dataset):
+    """A dataset that notes each chunk its worker fetches, one line per chunk, in a file."""
+
+    def __init__(self, data: StreamingChunks, log: Path) -> None:
+        self.data, self.log = data, log
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, chunk: int):
+        with open(self.log, "a") as f:
+            f.write(f"{chunk}\n")
+        return self.data[chunk]
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def test_one_loader_reads_every_epoch_and_fetches_across_the_boundary(
+    source, tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream's workers start once and fetch the next epoch's first chunk before its blocks are
+    asked for: an epoch boundary waits for no new worker and no cold chunk."""
+    from dsgpt2.data import loader
+
+    made = []
+    real = loader._make_loader
+    monkeypatch.setattr(loader, "_make_loader", lambda *a, **k: made.append(a) or real(*a, **k))
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    schedule = pooled(data, spec.seed)
+    expected = [(e, int(c), b) for e in range(3) for c in schedule.rank_chunks(0, e, 0, 1)
+                for b in range(len(data[c].blocks))]  # fmt: skip
+    first_epoch = sum(1 for e, _, _ in expected if e == 0)
+    chunks = len(schedule.rank_chunks(0, 0, 0, 1))
+    log = tmp_path / "fetched"
+    stream = BlockStream(_Logged(data, log), schedule, 0, 1, micro_batch=1, workers=1)
+    it = iter(stream)
+    ids = [next(it).block_ids[0] for _ in range(first_epoch)]  # epoch 0, to its last block
+    deadline = time.monotonic() + 10
+    while len(_lines(log)) <= chunks and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ahead = _lines(log)[chunks:]
+    assert ahead and int(ahead[0]) == schedule.rank_chunks(0, 1, 0, 1)[0]
+    ids += [next(it).block_ids[0] for _ in range(len(expected) - first_epoch)]
+    stream.close()
+    assert ids == expected
+    assert len(made) == 1
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_rank_with_no_training_block_fails_at_once(source, tokenizer: Path, workers: int) -> None:
+    from dsgpt2.errors import CorpusError
+
+    conn, counts, spec = source
+    nothing = StreamingChunks(conn.config, counts, tokenizer, DataSpec(32, 40, 0.0, 3, 0, 1), "train")
+    with pytest.raises(CorpusError, match="rank 0 has no training block of s, t in a whole epoch"):
+        next(iter(BlockStream(nothing, pooled(nothing, spec.seed), 0, 1, 2, workers=workers)))
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    with pytest.raises(CorpusError, match="rank 20 has no training block"):  # 15 chunks, 21 ranks
+        next(iter(BlockStream(data, pooled(data, spec.seed), 20, 21, 2, workers=workers)))
+
+
+def test_a_reader_saved_at_an_epoch_end_resumes_with_the_next_epoch(source, tokenizer: Path) -> None:
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    schedule = pooled(data, spec.seed)
+    ends = ReadState.start(1)
+    ends.streams[0] = Position(0, len(schedule.rank_chunks(0, 0, 0, 1)), 0)
+    first = next(iter(BlockStream(data, schedule, 0, 1, 1, state=ends, workers=0)))
+    assert first.block_ids == [(1, int(schedule.rank_chunks(0, 1, 0, 1)[0]), 0)]
 
 
 def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer: Path) -> None:
@@ -391,3 +465,26 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
     assert len(again) == len(set(again))
     assert {x for x in again if x[0] < 2} | first == set(left)  # the rest of epochs 0 and 1
     assert {x for x in again if x[0] == 2} == {(2, c, b) for c in range(n) for b in range(blocks(c))}
+
+
+def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(source, tokenizer: Path) -> None:
+    """``python -m bench feed`` times what the trainer reads: its replayed database answers give the
+    very blocks that mongomock gives, to forked workers too, and its windows cross the boundaries."""
+    from bench.bench_feed import MICRO, read
+    from bench.common import instant_backend
+
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    schedule = pooled(data, spec.seed)
+
+    def batches() -> list:
+        return [b for _, b in zip(range(40), BlockStream(data, schedule, 0, 1, 7, workers=1), strict=False)]
+
+    plain = batches()
+    with instant_backend(lambda: [data[c] for c in range(len(data))]):
+        replayed = batches()
+        r = read(data, schedule, 1, epochs=2)
+    assert [b.block_ids for b in replayed] == [b.block_ids for b in plain]
+    assert all((a.input_ids == b.input_ids).all() for a, b in zip(replayed, plain, strict=True))
+    assert len(r.boundary) == 2 and r.micro_batches == r.boundary[-1] + 1
+    assert r.tokens <= r.micro_batches * MICRO * spec.context and r.tokens_per_s > 0 and r.cpu > 0

@@ -13,7 +13,8 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,8 +90,11 @@ def _kill_workers_at_exit() -> None:
             child.join(5)
 
 
-def start_loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) -> Iterator[Any]:
-    """The items of ``dataset`` in ``order``, read by ``workers`` processes (started already)."""
+def start_loader(dataset: Dataset, order: Iterable[int], workers: int, prefetch: int = 4) -> Iterator[Any]:
+    """The items of ``dataset`` in ``order``, read by ``workers`` processes (started already).
+
+    ``order`` may be an iterator, endless even: the loader draws from it as its workers need
+    more, ``prefetch`` items per worker ahead of the one handed out."""
     import signal
 
     loader = _make_loader(dataset, order, workers, prefetch)
@@ -106,7 +110,7 @@ def start_loader(dataset: Dataset, order: Any, workers: int, prefetch: int = 4) 
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _make_loader(dataset: Dataset, order: Any, workers: int, prefetch: int) -> DataLoader:
+def _make_loader(dataset: Dataset, order: Iterable[int], workers: int, prefetch: int) -> DataLoader:
     global _exit_hook
     extra: dict[str, Any] = {}
     if workers > 0:
@@ -125,7 +129,7 @@ def _make_loader(dataset: Dataset, order: Any, workers: int, prefetch: int) -> D
     return DataLoader(
         dataset,
         batch_size=None,
-        sampler=list(order),
+        sampler=order if isinstance(order, Iterator) else list(order),
         num_workers=workers,
         collate_fn=_collate,
         generator=torch.Generator().manual_seed(0),
@@ -283,40 +287,83 @@ class BlockStream:
 
     def _blocks(self, s: int) -> Iterator[tuple[Chunk, int, int, tuple[int, int, int]]]:
         """Stream ``s``'s blocks for this rank: (chunk, block, real tokens, block id). Before each
-        one is handed out, ``state.streams[s]`` moves past it."""
+        one is handed out, ``state.streams[s]`` moves past it.
+
+        One loader reads the whole way, epoch after epoch: its workers start once and run ahead
+        across epoch boundaries, so a new epoch's first blocks are ready when its last are taken.
+        """
         pos = self.state.streams[s]
         # First what a run on another number of ranks left over (see dealing.redeal), and the
         # chunks dealt when the corpus grew.
         queue = list(pos.queue)
-        order = [c for _, c, _ in queue]
-        for i, item in enumerate(start_loader(self.dataset, order, self.workers) if order else ()):
+        plan: deque[_Planned] = deque()
+        chunks = _plan(self.schedule.rank_chunks, s, self.rank, self.world, pos, plan)
+        epoch, whole, produced = -1, False, False
+        for item in start_loader(self.dataset, chunks, self.workers):
+            p = plan.popleft()  # the loader hands chunks back in the order they were drawn
             self._take(item)
-            e, c, first = queue[i]
             v = item.valid
-            for b in range(first, len(item.blocks)):
-                rest = [(e, c, b + 1)] if b + 1 < len(item.blocks) else []
-                self.state.streams[s] = Position(pos.epoch, pos.chunk, pos.block, rest + queue[i + 1 :])
-                yield item, b, int(v[b]), (e, c, b)
-        epoch, start, skip = pos.epoch, pos.chunk, pos.block
-        while True:
-            order = self.schedule.rank_chunks(s, epoch, self.rank, self.world)
-            produced = False
-            for k, item in enumerate(start_loader(self.dataset, order[start:], self.workers), start=start):
-                self._take(item)
-                v = item.valid
-                for b in range(skip, len(item.blocks)):
-                    produced = True
-                    # The next block is b + 1 of this chunk (possibly past its end).
-                    self.state.streams[s] = _normalize(Position(epoch, k, b + 1), len(item.blocks))
-                    yield item, b, int(v[b]), (epoch, int(item.chunk), b)
-                skip = 0
-            if not produced and start == 0:
-                names = [self.schedule.table.names[c] for c in self.schedule.streams[s]]
-                raise CorpusError(
-                    f"rank {self.rank} has no training block of {', '.join(names)} in a whole epoch: the "
-                    "split is empty (too few documents, or --tr_ratio leaves none for training)"
-                )
-            epoch, start = epoch + 1, 0
+            if p.queued >= 0:
+                for b in range(p.first, len(item.blocks)):
+                    rest = [(p.epoch, p.chunk, b + 1)] if b + 1 < len(item.blocks) else []
+                    tail = rest + queue[p.queued + 1 :]
+                    self.state.streams[s] = Position(pos.epoch, pos.chunk, pos.block, tail)
+                    yield item, b, int(v[b]), (p.epoch, p.chunk, b)
+                continue
+            if p.epoch != epoch:
+                if whole and not produced:
+                    raise self._empty(s)
+                epoch, whole, produced = p.epoch, p.k == 0, False
+            for b in range(p.first, len(item.blocks)):
+                produced = True
+                # The next block is b + 1 of this chunk (possibly past its end).
+                self.state.streams[s] = _normalize(Position(p.epoch, p.k, b + 1), len(item.blocks))
+                yield item, b, int(v[b]), (p.epoch, p.chunk, b)
+        raise self._empty(s)  # the plan stopped at an epoch with no chunk for this rank
+
+    def _empty(self, s: int) -> CorpusError:
+        names = [self.schedule.table.names[c] for c in self.schedule.streams[s]]
+        return CorpusError(
+            f"rank {self.rank} has no training block of {', '.join(names)} in a whole epoch: the "
+            "split is empty (too few documents, or --tr_ratio leaves none for training)"
+        )
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A chunk drawn for a reader's loader, and its place in the reading."""
+
+    epoch: int
+    k: int  # place in the epoch's order (-1: from the queue)
+    chunk: int
+    first: int  # blocks of it already taken
+    queued: int = -1  # place in the queue (-1: from an epoch's order)
+
+
+def _plan(
+    rank_chunks: Callable[[int, int, int, int], np.ndarray],
+    s: int,
+    rank: int,
+    world: int,
+    pos: Position,
+    plan: deque[_Planned],
+) -> Iterator[int]:
+    """The chunks a reader at ``pos`` reads, endlessly: its queue, then each epoch's order from
+    ``pos`` on; each one's place is appended to ``plan`` as the loader draws it. Stops at an epoch
+    that deals no chunk to this rank (an empty split)."""
+    for i, (e, c, first) in enumerate(pos.queue):
+        plan.append(_Planned(e, -1, int(c), first, i))
+        yield int(c)
+    epoch, start, skip = pos.epoch, pos.chunk, pos.block
+    while True:
+        order = rank_chunks(s, epoch, rank, world)
+        if start == 0 and len(order) == 0:
+            return
+        for k in range(start, len(order)):
+            plan.append(_Planned(epoch, k, int(order[k]), skip))
+            skip = 0
+            yield int(order[k])
+        epoch, start, skip = epoch + 1, 0, 0
 
 
 def _tally(collections: np.ndarray, valid: list[int]) -> dict[int, int]:
