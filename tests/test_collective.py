@@ -83,3 +83,29 @@ def test_a_peer_that_dies_or_freezes_mid_work_ends_the_other_in_bounded_time(fau
     assert lost.returncode == 3, lost.stdout
     assert said in lost.stdout and "Traceback" not in lost.stdout
     assert elapsed < 15 + 1 + 2 * 3  # start-up, the work's first second, a timeout or two
+
+
+def test_a_rank_unlinks_its_deepspeed_shm_buffer_only_where_all_ranks_share_the_machine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSpeed's CPU allreduce leaves a 66 MB buffer per rank in /dev/shm; the trainer removes its
+    rank's name once the ranks have mapped them, and only where DeepSpeed made them (LOCAL_SIZE equal
+    to WORLD_SIZE), so that every rank takes the same barrier or none does."""
+    from pathlib import Path
+
+    from dsgpt2.train.collective import SHM_BUFFER, release_shared_buffer
+
+    port = str(os.getpid())
+    env = {"MASTER_ADDR": "test-addr", "MASTER_PORT": port, "RANK": "1", "WORLD_SIZE": "2"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    path = Path(SHM_BUFFER.format(uid=os.getuid(), addr="test-addr", port=port, rank=1))
+    path.write_bytes(b"buffer")
+    try:
+        monkeypatch.setenv("LOCAL_SIZE", "1")  # ranks on two machines: no buffer of this run
+        assert not release_shared_buffer() and path.exists()
+        monkeypatch.setenv("LOCAL_SIZE", "2")
+        assert release_shared_buffer() and not path.exists()
+        assert not release_shared_buffer()
+    finally:
+        path.unlink(missing_ok=True)

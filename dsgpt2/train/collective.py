@@ -172,3 +172,28 @@ def leave_process_group() -> None:
         if dist.get_world_size() > 1:
             dist.barrier()
         dist.destroy_process_group()
+
+
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def release_shared_buffer() -> bool:
+    """Unlink this rank's name of DeepSpeed's CPU allreduce buffer once every rank has mapped it.
+
+    On CPU with all ranks on one machine, DeepSpeed's allreduce keeps a 66 MB buffer per rank in
+    /dev/shm, named after MASTER_ADDR, MASTER_PORT and the rank, and never removes it: each run
+    (killed or not) would leave it in RAM until the machine restarts. The ranks map each other's
+    buffers while the process group starts; after a barrier the names are no longer needed, and
+    the memory goes back when the last rank exits, however it exits. Return whether one was removed.
+    """
+    env = os.environ
+    if env.get("LOCAL_SIZE") != env.get("WORLD_SIZE"):  # DeepSpeed's test: only all-local ranks share one
+        return False
+    barrier()  # every rank, or none: each decides from the same two variables
+    addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+    path = SHM_BUFFER.format(uid=os.getuid(), addr=addr, port=port, rank=env.get("RANK", "0"))
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

@@ -33,7 +33,14 @@ from dsgpt2.model import batch_inputs, perplexity, to_device
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
-from dsgpt2.train.collective import all_sum, gather, leave_process_group, on_rank0, peer_lost
+from dsgpt2.train.collective import (
+    all_sum,
+    gather,
+    leave_process_group,
+    on_rank0,
+    peer_lost,
+    release_shared_buffer,
+)
 from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.ds_config import (
     apply_schedule,
@@ -115,6 +122,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     deepspeed.init_distributed(
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
     )
+    release_shared_buffer()
     conn = Connection(mongo)
     conn.ping()
     d = cfg.data
