@@ -58,6 +58,7 @@ def test_the_shipped_bf16_config_trains_and_logs_mfu(corpus: dict[str, Path], tm
     assert last < records[0]["loss"] - 0.4, [round(r["loss"], 3) for r in records]
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in records)
     assert records[-1]["lr"] < records[len(records) // 2]["lr"]
+    assert 0 < records[-1]["peak_memory_gb"] <= torch.cuda.get_device_properties(0).total_memory / 2**30
     if device_peak_tflops(torch.cuda.get_device_name(), "bf16"):
         assert 0 < records[-1]["mfu"] < 1
     else:

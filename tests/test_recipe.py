@@ -163,3 +163,25 @@ def test_a_document_cannot_see_the_one_before_it_in_a_packed_block(attn: str) ->
     assert torch.allclose(masked_changed.logits[0, 4:], masked[0, 4:], atol=1e-6)
     assert not torch.allclose(plain[0, 4:], alone[0], atol=1e-3)  # without the mask it does see it
     assert math.isfinite(float(masked.sum()))
+
+
+def test_a_train_record_on_a_gpu_carries_the_allocator_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``peak_memory_gb`` is read from the CUDA allocator where the losses live on a GPU (stood in for
+    here: no GPU on this machine); ``test_gpu`` checks it against a real device."""
+    from types import SimpleNamespace
+
+    from dsgpt2.train.runlog import RunLog
+
+    class OnGpu(torch.Tensor):
+        @property
+        def is_cuda(self) -> bool:
+            return True
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
+    cfg = SimpleNamespace(run=SimpleNamespace(log_block_ids=False))  # rank 1: no files of its own
+    log = RunLog(cfg, 1, 2, {}, 1.0, None, (0, 0))
+    written: list[dict] = []
+    log.write = written.append
+    log.log_train(1, 64, [torch.tensor(2.0).as_subclass(OnGpu)], [], 1e-3, None, None)
+    log.log_train(2, 128, [torch.tensor(2.0)], [], 1e-3, None, None)
+    assert written[0]["peak_memory_gb"] == 3.0 and "peak_memory_gb" not in written[1]

@@ -107,6 +107,9 @@ class RunLog:
         if self.peak_flops:
             # Per rank: tokens/s counts every rank's tokens, and each rank has its own device.
             record["mfu"] = tps / self.world * self.flops_per_token / self.peak_flops
+        if device_losses[0].is_cuda:
+            # The most this rank's device allocator held since the run (or its resume) began.
+            record["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
         if self.run.log_block_ids:
             record.update(block_ids=ids, losses=losses)
         if collection_tokens is not None:
