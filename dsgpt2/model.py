@@ -114,6 +114,19 @@ def build_model(cfg: Any) -> Any:
     return causal_lm_loss(GPT2LMHeadModel(cfg))
 
 
+def checkpoint_activations(model: Any) -> Any:
+    """``model`` recomputing each block's activations in backward instead of keeping them (non-reentrant
+    checkpoints); under the name of the installed transformers (``gradient_checkpointing_enable`` is
+    deprecated from 5.x's ``activation_checkpointing_enable`` on)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def perplexity(loss: float) -> float:
     """``exp(loss)`` of a mean token loss in nats, kept finite: a diverged run reads as a huge number."""
     return math.exp(min(loss, 700.0))

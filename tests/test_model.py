@@ -100,3 +100,33 @@ def test_perplexity_is_exp_of_the_loss_and_stays_finite() -> None:
 
     assert perplexity(2.0) == math.exp(2.0)
     assert math.isfinite(perplexity(1e6)) and perplexity(1e6) == perplexity(700.0)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("chunk", [0, 4096])
+def test_plan_activations_match_what_autograd_keeps_at_full_depth(checkpointing: bool, chunk: int) -> None:
+    """The plan probes one and two blocks at 32 and 64 tokens; scaled to 6 blocks and a 3 × 96 micro-batch
+    it gives the bytes autograd keeps there, measured whole."""
+    from dsgpt2.train.plan import _saved_bytes, activations
+
+    est = activations("112m_half", 512, 96, 3, checkpointing, chunk)
+    whole = _saved_bytes("112m_half", 512, PRESETS["112m_half"].n_layer, 96, checkpointing, chunk, rows=3)
+    assert est.saved == pytest.approx(whole, rel=0.02)
+    assert est.total > est.saved > 0 and est.fixed >= 0
+
+
+def test_plan_prints_activations_and_the_largest_micro_batch_that_fits(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    def largest(memory: str) -> list[str]:
+        out = run_cli("plan", "--model_select", "tiny", "--vocab_size", "512", "--micro_batch", "4",
+                      "--gpu_memory", memory, cwd=tmp_path)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "activations of a micro-batch of 4 × 128 tokens (bf16, eager)" in out.stdout
+        return [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("  stage ")]
+
+    small, large = largest("0.05"), largest("2")
+    assert len(small) == len(large) == 7
+    assert all(int(b) > int(a) for a, b in zip(small, large, strict=True))
+    bad = run_cli("plan", "--model_select", "tiny", "--gpu_memory", "0", cwd=tmp_path)
+    assert bad.returncode == 2 and "--gpu_memory: must be a positive number, got '0'" in bad.stderr

@@ -819,7 +819,8 @@ def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
 
     flops = flops_per_token(gpt2_config("tiny", load_vocab_size(corpus["tok"]), 64, 0, 1), 64)
 
-    train(corpus, tmp_path, "--train_iters", "6", "--save_interval", "3", *RECIPE)
+    run = train(corpus, tmp_path, "--train_iters", "6", "--save_interval", "3", *RECIPE)
+    assert "deprecated" not in run.stderr  # activation checkpointing under transformers' current name
     first = steps(tmp_path)
     curve = Schedule("wsd", 2e-3, total=6, warmup=2, min_ratio=0.1, decay_fraction=0.5)
     for k in range(1, 7):

@@ -8,7 +8,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.argtypes import positive_int
+from dsgpt2.argtypes import non_negative_int, positive_float, positive_int
+from dsgpt2.model import DEFAULT_LOSS_CHUNK
 
 log = logging.getLogger("dsgpt2")
 
@@ -55,6 +56,12 @@ def add_plan(sub: Any) -> None:
     p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default 50257)")
     p.add_argument("--num_gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--num_nodes", type=positive_int, default=1, help="nodes (default 1)")
+    p.add_argument("--micro_batch", type=positive_int, help="add activations: N sequences a micro-batch")
+    p.add_argument("--context_length", type=positive_int, help="tokens per sequence (default: the preset's)")
+    p.add_argument("--activation_checkpointing", action="store_true", help="as the trainer's flag")
+    chunk = f"as the trainer's flag (default {DEFAULT_LOSS_CHUNK}; 0: transformers' loss)"
+    p.add_argument("--loss_chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK, help=chunk)
+    p.add_argument("--gpu_memory", type=positive_float, default=80.0, help="GB per GPU (default 80)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_plan)
 
@@ -124,8 +131,17 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from dsgpt2.model import PRESETS
     from dsgpt2.train.plan import plan, plan_lines
 
     total, rows = plan(args.model_select, args.vocab_size, args.num_gpus, args.num_nodes)
-    print("\n".join(plan_lines(args.model_select, total, rows, args.num_gpus, args.num_nodes)))
+    act, shape = None, (0, 0)
+    if args.micro_batch:
+        from dsgpt2.train.plan import activations
+
+        shape = (args.micro_batch, args.context_length or PRESETS[args.model_select].context)
+        act = activations(args.model_select, args.vocab_size, shape[1], shape[0],
+                          args.activation_checkpointing, args.loss_chunk)  # fmt: skip
+    where = (args.num_gpus, args.num_nodes)
+    print("\n".join(plan_lines(args.model_select, total, rows, *where, act, shape, args.gpu_memory)))
     return 0

@@ -20,6 +20,7 @@ from dsgpt2.lmloss import with_chunked_loss
 from dsgpt2.model import (
     PRESETS,
     build_model,
+    checkpoint_activations,
     count_parameters,
     flops_per_token,
     gpt2_config,
@@ -115,7 +116,7 @@ def build_engine(
         log.info("initialised from %s", m.init_from)
     model = with_chunked_loss(model, c.loss_chunk)
     if c.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     groups = param_groups(model, optimizer_weight_decay(ds_config))
     scheduler = None
     if lr_schedule is not None:

@@ -9,6 +9,7 @@ states only: activations come on top and grow with micro-batch and context.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
@@ -61,17 +62,140 @@ def plan(
     return total, rows
 
 
-def plan_lines(preset: str, total: int, rows: list[PlanRow], gpus_per_node: int, nodes: int) -> list[str]:
+def plan_lines(
+    preset: str,
+    total: int,
+    rows: list[PlanRow],
+    gpus_per_node: int,
+    nodes: int,
+    act: Activations | None = None,
+    shape: tuple[int, int] = (0, 0),
+    gpu_memory: float = 80.0,
+) -> list[str]:
+    """The table ``dsgpt2 plan`` prints; with ``act`` (a micro-batch of ``shape`` = (micro-batch,
+    context)), the activations, the total per GPU and the largest micro-batch in ``gpu_memory`` GB."""
     gib = 1024**3
-    out = [
-        f"{preset}: {total / 1e6:.0f}M parameters; model states on {nodes} node(s) × {gpus_per_node} GPU(s) "
-        "(activations not included)",
-        f"  {'option':<48} {'per GPU':>10} {'CPU per node':>14}",
-    ]
-    for r in rows:
-        out.append(f"  {r.option:<48} {r.gpu_bytes / gib:>8.2f} GB {r.cpu_bytes / gib:>11.2f} GB")
+    out = [f"{preset}: {total / 1e6:.0f}M parameters on {nodes} node(s) × {gpus_per_node} GPU(s)"]
+    if act is None:
+        out[0] += " (model states; activations not included)"
+        out.append(f"  {'option':<48} {'per GPU':>10} {'CPU per node':>14}")
+        for r in rows:
+            out.append(f"  {r.option:<48} {r.gpu_bytes / gib:>8.2f} GB {r.cpu_bytes / gib:>11.2f} GB")
+    else:
+        micro, context = shape
+        out.append(
+            f"  activations of a micro-batch of {micro} × {context} tokens (bf16, eager): "
+            f"{act.saved / gib:.2f} GB kept for backward + {act.working / gib:.2f} GB working"
+        )
+        fits = f"micro in {gpu_memory:g} GB"
+        head = f"{'states':>9} {'+ activ.':>9} {'per GPU':>9} {'CPU/node':>9} {fits:>16}"
+        out.append(f"  {'option':<44} {head}")
+        for r in rows:
+            room = LEFT_FREE * gpu_memory * gib - r.gpu_bytes - act.fixed
+            largest = max(0, int(room // act.per_micro_row))
+            out.append(
+                f"  {r.option:<44} {r.gpu_bytes / gib:>6.2f} GB {act.total / gib:>6.2f} GB "
+                f"{(r.gpu_bytes + act.total) / gib:>6.2f} GB {r.cpu_bytes / gib:>6.2f} GB "
+                f"{largest if largest else 'none':>16}"
+            )
+        out.append(
+            f"  largest micro-batch: at context {context}, with {1 - LEFT_FREE:.0%} of the GPU left to the "
+            "allocator; torch.compile keeps fewer activations than eager"
+        )
     out.append(
         "  configs: ds_config.json (stage 1, bf16), ds_config_fp16.json, ds_config_zero2_offload.json, "
         "ds_config_zero3_offload.json, ds_config_cpu.json (CPU, fp32)"
     )
     return out
+
+
+LEFT_FREE = 0.9  # the share of a GPU's memory a plan fills: the caching allocator's fragmentation
+
+
+@dataclass
+class Activations:
+    """What a micro-batch adds on top of the model states, per GPU (bytes)."""
+
+    saved: float  # tensors kept for backward, at the end of the forward
+    working: float  # the largest transient: a chunk of logits in the loss, a layer recomputed
+    per_micro_row: float  # saved + working per sequence of the micro-batch (for fitting)
+    fixed: float  # saved + working that do not grow with the micro-batch
+
+    @property
+    def total(self) -> float:
+        return self.saved + self.working
+
+
+def activations(
+    preset: str,
+    vocab: int,
+    context: int,
+    micro_batch: int,
+    checkpointing: bool = False,
+    loss_chunk: int = 0,
+    probe_tokens: int = 32,
+) -> Activations:
+    """The activation memory of one micro-batch of ``micro_batch`` × ``context`` tokens in bf16 (eager).
+
+    Measured, not modelled: the bytes autograd keeps for backward are counted on the CPU for the
+    preset's own blocks (1 and 2 layers, ``probe_tokens`` and twice as many tokens), then scaled
+    linearly to its layers and the micro-batch's tokens; the recomputed layer (checkpointing) and the
+    chunked loss's logits (``loss_chunk`` tokens × vocabulary, in bf16 and float32) come on top.
+    torch.compile keeps fewer tensors than eager.
+    """
+    layers = PRESETS[preset].n_layer
+    one = _saved_bytes(preset, vocab, 1, probe_tokens, checkpointing, loss_chunk)
+    per_layer = _saved_bytes(preset, vocab, 2, probe_tokens, checkpointing, loss_chunk) - one
+    doubled = _saved_bytes(preset, vocab, 1, 2 * probe_tokens, checkpointing, loss_chunk) - one
+    per_token = (doubled - per_layer) / probe_tokens  # outside the blocks: embeddings, final norm, loss
+    per_token_layer = per_layer / probe_tokens
+    fixed = one - probe_tokens * (per_token + per_token_layer)  # e.g. the head's float32 gradient
+    tokens = micro_batch * context
+    per_row = context * (per_token + layers * per_token_layer)
+    working_fixed = 6.0 * min(loss_chunk, tokens) * vocab if loss_chunk else 0.0
+    working_row = 0.0 if loss_chunk else 6.0 * context * vocab  # transformers' loss: bf16 + float32 logits
+    if checkpointing:  # backward recomputes one block, whole
+        full = _saved_bytes(preset, vocab, 2, probe_tokens, False, loss_chunk) - _saved_bytes(
+            preset, vocab, 1, probe_tokens, False, loss_chunk
+        )
+        working_row += context * full / probe_tokens
+    return Activations(
+        saved=fixed + micro_batch * per_row,
+        working=working_fixed + micro_batch * working_row,
+        per_micro_row=per_row + working_row,
+        fixed=fixed + working_fixed,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _saved_bytes(
+    preset: str, vocab: int, layers: int, tokens: int, checkpointing: bool, chunk: int, rows: int = 1
+) -> float:
+    """Bytes of the tensors autograd keeps for backward after one forward of ``rows`` sequences of
+    ``tokens`` tokens through ``preset``'s width with ``layers`` blocks (bf16, parameters not counted)."""
+    import torch
+
+    from dsgpt2.lmloss import with_chunked_loss
+    from dsgpt2.model import build_model, checkpoint_activations, gpt2_config
+
+    cfg = gpt2_config(preset, vocab, tokens, 0, 0)
+    cfg.n_layer = layers
+    cfg._attn_implementation = "sdpa"
+    model = build_model(cfg).to(torch.bfloat16)
+    with_chunked_loss(model, chunk)
+    if checkpointing:
+        checkpoint_activations(model)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    return float(sum(kept.values()))
