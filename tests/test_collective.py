@@ -105,6 +105,7 @@ def test_a_rank_unlinks_its_deepspeed_shm_buffer_only_where_all_ranks_share_the_
         monkeypatch.setenv("LOCAL_SIZE", "1")  # ranks on two machines: no buffer of this run
         assert not release_shared_buffer() and path.exists()
         monkeypatch.setenv("LOCAL_SIZE", "2")
+        assert not release_shared_buffer("cuda") and path.exists()  # NCCL ranks: none of DeepSpeed's
         assert release_shared_buffer() and not path.exists()
         assert not release_shared_buffer()
     finally:

@@ -177,7 +177,7 @@ def leave_process_group() -> None:
 SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
 
 
-def release_shared_buffer() -> bool:
+def release_shared_buffer(device: str = "cpu") -> bool:
     """Unlink this rank's name of DeepSpeed's CPU allreduce buffer once every rank has mapped it.
 
     On CPU with all ranks on one machine, DeepSpeed's allreduce keeps a 66 MB buffer per rank in
@@ -187,8 +187,8 @@ def release_shared_buffer() -> bool:
     the memory goes back when the last rank exits, however it exits. Return whether one was removed.
     """
     env = os.environ
-    if env.get("LOCAL_SIZE") != env.get("WORLD_SIZE"):  # DeepSpeed's test: only all-local ranks share one
-        return False
+    if device != "cpu" or env.get("LOCAL_SIZE") != env.get("WORLD_SIZE"):
+        return False  # DeepSpeed's CPU accelerator only, and (its test) only when all ranks are local
     barrier()  # every rank, or none: each decides from the same two variables
     addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
     path = SHM_BUFFER.format(uid=os.getuid(), addr=addr, port=port, rank=env.get("RANK", "0"))

@@ -122,7 +122,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     deepspeed.init_distributed(
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
     )
-    release_shared_buffer()
+    release_shared_buffer(device)
     conn = Connection(mongo)
     conn.ping()
     d = cfg.data
