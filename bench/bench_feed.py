@@ -124,6 +124,11 @@ def encode_rate(source: Any, tokenizer_dir: Path, repeats: int = 3) -> float:
     return tokens / statistics.median(times[1:])
 
 
+def every_chunk(source: Any, epochs: int) -> list[Any]:
+    """Every chunk as the first ``epochs`` epochs read it (each epoch's chunks hold other documents)."""
+    return [source[(e, c)] for e in range(epochs) for c in range(len(source))]
+
+
 def _setup(texts: list[str], tokenizer_dir: Path) -> tuple[Any, Any, Any]:
     from dsgpt2.corpus.config import config_from_dict
     from dsgpt2.corpus.mongo import Connection
@@ -159,7 +164,7 @@ def feed(texts: list[str], results: Path, epochs: int = 6, cached_epochs: int = 
 
     anchor = encode_rate(source, tokenizer)
     end_to_end = read(source, schedule, 1, epochs)
-    with instant_backend(lambda: [source[c] for c in range(len(source))]):
+    with instant_backend(lambda: every_chunk(source, epochs + 2)):
         streaming = {w: read(source, schedule, w, epochs) for w in (1, 2, 4)}
         paced = {w: read(source, schedule, w, epochs, step=PACE * streaming[w].per_micro) for w in (1, 2)}
     prepare_cache(config, tokenizer, spec, work / "cache", workers=2, force=True, table=schedule.table)

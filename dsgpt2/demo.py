@@ -39,9 +39,6 @@ DEMO_STEPS = 1000
 DEMO_DS_CONFIG = "ds_config_demo.json"  # micro-batch 16
 DEMO_LR = 3e-3
 DEMO_WARMUP = 40
-# The sample is stored module by module; chunks of 50 documents mix the modules within an epoch
-# finely enough (with 1,000 a step's blocks would all document one module).
-DEMO_CHUNK_DOCS = 50
 CHAT_STEPS = 150
 PROMPT = "Return a new list"
 QUESTION = "What does `json.dumps` do?"
@@ -195,8 +192,7 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
         gpt2_config("tiny", tok.get_vocab_size(), PRESETS["tiny"].context, tok.token_to_id(EOT),
                     tok.token_to_id(PAD))
     )  # fmt: skip
-    fp = {"context": PRESETS["tiny"].context, "chunk_docs": DEMO_CHUNK_DOCS, "tr_ratio": TR_RATIO,
-          "seed": DEFAULT_SEED}  # fmt: skip
+    fp = {"context": PRESETS["tiny"].context, "tr_ratio": TR_RATIO, "seed": DEFAULT_SEED}
     loaded = LoadedModel(model.eval(), tokenizer, "untrained tiny", {"step": 0, "fingerprint": fp})
     return _evaluate_loaded(loaded, config, conn, progress)
 
@@ -264,7 +260,6 @@ def _train(
     data, schedule = {}, ScheduleOptions()
     if pretrain:
         ds_config = shipped_config(DEMO_DS_CONFIG)
-        data["chunk_docs"] = DEMO_CHUNK_DOCS
         warmup = min(DEMO_WARMUP, steps // 4)
         schedule = ScheduleOptions(lr_schedule="cosine", lr=DEMO_LR, warmup_iters=warmup)
     cfg = TrainConfig(

@@ -53,6 +53,13 @@ def pooled(data: StreamingChunks, seed: int) -> Schedule:
     return Schedule(data.table, [tuple(range(len(data.table.names)))], seed)
 
 
+def served(data, epoch: int, chunk: int) -> list[tuple[int, int, int]]:
+    """The block ids of ``chunk`` in ``epoch``, in the order training hands them out."""
+    item = data[(epoch, chunk)]
+    order = item.order if item.order is not None else range(len(item.blocks))
+    return [(epoch, chunk, int(b)) for b in order]
+
+
 def test_chunks_hold_only_their_split(source, tokenizer: Path) -> None:
     conn, counts, spec = source
     train = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
@@ -118,10 +125,10 @@ class _Logged(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, chunk: int):
+    def __getitem__(self, key: tuple[int, int]):
         with open(self.log, "a") as f:
-            f.write(f"{chunk}\n")
-        return self.data[chunk]
+            f.write(f"{key[1]}\n")
+        return self.data[key]
 
 
 def _lines(path: Path) -> list[str]:
@@ -141,8 +148,7 @@ def test_one_loader_reads_every_epoch_and_fetches_across_the_boundary(
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     schedule = pooled(data, spec.seed)
-    expected = [(e, int(c), b) for e in range(3) for c in schedule.rank_chunks(0, e, 0, 1)
-                for b in range(len(data[c].blocks))]  # fmt: skip
+    expected = [x for e in range(3) for c in schedule.rank_chunks(0, e, 0, 1) for x in served(data, e, int(c))]
     first_epoch = sum(1 for e, _, _ in expected if e == 0)
     chunks = len(schedule.rank_chunks(0, 0, 0, 1))
     log = tmp_path / "fetched"
@@ -180,7 +186,7 @@ def test_a_reader_saved_at_an_epoch_end_resumes_with_the_next_epoch(source, toke
     ends = ReadState.start(1)
     ends.streams[0] = Position(0, len(schedule.rank_chunks(0, 0, 0, 1)), 0)
     first = next(iter(BlockStream(data, schedule, 0, 1, 1, state=ends, workers=0)))
-    assert first.block_ids == [(1, int(schedule.rank_chunks(0, 1, 0, 1)[0]), 0)]
+    assert first.block_ids == served(data, 1, int(schedule.rank_chunks(0, 1, 0, 1)[0]))[:1]
 
 
 def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer: Path) -> None:
@@ -203,17 +209,26 @@ def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer:
     assert not any(p.is_alive() for p in workers) and time.monotonic() - started < 3
 
 
-def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("order", ["spread", "ranges"])
+def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path, order: str) -> None:
+    """Chunks as they lie (evaluation) and as each epoch reads them (training), both splits: the
+    same blocks, block order and tokens per collection from the token files as from the database."""
+    from dataclasses import replace
+
     conn, counts, spec = source
+    spec = replace(spec, order=order)
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
     fp = fingerprint(conn.config, tokenizer, spec)
-    totals = build_cache(streaming, tmp_path, fp, vocab_size=400, workers=0)
-    assert totals["train"] > 0 and (tmp_path / "train.bin").stat().st_size == totals["train"] * 32 * 2
+    totals = build_cache(StreamingChunks(conn.config, counts, tokenizer, spec, "all"), tmp_path, fp, 400, workers=0)
+    assert totals["train"] > 4 * totals["val"] > 0
+    assert (tmp_path / "tokens.bin").stat().st_size == (totals["train"] + totals["val"]) * 2
     for split in ("train", "val"):
         cached = CachedChunks(tmp_path, split, streaming[split].table)
-        for c in range(len(cached)):
-            a, b = streaming[split][c], cached[c]
+        for key in [*range(len(cached)), *((e, c) for e in (0, 3) for c in range(len(cached)))]:
+            a, b = streaming[split][key], cached[key]
             assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
+            assert np.array_equal(a.shares, b.shares) and a.shares.sum() == a.valid.sum()
+            assert (a.order is None) == (b.order is None) and (a.order is None or np.array_equal(a.order, b.order))
     va = eval_batches(streaming["val"], 0, 1, 4, limit=3)
     vb = eval_batches(CachedChunks(tmp_path, "val", streaming["val"].table), 0, 1, 4, limit=3)
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
@@ -227,21 +242,20 @@ def test_layout_places_each_document_where_its_chunk_packs_it(source, tokenizer:
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     tok = load_tokenizer(tokenizer)
-    for c in (0, 9):  # one chunk of each collection
-        coll, lo, hi = data.table.locate(c)
-        where, flat = data.layout(c), data[c].blocks.reshape(-1)
-        train = np.arange(lo, hi)[split_mask(np.arange(lo, hi), spec.tr_ratio, spec.seed, ("s", "t")[coll])]
-        assert sorted(where) == train.tolist()
-        docs = {
-            d["idx"]: d["filt_text"] for d in conn.db[("s", "t")[coll]].find({"idx": {"$in": train.tolist()}})
-        }
+    names = ("s", "t")
+    for key in (0, 9, (2, 0), (2, 9)):  # one chunk of each collection, as it lies and in epoch 2
+        colls, idxs = data.chunks.wanted(key)
+        where, flat = data.layout(key), data[key].blocks.reshape(-1)
+        assert list(where) == list(zip(colls.tolist(), idxs.tolist(), strict=True))  # in reading order
+        assert all(split_mask(np.array([i]), spec.tr_ratio, spec.seed, names[c])[0] for c, i in where)
         at = 0
-        for idx in train.tolist():
-            first, end = where[idx]
+        for c, idx in where:
+            first, end = where[(c, idx)]
+            text = conn.db[names[c]].find_one({"idx": idx})["filt_text"]
             assert first == at and flat[end - 1] == spec.eot
-            assert flat[first : end - 1].tolist() == tok.encode(docs[idx], add_special_tokens=False).ids
+            assert flat[first : end - 1].tolist() == tok.encode(text, add_special_tokens=False).ids
             at = end
-        assert at == data[c].valid.sum()
+        assert at == data[key].valid.sum()
 
 
 def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokenizer: Path) -> None:
@@ -300,11 +314,12 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
     chunk = streaming["train"][0]
     assert chunk.loss is not None and chunk.loss.shape == chunk.blocks.shape
     assert 0 < chunk.loss.mean() < 1  # replies learned, questions and speaker tokens not
-    build_cache(streaming, tmp_path, fingerprint(conn.config, tokenizer, spec), 400, workers=0)
+    everything = StreamingChunks(conn.config, counts, tokenizer, spec, "all")
+    build_cache(everything, tmp_path, fingerprint(conn.config, tokenizer, spec), 400, workers=0)
     for split in ("train", "val"):
         cached = CachedChunks(tmp_path, split, streaming[split].table)
-        for c in range(len(cached)):
-            a, b = streaming[split][c], cached[c]
+        for key in [*range(len(cached)), *((1, c) for c in range(len(cached)))]:
+            a, b = streaming[split][key], cached[key]
             assert np.array_equal(a.blocks, b.blocks) and np.array_equal(a.loss, b.loss)
     (batch,) = eval_batches(CachedChunks(tmp_path, "train", streaming["train"].table), 0, 1, 4, limit=1)
     rows = [streaming["train"][c] for c in sorted({c for _, c, _ in batch.block_ids})]
@@ -470,7 +485,7 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
 def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(source, tokenizer: Path) -> None:
     """``python -m bench feed`` times what the trainer reads: its replayed database answers give the
     very blocks that mongomock gives, to forked workers too, and its windows cross the boundaries."""
-    from bench.bench_feed import MICRO, read
+    from bench.bench_feed import MICRO, every_chunk, read
     from bench.common import instant_backend
 
     conn, counts, spec = source
@@ -481,7 +496,7 @@ def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(sour
         return [b for _, b in zip(range(40), BlockStream(data, schedule, 0, 1, 7, workers=1), strict=False)]
 
     plain = batches()
-    with instant_backend(lambda: [data[c] for c in range(len(data))]):
+    with instant_backend(lambda: every_chunk(data, 4)):
         replayed = batches()
         r = read(data, schedule, 1, epochs=2)
     assert [b.block_ids for b in replayed] == [b.block_ids for b in plain]

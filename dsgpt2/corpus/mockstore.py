@@ -50,6 +50,7 @@ FAULT_ENV = "DSGPT2_MOCKSTORE_FAULT"
 def client_for(uri: str) -> mongomock.MongoClient:
     """A mongomock client on the store that ``uri`` names, loading its file if it changed."""
     _install_fast_unique_inserts()
+    _install_fast_in()
     _install_pymongo_checks()
     _install_faults(os.environ.get(FAULT_ENV, ""))
     path = store_path(uri)
@@ -185,6 +186,35 @@ def _load(path: str) -> ServerStore:
 # mongomock's own path so that errors keep mongomock's exact semantics.
 _patch_lock = threading.Lock()
 _unchecked = threading.local()
+
+
+def _install_fast_in() -> None:
+    """``{"idx": {"$in": [...]}}`` tested by set membership: mongomock tests each document against
+    the whole list (a chunk's spread reading, 1,000 ids, took a second on 20,000 documents)."""
+    from mongomock import filtering
+
+    with _patch_lock:
+        if getattr(filtering, "_dsgpt2_fast_in", False):
+            return
+        original = filtering._in_op
+        # The list last asked and its set (one tuple, replaced whole: threads may query at once); a
+        # query asks one list of every document it scans. Held, so no other list takes its id.
+        last: list[tuple[Any, frozenset[int] | None]] = [(None, None)]
+
+        def in_op(doc_val: Any, search_val: Any) -> bool:
+            if type(doc_val) is int and isinstance(search_val, list):
+                asked, ids = last[0]
+                if asked is not search_val:
+                    ids = frozenset(search_val) if all(type(x) is int for x in search_val) else None
+                    last[0] = (search_val, ids)
+                if ids is not None:
+                    return doc_val in ids
+            return original(doc_val, search_val)
+
+        filtering._in_op = in_op
+        filtering._filterer_inst._operator_map["$in"] = in_op
+        filtering._filterer_inst._operator_map["$nin"] = lambda dv, sv: not in_op(dv, sv)
+        filtering._dsgpt2_fast_in = True
 
 
 def _install_fast_unique_inserts() -> None:

@@ -1,18 +1,24 @@
-"""The token cache: every chunk's blocks, tokenized once, in memory-mapped files.
+"""The token cache: every document's tokens, tokenized once, in memory-mapped files.
 
 ``dsgpt2 tokenize`` (or the first ``--data_mode cached`` run) writes them with worker processes;
 :class:`CachedChunks` reads them at memory speed and gives the same blocks as
-:class:`~dsgpt2.data.sources.StreamingChunks` for the same chunk. Chunks are filed under the
-documents they hold (collection, lo, hi), so when the corpus grows only the new chunks are
-tokenized and appended; another tokenizer, collection list or data setting rebuilds the cache.
-``cache.json``, written last, says how many chunks are complete: a crash while appending leaves
-the cache as it was before.
+:class:`~dsgpt2.data.sources.StreamingChunks` for the same key: it gathers the documents a chunk
+holds in an epoch (:mod:`dsgpt2.data.order`) from the files and packs them as streaming does.
+
+Files: ``tokens.bin`` holds every document's tokens and end-of-text, both splits, laid end to end
+(``loss.bin`` the loss flag of each token, conversations only); ``offsets.bin`` (int64) where each
+document starts, the documents of the table's chunks as they lie, one after the other; ``chunks.npy`` those
+chunks, filed under the documents they hold (collection, lo, hi), so when the corpus grows only the
+new chunks are tokenized and appended. Another tokenizer, collection list or data setting rebuilds
+the cache. ``cache.json``, written last, says how many chunks are complete: a crash while appending
+leaves the cache as it was before.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,80 +27,139 @@ from torch.utils.data import Dataset
 
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.loader import start_loader
-from dsgpt2.data.sources import SPLITS, Chunk, DataSpec, StreamingChunks, fingerprint
+from dsgpt2.data.packing import pack_flat
+from dsgpt2.data.sources import Chunk, Chunks, DataSpec, Key, StreamingChunks, fingerprint, spec_of
+from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.files import atomic_write_text, atomic_writer
+
+FORMAT = 2  # the files' layout: 2 = tokens per document (1 held packed blocks per chunk and split)
+_FORMER = ("train.bin", "val.bin", "train.loss.bin", "val.loss.bin", "train.offsets.npy",
+           "val.offsets.npy", "train.last.npy", "val.last.npy")  # fmt: skip
 
 
 def _meta(cache_dir: Path) -> dict[str, Any] | None:
     path = cache_dir / "cache.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    return meta if meta.get("format") == FORMAT else None
 
 
 class CachedChunks(Dataset):
-    """Chunk ``i`` of a split, read from the memory-mapped files of ``dsgpt2 tokenize``.
+    """Chunks of a split, gathered from the memory-mapped files of ``dsgpt2 tokenize``.
 
     Args:
         table: the run's chunk table; chunk ids are its ids.
+        streams: the collections read as one pool (default: all of them).
 
     Raises:
-        KeyError: (on access) a chunk of ``table`` that the cache does not hold.
+        KeyError: (on access) a document of a chunk the cache does not hold.
     """
 
-    def __init__(self, cache_dir: Path, split: str, table: ChunkTable) -> None:
+    def __init__(
+        self, cache_dir: Path, split: str, table: ChunkTable, streams: Sequence[Sequence[int]] | None = None
+    ) -> None:
         self.cache_dir = cache_dir
         self.split = split
-        self.table = table
         meta = _meta(cache_dir) or {}
-        k = int(meta["chunks"])
-        self.context = meta["fingerprint"]["context"]
+        fp = meta["fingerprint"]
+        self.spec = spec_of(fp)
+        self.chunks = Chunks(table, fp["collections"], self.spec, split, streams)
         self.dtype = np.dtype(meta["dtype"])
-        self.offsets = np.load(cache_dir / f"{split}.offsets.npy")[: k + 1]
-        self.lasts = np.load(cache_dir / f"{split}.last.npy")[:k]
-        self.rows = {tuple(r): i for i, r in enumerate(np.load(cache_dir / "chunks.npy")[:k].tolist())}
-        self.has_loss = meta["fingerprint"].get("task", "lm") == "conversation"
-        self._blocks: np.memmap | None = None
-        self._loss: np.memmap | None = None
+        rows = np.load(cache_dir / "chunks.npy")[: int(meta["chunks"])].reshape(-1, 3)
+        bases = np.concatenate([[0], np.cumsum(rows[:, 2] - rows[:, 1])])
+        self.offsets = np.memmap(cache_dir / "offsets.bin", dtype=np.int64, mode="r", shape=(int(bases[-1]) + 1,))
+        # Per collection, its rows by first idx: a document's place in offsets.npy without a scan.
+        self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for c in np.unique(rows[:, 0]).tolist():
+            mine = np.flatnonzero(rows[:, 0] == c)
+            mine = mine[np.argsort(rows[mine, 1])]
+            self._rows[c] = (rows[mine, 1], rows[mine, 2], bases[mine])
+        self.has_loss = self.spec.task == "conversation"
+        self._tokens: np.ndarray | None = None
+        self._loss: np.ndarray | None = None
+
+    @property
+    def table(self) -> ChunkTable:
+        return self.chunks.table
 
     def __len__(self) -> int:
         return self.table.n_chunks
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_blocks": None, "_loss": None}
+        return {**self.__dict__, "_tokens": None, "_loss": None}
 
     def grown(self, table: ChunkTable) -> CachedChunks:
         """The cache (appended to since) read through ``table``."""
-        return CachedChunks(self.cache_dir, self.split, table)
+        return CachedChunks(self.cache_dir, self.split, table, self.chunks.streams)
 
-    def _map(self, suffix: str, dtype: Any) -> np.ndarray:
+    def _map(self, name: str, dtype: Any) -> np.ndarray:
         n = int(self.offsets[-1])
         if not n:
-            return np.empty((0, self.context), dtype=dtype)
-        path = self.cache_dir / f"{self.split}{suffix}"
-        return np.memmap(path, dtype=dtype, mode="r", shape=(n, self.context))
+            return np.empty(0, dtype=dtype)
+        return np.memmap(self.cache_dir / name, dtype=dtype, mode="r", shape=(n,))
 
-    def __getitem__(self, chunk: int) -> Chunk:
-        if self._blocks is None:
-            self._blocks = self._map(".bin", self.dtype)
+    def _places(self, colls: np.ndarray, idxs: np.ndarray) -> np.ndarray:
+        """Each document's place in offsets.bin."""
+        out = np.empty(len(idxs), dtype=np.int64)
+        for c in np.unique(colls).tolist():
+            at = colls == c
+            los, his, bases = self._rows.get(c, (np.empty(0, np.int64),) * 3)
+            r = np.searchsorted(los, idxs[at], side="right") - 1
+            if (r < 0).any() or (idxs[at] >= his[np.maximum(r, 0)]).any():
+                raise KeyError(f"the token cache {self.cache_dir} lacks documents of collection {c}")
+            out[at] = bases[r] + idxs[at] - los[r]
+        return out
+
+    def __getitem__(self, key: Key) -> Chunk:
+        if self._tokens is None:
+            self._tokens = self._map("tokens.bin", self.dtype)
             if self.has_loss:
-                self._loss = self._map(".loss.bin", np.bool_)
-        row = self.rows[self.table.locate(chunk)]
-        lo, hi = int(self.offsets[row]), int(self.offsets[row + 1])
-        loss = np.asarray(self._loss[lo:hi]) if self._loss is not None else None
-        blocks = np.asarray(self._blocks[lo:hi], dtype=np.int32)
-        return Chunk(chunk, blocks, int(self.lasts[row]), loss=loss)
+                self._loss = self._map("loss.bin", np.bool_)
+        colls, idxs = self.chunks.wanted(key)
+        places = self._places(colls, idxs)
+        starts = np.asarray(self.offsets[places], dtype=np.int64)
+        lengths = np.asarray(self.offsets[places + 1], dtype=np.int64) - starts
+        kept = lengths > 0  # documents without usable text hold no tokens
+        starts, lengths, colls = starts[kept], lengths[kept], colls[kept]
+        # Every token of the kept documents, in reading order: one gather from the mapped file.
+        total = int(lengths.sum())
+        first = np.cumsum(lengths) - lengths
+        gather = np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
+        blocks, last = pack_flat(self._tokens[gather], self.spec.context, self.spec.pad)
+        loss = None
+        if self._loss is not None:
+            loss = np.zeros(blocks.size, dtype=bool)
+            loss[:total] = self._loss[gather]
+            loss = loss.reshape(blocks.shape)
+        item = Chunk(self.chunks.chunk_id(key), blocks, last, loss=loss)
+        return self.chunks.finish(key, item, lengths, colls)
+
+
+class _DocumentTokens(Dataset):
+    """What a cache builder's workers make of a chunk: its documents' tokens (as it lies)."""
+
+    def __init__(self, source: StreamingChunks) -> None:
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, chunk: int) -> Any:
+        return self.source.document_tokens(chunk)
 
 
 def build_cache(
-    sources: dict[str, StreamingChunks],
+    source: StreamingChunks,
     cache_dir: Path,
     fp: dict[str, Any],
     vocab_size: int,
     workers: int = 2,
     tick: Callable[[], None] | None = None,
 ) -> dict[str, int]:
-    """Tokenize every chunk of each split's table into ``cache_dir``: the chunks it already holds
-    under the same fingerprint are kept, the others appended. Return the blocks per split.
+    """Tokenize every document of ``source``'s table into ``cache_dir``: the chunks it already holds
+    under the same fingerprint are kept, the others appended. Return the tokens per split.
     ``tick``: called after each chunk (a training run's other ranks wait meanwhile)."""
     from tqdm import tqdm
 
@@ -102,50 +167,61 @@ def build_cache(
     meta = _meta(cache_dir)
     if meta is None or meta["fingerprint"] != fp:
         (cache_dir / "cache.json").unlink(missing_ok=True)
-        meta = {"fingerprint": fp, "dtype": "uint16" if vocab_size <= 2**16 else "uint32", "chunks": 0}
+        for name in _FORMER:
+            (cache_dir / name).unlink(missing_ok=True)
+        dtype = "uint16" if vocab_size <= 2**16 else "uint32"
+        meta = {"format": FORMAT, "fingerprint": fp, "dtype": dtype, "chunks": 0, "tokens": {}}
     dtype, k = np.dtype(meta["dtype"]), int(meta["chunks"])
-    table = next(iter(sources.values())).table
-    rows = np.load(cache_dir / "chunks.npy")[:k] if k else np.empty((0, 3), dtype=np.int64)
+    table = source.table
+    rows = np.load(cache_dir / "chunks.npy")[:k].reshape(-1, 3) if k else np.empty((0, 3), dtype=np.int64)
     have = {tuple(r) for r in rows.tolist()}
     todo = [c for c in range(table.n_chunks) if table.locate(c) not in have]
     if k and not todo:
-        return dict(meta["blocks"])  # up to date: the files are left untouched
-    totals = {}
-    for split, source in sources.items():
-        offsets = np.load(cache_dir / f"{split}.offsets.npy")[: k + 1] if k else np.zeros(1, dtype=np.int64)
-        lasts = list(np.load(cache_dir / f"{split}.last.npy")[:k]) if k else []
-        offsets = list(offsets)
-        files = [(".bin", dtype, "blocks")]
-        if source.spec.task == "conversation":
-            files.append((".loss.bin", np.dtype(np.bool_), "loss"))
-        handles = {}
-        for suffix, dt, name in files:
-            path = cache_dir / f"{split}{suffix}"
-            f = open(path, "r+b" if path.exists() and k else "wb")  # noqa: SIM115
-            f.truncate(int(offsets[-1]) * source.spec.context * dt.itemsize)  # a crash's leftovers
-            f.seek(0, 2)
-            handles[name] = (f, dt)
-        try:
-            loader = start_loader(source, todo, workers) if todo else iter(())
-            for item in tqdm(loader, total=len(todo), desc=f"tokenize {split}", unit="chunk", disable=None):
-                handles["blocks"][0].write(item.blocks.astype(dtype).tobytes())
-                if "loss" in handles and item.loss is not None:
-                    handles["loss"][0].write(item.loss.astype(np.bool_).tobytes())
-                offsets.append(offsets[-1] + len(item.blocks))
-                lasts.append(item.last)
-                if tick is not None:
-                    tick()
-        finally:
-            for f, _ in handles.values():
-                f.close()
-        _save(cache_dir / f"{split}.offsets.npy", np.array(offsets, dtype=np.int64))
-        _save(cache_dir / f"{split}.last.npy", np.array(lasts, dtype=np.int64))
-        totals[split] = int(offsets[-1])
+        return dict(meta["tokens"])  # up to date: the files are left untouched
+    done = int((rows[:, 2] - rows[:, 1]).sum())  # documents the complete chunks hold
+    end = int(np.memmap(cache_dir / "offsets.bin", dtype=np.int64, mode="r")[done]) if k else 0
+    totals = {"train": 0, "val": 0, **meta["tokens"]}
+    files = [("offsets.bin", np.dtype(np.int64), "offsets", done + 1), ("tokens.bin", dtype, "tokens", end)]
+    if source.spec.task == "conversation":
+        files.append(("loss.bin", np.dtype(np.bool_), "loss", end))
+    handles = {}
+    for name, dt, role, keep in files:
+        path = cache_dir / name
+        f = open(path, "r+b" if path.exists() and k else "wb")  # noqa: SIM115
+        f.truncate(keep * dt.itemsize if k else 0)  # a crash's leftovers
+        f.seek(0, 2)
+        handles[role] = (f, dt)
+    if not k:
+        handles["offsets"][0].write(np.zeros(1, dtype=np.int64).tobytes())
+    try:
+        loader = start_loader(_DocumentTokens(source), todo, workers) if todo else iter(())
+        for item in tqdm(loader, total=len(todo), desc="tokenize", unit="chunk", disable=None):
+            handles["tokens"][0].write(item.flat.astype(dtype).tobytes())
+            if "loss" in handles and item.loss is not None:
+                handles["loss"][0].write(item.loss.astype(np.bool_).tobytes())
+            handles["offsets"][0].write((end + np.cumsum(item.lengths)).astype(np.int64).tobytes())
+            end += int(item.lengths.sum())
+            _count(totals, item.lengths, table.locate(item.chunk), source.spec, fp["collections"])
+            if tick is not None:
+                tick()
+    finally:
+        for f, _ in handles.values():
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
     added = np.array([table.locate(c) for c in todo], dtype=np.int64).reshape(-1, 3)
     _save(cache_dir / "chunks.npy", np.concatenate([rows, added]))
-    meta = {**meta, "chunks": k + len(todo), "blocks": totals}
+    meta = {**meta, "chunks": k + len(todo), "tokens": totals}
     atomic_write_text(cache_dir / "cache.json", json.dumps(meta, indent=1) + "\n")
     return totals
+
+
+def _count(totals: dict[str, int], lengths: np.ndarray, where: tuple[int, int, int], spec: DataSpec,
+           names: Sequence[str]) -> None:  # fmt: skip
+    c, lo, hi = where
+    train = split_mask(np.arange(lo, hi), spec.tr_ratio, spec.seed, names[c])
+    totals["train"] += int(lengths[train].sum())
+    totals["val"] += int(lengths[~train].sum())
 
 
 def _save(path: Path, array: np.ndarray) -> None:
@@ -178,8 +254,8 @@ def prepare_cache(
     if force:
         (cache_dir / "cache.json").unlink(missing_ok=True)
     before = (_meta(cache_dir) or {}).get("chunks", 0) if cache_fingerprint(cache_dir) == fp else 0
-    sources = {split: StreamingChunks(config, table, tokenizer_dir, spec, split) for split in SPLITS}
-    build_cache(sources, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick)
+    source = StreamingChunks(config, table, tokenizer_dir, spec, "all")
+    build_cache(source, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick)
     meta = _meta(cache_dir) or {}
     return meta, int(meta["chunks"]) - int(before)
 

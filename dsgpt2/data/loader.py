@@ -157,6 +157,7 @@ class _Rows:
         self.valid: list[int] = []
         self.ids: list[tuple[int, int, int]] = []
         self.loss: list[np.ndarray] = []
+        self.shares: list[np.ndarray] = []
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -167,9 +168,15 @@ class _Rows:
         self.ids.append(block_id)
         if item.loss is not None:
             self.loss.append(item.loss[b])
+        if item.shares is not None:
+            self.shares.append(item.shares[b])
 
     def batch(self) -> Batch:
-        return _make_batch(self.rows, self.valid, self.ids, self.loss or None)
+        batch = _make_batch(self.rows, self.valid, self.ids, self.loss or None)
+        if self.shares:
+            tokens = np.sum(self.shares, axis=0)
+            batch.by_collection = {int(c): int(tokens[c]) for c in np.flatnonzero(tokens)}
+        return batch
 
 
 def _make_batch(
@@ -269,8 +276,6 @@ class BlockStream:
             self.state.taken[s] += valid
             if len(rows) == self.micro_batch:
                 batch = rows.batch()
-                chunks = np.array([c for _, c, _ in batch.block_ids], dtype=np.int64)
-                batch.by_collection = _tally(self.schedule.table.collection_of(chunks), rows.valid)
                 for c, n in batch.by_collection.items():
                     self.state.tokens[c] = self.state.tokens.get(c, 0) + n
                 rows = _Rows()
@@ -303,21 +308,25 @@ class BlockStream:
             p = plan.popleft()  # the loader hands chunks back in the order they were drawn
             self._take(item)
             v = item.valid
+            # A position counts the blocks taken from a chunk; they go out in the chunk's order.
+            order = item.order if item.order is not None else range(len(item.blocks))
             if p.queued >= 0:
-                for b in range(p.first, len(item.blocks)):
-                    rest = [(p.epoch, p.chunk, b + 1)] if b + 1 < len(item.blocks) else []
+                for i in range(p.first, len(item.blocks)):
+                    rest = [(p.epoch, p.chunk, i + 1)] if i + 1 < len(item.blocks) else []
                     tail = rest + queue[p.queued + 1 :]
                     self.state.streams[s] = Position(pos.epoch, pos.chunk, pos.block, tail)
+                    b = int(order[i])
                     yield item, b, int(v[b]), (p.epoch, p.chunk, b)
                 continue
             if p.epoch != epoch:
                 if whole and not produced:
                     raise self._empty(s)
                 epoch, whole, produced = p.epoch, p.k == 0, False
-            for b in range(p.first, len(item.blocks)):
+            for i in range(p.first, len(item.blocks)):
                 produced = True
-                # The next block is b + 1 of this chunk (possibly past its end).
-                self.state.streams[s] = _normalize(Position(p.epoch, p.k, b + 1), len(item.blocks))
+                # The next block is the (i + 1)-th of this chunk (possibly past its end).
+                self.state.streams[s] = _normalize(Position(p.epoch, p.k, i + 1), len(item.blocks))
+                b = int(order[i])
                 yield item, b, int(v[b]), (p.epoch, p.chunk, b)
         raise self._empty(s)  # the plan stopped at an epoch with no chunk for this rank
 
@@ -347,13 +356,13 @@ def _plan(
     world: int,
     pos: Position,
     plan: deque[_Planned],
-) -> Iterator[int]:
-    """The chunks a reader at ``pos`` reads, endlessly: its queue, then each epoch's order from
-    ``pos`` on; each one's place is appended to ``plan`` as the loader draws it. Stops at an epoch
-    that deals no chunk to this rank (an empty split)."""
+) -> Iterator[tuple[int, int]]:
+    """The chunks a reader at ``pos`` reads, as (epoch, chunk), endlessly: its queue, then each
+    epoch's order from ``pos`` on; each one's place is appended to ``plan`` as the loader draws it.
+    Stops at an epoch that deals no chunk to this rank (an empty split)."""
     for i, (e, c, first) in enumerate(pos.queue):
         plan.append(_Planned(e, -1, int(c), first, i))
-        yield int(c)
+        yield (int(e), int(c))
     epoch, start, skip = pos.epoch, pos.chunk, pos.block
     while True:
         order = rank_chunks(s, epoch, rank, world)
@@ -362,15 +371,8 @@ def _plan(
         for k in range(start, len(order)):
             plan.append(_Planned(epoch, k, int(order[k]), skip))
             skip = 0
-            yield int(order[k])
+            yield (epoch, int(order[k]))
         epoch, start, skip = epoch + 1, 0, 0
-
-
-def _tally(collections: np.ndarray, valid: list[int]) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for c, v in zip(collections.tolist(), valid, strict=True):
-        out[c] = out.get(c, 0) + int(v)
-    return out
 
 
 def _normalize(pos: Position, blocks_in_chunk: int) -> Position:

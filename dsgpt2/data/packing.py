@@ -31,20 +31,53 @@ def pack(docs: Sequence[Sequence[int]], context: int, eot: int, pad: int) -> tup
     """
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
+    return pack_flat(lay_end_to_end(docs, eot), context, pad)
+
+
+def lay_end_to_end(docs: Sequence[Sequence[int]], eot: int) -> np.ndarray:
+    """The documents' tokens one after the other, each followed by ``eot`` (int32)."""
     lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
-    total = int(lengths.sum())
+    flat = np.full(int(lengths.sum()), eot, dtype=np.int32)
+    pos = 0
+    for d in docs:
+        flat[pos : pos + len(d)] = d
+        pos += len(d) + 1
+    return flat
+
+
+def pack_flat(flat: np.ndarray, context: int, pad: int) -> tuple[np.ndarray, int]:
+    """:func:`pack` of documents already laid end to end, each with its end-of-text (``flat``)."""
+    total = len(flat)
     if total == 0:
         return np.empty((0, context), dtype=np.int32), 0
     n = -(-total // context)
-    flat = np.full(n * context, pad, dtype=np.int32)
-    pos = 0
-    for d in docs:
-        k = len(d)
-        flat[pos : pos + k] = d
-        flat[pos + k] = eot
-        pos += k + 1
-    last = total - (n - 1) * context
-    return flat.reshape(n, context), last
+    out = np.full(n * context, pad, dtype=np.int32)
+    out[:total] = flat
+    return out.reshape(n, context), total - (n - 1) * context
+
+
+def tokens_per_block(lengths: np.ndarray, groups: np.ndarray, context: int, n_groups: int) -> np.ndarray:
+    """``(n_blocks, n_groups)``: how many of each block's tokens come from documents of each group
+    (a document's collection), for documents of ``lengths`` (end-of-text included) packed in order."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    n = -(-total // context)
+    if n == 0:
+        return np.zeros((0, n_groups), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    # before[k, g]: tokens of group g in the documents before document k.
+    before = np.zeros((len(lengths) + 1, n_groups), dtype=np.int64)
+    np.add.at(before[1:], (np.arange(len(lengths)), np.asarray(groups, dtype=np.int64)), lengths)
+    before = np.cumsum(before, axis=0)
+    edges = np.minimum(np.arange(n + 1, dtype=np.int64) * context, total)  # block boundaries
+    k = np.searchsorted(ends, edges, side="right")  # documents wholly before each boundary
+    upto = before[k].copy()  # tokens of each group in [0, edge)
+    inside = k < len(lengths)
+    rows = np.flatnonzero(inside)
+    part = edges[rows] - starts[k[rows]]
+    np.add.at(upto, (rows, np.asarray(groups, dtype=np.int64)[k[rows]]), np.maximum(part, 0))
+    return np.diff(upto, axis=0)
 
 
 def pack_with_loss(

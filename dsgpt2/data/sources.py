@@ -22,7 +22,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dsgpt2.corpus.config import MongoConfig
-from dsgpt2.data.packing import pack, pack_with_loss
+from dsgpt2.data.order import ReadOrder
+from dsgpt2.data.packing import lay_end_to_end, pack, pack_with_loss, tokens_per_block
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import CorpusError
@@ -46,6 +47,7 @@ class DataSpec:
     pad: int
     task: str = "lm"  # "conversation": the documents' turns, loss on the replies only
     reply_speakers: str = "bot"  # comma-separated; used by the conversation task
+    order: str = "spread"  # which documents a training chunk holds: see dsgpt2.data.order
 
     @property
     def replies(self) -> frozenset[str]:
@@ -61,6 +63,7 @@ def make_spec(
     seed: int,
     task: str = "lm",
     reply_speakers: str = "bot",
+    order: str = "spread",
 ) -> DataSpec:
     """The data spec of a run, with end-of-text and pad ids read from the tokenizer.
 
@@ -87,7 +90,7 @@ def make_spec(
                 "with `dsgpt2 vocab train --speakers ...`"
             )
     return DataSpec(
-        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers
+        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers, order
     )
 
 
@@ -96,22 +99,39 @@ def tokenizer_digest(tokenizer_dir: Path) -> str:
     return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
 
 
-LAYOUT = 2  # how documents become chunks; another layout gives other batches
+# How documents become chunks, per reading order: another layout gives other batches. Layout 2 is
+# the ranges order, the only one before spread reading; its fingerprints are unchanged.
+LAYOUTS = {"ranges": 2, "spread": 3}
 
 
 def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dict[str, Any]:
     """What the batches depend on besides the corpus's size, which may grow (see
     :mod:`dsgpt2.data.table`); a checkpoint or cache made under another one is stale."""
+    settings = asdict(spec)
+    order = settings.pop("order")  # said by the layout
     return {
-        "layout": LAYOUT,
+        "layout": LAYOUTS[order],
         "db": config.db,
         "collections": list(config.collections),
         "text_field": config.text_field,
         "tokenizer": tokenizer_digest(tokenizer_dir),
-        **asdict(spec),
+        **settings,
         # Only when set: the fingerprints of runs without a FILTER stay what they were.
         **({"filter": config.filter} if config.filter else {}),
     }
+
+
+def order_of(fp: dict[str, Any]) -> str | None:
+    """The reading order a fingerprint records; None for a layout this version does not read."""
+    return next((o for o, n in LAYOUTS.items() if n == fp.get("layout")), None)
+
+
+def spec_of(fp: dict[str, Any]) -> DataSpec:
+    """The data spec a fingerprint records."""
+    from dataclasses import fields
+
+    settings = {f.name: fp[f.name] for f in fields(DataSpec) if f.name in fp}
+    return DataSpec(**settings, order=order_of(fp) or "spread")
 
 
 @dataclass
@@ -124,6 +144,8 @@ class Chunk:
     documents: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     loss: np.ndarray | None = None  # (n, T) bool: tokens the loss covers (None: all real ones)
+    order: np.ndarray | None = None  # the order its blocks go out in training (None: as packed)
+    shares: np.ndarray | None = None  # (n, C) real tokens of each collection in each block
 
     @property
     def valid(self) -> np.ndarray:
@@ -134,16 +156,73 @@ class Chunk:
         return v
 
 
-class StreamingChunks(Dataset):
-    """Chunk ``i`` of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
+Key = int | tuple[int, int]  # a chunk of the table as it lies (evaluation, caching), or (epoch, chunk)
 
-    The wrapper and tokenizer are made lazily in the process that uses them.
+
+class Chunks:
+    """Which documents a key names, of which split, in what order: what the streaming and cached
+    sources share. A plain chunk id reads the chunk as it lies (consecutive documents, evaluation
+    and caching); ``(epoch, chunk)`` reads it as training does in that epoch (:mod:`dsgpt2.data.order`)."""
+
+    def __init__(self, table: ChunkTable, names: Sequence[str], spec: DataSpec, split: str,
+                 streams: Sequence[Sequence[int]] | None) -> None:  # fmt: skip
+        self.table = table
+        self.names = tuple(names)
+        self.spec = spec
+        self.split = split
+        self.streams = [tuple(s) for s in streams] if streams is not None else [tuple(range(len(names)))]
+        self.reading = ReadOrder(table, self.streams, spec.seed, spec.order)
+
+    def __len__(self) -> int:
+        return self.table.n_chunks
+
+    def spread(self, key: Key) -> bool:
+        """Whether ``key`` reads documents from all over its pool (else a range of one collection)."""
+        return isinstance(key, tuple) and self.spec.order == "spread"
+
+    def chunk_id(self, key: Key) -> int:
+        return int(key[1]) if isinstance(key, tuple) else int(key)
+
+    def wanted(self, key: Key) -> tuple[np.ndarray, np.ndarray]:
+        """(collection, idx) of the documents of this split that ``key`` reads, in reading order."""
+        if self.spread(key):
+            colls, idxs = self.reading.documents(*key)  # type: ignore[misc]
+        else:
+            c, lo, hi = self.table.locate(self.chunk_id(key))
+            colls, idxs = np.full(hi - lo, c, dtype=np.int64), np.arange(lo, hi, dtype=np.int64)
+        if self.split == "all" or len(idxs) == 0:
+            return colls, idxs
+        keep = np.zeros(len(idxs), dtype=bool)
+        for c in np.unique(colls).tolist():
+            at = colls == c
+            keep[at] = split_mask(idxs[at], self.spec.tr_ratio, self.spec.seed, self.names[c])
+        if self.split == "val":
+            keep = ~keep
+        return colls[keep], idxs[keep]
+
+    def finish(self, key: Key, item: Chunk, lengths: Sequence[int], colls: np.ndarray) -> Chunk:
+        """``item`` with its training block order and its tokens per collection per block, from the
+        packed documents' ``lengths`` (end-of-text included) and collections."""
+        n = len(item.blocks)
+        if isinstance(key, tuple):
+            item.order = self.reading.block_order(int(key[0]), int(key[1]), n)
+        item.shares = tokens_per_block(np.asarray(lengths, dtype=np.int64), colls, item.blocks.shape[1],
+                                       len(self.names))  # fmt: skip
+        return item
+
+
+class StreamingChunks(Dataset):
+    """Chunks of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
+
+    The wrapper and tokenizer are made lazily in the process that uses them. Items are asked by
+    :data:`Key`: a chunk as it lies, or ``(epoch, chunk)`` as training reads it.
 
     Args:
         corpus: the chunk table to read, or per-collection counts (then each collection's
             ``[0, count)``, see :meth:`ChunkTable.initial`).
         split: ``train``, ``val``, or ``all`` (every document, for evaluation).
         window: with counts, only the indices ``[lo, hi)`` of the collections laid end to end.
+        streams: the collections read as one pool (default: all of them).
     """
 
     def __init__(
@@ -154,11 +233,12 @@ class StreamingChunks(Dataset):
         spec: DataSpec,
         split: str,
         window: tuple[int, int] | None = None,
+        streams: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.config = config
         if not isinstance(corpus, ChunkTable):
             corpus = ChunkTable.initial(config.collections, corpus, spec.chunk_docs, window)
-        self.table = corpus
+        self.chunks = Chunks(corpus, config.collections, spec, split, streams)
         self.tokenizer_dir = tokenizer_dir
         self.spec = spec
         self.split = split
@@ -166,6 +246,10 @@ class StreamingChunks(Dataset):
         self._tokenizer: Any = None
         self._speakers: dict[str, int] = {}
         self._pid = -1
+
+    @property
+    def table(self) -> ChunkTable:
+        return self.chunks.table
 
     def __len__(self) -> int:
         return self.table.n_chunks
@@ -175,7 +259,9 @@ class StreamingChunks(Dataset):
 
     def grown(self, table: ChunkTable) -> StreamingChunks:
         """This source over ``table`` (the same chunks and more)."""
-        return StreamingChunks(self.config, table, self.tokenizer_dir, self.spec, self.split)
+        return StreamingChunks(
+            self.config, table, self.tokenizer_dir, self.spec, self.split, streams=self.chunks.streams
+        )
 
     def _ready(self) -> None:
         if self._pid != os.getpid():
@@ -200,66 +286,106 @@ class StreamingChunks(Dataset):
         # encode_batch_fast: no character offsets, which packing never needs.
         return [e.ids for e in self._tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
 
-    def _documents(self, chunk: int) -> tuple[list[Any], dict[str, int]]:
-        """The documents of ``chunk`` in this split, in idx order, and what was skipped (reason → n)."""
+    def _documents(self, key: Key) -> tuple[list[Any], np.ndarray, dict[str, int]]:
+        """The documents ``key`` reads of this split, in reading order, their collections, and what
+        was skipped (reason → n)."""
         self._ready()
-        c, lo, hi = self.table.locate(chunk)
-        local = np.arange(lo, hi)
-        if self.split == "all":
-            wanted = local
-        else:
-            train = split_mask(local, self.spec.tr_ratio, self.spec.seed, self.config.collections[c])
-            wanted = local[train] if self.split == "train" else local[~train]
-        # The wrapper indexes the collections laid end to end.
-        offset = self._wrapper.offsets[c]
-        lo, hi, wanted = lo + offset, hi + offset, wanted + offset
+        colls, idxs = self.chunks.wanted(key)
+        offsets = np.array(self._wrapper.offsets, dtype=np.int64)
+        wanted = offsets[colls] + idxs  # the wrapper indexes the collections laid end to end
         before = dict(self._wrapper.skipped)
         if len(wanted) == 0:
             docs = []
-        elif len(wanted) > (hi - lo) // 2:
-            keep = set(wanted.tolist())
-            docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
+        elif self.chunks.spread(key):
+            docs = self._wrapper.get_many(wanted.tolist())  # one $in per collection, in this order
         else:
-            docs = self._wrapper.get_many(wanted.tolist())
+            _, lo, hi = self.table.locate(self.chunks.chunk_id(key))
+            lo, hi = lo + int(offsets[colls[0]]), hi + int(offsets[colls[0]])
+            if len(wanted) > (hi - lo) // 2:
+                keep = set(wanted.tolist())
+                docs = [d for d in self._wrapper.get_range(lo, hi) if d.index in keep]
+            else:
+                docs = self._wrapper.get_many(wanted.tolist())
         skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
-        return docs, skipped
+        where = np.searchsorted(offsets, np.array([d.index for d in docs], dtype=np.int64), side="right") - 1
+        return docs, where, skipped
 
-    def __getitem__(self, chunk: int) -> Chunk:
-        docs, skipped = self._documents(chunk)
-        if self.spec.task != "conversation":
-            blocks, last = pack(self._encode([d.text for d in docs]), self.spec.context, *self._ids())
-            return Chunk(chunk, blocks, last, len(docs), skipped)
+    def _conversations(self, docs: list[Any]) -> tuple[list[list[int]], list[list[bool]], list[bool]]:
+        """Each conversation's ids and loss flags, and which were kept (one without a speaker token
+        is left out)."""
         from dsgpt2.data.conversation import encode_conversations
 
-        ids, flags, unknown = encode_conversations(
-            [d.text for d in docs], self._encode, self._speakers, self.spec.replies
-        )
-        if unknown:
-            skipped["unknown_speaker"] = unknown
-        blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
-        return Chunk(chunk, blocks, last, len(ids), skipped, loss)
+        ids, flags, _ = encode_conversations([d.text for d in docs], self._encode, self._speakers,
+                                             self.spec.replies)  # fmt: skip
+        kept = [all(t["speaker"] in self._speakers for t in d.text) for d in docs]
+        return ids, flags, kept
 
-    def layout(self, chunk: int) -> dict[int, tuple[int, int]]:
-        """Where each document packed into ``chunk`` lies in it: idx (local to its collection) →
-        (first token, end) of its tokens and end-of-text in the chunk's blocks laid end to end.
-        Documents of another split, left out or without usable text are absent."""
-        docs, _ = self._documents(chunk)
-        offset = self._wrapper.offsets[self.table.locate(chunk)[0]]
+    def __getitem__(self, key: Key) -> Chunk:
+        docs, colls, skipped = self._documents(key)
+        chunk = self.chunks.chunk_id(key)
+        if self.spec.task != "conversation":
+            ids = self._encode([d.text for d in docs])
+            blocks, last = pack(ids, self.spec.context, *self._ids())
+            item = Chunk(chunk, blocks, last, len(docs), skipped)
+            return self.chunks.finish(key, item, [len(x) + 1 for x in ids], colls)
+        ids, flags, kept = self._conversations(docs)
+        if len(ids) < len(docs):
+            skipped["unknown_speaker"] = len(docs) - len(ids)
+        blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
+        item = Chunk(chunk, blocks, last, len(ids), skipped, loss)
+        return self.chunks.finish(key, item, [len(x) + 1 for x in ids], colls[np.array(kept, dtype=bool)])
+
+    def document_tokens(self, chunk: int) -> DocTokens:
+        """Every document of ``chunk`` as it lies (all splits), tokenized with its end-of-text: what
+        the token cache files (a document without usable text has none)."""
+        self._ready()
+        c, lo, hi = self.table.locate(chunk)
+        offset = self._wrapper.offsets[c]
+        before = dict(self._wrapper.skipped)
+        docs = self._wrapper.get_range(lo + offset, hi + offset)
+        skipped = {k: v - before.get(k, 0) for k, v in self._wrapper.skipped.items() if v - before.get(k, 0)}
+        lengths = np.zeros(hi - lo, dtype=np.int64)
+        at = np.array([d.index - offset - lo for d in docs], dtype=np.int64)
+        loss = None
+        if self.spec.task != "conversation":
+            ids = self._encode([d.text for d in docs])
+        else:
+            ids, flags, kept = self._conversations(docs)
+            at = at[np.array(kept, dtype=bool)]
+            loss = np.concatenate([np.asarray(f, dtype=bool) for f in flags]) if flags else np.zeros(0, bool)
+        lengths[at] = [len(x) + 1 for x in ids]
+        return DocTokens(chunk, lengths, lay_end_to_end(ids, self.spec.eot), loss, len(docs), skipped)
+
+    def layout(self, key: Key) -> dict[tuple[int, int], tuple[int, int]]:
+        """Where each document packed into ``key``'s chunk lies in it: (collection, idx) → (first
+        token, end) of its tokens and end-of-text in the chunk's blocks laid end to end. Documents of
+        another split, left out or without usable text are absent."""
+        docs, colls, _ = self._documents(key)
+        offsets = self._wrapper.offsets
         if self.spec.task != "conversation":
             lengths = [len(ids) + 1 for ids in self._encode([d.text for d in docs])]
         else:
-            from dsgpt2.data.conversation import encode_conversations
-
-            lengths = []
-            for d in docs:  # one at a time: a conversation with an unknown speaker is left out
-                ids, _, _ = encode_conversations([d.text], self._encode, self._speakers, self.spec.replies)
-                lengths.append(len(ids[0]) + 1 if ids else 0)
+            ids, _, kept = self._conversations(docs)
+            it = iter(ids)
+            lengths = [len(next(it)) + 1 if k else 0 for k in kept]
         out, at = {}, 0
-        for d, n in zip(docs, lengths, strict=True):
+        for d, c, n in zip(docs, colls.tolist(), lengths, strict=True):
             if n:
-                out[d.index - offset] = (at, at + n)
+                out[(c, d.index - offsets[c])] = (at, at + n)
                 at += n
         return out
 
     def _ids(self) -> tuple[int, int]:
         return self.spec.eot, self.spec.pad
+
+
+@dataclass
+class DocTokens:
+    """A chunk's documents (as it lies), tokenized for the token cache."""
+
+    chunk: int
+    lengths: np.ndarray  # (hi - lo,) tokens of each document, end-of-text included (0: none)
+    flat: np.ndarray  # their tokens laid end to end
+    loss: np.ndarray | None  # per token, whether the loss covers it (conversations)
+    documents: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)

@@ -20,6 +20,7 @@ from dsgpt2.checkpoints.format import (
     resolve,
 )
 from dsgpt2.data.dealing import Position
+from dsgpt2.data.sources import order_of
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.train import checkpoint
 from dsgpt2.train.config import RESOLVED, TrainConfig
@@ -117,6 +118,15 @@ class Checkpointer:
         if saved == self.fingerprint:
             return
         changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
+        if changed == ["layout"]:
+            # Only the reading order differs: the run goes on in its own order, never another one.
+            theirs = order_of(saved)
+            raise CheckpointError(
+                f"{where} was saved by a run that reads "
+                + (f"in the {theirs} order; resume it with --read_order {theirs}" if theirs else
+                   f"its chunks under layout {saved.get('layout')}, which this version does not read")
+                + " (or start fresh: --no_resume, another --ckpt_dir)"
+            )  # fmt: skip
         if not self.cfg.ckpt.ignore_fingerprint:
             raise CheckpointError(
                 f"{where} was saved for other data ({', '.join(changed)} changed); "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
+from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.model import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
@@ -97,6 +98,13 @@ class DataOptions:
     )
     cache_dir: Path | None = option(None, "token cache (default: WORKSPACE/cache)")
     chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", type=positive_int)
+    read_order: str = option(
+        "spread",
+        "which documents a training chunk holds: spread (each epoch, documents drawn from all over the "
+        "corpus by a keyed permutation: one $in query per collection per chunk) or ranges (consecutive "
+        "documents, one range query: the order of runs saved before spread reading)",
+        choices=list(ORDERS),
+    )
     num_workers: int = option(2, "DataLoader workers per rank", type=non_negative_int)
     allow_corpus_problems: bool = option(False, "train even if the corpus check finds problems")
     check_corpus: bool = option(
@@ -124,6 +132,7 @@ class DataOptions:
         self.cache_dir = as_path(self.cache_dir)
         check_ratio("--tr_ratio", self.tr_ratio)
         check_positive("--chunk_docs", self.chunk_docs)
+        check_choice("--read_order", self.read_order, ORDERS)
         check_non_negative("--num_workers", self.num_workers)
         if not self.config_train.is_file():
             raise ConfigError(f"--config_train {self.config_train}: file not found")
@@ -308,6 +317,7 @@ def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
         seed=data.seed,
         task=model.task,
         reply_speakers=model.reply_speakers,
+        order=data.read_order,
     )
 
 

@@ -123,10 +123,12 @@ class Feed:
     def _datasets(self) -> tuple[Any, Any]:
         d, table = self.cfg.data, self.schedule.table
         if d.data_mode == "streaming":
-            return tuple(StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s) for s in SPLITS)
+            return tuple(
+                StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s, streams=self.streams) for s in SPLITS
+            )
         cache_dir = self.cfg.cache_dir
         self._prepare_caches(cache_dir, table)
-        return CachedChunks(cache_dir, "train", table), CachedChunks(cache_dir, "val", table)
+        return tuple(CachedChunks(cache_dir, s, table, self.streams) for s in SPLITS)
 
     def _prepare_caches(self, cache_dir: Path, table: ChunkTable) -> None:
         """Make every rank's ``cache_dir`` hold the table's chunks: one builder per directory,

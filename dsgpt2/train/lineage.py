@@ -7,15 +7,15 @@ the data fingerprint's settings, :class:`Replay` drives the trainer's own :class
 every rank, from step 0 to the checkpoint's step, through the same redeals and growth; only the
 shape of each chunk's blocks is needed, so chunks are tokenized once and no model is built. The
 replay ends where the checkpoint's saved data position is, or the answer is refused (the corpus no
-longer reads as it did). A document's blocks come from its chunk's packing
-(:meth:`StreamingChunks.layout`).
+longer reads as it did). A document's chunk in an epoch comes from the run's reading order
+(:meth:`ReadOrder.chunk_of`), its blocks from that chunk's packing (:meth:`StreamingChunks.layout`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.dealing import ReadState, Schedule, redeal_states, take_in
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.mixture import Stage
-from dsgpt2.data.sources import Chunk, DataSpec, StreamingChunks, tokenizer_digest
+from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of, tokenizer_digest
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import ConfigError, DsGpt2Error
@@ -48,28 +48,39 @@ class LineageError(DsGpt2Error):
 
 
 class _Shapes:
-    """Chunks as a replay needs them: how many blocks, and the real tokens of the last one; and where
-    each document lies in them. Each chunk is read and tokenized once, however many epochs read it."""
+    """Chunks as a replay needs them: how many blocks, the real tokens of the last one, the order
+    they go out and each collection's tokens in them; and where each document lies in them. Each
+    (epoch, chunk) is read and tokenized once (under the ranges order, each chunk once)."""
 
     def __init__(self, source: StreamingChunks) -> None:
         self.source = source
-        self.layouts: dict[int, dict[int, tuple[int, int]]] = {}
+        self.layouts: dict[Any, dict[tuple[int, int], tuple[int, int]]] = {}
         self._row = np.zeros(source.spec.context, dtype=np.int32)
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def layout(self, chunk: int) -> dict[int, tuple[int, int]]:
-        """idx → (first token, end) of each document packed into ``chunk`` (see StreamingChunks.layout)."""
-        if chunk not in self.layouts:
-            self.layouts[chunk] = self.source.layout(chunk)
-        return self.layouts[chunk]
+    def _key(self, key: Key) -> Any:
+        return key if self.source.chunks.spread(key) else self.source.chunks.chunk_id(key)
 
-    def __getitem__(self, chunk: int) -> Chunk:
-        tokens = max((end for _, end in self.layout(chunk).values()), default=0)
+    def layout(self, key: Key) -> dict[tuple[int, int], tuple[int, int]]:
+        """(collection, idx) → (first token, end) of each document packed into ``key``'s chunk (see
+        StreamingChunks.layout)."""
+        k = self._key(key)
+        if k not in self.layouts:
+            self.layouts[k] = self.source.layout(key)
+        return self.layouts[k]
+
+    def __getitem__(self, key: Key) -> Chunk:
+        spans = self.layout(key)
+        tokens = max((end for _, end in spans.values()), default=0)
         context = len(self._row)
         n = -(-tokens // context)
-        return Chunk(chunk, np.broadcast_to(self._row, (n, context)), tokens - (n - 1) * context if n else 0)
+        item = Chunk(self.source.chunks.chunk_id(key), np.broadcast_to(self._row, (n, context)),
+                     tokens - (n - 1) * context if n else 0)  # fmt: skip
+        lengths = [end - first for first, end in spans.values()]
+        colls = np.array([c for c, _ in spans], dtype=np.int64)
+        return self.source.chunks.finish(key, item, lengths, colls)
 
 
 @dataclass
@@ -175,11 +186,12 @@ class Replay:
 
 @dataclass
 class Sighting:
-    """A step that trained on the document: on which rank, in which epoch, which of its blocks."""
+    """A step that trained on the document: on which rank, in which epoch and chunk, which of its blocks."""
 
     step: int
     rank: int
     epoch: int
+    chunk: int
     blocks: list[int]
 
 
@@ -189,9 +201,12 @@ class DocLineage:
 
     doc: str
     status: str  # trained, not-yet (read in no step so far), validation, left-out, beyond
+    # Its chunk and blocks when first trained on (before: in the first epoch; not trained: its chunk
+    # as it lies, which validation reads); under the spread order they change with the epoch.
     chunk: int | None = None
     blocks: list[int] = field(default_factory=list)
     tokens: tuple[int, int] | None = None  # its tokens in the chunk's blocks laid end to end
+    where: tuple[int, int] | None = None  # (collection, idx)
     sightings: list[Sighting] = field(default_factory=list)
     checkpoints: list[str] = field(default_factory=list)
     note: str = ""  # "beyond": what the run's table holds of the collection
@@ -224,11 +239,6 @@ def parse_doc(text: str, names: Sequence[str]) -> tuple[int, int]:
             f"--doc {text!r}: {name!r} is not one of the run's collections ({', '.join(names)})"
         )
     return names.index(name), int(idx)
-
-
-def spec_of(fingerprint: dict[str, Any]) -> DataSpec:
-    """The data spec a run's fingerprint records."""
-    return DataSpec(**{f.name: fingerprint[f.name] for f in fields(DataSpec) if f.name in fingerprint})
 
 
 @dataclass
@@ -291,20 +301,21 @@ def lineage(
         raise ConfigError(f"{vocab}: not the tokenizer the run trained with; pass --vocab_dir with that one")
     _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)
+    if order_of(fp) is None:
+        raise CheckpointError(f"{ckpt_dir / tag} reads its chunks under layout {fp.get('layout')}, which this "
+                              "version does not replay")  # fmt: skip
     table = ChunkTable.from_dict(data["table"])
-    shapes = _Shapes(StreamingChunks(mongo, table, vocab, spec, "train"))
+    source = StreamingChunks(mongo, table, vocab, spec, "train", streams=data["streams"])
+    shapes = _Shapes(source)
     wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
-    watch: dict[tuple[int, int], list[DocLineage]] = {}
-    for d in wanted:
-        for b in d.blocks:
-            watch.setdefault((d.chunk, b), []).append(d)  # type: ignore[arg-type]
+    watch = _Watch([d for d in wanted if d.status == "trained"], shapes)
     step = int(saved["step"])
     replay = Replay(data, spec.seed, shapes)
     for s, ids in replay.steps(step):
         for rank, blocks in enumerate(ids):
             for e, c, b in blocks:
-                for d in watch.get((c, b), ()):
-                    _sighted(d, s, rank, e, b)
+                for d, chunk in watch.at(e, c, b):
+                    _sighted(d, s, rank, e, chunk, b)
         if progress:
             progress(s, step)
     replay.check(tag)
@@ -313,17 +324,47 @@ def lineage(
         if d.sightings:
             first = d.steps[0]
             d.checkpoints = [t for t, n in tags.items() if first <= n <= step]
+            d.chunk, d.blocks, d.tokens = watch.placed[(d.doc, d.sightings[0].epoch)]
         elif d.status == "trained":
             d.status = "not-yet"
     return RunLineage(ckpt_dir, tag, step, [int(launch["world"]) for launch in data["launches"]], wanted)
 
 
-def _sighted(d: DocLineage, step: int, rank: int, epoch: int, block: int) -> None:
+class _Watch:
+    """The blocks that hold the watched documents, epoch by epoch, found as the replay reaches them."""
+
+    def __init__(self, docs: list[DocLineage], shapes: _Shapes) -> None:
+        self.docs, self.shapes = docs, shapes
+        self.placed: dict[tuple[str, int], tuple[int, list[int], tuple[int, int]]] = {}
+        self._blocks: dict[tuple[int, int, int], list[tuple[DocLineage, int]]] = {}
+        self._epochs: set[int] = set()
+
+    def at(self, epoch: int, chunk: int, block: int) -> list[tuple[DocLineage, int]]:
+        if epoch not in self._epochs:
+            self._epochs.add(epoch)
+            for d in self.docs:
+                c, b, span = _blocks_in(d.where, epoch, self.shapes)  # type: ignore[arg-type]
+                self.placed[(d.doc, epoch)] = (c, b, span)
+                for x in b:
+                    self._blocks.setdefault((epoch, c, x), []).append((d, c))
+        return self._blocks.get((epoch, chunk, block), [])
+
+
+def _blocks_in(where: tuple[int, int], epoch: int, shapes: _Shapes) -> tuple[int, list[int], tuple[int, int]]:
+    """A training document's chunk in ``epoch``, its blocks there, and its tokens in them."""
+    chunks = shapes.source.chunks
+    chunk = chunks.reading.chunk_of(epoch, *where)
+    first, end = shapes.layout((epoch, chunk))[where]  # type: ignore[arg-type]
+    context = shapes.source.spec.context
+    return chunk, list(range(first // context, (end - 1) // context + 1)), (first, end)  # type: ignore[return-value]
+
+
+def _sighted(d: DocLineage, step: int, rank: int, epoch: int, chunk: int, block: int) -> None:
     last = d.sightings[-1] if d.sightings else None
     if last and (last.step, last.rank, last.epoch) == (step, rank, epoch):
         last.blocks.append(block)
     else:
-        d.sightings.append(Sighting(step, rank, epoch, [block]))
+        d.sightings.append(Sighting(step, rank, epoch, chunk, [block]))
 
 
 def _place(
@@ -333,20 +374,19 @@ def _place(
     shapes: _Shapes,
     spec: DataSpec,
 ) -> DocLineage:
-    """The document's chunk and blocks (empty where it never trains)."""
+    """The document's status, and where it lies in the first epoch (its chunk as it lies where it
+    never trains)."""
     c, idx = where
     chunk = table.chunk_of(c, idx)
     if chunk is None:
         return DocLineage(doc, "beyond", note=f"{table.marks[c]} documents of {table.names[c]}")
     name = table.names[c]
     if not split_mask(np.array([idx]), spec.tr_ratio, spec.seed, name)[0]:
-        return DocLineage(doc, "validation", chunk)
-    span = shapes.layout(chunk).get(idx)
-    if span is None:
-        return DocLineage(doc, "left-out", chunk)
-    first, end = span
-    blocks = list(range(first // spec.context, (end - 1) // spec.context + 1))
-    return DocLineage(doc, "trained", chunk, blocks, span)
+        return DocLineage(doc, "validation", chunk, where=where)
+    if where not in shapes.layout(chunk):
+        return DocLineage(doc, "left-out", chunk, where=where)
+    first, blocks, span = _blocks_in(where, 0, shapes)
+    return DocLineage(doc, "trained", first, blocks, span, where=where)
 
 
 def _run_config(saved: dict[str, Any]) -> MongoConfig:
@@ -408,7 +448,8 @@ def lineage_lines(result: RunLineage) -> list[str]:
         out.append(f"{d.doc}: chunk {d.chunk}, {blocks}; trained on at {len(d.steps)} step(s)")
         for s in d.sightings:
             out.append(
-                f"  step {s.step}: rank {s.rank}, epoch {s.epoch}, block(s) {', '.join(map(str, s.blocks))}"
+                f"  step {s.step}: rank {s.rank}, epoch {s.epoch}, chunk {s.chunk}, "
+                f"block(s) {', '.join(map(str, s.blocks))}"
             )
         first = d.steps[0]
         saw = ", ".join(d.checkpoints) if d.checkpoints else "none kept"
