@@ -14,6 +14,7 @@ from bench import (
     bench_ingest,
     bench_neardup,
     bench_serve,
+    bench_shuffle,
     bench_startup,
     bench_train,
     bench_vocab,
@@ -72,6 +73,7 @@ def main() -> int:
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
         "startup": lambda: bench_startup.startup(results),
         "neardup": lambda: bench_neardup.neardup(texts),
+        "shuffle": lambda: bench_shuffle.shuffle(texts, results),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

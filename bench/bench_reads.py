@@ -1,0 +1,95 @@
+"""The read side of the reading orders on a MongoDB wire server: what one training chunk costs it.
+
+Needs ``secantusd-py`` (SecantusDB, MongoDB's wire protocol on WiredTiger; ``pip install secantusdb``
+in any environment, named by ``DSGPT2_SECANTUSD`` or found on PATH); skipped with a line otherwise.
+The sample corpus is stored with its unique ``idx`` index; a chunk of the spread order (one ``$in``
+of 1,000 idx drawn from all over the collection) and of the ranges order (one range of 1,000) are
+asked with the trainer's projection, ``explain``'s executionStats counted, and both timed side by
+side. A local server's timings are no deployment's: only their ratio is reported.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from bench.common import Metric
+
+CHUNK = 1000
+
+
+def _server() -> tuple[subprocess.Popen, int, str] | None:
+    binary = os.environ.get("DSGPT2_SECANTUSD") or shutil.which("secantusd-py")
+    if not binary:
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    data = tempfile.mkdtemp(prefix="bench-reads-")
+    proc = subprocess.Popen([binary, "--port", str(port), "--storage-path", data],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    return proc, port, data
+
+
+def read_cost(texts: list[str], repeats: int = 7) -> list[Metric]:
+    import pymongo
+
+    from dsgpt2.data.order import ReadOrder
+    from dsgpt2.data.table import ChunkTable
+
+    started = _server()
+    if started is None:
+        print("   reads: no secantusd-py (pip install secantusdb; DSGPT2_SECANTUSD=...): skipped", flush=True)
+        return []
+    proc, port, data = started
+    try:
+        client = pymongo.MongoClient(f"mongodb://127.0.0.1:{port}", serverSelectionTimeoutMS=20000)
+        coll = client.bench.reads
+        coll.drop()
+        coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+        coll.create_index("idx", unique=True)
+        table = ChunkTable.initial(["reads"], [len(texts)], CHUNK)
+        spread = ReadOrder(table, [(0,)], 0, "spread").documents(0, 1)[1]
+        queries = {
+            "spread": {"idx": {"$in": sorted(spread.tolist())}},
+            "ranges": {"idx": {"$gte": CHUNK, "$lt": 2 * CHUNK}},
+        }
+        projection = {"_id": 0, "idx": 1, "filt_text": 1}
+        stats: dict[str, dict[str, Any]] = {}
+        for name, q in queries.items():
+            s = coll.find(q, projection).explain()["executionStats"]
+            stats[name] = {k: int(s[k]) for k in ("nReturned", "totalKeysExamined", "totalDocsExamined")}
+        times: dict[str, list[float]] = {name: [] for name in queries}
+        for _ in range(repeats):
+            for name, q in queries.items():
+                t = time.perf_counter()
+                docs = list(coll.find(q, projection).batch_size(CHUNK))
+                times[name].append(time.perf_counter() - t)
+                if len(docs) != stats[name]["nReturned"]:
+                    raise RuntimeError(f"{name}: {len(docs)} documents, explain said {stats[name]}")
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    keys = {name: s["totalKeysExamined"] / s["nReturned"] for name, s in stats.items()}
+    where = f"SecantusDB (WiredTiger), {len(texts)} documents, one chunk of {CHUNK}; a local server"
+    print(f"   reads explain: {stats}", flush=True)
+    return [
+        Metric("reads: documents per command, spread (÷ ranges)", stats["spread"]["nReturned"],
+               stats["ranges"]["nReturned"], "docs", ">= 0.9", stats["spread"]["nReturned"] >= 0.9 * CHUNK,
+               f"{where}; a spread chunk holds its pool's documents ÷ its chunks"),
+        Metric("reads: index keys examined per document, spread (÷ ranges)", keys["spread"], keys["ranges"],
+               "keys/doc", "<= 2", keys["spread"] <= 2, "explain executionStats"),
+        Metric("reads: seconds per chunk, spread $in (÷ range query)", med["spread"], med["ranges"], "s",
+               "info", bool(np.isfinite(med["spread"])), f"median of {repeats}; {where}"),
+    ]  # fmt: skip
