@@ -19,6 +19,7 @@ minutes on two cores).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass
@@ -64,19 +65,22 @@ def spread_of_steps(kind: str, table: ChunkTable, docs_per_step: int, steps: int
     docs = reading(kind, table)[: docs_per_step * steps]
     buckets = docs * 100 // sum(table.marks)
     sets = [set(buckets[i : i + docs_per_step].tolist()) for i in range(0, len(buckets), docs_per_step)]
-    overlap = [len(a & b) / len(b) for a, b in zip(sets, sets[1:], strict=False)]
+    overlap = [len(a & b) / len(b) for a, b in itertools.pairwise(sets)]
     return Spread(float(np.mean([len(s) for s in sets])), float(np.mean(overlap)))
 
 
 def spread_metrics(table: ChunkTable, docs_per_step: int, steps: int = 2000) -> list[Metric]:
-    ours, ideal, ranges = (spread_of_steps(k, table, docs_per_step, steps) for k in ("spread", "global", "ranges"))
+    ours, ideal, ranges = (
+        spread_of_steps(k, table, docs_per_step, steps) for k in ("spread", "global", "ranges")
+    )
     where = f"{sum(table.marks)} documents, chunks of {table.chunk_docs}, {docs_per_step} documents a step"
     return [
         Metric("shuffle: 1% buckets per step (÷ global permutation)", ours.buckets, ideal.buckets, "buckets",
                ">= 0.9", ours.buckets >= 0.9 * ideal.buckets, where),
-        Metric("shuffle: 1% buckets per step (÷ ranges order, before)", ours.buckets, ranges.buckets, "buckets",
-               "info", True, where),
-        Metric("shuffle: buckets shared with the step before (÷ global)", ours.overlap, ideal.overlap, "share",
+        Metric("shuffle: 1% buckets per step (÷ ranges order, before)", ours.buckets, ranges.buckets,
+               "buckets", "info", True, where),
+        Metric("shuffle: buckets shared with the step before (÷ global)", ours.overlap, ideal.overlap,
+               "share",
                "<= 1.1", ours.overlap <= 1.1 * ideal.overlap + 0.01, f"ranges order: {ranges.overlap:.2f}"),
     ]  # fmt: skip
 
@@ -103,8 +107,15 @@ def _train_and_evaluate(store: str, collection: str, order: str, tokenizer: Path
     from dsgpt2.infer.loading import load_model
     from dsgpt2.infer.settings import EvalRequest
     from dsgpt2.shipped import shipped_config
-    from dsgpt2.train.config import (CheckpointOptions, DataOptions, EngineOptions, ModelOptions, RunOptions,
-                                     ScheduleOptions, TrainConfig)  # fmt: skip
+    from dsgpt2.train.config import (
+        CheckpointOptions,
+        DataOptions,
+        EngineOptions,
+        ModelOptions,
+        RunOptions,
+        ScheduleOptions,  # fmt: skip
+        TrainConfig,
+    )
     from dsgpt2.train.trainer import build
 
     shutil.rmtree(run, ignore_errors=True)
@@ -113,7 +124,9 @@ def _train_and_evaluate(store: str, collection: str, order: str, tokenizer: Path
                               "COLLECTIONS": [collection]}, env={})  # fmt: skip
     (run / "mongo.json").write_text(json.dumps(mongo.to_dict()))
     cfg = TrainConfig(
-        data=DataOptions(config_train=run / "mongo.json", vocab_dir=tokenizer, tr_ratio=1.0, read_order=order),
+        data=DataOptions(
+            config_train=run / "mongo.json", vocab_dir=tokenizer, tr_ratio=1.0, read_order=order
+        ),
         model=ModelOptions(model_select="tiny"),
         run=RunOptions(train_iters=STEPS, eval_interval=10 * STEPS, workspace=run / "train", wandb="off"),
         ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),
@@ -163,7 +176,8 @@ def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
         Metric("shuffle: held-out ppl, arrival ÷ permuted corpus (ranges, before)", ppl["arrival", "ranges"],
                ppl["permuted", "ranges"], "ppl", "info", True, f"ratio {before:.2f}"),
         Metric("shuffle: held-out ppl on the arrival corpus, spread ÷ ranges", ppl["arrival", "spread"],
-               ppl["arrival", "ranges"], "ppl", "< 1", ppl["arrival", "spread"] < ppl["arrival", "ranges"], where),
+               ppl["arrival", "ranges"], "ppl", "< 1", ppl["arrival", "spread"] < ppl["arrival", "ranges"],
+               where),
     ]  # fmt: skip
 
 

@@ -148,7 +148,9 @@ def test_one_loader_reads_every_epoch_and_fetches_across_the_boundary(
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     schedule = pooled(data, spec.seed)
-    expected = [x for e in range(3) for c in schedule.rank_chunks(0, e, 0, 1) for x in served(data, e, int(c))]
+    expected = [
+        x for e in range(3) for c in schedule.rank_chunks(0, e, 0, 1) for x in served(data, e, int(c))
+    ]
     first_epoch = sum(1 for e, _, _ in expected if e == 0)
     chunks = len(schedule.rank_chunks(0, 0, 0, 1))
     log = tmp_path / "fetched"
@@ -210,7 +212,9 @@ def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer:
 
 
 @pytest.mark.parametrize("order", ["spread", "ranges"])
-def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_path: Path, order: str) -> None:
+def test_cache_gives_the_same_blocks_as_streaming(
+    source, tokenizer: Path, tmp_path: Path, order: str
+) -> None:
     """Chunks as they lie (evaluation) and as each epoch reads them (training), both splits: the
     same blocks, block order and tokens per collection from the token files as from the database."""
     from dataclasses import replace
@@ -219,7 +223,9 @@ def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_p
     spec = replace(spec, order=order)
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
     fp = fingerprint(conn.config, tokenizer, spec)
-    totals = build_cache(StreamingChunks(conn.config, counts, tokenizer, spec, "all"), tmp_path, fp, 400, workers=0)
+    totals = build_cache(
+        StreamingChunks(conn.config, counts, tokenizer, spec, "all"), tmp_path, fp, 400, workers=0
+    )
     assert totals["train"] > 4 * totals["val"] > 0
     assert (tmp_path / "tokens.bin").stat().st_size == (totals["train"] + totals["val"]) * 2
     for split in ("train", "val"):
@@ -228,7 +234,9 @@ def test_cache_gives_the_same_blocks_as_streaming(source, tokenizer: Path, tmp_p
             a, b = streaming[split][key], cached[key]
             assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
             assert np.array_equal(a.shares, b.shares) and a.shares.sum() == a.valid.sum()
-            assert (a.order is None) == (b.order is None) and (a.order is None or np.array_equal(a.order, b.order))
+            assert (a.order is None) == (b.order is None) and (
+                a.order is None or np.array_equal(a.order, b.order)
+            )
     va = eval_batches(streaming["val"], 0, 1, 4, limit=3)
     vb = eval_batches(CachedChunks(tmp_path, "val", streaming["val"].table), 0, 1, 4, limit=3)
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
@@ -503,3 +511,40 @@ def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(sour
     assert all((a.input_ids == b.input_ids).all() for a, b in zip(replayed, plain, strict=True))
     assert len(r.boundary) == 2 and r.micro_batches == r.boundary[-1] + 1
     assert r.tokens <= r.micro_batches * MICRO * spec.context and r.tokens_per_s > 0 and r.cpu > 0
+
+
+def test_two_ranks_train_on_every_training_document_once_an_epoch(source, tokenizer: Path) -> None:
+    """Spread order, two ranks: the blocks the ranks' streams hand out in an epoch are every block of
+    the epoch's chunks once, and through the chunks' packing every training document once; a
+    step's blocks come from all over both collections, never a run of neighbours."""
+    from collections import Counter
+
+    conn, counts, spec = source
+    data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    schedule = pooled(data, spec.seed)
+    got: Counter = Counter()
+    spans: dict[tuple[int, int], set[int]] = {}
+    for rank in range(2):
+        expected = [x for c in schedule.rank_chunks(0, 1, rank, 2) for x in served(data, 1, int(c))]
+        start = ReadState.start(1)
+        start.streams[0] = Position(1, 0, 0)
+        stream = iter(BlockStream(data, schedule, rank, 2, micro_batch=1, state=start, workers=0))
+        ids = [next(stream).block_ids[0] for _ in range(len(expected))]
+        assert ids == expected
+        got.update(ids)
+        steps = [ids[i : i + 8] for i in range(0, len(ids) - 8, 8)]
+        for step in steps[:5]:
+            docs = {d for e, c, b in step for d, (first, end) in data.layout((e, c)).items()
+                    if first < (b + 1) * spec.context and end > b * spec.context}  # fmt: skip
+            assert len({i // 25 for c, i in docs}) >= 4  # spread over buckets of 25 documents
+    assert max(got.values()) == 1
+    for e, c, b in got:
+        for d, (first, end) in data.layout((e, c)).items():
+            if first < (b + 1) * spec.context and end > b * spec.context:
+                spans.setdefault(d, set()).add(b)
+    names = ("s", "t")
+    train = {
+        (c, i) for c, n in enumerate(counts) for i in range(n)
+        if split_mask(np.array([i]), spec.tr_ratio, spec.seed, names[c])[0]
+    }  # fmt: skip
+    assert set(spans) == train

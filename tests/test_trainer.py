@@ -313,6 +313,32 @@ def test_resume_refuses_other_data(corpus: dict[str, Path], tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
 
 
+def test_a_run_in_the_ranges_order_resumes_in_it_and_only_in_it(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A checkpoint of the ranges order (the fingerprint of every run before spread reading) is
+    refused by a resume in the spread order, with one line naming the flag, and resumes exactly in
+    its own order: steps 3-4 read the blocks of the straight run, chunks of consecutive documents."""
+    from dsgpt2.checkpoints.format import read_client_state
+
+    straight = tmp_path / "straight"
+    train(corpus, straight, "--train_iters", "4", "--save_interval", "2", "--read_order", "ranges")
+    fp = read_client_state(straight / "ckpt", "global_step2")["fingerprint"]
+    assert fp["layout"] == 2 and "order" not in fp
+    resumed = tmp_path / "resumed"
+    args = ("--train_iters", "4", "--load_dir", str(straight / "ckpt"), "--ckpt_id", "global_step2")
+    refused = train(corpus, resumed, *args, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    (line,) = [x for x in refused.stderr.splitlines() if "--read_order ranges" in x]
+    assert "reads in the ranges order; resume it with --read_order ranges" in line
+    train(corpus, resumed, *args, "--read_order", "ranges")
+    want, got = steps(straight), steps(resumed)
+    assert [got[s]["block_ids"] for s in (3, 4)] == [want[s]["block_ids"] for s in (3, 4)]
+    assert all(abs(got[s]["loss"] - want[s]["loss"]) < 1e-6 for s in (3, 4))
+    chunks = {c for s in (1, 2, 3, 4) for _, c, _ in want[s]["block_ids"]}
+    assert len(chunks) <= 2  # 8 micro-batches of 4 blocks from one or two chunks: the ranges order
+
+
 def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path], tmp_path: Path) -> None:
     from conftest import run_cli
 

@@ -123,7 +123,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
     )
     state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
-    print(f"{data.cache_dir}: {state}; tokens: {meta['tokens']['train']} train, {meta['tokens']['val']} validation")
+    tokens = meta["tokens"]
+    print(f"{data.cache_dir}: {state}; tokens: {tokens['train']} train, {tokens['val']} validation")
     return 0
 
 

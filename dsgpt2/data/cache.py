@@ -69,7 +69,9 @@ class CachedChunks(Dataset):
         self.dtype = np.dtype(meta["dtype"])
         rows = np.load(cache_dir / "chunks.npy")[: int(meta["chunks"])].reshape(-1, 3)
         bases = np.concatenate([[0], np.cumsum(rows[:, 2] - rows[:, 1])])
-        self.offsets = np.memmap(cache_dir / "offsets.bin", dtype=np.int64, mode="r", shape=(int(bases[-1]) + 1,))
+        self.offsets = np.memmap(
+            cache_dir / "offsets.bin", dtype=np.int64, mode="r", shape=(int(bases[-1]) + 1,)
+        )
         # Per collection, its rows by first idx: a document's place in offsets.npy without a scan.
         self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for c in np.unique(rows[:, 0]).tolist():

@@ -154,7 +154,9 @@ class ReadOrder:
                        < s.first_chunk + s.chunks(self.table.chunk_docs))  # fmt: skip
             s = self._stream_of(c)
             members = self.streams[s]
-            segs = tuple(x for x in self.table.segments if x.generation == seg.generation and x.collection in members)
+            segs = tuple(
+                x for x in self.table.segments if x.generation == seg.generation and x.collection in members
+            )
             pool = Pool(segs, self.table.chunks_of(seg.generation, members), (s, seg.generation))
             for k in pool.chunks.tolist():
                 self._pools[k] = pool

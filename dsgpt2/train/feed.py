@@ -124,7 +124,8 @@ class Feed:
         d, table = self.cfg.data, self.schedule.table
         if d.data_mode == "streaming":
             return tuple(
-                StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s, streams=self.streams) for s in SPLITS
+                StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s, streams=self.streams)
+                for s in SPLITS
             )
         cache_dir = self.cfg.cache_dir
         self._prepare_caches(cache_dir, table)

@@ -302,8 +302,10 @@ def lineage(
     _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)
     if order_of(fp) is None:
-        raise CheckpointError(f"{ckpt_dir / tag} reads its chunks under layout {fp.get('layout')}, which this "
-                              "version does not replay")  # fmt: skip
+        raise CheckpointError(
+            f"{ckpt_dir / tag} reads its chunks under layout {fp.get('layout')}, which this version "
+            "does not replay"
+        )
     table = ChunkTable.from_dict(data["table"])
     source = StreamingChunks(mongo, table, vocab, spec, "train", streams=data["streams"])
     shapes = _Shapes(source)
