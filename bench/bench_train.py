@@ -81,7 +81,7 @@ def cached_loader(
 
     data = CachedChunks(cache_dir, "train", table)
     schedule = Schedule(table, [(0,)], seed=0)
-    tokens = np.memmap(cache_dir / "train.bin", dtype=data.dtype, mode="r")
+    tokens = np.memmap(cache_dir / "tokens.bin", dtype=data.dtype, mode="r")
     rng = np.random.default_rng(0)
 
     def ours() -> None:

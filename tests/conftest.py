@@ -217,17 +217,39 @@ def server_uri(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("wire_server").uri())
 
 
-def logged_blocks(workspace: Path, ranks: int, upto: int) -> dict[tuple[int, int], set[tuple[int, int]]]:
-    """(chunk, block) → the (step, rank) that trained on it, from --log_block_ids files (the last
-    record of each step: a resumed run logs the steps after its checkpoint again)."""
+def logged_blocks(workspace: Path, ranks: int, upto: int) -> dict[tuple[int, int, int], set[tuple[int, int]]]:
+    """(epoch, chunk, block) → the (step, rank) that trained on it, from --log_block_ids files (the
+    last record of each step: a resumed run logs the steps after its checkpoint again)."""
     from dsgpt2.train.metrics import read_metrics
 
-    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    out: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
     for rank in range(ranks):
         last = {r["step"]: r["block_ids"] for r in read_metrics(workspace / f"block_ids_rank{rank}.jsonl")}
         for step, ids in last.items():
-            for _, c, b in ids if step <= upto else ():
-                out.setdefault((c, b), set()).add((step, rank))
+            for e, c, b in ids if step <= upto else ():
+                out.setdefault((e, c, b), set()).add((step, rank))
+    return out
+
+
+def trained_on(
+    ckpt_dir: Path, tag: str, config: Any, logged: dict
+) -> dict[tuple[int, int], set[tuple[int, int]]]:
+    """(collection, idx) → the (step, rank) whose logged blocks hold its tokens, found forward: each
+    logged (epoch, chunk) read and packed as the run's checkpoint says, its documents' spans cut into
+    blocks (lineage answers the other way, from a document to its chunk)."""
+    from dsgpt2.checkpoints.format import read_client_state
+    from dsgpt2.data.sources import StreamingChunks, spec_of
+    from dsgpt2.data.table import ChunkTable
+
+    saved = read_client_state(ckpt_dir, tag)
+    spec, data = spec_of(saved["fingerprint"]), saved["data"]
+    table = ChunkTable.from_dict(data["table"])
+    source = StreamingChunks(config, table, Path(saved["vocab_dir"]), spec, "train", streams=data["streams"])
+    out: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for e, c in {(e, c) for e, c, _ in logged}:
+        for doc, (first, end) in source.layout((e, c)).items():
+            for b in range(first // spec.context, (end - 1) // spec.context + 1):
+                out.setdefault(doc, set()).update(logged.get((e, c, b), set()))
     return out
 
 
@@ -238,11 +260,13 @@ def check_lineage(ckpt_dir: Path, workspace: Path, config: Path, docs: dict[str,
     from dsgpt2.train.lineage import lineage
 
     wanted = [f"{name}:{i}" for name, n in docs.items() for i in range(n)]
-    result = lineage(ckpt_dir, wanted, load_config(config))
-    logged = logged_blocks(workspace, ranks, result.step)
+    mongo = load_config(config)
+    result = lineage(ckpt_dir, wanted, mongo)
+    held = trained_on(ckpt_dir, result.tag, mongo, logged_blocks(workspace, ranks, result.step))
     seen = 0
     for d in result.docs:
-        want = set().union(*(logged.get((d.chunk, b), set()) for b in d.blocks))
+        name, _, idx = d.doc.rpartition(":")
+        want = held.get((list(mongo.collections).index(name), int(idx)), set())
         assert {(s.step, s.rank) for s in d.sightings} == want, d.doc
         assert (d.status == "trained") == bool(want), d.doc
         seen += bool(want)

@@ -136,13 +136,13 @@ def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     cached = ("--data_mode", "cached", "--cache_dir", str(cache))
     train(corpus, cfg, tmp_path, *GROW_RUN, *cached, faults=("--exit_after", "4"), code=17)
     assert json.loads((cache / "cache.json").read_text())["chunks"] == 3
-    head = (cache / "train.bin").read_bytes()
+    head = (cache / "tokens.bin").read_bytes()
     subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
     out = train(corpus, cfg, tmp_path, *GROW_RUN, *cached)
     assert "taking in new documents (a 200..500) now" in out.stderr
     assert "3 chunk(s) tokenized and added" in out.stderr
     assert json.loads((cache / "cache.json").read_text())["chunks"] == 6
-    assert (cache / "train.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
+    assert (cache / "tokens.bin").read_bytes()[: len(head)] == head  # appended, not rebuilt
     straight, resumed = records(followed), records(tmp_path)
     for step in range(5, 9):
         assert resumed[step]["block_ids"] == straight[step]["block_ids"], step

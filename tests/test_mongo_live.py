@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from pymongo import monitoring
 
-from conftest import ROOT, logged_blocks, make_config, run_cli
+from conftest import ROOT, logged_blocks, make_config, run_cli, trained_on
 from dsgpt2.corpus.config import ENV_URI, MongoConfig, load_config, redact_uri
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import ConfigError, MongoUnavailableError
@@ -322,9 +322,11 @@ def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_p
         docs = [a for i in range(160) for a in ("--doc", f"stdlib:{i}")]
         found = live.cli("lineage", "--ckpt_dir", str(tmp_path / "run" / "ckpt"), *docs, "--json")
         assert found.returncode == 0, found.stderr
+        answer = json.loads(found.stdout)
         logged = logged_blocks(tmp_path / "run" / "ws", 1, 6)
-        for d in json.loads(found.stdout)["docs"]:
-            want = set().union(*(logged.get((d["chunk"], b), set()) for b in d["blocks"]))
+        held = trained_on(tmp_path / "run" / "ckpt", answer["checkpoint"], live.mongo, logged)
+        for d in answer["docs"]:
+            want = held.get((0, int(d["doc"].rpartition(":")[2])), set())
             assert {(s["step"], s["rank"]) for s in d["sightings"]} == want, d["doc"]
         assert any(d["status"] == "trained" and d["chunk"] >= 5 for d in json.loads(found.stdout)["docs"])
         assert live.cli("ingest", "--config", str(live.config), "--format", "jsonl", "--no_progress",

@@ -802,10 +802,10 @@ def test_tokenize_ahead_then_cached_training_reuses_it(corpus: dict[str, Path], 
         str(cache),
     )
     assert made.returncode == 0 and "20 chunk(s) tokenized, 20 in all" in made.stdout, made.stderr
-    stamp = (cache / "train.bin").stat().st_mtime_ns
+    stamp = (cache / "tokens.bin").stat().st_mtime_ns
     result = train(corpus, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
     assert "up to date, reused" in result.stderr
-    assert (cache / "train.bin").stat().st_mtime_ns == stamp
+    assert (cache / "tokens.bin").stat().st_mtime_ns == stamp
 
 
 def test_wandb_offline_gets_no_password(tmp_path: Path) -> None:
