@@ -246,10 +246,13 @@ def trained_on(
     table = ChunkTable.from_dict(data["table"])
     source = StreamingChunks(config, table, Path(saved["vocab_dir"]), spec, "train", streams=data["streams"])
     out: dict[tuple[int, int], set[tuple[int, int]]] = {}
-    for e, c in {(e, c) for e, c, _ in logged}:
-        for doc, (first, end) in source.layout((e, c)).items():
-            for b in range(first // spec.context, (end - 1) // spec.context + 1):
-                out.setdefault(doc, set()).update(logged.get((e, c, b), set()))
+    try:
+        for e, c in {(e, c) for e, c, _ in logged}:
+            for doc, (first, end) in source.layout((e, c)).items():
+                for b in range(first // spec.context, (end - 1) // spec.context + 1):
+                    out.setdefault(doc, set()).update(logged.get((e, c, b), set()))
+    finally:
+        source.close()
     return out
 
 

@@ -95,6 +95,25 @@ def test_range_vs_in_query_filters(monkeypatch: pytest.MonkeyPatch, corpus: Mong
     assert seen == [{"idx": {"$gte": 1, "$lt": 4}}, {"idx": {"$in": [0, 4]}}]
 
 
+def test_the_test_store_answers_in_as_mongodb_does() -> None:
+    """The test store's set-membership $in (a spread chunk asks 1,000 idx) keeps MongoDB's answers:
+    ints, mixed types, arrays, $nin, and a list reused after it changed."""
+    coll = Connection(make_config(["m"])).db["m"]
+    coll.insert_many([{"idx": i, "tag": [i, "x"] if i % 5 == 0 else i} for i in range(40)])
+
+    def found(filt: dict) -> list[int]:
+        return sorted(d["idx"] for d in coll.find(filt))
+
+    asked = [3, 7, 11, 39, 40]
+    assert found({"idx": {"$in": asked}}) == [3, 7, 11, 39]
+    asked.append(12)  # the same list object, changed: asked anew
+    assert found({"idx": {"$in": asked}}) == [3, 7, 11, 12, 39]
+    assert found({"idx": {"$in": [1, "2", 3.0]}}) == [1, 3]
+    assert found({"tag": {"$in": ["x"]}}) == list(range(0, 40, 5))
+    assert found({"idx": {"$nin": list(range(2, 40))}}) == [0, 1]
+    assert found({"$and": [{"idx": {"$in": [5, 6, 7]}}, {"idx": {"$gte": 6}}]}) == [6, 7]
+
+
 def _bad_corpus(strict: bool = False) -> MongoWrapper:
     cfg = make_config(["a"], MAX_TEXT_CHARS=1_000_000, STRICT=strict)
     conn = Connection(cfg)

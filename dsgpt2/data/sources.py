@@ -263,6 +263,12 @@ class StreamingChunks(Dataset):
             self.config, table, self.tokenizer_dir, self.spec, self.split, streams=self.chunks.streams
         )
 
+    def close(self) -> None:
+        """Close the client this process made (a worker's goes with its process)."""
+        if self._wrapper is not None and self._pid == os.getpid():
+            self._wrapper.connection.close()
+        self._wrapper, self._pid = None, -1
+
     def _ready(self) -> None:
         if self._pid != os.getpid():
             from dsgpt2.corpus.mongo import MongoWrapper

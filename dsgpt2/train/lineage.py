@@ -308,11 +308,34 @@ def lineage(
         )
     table = ChunkTable.from_dict(data["table"])
     source = StreamingChunks(mongo, table, vocab, spec, "train", streams=data["streams"])
-    shapes = _Shapes(source)
-    wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
-    watch = _Watch([d for d in wanted if d.status == "trained"], shapes)
     step = int(saved["step"])
-    replay = Replay(data, spec.seed, shapes)
+    shapes = _Shapes(source)
+    try:
+        wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
+        _replay(data, shapes, wanted, step, tag, progress)
+    finally:
+        source.close()
+    tags = {t: (read_marker(ckpt_dir, t) or {}).get("step", -1) for t in complete_tags(ckpt_dir)}
+    for d in wanted:
+        if d.sightings:
+            first = d.steps[0]
+            d.checkpoints = [t for t, n in tags.items() if first <= n <= step]
+        elif d.status == "trained":
+            d.status = "not-yet"
+    return RunLineage(ckpt_dir, tag, step, [int(launch["world"]) for launch in data["launches"]], wanted)
+
+
+def _replay(
+    data: dict[str, Any],
+    shapes: _Shapes,
+    wanted: list[DocLineage],
+    step: int,
+    tag: str,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Replay the run's reading to ``step``, noting where it trained on each wanted document."""
+    watch = _Watch([d for d in wanted if d.status == "trained"], shapes)
+    replay = Replay(data, shapes.source.spec.seed, shapes)
     for s, ids in replay.steps(step):
         for rank, blocks in enumerate(ids):
             for e, c, b in blocks:
@@ -321,15 +344,9 @@ def lineage(
         if progress:
             progress(s, step)
     replay.check(tag)
-    tags = {t: (read_marker(ckpt_dir, t) or {}).get("step", -1) for t in complete_tags(ckpt_dir)}
     for d in wanted:
         if d.sightings:
-            first = d.steps[0]
-            d.checkpoints = [t for t, n in tags.items() if first <= n <= step]
             d.chunk, d.blocks, d.tokens = watch.placed[(d.doc, d.sightings[0].epoch)]
-        elif d.status == "trained":
-            d.status = "not-yet"
-    return RunLineage(ckpt_dir, tag, step, [int(launch["world"]) for launch in data["launches"]], wanted)
 
 
 class _Watch:
