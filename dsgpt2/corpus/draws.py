@@ -14,7 +14,7 @@ import numpy as np
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
-_SALTS = {"sample": 0x5A17, "split": 0x5B11, "shuffle": 0x5F0F}
+_SALTS = {"sample": 0x5A17, "split": 0x5B11, "shuffle": 0x5F0F, "blocks": 0xB10C}
 
 
 def uniform(indices: np.ndarray, seed: int, salt: str = "sample") -> np.ndarray:

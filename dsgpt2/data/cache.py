@@ -69,16 +69,15 @@ class CachedChunks(Dataset):
         self.dtype = np.dtype(meta["dtype"])
         rows = np.load(cache_dir / "chunks.npy")[: int(meta["chunks"])].reshape(-1, 3)
         bases = np.concatenate([[0], np.cumsum(rows[:, 2] - rows[:, 1])])
-        self.offsets = np.memmap(
-            cache_dir / "offsets.bin", dtype=np.int64, mode="r", shape=(int(bases[-1]) + 1,)
-        )
-        # Per collection, its rows by first idx: a document's place in offsets.npy without a scan.
+        self.documents = int(bases[-1])
+        # Per collection, its rows by first idx: a document's place in offsets.bin without a scan.
         self._rows: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         for c in np.unique(rows[:, 0]).tolist():
             mine = np.flatnonzero(rows[:, 0] == c)
             mine = mine[np.argsort(rows[mine, 1])]
             self._rows[c] = (rows[mine, 1], rows[mine, 2], bases[mine])
         self.has_loss = self.spec.task == "conversation"
+        self._offsets: np.ndarray | None = None
         self._tokens: np.ndarray | None = None
         self._loss: np.ndarray | None = None
 
@@ -90,23 +89,30 @@ class CachedChunks(Dataset):
         return self.table.n_chunks
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_tokens": None, "_loss": None}
+        return {**self.__dict__, "_offsets": None, "_tokens": None, "_loss": None}
 
     def grown(self, table: ChunkTable) -> CachedChunks:
         """The cache (appended to since) read through ``table``."""
         return CachedChunks(self.cache_dir, self.split, table, self.chunks.streams)
 
-    def _map(self, name: str, dtype: Any) -> np.ndarray:
-        n = int(self.offsets[-1])
+    def _map(self, name: str, dtype: Any, n: int) -> np.ndarray:
         if not n:
             return np.empty(0, dtype=dtype)
-        return np.memmap(self.cache_dir / name, dtype=dtype, mode="r", shape=(n,))
+        # A plain array over the mapped file: a memmap's own indexing costs more than the gather.
+        return np.asarray(np.memmap(self.cache_dir / name, dtype=dtype, mode="r", shape=(n,)))
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Where each document's tokens start in tokens.bin (and, last, the end)."""
+        if self._offsets is None:
+            self._offsets = self._map("offsets.bin", np.int64, self.documents + 1)
+        return self._offsets
 
     def _places(self, colls: np.ndarray, idxs: np.ndarray) -> np.ndarray:
         """Each document's place in offsets.bin."""
         out = np.empty(len(idxs), dtype=np.int64)
-        for c in np.unique(colls).tolist():
-            at = colls == c
+        for c in self._rows if len(self._rows) == 1 else np.unique(colls).tolist():
+            at = slice(None) if len(self._rows) == 1 else colls == c
             los, his, bases = self._rows.get(c, (np.empty(0, np.int64),) * 3)
             r = np.searchsorted(los, idxs[at], side="right") - 1
             if (r < 0).any() or (idxs[at] >= his[np.maximum(r, 0)]).any():
@@ -115,14 +121,15 @@ class CachedChunks(Dataset):
         return out
 
     def __getitem__(self, key: Key) -> Chunk:
+        offsets = self.offsets
         if self._tokens is None:
-            self._tokens = self._map("tokens.bin", self.dtype)
+            self._tokens = self._map("tokens.bin", self.dtype, int(offsets[-1]))
             if self.has_loss:
-                self._loss = self._map("loss.bin", np.bool_)
+                self._loss = self._map("loss.bin", np.bool_, int(offsets[-1]))
         colls, idxs = self.chunks.wanted(key)
         places = self._places(colls, idxs)
-        starts = np.asarray(self.offsets[places], dtype=np.int64)
-        lengths = np.asarray(self.offsets[places + 1], dtype=np.int64) - starts
+        starts = offsets[places]
+        lengths = offsets[places + 1] - starts
         kept = lengths > 0  # documents without usable text hold no tokens
         starts, lengths, colls = starts[kept], lengths[kept], colls[kept]
         # Every token of the kept documents, in reading order: one gather from the mapped file.

@@ -6,10 +6,11 @@ hundreds of steps in a row the same region of the corpus, which trains a worse m
 documents read in a random order. So under the ``spread`` order (the default), chunk ``c`` of epoch
 ``e`` holds documents drawn from all over its pool (the documents of its stream's collections that
 came in the same generation, see :mod:`dsgpt2.data.table`): the pool's positions permuted by a keyed
-pseudorandom permutation of (seed, stream, generation, epoch), cut into as many equal slices as the
-pool has chunks. The permutation is computed, never stored (a Feistel network on the position's
-bits, walked until it lands inside the pool), so a chunk costs O(its documents) in time and memory
-at any corpus size, and any process finds any document's chunk (its inverse) without a list.
+pseudorandom permutation of (seed, stream, generation, epoch), cut into as many equal ranges as the
+pool has chunks. The permutation is computed, never stored (a Feistel network on the bits of a
+power of two under twice the pool; a chunk takes the pool's documents among the images of its range
+of positions), so a chunk costs O(its documents) in time and memory at any corpus size, and any
+process finds any document's chunk (the network run backwards) without a list.
 Reading a chunk is one ``$in`` query per collection it touches. Its documents are packed in the
 permuted order (not idx order, which would put neighbours side by side again), and its blocks are
 handed out in a shuffled order of (seed, epoch, chunk), so that a long document's blocks do not fill
@@ -22,15 +23,22 @@ same in every epoch, one range query, blocks in their packed order.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from dsgpt2.corpus.draws import uniform
 from dsgpt2.data.table import ChunkTable, Segment
 
 ORDERS = ("spread", "ranges")
-ROUNDS = 6  # Feistel rounds: 4 already make a pseudorandom permutation; 6 leave a margin
+ROUNDS = 4  # Feistel rounds: four make a pseudorandom permutation (Luby and Rackoff)
+
+
+def _digest(key: tuple[object, ...]) -> int:
+    """A 64-bit key of a tuple of ints and names, the same in every process and version."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -42,48 +50,50 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Permutation:
-    """A keyed pseudorandom permutation of ``[0, n)``, computed on demand; ``inverse`` undoes it."""
+    """A keyed pseudorandom permutation of ``[0, 2**bits)``, the smallest power of two holding
+    ``[0, n)``: computed on demand, never stored. Read in order and left out where ``>= n``, a range
+    of its positions gives values of ``[0, n)``, and its ranges cut ``[0, n)`` into disjoint
+    random sets (of sizes within a little of the ranges' share of n: the domain is under 2 n)."""
 
     n: int
     key: tuple[int, ...]
     _keys: np.ndarray = field(init=False, repr=False, compare=False)
-    _half: int = field(init=False, repr=False, compare=False)
+    bits: int = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
-        rng = np.random.default_rng([*self.key, 0xFE15])
-        object.__setattr__(self, "_keys", rng.integers(0, 2**63, size=ROUNDS, dtype=np.uint64))
-        # The network permutes 2 * half bits: the smallest even width holding n - 1, so that cycle
-        # walking (re-applying it until the value falls in [0, n)) takes fewer than 4 tries on average.
-        bits = max(2, int(self.n - 1).bit_length())
-        object.__setattr__(self, "_half", (bits + 1) // 2)
+        keys = [_digest((*self.key, "round", r)) for r in range(ROUNDS)]
+        object.__setattr__(self, "_keys", np.array(keys, dtype=np.uint64))
+        object.__setattr__(self, "bits", max(2, int(self.n - 1).bit_length()))
+
+    @property
+    def domain(self) -> int:
+        return 1 << self.bits
 
     def _rounds(self, x: np.ndarray, forward: bool) -> np.ndarray:
-        half, mask = np.uint64(self._half), np.uint64((1 << self._half) - 1)
-        left, right = x >> half, x & mask
+        # An unbalanced Feistel network on exactly `bits` bits: the halves trade widths each round
+        # (an even number of rounds gives them back), so no value leaves the domain.
+        wide = [self.bits // 2, self.bits - self.bits // 2]  # (left, right) widths
+        left, right = x >> np.uint64(wide[1]), x & np.uint64((1 << wide[1]) - 1)
         keys = self._keys if forward else self._keys[::-1]
         with np.errstate(over="ignore"):
             for k in keys:
-                if forward:
+                if forward:  # (L, R) -> (R, L ^ F(R)): L's width moves right
+                    mask = np.uint64((1 << wide[0]) - 1)
                     left, right = right, left ^ (_mix(right ^ k) & mask)
-                else:
+                else:  # undo: (L', R') = (R, L ^ F(R)) -> (R' ^ F(L'), L')
+                    mask = np.uint64((1 << wide[1]) - 1)
                     left, right = right ^ (_mix(left ^ k) & mask), left
-        return (left << half) | right
+                wide.reverse()
+        return (left << np.uint64(wide[1])) | right
 
-    def _walk(self, x: np.ndarray, forward: bool) -> np.ndarray:
-        y = self._rounds(x.astype(np.uint64), forward)
-        out = y >= np.uint64(self.n)
-        while out.any():
-            y[out] = self._rounds(y[out], forward)
-            out = y >= np.uint64(self.n)
-        return y.astype(np.int64)
+    def take(self, lo: int, hi: int) -> np.ndarray:
+        """The values of ``[0, n)`` at positions ``[lo, hi)`` of the permutation, in order."""
+        images = self._rounds(np.arange(lo, hi, dtype=np.uint64), True).astype(np.int64)
+        return images[images < self.n]
 
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        """The images of ``positions`` (each in ``[0, n)``)."""
-        return self._walk(np.asarray(positions), True) if self.n > 1 else np.asarray(positions, np.int64)
-
-    def inverse(self, images: np.ndarray) -> np.ndarray:
-        """The positions whose images are ``images``."""
-        return self._walk(np.asarray(images), False) if self.n > 1 else np.asarray(images, np.int64)
+    def position(self, values: np.ndarray) -> np.ndarray:
+        """Where each of ``values`` (in ``[0, n)``) lies in the permutation."""
+        return self._rounds(np.asarray(values, dtype=np.uint64), False).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -98,19 +108,22 @@ class Pool:
     def size(self) -> int:
         return sum(s.hi - s.lo for s in self.segments)
 
-    def bounds(self) -> np.ndarray:
-        """Where each chunk's slice of the permuted pool starts (and, last, the end)."""
+    def bounds(self, domain: int) -> np.ndarray:
+        """Where each chunk's range of a permutation of ``domain`` positions starts (and the end)."""
         n = len(self.chunks)
-        return np.arange(n + 1, dtype=np.int64) * self.size // n
+        return np.arange(n + 1, dtype=np.int64) * domain // n
 
     def documents(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(collection, idx) of each pool position."""
+        if len(self.segments) == 1:
+            seg = self.segments[0]
+            return np.full(len(positions), seg.collection, dtype=np.int64), seg.lo + positions
         sizes = np.array([s.hi - s.lo for s in self.segments], dtype=np.int64)
         starts = np.concatenate([[0], np.cumsum(sizes)])
-        seg = np.searchsorted(starts, positions, side="right") - 1
+        where = np.searchsorted(starts, positions, side="right") - 1
         los = np.array([s.lo for s in self.segments], dtype=np.int64)
         colls = np.array([s.collection for s in self.segments], dtype=np.int64)
-        return colls[seg], los[seg] + positions - starts[seg]
+        return colls[where], los[where] + positions - starts[where]
 
     def position(self, collection: int, idx: int) -> int | None:
         at = 0
@@ -139,6 +152,7 @@ class ReadOrder:
         self.seed = seed
         self.order = order
         self._pools: dict[int, Pool] = {}  # by chunk id: small (a few per collection and growth)
+        self._perms: dict[tuple[int, ...], Permutation] = {}
 
     def _stream_of(self, collection: int) -> int:
         for s, members in enumerate(self.streams):
@@ -163,7 +177,12 @@ class ReadOrder:
         return self._pools[chunk]
 
     def permutation(self, pool: Pool, epoch: int) -> Permutation:
-        return Permutation(pool.size, (self.seed, *pool.key, epoch))
+        key = (self.seed, *pool.key, epoch)
+        if key not in self._perms:
+            if len(self._perms) >= 64:  # a reader is in one or two epochs at a time
+                self._perms.clear()
+            self._perms[key] = Permutation(pool.size, key)
+        return self._perms[key]
 
     def documents(self, epoch: int, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         """(collection, idx) of the documents ``chunk`` holds in ``epoch``, in reading order."""
@@ -172,9 +191,9 @@ class ReadOrder:
             return np.full(hi - lo, c, dtype=np.int64), np.arange(lo, hi, dtype=np.int64)
         pool = self.pool(chunk)
         j = int(np.searchsorted(pool.chunks, chunk))
-        bounds = pool.bounds()
-        positions = self.permutation(pool, epoch)(np.arange(bounds[j], bounds[j + 1], dtype=np.int64))
-        return pool.documents(positions)
+        perm = self.permutation(pool, epoch)
+        bounds = pool.bounds(perm.domain)
+        return pool.documents(perm.take(int(bounds[j]), int(bounds[j + 1])))
 
     def chunk_of(self, epoch: int, collection: int, idx: int) -> int | None:
         """The chunk holding document ``idx`` of ``collection`` in ``epoch``; None when the table lacks it."""
@@ -182,12 +201,15 @@ class ReadOrder:
         if natural is None or self.order == "ranges":
             return natural
         pool = self.pool(natural)
-        at = self.permutation(pool, epoch).inverse(np.array([pool.position(collection, idx)]))
-        j = int(np.searchsorted(pool.bounds(), at[0], side="right")) - 1
+        perm = self.permutation(pool, epoch)
+        at = perm.position(np.array([pool.position(collection, idx)]))
+        j = int(np.searchsorted(pool.bounds(perm.domain), at[0], side="right")) - 1
         return int(pool.chunks[j])
 
     def block_order(self, epoch: int, chunk: int, blocks: int) -> np.ndarray | None:
         """The order in which a chunk's ``blocks`` go out (None: as packed)."""
         if self.order == "ranges" or blocks < 2:
             return None
-        return np.random.default_rng([self.seed, epoch, chunk, 0xB10C]).permutation(blocks)
+        return np.argsort(
+            uniform(np.arange(blocks), _digest((self.seed, epoch, chunk)), "blocks"), kind="stable"
+        )

@@ -192,10 +192,13 @@ class Chunks:
             colls, idxs = np.full(hi - lo, c, dtype=np.int64), np.arange(lo, hi, dtype=np.int64)
         if self.split == "all" or len(idxs) == 0:
             return colls, idxs
-        keep = np.zeros(len(idxs), dtype=bool)
-        for c in np.unique(colls).tolist():
-            at = colls == c
-            keep[at] = split_mask(idxs[at], self.spec.tr_ratio, self.spec.seed, self.names[c])
+        if len(self.names) == 1:
+            keep = split_mask(idxs, self.spec.tr_ratio, self.spec.seed, self.names[0])
+        else:
+            keep = np.zeros(len(idxs), dtype=bool)
+            for c in np.unique(colls).tolist():
+                at = colls == c
+                keep[at] = split_mask(idxs[at], self.spec.tr_ratio, self.spec.seed, self.names[c])
         if self.split == "val":
             keep = ~keep
         return colls[keep], idxs[keep]
@@ -206,8 +209,11 @@ class Chunks:
         n = len(item.blocks)
         if isinstance(key, tuple):
             item.order = self.reading.block_order(int(key[0]), int(key[1]), n)
-        item.shares = tokens_per_block(np.asarray(lengths, dtype=np.int64), colls, item.blocks.shape[1],
-                                       len(self.names))  # fmt: skip
+        if len(self.names) == 1:
+            item.shares = item.valid[:, None]
+        else:
+            item.shares = tokens_per_block(np.asarray(lengths, dtype=np.int64), colls, item.blocks.shape[1],
+                                           len(self.names))  # fmt: skip
         return item
 
 
