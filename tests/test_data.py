@@ -339,7 +339,7 @@ def test_conversation_chunks_cache_and_batch_with_reply_labels(tokenizer: Path, 
 
 
 def test_tokenize_ahead_for_a_conversation_run(tokenizer: Path, tmp_path: Path) -> None:
-    """`dsgpt2 tokenize --task conversation` builds the cache a conversation run then reuses."""
+    """`dsgpt2 tokenize --task conversation --read_order ranges` builds the cache such a run then reuses."""
     from conftest import write_config
     from dsgpt2.cli import main
     from dsgpt2.corpus.config import load_config
@@ -352,9 +352,9 @@ def test_tokenize_ahead_for_a_conversation_run(tokenizer: Path, tmp_path: Path) 
                        MONGO_CONNECTION_DB="testdb", COLLECTIONS=["chat"])  # fmt: skip
     cache = tmp_path / "cache"
     assert main(["tokenize", "--config_train", str(cfg), "--vocab_dir", str(tokenizer), "--context_length",
-                 "32", "--chunk_docs", "50", "--cache_dir", str(cache), "--num_workers", "0",
-                 "--task", "conversation", "--reply_speakers", "bot"]) == 0  # fmt: skip
-    data = DataOptions(config_train=cfg, vocab_dir=tokenizer, chunk_docs=50)
+                 "32", "--chunk_docs", "50", "--cache_dir", str(cache), "--num_workers", "0", "--task",
+                 "conversation", "--reply_speakers", "bot", "--read_order", "ranges"]) == 0  # fmt: skip
+    data = DataOptions(config_train=cfg, vocab_dir=tokenizer, chunk_docs=50, read_order="ranges")
     run = data_spec(data, ModelOptions(context_length=32, task="conversation"), 32)
     assert run.task == "conversation"
     assert cache_fingerprint(cache) == fingerprint(load_config(cfg), tokenizer, run)

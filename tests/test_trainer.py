@@ -391,6 +391,7 @@ def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path]
         (["--attn_implementation", "flash_attention_2"], "--attn_implementation"),
         (["--lr_schedule", "wsd", "--warmup_iters", "50", "--train_iters", "20"], "--warmup_iters 50"),
         (["--decay_fraction", "1.5"], "--decay_fraction"),
+        (["--read_order", "random"], "--read_order"),
     ],
 )
 def test_bad_flags_are_one_line_errors(

@@ -19,10 +19,10 @@ def add_tokenize(sub: Any) -> None:
         "tokenize",
         help="build the token cache that `ds_trainer.py --data_mode cached` reads",
         description=(
-            "Tokenize and pack the training and validation splits into memory-mapped files, ahead of "
-            "training. Use the data flags the training run will use: the cache is fingerprinted by the "
-            "collections, their counts, the tokenizer, the context, the split, the seed and the task "
-            "(--task conversation: reply-only labels), and a run with other settings rebuilds it. "
+            "Tokenize every document into memory-mapped files, ahead of training. Use the data flags the "
+            "training run will use: the cache is fingerprinted by the collections, their counts, the "
+            "tokenizer, the context, the split, the seed, the reading order and the task (--task "
+            "conversation: reply-only labels), and a run with other settings rebuilds it. "
             "Several nodes: a shared --cache_dir is built once; with node-local disks, run this on every "
             "node with its own --cache_dir (a run builds what a node lacks, one builder per directory)."
         ),
@@ -31,7 +31,8 @@ def add_tokenize(sub: Any) -> None:
     from dsgpt2.train.config import DataOptions, ModelOptions
 
     # The training run's own data flags, so that the cache matches the run that reads it.
-    data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "cache_dir", "num_workers"]
+    data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "read_order", "cache_dir",
+                  "num_workers"]  # fmt: skip
     defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
     add_options(p, DataOptions, only=data_flags, defaults=defaults)
     add_options(p, ModelOptions, only=["model_select", "context_length", "task", "reply_speakers"])
