@@ -548,3 +548,25 @@ def test_two_ranks_train_on_every_training_document_once_an_epoch(source, tokeni
         if split_mask(np.array([i]), spec.tr_ratio, spec.seed, names[c])[0]
     }  # fmt: skip
     assert set(spans) == train
+
+
+def test_a_cache_of_packed_blocks_is_rebuilt_as_tokens_per_document(
+    source, tokenizer: Path, tmp_path: Path
+) -> None:
+    """A token cache written before tokens per document (packed blocks per split, no format) is
+    not read as one: it is rebuilt, and its former files go."""
+    import json
+
+    conn, counts, spec = source
+    everything = StreamingChunks(conn.config, counts, tokenizer, spec, "all")
+    fp = fingerprint(conn.config, tokenizer, spec)
+    (tmp_path / "train.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "cache.json").write_text(json.dumps({"fingerprint": fp, "dtype": "uint16", "chunks": 15}))
+    with pytest.raises(KeyError):
+        CachedChunks(tmp_path, "train", everything.table)
+    totals = build_cache(everything, tmp_path, fp, 400, workers=0)
+    assert not (tmp_path / "train.bin").exists() and totals["train"] > 0
+    cached = CachedChunks(tmp_path, "train", everything.table)
+    assert np.array_equal(
+        cached[(1, 4)].blocks, StreamingChunks(conn.config, counts, tokenizer, spec, "train")[(1, 4)].blocks
+    )
