@@ -198,7 +198,6 @@ def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     coll.create_index("idx", unique=True)
     coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
     conn.db["meta_info"].update_one({"collection": "s"}, {"$set": {"count": len(texts)}}, upsert=True)
-    conn.commit()
     path = work / "mongo.json"
     path.write_text(json.dumps(data))
     return path

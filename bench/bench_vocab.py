@@ -165,7 +165,6 @@ def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> l
     conn.db["s"].create_index("idx", unique=True)
     conn.db["s"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
     conn.db["meta_info"].insert_one({"collection": "s", "count": len(texts)})
-    conn.commit()
     texts_file = workdir / "vocab_bench_texts.jsonl"
     with open(texts_file, "w", encoding="utf-8") as f:
         for t in texts:

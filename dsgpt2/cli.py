@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from dsgpt2 import __version__
 from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings
-from dsgpt2.commands import corpus, demo, infer, train, vocab
+from dsgpt2.commands import corpus, db, demo, infer, train, vocab
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 
@@ -20,8 +20,9 @@ Every subcommand reads a connection config (--config), a JSON file such as
   {"MONGO_CONNECTION_STRING": "mongodb://user@host:27017",
    "MONGO_CONNECTION_DB": "corpus", "COLLECTIONS": ["news", "wiki"]}
 The environment variable MONGO_CONNECTION_STRING overrides the file's
-connection string: keep passwords there, not in files. mongomock://PATH is an
-in-process store persisted in PATH, for tests and the demo.
+connection string: keep passwords there, not in files. local://DIR is the
+embedded database in the directory DIR: dsgpt2 starts its server when a command
+needs it (`dsgpt2 db status|stop` show and end it).
 
 A .yaml or .toml file given as --config is an experiment file instead: its
 keys are the command's flags (flags typed after it override them), and its
@@ -63,6 +64,7 @@ def build_parser() -> OneLineErrorParser:
         infer.add_chat,
         infer.add_serve,
         demo.add_demo,
+        db.add_db,
     ):
         add(sub)
     return accept_hyphen_spellings(parser)

@@ -1,8 +1,8 @@
 """``dsgpt2 demo``: the whole pipeline in one process on the built-in sample corpus.
 
-Runs on an in-process mongomock database, so it needs no server and no
-download; or, given a connection config, against that server (in its own
-collections of the config's database). Each stage logs what it did; the
+Runs on the embedded database in ``OUT/db`` (``local://``, started for the demo and stopped after
+it), so it needs no server and no download; or, given a connection config, against that server (in
+its own collections of the config's database). Each stage logs what it did; the
 summary is printed at the end and written to ``OUT/summary.json``.
 """
 
@@ -16,6 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.corpus import embedded
 from dsgpt2.corpus.config import MongoConfig, config_from_dict
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
@@ -61,21 +62,38 @@ def run_demo(
         steps: training steps.
         chat_steps: conversation finetuning steps.
         server: run against this server and database (in the demo's own collections) instead of
-            the in-process store.
+            the embedded database in ``out/db``.
     """
     out.mkdir(parents=True, exist_ok=True)
-    if server is None:
-        config = config_from_dict(
-            {
-                "MONGO_CONNECTION_STRING": "mongomock://",
-                "MONGO_CONNECTION_DB": DEMO_DB,
-                "COLLECTIONS": [DEMO_COLLECTION],
-            },
-            env={},
-        )
-    else:
-        config = server.with_collections([DEMO_COLLECTION])
-    conn = connect(config)
+    if server is not None:
+        return _run_demo(out, limit, progress, steps, chat_steps, server.with_collections([DEMO_COLLECTION]))
+    database = out.resolve() / "db"
+    config = config_from_dict(
+        {
+            "MONGO_CONNECTION_STRING": f"{embedded.PREFIX}{database}",
+            "MONGO_CONNECTION_DB": DEMO_DB,
+            "COLLECTIONS": [DEMO_COLLECTION],
+        },
+        env={},
+    )
+    try:
+        conn = connect(config)
+        conn.client.drop_database(DEMO_DB)  # the demo's own database: every demo starts from nothing
+        return _run_demo(out, limit, progress, steps, chat_steps, config, conn)
+    finally:
+        embedded.stop(database)
+
+
+def _run_demo(
+    out: Path,
+    limit: int | None,
+    progress: bool,
+    steps: int,
+    chat_steps: int,
+    config: MongoConfig,
+    conn: Connection | None = None,
+) -> dict[str, Any]:
+    conn = conn or connect(config)
     summary: dict[str, Any] = {"database": f"{config.display_uri} / {config.db}", "db": config.db}
 
     log.info(f"stage 1/{STAGES}: ingest the sample corpus (Python standard library documentation)")

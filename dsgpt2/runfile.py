@@ -32,7 +32,7 @@ FLAG = "--config"
 # this equal to the command line's).
 COMMANDS = frozenset(
     {"ingest", "validate", "info", "vocab", "download", "train", "tokenize", "plan", "export", "evaluate",
-     "generate", "chat", "serve", "demo", "index", "dedup", "curate", "lineage"}
+     "generate", "chat", "serve", "demo", "index", "dedup", "curate", "lineage", "db"}
 )  # fmt: skip
 
 

@@ -1,8 +1,11 @@
-"""Shared fixtures: an isolated in-process MongoDB (mongomock) per test, and corpus helpers."""
+"""Shared fixtures: a database of its own per test on the test process's SecantusDB server, and corpus
+helpers."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import itertools
 import json
 import os
 import sys
@@ -13,10 +16,9 @@ from typing import Any
 
 import pytest
 
-from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.config import MongoConfig, config_from_dict
 from dsgpt2.corpus.mongo import Connection
-from wire_server import WireServer, unavailable_reason
+from wire_server import WireServer, shared_server, shared_started, unavailable_reason
 from zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,10 +79,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_NAMES = itertools.count()
+# The database make_config() names by default: one per test (and one per module, for module fixtures).
+_DEFAULT_DB: list[str] = [""]
+
+
+def _fresh_db(prefix: str) -> Iterator[None]:
+    name = f"{prefix}{os.getpid()}_{next(_NAMES)}"
+    _DEFAULT_DB[0], before = name, _DEFAULT_DB[0]
+    yield
+    _DEFAULT_DB[0] = before
+    if shared_started():
+        import pymongo
+
+        with pymongo.MongoClient(shared_server(), serverSelectionTimeoutMS=10000) as client:
+            client.drop_database(name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_db() -> Iterator[None]:
+    yield from _fresh_db("m")
+
+
 @pytest.fixture(autouse=True)
-def _fresh_mock_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    mockstore.reset()
+def _test_db(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("MONGO_CONNECTION_STRING", raising=False)
+    yield from _fresh_db("t")
+
+
+def db_for(path: Path) -> dict[str, str]:
+    """Config keys naming a database of its own for ``path`` (what a file-backed store was): the same
+    path, the same database, from any test, fixture or process."""
+    digest = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:20]
+    return {"MONGO_CONNECTION_STRING": shared_server(), "MONGO_CONNECTION_DB": f"s{digest}"}
 
 
 def pyproject() -> dict[str, Any]:
@@ -92,10 +123,31 @@ def pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
 
 
+def clone_db(source: Path, target: Path) -> dict[str, str]:
+    """Copy the database of ``source`` (:func:`db_for`) with its indexes into that of ``target``, as one
+    copied a store's file; returns the config keys of the copy."""
+    import pymongo
+
+    src, dst = db_for(source), db_for(target)
+    with pymongo.MongoClient(src["MONGO_CONNECTION_STRING"]) as client:
+        client.drop_database(dst["MONGO_CONNECTION_DB"])
+        old, new = client[src["MONGO_CONNECTION_DB"]], client[dst["MONGO_CONNECTION_DB"]]
+        for name in old.list_collection_names():
+            docs = list(old[name].find())
+            new.create_collection(name)
+            for index in old[name].list_indexes():
+                if index["name"] != "_id_":
+                    options = {k: v for k, v in index.items() if k not in ("key", "v", "ns")}
+                    new[name].create_index(list(index["key"].items()), **options)
+            for start in range(0, len(docs), 5000):
+                new[name].insert_many(docs[start : start + 5000])
+    return dst
+
+
 def make_config(collections: list[str] | tuple[str, ...] = ("a",), **overrides: Any) -> MongoConfig:
     data: dict[str, Any] = {
-        "MONGO_CONNECTION_STRING": "mongomock://",
-        "MONGO_CONNECTION_DB": "testdb",
+        "MONGO_CONNECTION_STRING": shared_server(),
+        "MONGO_CONNECTION_DB": _DEFAULT_DB[0],
         "COLLECTIONS": list(collections),
         "RETRY_BACKOFF_S": 0.001,
     }
@@ -109,14 +161,10 @@ def write_config(path: Path, **data: Any) -> Path:
 
 
 def store_config(tmp_path: Path, collections: list[str] | None = None) -> tuple[Path, Path]:
-    """A config file for a file-backed mongomock store in ``tmp_path``: (config path, store path)."""
+    """A config file in ``tmp_path`` naming a database of its own (:func:`db_for`): (config path, the
+    path the database is named for)."""
     store = tmp_path / "db.mongo"
-    cfg = write_config(
-        tmp_path / "c.json",
-        MONGO_CONNECTION_STRING=f"mongomock://{store}",
-        MONGO_CONNECTION_DB="d",
-        COLLECTIONS=collections or ["a"],
-    )
+    cfg = write_config(tmp_path / "c.json", **db_for(store), COLLECTIONS=collections or ["a"])
     return cfg, store
 
 

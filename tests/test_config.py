@@ -27,7 +27,7 @@ def test_environment_overrides_connection_string(tmp_path: Path) -> None:
     assert cfg.uri == "mongodb://u:pw@other:1"
     # The file may then leave the connection string out entirely.
     data = {k: v for k, v in BASE.items() if k != "MONGO_CONNECTION_STRING"}
-    assert config_from_dict(data, env={"MONGO_CONNECTION_STRING": "mongomock://"}).is_mock
+    assert config_from_dict(data, env={"MONGO_CONNECTION_STRING": "local://runs/db"}).is_local
     with pytest.raises(ConfigError, match="MONGO_CONNECTION_STRING"):
         config_from_dict(data, env={})
 
@@ -92,7 +92,7 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         ("mongodb+srv://user:p%40ss@cluster.example/db", "mongodb+srv://user:***@cluster.example/db"),
         ("mongodb://user@h/db", "mongodb://user@h/db"),
         ("mongodb://h/?authSource=a&password=zz&x=1", "mongodb://h/?authSource=a&password=***&x=1"),
-        ("mongomock://runs/x.mongo", "mongomock://runs/x.mongo"),
+        ("local://runs/db", "local://runs/db"),
     ],
 )
 def test_redact_uri(uri: str, redacted: str) -> None:
@@ -112,7 +112,21 @@ def test_password_never_in_repr_dict_or_scrubbed_text() -> None:
 def test_uri_hosts() -> None:
     assert uri_hosts("mongodb://u:p@h1:1,h2:2/db?x=1") == "h1:1,h2:2"
     assert uri_hosts("mongodb://h") == "h"
-    assert uri_hosts("mongomock://") == "(in-process)"
+    assert uri_hosts("local://runs/db") == "local://runs/db"
+
+
+@pytest.mark.parametrize(
+    ("uri", "suggested"),
+    [("mongomock://runs/sample.mongo", "local://runs/sample"), ("mongomock://", "local://runs/db"),
+     ("postgres://u:pw@h/x", "local://runs/db")],
+)  # fmt: skip
+def test_a_connection_string_of_another_scheme_says_what_to_write(uri: str, suggested: str) -> None:
+    """A config written for the old file store (or any other scheme): one line naming what to write."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({**BASE, "MONGO_CONNECTION_STRING": uri}, env={})
+    message = str(err.value)
+    assert f"write {suggested} for the embedded database" in message and "mongodb://" in message
+    assert "\n" not in message and "pw" not in message
 
 
 def test_with_collections_keeps_the_rest() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bson import ObjectId
 
-from conftest import make_config, run_cli, store_config
+from conftest import db_for, make_config, run_cli, store_config
 from dsgpt2.corpus import curate as curate_mod
 from dsgpt2.corpus.curate import curate
 from dsgpt2.corpus.mongo import Connection
@@ -73,9 +73,7 @@ def test_curate_judges_planted_documents_and_rejudges_under_other_thresholds(tmp
     result = run_cli("curate", "--config", str(cfg), "--rules", "gopher,repetition,c4", "--no_progress")
     assert result.returncode == 0, result.stderr
     assert "docs: 6 documents, 6 judged by this run" in result.stdout
-    conn = Connection(
-        make_config(["docs"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["docs"], **db_for(store)))
     passes = {d["idx"]: {k: v for k, v in d["passes"].items() if k != "key"} for d in conn.db["docs"].find()}
     assert passes[0] == passes[5] == {"gopher": True, "repetition": True, "c4": True}
     assert passes[1]["gopher"] is False  # bullets
@@ -154,8 +152,7 @@ def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot"] == str(plot)
-    conn = Connection(make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
-                                  MONGO_CONNECTION_DB="d"))  # fmt: skip
+    conn = Connection(make_config(["news", "web"], **db_for(store)))  # fmt: skip
     for part in report["collections"]:
         coll = conn.db[part["name"]]
         assert part["documents"] == len(texts[part["name"]])

@@ -27,15 +27,12 @@ from dsgpt2.tokenizer.texts import mongo_texts
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dsgpt2.corpus import mockstore
 
-    mockstore.reset()
     conn = Connection(make_config(["s"]))
     ingest(conn, "s", [builtin_source("stdlib", 400)])
     out = tmp_path_factory.mktemp("tok") / "tok"
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, out, VocabSettings(vocab_size=400), "test", progress=False)
-    mockstore.reset()
     return out
 
 
@@ -348,8 +345,7 @@ def test_tokenize_ahead_for_a_conversation_run(tokenizer: Path, tmp_path: Path) 
 
     conn = Connection(make_config(["chat"]))
     ingest(conn, "chat", [builtin_source("stdlib-chat", 120)])
-    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongomock://",
-                       MONGO_CONNECTION_DB="testdb", COLLECTIONS=["chat"])  # fmt: skip
+    cfg = write_config(tmp_path / "c.json", **conn.config.to_dict() | {"COLLECTIONS": ["chat"]})
     cache = tmp_path / "cache"
     assert main(["tokenize", "--config_train", str(cfg), "--vocab_dir", str(tokenizer), "--context_length",
                  "32", "--chunk_docs", "50", "--cache_dir", str(cache), "--num_workers", "0", "--task",

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from bson import ObjectId
 
-from conftest import make_config, run_cli, store_config
-from dsgpt2.corpus import dedup, mockstore
+from conftest import db_for, make_config, run_cli, store_config
+from dsgpt2.corpus import dedup
 from dsgpt2.corpus.mongo import Connection
 
 
@@ -51,9 +51,7 @@ def _ingest_files(tmp_path: Path, collections: dict[str, list[str]]) -> tuple[Pa
 
 
 def _open(store: Path, names: list[str], **extra: object) -> Connection:
-    mockstore.reset()
-    uri = f"mongomock://{store}"
-    return Connection(make_config(names, MONGO_CONNECTION_STRING=uri, MONGO_CONNECTION_DB="d", **extra))
+    return Connection(make_config(names, **db_for(store), **extra))
 
 
 def test_dedup_exact_marks_every_copy_but_the_first_across_collections(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_config, run_cli, seed, tiny_export, write_config
+from conftest import db_for, make_config, run_cli, seed, tiny_export, write_config
 from dsgpt2.corpus.config import config_from_dict
 from dsgpt2.corpus.mongo import Connection, MongoWrapper
 from dsgpt2.data.sources import StreamingChunks, fingerprint, make_spec
@@ -36,7 +36,6 @@ def mark(conn: Connection, name: str, n: int) -> None:
             conn.db[name].update_one({"idx": i}, {"$set": {"dup_of": f"{name}:0"}})
         if i % 7 == 3:
             conn.db[name].update_one({"idx": i}, {"$set": {"passes": {"gopher": False}}})
-    conn.commit()
 
 
 def test_filter_is_a_checked_query_kept_in_order() -> None:
@@ -44,7 +43,8 @@ def test_filter_is_a_checked_query_kept_in_order() -> None:
     assert cfg.filter == '{"b":1,"a":{"$exists":false}}'  # key order kept: subdocument equality needs it
     assert cfg.filter_query == {"b": 1, "a": {"$exists": False}}
     assert cfg.to_dict()["FILTER"] == cfg.filter_query
-    assert config_from_dict(cfg.to_dict() | {"MONGO_CONNECTION_STRING": "mongomock://"}).filter == cfg.filter
+    local = cfg.to_dict() | {"MONGO_CONNECTION_STRING": "local://runs/db"}
+    assert config_from_dict(local).filter == cfg.filter
     assert make_config(["a"]).filter_query is None and make_config(["a"], FILTER={}).filter == ""
     for bad, says in [
         ({"$where": "this.a > 1"}, "JavaScript"),
@@ -113,11 +113,9 @@ def test_training_chunks_hold_the_kept_documents_each_in_its_split(tmp_path: Pat
 def test_info_download_and_evaluate_honour_the_filter(tmp_path: Path) -> None:
     n = 60
     store = tmp_path / "db.mongo"
-    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"mongomock://{store}",
-                       MONGO_CONNECTION_DB="d", COLLECTIONS=["a"], FILTER=KEEP)  # fmt: skip
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    cfg = write_config(tmp_path / "c.json", **db_for(store),
+                       COLLECTIONS=["a"], FILTER=KEEP)  # fmt: skip
+    conn = Connection(make_config(["a"], **db_for(store)))
     seed(conn, "a", texts(n))
     mark(conn, "a", n)
     kept = [i for i in range(n) if not left_out(i)]
@@ -146,8 +144,9 @@ def test_info_download_and_evaluate_honour_the_filter(tmp_path: Path) -> None:
 
 
 def test_a_query_the_server_refuses_or_a_bad_filter_is_one_line(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongomock://", MONGO_CONNECTION_DB="d",
-                       COLLECTIONS=["a"], FILTER={"$where": "sleep(1000)"})  # fmt: skip
+    cfg = write_config(
+        tmp_path / "c.json", **db_for(tmp_path), COLLECTIONS=["a"], FILTER={"$where": "sleep(1000)"}
+    )
     done = run_cli("info", "--config", str(cfg))
     assert done.returncode == 2 and "JavaScript" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1

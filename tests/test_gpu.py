@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from conftest import ROOT, sample_corpus
-from dsgpt2.corpus import mockstore
 from dsgpt2.model import build_model, doc_position_ids, gpt2_config
 from dsgpt2.shipped import shipped_config
 from dsgpt2.train.metrics import device_peak_tflops, read_metrics
@@ -31,7 +30,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ds = json.loads(shipped_config("ds_config.json").read_text())
     ds["scheduler"]["params"].update(warmup_num_steps=2)
     (base / "ds.json").write_text(json.dumps(ds))
-    mockstore.reset()
     return {**corpus, "ds": base / "ds.json"}
 
 

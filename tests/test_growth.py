@@ -5,7 +5,6 @@ mixture weights with stages."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, check_lineage, run_cli, store_config, write_config
+from conftest import ROOT, check_lineage, clone_db, run_cli, store_config, write_config
 from dsgpt2.checkpoints.format import read_client_state
-from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
@@ -54,18 +52,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             }
         )
     )
-    mockstore.reset()
     return {"store": store, "tok": base / "tok", "ds": ds, "new": new}
 
 
 def own_store(corpus: dict[str, Path], run: Path, **keys: object) -> Path:
     """A copy of the corpus for one run (it will grow), and its config file."""
     run.mkdir(parents=True, exist_ok=True)
-    shutil.copy(corpus["store"], run / "db.mongo")
     return write_config(
         run / "c.json",
-        MONGO_CONNECTION_STRING=f"mongomock://{run / 'db.mongo'}",
-        MONGO_CONNECTION_DB="d",
+        **clone_db(corpus["store"], run / "db.mongo"),
         COLLECTIONS=keys.pop("COLLECTIONS", ["a", "b"]),
         **keys,
     )
@@ -171,7 +166,6 @@ def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(
     conn = Connection(load_config(cfg))
     original = conn.db["a"].find_one({"idx": 0})["filt_text"]
     conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": "edited in place"}})
-    conn.commit()
     out = train(corpus, cfg, tmp_path, "--train_iters", "8", code=2)
     assert "a: documents below idx 500 (trained on) were changed or removed" in out.stderr
     # Nor is the run's reading replayed over an edited corpus: one line, not a wrong answer.
@@ -185,10 +179,8 @@ def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(
     conn.db["a"].update_one({"idx": 0}, {"$set": {"filt_text": original}})
     conn.db["a"].delete_many({"idx": {"$gte": 450}})
     conn.db["meta_info"].update_one({"collection": "a"}, {"$set": {"count": 450}})
-    conn.commit()
     out = train(corpus, cfg, tmp_path, "--train_iters", "8", code=2)
     assert "a holds 450 documents, fewer than the 500 trained on" in out.stderr
-    mockstore.reset()
 
 
 # Stage 0 from the config's weights, the stage at step 6 from the flag.

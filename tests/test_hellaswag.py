@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_cli, store_config, tiny_export
-from dsgpt2.corpus import mockstore
+from conftest import db_for, run_cli, store_config, tiny_export
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.hellaswag import Example, read_examples, result, score
 
@@ -77,12 +76,9 @@ def test_dsgpt2_evaluate_hellaswag_reports_and_records(tmp_path: Path, sample_te
     assert "on HellaSwag" in result_.stdout and "over 20 examples" in result_.stdout
     metrics = json.loads(report.read_text())["metrics"]
     assert metrics["hellaswag_examples"] == 20 and 0 <= metrics["hellaswag_acc"] <= 1
-    mockstore.reset()
     from conftest import make_config
 
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["a"], **db_for(store)))
     (recorded,) = list(conn.db["eval_results"].find())
     assert (
         recorded["split"] == "hellaswag" and recorded["metrics"]["hellaswag_acc"] == metrics["hellaswag_acc"]

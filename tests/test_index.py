@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from bson import ObjectId
 
-from conftest import make_config, run_cli, store_config
-from dsgpt2.corpus import mockstore, numbering
+from conftest import db_for, make_config, run_cli, store_config
+from dsgpt2.corpus import numbering
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
 from dsgpt2.corpus.validate import quick_check, validate_collection
 
@@ -30,14 +30,12 @@ def _file_store(tmp_path: Path, docs: list[dict]) -> tuple[Path, Path]:
     cfg.write_text(json.dumps({**data, "TEXT_FIELD": "body"}))
     conn = _open(store)
     conn.db["articles"].insert_many(docs)
-    conn.commit()
     return cfg, store
 
 
 def _open(store: Path) -> Connection:
-    mockstore.reset()
-    return Connection(make_config(["articles"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
-                                  MONGO_CONNECTION_DB="d", TEXT_FIELD="body"))  # fmt: skip
+    return Connection(make_config(["articles"], **db_for(store),
+                                  TEXT_FIELD="body"))  # fmt: skip
 
 
 def _in_id_order(conn: Connection) -> list[tuple]:
@@ -70,7 +68,6 @@ def test_documents_added_later_get_the_next_numbers(tmp_path: Path) -> None:
     conn = _open(store)
     # The application goes on inserting documents without idx: the partial unique index lets it.
     conn.db["articles"].insert_many(articles(30, start=100))
-    conn.commit()
     meta = read_meta(conn, ["articles"])["articles"]
     report = validate_collection(conn, "articles")
     assert report.ok and any(
@@ -133,13 +130,11 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     conn = _open(store)
     lease = {"indexing": {"owner": "elsewhere:42", "heartbeat": time.time()}}
     conn.db["meta_info"].update_one({"collection": "articles"}, {"$set": lease}, upsert=True)
-    conn.commit()
     busy = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body")
     assert busy.returncode == 2 and "another process (elsewhere:42) is numbering 'articles'" in busy.stderr
     assert busy.stderr.count("\n") == 1
     conn.db["meta_info"].update_one({"collection": "articles"}, {"$set": {"indexing": {"owner": None},
                                      "sources": {"k": {"complete": False}}}})  # fmt: skip
-    conn.commit()
     ingesting = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body")
     assert (
         ingesting.returncode == 2 and "an ingest into 'articles' is unfinished or running" in ingesting.stderr
@@ -147,18 +142,15 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     # A lease whose holder stopped giving signs of life (a killed pass) is taken over.
     stale = {"indexing": {"owner": "dead:1", "heartbeat": time.time() - 61}}
     conn.db["meta_info"].update_one({"collection": "articles"}, {"$set": stale, "$unset": {"sources": ""}})
-    conn.commit()
     took = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body")
     assert took.returncode == 0, took.stderr
     conn = _open(store)
     conn.db["articles"].update_many({}, {"$unset": {"idx": ""}})
     conn.db["articles"].drop_indexes()
-    conn.commit()
     missing = run_cli("index", "--config", str(cfg), "--collection", "nope", "--field", "body")
     assert missing.returncode == 2 and "collection 'nope' not found" in missing.stderr
     conn.db["meta_info"].update_one({"collection": "articles"}, {"$unset": {"sources": ""}})
     conn.db["articles"].update_one({}, {"$set": {"idx": "7"}})
-    conn.commit()
     broken = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body")
     assert broken.returncode == 2 and "have an idx that is not an integer" in broken.stderr
     assert _open(store).db["articles"].count_documents({"idx": {"$type": "int"}}) == 0  # nothing numbered

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, run_cli, write_config
-from dsgpt2.corpus import mockstore
+from conftest import ROOT, db_for, run_cli, write_config
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection, MongoWrapper
@@ -71,18 +70,15 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     The store holds 2,000 sample documents (``stdlib``) and 800 sample conversations (``chat``).
     """
     base = tmp_path_factory.mktemp("inference")
-    store = f"mongomock://{base / 'db.mongo'}"
-    lm = write_config(base / "lm.json", MONGO_CONNECTION_STRING=store, MONGO_CONNECTION_DB="d",
-                      COLLECTIONS=["stdlib"])  # fmt: skip
-    chat = write_config(base / "chat.json", MONGO_CONNECTION_STRING=store, MONGO_CONNECTION_DB="d",
-                        COLLECTIONS=["chat"])  # fmt: skip
+    store = db_for(base / "db.mongo")
+    lm = write_config(base / "lm.json", **store, COLLECTIONS=["stdlib"])
+    chat = write_config(base / "chat.json", **store, COLLECTIONS=["chat"])
     conn = Connection(load_config(lm))
     ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
     ingest(conn, "chat", [builtin_source("stdlib-chat", 800)])
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
     (base / "ds.json").write_text(json.dumps(DS))
-    mockstore.reset()
     pre = _train(base, "lm", lm, "--vocab_dir", str(base / "tok"), "--model_select", "tiny",
                  "--train_iters", "100", "--save_interval", "1000")  # fmt: skip
     fine = _train(base, "chat", chat, "--init_from", str(pre), "--task", "conversation",
@@ -160,7 +156,6 @@ def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tm
     assert out.returncode == 0, out.stderr
     assert "perplexity" in out.stdout and f"recorded in d.{EVAL_RESULTS}" in out.stdout
     report = json.loads(report_path.read_text())
-    mockstore.reset()
     conn = Connection(load_config(models["lm_config"]))
     stored = list(conn.db[EVAL_RESULTS].find({"model": report["model"], "time": report["time"]}))
     assert len(stored) == 1

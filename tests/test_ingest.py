@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_config, seed, store_config
+from conftest import ROOT, db_for, make_config, seed, store_config
 from dsgpt2.corpus import ingest as ingest_mod
-from dsgpt2.corpus import mockstore
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_conversation
@@ -202,24 +201,21 @@ def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     # Wait until some batches have been committed, then kill without warning.
+    stored = Connection(make_config(["a"], **db_for(store))).db["a"]
     while time.monotonic() < deadline and proc.poll() is None:
-        if store.exists() and store.stat().st_size > 50_000:
+        if stored.estimated_document_count() >= 400:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the ingest finished before it could be killed"
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["a"], **db_for(store)))
     partial = conn.db["a"].count_documents({})
     assert 0 < partial < len(_expected(n))
 
-    mockstore.reset()
     rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed after record" in rerun.stdout
-    mockstore.reset()
     conn = Connection(conn.config)
     assert _texts(conn) == _expected(n)
     _assert_contiguous(conn)
@@ -337,10 +333,7 @@ def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path
     line = first.stderr.strip().splitlines()[-1]
     assert "lines.txt.gz" in line and "damaged after record" in line and "re-run" in line
     read = int(line.split("damaged after record ")[1].split(" ")[0])
-    mockstore.reset()
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["a"], **db_for(store)))
     expected = [f"line {i} " for i in range(read)]
     texts = _texts(conn)
     assert [t[: len(e)] for t, e in zip(texts, expected, strict=True)] == expected
@@ -348,24 +341,6 @@ def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path
     # Re-run on the same damaged file: the same line, nothing inserted twice.
     again = run_cli(*args)
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == line
-    mockstore.reset()
     assert _texts(Connection(conn.config)) == texts
     _assert_contiguous(Connection(conn.config))
     assert not list(tmp_path.glob(".*snapshot-*"))
-
-
-def test_a_killed_writers_snapshot_leftover_is_removed(tmp_path: Path) -> None:
-    _, store = store_config(tmp_path)
-    leftover = tmp_path / f".{store.name}.snapshot-dead1234"
-    leftover.write_bytes(b"half a snapshot")
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
-    report = ingest(conn, "a", [file_source(_lines(tmp_path, 10))])
-    assert not leftover.exists()
-    # A reader cleans up after a killed writer too.
-    leftover.write_bytes(b"half a snapshot")
-    mockstore.reset()
-    assert Connection(conn.config).db["a"].count_documents({}) == report.count > 0
-    assert not leftover.exists()
-    assert not [p.name for p in tmp_path.iterdir() if "snapshot" in p.name]

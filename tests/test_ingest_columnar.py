@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT, make_config, run_cli, store_config
-from dsgpt2.corpus import columnar, mockstore
+from conftest import ROOT, db_for, make_config, run_cli, store_config
+from dsgpt2.corpus import columnar
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.corpus.ingest import detect_format, file_source, ingest
@@ -186,20 +186,18 @@ def test_a_killed_parquet_ingest_process_resumes_exactly_once(tmp_path: Path) ->
             "--keep_fields", "id,language_score", str(path)]  # fmt: skip
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
+    stored = Connection(make_config(["a"], **db_for(store))).db["a"]
     while time.monotonic() < deadline and proc.poll() is None:
-        if store.exists() and store.stat().st_size > 80_000:
+        if stored.estimated_document_count() >= 400:
             break
-        time.sleep(0.05)
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the ingest finished before it could be killed"
     rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed after record" in rerun.stdout
-    mockstore.reset()
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["a"], **db_for(store)))
     docs = _docs(conn)
     assert [d["filt_text"] for d in docs] == _expected(n)
     assert [d["language_score"] for d in docs] == fineweb_rows(n)["language_score"]
@@ -220,10 +218,7 @@ def test_columns_become_what_mongodb_stores(tmp_path: Path) -> None:
     result = run_cli("ingest", "--config", str(cfg), "--keep_fields", "day,price,big,tags,meta",
                      str(tmp_path / "t.parquet"))  # fmt: skip
     assert result.returncode == 0, result.stderr
-    mockstore.reset()
-    conn = Connection(
-        make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["a"], **db_for(store)))
     first, second = _docs(conn)
     assert first["day"] == datetime.datetime(2024, 1, 2) and second["day"] is None
     assert first["price"] == 1.5 and first["big"] == str(2**64 - 1) and second["big"] == 3
@@ -286,10 +281,7 @@ def test_a_binary_file_is_read_by_its_reader_or_refused_never_stored_as_text(
         write_parquet(path, 30)
         result = run_cli("ingest", "--config", str(cfg), str(path))
         assert result.returncode == 0, result.stderr
-        mockstore.reset()
-        conn = Connection(
-            make_config(["a"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-        )
+        conn = Connection(make_config(["a"], **db_for(store)))
         assert [d["filt_text"] for d in _docs(conn)] == _expected(30)
         forced = run_cli("ingest", "--config", str(cfg), "--format", "text", str(path))
         assert forced.returncode == 2 and "is a Parquet file, not text text" in forced.stderr

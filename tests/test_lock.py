@@ -1,4 +1,4 @@
-"""requirements.lock and requirements-wire.lock against pyproject.toml's ranges and this environment."""
+"""requirements.lock against pyproject.toml's ranges and this environment."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from packaging.version import Version
 from conftest import ROOT, pyproject
 
 LOCK = ROOT / "requirements.lock"
-WIRE_LOCK = ROOT / "requirements-wire.lock"
 
 
 def read_lock(text: str) -> dict[str, Version]:
@@ -64,17 +63,9 @@ def lock_problems(pins: dict[str, Version], requirements: list[Requirement]) -> 
     return problems
 
 
-def wire_range() -> Requirement:
-    """The wire-protocol server's range, as the Makefile states it."""
-    match = re.search(r"^WIRE_SPEC \?= (.+)$", (ROOT / "Makefile").read_text(encoding="utf-8"), re.M)
-    assert match, "the Makefile states WIRE_SPEC"
-    return Requirement(match[1].strip())
-
-
 def test_every_locked_version_satisfies_the_ranges() -> None:
     project = pyproject()
     assert lock_problems(read_lock(LOCK.read_text(encoding="utf-8")), ranges(project)) == []
-    assert lock_problems(read_lock(WIRE_LOCK.read_text(encoding="utf-8")), [wire_range()]) == []
 
 
 def test_a_version_outside_its_range_or_missing_is_named() -> None:
@@ -153,9 +144,8 @@ def test_this_environment_is_the_lock() -> None:
 
 def test_the_installs_read_the_lock() -> None:
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert "LOCK := requirements.lock" in makefile and "WIRE_LOCK := requirements-wire.lock" in makefile
+    assert "LOCK := requirements.lock" in makefile
     assert re.search(r"install -q -c \$\(VENV\)/constraints.txt --build-constraint", makefile)
-    assert "-c $(WIRE_LOCK)" in makefile
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
     assert "COPY requirements.lock" in dockerfile
     assert re.search(r"pip install [^\n]*-c /tmp/constraints.txt[^\n]* \.", dockerfile)

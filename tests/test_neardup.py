@@ -17,7 +17,7 @@ from bson import ObjectId
 from test_dedup import _ingest_files
 
 from bench.bench_neardup import expected_duplicates, planted_corpus, precision_recall, vocabulary
-from conftest import make_config, run_cli, store_config
+from conftest import db_for, make_config, run_cli, store_config
 from dsgpt2.corpus import neardup, passes
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.minhash import (
@@ -128,8 +128,7 @@ def test_dedup_near_from_the_cli_marks_planted_copies_across_collections(tmp_pat
     done = run_cli("dedup", "--config", str(cfg), "--near", "--threshold", "0.8", "--no_progress")
     assert done.returncode == 0, done.stderr
     expected = _expected_marks(collections, {"news": families[:half], "web": families[half:]})
-    conn = Connection(make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
-                                  MONGO_CONNECTION_DB="d"))  # fmt: skip
+    conn = Connection(make_config(["news", "web"], **db_for(store)))  # fmt: skip
     got = near_marks(conn, ["news", "web"])
     precision, recall = precision_recall(set(got), expected)
     assert precision >= 0.95 and recall >= 0.9, (precision, recall)
@@ -175,24 +174,18 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
 
     if where == "signing":
         monkeypatch.setattr(neardup, "set_fields", crash)
-    else:  # killed after the first bulk write of marks is committed
+    else:  # killed after the first bulk write of marks
         monkeypatch.setattr(neardup, "_BULK", 10)
-        real_cluster, real_commit = neardup._cluster, conn.commit
-        marking = {"on": False}
+        real_retries = neardup.with_retries
 
-        def cluster(*args, **kwargs):
-            out = real_cluster(*args, **kwargs)
-            marking["on"] = True
-            return out
+        def retries(fn, config, what, *args, **kwargs):
+            if what.startswith("dedup --near: marking"):
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise Crash
+            return real_retries(fn, config, what, *args, **kwargs)
 
-        def commit() -> None:
-            calls["n"] += marking["on"]
-            if calls["n"] == 2:
-                raise Crash
-            real_commit()
-
-        monkeypatch.setattr(neardup, "_cluster", cluster)
-        monkeypatch.setattr(conn, "commit", commit)
+        monkeypatch.setattr(neardup, "with_retries", retries)
     with pytest.raises(Crash):
         neardup.dedup_near(conn, ["articles"], params, batch_size=40)
     monkeypatch.undo()
@@ -219,9 +212,7 @@ def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path)
                        "--batch_size", "16", "--no_progress")  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert f"part {part} done" in done.stdout
-    conn = Connection(
-        make_config(["news"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["news"], **db_for(store)))
     assert conn.db["news"].count_documents({"lsh_key": {"$exists": False}}) == 0
     assert near_marks(conn, ["news"]) == {}  # parts sign; marking waits for the run without --part
     done = run_cli("dedup", "--config", str(cfg), "--near", "--no_progress")
@@ -280,9 +271,7 @@ def test_ingest_dedup_after_a_near_pass_signs_and_marks_what_arrives(tmp_path: P
                    "--batch_size", "2", "--no_progress")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "4 inserted (2 marked near_dup_of), 1 skipped (duplicate: 1)" in done.stdout
-    conn = Connection(
-        make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}", MONGO_CONNECTION_DB="d")
-    )
+    conn = Connection(make_config(["news", "web"], **db_for(store)))
     assert near_marks(conn, ["web"]) == {
         "web:0": "news:3",
         "web:2": "web:1",
@@ -295,6 +284,6 @@ def test_ingest_dedup_after_a_near_pass_signs_and_marks_what_arrives(tmp_path: P
     from dsgpt2.corpus.mongo import MongoWrapper
 
     keep = {"near_dup_of": {"$exists": False}}
-    follow = MongoWrapper(make_config(["news", "web"], MONGO_CONNECTION_STRING=f"mongomock://{store}",
-                                      MONGO_CONNECTION_DB="d", FILTER=keep))  # fmt: skip
+    follow = MongoWrapper(make_config(["news", "web"], **db_for(store),
+                                      FILTER=keep))  # fmt: skip
     assert [d.index for d in follow.get_range(20, 24)] == [21, 23] and follow.skipped["filtered"] == 2

@@ -1,4 +1,4 @@
-"""pipelines/all.sh end to end on a file-backed mongomock store: stages, skips, timings, SIGTERM."""
+"""pipelines/all.sh end to end on the test server: stages, skips, timings, SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, write_config
-from dsgpt2.corpus import mockstore
+from conftest import ROOT, db_for, write_config
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection
 
@@ -58,13 +57,11 @@ def _stage_lines(stdout: str) -> dict[str, str]:
 
 
 def _eval_results(tmp_path: Path) -> list[dict]:
-    mockstore.reset()
     return list(Connection(load_config(tmp_path / "c.json")).db[EVAL_RESULTS].find())
 
 
 def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"mongomock://{tmp_path / 'db.mongo'}",
-                 MONGO_CONNECTION_DB="d", COLLECTIONS=["stdlib"])  # fmt: skip
+    write_config(tmp_path / "c.json", **db_for(tmp_path / "db.mongo"), COLLECTIONS=["stdlib"])
     run = tmp_path / "run"
     first = _run(tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]

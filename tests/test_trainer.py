@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, check_lineage, run_cli, sample_corpus, store_config
-from dsgpt2.corpus import mockstore
+from conftest import ROOT, check_lineage, clone_db, run_cli, sample_corpus, store_config
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from wire_server import fail_point
 from zygote import run_python
 
 pytestmark = pytest.mark.slow
@@ -54,7 +54,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             }
         )
     )
-    mockstore.reset()
     return {**corpus, "ds": ds, "base": base}
 
 
@@ -182,16 +181,12 @@ def test_a_filter_run_skips_what_it_leaves_out_and_resumes_exactly(
     the run counts them, a crashed and resumed run retraces a straight one, and another FILTER is
     other data for a resume."""
     data = json.loads(corpus["config"].read_text())
-    store = tmp_path / "db.mongo"
-    shutil.copy(data["MONGO_CONNECTION_STRING"].removeprefix("mongomock://"), store)
+    copy = clone_db(corpus["config"].parent / "db.mongo", tmp_path / "db.mongo")
     keep = {"dup_of": {"$exists": False}}
     cfg = tmp_path / "filtered.json"
-    cfg.write_text(json.dumps({**data, "MONGO_CONNECTION_STRING": f"mongomock://{store}", "FILTER": keep}))
-    mockstore.reset()
+    cfg.write_text(json.dumps({**data, **copy, "FILTER": keep}))
     conn = Connection(load_config(cfg))
     conn.db["stdlib"].update_many({"idx": {"$in": list(range(0, 2000, 3))}}, {"$set": {"dup_of": "stdlib:1"}})
-    conn.commit()
-    mockstore.reset()
     filtered = dict(corpus, config=cfg)
     run = ("--train_iters", "6", "--save_interval", "3")
     straight = train(filtered, tmp_path / "straight", *run)
@@ -205,7 +200,7 @@ def test_a_filter_run_skips_what_it_leaves_out_and_resumes_exactly(
         assert a[step]["block_ids"] == b[step]["block_ids"], step
         for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
             assert abs(x - y) <= 1e-6, (step, x, y)
-    cfg.write_text(json.dumps({**data, "MONGO_CONNECTION_STRING": f"mongomock://{store}", "FILTER": {}}))
+    cfg.write_text(json.dumps({**data, **copy, "FILTER": {}}))
     other = train(filtered, tmp_path / "split", "--train_iters", "8", check=False)
     assert other.returncode == 2 and "saved for other data" in other.stderr and "filter" in other.stderr
 
@@ -606,7 +601,6 @@ def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
     a one-rank run's epoch 0, none twice."""
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
-    mockstore.reset()
     small = dict(corpus, config=cfg)
     common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1", "--data_mode", mode)
     train(small, tmp_path / "one", "--train_iters", "40", *common[:-2])
@@ -639,7 +633,6 @@ def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
 
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
-    mockstore.reset()
     small = dict(corpus, config=cfg)
     common = ("--chunk_docs", "10", "--save_interval", "4", "--num_workers", "1", "--train_iters", "12")
     timeout = ("--dist_timeout", "60")
@@ -683,7 +676,6 @@ def test_resume_on_another_number_of_ranks_reads_every_block_once(
     of a one-rank straight run, none twice."""
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
-    mockstore.reset()
     small = dict(corpus, config=cfg)
     common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
 
@@ -718,64 +710,62 @@ def test_resume_on_another_number_of_ranks_reads_every_block_once(
     assert "ds_to_universal" in refused.stderr.strip().splitlines()[-1]
 
 
-def test_transient_database_errors_do_not_stop_training(corpus: dict[str, Path], tmp_path: Path) -> None:
-    import os
-
-    env = {**os.environ, "DSGPT2_MOCKSTORE_FAULT": "after=0,count=2"}
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "ds_trainer.py"),
-            *trainer_args(corpus, tmp_path, "--train_iters", "3", "--save_interval", "100"),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+@pytest.mark.parametrize("fault", [{"errorCode": 91}, {"closeConnection": True}])
+def test_transient_database_errors_do_not_stop_training(
+    corpus: dict[str, Path], tmp_path: Path, fault: dict[str, Any]
+) -> None:
+    """failCommand on the reads (twice: pymongo's own retry takes the first): retried, and the run goes on."""
+    cfg = json.loads(corpus["config"].read_text())
+    fail_point(cfg["MONGO_CONNECTION_STRING"], {"times": 2}, failCommands=["find", "aggregate"], **fault)
+    try:
+        result = run_python(
+            [
+                str(ROOT / "ds_trainer.py"),
+                *trainer_args(corpus, tmp_path, "--train_iters", "3", "--save_interval", "100"),
+            ],
+            cwd=ROOT,
+        )
+    finally:
+        fail_point(cfg["MONGO_CONNECTION_STRING"], "off")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "transient MongoDB error" in result.stderr and "retry 1/" in result.stderr
 
 
-def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_path: Path) -> None:
-    import os
-
+@pytest.mark.parametrize("code", [189, 11600])
+def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_path: Path, code: int) -> None:
+    """Every read failing from the middle of a run on (a fail point armed once steps are logged): past the
+    retry budget a checkpoint and exit 3; the database back, the same command resumes from it."""
     cfg = json.loads(corpus["config"].read_text())
     flaky = tmp_path / "flaky.json"
     flaky.write_text(json.dumps({**cfg, "RETRIES": 2, "RETRY_BACKOFF_S": 0.01}))
-    env = {**os.environ, "DSGPT2_MOCKSTORE_FAULT": "after=4,count=-1"}
+    reads = ("--chunk_docs", "50", "--num_workers", "1")
     args = trainer_args(
-        dict(corpus, config=flaky),
-        tmp_path,
-        "--train_iters",
-        "100000",
-        "--save_interval",
-        "100000",
-        "--chunk_docs",
-        "50",
-        "--num_workers",
-        "1",
+        dict(corpus, config=flaky), tmp_path, "--train_iters", "100000", "--save_interval", "100000", *reads
     )
-    result = run_python([str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, env=env)
-    assert result.returncode == 3, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "ws" / "metrics.jsonl").exists() or len(steps(tmp_path)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no training steps"
+            time.sleep(0.2)
+        fail_point(
+            cfg["MONGO_CONNECTION_STRING"], "alwaysOn", failCommands=["find", "aggregate"], errorCode=code
+        )
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        fail_point(cfg["MONGO_CONNECTION_STRING"], "off")
+        proc.kill()
+    assert proc.returncode == 3, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
     assert (
         last.startswith("ds_trainer.py: error:") and "failed 3 times" in last and "re-run to resume" in last
     )
     step = max(steps(tmp_path))
     assert (tmp_path / "ckpt" / "latest").read_text() == f"global_step{step}"
     # The database is back: the same command resumes from that checkpoint.
-    args = trainer_args(
-        dict(corpus, config=flaky),
-        tmp_path,
-        "--train_iters",
-        str(step + 2),
-        "--chunk_docs",
-        "50",
-        "--num_workers",
-        "1",
-    )
+    args = trainer_args(dict(corpus, config=flaky), tmp_path, "--train_iters", str(step + 2), *reads)
     again = run_python([str(ROOT / "ds_trainer.py"), *args], cwd=ROOT)
     assert again.returncode == 0, again.stderr[-2000:]
     assert max(steps(tmp_path)) == step + 2

@@ -143,19 +143,15 @@ def test_fix_does_not_paper_over_duplicates() -> None:
 
 def test_validate_cli_exit_codes_and_json(tmp_path: Path) -> None:
     cfg, _ = store_config(tmp_path)
-    from dsgpt2.corpus import mockstore
     from dsgpt2.corpus.config import load_config
 
     conn = Connection(load_config(cfg))
     seed(conn, "a", ["x", "y", "z"])
-    conn.commit()
     ok = run_cli("validate", "--config", str(cfg))
     assert ok.returncode == 0, ok.stderr
     assert "a: 3 documents, OK" in ok.stdout
 
     conn.db["a"].delete_one({"idx": 1})
-    conn.commit()
-    mockstore.reset()
     bad = run_cli("validate", "--config", str(cfg), "--json")
     assert bad.returncode == 1
     report = json.loads(bad.stdout)

@@ -44,9 +44,7 @@ def _sample_conn(limit: int | None = None) -> Connection:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Sample corpus → shards (2 workers) → a 4,000-token vocabulary with 2 reserved tokens."""
-    from dsgpt2.corpus import mockstore
 
-    mockstore.reset()
     base = tmp_path_factory.mktemp("vocab")
     conn = _sample_conn()
     report = download(conn.config, base / "shards", workers=2, shards=4, progress=False)
@@ -58,7 +56,6 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         source="test",
         progress=False,
     )
-    mockstore.reset()
     return {"shards": base / "shards", "tok": base / "tok"}
 
 

@@ -1,51 +1,43 @@
-"""A MongoDB wire-protocol server for the tests and benchmarks: mongoeco over TCP with SCRAM auth.
+"""MongoDB wire-protocol servers for the tests and benchmarks: SecantusDB (WiredTiger) processes.
 
-mongoeco (``pip install "mongoeco[wire]"``, Python 3.13+) speaks MongoDB's wire protocol on top of
-SQLite. It is a test server, not MongoDB: real pymongo, real sockets, real cursors and real
-authentication, but none of MongoDB's storage engine, query planner or timings. ``make test`` builds
-its environment in ``.venv-wire`` when a Python 3.13+ exists.
+SecantusDB (``pip install 'dsgpt2[local]'``, the engine of ``local://``) speaks MongoDB's wire protocol
+over WiredTiger: real pymongo, real sockets, real cursors, SCRAM authentication and mongod's own fault
+injection (``configureFailPoint``/``failCommand``, enabled here). It is not a MongoDB deployment: none of
+its timings are MongoDB's.
 
-Run as a script (under that environment) it serves until killed::
-
-    .venv-wire/bin/python tests/wire_server.py --db /tmp/x.sqlite --port 27018 --user u --password p
-
-and prints ``READY <port>`` once it accepts connections. :class:`WireServer` runs it from the test
-process (any Python): start, SIGKILL, SIGSTOP/SIGCONT, restart on the same port and data file.
+:class:`WireServer` runs one on a data directory with a password user: start, SIGKILL, SIGSTOP/SIGCONT,
+restart on the same port and data. :func:`shared_server` is the one in-memory server each test process
+uses for what needs a database and no faults of its own (``conftest.make_config``).
 """
 
 from __future__ import annotations
 
-import argparse
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import subprocess
-import sys
+import time
 from pathlib import Path
+from typing import Any
+
+from dsgpt2.corpus import embedded
 
 ROOT = Path(__file__).resolve().parents[1]
-PYTHON_ENV = "DSGPT2_WIRE_PYTHON"
 USER = "trainer"
 PASSWORD = "wire-s3cret-pw"
-
-
-def wire_python() -> str | None:
-    """The interpreter that has mongoeco: $DSGPT2_WIRE_PYTHON, else ``.venv-wire/bin/python``."""
-    explicit = os.environ.get(PYTHON_ENV)
-    if explicit:
-        return explicit
-    default = ROOT / ".venv-wire" / "bin" / "python"
-    return str(default) if default.exists() else None
+# After a "not primary" error pymongo waits for the next heartbeat before it selects the server again
+# (10 s by default); a loopback server can be asked every half second.
+CLIENT_OPTIONS = "heartbeatFrequencyMS=500"
 
 
 def unavailable_reason() -> str | None:
     """Why no wire server can run here, or None when one can."""
-    if wire_python() is None:
-        return (
-            "no wire-protocol test server: needs Python >= 3.13 with mongoeco[wire] "
-            f"(`make test` builds .venv-wire when a python3.13 exists, or set {PYTHON_ENV})"
-        )
+    try:
+        embedded.executable()
+    except Exception as exc:
+        return f"no wire-protocol test server: {exc}"
     return None
 
 
@@ -55,18 +47,48 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _wait_listening(proc: subprocess.Popen[Any], log_path: Path, start: int, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(log_path, "rb") as f:
+            f.seek(start)
+            for line in f.read().decode("utf-8", "replace").splitlines():
+                if "listening on " in line:
+                    return int(line.rsplit(":", 1)[1])
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the wire server did not start: {log_path.read_text()[-2000:]}")
+
+
+def _spawn(args: list[str], log_path: Path) -> tuple[subprocess.Popen[Any], int]:
+    start = log_path.stat().st_size if log_path.exists() else 0
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [*embedded.executable(), *args],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C of the test run is not the server's
+        )
+    return proc, _wait_listening(proc, log_path, start)
+
+
 class WireServer:
     """One server process on 127.0.0.1 with a password user; its data survives restarts."""
 
     def __init__(self, db_path: Path, port: int | None = None) -> None:
-        self.db_path = db_path
+        self.db_path = db_path  # the WiredTiger directory
         self.port = port or free_port()
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[Any] | None = None
         self.log_path = db_path.with_suffix(".log")
+        self.provisioned = False
 
     def uri(self, user: str = USER, password: str = PASSWORD) -> str:
         return (
-            f"mongodb://{user}:{password}@127.0.0.1:{self.port}/?authSource=admin&authMechanism=SCRAM-SHA-256"
+            f"mongodb://{user}:{password}@127.0.0.1:{self.port}/?authSource=admin"
+            f"&authMechanism=SCRAM-SHA-256&{CLIENT_OPTIONS}"
         )
 
     @property
@@ -74,24 +96,25 @@ class WireServer:
         assert self.proc is not None
         return self.proc.pid
 
+    def _args(self, port: int, auth: bool) -> list[str]:
+        return ["--host", "127.0.0.1", "--port", str(port), "--storage-path", str(self.db_path),
+                "--enable-test-commands", "--cache-size", "256M", *(["--auth"] if auth else [])]  # fmt: skip
+
     def start(self) -> WireServer:
-        python = wire_python()
-        if python is None:
-            raise RuntimeError(unavailable_reason())
-        log = open(self.log_path, "a")  # noqa: SIM115 (the child keeps it)
-        self.proc = subprocess.Popen(
-            [python, __file__, "--db", str(self.db_path), "--port", str(self.port)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            start_new_session=True,  # a Ctrl-C of the test run is not the server's
-        )
-        log.close()
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # EOF if it dies first
-        if not line.startswith("READY"):
-            self.kill()
-            raise RuntimeError(f"the wire server did not start: {self.log_path.read_text()[-2000:]}")
+        if not self.provisioned:  # the user, made once on a server without auth
+            import pymongo
+
+            proc, port = _spawn(self._args(0, auth=False), self.log_path)
+            try:
+                with pymongo.MongoClient(port=port, serverSelectionTimeoutMS=30000) as client:
+                    client.admin.command(
+                        "createUser", USER, pwd=PASSWORD, roles=[{"role": "root", "db": "admin"}]
+                    )
+            finally:
+                proc.terminate()
+                proc.wait(30)
+            self.provisioned = True
+        self.proc, _ = _spawn(self._args(self.port, auth=True), self.log_path)
         return self
 
     def kill(self) -> None:
@@ -100,8 +123,6 @@ class WireServer:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
             self.proc.wait(10)
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
         self.proc = None
 
     def pause(self) -> None:
@@ -115,40 +136,55 @@ class WireServer:
         self.kill()
         return self.start()
 
-
-def _serve(db: str, port: int, user: str, password: str) -> None:
-    import asyncio
-
-    from mongoeco.engines.sqlite import SQLiteEngine
-    from mongoeco.wire import AsyncMongoEcoProxyServer
-    from mongoeco.wire.auth import WireAuthUser
-
-    # mongoeco checks the password but not the roles.
-    auth = (WireAuthUser(user, password, roles=({"role": "root", "db": "admin"},)),)
-
-    async def main() -> None:
-        server = AsyncMongoEcoProxyServer(engine=SQLiteEngine(db), port=port, auth_users=auth)
-        address = await server.start()
-        print(f"READY {address.port}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await server.close()
-
-    asyncio.run(main())
+    def fail(self, mode: Any, **data: Any) -> None:
+        """Arm (or with ``mode="off"`` disarm) the ``failCommand`` fail point for dsgpt2's clients."""
+        fail_point(self.uri(), mode, **data)
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--db", required=True, help="SQLite file (created if absent)")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--user", default=USER)
-    parser.add_argument("--password", default=PASSWORD)
-    args = parser.parse_args()
-    _serve(args.db, args.port, args.user, args.password)
-    sys.exit(0)
+def fail_point(uri: str, mode: Any, **data: Any) -> None:
+    """``configureFailPoint failCommand`` on the server of ``uri``, for the clients named dsgpt2 only
+    (the test's own client is not failed)."""
+    import pymongo
+
+    with pymongo.MongoClient(uri, serverSelectionTimeoutMS=10000) as client:
+        client.admin.command(
+            "configureFailPoint", "failCommand", mode=mode, data={"appName": "dsgpt2", **data}
+        )
+
+
+_SHARED: dict[str, Any] = {}
+
+
+def shared_started() -> bool:
+    return "uri" in _SHARED
+
+
+def shared_server() -> str:
+    """The connection string of this process's in-memory test server (started on first use, without
+    auth, stopped when the process ends)."""
+    if "uri" not in _SHARED:
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsgpt2-test-server-{os.getpid()}.log"
+        proc, port = _spawn(
+            ["--host", "127.0.0.1", "--port", "0", "--storage-path", ":memory:", "--enable-test-commands",
+             "--cache-size", "256M", "--oplog-max-entries", "1000"],
+            log_path,
+        )  # fmt: skip
+        _SHARED.update(proc=proc, uri=f"mongodb://127.0.0.1:{port}/?{CLIENT_OPTIONS}")
+
+        owner = os.getpid()
+
+        def stop() -> None:
+            if os.getpid() != owner:  # a forked child (a command run from the zygote) leaves it alone
+                return
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            proc.kill()
+            with contextlib.suppress(OSError):
+                log_path.unlink()
+
+        atexit.register(stop)
+    return str(_SHARED["uri"])
 
 
 class Proxy:

@@ -38,7 +38,7 @@ PRELOAD = {
         "dsgpt2.cli",
         "matplotlib.pyplot",
     ),
-    "corpus": ("dsgpt2.cli", "dsgpt2.corpus.mongo", "pymongo", "mongomock", "tokenizers"),
+    "corpus": ("dsgpt2.cli", "dsgpt2.corpus.mongo", "pymongo", "tokenizers"),
 }
 MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", "generate", "chat", "serve",
                   "demo"}  # fmt: skip

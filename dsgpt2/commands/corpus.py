@@ -419,11 +419,6 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if args.limit and not args.sample:
         raise usage("ingest", "--limit goes with --sample")
     config = load_config_arg(args)
-    if config.uri == "mongomock://":
-        log.warning(
-            "MONGO_CONNECTION_STRING is mongomock:// (in memory): the documents vanish when this "
-            "command ends; use mongomock://PATH to keep them in a file, or a real server"
-        )
     collection = config.collections[0] if args.collection is None else args.collection
     problem = collection_name_problem(collection)
     if problem:

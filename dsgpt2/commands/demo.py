@@ -20,8 +20,9 @@ def add_demo(sub: Any) -> None:
         "demo",
         help="run the whole pipeline on the built-in sample corpus, in process",
         description=(
-            "Run every stage on the built-in sample corpus against an in-process mongomock "
-            "database: no server, no download. Prints a summary and writes OUT/summary.json."
+            "Run every stage on the built-in sample corpus against the embedded database in OUT/db "
+            "(local://, started for the demo and stopped after it): no server to set up, no download. "
+            "Prints a summary and writes OUT/summary.json."
         ),
     )
     p.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")

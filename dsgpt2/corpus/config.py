@@ -23,7 +23,7 @@ from typing import Any
 from dsgpt2.errors import ConfigError
 
 ENV_URI = "MONGO_CONNECTION_STRING"
-SCHEMES = ("mongodb://", "mongodb+srv://", "mongomock://")
+SCHEMES = ("mongodb://", "mongodb+srv://", "local://")
 REDACTED = "***"
 
 # JSON key → (dataclass field, expected type(s), description for errors and docs).
@@ -93,8 +93,8 @@ class MongoConfig:
     """Where the corpus lives and how to read it.
 
     Attributes:
-        uri: ``mongodb://``/``mongodb+srv://`` for a server, ``mongomock://`` for the
-            in-process test store (``mongomock://PATH`` persists it in a file).
+        uri: ``mongodb://``/``mongodb+srv://`` for a server (a deployment), ``local://DIR`` for the
+            embedded database on the directory DIR (see :mod:`dsgpt2.corpus.embedded`).
         db: database holding the collections and ``meta_collection``.
         collections: pretraining collections; their documents are indexed in this order.
         text_field: the field read as a document's text.
@@ -136,8 +136,10 @@ class MongoConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
             raise ConfigError(
-                f"MONGO_CONNECTION_STRING must start with one of {', '.join(SCHEMES)}; "
-                f"got {redact_uri(str(self.uri))!r}"
+                f"MONGO_CONNECTION_STRING must start with one of {', '.join(SCHEMES)}; got "
+                f"{redact_uri(str(self.uri))!r}: write local://{_local_suggestion(self.uri)}"
+                " for the embedded "
+                "database (a directory, started by dsgpt2) or mongodb://HOST for a server"
             )
         problem = db_name_problem(self.db)
         if problem:
@@ -210,8 +212,9 @@ class MongoConfig:
         return json.loads(self.filter) if self.filter else None
 
     @property
-    def is_mock(self) -> bool:
-        return self.uri.startswith("mongomock://")
+    def is_local(self) -> bool:
+        """Whether this is the embedded database (``local://DIR``) that dsgpt2 starts itself."""
+        return self.uri.startswith("local://")
 
     def scrub(self, text: str) -> str:
         """Remove every secret of this config from ``text`` (an error message, a log line)."""
@@ -233,6 +236,15 @@ class MongoConfig:
     def with_collections(self, collections: list[str] | tuple[str, ...]) -> MongoConfig:
         """A copy of this config that reads only ``collections``."""
         return _replace(self, collections=tuple(collections))
+
+
+def _local_suggestion(uri: object) -> str:
+    """A directory for ``local://`` from a URI of another scheme (a store's file path becomes a directory)."""
+    if isinstance(uri, str) and "://" in uri:
+        path = uri.split("://", 1)[1]
+        if path and not set(path) & set("@:,?"):
+            return os.path.splitext(path)[0]
+    return "runs/db"
 
 
 def _replace(config: MongoConfig, **changes: Any) -> MongoConfig:
@@ -379,6 +391,8 @@ def redact_uri(uri: str) -> str:
 
 def uri_hosts(uri: str) -> str:
     """The host list of a connection string: ``mongodb://u:p@h1,h2/db`` → ``h1,h2``."""
+    if uri.startswith("local://"):
+        return uri
     rest = uri.split("://", 1)[-1]
     rest = rest.rsplit("@", 1)[-1] if "@" in rest.split("/", 1)[0] else rest
     return rest.split("/", 1)[0].split("?", 1)[0] or "(in-process)"

@@ -87,7 +87,6 @@ def curate(
         _summarize(conn, part, rules, thresholds)
         write_meta(conn, part.name, {"curate": {"rules": list(rules), "thresholds": dict(thresholds),
                                                 "key": key, "at": time.time()}})  # fmt: skip
-        conn.commit()
     report.seconds = time.monotonic() - started
     return report
 
@@ -117,7 +116,6 @@ def judge_range(
             updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
                                          "passes": {"key": key, **judged}}))  # fmt: skip
         set_fields(conn, name, updates, "curate")
-        conn.commit()
         done += len(batch)
     return done
 

@@ -158,7 +158,6 @@ def dedup_exact(
             doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
             if doc is not None:
                 report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
-    conn.commit()
     report.seconds = time.monotonic() - started
     return report
 
@@ -180,7 +179,6 @@ def hash_collection(
     done = run_split(conn, name, work, split, "hash")
     if split.parts == 1:  # the field is recorded once every range is hashed under it
         write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
-        conn.commit()
     return done
 
 
@@ -202,7 +200,6 @@ def hash_range(
     for batch in each_batch(conn, name, todo, fields, batch_size, f"hash {name}", progress, span):
         updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
         _set_hashes(conn, name, updates)
-        conn.commit()
         done += len(batch)
     return done
 
@@ -223,29 +220,18 @@ def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, 
                     "_id": 0,
                     "h": f"${HASH}",
                     "k": {"$add": [rank * _SPAN, "$idx"]},
-                    "r": {"$literal": rank + 1},  # 1-based: mongomock's $addToSet drops a 0
+                    "r": {"$literal": rank},
                 }
             },
         ]
 
     group = {"$group": {"_id": "$h", "first": {"$min": "$k"}, "n": {"$sum": 1}, "ranks": {"$addToSet": "$r"}}}
-    if conn.config.is_mock:  # mongomock has no $unionWith: the same groups, joined here
-        merged: dict[str, list[Any]] = {}
-        for rank, name in enumerate(names):
-            for g in conn.db[name].aggregate([*keyed(rank), group]):
-                m = merged.setdefault(g["_id"], [g["first"], 0, set()])
-                m[0], m[1] = min(m[0], g["first"]), m[1] + g["n"]
-                m[2].update(g["ranks"])
-        for h, (first, n, ranks) in merged.items():
-            if n > 1:
-                yield h, int(first), sorted(r - 1 for r in ranks)
-        return
     pipeline = keyed(0)
     for rank, name in enumerate(names[1:], 1):
         pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
     pipeline += [group, {"$match": {"n": {"$gt": 1}}}]
     for g in conn.db[names[0]].aggregate(pipeline, allowDiskUse=True):
-        yield g["_id"], int(g["first"]), sorted(r - 1 for r in g["ranks"])
+        yield g["_id"], int(g["first"]), sorted(g["ranks"])
 
 
 class _Marker:
@@ -293,16 +279,12 @@ class _Marker:
                 batch = [(q, u) for k, q, u in ops if k == kind]
                 if not batch:
                     continue
-                if self.conn.config.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateMany
-                    n = sum(coll.update_many(q, u).modified_count for q, u in batch)
-                else:
-                    n = coll.bulk_write(
-                        [pymongo.UpdateMany(q, u) for q, u in batch], ordered=False
-                    ).modified_count
+                n = coll.bulk_write(
+                    [pymongo.UpdateMany(q, u) for q, u in batch], ordered=False
+                ).modified_count
                 (self.marked if kind == "mark" else self.unmarked)[name] += n
 
         with_retries(write, self.conn.config, f"dedup: marking {name}")
-        self.conn.commit()
 
 
 class SeenTexts:

@@ -586,4 +586,3 @@ def _record(
             "updated_at": time.time(),
         },
     )
-    conn.commit()

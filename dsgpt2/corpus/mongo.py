@@ -1,6 +1,7 @@
 """MongoDB access: connections, retries, meta_info and the :class:`MongoWrapper`.
 
-This is the only module (with :mod:`dsgpt2.corpus.mockstore`) that talks to pymongo.
+This is the module that talks to pymongo (with :mod:`dsgpt2.corpus.embedded`, which starts the
+server of a ``local://`` database).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pymongo.errors import (
     PyMongoError,
 )
 
+from dsgpt2.corpus import embedded
 from dsgpt2.corpus.config import ENV_URI, MongoConfig
 from dsgpt2.corpus.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, MongoUnavailableError
@@ -153,12 +155,12 @@ class Connection:
         return self.client[self.config.db]
 
     def _make_client(self) -> Any:
-        # The backend follows the URI: mongomock:// is the in-process test and demo store.
-        if self.config.is_mock:
-            return _mockstore().client_for(self.config.uri)
+        uri = self.config.uri
+        if embedded.is_local(uri):  # the embedded server: started here if none runs yet
+            uri = embedded.ensure(embedded.local_dir(uri))
         try:
             return pymongo.MongoClient(
-                self.config.uri,
+                uri,
                 serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
                 connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
                 socketTimeoutMS=self.config.socket_timeout_ms,
@@ -177,21 +179,14 @@ class Connection:
         Raises:
             MongoUnavailableError: no server within the selection timeout, or login refused.
         """
-        if self.config.is_mock:
-            return
         try:
             self.client.admin.command("ping")
         except PyMongoError as exc:
             self.close()
             raise unavailable_error(self.config, exc) from None
 
-    def commit(self) -> None:
-        """Make writes so far durable for other processes (saves a file-backed mock store)."""
-        if self.config.is_mock:
-            _mockstore().save(self.config.uri)
-
     def close(self) -> None:
-        if self._client is not None and self._pid == os.getpid() and not self.config.is_mock:
+        if self._client is not None and self._pid == os.getpid():
             self._client.close()
         self._client = None
         self._pid = None
@@ -225,18 +220,6 @@ def _log_reader(config: MongoConfig, address: tuple[str, int] | None) -> None:
         "process %d reads from %s:%d (READ_PREFERENCE %s)", os.getpid(), address[0], address[1],
         config.read_preference,
     )  # fmt: skip
-
-
-def _mockstore() -> Any:
-    """The ``mongomock://`` backend, imported only where such a URI is used."""
-    try:
-        from dsgpt2.corpus import mockstore
-    except ImportError:
-        raise ConfigError(
-            "mongomock:// is the in-process store of the tests and the demo, and needs mongomock: "
-            "pip install mongomock (or give a mongodb:// server)"
-        ) from None
-    return mockstore
 
 
 def existing_collections(conn: Connection) -> list[str]:
@@ -647,5 +630,4 @@ def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL
             f"could not write to {conn.config.db}.{collection}: {conn.config.scrub(_first_line(exc))}; "
             "the user needs the readWrite role on the database (or skip recording)"
         ) from None
-    conn.commit()
     return doc["_id"]

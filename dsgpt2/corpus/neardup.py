@@ -86,7 +86,6 @@ def sign_collection(
             text = document_text(doc, cfg.text_field)
             updates.append((doc["_id"], {BANDS: signer.bands(text or ""), BANDS_KEY: params.key}))
         set_fields(conn, name, updates, "dedup --near: signing")
-        conn.commit()
         done += len(batch)
     return done
 
@@ -102,15 +101,6 @@ def band_buckets(conn: Connection, names: Sequence[str], key: str) -> Iterator[l
         ]
 
     group = {"$group": {"_id": "$b", "keys": {"$push": "$k"}, "n": {"$sum": 1}}}
-    if conn.config.is_mock:  # mongomock has no $unionWith: the same buckets, joined here
-        merged: dict[int, list[int]] = {}
-        for rank, name in enumerate(names):
-            for g in conn.db[name].aggregate([*keyed(rank), group]):
-                merged.setdefault(g["_id"], []).extend(int(k) for k in g["keys"])
-        for keys in merged.values():
-            if len(keys) > 1:
-                yield sorted(keys)
-        return
     pipeline = keyed(0)
     for rank, name in enumerate(names[1:], 1):
         pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
@@ -247,7 +237,6 @@ def dedup_near(
             "at": time.time(),
         }
         write_meta(conn, part.name, {"dedup.near": done})
-    conn.commit()
     report.seconds = time.monotonic() - started
     return report
 
@@ -292,15 +281,11 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
         part = items[start : start + _BULK]
 
         def write(part: list[tuple[int, str]] = part) -> int:
-            if cfg.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateOne
-                return sum(coll.update_one({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
-                           .modified_count for i, label in part)  # fmt: skip
             ops = [pymongo.UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
                    for i, label in part]  # fmt: skip
             return coll.bulk_write(ops, ordered=False).modified_count
 
         marked += with_retries(write, cfg, f"dedup --near: marking {name}")
-        conn.commit()
     held = with_retries(lambda: [d["idx"] for d in coll.find({NEAR_OF: {"$exists": True}}, {"idx": 1})],
                         cfg, f"dedup --near: reading marks of {name}")  # fmt: skip
     stale = sorted(i for i in held if i not in marks)
@@ -308,7 +293,6 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
         q = {"idx": {"$in": stale[start : start + _BULK]}}
         unmarked += with_retries(lambda q=q: coll.update_many(q, {"$unset": {NEAR_OF: ""}}).modified_count,
                                  cfg, f"dedup --near: unmarking {name}")  # fmt: skip
-        conn.commit()
     return marked, unmarked
 
 

@@ -134,9 +134,6 @@ def index_collection(
 def _number(conn: Connection, coll: Any, ids: list[Any], first: int) -> int:
     """Give ``ids`` (in order) the numbers ``first``, ``first + 1``, ... where they have none yet; an
     ordered bulk write, so a failure leaves a prefix numbered. Returns how many were numbered."""
-    if conn.config.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateOne
-        return sum(coll.update_one({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}).modified_count
-                   for k, i in enumerate(ids))  # fmt: skip
     updates = [
         pymongo.UpdateOne({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}) for k, i in enumerate(ids)
     ]
@@ -174,7 +171,6 @@ def _ensure_sparse_index(conn: Connection, name: str) -> None:
 def _record(conn: Connection, name: str, field: str, count: int, owner: str) -> None:
     write_meta(conn, name, {"count": count, "numbered_in_place": {"field": field, "updated_at": time.time()},
                             "indexing.heartbeat": time.time(), "indexing.owner": owner})  # fmt: skip
-    conn.commit()
 
 
 def _take_lease(conn: Connection, name: str) -> str:
@@ -195,11 +191,9 @@ def _take_lease(conn: Connection, name: str) -> str:
             f"another process ({held.get('owner')}) is numbering {name!r} (its last sign of life "
             f"{age:.0f}s ago); wait for it, or re-run after {LEASE_SECONDS:.0f}s without one"
         )
-    conn.commit()
     return owner
 
 
 def _release_lease(conn: Connection, name: str, owner: str) -> None:
     meta = conn.db[conn.config.meta_collection]
     meta.update_one({"collection": name, "indexing.owner": owner}, {"$set": {"indexing": {"owner": None}}})
-    conn.commit()

@@ -85,10 +85,6 @@ def set_fields(conn: Connection, name: str, updates: list[tuple[Any, dict[str, A
     coll = conn.db[name]
 
     def write() -> None:
-        if conn.config.is_mock:  # mongomock's bulk_write does not take pymongo 4's UpdateOne
-            for _id, fields in updates:
-                coll.update_one({"_id": _id}, {"$set": fields})
-            return
         coll.bulk_write([pymongo.UpdateOne({"_id": _id}, {"$set": f}) for _id, f in updates], ordered=False)
 
     if updates:
@@ -140,8 +136,7 @@ WHOLE = Split()
 
 def run_split(conn: Connection, name: str, work: Callable[..., int], split: Split, what: str) -> int:
     """``work(conn, name, span=(start, stop))`` over this machine's idx ranges of ``name``, one range per
-    worker process (a real server; mongomock's store lives in this process, so there the ranges run one
-    after another here); returns the sum of what the calls return.
+    worker process; returns the sum of what the calls return.
 
     ``work`` must be picklable (a module-level function, or a ``functools.partial`` of one): each
     worker process opens its own connection from the config.
@@ -150,10 +145,7 @@ def run_split(conn: Connection, name: str, work: Callable[..., int], split: Spli
     if bounds is None:
         return 0
     ranges = split.ranges(bounds)
-    if split.workers == 1 or len(ranges) == 1 or conn.config.is_mock:
-        if split.workers > 1 and conn.config.is_mock:
-            log.info("%s %s: mongomock's store lives in this process, the %d ranges run here in turn",
-                     what, name, len(ranges))  # fmt: skip
+    if split.workers == 1 or len(ranges) == 1:
         return sum(work(conn, name, span=r) for r in ranges)
     log.info("%s %s: idx ranges %s in %d worker processes", what, name, ranges, len(ranges))
     with ProcessPoolExecutor(len(ranges), mp_context=multiprocessing.get_context("spawn")) as pool:

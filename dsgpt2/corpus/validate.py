@@ -377,8 +377,6 @@ def fix_collection(conn: Connection, name: str) -> list[str]:
     if kinds & {"no_meta_count", "meta_count_mismatch"} and not blocking:
         write_meta(conn, name, {"count": report.documents})
         done.append(f"{name}: fixed: recorded count {report.documents} in {conn.config.meta_collection}")
-    if done:
-        conn.commit()
     if blocking:
         done.append(
             f"{name}: not fixed: {', '.join(sorted(blocking))} change which documents exist or their "

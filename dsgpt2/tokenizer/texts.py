@@ -225,7 +225,7 @@ def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict
     if workers == 1 or len(tasks) <= 1:
         yield from map(_download_shard, tasks)
         return
-    # fork: the in-process mongomock store is inherited; each worker still makes its own client.
+    # Each worker makes its own client (Connection is fork-safe).
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(min(workers, len(tasks))) as pool:
         yield from pool.imap_unordered(_download_shard, tasks)

@@ -186,7 +186,7 @@ class Feed:
         table, dealt = take_in(self.schedule, states, added, deal=True)
         self.schedule = Schedule(table, self.streams, self.cfg.data.seed)
         self._log_growth(added, "now")
-        self._note_prefix(grown=True)
+        self._note_prefix()
         if self.cfg.data.data_mode == "streaming":
             self.train_data = self.train_data.grown(table)
         else:
@@ -217,18 +217,15 @@ class Feed:
         parts = [f"{self.mongo.collections[c]} {lo}..{hi}" for c, lo, hi in added]
         log.info("taking in new documents (%s) %s", ", ".join(parts), when)
 
-    def _note_prefix(self, grown: bool = False) -> None:
+    def _note_prefix(self) -> None:
         """Rank 0 hashes a sample of the table's prefix now, while the database answers, for the
-        checkpoints to come (a checkpoint may be saved because the database went away). ``grown``:
-        the table took in documents written since this run connected."""
+        checkpoints to come (a checkpoint may be saved because the database went away)."""
         if self.rank != 0:
             return
         from dsgpt2.corpus.marks import prefix_record, record_trained
 
         marks = self.schedule.table.marks
-        # A file-backed mock store is a snapshot per client: only a new one holds the new documents.
-        conn = Connection(self.mongo) if grown and self.mongo.is_mock else self.conn
-        self._prefix = (marks, prefix_record(conn, marks, self.cfg.data.seed))
+        self._prefix = (marks, prefix_record(self.conn, marks, self.cfg.data.seed))
         record_trained(self.conn, marks, str(self.cfg.ckpt.ckpt_dir))
 
     def state_dict(self, state: ReadState) -> dict[str, Any]:
@@ -250,9 +247,7 @@ class Feed:
             return None
         from dsgpt2.corpus.marks import read_marks
 
-        # A file-backed mock store is a snapshot per client: a new one reads what others wrote.
-        conn = Connection(self.mongo) if self.mongo.is_mock else self.conn
-        return tuple(on_rank0(lambda: read_marks(conn)))
+        return tuple(on_rank0(lambda: read_marks(self.conn)))
 
 
 def check_saved_data(

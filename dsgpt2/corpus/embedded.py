@@ -1,0 +1,409 @@
+"""The embedded database of ``local://DIR``: a MongoDB-compatible server that dsgpt2 starts and shares.
+
+``local://runs/db`` names a directory. The first process that needs it starts SecantusDB (MongoDB's
+wire protocol over WiredTiger, ``pip install 'dsgpt2[local]'``) on it, listening on 127.0.0.1 only,
+with a password of its own; later processes of the machine (other commands, launcher ranks,
+DataLoader workers) find it through the files it leaves in the directory and share it. It keeps
+running between commands; ``dsgpt2 db stop`` ends it, and the next command that needs it starts it
+again on the same data (WiredTiger's journal keeps what was committed, a killed server included).
+
+The server is a separate process spoken to over the wire protocol, as one runs mongod: its package
+is never imported here. The directory holds::
+
+    dsgpt2-db.json   what this directory is (written when it is made)
+    data/            WiredTiger's files
+    secret           the password of the server's one user (mode 0600)
+    server.json      the running server: pid and port (gone, or naming a dead pid, when none runs)
+    server.lock      taken while a server is started or stopped
+    server.log       the server's output
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsgpt2.errors import ConfigError, MongoUnavailableError
+from dsgpt2.files import atomic_write_text
+
+PREFIX = "local://"
+EXTRA = "pip install 'dsgpt2[local]'"
+# The server's executable, where it is not installed beside this Python (another environment).
+ENV_EXECUTABLE = "DSGPT2_SECANTUSD"
+EXECUTABLE = "secantusd-py"
+USER = "dsgpt2"
+MARKER = "dsgpt2-db.json"
+ENGINE = "secantusdb"
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+# Change streams are not used: a short oplog bounds the disk it takes.
+SERVER_FLAGS = ("--oplog-max-entries", "10000", "--cache-size", "512M")
+# Files that say a directory already belongs to a database engine.
+_FOREIGN = {
+    "mongod.lock": "a mongod data directory",
+    "storage.bson": "a mongod data directory",
+    "WiredTiger": "a WiredTiger database that is not a dsgpt2 one",
+    "WiredTiger.wt": "a WiredTiger database that is not a dsgpt2 one",
+}
+
+
+def is_local(uri: str) -> bool:
+    return uri.startswith(PREFIX)
+
+
+def local_dir(uri: str) -> Path:
+    """The directory of a ``local://DIR`` URI (relative to the working directory)."""
+    rest = uri[len(PREFIX) :]
+    if not rest:
+        raise ConfigError(f"{PREFIX} needs a directory: write {PREFIX}runs/db (any path; created if absent)")
+    return Path(os.path.abspath(os.path.expanduser(rest)))
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """A running server of a database directory."""
+
+    pid: int
+    port: int
+    host: str = "127.0.0.1"
+
+
+def uri_of(directory: Path, state: ServerState) -> str:
+    """The connection string of a running server (it carries the password: never show it)."""
+    password = urllib.parse.quote_plus(_secret(directory))
+    return f"mongodb://{USER}:{password}@{state.host}:{state.port}/?authSource=admin"
+
+
+def ensure(directory: Path) -> str:
+    """The connection string of the server on ``directory``, started if none is running.
+
+    Raises:
+        ConfigError: the directory cannot hold a database (not writable, another engine's files)
+            or the server cannot be started (package missing, start-up failed).
+    """
+    _check_directory(directory)
+    state = running(directory)
+    if state is not None:
+        return uri_of(directory, state)
+    with _locked(directory):
+        state = running(directory)  # another process may have started it while this one waited
+        if state is None:
+            state = _start(directory)
+    return uri_of(directory, state)
+
+
+def running(directory: Path) -> ServerState | None:
+    """The server running on ``directory``, or None (no server file, a dead pid, nothing listening)."""
+    state = _read_state(directory)
+    if state is None or not _is_server(state.pid, directory):
+        return None
+    try:
+        with socket.create_connection((state.host, state.port), timeout=2):
+            return state
+    except OSError:
+        return None
+
+
+def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | None:
+    """Stop the server of ``directory`` (SIGTERM, then SIGKILL after ``timeout_s``); the one stopped,
+    or None when none was running. A stale server file is removed."""
+    with _locked(directory):
+        state = _read_state(directory)
+        if state is None or not _is_server(state.pid, directory):
+            with contextlib.suppress(FileNotFoundError):
+                (directory / "server.json").unlink()
+            return None
+        _terminate(state.pid, timeout_s)
+        with contextlib.suppress(FileNotFoundError):
+            (directory / "server.json").unlink()
+        return state
+
+
+def disk_bytes(directory: Path) -> int:
+    """Bytes the database's files take on disk."""
+    total = 0
+    for path in (directory / "data").rglob("*"):
+        with contextlib.suppress(OSError):
+            if path.is_file():
+                total += path.stat().st_blocks * 512
+    return total
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident memory of a process (Linux), or None where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def executable() -> list[str]:
+    """How to run the server: $DSGPT2_SECANTUSD, the script beside this Python, or on the PATH.
+
+    Raises:
+        ConfigError: SecantusDB is not installed.
+    """
+    named = os.environ.get(ENV_EXECUTABLE, "").strip()
+    if named:
+        if not (shutil.which(named) or os.access(named, os.X_OK)):
+            raise ConfigError(f"{ENV_EXECUTABLE}={named!r} is not an executable; unset it or fix the path")
+        return [named]
+    beside = Path(sys.executable).parent / EXECUTABLE
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which(EXECUTABLE)
+    if found:
+        return [found]
+    raise ConfigError(
+        f"{PREFIX} needs the embedded database server, which is not installed here: {EXTRA} "
+        f"(or name a MongoDB server with mongodb://)"
+    )
+
+
+def _check_directory(directory: Path) -> None:
+    where = f"{PREFIX}{directory}"
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"{where} is a file, not a directory; name a directory for the database")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot create the database directory ({exc.strerror})") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ConfigError(f"{where} is not writable by this user; name a directory you can write to")
+    marker = directory / MARKER
+    if marker.exists():
+        try:
+            engine = json.loads(marker.read_text(encoding="utf-8")).get("engine")
+        except (OSError, ValueError, AttributeError):
+            engine = None
+        if engine != ENGINE:
+            raise ConfigError(f"{where}: {MARKER} is damaged or names another engine ({engine!r})")
+        return
+    entries = sorted(p.name for p in directory.iterdir())
+    for name, what in _FOREIGN.items():
+        if name in entries:
+            raise ConfigError(
+                f"{where} holds {what} ({name}); {PREFIX} makes its own: name a new or empty directory"
+            )
+    if entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(
+            f"{where} holds files that are not a dsgpt2 database ({shown}); name a new or empty directory"
+        )
+    atomic_write_text(marker, json.dumps({"engine": ENGINE, "format": 1}) + "\n")
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """Hold the directory's start/stop lock (released by the kernel if this process dies)."""
+    with open(directory / "server.lock", "a+") as f:
+        deadline = time.monotonic() + START_TIMEOUT_S * 2
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise MongoUnavailableError(
+                        f"{PREFIX}{directory}: another process has been starting or stopping its server "
+                        f"for {START_TIMEOUT_S * 2:.0f} s; see {directory / 'server.log'}"
+                    ) from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _read_state(directory: Path) -> ServerState | None:
+    try:
+        data = json.loads((directory / "server.json").read_text(encoding="utf-8"))
+        return ServerState(
+            pid=int(data["pid"]), port=int(data["port"]), host=str(data.get("host", "127.0.0.1"))
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _is_server(pid: int, directory: Path) -> bool:
+    """Whether ``pid`` is alive and, where /proc tells, the server of this directory (not a reused pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    if not cmdline:  # a zombie
+        return False
+    return str(directory / "data").encode() in cmdline
+
+
+def _secret(directory: Path) -> str:
+    path = directory / "secret"
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise MongoUnavailableError(
+            f"{PREFIX}{directory}: its password file is missing; stop the server (dsgpt2 db stop) "
+            "and run the command again"
+        ) from None
+
+
+def _start(directory: Path) -> ServerState:
+    """Start a server on ``directory`` (the lock held); its user is made on the first start."""
+    command = executable()
+    previous = _read_state(directory)
+    if not (directory / "secret").exists():
+        _provision(directory, command)
+    # The port of the last server if it is free, so that clients of a restarted server find it again.
+    port = previous.port if previous is not None and _port_free(previous.port) else 0
+    state = _launch(directory, command, port, auth=True)
+    atomic_write_text(directory / "server.json", json.dumps({"pid": state.pid, "port": state.port}) + "\n")
+    return state
+
+
+def _provision(directory: Path, command: list[str]) -> None:
+    """First start: a server without auth, on loopback, long enough to create the user."""
+    import pymongo
+
+    password = secrets.token_urlsafe(24)
+    state = _launch(directory, command, 0, auth=False)
+    try:
+        client = pymongo.MongoClient(
+            host=state.host, port=state.port, serverSelectionTimeoutMS=int(START_TIMEOUT_S * 1000)
+        )
+        try:
+            if USER not in {u["user"] for u in client.admin.command("usersInfo")["users"]}:
+                client.admin.command(
+                    "createUser", USER, pwd=password, roles=[{"role": "root", "db": "admin"}]
+                )
+            else:
+                client.admin.command("updateUser", USER, pwd=password)
+        finally:
+            client.close()
+    finally:
+        _terminate(state.pid, STOP_TIMEOUT_S)
+    path = directory / "secret"
+    fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(password + "\n")
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _launch(directory: Path, command: list[str], port: int, auth: bool) -> ServerState:
+    """Run the server detached (it outlives this process) and wait until it listens."""
+    data = directory / "data"
+    data.mkdir(exist_ok=True)
+    config = directory / "secantusd.toml"
+    if not config.exists():  # named so that no secantusd.toml of the working directory or home applies
+        atomic_write_text(config, "# dsgpt2 passes its settings as flags\n")
+    log_path = directory / "server.log"
+    start = log_path.stat().st_size if log_path.exists() else 0
+    args = [
+        *command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+        "--storage-path", str(data), *SERVER_FLAGS, *(["--auth"] if auth else []),
+    ]  # fmt: skip
+    with open(log_path, "ab") as log:
+        try:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, close_fds=True, cwd=directory,
+            )  # fmt: skip
+        except OSError as exc:
+            raise ConfigError(
+                f"{PREFIX}{directory}: cannot run {command[0]} ({exc.strerror}); {EXTRA}"
+            ) from None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        listening = _listening_port(log_path, start)
+        if listening is not None:
+            return ServerState(pid=proc.pid, port=listening)
+        if proc.poll() is not None:
+            if port != 0 and "in use" in _log_tail(log_path, start):
+                return _launch(directory, command, 0, auth)  # the old port was taken meanwhile
+            raise ConfigError(
+                f"{PREFIX}{directory}: the database server did not start: {_log_tail(log_path, start)}"
+            )
+        time.sleep(0.05)
+    _terminate(proc.pid, 5)
+    raise ConfigError(
+        f"{PREFIX}{directory}: the database server did not listen within {START_TIMEOUT_S:.0f} s; "
+        f"see {log_path}"
+    )
+
+
+def _listening_port(log_path: Path, start: int) -> int | None:
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        for line in f.read().decode("utf-8", "replace").splitlines():
+            if "listening on " in line:
+                return int(line.rsplit(":", 1)[1].strip())
+    return None
+
+
+def _log_tail(log_path: Path, start: int) -> str:
+    """The last line of the server's output that says what went wrong."""
+    with open(log_path, "rb") as f:
+        f.seek(start)
+        lines = [ln.strip() for ln in f.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line[-300:]
+    return lines[-1][-300:] if lines else "no output"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _terminate(pid: int, timeout_s: float) -> None:
+    """SIGTERM (the server closes WiredTiger cleanly), SIGKILL if it is still there after ``timeout_s``."""
+    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child: reap it
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has let go of everything
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
