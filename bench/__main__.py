@@ -19,7 +19,7 @@ from bench import (
     bench_train,
     bench_vocab,
 )
-from bench.common import write_results
+from bench.common import database_uri, write_results
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
 
@@ -38,7 +38,7 @@ def _train_data(texts: list[str], results: Path) -> list:
     metrics = bench_train.tokenize_pack(texts, tokenizer)
     config = config_from_dict(
         {
-            "MONGO_CONNECTION_STRING": "mongomock://",
+            "MONGO_CONNECTION_STRING": database_uri(),
             "MONGO_CONNECTION_DB": "bench_cache",
             "COLLECTIONS": ["s"],
         },

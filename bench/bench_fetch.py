@@ -7,11 +7,9 @@
 - round trips: queries per 1,000 documents read on the training path
   (``iter_range``), per collection touched (target ≤ 2).
 
-On mongomock every query scans the collection, so only the ratios of access
-patterns mean anything. The same lines are measured against the wire-protocol
-test server (tests/wire_server.py: real TCP round trips, real cursors, SQLite
-underneath; a test server, not MongoDB) when ``make test`` has built it, and
-against DSGPT2_BENCH_MONGO_URI when set (a real MongoDB).
+Measured against the embedded database (``local://``: SecantusDB over TCP, real
+cursors, WiredTiger underneath; a server on this machine, not a MongoDB
+deployment), and against DSGPT2_BENCH_MONGO_URI when set (a real MongoDB).
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from __future__ import annotations
 import os
 import uuid
 
-from bench.common import Metric, paired_times
+from bench.common import Metric, database_uri, paired_times
 from dsgpt2.corpus.config import config_from_dict
-from dsgpt2.corpus.mongo import RAW_DOCUMENTS, Connection, MongoWrapper
+from dsgpt2.corpus.mongo import Connection, MongoWrapper
 
 
 def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, MongoWrapper]:
@@ -45,33 +43,13 @@ def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, Mo
 
 
 def run(texts: list[str], repeats: int = 5) -> list[Metric]:
-    metrics = _run_on("mongomock://", texts[:4000], repeats, "mongomock", "access-pattern ratio only")
-    metrics += _run_on_wire(texts, repeats)
+    metrics = _run_on(
+        database_uri(), texts[:4000], repeats, "local", "embedded server: TCP, real cursors, WiredTiger"
+    )
     uri = os.environ.get("DSGPT2_BENCH_MONGO_URI")
     if uri:
         metrics += _run_on(uri, texts[:4000], repeats, "server", "DSGPT2_BENCH_MONGO_URI")
     return metrics
-
-
-def _run_on_wire(texts: list[str], repeats: int) -> list[Metric]:
-    import tempfile
-    from pathlib import Path
-
-    from tests.wire_server import WireServer, unavailable_reason
-
-    reason = unavailable_reason()
-    if reason:
-        print(f"   (no wire-server lines: {reason})")
-        return []
-    with tempfile.TemporaryDirectory() as tmp:
-        server = WireServer(Path(tmp) / "bench.sqlite").start()
-        try:
-            # It inserts slowly: 1,200 documents, batches of 500.
-            return _run_on(
-                server.uri(), texts[:1200], repeats, "wire", "TCP + real cursors, not MongoDB", 500
-            )
-        finally:
-            server.kill()
 
 
 def _run_on(
@@ -81,8 +59,7 @@ def _run_on(
     try:
         metrics = _measure(conn, wrapper, repeats, note, batch)
     finally:
-        if not conn.config.is_mock:
-            conn.client.drop_database(conn.config.db)
+        conn.client.drop_database(conn.config.db)
         conn.close()
     for m in metrics:
         m.name = f"{m.name} [{label}]"
@@ -112,9 +89,7 @@ def _measure(conn: Connection, wrapper: MongoWrapper, repeats: int, where: str, 
         where,
     )
 
-    # On mongomock the anchor reads through the same raw-BSON view as the wrapper: that view
-    # re-encodes every document, a cost of the test store's emulation, not of the wrapper.
-    source = coll.with_options(codec_options=RAW_DOCUMENTS) if conn.config.is_mock else coll
+    source = coll
 
     def direct() -> None:
         projection = {"_id": 0, "idx": 1, field: 1}

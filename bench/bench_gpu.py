@@ -9,7 +9,7 @@ The corpus is the sample texts repeated until the measured window fits inside on
 boundary falls inside the figure.
 
 - ours: ``ds_trainer.py`` as a user starts it, streaming the sample corpus from a file-backed
-  mongomock store, tokenizing in its DataLoader workers; tokens/s over the steady steps, read from
+  database (local://), tokenizing in its DataLoader workers; tokens/s over the steady steps, read from
   its ``metrics.jsonl``.
 - anchor: a plain loop of the same ``GPT2LMHeadModel`` (SDPA attention) on random tokens already on
   the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the GPU, the same micro-batch and
@@ -180,7 +180,7 @@ def _device_name() -> str:
 
 def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     """The sample corpus, repeated until it holds 1.25 × ``tokens`` (the training split included), in a
-    file-backed mongomock store; the config file naming it."""
+    database in ``work/db`` (``local://``); the config file naming it."""
     from dsgpt2.corpus.config import config_from_dict
     from dsgpt2.corpus.mongo import connect
     from dsgpt2.tokenizer.bpe import load_tokenizer
@@ -189,11 +189,10 @@ def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     texts = texts * max(1, -(-int(1.25 * tokens / 0.9) // have))
 
     work.mkdir(parents=True, exist_ok=True)
-    store = work / "db.mongo"
-    store.unlink(missing_ok=True)
-    data = {"MONGO_CONNECTION_STRING": f"mongomock://{store}", "MONGO_CONNECTION_DB": "bench",
+    data = {"MONGO_CONNECTION_STRING": f"local://{work / 'db'}", "MONGO_CONNECTION_DB": "bench",
             "COLLECTIONS": ["s"]}  # fmt: skip
     conn = connect(config_from_dict(data, env={}))
+    conn.client.drop_database("bench")
     coll = conn.db["s"]
     coll.create_index("idx", unique=True)
     coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])

@@ -116,7 +116,7 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
     docs = _documents(texts, WIRE_DOCS)
     path = base / "wire.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
-    server = WireServer(base / "wire.sqlite").start()
+    server = WireServer(base / "wire-db").start()
     try:
         uri = server.uri()
         config = base / "wire.json"

@@ -146,15 +146,14 @@ def _train_and_evaluate(
 
 
 def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
-    from dsgpt2.corpus import mockstore
+    from dsgpt2.corpus import embedded
     from dsgpt2.corpus.config import config_from_dict
     from dsgpt2.corpus.mongo import Connection
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
     work = results / "shuffle"
     work.mkdir(parents=True, exist_ok=True)
-    store = f"mongomock://{work / 'store.bson'}"
-    mockstore.reset()
+    store = f"local://{work / 'db'}"
     conn = Connection(config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "shuffle",
                                         "COLLECTIONS": ["arrival"]}, env={}))  # fmt: skip
     train = [t for t in texts if not _held_out(t)]
@@ -162,7 +161,6 @@ def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
     permuted = [train[i] for i in np.random.default_rng(0).permutation(len(train))]
     for name, docs in (("arrival", train), ("permuted", permuted), ("heldout", held)):
         _store(conn, name, docs)
-    mockstore.save(store)
     tokenizer = work / "tok"
     if not (tokenizer / "tokenizer.json").exists():
         train_vocab(train, tokenizer, VocabSettings(vocab_size=8192), "shuffle", progress=False)
@@ -177,6 +175,7 @@ def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
                 print(f"   held-out perplexity, {collection} order read {order}, seed {seed}: {runs[-1]:.1f}",
                       flush=True)  # fmt: skip
             ppl[collection, order] = float(np.exp(np.mean(np.log(runs))))
+    embedded.stop(work / "db")
     where = (f"{len(train)} documents stored module by module, {len(held)} held out; {STEPS} steps of "
              f"16 x 128; geometric mean of seeds {', '.join(map(str, SEEDS))}")  # fmt: skip
     ours = ppl["arrival", "spread"] / ppl["permuted", "spread"]

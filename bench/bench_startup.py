@@ -72,7 +72,7 @@ def startup(results: Path) -> list[Metric]:
         return []
     base = results / "startup"
     base.mkdir(parents=True, exist_ok=True)
-    server = WireServer(base / "corpora.sqlite").start()
+    server = WireServer(base / "corpora-db").start()
     try:
         corpora = {n: _corpus(base, server.uri(), n) for n in SIZES}
         tok = base / "tok"

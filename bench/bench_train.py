@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import Metric, paired_times
+from bench.common import Metric, database_uri, paired_times
 
 
 def tokenize_pack(texts: list[str], tokenizer_dir: Path, repeats: int = 5) -> list[Metric]:
@@ -213,13 +213,14 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     config = config_from_dict(
         {
-            "MONGO_CONNECTION_STRING": "mongomock://",
+            "MONGO_CONNECTION_STRING": database_uri(),
             "MONGO_CONNECTION_DB": "bench_stall",
             "COLLECTIONS": ["s"],
         },
         env={},
     )
     conn = Connection(config)
+    conn.client.drop_database(config.db)
     conn.db["s"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
     conn.db["meta_info"].insert_one({"collection": "s", "count": len(texts)})
     vocab = load_vocab_size(tokenizer_dir)
@@ -270,7 +271,7 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
         "tokens/s",
         ">= 0.95",
         t_anchor / t_ours >= 0.95,
-        "mongomock, 2 DataLoader workers, same engine and model",
+        "local:// database, 2 DataLoader workers, same engine and model",
     )
 
 

@@ -3,15 +3,10 @@
 - vocab training: MB/s and peak memory of ``dsgpt2 vocab train --from_mongo``
   (texts streamed from the database) ÷ ``ByteLevelBPETokenizer.train_from_iterator``
   on the same texts held in a Python list (targets: speed ≥ 0.9, memory ≤ 1.2).
-  On mongomock, whose every query scans the whole collection in Python, the
-  target applies to a run whose queries are answered from a recording (a
-  server at no cost), so that what is timed is our path and the trainer. The
-  end-to-end mongomock figure is printed beside it; with DSGPT2_BENCH_MONGO_URI
-  the target applies end to end against the real server.
+  Ours reads the embedded database (``local://``, a server process of its own)
+  or DSGPT2_BENCH_MONGO_URI's server, end to end.
   Each side runs in a fresh process; memory is the peak RSS sampled during
-  the run above the RSS before it. The anchor's before is taken before it
-  loads its list, ours after the in-process mongomock store is loaded: that
-  store stands in for the server, whose memory is not the trainer's.
+  the run above the RSS before it (the anchor's before it loads its list).
 - tokenize baseline: MB/s of HF ``Tokenizer.encode_batch`` on our vocabulary
   ÷ tiktoken built from the same vocab.json/merges.txt (information for the
   tokenize + pack benchmark; no target of its own).
@@ -19,7 +14,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import statistics
@@ -30,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Metric, instant_backend
+from bench.common import Metric
 
 VOCAB_SIZE = 8192
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -98,12 +92,8 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts
 
-    _STORE[:] = [store]
     config = _config(store)
-    MongoWrapper(config)  # loads a mongomock store: the stand-in for the server
-    # The store's objects would sit in a server's memory, not in our heap: keep the
-    # garbage collector from walking them again and again during the run.
-    gc.freeze()
+    MongoWrapper(config)  # connects: the server's memory is not the trainer's
     before = _rss()
 
     def timed() -> tuple[float, int]:
@@ -114,30 +104,15 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
         )
         return time.perf_counter() - start, report.bytes
 
-    if mode == "ours-end-to-end":
-        with PeakRss() as peak:
-            seconds, size = timed()
-    else:
-        with instant_backend(_read_all), PeakRss() as peak:
-            seconds, size = timed()
+    with PeakRss() as peak:
+        seconds, size = timed()
     return {"seconds": seconds, "bytes": size, "mem": peak.peak - before}
-
-
-_STORE: list[str] = []
-
-
-def _read_all() -> None:
-    from dsgpt2.tokenizer.texts import mongo_texts
-
-    texts_iter, _ = mongo_texts(_config(_STORE[0]))
-    for _ in texts_iter:
-        pass
 
 
 def _config(store: str) -> Any:
     from dsgpt2.corpus.config import config_from_dict
 
-    uri = os.environ.get("DSGPT2_BENCH_MONGO_URI") or f"mongomock://{store}"
+    uri = os.environ.get("DSGPT2_BENCH_MONGO_URI") or f"local://{store}"
     return config_from_dict(
         {"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "dsgpt2_bench_vocab", "COLLECTIONS": ["s"]},
         env={},
@@ -157,8 +132,7 @@ def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> l
 
     texts = texts * copies
     workdir.mkdir(parents=True, exist_ok=True)
-    store = workdir / "vocab_bench.mongo"
-    store.unlink(missing_ok=True)
+    store = workdir / "vocab_bench_db"
     config = _config(str(store))
     conn = Connection(config)
     conn.client.drop_database(config.db)
@@ -170,32 +144,24 @@ def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> l
         for t in texts:
             f.write(json.dumps(t, ensure_ascii=False) + "\n")
 
-    ours, anchor, e2e = [], [], []
+    anchor, e2e = [], []
     for _ in range(repeats):
-        if config.is_mock:
-            ours.append(_spawn("ours", store, texts_file, workdir / "vocab_bench_tok"))
         e2e.append(_spawn("ours-end-to-end", store, texts_file, workdir / "vocab_bench_tok"))
         anchor.append(_spawn("anchor", store, texts_file, workdir / "vocab_bench_tok"))
-    if not config.is_mock:
-        conn.client.drop_database(config.db)
+    conn.client.drop_database(config.db)
+    if config.is_local:
+        from dsgpt2.corpus import embedded
+
+        embedded.stop(embedded.local_dir(config.uri))
     mb = e2e[0]["bytes"] / 1e6
     end_to_end = statistics.median(mb / r["seconds"] for r in e2e)
-    own = statistics.median(mb / r["seconds"] for r in ours) if ours else end_to_end
     base = statistics.median(r["bytes"] / 1e6 / r["seconds"] for r in anchor)
-    mem_ours = statistics.median(r["mem"] for r in e2e) / 1e6  # the replayed answers would count
+    mem_ours = statistics.median(r["mem"] for r in e2e) / 1e6
     mem_anchor = statistics.median(r["mem"] for r in anchor) / 1e6
-    if config.is_mock:
-        metrics = [
-            Metric("vocab training speed (end to end)", end_to_end, base, "MB/s", "info", True,
-                   "mongomock scans on every query: its time is not a server's"),
-            Metric("vocab training speed", own, base, "MB/s", ">= 0.9", own / base >= 0.9,
-                   "backend answers replayed at no cost: our path + the trainer"),
-        ]  # fmt: skip
-    else:
-        metrics = [
-            Metric("vocab training speed", end_to_end, base, "MB/s", ">= 0.9", end_to_end / base >= 0.9,
-                   "real server, end to end"),
-        ]  # fmt: skip
+    metrics = [
+        Metric("vocab training speed", end_to_end, base, "MB/s", ">= 0.9", end_to_end / base >= 0.9,
+               f"{'local://' if config.is_local else 'server'}, end to end"),
+    ]  # fmt: skip
     metrics.append(
         Metric(
             "vocab training memory",

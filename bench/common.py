@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -79,27 +80,53 @@ class _Answer:
         return iter(self._docs)
 
 
+_DATABASE: dict[str, Any] = {}
+
+
+def database_uri() -> str:
+    """``local://`` on a temporary directory: the embedded database the benchmarks of this process share,
+    stopped and removed when the process ends."""
+    if "uri" not in _DATABASE:
+        import atexit
+        import shutil
+        import tempfile
+        from pathlib import Path
+
+        from dsgpt2.corpus import embedded
+
+        directory = Path(tempfile.mkdtemp(prefix="dsgpt2-bench-db-"))
+        owner = os.getpid()
+
+        def remove() -> None:
+            if os.getpid() == owner:  # not in a forked worker
+                embedded.stop(directory)
+                shutil.rmtree(directory, ignore_errors=True)
+
+        atexit.register(remove)
+        _DATABASE["uri"] = f"{embedded.PREFIX}{directory}"
+    return str(_DATABASE["uri"])
+
+
 class instant_backend:
-    """Answer every mongomock ``find()`` from answers recorded beforehand: a server at no cost.
+    """Answer every ``find()`` from answers recorded beforehand: a server at no cost.
 
     ``warm`` makes the queries to record; inside the block the same queries are answered from
     the recording (an unrecorded one fails), in this process and in the processes it forks. What
-    remains to be timed is dsgpt2's own path; mongomock's scans, Python over the whole collection
-    at every query, are not a server's cost and would drown it.
+    remains to be timed is dsgpt2's own path, not a server's reads.
     """
 
     def __init__(self, warm: Callable[[], object]) -> None:
         self._warm = warm
 
     def __enter__(self) -> instant_backend:
-        from mongomock.collection import Collection
+        from pymongo.collection import Collection
 
         self._cls, self._find = Collection, Collection.find
         answers: dict[str, list[Any]] = {}
         real = self._find
 
         def record(coll: Any, filt: Any = None, *a: Any, **k: Any) -> Any:
-            key = repr((coll.name, filt, a, k))  # before mongomock, which may change the projection
+            key = repr((coll.full_name, filt, a, k))
             docs = answers[key] = list(real(coll, filt, *a, **k))
             return _Answer(docs)
 
@@ -107,7 +134,9 @@ class instant_backend:
         try:
             self._warm()
         finally:
-            Collection.find = lambda coll, filt=None, *a, **k: _Answer(answers[repr((coll.name, filt, a, k))])
+            Collection.find = lambda coll, filt=None, *a, **k: _Answer(
+                answers[repr((coll.full_name, filt, a, k))]
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -107,9 +107,10 @@ class WireServer:
             proc, port = _spawn(self._args(0, auth=False), self.log_path)
             try:
                 with pymongo.MongoClient(port=port, serverSelectionTimeoutMS=30000) as client:
-                    client.admin.command(
-                        "createUser", USER, pwd=PASSWORD, roles=[{"role": "root", "db": "admin"}]
-                    )
+                    if not client.admin.command("usersInfo", USER)["users"]:  # kept data: made before
+                        client.admin.command(
+                            "createUser", USER, pwd=PASSWORD, roles=[{"role": "root", "db": "admin"}]
+                        )
             finally:
                 proc.terminate()
                 proc.wait(30)
