@@ -333,6 +333,8 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
             raise ConfigError(
                 f"{PREFIX}{directory}: cannot run {command[0]} ({exc.strerror}); {EXTRA}"
             ) from None
+    # The server outlives this process on purpose; held here, its Popen is not reported as a leak.
+    _STARTED.append(proc)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         listening = _listening_port(log_path, start)
@@ -350,6 +352,9 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
         f"{PREFIX}{directory}: the database server did not listen within {START_TIMEOUT_S:.0f} s; "
         f"see {log_path}"
     )
+
+
+_STARTED: list[subprocess.Popen[bytes]] = []
 
 
 def _listening_port(log_path: Path, start: int) -> int | None:

@@ -551,9 +551,8 @@ def _flush(
         numbered = [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)]
         if seen is not None:
             report.near_duplicates += seen.mark_near(collection, numbered)
-        insert_batch(conn, coll, numbered)
+        next_idx = insert_batch(conn, coll, numbered)
         report.inserted += len(batch)
-        next_idx += len(batch)
     _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False)
     return next_idx
 
@@ -580,9 +579,9 @@ def _record(
         conn,
         collection,
         {
-            "count": idx_end,
             "cleaner_version": CLEANER_VERSION,
             f"sources.{source.key}": state,
             "updated_at": time.time(),
         },
+        at_least={"count": idx_end},
     )

@@ -288,10 +288,16 @@ def read_meta(conn: Connection, names: Sequence[str]) -> dict[str, dict[str, Any
     return {d["collection"]: d for d in docs}
 
 
-def write_meta(conn: Connection, name: str, fields: dict[str, Any]) -> None:
-    """Set ``fields`` on the meta_info entry of collection ``name`` (created if absent)."""
+def write_meta(
+    conn: Connection, name: str, fields: dict[str, Any], at_least: dict[str, Any] | None = None
+) -> None:
+    """Set ``fields`` on the meta_info entry of collection ``name`` (created if absent), and raise each
+    field of ``at_least`` to its value (never lowered: another writer may have gone further)."""
     meta = conn.db[conn.config.meta_collection]
-    meta.update_one({"collection": name}, {"$set": fields}, upsert=True)
+    update: dict[str, Any] = {"$set": fields}
+    if at_least:
+        update["$max"] = at_least
+    meta.update_one({"collection": name}, update, upsert=True)
 
 
 def idx_index_name(coll: Any) -> str | None:
@@ -589,27 +595,38 @@ def max_idx(coll: Any) -> int | None:
     return None if doc is None else int(doc["idx"])
 
 
-def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> None:
-    """Insert ``docs`` in order; a failure ends the run with a message that says how to resume.
+def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> int:
+    """Insert ``docs`` (numbered from ``docs[0]["idx"]`` on) in order; returns the idx after the last.
+
+    Another writer of the same collection (a second ingest) may take an idx first: the unique index
+    refuses ours, and the rest of the batch is numbered again after the largest idx there is. Inserts
+    are ordered and each one lands at most one past the largest idx, so idx stays contiguous.
 
     Raises:
-        CorpusError: another writer took one of these idx values.
+        CorpusError: a write refused for another reason.
         MongoUnavailableError: the server failed mid-batch.
     """
-    try:
-        coll.insert_many(docs, ordered=True)
-    except pymongo.errors.BulkWriteError as exc:
-        first = (exc.details.get("writeErrors") or [{}])[0]
-        raise CorpusError(
-            f"insert into {coll.name!r} failed at idx {docs[first.get('index', 0)].get('idx')}: "
-            f"{first.get('errmsg', exc)}; is another ingest writing to this collection? "
-            f"Run one ingest per collection at a time, then re-run this command to resume"
-        ) from None
-    except PyMongoError as exc:
-        raise MongoUnavailableError(
-            f"insert into {coll.name!r} on {conn.config.hosts} failed: "
-            f"{conn.config.scrub(_first_line(exc))}; re-run the same command to resume"
-        ) from None
+    while True:
+        try:
+            coll.insert_many(docs, ordered=True)
+            return int(docs[-1]["idx"]) + 1
+        except pymongo.errors.BulkWriteError as exc:
+            first = (exc.details.get("writeErrors") or [{}])[0]
+            at = int(first.get("index", 0))
+            if first.get("code") == 11000 and "idx" in (first.get("keyPattern") or {"idx": 1}):
+                top = max_idx(coll)
+                docs = [{**d, "idx": (-1 if top is None else top) + 1 + i} for i, d in enumerate(docs[at:])]
+                log.debug("%s: idx taken by another writer; the batch goes on from idx %d", coll.name, top)
+                continue
+            raise CorpusError(
+                f"insert into {coll.name!r} failed at idx {docs[at].get('idx')}: "
+                f"{conn.config.scrub(str(first.get('errmsg', exc)))}"
+            ) from None
+        except PyMongoError as exc:
+            raise MongoUnavailableError(
+                f"insert into {coll.name!r} on {conn.config.hosts} failed: "
+                f"{conn.config.scrub(_first_line(exc))}; re-run the same command to resume"
+            ) from None
 
 
 def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL_RESULTS) -> Any:
