@@ -195,12 +195,14 @@ def test_info_on_a_missing_collection_names_it_and_the_fix(tmp_path: Path, cfg: 
     assert "it holds" in line and "other" in line
 
 
-def test_importing_the_product_never_loads_mongomock() -> None:
+def test_the_product_never_imports_the_embedded_server_or_a_test_double() -> None:
+    """SecantusDB (GPL) runs as a process of its own; mongomock is no part of the product."""
     code = (
-        "import sys, dsgpt2.cli, dsgpt2.corpus.mongo, dsgpt2.train.trainer, dsgpt2.infer.serve, dsgpt2.demo\n"
-        "for m in ('corpus', 'vocab', 'train', 'infer', 'demo'):\n"
+        "import sys, dsgpt2.cli, dsgpt2.corpus.mongo, dsgpt2.corpus.embedded, dsgpt2.train.trainer, "
+        "dsgpt2.infer.serve, dsgpt2.demo\n"
+        "for m in ('corpus', 'db', 'vocab', 'train', 'infer', 'demo'):\n"
         "    __import__('dsgpt2.commands.' + m)\n"
-        "print('mongomock' in sys.modules)"
+        "print(any(m.split('.')[0] in ('mongomock', 'secantus') for m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.stdout.strip() == "False", result.stderr

@@ -488,7 +488,7 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
 
 def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(source, tokenizer: Path) -> None:
     """``python -m bench feed`` times what the trainer reads: its replayed database answers give the
-    very blocks that mongomock gives, to forked workers too, and its windows cross the boundaries."""
+    very blocks that the server gives, to forked workers too, and its windows cross the boundaries."""
     from bench.bench_feed import MICRO, every_chunk, read
     from bench.common import instant_backend
 

@@ -1,4 +1,4 @@
-"""Every path a user runs, against real MongoDB wire-protocol servers: what mongomock cannot show.
+"""Every path a user runs, against a MongoDB wire-protocol server of its own: kills, hangs, restarts.
 
 Each test runs against the wire-protocol test server that ``make test`` provides (mongoeco over TCP
 with SCRAM, see tests/wire_server.py) and against the server that DSGPT2_TEST_MONGO_URI names, if
