@@ -154,7 +154,8 @@ def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tm
     out = run_cli("evaluate", "--model", str(models["lm"]), "--config", str(models["lm_config"]),
                   "--max_batches", "3", "--report", str(report_path), "--no_progress")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert "perplexity" in out.stdout and f"recorded in d.{EVAL_RESULTS}" in out.stdout
+    db = json.loads(models["lm_config"].read_text())["MONGO_CONNECTION_DB"]
+    assert "perplexity" in out.stdout and f"recorded in {db}.{EVAL_RESULTS}" in out.stdout
     report = json.loads(report_path.read_text())
     conn = Connection(load_config(models["lm_config"]))
     stored = list(conn.db[EVAL_RESULTS].find({"model": report["model"], "time": report["time"]}))

@@ -257,9 +257,19 @@ def check_filter(conn: Connection) -> None:
     if query is None:
         return
     name = config.collections[0]
+
+    def ask() -> None:
+        conn.db[name].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1})
+        # A server that parses a query lazily skips what the idx bound rules out: one empty document,
+        # matched in the server, has every operator parsed (MongoDB 5.1+: $documents).
+        try:
+            list(conn.db.aggregate([{"$documents": [{}]}, {"$match": query}]))
+        except OperationFailure as exc:
+            if "$documents" not in str(exc) and exc.code not in (40324, 40602):
+                raise
+
     try:
-        with_retries(lambda: conn.db[name].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1}), config,
-                     f"checking FILTER on {name}")  # fmt: skip
+        with_retries(ask, config, f"checking FILTER on {name}")
     except OperationFailure as exc:
         raise ConfigError(
             f"FILTER {config.filter} is refused by the server: {config.scrub(_first_line(exc))}; "
@@ -492,8 +502,10 @@ class MongoWrapper:
             filt = {"$and": [filt, self.filter]}
 
         def run() -> list[Any]:
-            # One batch for the whole answer: no getMore round trip under 16 MB.
-            cursor = coll.find(filt, projection).batch_size(max(batch, 1))
+            # One batch for the whole answer: no getMore round trip under 16 MB. One more than the answer
+            # holds, so that the batch ends the cursor (a server that fills a batch exactly may keep the
+            # cursor open, and the client then asks for an empty getMore).
+            cursor = coll.find(filt, projection).batch_size(batch + 1)
             docs = list(cursor)
             _log_reader(self.config, getattr(cursor, "address", None))
             return docs
