@@ -169,7 +169,7 @@ def test_interrupted_ingest_resumes_exactly_once(
                 raise Crash
             if where == "before_insert":
                 raise Crash
-        original_insert(conn_, coll, docs)
+        return original_insert(conn_, coll, docs)
 
     def record(*args, **kwargs):
         calls["record"] += 1
