@@ -13,6 +13,7 @@ from bench import (
     bench_gpu,
     bench_ingest,
     bench_neardup,
+    bench_scale,
     bench_serve,
     bench_shuffle,
     bench_startup,
@@ -74,6 +75,7 @@ def main() -> int:
         "startup": lambda: bench_startup.startup(results),
         "neardup": lambda: bench_neardup.neardup(texts),
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
+        "scale": lambda: bench_scale.scale(results),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

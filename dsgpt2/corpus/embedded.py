@@ -120,6 +120,8 @@ def running(directory: Path) -> ServerState | None:
 def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | None:
     """Stop the server of ``directory`` (SIGTERM, then SIGKILL after ``timeout_s``); the one stopped,
     or None when none was running. A stale server file is removed."""
+    if not (directory / MARKER).exists():
+        return None
     with _locked(directory):
         state = _read_state(directory)
         if state is None or not _is_server(state.pid, directory):
