@@ -110,8 +110,8 @@ def scale(results: Path) -> list[Metric]:
             for repeat in range(3):  # a launch is a few seconds of imports and DeepSpeed: the median of 3
                 run = work / f"run-{n}-{repeat}"
                 launches[n].append(audit.run(
-                    ["train", "--deepspeed_config", "configs/ds_config_cpu.json", "--config_train", str(config),
-                     "--vocab_dir", str(tok), "--model_select", "tiny", "--context_length", "64",
+                    ["train", "--deepspeed_config", "configs/ds_config_cpu.json",
+                     "--config_train", str(config), "--vocab_dir", str(tok), "--model_select", "tiny", "--context_length", "64",
                      "--chunk_docs", "20", "--num_workers", "1", "--eval_interval", "1000", "--wandb", "off",
                      "--train_iters", "1", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws")],
                     run / "audit.jsonl",
@@ -154,7 +154,7 @@ def _metrics(
                           "MongoDB commands before the first step"))  # fmt: skip
     t = {n: statistics.median(a.seconds for a in launches[n]) for n in (small, large)}
     metrics.append(Metric(f"scale launch to first step: s at {large} ÷ {small}", t[large], t[small], "s",
-                          "<= 1.3", t[large] <= 1.3 * t[small], "ds_trainer.py, tiny preset; median of 3"))  # fmt: skip
+                          "<= 1.3", t[large] <= 1.3 * t[small], "ds_trainer.py; median of 3"))  # fmt: skip
     info = seconds["info", large], seconds["info", small]
     metrics.append(Metric(f"scale info: s at {large} ÷ {small}", *info, "s", "<= 1.3",
                           info[0] <= 1.3 * info[1], "median of 3"))  # fmt: skip
