@@ -111,7 +111,8 @@ def scale(results: Path) -> list[Metric]:
                 run = work / f"run-{n}-{repeat}"
                 launches[n].append(audit.run(
                     ["train", "--deepspeed_config", "configs/ds_config_cpu.json",
-                     "--config_train", str(config), "--vocab_dir", str(tok), "--model_select", "tiny", "--context_length", "64",
+                     "--config_train", str(config), "--vocab_dir", str(tok), "--model_select", "tiny",
+                     "--context_length", "64",
                      "--chunk_docs", "20", "--num_workers", "1", "--eval_interval", "1000", "--wandb", "off",
                      "--train_iters", "1", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws")],
                     run / "audit.jsonl",
