@@ -98,7 +98,8 @@ class WireServer:
 
     def _args(self, port: int, auth: bool) -> list[str]:
         return ["--host", "127.0.0.1", "--port", str(port), "--storage-path", str(self.db_path),
-                "--enable-test-commands", "--cache-size", "256M", *(["--auth"] if auth else [])]  # fmt: skip
+                "--enable-test-commands", "--cache-size", "256M", "--sync-on-commit",
+                *(["--auth"] if auth else [])]  # fmt: skip
 
     def start(self) -> WireServer:
         if not self.provisioned:  # the user, made once on a server without auth

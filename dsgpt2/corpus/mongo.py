@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import operator
 import os
@@ -607,17 +608,23 @@ def max_idx(coll: Any) -> int | None:
     return None if doc is None else int(doc["idx"])
 
 
-def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> int:
+def insert_batch(
+    conn: Connection, coll: Any, docs: list[dict[str, Any]], sleep: Callable[[float], None] = time.sleep
+) -> int:
     """Insert ``docs`` (numbered from ``docs[0]["idx"]`` on) in order; returns the idx after the last.
 
     Another writer of the same collection (a second ingest) may take an idx first: the unique index
     refuses ours, and the rest of the batch is numbered again after the largest idx there is. Inserts
-    are ordered and each one lands at most one past the largest idx, so idx stays contiguous.
+    are ordered and each one lands at most one past the largest idx, so idx stays contiguous. A transient
+    error (a failover, a dropped connection) is retried with backoff, up to ``RETRIES`` times: the
+    documents that landed before it (found by their ``_id``, which the driver gave each one) are not
+    sent again.
 
     Raises:
         CorpusError: a write refused for another reason.
-        MongoUnavailableError: the server failed mid-batch.
+        MongoUnavailableError: the server failed mid-batch, past the retries.
     """
+    attempt = 0
     while True:
         try:
             coll.insert_many(docs, ordered=True)
@@ -634,11 +641,43 @@ def insert_batch(conn: Connection, coll: Any, docs: list[dict[str, Any]]) -> int
                 f"insert into {coll.name!r} failed at idx {docs[at].get('idx')}: "
                 f"{conn.config.scrub(str(first.get('errmsg', exc)))}"
             ) from None
+        except TRANSIENT_ERRORS as exc:
+            if attempt >= conn.config.retries:
+                raise MongoUnavailableError(
+                    f"insert into {coll.name!r} failed {attempt + 1} times on MongoDB at "
+                    f"{conn.config.hosts}: {conn.config.scrub(_first_line(exc))}; "
+                    "re-run the same command to resume"
+                ) from None
+            delay = min(_MAX_BACKOFF_S, conn.config.retry_backoff_s * 2**attempt)
+            log.warning("insert into %s: transient MongoDB error (%s); retry %d/%d in %.1fs",
+                        coll.name, conn.config.scrub(_first_line(exc)), attempt + 1, conn.config.retries,
+                        delay)  # fmt: skip
+            sleep(delay)
+            attempt += 1
+            end = int(docs[-1]["idx"]) + 1
+            landed = with_retries(
+                functools.partial(_landed, coll, docs), conn.config, f"insert into {coll.name}"
+            )
+            docs = docs[landed:]
+            if not docs:
+                return end
         except PyMongoError as exc:
             raise MongoUnavailableError(
                 f"insert into {coll.name!r} on {conn.config.hosts} failed: "
                 f"{conn.config.scrub(_first_line(exc))}; re-run the same command to resume"
             ) from None
+
+
+def _landed(coll: Any, docs: list[dict[str, Any]]) -> int:
+    """How many of ``docs``, from the first, are stored (an ordered insert stores a prefix)."""
+    ids = [d["_id"] for d in docs if "_id" in d]
+    stored = {d["_id"] for d in coll.find({"_id": {"$in": ids}}, {"_id": 1})} if ids else set()
+    landed = 0
+    for d in docs:
+        if d.get("_id") not in stored:
+            break
+        landed += 1
+    return landed
 
 
 def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL_RESULTS) -> Any:
