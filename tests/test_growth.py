@@ -287,3 +287,38 @@ def test_two_ranks_follow_growth_with_a_mixture_from_one_cache(
     assert json.loads((tmp_path / "ws" / "cache" / "cache.json").read_text())["chunks"] == 12
     assert shares(tmp_path, 1, 8)["a"] == pytest.approx(0.6, abs=0.05)
     check_lineage(tmp_path / "ckpt", tmp_path / "ws", cfg, {"a": 500, "b": 100}, ranks=2)
+
+
+def test_an_ingest_and_a_curate_pass_beside_follow_training_all_land(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Three writers on one database at once: a --follow run, an ingest of 300 documents into the
+    collection it trains on, and a curate pass over both collections. Each exits 0, every document is
+    there once with idx contiguous, every document is judged, and whatever growth the run took in is
+    in its metrics."""
+    cfg = own_store(corpus, tmp_path)
+    trainer = subprocess.Popen(
+        [sys.executable, str(ROOT / "ds_trainer.py"), "--deepspeed_config", str(corpus["ds"]),
+         "--config_train", str(cfg), "--vocab_dir", str(corpus["tok"]), "--model_select", "tiny",
+         "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100", "--num_workers", "1",
+         "--seed", "3", "--wandb", "off", "--eval_interval", "1000", "--eval_iters", "1",
+         "--train_iters", "12", "--follow", "2", "--ckpt_dir", str(tmp_path / "ckpt"),
+         "--workspace", str(tmp_path / "ws")],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    others = [
+        subprocess.Popen(ingest_command(cfg, corpus), shell=True, cwd=ROOT, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen([sys.executable, "-m", "dsgpt2", "curate", "--config", str(cfg), "--no_progress"],
+                         cwd=ROOT, stderr=subprocess.PIPE, text=True),
+    ]  # fmt: skip
+    for proc in [*others, trainer]:
+        _, err = proc.communicate(timeout=400)
+        assert proc.returncode == 0, err[-3000:]
+    conn = Connection(load_config(cfg))
+    assert sorted(d["idx"] for d in conn.db["a"].find({}, {"idx": 1})) == list(range(FIRST + 300))
+    assert conn.db["a"].count_documents({"passes": {"$exists": True}}) >= FIRST
+    assert conn.db["b"].count_documents({"passes": {"$exists": True}}) == 100
+    assert run_cli("validate", "--config", str(cfg)).returncode == 0
+    added = sum(r["added"].get("a", 0) for r in records(tmp_path, "growth").values())
+    assert added in (0, 300)  # taken in whole, at a poll after the ingest's last batch, or not yet
+    assert sorted(records(tmp_path)) == list(range(1, 13))
