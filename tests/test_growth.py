@@ -307,7 +307,8 @@ def test_an_ingest_and_a_curate_pass_beside_follow_training_all_land(
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     others = [
-        subprocess.Popen(ingest_command(cfg, corpus), shell=True, cwd=ROOT, stderr=subprocess.PIPE, text=True),
+        subprocess.Popen(ingest_command(cfg, corpus), shell=True, cwd=ROOT, stderr=subprocess.PIPE,
+                         text=True),
         subprocess.Popen([sys.executable, "-m", "dsgpt2", "curate", "--config", str(cfg), "--no_progress"],
                          cwd=ROOT, stderr=subprocess.PIPE, text=True),
     ]  # fmt: skip
