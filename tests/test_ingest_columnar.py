@@ -162,7 +162,7 @@ def test_an_interrupted_parquet_ingest_resumes_exactly_once(
         if calls["n"] == 4:
             original(conn_, coll, docs[:17])  # part of a batch lands, then the crash
             raise Crash
-        original(conn_, coll, docs)
+        return original(conn_, coll, docs)
 
     monkeypatch.setattr(ingest_mod, "insert_batch", insert)
     with pytest.raises(Crash):
