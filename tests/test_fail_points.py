@@ -111,3 +111,17 @@ def test_vocab_download_goes_on_through_transient_errors(corpus: Any, tmp_path: 
         json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()
     ]
     assert sorted(r["idx"] for r in exported) == list(range(N))  # every document once
+
+
+def test_an_evaluation_record_is_written_once_through_transient_errors(
+    corpus: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dsgpt2.corpus.mongo import EVAL_RESULTS, record_eval
+
+    cfg, _, uri = corpus
+    conn = Connection(load_config(cfg))
+    fail_point(uri, {"times": 2}, failCommands=["update"], errorCode=189)
+    stored = record_eval(conn, {"metrics": {"loss": 1.25}})
+    records = list(conn.db[EVAL_RESULTS].find())
+    assert [r["_id"] for r in records] == [stored] and records[0]["metrics"] == {"loss": 1.25}
+    assert "transient MongoDB error" in caplog.text
