@@ -302,7 +302,7 @@ def test_an_ingest_and_a_curate_pass_beside_follow_training_all_land(
          "--config_train", str(cfg), "--vocab_dir", str(corpus["tok"]), "--model_select", "tiny",
          "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100", "--num_workers", "1",
          "--seed", "3", "--wandb", "off", "--eval_interval", "1000", "--eval_iters", "1",
-         "--train_iters", "12", "--follow", "2", "--ckpt_dir", str(tmp_path / "ckpt"),
+         "--log_interval", "1", "--train_iters", "12", "--follow", "2", "--ckpt_dir", str(tmp_path / "ckpt"),
          "--workspace", str(tmp_path / "ws")],
         cwd=ROOT, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import functools
 import logging
 import operator
 import os
@@ -625,8 +624,15 @@ def insert_batch(
         MongoUnavailableError: the server failed mid-batch, past the retries.
     """
     attempt = 0
+    unsure = False  # after a transient error: which of ``docs`` landed is not known yet
     while True:
         try:
+            if unsure:
+                end = int(docs[-1]["idx"]) + 1
+                docs = docs[_landed(coll, docs) :]
+                unsure = False
+                if not docs:
+                    return end
             coll.insert_many(docs, ordered=True)
             return int(docs[-1]["idx"]) + 1
         except pymongo.errors.BulkWriteError as exc:
@@ -654,13 +660,7 @@ def insert_batch(
                         delay)  # fmt: skip
             sleep(delay)
             attempt += 1
-            end = int(docs[-1]["idx"]) + 1
-            landed = with_retries(
-                functools.partial(_landed, coll, docs), conn.config, f"insert into {coll.name}"
-            )
-            docs = docs[landed:]
-            if not docs:
-                return end
+            unsure = True
         except PyMongoError as exc:
             raise MongoUnavailableError(
                 f"insert into {coll.name!r} on {conn.config.hosts} failed: "
