@@ -132,8 +132,9 @@ def dedup_exact(
     require_present(conn, names, "dedup")
     report = DedupReport([CollectionDedup(n) for n in names])
     for part in report.collections:
-        part.hashed = hash_collection(conn, part.name, batch_size, progress, split)
+        # Indexed before the hashes are written: the writes keep it, no long build at the end.
         with_retries(lambda n=part.name: ensure_hash_index(conn, n), cfg, f"dedup: indexing {part.name}")
+        part.hashed = hash_collection(conn, part.name, batch_size, progress, split)
     if split.parts > 1:
         report.seconds = time.monotonic() - started
         return report

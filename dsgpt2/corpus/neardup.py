@@ -211,10 +211,13 @@ def dedup_near(
     require_present(conn, names, "dedup")
     report = NearReport(params, [CollectionNear(n) for n in names])
     for part in report.collections:
+        # Indexed before the values are written, so that each write keeps the index as it goes: one
+        # build over every document at the end is a single long operation (minutes at 10^5 documents
+        # on a small server, past a socket timeout).
+        with_retries(lambda n=part.name: ensure_bands_index(conn, n), cfg, f"dedup: indexing {part.name}")
         work = partial(sign_collection, params=params, batch_size=batch_size,
                        progress=progress and split.workers == 1)  # fmt: skip
         part.signed = run_split(conn, part.name, work, split, "sign")
-        with_retries(lambda n=part.name: ensure_bands_index(conn, n), cfg, f"dedup: indexing {part.name}")
     if split.parts > 1:
         report.seconds = time.monotonic() - started
         return report
