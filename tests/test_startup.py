@@ -21,8 +21,9 @@ RUN_START = [
     ("find", "meta_info"),
     ("count", "stdlib"),
     ("listIndexes", "stdlib"),
-    ("find", "stdlib"),
-    ("find", "stdlib"),
+    # The idx index's two ends: a null or missing idx, the lowest number; a boolean, a string, the
+    # highest number: each read bounded by the index.
+    *[("find", "stdlib")] * 5,
     ("find", "meta_info"),
     ("find", "stdlib"),
     ("update", "meta_info"),

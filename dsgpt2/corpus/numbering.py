@@ -150,7 +150,7 @@ def _check_numbers(conn: Connection, name: str) -> None:
             f"--collection {name}` and fix them before numbering"
         )
     numbered = coll.count_documents(NUMBERED)
-    top = max_idx(coll)
+    top = max_idx(coll, guess=numbered - 1)
     if numbered and (top != numbered - 1 or coll.find_one({"idx": {"$lt": 0}}) is not None):
         raise CorpusError(
             f"the {numbered} numbered document(s) of {name!r} do not hold idx 0..{numbered - 1} (the "

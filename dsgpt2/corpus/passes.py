@@ -23,7 +23,7 @@ import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
 from tqdm import tqdm
 
-from dsgpt2.corpus.mongo import Connection, with_retries
+from dsgpt2.corpus.mongo import Connection, idx_edge, with_retries
 from dsgpt2.errors import CorpusError
 
 log = logging.getLogger(__name__)
@@ -59,23 +59,32 @@ def each_batch(
     progress: bool = False,
     span: tuple[int, int] | None = None,
 ) -> Iterator[list[dict[str, Any]]]:
-    """The numbered documents of ``name`` matching ``query``, ``batch_size`` at a time, in idx order
-    (each batch a range on the idx index after the last one), with ``_id``, ``idx`` and ``fields``;
-    only those of idx in ``[start, stop)`` when ``span`` is given."""
+    """The numbered documents of ``name`` matching ``query``, in idx order, with ``_id``, ``idx`` and
+    ``fields``: each batch one window of ``batch_size`` idx values on the idx index (fewer documents
+    when ``query`` leaves some out; windows with none are not yielded); only those of idx in
+    ``[start, stop)`` when ``span`` is given, otherwise to the largest idx, including documents added
+    while the pass runs."""
     coll = conn.db[name]
     wanted = {"_id": 1, "idx": 1, **fields}
-    last = -1 if span is None else span[0] - 1
+
+    def edge(guess: int | None) -> int:
+        top = with_retries(lambda: idx_edge(coll, -1, guess=guess), conn.config, f"{desc}: reading {name}")
+        return -1 if top is None else int(top)
+
+    lo, stop = (0, edge(None) + 1) if span is None else span
     bar = tqdm(desc=desc, unit="doc", disable=None if progress else True)
     try:
-        while True:
-            q = {**query, "idx": {"$gt": last} if span is None else {"$gt": last, "$lt": span[1]}}
-            batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1).limit(batch_size)),
+        while lo < stop:
+            end = min(lo + batch_size, stop)
+            q = {**query, "idx": {"$gte": lo, "$lt": end}}
+            batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1)),
                                  conn.config, f"{desc}: reading {name}")  # fmt: skip
-            if not batch:
-                return
-            yield batch
-            last = batch[-1]["idx"]
-            bar.update(len(batch))
+            lo = end
+            if span is None and lo >= stop:
+                stop = edge(stop - 1) + 1
+            if batch:
+                yield batch
+                bar.update(len(batch))
     finally:
         bar.close()
 
@@ -92,17 +101,11 @@ def set_fields(conn: Connection, name: str, updates: list[tuple[Any, dict[str, A
 
 
 def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
-    """The smallest and largest idx of ``name`` (two reads on the idx index); None when it has none."""
+    """The smallest and largest idx of ``name`` (a few reads on the idx index); None when it has none."""
     coll = conn.db[name]
-
-    def end(direction: int) -> int | None:
-        q = {"idx": {"$exists": True}}
-        doc = with_retries(lambda: coll.find_one(q, {"idx": 1}, sort=[("idx", direction)]),
-                           conn.config, f"reading the idx range of {name}")  # fmt: skip
-        return None if doc is None else int(doc["idx"])
-
-    lo, hi = end(pymongo.ASCENDING), end(pymongo.DESCENDING)
-    return None if lo is None or hi is None else (lo, hi)
+    lo = with_retries(lambda: idx_edge(coll, 1), conn.config, f"reading the idx range of {name}")
+    hi = with_retries(lambda: idx_edge(coll, -1), conn.config, f"reading the idx range of {name}")
+    return None if lo is None or hi is None else (int(lo), int(hi))
 
 
 def spans(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:

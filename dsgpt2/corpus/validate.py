@@ -19,6 +19,7 @@ from typing import Any
 from dsgpt2.corpus.mongo import (
     Connection,
     ensure_idx_index,
+    idx_edge,
     idx_index_name,
     read_meta,
     with_retries,
@@ -302,7 +303,7 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
     # (its application adds documents without idx), which only a query that asks for idx can use.
     only = {"idx": {"$exists": True}} if (meta or {}).get("numbered_in_place") else {}
     for end, direction, expected in (("first", 1, 0), ("last", -1, n - 1)):
-        idx = run("idx ends", lambda d=direction: _index_end(coll, d, only))
+        idx = run("idx ends", lambda d=direction, g=expected: _index_end(coll, d, only, max(g, 0)))
         if not isinstance(idx, int) or isinstance(idx, bool) or idx != expected:
             problems.append(
                 Problem(
@@ -315,10 +316,23 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
     return report
 
 
-def _index_end(coll: Any, direction: int, query: dict[str, Any] | None = None) -> Any:
-    """The idx at one end of the idx index (1: the lowest), or None for an empty collection."""
-    doc = next(iter(coll.find(query or {}, {"_id": 0, "idx": 1}).sort("idx", direction).limit(1)), None)
-    return None if doc is None else doc.get("idx")
+def _index_end(coll: Any, direction: int, query: dict[str, Any], guess: int) -> Any:
+    """The idx at one end of the idx index (1: the lowest), or None for an empty collection.
+
+    Asked as bounded reads (see :func:`idx_edge`): first what sorts outside the numbers at that end
+    (a missing or null idx before them; a string or a boolean, the kinds a hand-made or imported idx
+    takes, after them), then the number at the end, looked for from ``guess``."""
+    if direction > 0:
+        doc = coll.find_one({"idx": {"$eq": None, **query.get("idx", {})}}, {"_id": 0, "idx": 1})
+        outside = [doc] if doc is not None else []
+    else:
+        outside = [
+            coll.find_one({"idx": q}, {"_id": 0, "idx": 1}) for q in ({"$in": [True, False]}, {"$gte": ""})
+        ]
+    for doc in outside:
+        if doc is not None:
+            return doc.get("idx")
+    return idx_edge(coll, direction, guess=guess)
 
 
 def validate_corpus(conn: Connection, names: list[str] | None = None) -> list[CollectionReport]:
