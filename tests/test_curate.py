@@ -128,6 +128,13 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
     assert report.collections[0].judged == 90 - 40
     assert {d["idx"]: (d["quality"], d["passes"]) for d in killed.db["docs"].find()} == expected
     assert report.collections[0].failing["repetition"] == 30
+    # The summary: every count equals a direct count of the marks, and each rule's first failure.
+    part, docs = report.collections[0], killed.db["docs"]
+    assert part.documents == 90
+    assert part.passing_all == docs.count_documents({f"passes.{rule}": True for rule in RULES})
+    for rule in RULES:
+        assert part.failing[rule] == docs.count_documents({f"passes.{rule}": False})
+    assert [e.split(" fails ")[0] for e in part.examples if " fails repetition" in e] == ["docs:0"]
 
 
 def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -> None:

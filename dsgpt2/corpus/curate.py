@@ -124,18 +124,29 @@ def _summarize(
     conn: Connection, part: CollectionCuration, rules: Sequence[str], thresholds: Mapping[str, float]
 ) -> None:
     coll = conn.db[part.name]
+    # One pass over the collection for every count and example (a count per rule is a scan per rule).
+    facets: dict[str, list[dict[str, Any]]] = {
+        "documents": [{"$count": "n"}],
+        "passing_all": [{"$match": {f"passes.{rule}": True for rule in rules}}, {"$count": "n"}],
+    }
+    for i, rule in enumerate(rules):
+        failing = {f"passes.{rule}": False}
+        facets[f"failing{i}"] = [{"$match": failing}, {"$count": "n"}]
+        facets[f"example{i}"] = [{"$match": failing}, {"$sort": {"idx": 1}}, {"$limit": 1},
+                                 {"$project": {"idx": 1, "quality": 1}}]  # fmt: skip
+    pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
+    (row,) = with_retries(lambda: list(coll.aggregate(pipeline, allowDiskUse=True)), conn.config,
+                          f"curate: counting {part.name}")  # fmt: skip
 
-    def count(q: dict[str, Any]) -> int:
-        return with_retries(lambda: coll.count_documents(q), conn.config, f"curate: counting {part.name}")
+    def count(facet: str) -> int:
+        return int(row[facet][0]["n"]) if row[facet] else 0
 
-    part.documents = count({"idx": {"$exists": True}})
-    for rule in rules:
-        part.failing[rule] = count({f"passes.{rule}": False})
-    part.passing_all = count({f"passes.{rule}": True for rule in rules})
-    for rule in rules:
-        doc = coll.find_one({f"passes.{rule}": False}, {"idx": 1, "quality": 1}, sort=[("idx", 1)])
-        if doc is None:
+    part.documents, part.passing_all = count("documents"), count("passing_all")
+    for i, rule in enumerate(rules):
+        part.failing[rule] = count(f"failing{i}")
+        if not row[f"example{i}"]:
             continue
+        doc = row[f"example{i}"][0]
         why = (
             failed(doc.get("quality") or {}, rule, thresholds)
             if doc.get("quality", {}).get("words") is not None
