@@ -1,9 +1,8 @@
 """Start-up against corpus size: launch-to-first-loss time and the MongoDB commands of a launch, a
-resume, `info`, `evaluate` and `export`, on the wire-protocol test server at two corpus sizes 8x
-apart (bench/audit.py counts the commands); and, for reference, a resume with the full corpus check
-(`--check_corpus`, what every start ran before), whose unbounded commands grow with the corpus. The
-server inserts slowly as a collection grows, so the two corpora are built once and kept in
-bench/results/startup/ for later runs.
+resume, `info`, `evaluate` and `export`, on a SecantusDB server (the engine of ``local://``, started
+by the suite with a password) at two corpus sizes 8x apart (bench/audit.py counts the commands); and,
+for reference, a resume with the full corpus check (`--check_corpus`), whose unbounded commands grow
+with the corpus. The two corpora are built once and kept in bench/results/startup/ for later runs.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ def _corpus(base: Path, uri: str, n: int) -> tuple[Path, dict[str, str]]:
     conn = Connection(load_config(config, env=env))
     have = read_meta(conn, ["stdlib"]).get("stdlib", {}).get("count")
     if have != n:
-        print(f"   building the {n}-document corpus on the wire server (once; kept in {base})", flush=True)
+        print(f"   building the {n}-document corpus (once; kept in {base})", flush=True)
         from dsgpt2.corpus.ingest import builtin_source, ingest
 
         ingest(conn, "stdlib", [builtin_source("stdlib", n)], batch_size=100)
@@ -108,5 +107,5 @@ def startup(results: Path) -> list[Metric]:
                               f"{docs} documents read; unbounded: {unbounded or 'none'}"))  # fmt: skip
         metrics.append(Metric(f"start-up {name}: seconds at {large} ÷ {small} docs", t[large], t[small], "s",
                               "info" if full else "<= 1.3", full or t[large] <= 1.3 * t[small],
-                              "wire server, not MongoDB"))  # fmt: skip
+                              "SecantusDB on this machine, not MongoDB"))  # fmt: skip
     return metrics

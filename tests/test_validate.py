@@ -90,6 +90,10 @@ def _break(conn: Connection, how: str) -> None:
         meta.update_one({"collection": "a"}, {"$set": {"count": 6}})
     elif how == "string for an int":
         a.update_one({"idx": 2}, {"$set": {"idx": "2"}})
+    elif how == "boolean for an int":
+        a.update_one({"idx": 2}, {"$set": {"idx": True}})
+    elif how == "null idx":
+        a.update_one({"idx": 0}, {"$set": {"idx": None}})
     elif how == "no idx":
         a.update_one({"idx": 0}, {"$unset": {"idx": ""}})
     elif how == "negative idx":
@@ -106,6 +110,8 @@ def _break(conn: Connection, how: str) -> None:
         ("gap, count lowered", "idx_ends"),
         ("string idx", "idx_ends"),
         ("string for an int", "idx_ends"),
+        ("boolean for an int", "idx_ends"),
+        ("null idx", "idx_ends"),
         ("no idx", "idx_ends"),
         ("negative idx", "idx_ends"),
         ("count wrong", "meta_count_mismatch"),
