@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,17 +32,17 @@ LOGS: dict[str, Path] = {}  # server URL → its log file
 MODELS: dict[str, Path] = {}  # server URL → the model it serves
 
 
-def _start(base: Path, model: Path, *flags: str) -> Iterator[str]:
+def _start(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -> Iterator[str]:
     """A ``dsgpt2 serve`` subprocess on a free port of 127.0.0.1 for a fixture; its URL."""
     port = _free_port()
     log = open(base / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+        cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     LOGS[url] = base / "server.log"
-    MODELS[url] = model
+    MODELS[url] = cwd / model
     deadline = time.monotonic() + 90
     while True:
         try:
@@ -354,6 +355,42 @@ def test_openai_completions_models_and_errors(server: str) -> None:
                    timeout=30)  # fmt: skip
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    """An export at runs/model2 of the checkpoint runs/ckpt2/global_step120 (as `dsgpt2 export` records
+    it), served from its working directory as `--model runs/model2`."""
+    from dsgpt2.checkpoints.weights import RUN_INFO
+
+    base = tmp_path_factory.mktemp("named")
+    shutil.copytree(pretrained, base / "runs" / "model2")
+    run = {"step": 120, "checkpoint": "runs/ckpt2/global_step120"}
+    (base / "runs" / "model2" / RUN_INFO).write_text(json.dumps(run))
+    yield from _start(base, "runs/model2", cwd=base)
+
+
+def test_the_model_is_named_as_given_and_its_checkpoint_is_an_alias(named_server: str) -> None:
+    given, checkpoint = "runs/model2", "runs/ckpt2/global_step120"
+    models = httpx.get(f"{named_server}/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in models] == [given, checkpoint]
+    assert models[0]["aliases"] == [checkpoint] and models[1]["alias_of"] == given
+    for name in (given, checkpoint):
+        body = {"model": name, "prompt": "def", "max_tokens": 3}
+        r = httpx.post(f"{named_server}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == given
+        # Chat gets past the name too, to the refusal a pretrained model gives.
+        chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{named_server}/v1/chat/completions", json=chat, timeout=30)
+        assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+    r = httpx.post(f"{named_server}/v1/completions", json={"model": "runs/model3", "prompt": "a"}, timeout=10)
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == (
+        f"the model 'runs/model3' does not exist; this server serves {given!r} (also as {checkpoint!r})"
+    )
+    health = httpx.get(f"{named_server}/health", timeout=10).json()
+    assert health["model"] == given and health["aliases"] == [checkpoint]
 
 
 def sse(response: httpx.Response) -> list[Any]:

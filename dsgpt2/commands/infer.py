@@ -298,6 +298,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_new_tokens > limits.max_new_tokens:
         raise usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = make_app(Generator(_load_model(args)), limits, _sampling(args), api_key)
+    app = make_app(Generator(_load_model(args)), limits, _sampling(args), api_key, name=args.model)
     serve(app, args.host, args.port, authenticated=api_key is not None)
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,11 +106,13 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         raise ApiError(f"unknown field {key!r}; this server reads {', '.join(sorted(allowed))}", key)
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
+def check_model(body: dict[str, Any], served: str, aliases: Sequence[str] = ()) -> None:
+    """A request may name the served model or one of its aliases (or none)."""
     model = body.get("model")
-    if model is not None and model != served:
+    if model is not None and model != served and model not in aliases:
+        also = f" (also as {', '.join(repr(a) for a in aliases)})" if aliases else ""
         raise ApiError(
-            f"the model {model!r} does not exist; this server serves {served!r}",
+            f"the model {model!r} does not exist; this server serves {served!r}{also}",
             "model",
             404,
             "not_found_error",
@@ -172,10 +175,14 @@ def stop_sequences(body: dict[str, Any]) -> list[str]:
 
 
 def completion_request(
-    body: dict[str, Any], served: str, limits: ServeLimits, defaults: SamplingParams
+    body: dict[str, Any],
+    served: str,
+    limits: ServeLimits,
+    defaults: SamplingParams,
+    aliases: Sequence[str] = (),
 ) -> ApiRequest:
     check_fields(body, COMPLETION_FIELDS)
-    check_model(body, served)
+    check_model(body, served, aliases)
     prompt = body.get("prompt", "")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -187,10 +194,14 @@ def completion_request(
 
 
 def chat_request(
-    body: dict[str, Any], served: str, limits: ServeLimits, defaults: SamplingParams
+    body: dict[str, Any],
+    served: str,
+    limits: ServeLimits,
+    defaults: SamplingParams,
+    aliases: Sequence[str] = (),
 ) -> ApiRequest:
     check_fields(body, CHAT_FIELDS)
-    check_model(body, served)
+    check_model(body, served, aliases)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
@@ -254,10 +265,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def models_body(served: str, created: int) -> dict[str, Any]:
+def models_body(served: str, created: int, aliases: Sequence[str] = ()) -> dict[str, Any]:
+    """The served model first (clients take the first entry), then one entry per alias."""
+    head = {"object": "model", "created": created, "owned_by": "dsgpt2"}
     return {
         "object": "list",
-        "data": [{"id": served, "object": "model", "created": created, "owned_by": "dsgpt2"}],
+        "data": [
+            {"id": served, **head, "aliases": list(aliases)},
+            *({"id": a, **head, "alias_of": served} for a in aliases),
+        ],
     }
 
 

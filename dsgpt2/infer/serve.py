@@ -26,6 +26,7 @@ import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict
+from pathlib import PurePath
 from typing import Any
 
 from starlette.applications import Starlette
@@ -122,10 +123,12 @@ def make_app(
     limits: ServeLimits,
     defaults: SamplingParams | None = None,
     api_key: str | None = None,
+    name: str | None = None,
 ) -> Starlette:
     """The HTTP application around ``generator``; ``api_key``: the bearer token every request but
-    ``/health`` must carry (none: no authentication)."""
-    service = Service(generator, limits, defaults, api_key is not None)
+    ``/health`` must carry (none: no authentication); ``name``: the model's name in the API (default:
+    where it was loaded from), the checkpoint it came from being an alias."""
+    service = Service(generator, limits, defaults, api_key is not None, name)
     middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     return Starlette(
         routes=[
@@ -144,14 +147,23 @@ class Service:
     """The endpoints' handlers around one model, its engine and the request slots."""
 
     def __init__(
-        self, generator: Generator, limits: ServeLimits, defaults: SamplingParams | None, auth: bool
+        self,
+        generator: Generator,
+        limits: ServeLimits,
+        defaults: SamplingParams | None,
+        auth: bool,
+        name: str | None = None,
     ) -> None:
         self.generator = generator
         self.limits = limits
         self.defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
         self.engine = Engine(generator.decoder, limits.max_batch)
         self.slots = Slots(limits.max_concurrent)
-        self.served = generator.loaded.name
+        # The name the user gave (`--model` as typed) comes first; the checkpoint the model came from
+        # (and the path written plainly) answer too, so that a client set up with either works.
+        self.served = name or generator.loaded.name
+        others = [str(PurePath(self.served)), generator.loaded.name]
+        self.aliases = [a for a in dict.fromkeys(others) if a != self.served]
         self.created = now()
         self.auth = auth
 
@@ -191,7 +203,7 @@ class Service:
         generator = self.generator
         try:
             make = chat_request if chat else completion_request
-            api = make(body, self.served, self.limits, self.defaults)
+            api = make(body, self.served, self.limits, self.defaults, self.aliases)
             decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -227,13 +239,14 @@ class Service:
         return await self.openai(request, chat=True)
 
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse(models_body(self.served, self.created))
+        return JSONResponse(models_body(self.served, self.created, self.aliases))
 
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse(
             {
                 "status": "ok",
                 "model": self.served,
+                "aliases": self.aliases,
                 "context": self.generator.context,
                 "limits": asdict(self.limits),
                 "running": self.slots.taken,
