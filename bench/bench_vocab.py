@@ -100,7 +100,12 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
         start = time.perf_counter()
         texts_iter, _ = mongo_texts(config)
         report = train_vocab(
-            texts_iter, Path(out), VocabSettings(vocab_size=VOCAB_SIZE), "bench", progress=False
+            texts_iter,
+            Path(out),
+            VocabSettings(vocab_size=VOCAB_SIZE),
+            "bench",
+            progress=False,
+            overwrite=True,
         )
         return time.perf_counter() - start, report.bytes
 

@@ -125,7 +125,7 @@ def _run_demo(
     log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
     from dsgpt2.infer.export import export
 
-    exported = export(out / "ckpt", out / "model")
+    exported = export(out / "ckpt", out / "model", overwrite=True)
     summary["export"] = {"dir": exported["out"], "step": exported["step"]}
     summary["eval_after"] = _evaluate(out / "model", config, conn, progress)
     summary["sample"] = _sample(out / "model")
@@ -164,6 +164,7 @@ def _vocabulary(config: MongoConfig, out: Path, progress: bool) -> tuple[dict[st
         VocabSettings(vocab_size=DEMO_VOCAB_SIZE),
         source=f"shards in {out / 'vocab_corpus'}",
         progress=progress,
+        overwrite=True,  # each demo trains afresh, its model too
     )
     return (
         {"shards": shards.shards, "documents": shards.documents, "dir": str(shards.out)},
@@ -188,7 +189,7 @@ def _chat_stages(
     log.info(f"stage 10/{STAGES}: finetune on the replies ({steps} steps), export, chat")
     chat = {"reply_loss_before": _evaluate(out / "model", chat_config, conn, progress, "conversation")}
     chat["train"] = _train(chat_config, out, steps, "chat", init_from=out / "model", task="conversation")
-    export(out / "chat" / "ckpt", out / "chat_model")
+    export(out / "chat" / "ckpt", out / "chat_model", overwrite=True)
     chat["reply_loss_after"] = _evaluate(out / "chat_model", chat_config, conn, progress, "conversation")
     chat["dir"] = str(out / "chat_model")
     chat["exchange"] = _chat(out / "chat_model")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,3 +43,94 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Replace ``path`` with ``text`` (UTF-8) in one step."""
     with atomic_writer(path) as f:
         f.write(text)
+
+
+def is_occupied(path: Path) -> bool:
+    """Whether ``path`` is a file or a directory holding anything."""
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` itself (nothing is left behind to clean up)."""
+    import fcntl
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+_STAGING = ".staging-"
+
+
+def _clear_stale_staging(out: Path) -> None:
+    """Remove what writers killed mid-write left beside ``out`` (their process is gone)."""
+    import shutil
+
+    for path in out.parent.glob(f".{out.name}{_STAGING}*"):
+        pid = path.name[len(f".{out.name}{_STAGING}") :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            if path.name.endswith("-old") and not out.exists():
+                os.replace(path, out)  # killed between the two renames: the earlier artifact returns
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, check: Callable[[], None] | None = None) -> Iterator[Path]:
+    """A fresh directory beside ``out`` to write a whole artifact into; on a clean exit it becomes
+    ``out``.
+
+    A crash leaves ``out`` as it was (the staging directory goes with the next writer); a writer that
+    finished beside another one never leaves half of each: under a lock on ``out``'s parent,
+    ``check`` runs again (it raises to refuse what another writer put at ``out`` meanwhile), then an
+    earlier ``out`` is swapped out and removed only once the new one is in place.
+
+    Raises:
+        whatever ``check`` raises; the staging directory is then removed and ``out`` left alone.
+    """
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _directory_lock(out.parent):
+        _clear_stale_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-", dir=out.parent))
+    try:
+        yield staging
+        with _directory_lock(out.parent):
+            if check is not None:
+                check()
+            old = None
+            if out.exists():
+                old = staging.with_name(f"{staging.name}-old")
+                os.replace(out, old)
+            os.replace(staging, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def file_digest(path: Path) -> str:
+    """A short content hash of a file (16 hex digits of its SHA-256)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]

@@ -126,9 +126,9 @@ stage train "$RUN_DIR/ckpt/global_step$TRAIN_ITERS/dsgpt2_complete.json" \
   TR_RATIO="$TR_RATIO" CKPT_DIR="$RUN_DIR/ckpt" WORKSPACE="$RUN_DIR/train" LAUNCHER="$LAUNCHER" \
   bash "$here/train_model.sh" "${train_extra[@]}"
 
-# Per TRAIN_ITERS: a longer run is exported and evaluated again.
+# Per TRAIN_ITERS: a longer run is exported (over the shorter one's model) and evaluated again.
 stage export "$stages/export-$TRAIN_ITERS.done" \
-  dsgpt2 export --ckpt_dir "$RUN_DIR/ckpt" --out "$RUN_DIR/model"
+  dsgpt2 export --ckpt_dir "$RUN_DIR/ckpt" --out "$RUN_DIR/model" --overwrite
 
 stage evaluate "$stages/evaluate-$TRAIN_ITERS.done" \
   env MODEL_DIR="$RUN_DIR/model" REPORT="$RUN_DIR/eval/report.json" SAMPLE_OUT="$RUN_DIR/eval/sample.txt" \

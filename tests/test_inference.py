@@ -18,7 +18,7 @@ from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection, MongoWrapper
 from dsgpt2.data.loader import iter_eval_batches
 from dsgpt2.data.packing import IGNORE
-from dsgpt2.data.sources import StreamingChunks
+from dsgpt2.data.sources import StreamingChunks, tokenizer_digest
 from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
 from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model
@@ -389,14 +389,14 @@ def test_export_refuses_what_would_ship_a_wrong_model_or_overwrite(
     (other / "notes.txt").write_text("keep")
     line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(other))
     assert "not a dsgpt2 export" in line and (other / "notes.txt").read_text() == "keep"
-    # A tokenizer of another size: the model would read other ids than it learned.
+    # Another tokenizer (here of another size): not the run's by its hash, so refused.
     small = tmp_path / "tok300"
     conn = Connection(load_config(models["lm_config"]))
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, small, VocabSettings(vocab_size=300), "test", progress=False)
     out = tmp_path / "model"
     line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(out), "--vocab_dir", str(small))
-    assert "300 tokens but the model has 512" in line and not out.exists()
+    assert f"hash {tokenizer_digest(small)}" in line and not out.exists()
     # An earlier export is replaced whole; nothing is left beside it.
     from dsgpt2.cli import main
 

@@ -24,6 +24,9 @@ from dsgpt2.model import causal_lm_loss
 log = logging.getLogger(__name__)
 
 RUN_INFO = "dsgpt2_run.json"  # what an export keeps of its training run
+# In RUN_INFO: the hash of the tokenizer.json the export ships (transformers writes it anew, so it is
+# not the run's file byte for byte).
+SHIPPED_TOKENIZER = "tokenizer_digest"
 
 
 def is_export(path: Path) -> bool:
@@ -38,11 +41,69 @@ def locate_checkpoint(path: Path, tag: str | None) -> tuple[Path, str]:
 
 
 def init_tokenizer_dir(path: Path) -> Path:
-    """The tokenizer a model was trained with: an export holds it; a checkpoint names it."""
+    """The tokenizer a model was trained with: an export holds it; a checkpoint names it.
+
+    Raises:
+        ConfigError: that tokenizer is no longer the one the model was trained with.
+    """
     if is_export(path):
+        check_tokenizer(path, export_run(path), str(path))
         return path
     ckpt_dir, tag = locate_checkpoint(path, None)
-    return Path(checkpoint.read_client_state(ckpt_dir, tag)["vocab_dir"])
+    client = checkpoint.read_client_state(ckpt_dir, tag)
+    vocab = Path(client["vocab_dir"])
+    check_tokenizer(vocab, run_info(client, ckpt_dir / tag), str(ckpt_dir / tag))
+    return vocab
+
+
+def export_run(path: Path) -> dict[str, Any]:
+    """What an export records of its training run (empty for a model exported elsewhere)."""
+    return json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+
+
+def run_info(client: dict[str, Any], where: Path) -> dict[str, Any]:
+    """What a checkpoint's client state says of its run, as an export records it."""
+    return {
+        "step": client["step"],
+        "fingerprint": client["fingerprint"],
+        "checkpoint": str(where),
+        "vocab_dir": str(client["vocab_dir"]),
+        # Trained with attention inside documents: evaluation does the same by default.
+        "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
+    }
+
+
+def check_tokenizer(tokenizer_dir: Path, run: dict[str, Any], model: str) -> None:
+    """Refuse a tokenizer other than the one ``model`` was trained with, by content hash.
+
+    ``run`` is what the checkpoint or export records (see :func:`run_info`): the hash of the run's
+    tokenizer (its data fingerprint) and, for an export, of the copy it ships. A model that records
+    neither (exported elsewhere, or before exports recorded one) is not checked.
+
+    Raises:
+        ConfigError: no tokenizer.json there, or one with another hash.
+    """
+    from dsgpt2.data.sources import tokenizer_digest
+
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir}: no tokenizer.json (the model {model} was trained with one); "
+            "give the tokenizer directory with --vocab_dir"
+        )
+    trained = (run.get("fingerprint") or {}).get("tokenizer")
+    shipped = run.get(SHIPPED_TOKENIZER)
+    if trained is None or (is_export(Path(model)) and Path(model) == tokenizer_dir and shipped is None):
+        return
+    digest = tokenizer_digest(tokenizer_dir)
+    if digest in {trained, shipped}:
+        return
+    was = f"hash {shipped}, shipped in {model}" if shipped else f"hash {trained}"
+    if run.get("vocab_dir"):
+        was += f", from {run['vocab_dir']}"
+    raise ConfigError(
+        f"tokenizer {tokenizer_dir} (hash {digest}) is not the one {model} was trained with ({was}): "
+        "it was rewritten or replaced since; give that tokenizer with --vocab_dir"
+    )
 
 
 def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any], Path, dict[str, Any]]:
@@ -65,8 +126,7 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
         weights: dict[str, Any] = {}
         for f in sorted(path.glob("*.safetensors")):
             weights.update(load_file(str(f)))
-        run = json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
-        return config, weights, path, run
+        return config, weights, path, export_run(path)
     if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
             f"model {path}: neither an exported model (config.json + *.safetensors) nor a checkpoint "
@@ -75,13 +135,7 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     ckpt_dir, tag = locate_checkpoint(path, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
-    run = {
-        "step": client["step"],
-        "fingerprint": client["fingerprint"],
-        "checkpoint": str(ckpt_dir / tag),
-        "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
-    }
-    return config, weights, Path(client["vocab_dir"]), run
+    return config, weights, Path(client["vocab_dir"]), run_info(client, ckpt_dir / tag)
 
 
 def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:

@@ -35,7 +35,14 @@ def add_export(sub: Any) -> None:
     p.add_argument("--ckpt_dir", required=True, help="checkpoint directory of a training run")
     p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--vocab_dir", help="tokenizer directory (default: the one the run trained with)")
+    p.add_argument(
+        "--vocab_dir",
+        help="where the run's tokenizer is, if it moved (default: the one the run trained with; "
+        "checked by its hash)",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an export of another checkpoint at --out"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_export)
 
@@ -148,7 +155,10 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)",
     )
     p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
-    p.add_argument("--vocab_dir", help="tokenizer directory (default: the model's)")
+    p.add_argument(
+        "--vocab_dir",
+        help="where the model's tokenizer is, if it moved (default: the model's; checked by hash)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
 
 
@@ -182,9 +192,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from dsgpt2.infer.export import export
 
-    result = export(
-        Path(args.ckpt_dir), Path(args.out), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None
-    )
+    vocab = Path(args.vocab_dir) if args.vocab_dir else None
+    result = export(Path(args.ckpt_dir), Path(args.out), args.ckpt_id, vocab, args.overwrite)
     print(
         f"exported {args.ckpt_dir}/{result['tag']} (step {result['step']}, "
         f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"

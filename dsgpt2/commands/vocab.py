@@ -63,6 +63,11 @@ def add_vocab(sub: Any) -> None:
     p.add_argument("--config", metavar="JSON", help="connection config (with --from_mongo)")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.add_argument("--out", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a tokenizer already at --out (runs trained with it will refuse the new one)",
+    )
     from dsgpt2.tokenizer.bpe import VocabSettings
 
     add_options(p, Draw)
@@ -89,8 +94,10 @@ def cmd_vocab_download(args: argparse.Namespace) -> int:
 def cmd_vocab_train(args: argparse.Namespace) -> int:
 
     from dsgpt2.corpus.documents import SkipTally
-    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.bpe import VocabSettings, check_vocab_out, train_vocab
     from dsgpt2.tokenizer.texts import Draw, mongo_texts, shard_texts
+
+    check_vocab_out(Path(args.out), args.overwrite)  # before any query
 
     settings, draw = from_namespace(VocabSettings, args), from_namespace(Draw, args)
     if args.from_mongo:
@@ -107,7 +114,13 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
         texts = shard_texts(Path(args.input), skipped=skipped)
         source = f"shards in {args.input}"
     report = train_vocab(
-        texts, Path(args.out), settings, source, skipped=skipped, progress=not args.no_progress
+        texts,
+        Path(args.out),
+        settings,
+        source,
+        skipped=skipped,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     print("\n".join(report.lines()))
     return 0

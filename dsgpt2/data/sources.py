@@ -9,7 +9,6 @@ and the spec) is what a checkpoint or a token cache is checked against.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from dsgpt2.data.packing import lay_end_to_end, pack, pack_with_loss, tokens_per
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import CorpusError
+from dsgpt2.files import file_digest
 from dsgpt2.tokenizer.bpe import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def make_spec(
 
 def tokenizer_digest(tokenizer_dir: Path) -> str:
     """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
-    return hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()[:16]
+    return file_digest(tokenizer_dir / "tokenizer.json")
 
 
 # How documents become chunks, per reading order: another layout gives other batches. Layout 2 is

@@ -10,26 +10,34 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from dsgpt2.checkpoints.format import resolve
-from dsgpt2.checkpoints.weights import RUN_INFO, build_with_weights, checkpoint_state
+from dsgpt2.checkpoints.weights import (
+    RUN_INFO,
+    SHIPPED_TOKENIZER,
+    build_with_weights,
+    check_tokenizer,
+    checkpoint_state,
+    export_run,
+    run_info,
+)
+from dsgpt2.data.sources import tokenizer_digest
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text
+from dsgpt2.files import atomic_write_text, is_occupied, staged_dir
 
 log = logging.getLogger(__name__)
 
 
-def check_out(out: Path, ckpt_dir: Path, vocab: Path) -> None:
-    """Refuse an ``--out`` that would overwrite something other than an earlier export.
+def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overwrite: bool) -> None:
+    """Refuse an ``--out`` that would overwrite something other than this same export.
 
     Raises:
         ConfigError: ``out`` is a file, the checkpoint or tokenizer directory (or inside or around
-            one), or a non-empty directory that is not a dsgpt2 export.
+            one), a non-empty directory that is not a dsgpt2 export, or an export of another
+            checkpoint or tokenizer while ``overwrite`` is off.
     """
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory for the model, such as runs/model")
@@ -41,9 +49,20 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path) -> None:
                 f"--out {out} would write into {flag} ({other}); give a directory of its own, "
                 "such as runs/model"
             )
-    if out.is_dir() and any(out.iterdir()) and not (out / RUN_INFO).is_file():
+    if not is_occupied(out):
+        return
+    if not (out / RUN_INFO).is_file():
         raise ConfigError(
             f"--out {out} holds files that are not a dsgpt2 export; give an empty or new directory"
+        )
+    there = export_run(out)
+    same = there.get("checkpoint") == run["checkpoint"] and there.get("step") == run["step"]
+    if same and (there.get("fingerprint") or {}).get("tokenizer") == run["fingerprint"]["tokenizer"]:
+        return  # the same export again
+    if not overwrite:
+        raise ConfigError(
+            f"--out {out} holds another export ({there.get('checkpoint')}, step {there.get('step')}); "
+            "pass --overwrite to replace it, or give another --out"
         )
 
 
@@ -65,12 +84,22 @@ def _check_vocab(vocab: Path, config: Any) -> None:
 
 
 def export(
-    ckpt_dir: Path, out: Path, tag: str | None = None, vocab_dir: Path | None = None
+    ckpt_dir: Path,
+    out: Path,
+    tag: str | None = None,
+    vocab_dir: Path | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Write the checkpoint ``tag`` (default: latest) of ``ckpt_dir`` to ``out``.
 
+    Args:
+        vocab_dir: where the run's tokenizer is, if not where the checkpoint says (a copy of it).
+        overwrite: replace an export of another checkpoint at ``out``.
+
     Raises:
         CheckpointError: no complete checkpoint, or not one of dsgpt2's.
+        ConfigError: ``out`` holds something else (see :func:`check_out`), or the tokenizer is not
+            the one the run trained with.
     """
     from transformers import GenerationConfig, GPT2Config
 
@@ -78,30 +107,21 @@ def export(
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
     vocab = Path(vocab_dir or client["vocab_dir"])
-    check_out(out, ckpt_dir, vocab)
+    # What evaluation needs to find the run's validation split again; nothing secret.
+    run = run_info(client, ckpt_dir / tag)
+    check_out(out, ckpt_dir, vocab, run, overwrite)
+    check_tokenizer(vocab, run, str(ckpt_dir / tag))
     _check_vocab(vocab, config)
     model = build_with_weights(config, weights, str(ckpt_dir / tag))
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
-    # Written beside --out and moved into place when whole: a crash leaves no half model there.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    # Written beside --out and moved into place when whole: a crash leaves no half model there, and
+    # another export that landed there meanwhile is refused like one that was there before.
+    with staged_dir(out, check=lambda: check_out(out, ckpt_dir, vocab, run, overwrite)) as staging:
         _write(model, config, vocab, staging)
-        # What evaluation needs to find the run's validation split again; nothing secret.
-        run = {
-            "step": client["step"],
-            "fingerprint": client["fingerprint"],
-            "checkpoint": str(ckpt_dir / tag),
-            # Trained with attention inside documents: evaluation does the same by default.
-            "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
-        }
+        run[SHIPPED_TOKENIZER] = tokenizer_digest(staging)
         atomic_write_text(staging / RUN_INFO, json.dumps(run, indent=1) + "\n")
-        _replace_dir(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return {
         "tag": tag,
         "step": client["step"],
@@ -126,14 +146,3 @@ def _write(model: Any, config: Any, vocab: Path, out: Path) -> None:
     for name in ("vocab.json", "merges.txt", "dsgpt2_vocab.json"):
         if (vocab / name).exists():
             shutil.copyfile(vocab / name, out / name)
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Put ``new`` at ``out``; an earlier export there goes only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(new, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.checkpoints.weights import build_with_weights, load_weights
+from dsgpt2.checkpoints.weights import build_with_weights, check_tokenizer, load_weights
 from dsgpt2.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -36,15 +36,16 @@ def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None
     Args:
         path: export directory, checkpoint directory or checkpoint tag directory.
         tag: checkpoint tag (default: ``latest``).
-        vocab_dir: tokenizer to use instead of the one the model names.
+        vocab_dir: where the model's tokenizer is, instead of where the model says (a copy of it).
+
+    Raises:
+        ConfigError: not a model, or a tokenizer other than the one it was trained with.
     """
     config, weights, tokenizer_dir, run = load_weights(path, tag)
     tokenizer_dir = vocab_dir or tokenizer_dir
-    if not (tokenizer_dir / "tokenizer.json").is_file():
-        raise ConfigError(
-            f"tokenizer {tokenizer_dir}: no tokenizer.json (the model was trained with it); "
-            "give the tokenizer directory with --vocab_dir"
-        )
+    name = run.get("checkpoint") or str(path)
+    # The tokenizer pinned by hash: another one would read other ids than the model learned.
+    check_tokenizer(tokenizer_dir, run, str(path) if tokenizer_dir == path else name)
     from dsgpt2.tokenizer.bpe import load_tokenizer
 
     if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:
@@ -54,5 +55,4 @@ def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None
         )
     model = build_with_weights(config, weights, str(path))
     model.eval()
-    name = run.get("checkpoint") or str(path)
     return LoadedModel(model, tokenizer_dir, name, run)

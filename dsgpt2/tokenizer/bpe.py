@@ -22,7 +22,7 @@ from typing import Any
 from dsgpt2.argtypes import comma_list, non_negative_int, positive_int
 from dsgpt2.corpus.documents import SkipTally
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text
+from dsgpt2.files import atomic_write_text, file_digest, is_occupied, staged_dir
 from dsgpt2.options import check_non_negative, check_positive, option
 from dsgpt2.tokenizer.texts import TextStream
 
@@ -124,6 +124,25 @@ class VocabReport:
         ]
 
 
+def check_vocab_out(out: Path, overwrite: bool) -> None:
+    """Refuse an ``--out`` that holds something: a tokenizer (runs may have trained with it) unless
+    ``overwrite``, anything else always.
+
+    Raises:
+        ConfigError: ``out`` is a file, a directory of other files, or a tokenizer and not ``overwrite``.
+    """
+    if not is_occupied(out):
+        return
+    if not out.is_dir() or not (out / "tokenizer.json").is_file():
+        raise ConfigError(f"--out {out} holds files that are not a tokenizer; give an empty or new directory")
+    if not overwrite:
+        raise ConfigError(
+            f"--out {out} holds a tokenizer (hash {file_digest(out / 'tokenizer.json')}), which runs and "
+            "exports may have trained with and are checked against; pass --overwrite to replace it, or "
+            "give another --out"
+        )
+
+
 def train_vocab(
     texts: Iterable[str],
     out: Path,
@@ -131,11 +150,18 @@ def train_vocab(
     source: str,
     skipped: SkipTally | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> VocabReport:
-    """Train a byte-level BPE on ``texts`` (streamed) and save a ``transformers``-loadable directory."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
-    from transformers import GPT2TokenizerFast
+    """Train a byte-level BPE on ``texts`` (streamed) and save a ``transformers``-loadable directory.
 
+    ``out`` is written whole or not at all (a staging directory renamed into place).
+
+    Raises:
+        ConfigError: ``out`` holds something (see :func:`check_vocab_out`), before and after training.
+    """
+    from tokenizers import ByteLevelBPETokenizer
+
+    check_vocab_out(out, overwrite)
     started = time.monotonic()
     stream = TextStream(texts)
     bpe = ByteLevelBPETokenizer(add_prefix_space=False, lowercase=settings.lowercase)
@@ -148,22 +174,6 @@ def train_vocab(
     )
     if stream.documents == 0:
         raise ConfigError(f"no usable text in {source}; nothing to learn a vocabulary from")
-    out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "tokenizer.json"
-        bpe.save(str(raw))
-        hf = GPT2TokenizerFast(
-            tokenizer_object=Tokenizer.from_file(str(raw)),
-            eos_token=EOT,
-            bos_token=EOT,
-            unk_token=EOT,
-            pad_token=PAD,
-            additional_special_tokens=settings.specials[2:],
-            model_max_length=settings.context_length,
-            add_prefix_space=False,
-        )
-        hf.save_pretrained(str(out))
-    bpe.save_model(str(out))  # vocab.json and merges.txt, for tools that read the GPT-2 files
     report = VocabReport(
         out=out,
         source=source,
@@ -183,8 +193,32 @@ def train_vocab(
         "vocab_size": report.vocab_size,
         "skipped": dict(report.skipped),
     }
-    atomic_write_text(out / VOCAB_META, json.dumps(meta, indent=1) + "\n")
+    with staged_dir(out, check=lambda: check_vocab_out(out, overwrite)) as staging:
+        _save(bpe, settings, staging)
+        atomic_write_text(staging / VOCAB_META, json.dumps(meta, indent=1) + "\n")
     return report
+
+
+def _save(bpe: Any, settings: VocabSettings, out: Path) -> None:
+    """The trained tokenizer as transformers saves it, plus GPT-2's vocab.json and merges.txt."""
+    from tokenizers import Tokenizer
+    from transformers import GPT2TokenizerFast
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "tokenizer.json"
+        bpe.save(str(raw))
+        hf = GPT2TokenizerFast(
+            tokenizer_object=Tokenizer.from_file(str(raw)),
+            eos_token=EOT,
+            bos_token=EOT,
+            unk_token=EOT,
+            pad_token=PAD,
+            additional_special_tokens=settings.specials[2:],
+            model_max_length=settings.context_length,
+            add_prefix_space=False,
+        )
+        hf.save_pretrained(str(out))
+    bpe.save_model(str(out))  # vocab.json and merges.txt, for tools that read the GPT-2 files
 
 
 def load_vocab_size(directory: Path) -> int:

@@ -29,11 +29,12 @@ from dsgpt2.checkpoints.format import (
     read_marker,
     resolve,
 )
+from dsgpt2.checkpoints.weights import check_tokenizer, run_info
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.dealing import ReadState, Schedule, redeal_states, take_in
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.mixture import Stage
-from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of, tokenizer_digest
+from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.errors import ConfigError, DsGpt2Error
@@ -297,8 +298,7 @@ def lineage(
     mongo = mongo or _run_config(saved)
     _check_same_data(mongo, fp)
     vocab = Path(vocab_dir or saved["vocab_dir"])
-    if not (vocab / "tokenizer.json").is_file() or tokenizer_digest(vocab) != fp["tokenizer"]:
-        raise ConfigError(f"{vocab}: not the tokenizer the run trained with; pass --vocab_dir with that one")
+    check_tokenizer(vocab, run_info(saved, ckpt_dir / tag), str(ckpt_dir / tag))
     _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)
     if order_of(fp) is None:
