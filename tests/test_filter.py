@@ -150,3 +150,50 @@ def test_a_query_the_server_refuses_or_a_bad_filter_is_one_line(tmp_path: Path) 
     done = run_cli("info", "--config", str(cfg))
     assert done.returncode == 2 and "JavaScript" in done.stderr and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_filter_the_server_refuses_stops_every_reading_command_before_any_work(tmp_path: Path) -> None:
+    """A typo'd operator: one line naming the key and the operator, exit 2, from every command that
+    reads; nothing written (no shard, cache, tokenizer, mark or checkpoint)."""
+    from dsgpt2.cli import main
+
+    store = db_for(tmp_path)
+    good = write_config(tmp_path / "good.json", **store, COLLECTIONS=["a"])
+    seed(Connection(config_from_dict(json.loads(good.read_text()))), "a", texts(60))
+    bad = str(
+        write_config(tmp_path / "c.json", **store, COLLECTIONS=["a"], FILTER={"passes.gopher": {"$tru": 1}})
+    )
+    model = tiny_export(tmp_path / "m", texts(60))
+    commands = [
+        ["info", "--config", bad],
+        ["validate", "--config", bad],
+        ["vocab", "download", "--config", bad, "--out", str(tmp_path / "shards")],
+        ["vocab", "train", "--from_mongo", "--config", bad, "--out", str(tmp_path / "tok")],
+        ["evaluate", "--model", str(model), "--config", bad, "--no_record"],
+        ["tokenize", "--config_train", bad, "--vocab_dir", str(tmp_path / "m" / "tok"),
+         "--cache_dir", str(tmp_path / "cache")],
+        ["dedup", "--config", bad, "--exact"],
+        ["dedup", "--config", bad, "--near"],
+        ["curate", "--config", bad],
+        ["index", "--config", bad, "--collection", "a"],
+    ]  # fmt: skip
+    for argv in commands:
+        done = run_cli(*argv)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1, (argv, done.stderr[-2000:])
+        assert "'passes.gopher'" in lines[0] and "$tru" in lines[0] and "FILTER" in lines[0], lines
+    assert not any((tmp_path / d).exists() for d in ("shards", "tok", "cache"))
+    doc = Connection(config_from_dict(json.loads(good.read_text()))).db["a"].find_one({"idx": 0})
+    assert not {"text_hash", "dup_of", "signals", "passes", "minhash"} & set(doc)
+    # Training: refused before the model is built (no engine, no checkpoint), on the trainer's path.
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW",
+                              "params": {"lr": 1e-3, "torch_adam": True}}}))  # fmt: skip
+    done = run_cli("train", "--deepspeed_config", str(ds), "--config_train", bad, "--vocab_dir",
+                   str(tmp_path / "m" / "tok"), "--model_select", "tiny", "--context_length", "32",
+                   "--train_iters", "2", "--wandb", "off", "--ckpt_dir", str(tmp_path / "ckpt"),
+                   "--workspace", str(tmp_path / "ws"))  # fmt: skip
+    assert done.returncode == 2 and "'passes.gopher'" in done.stderr and "$tru" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "ws" / "metrics.jsonl").exists()
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+    assert main(["info", "--config", str(good)]) == 0

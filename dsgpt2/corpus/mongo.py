@@ -14,7 +14,7 @@ import os
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import bson
@@ -131,6 +131,7 @@ class Connection:
         self.config = config
         self._client: Any = None
         self._pid: int | None = None
+        self._filter_checked = False
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "_client": None, "_pid": None}
@@ -184,6 +185,13 @@ class Connection:
         except PyMongoError as exc:
             self.close()
             raise unavailable_error(self.config, exc) from None
+        self.check_filter()  # every command that reads starts here: a bad FILTER stops it first
+
+    def check_filter(self) -> None:
+        """:func:`check_filter`, once per connection."""
+        if not self._filter_checked:
+            check_filter(self)
+            self._filter_checked = True
 
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
@@ -245,36 +253,103 @@ def require_collections(conn: Connection, config_path: str = "CONFIG") -> None:
     )
 
 
-def check_filter(conn: Connection) -> None:
-    """Ask the server to run the config's FILTER once (on no document: ``idx`` -1 through the idx
-    index), so that an operator it refuses is one line before any work, not a failure in a worker.
+def check_exist(conn: Connection, names: Sequence[str], fix: str) -> None:
+    """Raise when one of ``names`` is not a collection of the database, before any work reads it (an
+    absent collection reads as an empty one: an empty split, a count of 0, advice that cannot help).
 
     Raises:
-        ConfigError: the server refuses the query.
+        CorpusError: one line naming the missing ones, the corpus collections the database holds, and
+            ``fix`` (the command's way to name others).
+    """
+    have = existing_collections(conn)
+    missing = [n for n in names if n not in have]
+    if not missing:
+        return
+    # The toolkit's own collections are no corpus to name.
+    corpus = [c for c in have if c not in (conn.config.meta_collection, EVAL_RESULTS)]
+    corpus = [c for c in corpus if not c.startswith("system.")]
+    holds = f"it holds {', '.join(corpus)}" if corpus else "it holds no corpus collection"
+    what = "collection {} does" if len(missing) == 1 else "collections {} do"
+    raise CorpusError(
+        f"{what.format(', '.join(map(repr, missing)))} not exist in database {conn.config.db!r} "
+        f"({holds}); {fix}"
+    )
+
+
+def check_filter(conn: Connection) -> None:
+    """Ask the server to parse the config's FILTER once, on no document of the corpus, so that an
+    operator it refuses is one line before any work, not a failure in a worker hours later.
+
+    One empty document matched in the server has every operator parsed (``$documents``: MongoDB 5.1+
+    and the embedded server); older servers parse the whole query before they use the idx index that
+    rules out every document (``idx`` -1).
+
+    Raises:
+        ConfigError: the server refuses the query (the message names the key and the operator).
     """
     config = conn.config
     query = config.filter_query
     if query is None:
         return
-    name = config.collections[0]
 
     def ask() -> None:
-        conn.db[name].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1})
-        # A server that parses a query lazily skips what the idx bound rules out: one empty document,
-        # matched in the server, has every operator parsed (MongoDB 5.1+: $documents).
         try:
             list(conn.db.aggregate([{"$documents": [{}]}, {"$match": query}]))
         except OperationFailure as exc:
-            if "$documents" not in str(exc) and exc.code not in (40324, 40602):
+            if exc.code not in (40324, 40602) and "$documents" not in str(exc):
                 raise
+            conn.db[config.collections[0]].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1})
 
     try:
-        with_retries(ask, config, f"checking FILTER on {name}")
+        with_retries(ask, config, "checking FILTER")
     except OperationFailure as exc:
+        reason = str((exc.details or {}).get("errmsg") or _first_line(exc)).split(", full error")[0]
         raise ConfigError(
-            f"FILTER {config.filter} is refused by the server: {config.scrub(_first_line(exc))}; "
-            "fix the query in the config"
+            f"FILTER {config.filter}: {filter_refusal(query, reason)}; fix FILTER in the config"
         ) from None
+
+
+# Query operators, to suggest one for a typo the server refuses.
+QUERY_OPERATORS = [
+    "$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$and", "$or", "$nor", "$not",
+    "$exists", "$type", "$expr", "$jsonSchema", "$mod", "$regex", "$options", "$text", "$all",
+    "$elemMatch", "$size", "$bitsAllClear", "$bitsAllSet", "$bitsAnyClear", "$bitsAnySet", "$comment",
+]  # fmt: skip
+
+
+def filter_refusal(query: Any, reason: str) -> str:
+    """The server's ``reason`` for refusing ``query``, with the key of the operator it names and, for an
+    unknown one, the operator most like it."""
+    import difflib
+    import re
+
+    named = re.search(r"\$[A-Za-z]\w*", reason)
+    if named is None:
+        return f"the server refuses it ({reason})"
+    operator = named.group(0)
+    key = _key_of(query, operator)
+    where = f"key {key!r}, operator {operator}" if key else f"operator {operator}"
+    text = f"the server refuses {where} ({reason})"
+    if "unknown" in reason:
+        close = difflib.get_close_matches(operator, QUERY_OPERATORS, n=1)
+        if close:
+            text += f"; did you mean {close[0]}?"
+    return text
+
+
+def _key_of(query: Any, operator: str, key: str | None = None) -> str | None:
+    """The field whose condition holds ``operator`` (None: a top-level one or not found)."""
+    if isinstance(query, list):
+        return next((k for item in query if (k := _key_of(item, operator, key)) is not None), None)
+    if not isinstance(query, Mapping):
+        return None
+    for name, value in query.items():
+        if name == operator:
+            return key
+        found = _key_of(value, operator, key if name.startswith("$") else name)
+        if found is not None:
+            return found
+    return None
 
 
 def connect(config: MongoConfig) -> Connection:
@@ -364,7 +439,7 @@ class MongoWrapper:
         # FILTER: asked of every read; the documents it leaves out are counted as `filtered`.
         self.filter = config.filter_query
         if self.filter is not None and counts is None:
-            check_filter(connection)
+            connection.check_filter()
 
     def __repr__(self) -> str:
         counts = dict(zip(self.collections, self.counts, strict=True))
@@ -384,10 +459,9 @@ class MongoWrapper:
                 coll = self._conn.db[name]
                 count = with_retries(lambda c=coll: c.count_documents({}), self.config, f"counting {name}")
                 self.queries[name] += 1
-                log.warning(
-                    "meta_info has no count for %r; counted %d documents "
-                    "(run `dsgpt2 validate --fix` to record it)", name, count,
-                )  # fmt: skip
+                # validate --fix records a count; for no document (or no collection) it cannot help.
+                fix = " (run `dsgpt2 validate --fix` to record it)" if count else ""
+                log.warning("meta_info has no count for %r; counted %d documents%s", name, count, fix)
             counts.append(count)
         return tuple(counts)
 
