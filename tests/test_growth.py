@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +119,21 @@ def test_follow_trains_on_documents_ingested_meanwhile(followed: Path) -> None:
     assert len(ids) == len(set(ids))
     found = check_lineage(followed / "ckpt", followed / "ws", followed / "c.json", {"a": 500, "b": 100})
     assert any(d.status == "trained" and d.chunk in (3, 4, 5) for d in found.docs)  # growth, dealt at once
+    # `info` knows the run: its directory, last checkpoint's step, when, and what it read of each.
+    assert last_runs(followed / "c.json") == {"a": (str(followed / "ckpt"), 8, 500, 0),
+                                              "b": (str(followed / "ckpt"), 8, 100, 0)}  # fmt: skip
+
+
+def last_runs(cfg: Path) -> dict[str, tuple]:
+    """Per collection, ``dsgpt2 info --json``'s last run: (directory, step, mark, documents since)."""
+    done = run_cli("info", "--config", str(cfg), "--json")
+    assert done.returncode == 0, done.stderr
+    out = {}
+    for c in json.loads(done.stdout)["collections"]:
+        run = c["last_run"]
+        assert run is not None and run["when"].endswith("UTC") and abs(run["at"] - time.time()) < 3600
+        out[c["name"]] = (run["run"], run["step"], run["mark"], c["growth_since_last_run"])
+    return out
 
 
 def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
@@ -133,6 +149,8 @@ def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     assert json.loads((cache / "cache.json").read_text())["chunks"] == 3
     head = (cache / "tokens.bin").read_bytes()
     subprocess.run(ingest_command(cfg, corpus), shell=True, check=True, cwd=ROOT)
+    ckpt = str(tmp_path / "ckpt")
+    assert last_runs(cfg)["a"] == (ckpt, 4, 200, 300)  # the documents added since the run read
     out = train(corpus, cfg, tmp_path, *GROW_RUN, *cached)
     assert "taking in new documents (a 200..500) now" in out.stderr
     assert "3 chunk(s) tokenized and added" in out.stderr
@@ -150,6 +168,7 @@ def test_resume_after_growth_retraces_the_run_that_saw_it_and_appends_the_cache(
     assert saved["data"]["growth"] == [{"step": 4, "added": {"a": 300}, "at": "resume"}]
     assert [launch["step"] for launch in saved["data"]["launches"]] == [0, 4]
     check_lineage(tmp_path / "ckpt", tmp_path / "ws", cfg, {"a": 500, "b": 100})
+    assert last_runs(cfg) == {"a": (ckpt, 8, 500, 0), "b": (ckpt, 8, 100, 0)}  # took the growth in
 
 
 def test_growth_waits_for_the_next_epoch_and_a_changed_prefix_is_refused(

@@ -498,7 +498,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                 "natural_share": count / total,
                 "weight": weight,
                 "passing_filter": passing.get(name),
-                "last_run": meta.get(name, {}).get("trained"),
+                "last_run": _last_run(meta.get(name, {}).get("trained")),
                 "growth_since_last_run": count - meta[name]["trained"]["mark"]
                 if isinstance(meta.get(name, {}).get("trained"), dict)
                 else None,
@@ -526,12 +526,31 @@ def cmd_info(args: argparse.Namespace) -> int:
         if c["passing_filter"] is not None:
             print(f"    FILTER keeps {c['passing_filter']} ({c['passing_filter'] / max(c['count'], 1):.1%})")
         if c["last_run"]:
-            print(f"    last run ({c['last_run'].get('run')}) trained to {c['last_run']['mark']}: "
-                  f"{c['growth_since_last_run']:+d} since")  # fmt: skip
+            run = c["last_run"]
+            step = f"step {run['step']}" if run.get("step") is not None else "no checkpoint yet"
+            print(f"    last run: {run['run']} ({step}, {run.get('when') or 'time unknown'}) read "
+                  f"{run['mark']} documents; {c['growth_since_last_run']:+d} since")  # fmt: skip
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
     return 0
+
+
+def _last_run(trained: Any) -> dict[str, Any] | None:
+    """What meta_info says of the last run on a collection: its checkpoint directory (``run``), the
+    step of its last checkpoint, when (``at``: seconds since the epoch; ``when``: UTC), its mark."""
+    if not isinstance(trained, dict) or "mark" not in trained:
+        return None
+    import datetime
+
+    at = trained.get("at")
+    when = (
+        datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        if isinstance(at, int | float)
+        else None
+    )
+    return {"run": trained.get("run"), "step": trained.get("step"), "at": at, "when": when,
+            "mark": trained["mark"]}  # fmt: skip
 
 
 def _passing(wrapper: Any) -> dict[str, int]:

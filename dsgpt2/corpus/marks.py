@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
-from dsgpt2.corpus.mongo import Connection, MongoWrapper, with_retries, write_meta
+from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta, with_retries, write_meta
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,23 @@ def prefix_problems(conn: Connection, record: dict[str, Any], marks: Sequence[in
     return problems
 
 
-def record_trained(conn: Connection, marks: Sequence[int], run: str) -> None:
-    """Note in meta_info how far a run has trained each collection (for ``dsgpt2 info``). Best
-    effort: a user allowed only to read may train. Not committed to a file-backed mock store,
-    which has one writer at a time (an ingest may be running)."""
+def record_trained(conn: Connection, marks: Sequence[int], run: str, step: int | None = None) -> None:
+    """Note in meta_info how far a run has read each collection (its high-water mark), and the step of
+    its last checkpoint (for ``dsgpt2 info``). A run that starts keeps the step its checkpoint
+    directory reached before. Best effort: a user allowed only to read may train."""
     try:
         for name, mark in zip(conn.config.collections, marks, strict=True):
-            write_meta(conn, name, {"trained": {"mark": int(mark), "run": run, "at": time.time()}})
+            fields: dict[str, Any] = {
+                "trained.mark": int(mark),
+                "trained.run": run,
+                "trained.at": time.time(),
+            }
+            if step is not None:
+                fields["trained.step"] = int(step)
+            else:
+                before = read_meta(conn, [name]).get(name, {}).get("trained") or {}
+                if not isinstance(before, dict) or before.get("run") != run:
+                    fields["trained.step"] = None  # another run's step is not this one's
+            write_meta(conn, name, fields)
     except Exception as exc:
         log.debug("could not note the trained marks in meta_info: %s", conn.config.scrub(str(exc)))

@@ -39,7 +39,11 @@ def corpus_marks(
     from dsgpt2.corpus.validate import require_valid
 
     if not allow_problems:
-        require_valid(conn, full=full_check)
+        require_valid(
+            conn,
+            full=full_check,
+            override=", or train on it anyway with --allow_corpus_problems (the bad documents are skipped)",
+        )
     return tuple(MongoWrapper(mongo, connection=conn).counts)
 
 
@@ -222,11 +226,20 @@ class Feed:
         checkpoints to come (a checkpoint may be saved because the database went away)."""
         if self.rank != 0:
             return
-        from dsgpt2.corpus.marks import prefix_record, record_trained
+        from dsgpt2.corpus.marks import prefix_record
 
         marks = self.schedule.table.marks
         self._prefix = (marks, prefix_record(self.conn, marks, self.cfg.data.seed))
-        record_trained(self.conn, marks, str(self.cfg.ckpt.ckpt_dir))
+        self.note_trained(None)
+
+    def note_trained(self, step: int | None) -> None:
+        """Rank 0 notes in meta_info how far this run has read each collection, and its last
+        checkpoint's step (None: none written since the start), for ``dsgpt2 info``."""
+        if self.rank != 0:
+            return
+        from dsgpt2.corpus.marks import record_trained
+
+        record_trained(self.conn, self.schedule.table.marks, str(self.cfg.ckpt.ckpt_dir), step)
 
     def state_dict(self, state: ReadState) -> dict[str, Any]:
         """What a checkpoint keeps of the data (a collective: every rank calls it)."""

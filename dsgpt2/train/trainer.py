@@ -383,6 +383,7 @@ class Trainer:
     def maybe_save(self, state: TrainState) -> None:
         if state.step % self.cfg.ckpt.save_interval == 0 and state.step < self.cfg.run.train_iters:
             self.save(state, self.stream.state)
+            self.feed.note_trained(state.step)
 
     def _abort_on_lost_database(self, exc: Exception, state: TrainState, position: ReadState) -> None:
         # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
@@ -397,6 +398,7 @@ class Trainer:
         """The final checkpoint, the end record and plot; the summary."""
         if state.step > self.started:
             self.save(state, self.stream.state)
+            self.feed.note_trained(state.step)
         else:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
             log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
