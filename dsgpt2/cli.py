@@ -12,6 +12,7 @@ from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings
 from dsgpt2.commands import corpus, db, demo, infer, train, vocab
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
+from dsgpt2.progress import interval_seconds
 
 DESCRIPTION = """\
 Pretrain GPT-2 with DeepSpeed on a corpus stored in MongoDB.
@@ -83,7 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     setup_logging(verbose=getattr(args, "verbose", False))
     func: Callable[[argparse.Namespace], int] = args.func
-    return run_command("dsgpt2", lambda: func(args))
+
+    def command() -> int:
+        if not getattr(args, "no_progress", True):
+            interval_seconds()  # a bad DSGPT2_PROGRESS_SECONDS is refused before any work
+        return func(args)
+
+    return run_command("dsgpt2", command)
 
 
 def _local_rank_last(argv: list[str]) -> list[str]:

@@ -222,6 +222,28 @@ def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"
 
 
+def test_a_run_logging_to_a_file_shows_each_log_step_and_evaluation(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """stderr is a file here (a scheduler, nohup, CI): no bar, a line per log step and per evaluation."""
+    result = train(corpus, tmp_path, "--train_iters", "4", "--eval_interval", "2", "--save_interval", "100")
+    records = read_metrics(tmp_path / "ws" / "metrics.jsonl")
+    logged = [line.split("dsgpt2.train.runlog: ")[1] for line in result.stderr.splitlines()
+              if "dsgpt2.train.runlog: " in line]  # fmt: skip
+    train_lines = [m for m in logged if "/4: loss " in m]
+    expected = [
+        f"step {r['step']}/4: loss {r['loss']:.4f}, lr {r['lr']:.2e}, {r['tokens_per_s']:,.0f} tokens/s"
+        for r in records
+        if r["event"] == "train"
+    ]
+    assert train_lines == expected and len(expected) == 4, result.stderr[-3000:]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [m for m in logged if "validation" in m] == [
+        f"step {r['step']}: validation loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}" for r in evals
+    ] and [r["step"] for r in evals] == [2, 4]
+    assert "\r" not in result.stderr and "step/s" not in result.stderr  # no bar redrawn into the file
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_stop_signal_saves_and_exits_then_resumes(
     corpus: dict[str, Path], tmp_path: Path, signum: signal.Signals
@@ -775,24 +797,16 @@ def test_tokenize_ahead_then_cached_training_reuses_it(corpus: dict[str, Path], 
     from conftest import run_cli
 
     cache = tmp_path / "cache"
-    made = run_cli(
-        "tokenize",
-        "--config_train",
-        str(corpus["config"]),
-        "--vocab_dir",
-        str(corpus["tok"]),
-        "--context_length",
-        "64",
-        "--tr_ratio",
-        "0.9",
-        "--chunk_docs",
-        "100",
-        "--seed",
-        "7",
-        "--cache_dir",
-        str(cache),
-    )
+    flags = ["--config_train", str(corpus["config"]), "--vocab_dir", str(corpus["tok"]), "--cache_dir",
+             str(cache), "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100",
+             "--seed", "7"]  # fmt: skip
+    every = {"DSGPT2_PROGRESS_SECONDS": "0"}  # stderr is a file: a progress line at each chunk
+    quiet = run_cli("tokenize", *flags, "--no_progress", env=every)
+    assert quiet.returncode == 0 and "dsgpt2.progress" not in quiet.stderr, quiet.stderr
+    made = run_cli("tokenize", *flags, "--force", env=every)
     assert made.returncode == 0 and "20 chunk(s) tokenized, 20 in all" in made.stdout, made.stderr
+    shown = [line.split("dsgpt2.progress: ")[1] for line in made.stderr.splitlines() if "progress: " in line]
+    assert len(shown) == 20 and shown[-1].startswith("tokenize: 20/20 chunk (100.0%), "), made.stderr
     stamp = (cache / "tokens.bin").stat().st_mtime_ns
     result = train(corpus, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
     assert "up to date, reused" in result.stderr

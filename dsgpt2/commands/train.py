@@ -37,6 +37,7 @@ def add_tokenize(sub: Any) -> None:
     add_options(p, DataOptions, only=data_flags, defaults=defaults)
     add_options(p, ModelOptions, only=["model_select", "context_length", "task", "reply_speakers"])
     p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
+    p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_tokenize)
 
@@ -121,7 +122,13 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     context = run_context(model)
     spec = data_spec(data, model, context)
     meta, added = prepare_cache(
-        load_config(data.config_train), data.vocab_dir, spec, data.cache_dir, data.num_workers, args.force
+        load_config(data.config_train),
+        data.vocab_dir,
+        spec,
+        data.cache_dir,
+        data.num_workers,
+        args.force,
+        progress=not args.no_progress,
     )
     state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
     tokens = meta["tokens"]

@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tqdm import tqdm
-
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
@@ -51,6 +49,7 @@ from dsgpt2.corpus.mongo import (
     write_meta,
 )
 from dsgpt2.errors import BadDocumentError, IngestError
+from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 
@@ -486,8 +485,7 @@ def _ingest_source(
     batch: list[dict[str, Any]] = []
     pos = -1
     damage: BaseException | None = None
-    # disable=None: no bar when stderr is not a terminal (logs, CI).
-    bar = tqdm(desc=source.label[:40], unit="doc", disable=None if progress else True, initial=start)
+    bar = progress_display(source.label[:40], "doc", initial=start, enabled=progress)
     records = enumerate(source.read_from(start), start) if source.read_from else enumerate(source.read())
     try:
         while True:

@@ -27,10 +27,10 @@ from typing import Any
 
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
-from tqdm import tqdm
 
 from dsgpt2.corpus.mongo import Connection, idx_index_name, max_idx, read_meta, with_retries, write_meta
 from dsgpt2.errors import CorpusError
+from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def index_collection(
         # Documents are taken in _id order, resuming after the last _id this run numbered: a range on
         # the _id index, so each batch costs its own documents, not a scan from the start.
         last_id: Any = None
-        bar = tqdm(desc=f"index {name}", unit="doc", disable=None if progress else True)
+        bar = progress_display(f"index {name}", "doc", enabled=progress)
         try:
             while True:
                 query = dict(UNNUMBERED) if last_id is None else {**UNNUMBERED, "_id": {"$gt": last_id}}

@@ -21,10 +21,10 @@ from typing import Any
 
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
-from tqdm import tqdm
 
 from dsgpt2.corpus.mongo import Connection, idx_edge, with_retries
 from dsgpt2.errors import CorpusError
+from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def each_batch(
         return -1 if top is None else int(top)
 
     lo, stop = (0, edge(None) + 1) if span is None else span
-    bar = tqdm(desc=desc, unit="doc", disable=None if progress else True)
+    bar = progress_display(desc, "doc", enabled=progress)
     try:
         while lo < stop:
             end = min(lo + batch_size, stop)

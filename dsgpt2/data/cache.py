@@ -32,6 +32,7 @@ from dsgpt2.data.sources import Chunk, Chunks, DataSpec, Key, StreamingChunks, f
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.files import atomic_write_text, atomic_writer
+from dsgpt2.progress import progress as progress_display
 
 FORMAT = 2  # the files' layout: 2 = tokens per document (1 held packed blocks per chunk and split)
 _FORMER = ("train.bin", "val.bin", "train.loss.bin", "val.loss.bin", "train.offsets.npy",
@@ -166,12 +167,12 @@ def build_cache(
     vocab_size: int,
     workers: int = 2,
     tick: Callable[[], None] | None = None,
+    progress: bool = True,
 ) -> dict[str, int]:
     """Tokenize every document of ``source``'s table into ``cache_dir``: the chunks it already holds
     under the same fingerprint are kept, the others appended. Return the tokens per split.
-    ``tick``: called after each chunk (a training run's other ranks wait meanwhile)."""
-    from tqdm import tqdm
-
+    ``tick``: called after each chunk (a training run's other ranks wait meanwhile); ``progress``:
+    False for no progress at all."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     meta = _meta(cache_dir)
     if meta is None or meta["fingerprint"] != fp:
@@ -193,6 +194,7 @@ def build_cache(
     files = [("offsets.bin", np.dtype(np.int64), "offsets", done + 1), ("tokens.bin", dtype, "tokens", end)]
     if source.spec.task == "conversation":
         files.append(("loss.bin", np.dtype(np.bool_), "loss", end))
+    bar = progress_display("tokenize", "chunk", total=len(todo), enabled=progress)
     handles = {}
     for name, dt, role, keep in files:
         path = cache_dir / name
@@ -204,16 +206,18 @@ def build_cache(
         handles["offsets"][0].write(np.zeros(1, dtype=np.int64).tobytes())
     try:
         loader = start_loader(_DocumentTokens(source), todo, workers) if todo else iter(())
-        for item in tqdm(loader, total=len(todo), desc="tokenize", unit="chunk", disable=None):
+        for item in loader:
             handles["tokens"][0].write(item.flat.astype(dtype).tobytes())
             if "loss" in handles and item.loss is not None:
                 handles["loss"][0].write(item.loss.astype(np.bool_).tobytes())
             handles["offsets"][0].write((end + np.cumsum(item.lengths)).astype(np.int64).tobytes())
             end += int(item.lengths.sum())
             _count(totals, item.lengths, table.locate(item.chunk), source.spec, fp["collections"])
+            bar.update(1)
             if tick is not None:
                 tick()
     finally:
+        bar.close()
         for f, _ in handles.values():
             f.flush()
             os.fsync(f.fileno())
@@ -247,9 +251,10 @@ def prepare_cache(
     force: bool = False,
     table: ChunkTable | None = None,
     tick: Callable[[], None] | None = None,
+    progress: bool = True,
 ) -> tuple[dict[str, Any], int]:
     """Make the token cache hold every chunk of ``table`` (default: the corpus as it is now);
-    ``tick``: see :func:`build_cache`.
+    ``tick``, ``progress``: see :func:`build_cache`.
 
     Returns:
         (the cache's meta, how many chunks were tokenized now: 0 when it was up to date).
@@ -264,7 +269,8 @@ def prepare_cache(
         (cache_dir / "cache.json").unlink(missing_ok=True)
     before = (_meta(cache_dir) or {}).get("chunks", 0) if cache_fingerprint(cache_dir) == fp else 0
     source = StreamingChunks(config, table, tokenizer_dir, spec, "all")
-    build_cache(source, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick)
+    build_cache(source, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick,
+                progress=progress)  # fmt: skip
     meta = _meta(cache_dir) or {}
     return meta, int(meta["chunks"]) - int(before)
 

@@ -31,6 +31,7 @@ from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import EvalRequest
 from dsgpt2.lmloss import with_chunked_loss
 from dsgpt2.model import batch_nll, perplexity
+from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,11 @@ def evaluate_batches(
     doc_mask_eot: int | None = None,
 ) -> EvalMetrics:
     """Loss and perplexity of ``model`` over ``batches`` (``stats``: what the batches skipped)."""
-    from tqdm import tqdm
-
     device = str(next(model.parameters()).device)
     model.eval()
     total, tokens, blocks = 0.0, 0, 0
     started = time.monotonic()
-    bar = tqdm(total=max_batches, unit="batch", desc="evaluate", disable=None if progress else True)
+    bar = progress_display("evaluate", "batch", total=max_batches, enabled=progress)
     with torch.no_grad():
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:

@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tqdm import tqdm
-
 from dsgpt2.argtypes import positive_int
 from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.corpus.documents import SkipTally, text_problem, utf8_length
@@ -39,6 +37,7 @@ from dsgpt2.corpus.mongo import MongoWrapper, require_nonempty
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
 from dsgpt2.options import check_int, check_positive, check_ratio, option
+from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,7 +191,7 @@ def download(
             else:
                 path = str(_shard_path(out, k))
                 pending.append((config, wrapper.counts, k, start, stop, p, seed, path, chunk))
-        bar = tqdm(total=total, unit="doc", desc="vocab download", disable=None if progress else True)
+        bar = progress_display("vocab download", "doc", total=total, enabled=progress)
         bar.update(sum(stop - start for k, (start, stop) in enumerate(ranges) if str(k) in manifest["done"]))
         try:
             for k, stats in _run(pending, workers):

@@ -1,5 +1,6 @@
-"""What a run tells as it goes: the progress bar, ``train``/``eval``/... records in metrics.jsonl and
-wandb (rank 0), the block ids each rank trained on (``--log_block_ids``), the loss plot at the end.
+"""What a run tells as it goes: the progress bar on a terminal (a log line per log step and per
+evaluation otherwise), ``train``/``eval``/... records in metrics.jsonl and wandb (rank 0), the block ids
+each rank trained on (``--log_block_ids``), the loss plot at the end.
 
 The losses stay on the device between log intervals: :meth:`RunLog.log_train` is the only place that
 reads them (a read waits for the device).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +18,11 @@ from typing import Any
 import torch
 
 from dsgpt2.files import atomic_write_text
+from dsgpt2.progress import on_terminal
 from dsgpt2.train.config import RESOLVED, TrainConfig
 from dsgpt2.train.metrics import MetricsLog, plot_losses
+
+log = logging.getLogger(__name__)
 
 
 class RunLog:
@@ -52,17 +57,18 @@ class RunLog:
         self.started = (*start, time.monotonic())
         self._last = self.started
         self.bar: Any = None
+        # Without a terminal (a file, a pipe) rank 0 logs lines instead of the bar, which would show nothing.
+        self.lines = rank == 0 and not on_terminal()
         self.blocks: Any = None
 
     @contextlib.contextmanager
     def open(self) -> Iterator[RunLog]:
-        """The progress bar (rank 0) and this rank's block-id file, while the loop runs."""
+        """The progress bar (rank 0, on a terminal) and this rank's block-id file, while the loop runs."""
         with contextlib.ExitStack() as stack:
-            if self.rank == 0:
+            if self.rank == 0 and not self.lines:
                 from tqdm import tqdm
 
-                bar = tqdm(total=self.run.train_iters, initial=self.started[0], unit="step", desc="train",
-                           disable=None)  # fmt: skip
+                bar = tqdm(total=self.run.train_iters, initial=self.started[0], unit="step", desc="train")
                 self.bar = stack.enter_context(bar)
             if self.run.log_block_ids:
                 self.run.workspace.mkdir(parents=True, exist_ok=True)
@@ -119,6 +125,17 @@ class RunLog:
             if "mfu" in record:
                 shown["mfu"] = f"{record['mfu']:.1%}"
             self.bar.set_postfix(shown)
+        if self.lines:
+            mfu = f", MFU {record['mfu']:.1%}" if "mfu" in record else ""
+            log.info("step %d/%d: loss %.4f, lr %.2e, %s tokens/s%s", step, self.run.train_iters, loss, lr,
+                     f"{tps:,.0f}", mfu)  # fmt: skip
+        self.write(record)
+
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """An ``eval`` record; without a terminal also a line with its validation loss and perplexity."""
+        if self.lines and record.get("val_loss") is not None:
+            log.info("step %d: validation loss %.4f, perplexity %.2f", record["step"], record["val_loss"],
+                     record["val_ppl"])  # fmt: skip
         self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:

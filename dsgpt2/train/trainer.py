@@ -335,7 +335,7 @@ class Trainer:
             record.update(hellaswag)
             log.info("step %d: HellaSwag %s", state.step, describe(hellaswag))
         if len(record) > 2:
-            self.runlog.write(record)
+            self.runlog.log_eval(record)
         if self.last_val is not None and self.cfg.run.early_stopping:
             self._watch(state, self.last_val)
 
