@@ -205,3 +205,29 @@ def test_a_writer_killed_mid_write_leaves_the_earlier_artifact_whole(tmp_path: P
         assert (out / "a").read_text() == "first"  # back in place before anything else
         raise RuntimeError("this writer fails too")
     assert (out / "a").read_text() == "first" and _leftovers(tmp_path) == []
+
+
+def test_two_vocab_trains_into_one_directory_at_once_leave_one_whole_tokenizer(
+    run: dict[str, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "tok"
+    argv = ["vocab", "train", "--from_mongo", "--config", str(run["config"]), "--out", str(out),
+            "--vocab_size", "300", "--no_progress"]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [str(ROOT / ".venv" / "bin" / "python"), "-m", "dsgpt2", *argv],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [(p.communicate(timeout=300)[1], p.returncode) for p in procs]
+    results = [(code, err) for err, code in results]
+    assert sorted(code for code, _ in results) == [0, 2], results
+    refused = next(err for code, err in results if code == 2)
+    assert "holds a tokenizer" in refused and "--overwrite" in refused and "Traceback" not in refused
+    from dsgpt2.tokenizer.bpe import load_tokenizer
+
+    assert load_tokenizer(out).get_vocab_size() == 300 and _leftovers(tmp_path) == []
