@@ -37,6 +37,11 @@ def add_tokenize(sub: Any) -> None:
     add_options(p, DataOptions, only=data_flags, defaults=defaults)
     add_options(p, ModelOptions, only=["model_select", "context_length", "task", "reply_speakers"])
     p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a token cache of other data (another tokenizer, corpus or settings) at --cache_dir",
+    )
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
     p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
     p.set_defaults(func=cmd_tokenize)
@@ -113,6 +118,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.config import load_config
+    from dsgpt2.corpus.mongo import connect, require_collections
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.options import from_namespace
     from dsgpt2.train.config import DataOptions, ModelOptions, data_spec
@@ -121,14 +127,18 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     data, model = from_namespace(DataOptions, args), from_namespace(ModelOptions, args)
     context = run_context(model)
     spec = data_spec(data, model, context)
+    config = load_config(data.config_train)
+    # An absent collection reads as an empty one: a cache of nothing, "already up to date".
+    require_collections(connect(config), str(data.config_train))
     meta, added = prepare_cache(
-        load_config(data.config_train),
+        config,
         data.vocab_dir,
         spec,
         data.cache_dir,
         data.num_workers,
         args.force,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
     tokens = meta["tokens"]

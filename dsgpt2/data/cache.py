@@ -31,12 +31,41 @@ from dsgpt2.data.packing import pack_flat
 from dsgpt2.data.sources import Chunk, Chunks, DataSpec, Key, StreamingChunks, fingerprint, spec_of
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
-from dsgpt2.files import atomic_write_text, atomic_writer
+from dsgpt2.errors import ConfigError
+from dsgpt2.files import atomic_write_text, atomic_writer, is_occupied
 from dsgpt2.progress import progress as progress_display
 
 FORMAT = 2  # the files' layout: 2 = tokens per document (1 held packed blocks per chunk and split)
 _FORMER = ("train.bin", "val.bin", "train.loss.bin", "val.loss.bin", "train.offsets.npy",
            "val.offsets.npy", "train.last.npy", "val.last.npy")  # fmt: skip
+
+
+_FILES = frozenset({"cache.json", "chunks.npy", "offsets.bin", "tokens.bin", "loss.bin", *_FORMER})
+
+
+def check_cache_dir(cache_dir: Path, fp: dict[str, Any], overwrite: bool) -> None:
+    """Refuse a ``--cache_dir`` that holds something other than this data's token cache: another
+    cache unless ``overwrite``, files that are no cache always.
+
+    Raises:
+        ConfigError: as above.
+    """
+    if not is_occupied(cache_dir):
+        return
+    if not cache_dir.is_dir() or any(
+        p.name not in _FILES and not p.name.startswith(".") for p in cache_dir.iterdir()
+    ):
+        raise ConfigError(
+            f"--cache_dir {cache_dir} holds files that are not a token cache; give an empty or new directory"
+        )
+    meta = _meta(cache_dir)
+    if meta is None or meta["fingerprint"] == fp or overwrite:
+        return  # a cache cut short, or this one (completed with what it lacks), or replaced
+    differ = sorted(k for k in {*fp, *meta["fingerprint"]} if fp.get(k) != meta["fingerprint"].get(k))
+    raise ConfigError(
+        f"--cache_dir {cache_dir} holds the token cache of other data ({', '.join(differ)} differ); "
+        "pass --overwrite to rebuild it for these settings, or give another --cache_dir"
+    )
 
 
 def _meta(cache_dir: Path) -> dict[str, Any] | None:
@@ -252,9 +281,11 @@ def prepare_cache(
     table: ChunkTable | None = None,
     tick: Callable[[], None] | None = None,
     progress: bool = True,
+    overwrite: bool | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Make the token cache hold every chunk of ``table`` (default: the corpus as it is now);
-    ``tick``, ``progress``: see :func:`build_cache`.
+    ``tick``, ``progress``: see :func:`build_cache`. ``overwrite``: None replaces a cache of other
+    data (a run's own cache directory); False refuses it (see :func:`check_cache_dir`).
 
     Returns:
         (the cache's meta, how many chunks were tokenized now: 0 when it was up to date).
@@ -265,6 +296,8 @@ def prepare_cache(
     if table is None:
         table = ChunkTable.initial(config.collections, MongoWrapper(config).counts, spec.chunk_docs)
     fp = fingerprint(config, tokenizer_dir, spec)
+    if overwrite is not None:
+        check_cache_dir(cache_dir, fp, overwrite or force)
     if force:
         (cache_dir / "cache.json").unlink(missing_ok=True)
     before = (_meta(cache_dir) or {}).get("chunks", 0) if cache_fingerprint(cache_dir) == fp else 0

@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -116,6 +117,10 @@ class DownloadReport:
         ]
 
 
+# What a download directory holds: shards, their manifest, the lock, a killed worker's temporary shard.
+_SHARD_FILE = re.compile(rf"shard-\d+\.jsonl|\.shard-.*|\.lock|{re.escape(MANIFEST)}")
+
+
 def _shard_path(out: Path, k: int) -> Path:
     return out / f"shard-{k:05d}.jsonl"
 
@@ -156,6 +161,8 @@ def download(
         "seed": seed,
         "shards": [list(r) for r in ranges],
     }
+    if out.is_dir():
+        _check_foreign(out, _read_manifest(out))  # before the lock file goes there
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -165,6 +172,7 @@ def download(
         for stale in out.glob(".shard-*"):
             stale.unlink(missing_ok=True)
         manifest = _read_manifest(out)
+        _check_foreign(out, manifest)
         if manifest and manifest.get("plan") != plan:
             if not overwrite:
                 raise ConfigError(
@@ -206,6 +214,16 @@ def download(
             bar.close()
         report.seconds = time.monotonic() - started
         return report
+
+
+def _check_foreign(out: Path, manifest: dict[str, Any] | None) -> None:
+    """Refuse a directory that holds files of its own: nothing of them is ours to replace."""
+    foreign = [p.name for p in out.iterdir() if not _SHARD_FILE.fullmatch(p.name)]
+    if manifest is None and foreign:
+        raise ConfigError(
+            f"--out {out} holds files that are not a vocabulary download "
+            f"({', '.join(sorted(foreign)[:3])}); give an empty or new directory"
+        )
 
 
 def _check_out_dir(out: Path) -> None:
