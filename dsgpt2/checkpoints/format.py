@@ -102,11 +102,13 @@ def newest_intact(ckpt_dir: Path, exclude: str | None = None) -> str | None:
     return None
 
 
-def _instead(ckpt_dir: Path, bad: str | None = None) -> str:
+def _broken(problem: str, ckpt_dir: Path, bad: str | None = None, fresh: str = "") -> CheckpointError:
+    """The error for a checkpoint that cannot be used, naming the newest intact one instead (every
+    reader has --ckpt_id); ``fresh``: how to start afresh where none is left (only the trainer can)."""
     tag = newest_intact(ckpt_dir, exclude=bad)
     if tag is None:
-        return "no intact checkpoint is left there: start fresh with another --ckpt_dir"
-    return f"the newest intact checkpoint is {tag}: resume it with --ckpt_id {tag}"
+        return CheckpointError(f"{problem}; no intact checkpoint is left there{fresh}")
+    return CheckpointError(f"{problem}; the newest intact checkpoint is {tag}: use it with --ckpt_id {tag}")
 
 
 def has_checkpoints(ckpt_dir: Path) -> bool:
@@ -114,10 +116,13 @@ def has_checkpoints(ckpt_dir: Path) -> bool:
     return (ckpt_dir / LATEST).exists() or bool(complete_tags(ckpt_dir))
 
 
-def resolve(load_dir: Path, ckpt_id: str | None) -> str:
+def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
     """The tag to resume from: ``ckpt_id``, or the one ``latest`` names; checked against its marker.
 
-    Without a ``latest`` file, the newest intact checkpoint is taken (with a warning).
+    Without a ``latest`` file, the newest intact checkpoint is taken (with a warning). ``fresh``: the
+    trainer's advice where no usable checkpoint is there (``; start fresh with ...``); the other
+    readers (export, evaluate, ...) cannot start afresh, and their flags differ, so the message then
+    names only the problem and ``--ckpt_id``.
 
     Raises:
         CheckpointError: no checkpoint there; ``latest`` unreadable or naming a missing, incomplete
@@ -126,9 +131,10 @@ def resolve(load_dir: Path, ckpt_id: str | None) -> str:
     if ckpt_id == BEST:
         ckpt_id = best_tag(load_dir)
         if ckpt_id is None:
+            present = complete_tags(load_dir) or "none"
             raise CheckpointError(
-                f"--ckpt_id best: {load_dir} has no readable `best` file (a run with --early_stopping "
-                f"writes one); complete checkpoints there: {complete_tags(load_dir) or 'none'}"
+                f"--ckpt_id best: {load_dir} has no readable `best` file (a run of `dsgpt2 train "
+                f"--early_stopping` writes one); complete checkpoints there: {present}"
             )
     if ckpt_id:
         if not is_complete(load_dir, ckpt_id):
@@ -137,27 +143,24 @@ def resolve(load_dir: Path, ckpt_id: str | None) -> str:
                 f"--ckpt_id {ckpt_id!r}: no complete checkpoint {load_dir / ckpt_id}; "
                 f"complete checkpoints there: {present or 'none'}"
             )
-        _check_intact(load_dir, ckpt_id)
+        _check_intact(load_dir, ckpt_id, fresh)
         return ckpt_id
     latest = load_dir / LATEST
     if not latest.is_file():
         tag = newest_intact(load_dir)
         if tag is None:
-            raise CheckpointError(
-                f"no checkpoint to resume from in {load_dir} (no `latest` file, no intact checkpoint); "
-                "pass the directory a run saved to with --load_dir, name one with --ckpt_id, or start "
-                "fresh without --load_dir"
-            )
+            what = "no checkpoint to resume from" if fresh else "no checkpoint"
+            raise CheckpointError(f"{what} in {load_dir} (no `latest` file, no intact checkpoint){fresh}")
         log.warning("%s has no `latest` file; resuming from its newest intact checkpoint, %s", load_dir, tag)
         return tag
     tag = latest.read_bytes().decode("utf-8", "replace").strip()
     if not tag or not _TAG.match(tag):
-        raise CheckpointError(f"{latest} is empty or corrupt ({tag[:40]!r}); {_instead(load_dir)}")
+        raise _broken(f"{latest} is empty or corrupt ({tag[:40]!r})", load_dir, fresh=fresh)
     if not is_complete(load_dir, tag):
-        raise CheckpointError(
-            f"{latest} names {tag!r}, which is missing or incomplete in {load_dir}; {_instead(load_dir, tag)}"
+        raise _broken(
+            f"{latest} names {tag!r}, which is missing or incomplete in {load_dir}", load_dir, tag, fresh
         )
-    _check_intact(load_dir, tag)
+    _check_intact(load_dir, tag, fresh)
     return tag
 
 
@@ -170,10 +173,10 @@ def best_tag(ckpt_dir: Path) -> str | None:
     return tag if _TAG.match(tag) else None
 
 
-def _check_intact(ckpt_dir: Path, tag: str) -> None:
+def _check_intact(ckpt_dir: Path, tag: str, fresh: str = "") -> None:
     problem = damage(ckpt_dir, tag)
     if problem is not None:
-        raise CheckpointError(f"{problem}; {_instead(ckpt_dir, tag)}")
+        raise _broken(problem, ckpt_dir, tag, fresh)
 
 
 def is_partitioned(ckpt_dir: Path, tag: str) -> bool:
@@ -186,7 +189,7 @@ def model_states_file(ckpt_dir: Path, tag: str) -> Path:
     for name in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
         if (ckpt_dir / tag / name).is_file():
             return ckpt_dir / tag / name
-    raise CheckpointError(f"{ckpt_dir / tag} holds no model states file; {_instead(ckpt_dir, tag)}")
+    raise _broken(f"{ckpt_dir / tag} holds no model states file", ckpt_dir, tag)
 
 
 def load_states(ckpt_dir: Path, tag: str, mmap: bool = False) -> dict[str, Any]:
@@ -200,7 +203,7 @@ def load_states(ckpt_dir: Path, tag: str, mmap: bool = False) -> dict[str, Any]:
         blob = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as exc:  # a damaged file fails in torch's zip reader or in unpickling
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise CheckpointError(f"{path} cannot be read ({first}); {_instead(ckpt_dir, tag)}") from None
+        raise _broken(f"{path} cannot be read ({first})", ckpt_dir, tag) from None
     if not isinstance(blob, dict) or "dsgpt2" not in blob:
         raise CheckpointError(f"{ckpt_dir / tag} was not written by dsgpt2 (no training state in it)")
     return blob

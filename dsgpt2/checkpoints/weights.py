@@ -130,7 +130,8 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
             f"model {path}: neither an exported model (config.json + *.safetensors) nor a checkpoint "
-            "directory (with `latest`); export one with `dsgpt2 export` or point at --ckpt_dir of a run"
+            "directory (with `latest`); export one with `dsgpt2 export`, or give the directory a training "
+            "run saved its checkpoints to"
         )
     ckpt_dir, tag = locate_checkpoint(path, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)

@@ -203,7 +203,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
 
-    from dsgpt2.infer.evaluate import default_report_path, evaluate, report_lines, write_report
+    from dsgpt2.infer.evaluate import (
+        check_collections,
+        default_report_path,
+        evaluate,
+        report_lines,
+        write_report,
+    )
     from dsgpt2.infer.settings import EvalRequest
 
     request = from_namespace(EvalRequest, args)
@@ -213,6 +219,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         from dsgpt2.hellaswag import read_examples
 
         examples = read_examples(Path(args.hellaswag), args.hellaswag_limit)
+    else:
+        check_collections(config, request)
     loaded = _load_model(args)
     split = "hellaswag" if examples else args.split
     path = Path(args.report) if args.report else default_report_path(loaded.name, split)

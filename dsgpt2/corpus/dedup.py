@@ -310,7 +310,7 @@ class SeenTexts:
             if unhashed is not None:
                 log.warning(
                     "%s holds documents without %s (ingested before hashes, or numbered in place): "
-                    "--dedup does not see their texts until `dsgpt2 dedup --exact` hashes them",
+                    "`ingest --dedup` does not see their texts until `dsgpt2 dedup --exact` hashes them",
                     name,
                     HASH,
                 )

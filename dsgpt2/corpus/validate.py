@@ -341,12 +341,13 @@ def validate_corpus(conn: Connection, names: list[str] | None = None) -> list[Co
 
 
 def require_valid(
-    conn: Connection, names: list[str] | None = None, full: bool = True
+    conn: Connection, names: list[str] | None = None, full: bool = True, override: str = ""
 ) -> list[CollectionReport]:
     """Check, and refuse a corpus with errors (what training calls before it starts).
 
     Args:
         full: every document examined (:func:`validate_collection`); else :func:`quick_check`.
+        override: how the caller's command goes on anyway (its flag), added to the message.
 
     Raises:
         CorpusError: naming each problem and its fix.
@@ -365,10 +366,7 @@ def require_valid(
             for p in r.problems
             if p.severity == "error"
         )
-        raise CorpusError(
-            f"the corpus has problems: {details}. Run `dsgpt2 validate` for details, "
-            "or override the check if you accept skipping the bad documents"
-        )
+        raise CorpusError(f"the corpus has problems: {details}. Run `dsgpt2 validate` for details{override}")
     return reports
 
 

@@ -101,6 +101,21 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
     )
 
 
+def check_collections(config: MongoConfig, request: EvalRequest) -> None:
+    """Before the model loads: every collection to evaluate on exists (an absent one would read as an
+    empty split).
+
+    Raises:
+        CorpusError: one line naming the missing collections and those the database holds.
+    """
+    from dsgpt2.corpus.mongo import check_exist, connect
+
+    fix = "fix COLLECTIONS in the connection config or give one with --collection"
+    if request.collections:
+        fix = "give one of those with --collection"
+    check_exist(connect(config), request.collections or config.collections, fix)
+
+
 def evaluate(
     loaded: LoadedModel, config: MongoConfig, request: EvalRequest, progress: bool = True
 ) -> dict[str, Any]:

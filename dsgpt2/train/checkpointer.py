@@ -85,7 +85,14 @@ class Checkpointer:
             load_dir = c.ckpt_dir
         if load_dir is None:
             return None
-        tag = resolve(load_dir, c.ckpt_id)
+        # Where nothing usable is there, only the trainer can start afresh instead: its advice.
+        fresh = "start fresh with another --ckpt_dir"
+        if c.load_dir is not None:
+            fresh = (
+                "pass the directory a run saved to with --load_dir, name one with --ckpt_id, or start "
+                "fresh without --load_dir"
+            )
+        tag = resolve(load_dir, c.ckpt_id, f"; {fresh}")
         saved = read_client_state(load_dir, tag)
         self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         self._check_data(saved, load_dir / tag)
