@@ -213,13 +213,11 @@ def world(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> 
     damaged.mkdir(parents=True)
     marker = {"step": 5, "files": {"mp_rank_00_model_states.pt": {"size": 3, "sha256": "0" * 64}}}
     (damaged / "dsgpt2_complete.json").write_text(json.dumps(marker))
-    hellaswag = base / "hs.jsonl"
-    hellaswag.write_text('{"ctx": "a", "endings": ["b"], "label": 0}\n')
     return {
         "CFG": str(cfg), "NOPE": str(nope), "UNINDEXED": str(unindexed), "MODEL": str(model),
         "PLAIN": str(plain), "TOK": str(base / "chat" / "tok"), "EMPTY": str(base / "empty"),
         "FILE": str(base / "file.txt"), "MISSING": str(base / "missing"), "LATEST_BAD": str(latest),
-        "DAMAGED": str(damaged.parent), "OUT": str(base / "out"), "HS": str(hellaswag),
+        "DAMAGED": str(damaged.parent), "OUT": str(base / "out"),
         "BASE": str(base), "DS": str(ROOT / "configs" / "ds_config_cpu.json"),
     }  # fmt: skip
 
@@ -255,7 +253,6 @@ def _busy_port() -> tuple[socket.socket, int]:
 
 M = ["--model", "MODEL"]
 T = ["--config_train", "CFG", "--vocab_dir", "TOK", "--model_select", "tiny", "--deepspeed_config", "DS"]
-EV = ["evaluate", "--config", "CFG"]
 CASES: list[tuple[str, list[str]]] = [
     # export
     ("export", ["--ckpt_dir", "EMPTY", "--out", "OUT"]),
