@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, db_for, make_config, seed, store_config
+from conftest import ROOT, db_for, make_config, run_cli, seed, store_config, write_config
+from dsgpt2.corpus import embedded
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_conversation
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
 from dsgpt2.corpus.validate import validate_collection
@@ -92,7 +94,8 @@ def test_bad_records_are_skipped_and_counted(tmp_path: Path) -> None:
         "not_string": 1,
         "empty": 1,
     }
-    with pytest.raises(BadDocumentError, match="record 1 is unusable"):
+    # The line an editor shows (1-based), not the record's number in the file (1).
+    with pytest.raises(BadDocumentError, match=r"bad\.jsonl line 2 is unusable \(bad_json\)"):
         ingest(conn, "b", [file_source(f)], strict=True)
 
 
@@ -344,3 +347,162 @@ def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path
     assert _texts(Connection(conn.config)) == texts
     _assert_contiguous(Connection(conn.config))
     assert not list(tmp_path.glob(".*snapshot-*"))
+
+
+def test_a_field_no_record_has_exits_2_naming_the_fields_the_records_have(tmp_path: Path) -> None:
+    f = tmp_path / "news.jsonl"
+    f.write_text(
+        "".join(json.dumps({"id": i, "title": f"t{i}", "text": f"story {i}"}) + "\n" for i in range(50))
+    )
+    cfg, store = store_config(tmp_path, ["news"])
+    done = run_cli("ingest", "--config", str(cfg), "--field", "body", "--no_progress", str(f))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and "WARNING" not in done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "none of its 50 record(s) has the field named by --field body; nothing was stored" in line
+    assert "the fields id, title, text" in line and "e.g. --field text" in line
+    conn = Connection(make_config(["news"], **db_for(store)))
+    assert conn.db["news"].count_documents({}) == 0
+    assert not read_meta(conn, ["news"])["news"].get("sources")  # no unfinished ingest left behind
+    # The field it names works, from a clean start.
+    again = run_cli("ingest", "--config", str(cfg), "--field", "text", "--no_progress", str(f))
+    assert again.returncode == 0, again.stderr
+    assert _texts(conn, "news") == [f"story {i}" for i in range(50)]
+    assert run_cli("validate", "--config", str(cfg)).returncode == 0
+
+
+def test_each_skipped_record_is_located_in_the_report_and_the_first_in_the_log(tmp_path: Path) -> None:
+    j = tmp_path / "m.jsonl"
+    lines = [json.dumps({"text": f"good {i}"}) for i in range(30)]
+    lines[3] = "{not json"  # line 4
+    lines[7] = json.dumps({"text": None})  # line 8
+    lines[12] = ""  # a blank line: a line, not a record
+    lines[20] = json.dumps({"body": "x"})  # line 21
+    lines[25] = json.dumps({"text": "   "})  # line 26
+    lines[27] = json.dumps({"text": 7})  # line 28
+    lines[29] = json.dumps({"text": "good 1"})  # line 30: line 2's text again
+    j.write_text("\n".join(lines) + "\n")
+    c = tmp_path / "c.csv"
+    # header; a row; a blank line; a quoted text over two lines; an empty text; a short row; a row.
+    c.write_text('id,text\n1,first\n\n2,"two\nlines"\n3,\n4\n5,last\n')
+    cfg, store = store_config(tmp_path)
+    report = tmp_path / "skipped.jsonl"
+    args = ["--dedup", "--report", str(report), "--no_progress", str(j), str(c)]
+    done = run_cli("ingest", "--config", str(cfg), *args)
+    assert done.returncode == 0, done.stderr
+    expected = [(j, 4, "bad_json"), (j, 8, "null"), (j, 21, "no_field"), (j, 26, "empty"),
+                (j, 28, "not_string"), (j, 30, "duplicate"), (c, 6, "empty"), (c, 7, "no_field")]  # fmt: skip
+    assert [json.loads(x) for x in report.read_text().splitlines()] == [
+        {"file": str(f), "line": n, "reason": why} for f, n, why in expected
+    ]
+    assert (
+        "m.jsonl line 4 (bad_json), m.jsonl line 8 (null), m.jsonl line 21 (no_field), m.jsonl line 26 "
+        f"(empty), m.jsonl line 28 (not_string) and 1 more (--report {report} lists each)" in done.stderr
+    )
+    assert "c.csv line 6 (empty), c.csv line 7 (no_field)" in done.stderr
+    conn = Connection(make_config(["a"], **db_for(store)))
+    assert _texts(conn)[-3:] == ["first", "two\nlines", "last"]
+    # --strict names the line an editor shows: the 21st, after a blank 20th (the 20th record).
+    strict = tmp_path / "s.jsonl"
+    strict.write_text(
+        "".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(19)) + "\n" + '{"body": 1}\n'
+    )
+    stopped = run_cli(
+        "ingest", "--config", str(cfg), "--collection", "b", "--strict", "--no_progress", str(strict)
+    )
+    assert stopped.returncode == 2 and "Traceback" not in stopped.stderr
+    assert "s.jsonl line 21 is unusable (no_field)" in stopped.stderr.strip().splitlines()[-1]
+
+
+def test_a_paragraph_is_located_by_its_first_line(tmp_path: Path) -> None:
+    t = tmp_path / "p.txt"
+    t.write_text("\n\none\ntwo\n\n\nthree\n\nfour\nfive\nsix\n")
+    source = file_source(t, split="paragraph")
+    located = [(text.split()[0], source.locate(i)["line"]) for i, text in enumerate(source.read())]
+    assert located == [("one", 3), ("three", 7), ("four", 9)]
+
+
+def test_text_hash_is_indexed_at_ingest_and_by_dsgpt2_index(tmp_path: Path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("one\ntwo\n")
+    cfg, store = store_config(tmp_path)
+    assert run_cli("ingest", "--config", str(cfg), "--no_progress", str(f)).returncode == 0
+    conn = Connection(make_config(["a"], **db_for(store)))
+    assert {"text_hash": 1} in [dict(i["key"]) for i in conn.db["a"].list_indexes()]
+    # A collection another application wrote, numbered in place.
+    conn.db["app"].insert_many([{"body": f"article {i}"} for i in range(5)])
+    done = run_cli("index", "--config", str(cfg), "--collection", "app", "--field", "body", "--no_progress")
+    assert done.returncode == 0, done.stderr
+    assert {"text_hash": 1} in [dict(i["key"]) for i in conn.db["app"].list_indexes()]
+
+
+def _start_ingest(cfg: Path, collection: str, path: Path) -> subprocess.Popen:
+    args = ["ingest", "--config", str(cfg), "--collection", collection, "--batch_size", "50", "--no_progress"]
+    return subprocess.Popen([sys.executable, "-m", "dsgpt2", *args, str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _numbered(n: int, tag: str, path: Path) -> list[str]:
+    texts = [f"{tag} document {i}" for i in range(n)]
+    path.write_text("".join(t + "\n" for t in texts))
+    return texts
+
+
+def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -> None:
+    """Two `dsgpt2 ingest` processes at the same moment into one local:// store (whose server the first
+    to come starts): into two collections, into one; the same source twice is refused while its
+    writer lives, never stored twice."""
+    directory = tmp_path / "db"
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}",
+                       MONGO_CONNECTION_DB="corpus", COLLECTIONS=["x", "y"])  # fmt: skip
+    n = 2000
+    a, b = _numbered(n, "a", tmp_path / "a.txt"), _numbered(n, "b", tmp_path / "b.txt")
+    try:
+        procs = [_start_ingest(cfg, "x", tmp_path / "a.txt"), _start_ingest(cfg, "y", tmp_path / "b.txt")]
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+        conn = Connection(load_config(cfg))
+        assert _texts(conn, "x") == a and _texts(conn, "y") == b
+        _assert_contiguous(conn, "x")
+        _assert_contiguous(conn, "y")
+        assert {k: v["count"] for k, v in read_meta(conn, ["x", "y"]).items()} == {"x": n, "y": n}
+
+        procs = [_start_ingest(cfg, "z", tmp_path / "a.txt"), _start_ingest(cfg, "z", tmp_path / "b.txt")]
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+        _assert_contiguous(conn, "z")
+        docs = list(conn.db["z"].find({}, {"_id": 0, "filt_text": 1}, sort=[("idx", 1)]))
+        assert len(docs) == 2 * n
+        assert [d["filt_text"] for d in docs if d["filt_text"][0] == "a"] == a
+        assert [d["filt_text"] for d in docs if d["filt_text"][0] == "b"] == b
+        meta = read_meta(conn, ["z"])["z"]
+        assert meta["count"] == 2 * n
+        assert sorted(s["inserted"] for s in meta["sources"].values()) == [n, n]
+
+        big = _numbered(5 * n, "w", tmp_path / "w.txt")
+        first = _start_ingest(cfg, "w", tmp_path / "w.txt")
+        deadline = time.monotonic() + 120
+        while conn.db["w"].estimated_document_count() < 100 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert first.poll() is None, "the first ingest ended before the second could meet it"
+        first.send_signal(signal.SIGSTOP)  # alive, holding the source, writing nothing for now
+        try:
+            second = run_cli("ingest", "--config", str(cfg), "--collection", "w", "--no_progress",
+                             str(tmp_path / "w.txt"))  # fmt: skip
+        finally:
+            first.send_signal(signal.SIGCONT)
+        assert second.returncode == 2 and "Traceback" not in second.stderr
+        assert "another dsgpt2 ingest" in second.stderr.strip().splitlines()[-1]
+        _, err = first.communicate(timeout=300)
+        assert first.returncode == 0, err[-3000:]
+        assert _texts(conn, "w") == big
+        _assert_contiguous(conn, "w")
+        again = run_cli(
+            "ingest", "--config", str(cfg), "--collection", "w", "--no_progress", str(tmp_path / "w.txt")
+        )
+        assert again.returncode == 0 and "already ingested" in again.stdout
+        assert read_meta(conn, ["w"])["w"]["count"] == len(big) == conn.db["w"].count_documents({})
+    finally:
+        embedded.stop(directory)

@@ -25,7 +25,7 @@ from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.corpus.ingest import detect_format, file_source, ingest
 from dsgpt2.corpus.mongo import Connection, read_meta
 from dsgpt2.corpus.validate import validate_collection
-from dsgpt2.errors import IngestError
+from dsgpt2.errors import BadDocumentError, IngestError
 
 
 def fineweb_rows(n: int, start: int = 0) -> dict[str, list]:
@@ -290,3 +290,40 @@ def test_a_binary_file_is_read_by_its_reader_or_refused_never_stored_as_text(
     result = run_cli("ingest", "--config", str(cfg), str(path))
     assert result.returncode == 2 and f"{name} is {what}" in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "nothing was stored" in result.stderr
+
+
+def test_a_skipped_row_is_located_by_row_group_and_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = fineweb_rows(300)
+    bad = {5: "null", 70: "null", 130: "empty", 199: "null", 250: "null"}
+    for i, why in bad.items():
+        rows["text"][i] = None if why == "null" else "   "
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table(rows), path, row_group_size=64)
+    monkeypatch.setattr(columnar, "BATCH_ROWS", 16)  # several batches in a row group
+    report = tmp_path / "skipped.jsonl"
+    conn = _conn()
+    ingest(conn, "a", [file_source(path)], report_file=report)
+    got = [json.loads(x) for x in report.read_text().splitlines()]
+    assert got == [
+        {"file": str(path), "row_group": i // 64, "row": i % 64, "reason": why} for i, why in bad.items()
+    ]
+    groups = pq.ParquetFile(path)
+    assert [groups.read_row_group(g["row_group"]).column("text")[g["row"]].as_py() for g in got] == [
+        rows["text"][i] for i in bad
+    ]
+    # A resumed read starts in a row group: its rows are located in that group all the same.
+    table = columnar.Table(path, "parquet", "text", ())
+    rest = table.rows(100)
+    next(rest)
+    assert table.where() == {"file": str(path), "row_group": 1, "row": 36}
+    with pytest.raises(BadDocumentError, match=r"x\.parquet row group 0, row 5 is unusable \(null\)"):
+        ingest(conn, "b", [file_source(path)], strict=True)
+    # An Arrow file: the record batch and the row in it.
+    arrow = tmp_path / "x.arrow"
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_file(sink, pa.table(rows).schema) as w:
+        w.write_table(pa.table(rows), max_chunksize=50)
+    ingest(conn, "c", [file_source(arrow)], report_file=report)
+    located = [(x["row_group"], x["row"]) for x in map(json.loads, report.read_text().splitlines())]
+    assert located == [(i // 50, i % 50) for i in bad]

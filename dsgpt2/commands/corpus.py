@@ -92,7 +92,15 @@ def add_ingest(sub: Any) -> None:
         help="encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become "
         "U+FFFD and are counted (default: utf-8)",
     )
-    p.add_argument("--strict", action="store_true", help="stop at the first unusable record")
+    p.add_argument(
+        "--strict", action="store_true", help="stop at the first unusable record, naming its file and line"
+    )
+    p.add_argument(
+        "--report",
+        metavar="FILE.jsonl",
+        help="write where each skipped record is, one JSON object a line: file and line (Parquet, Arrow: "
+        "row_group and row) and the reason; the log names the first few",
+    )
     p.add_argument(
         "--dedup",
         action="store_true",
@@ -446,6 +454,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         strict=args.strict,
         progress=not args.no_progress,
         dedup=args.dedup,
+        report_file=args.report,
     )
     for line in report.lines():
         print(line)

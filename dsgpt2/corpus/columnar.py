@@ -130,6 +130,7 @@ class Table:
                 "with --field"
             )
         self.columns = list(dict.fromkeys(wanted))
+        self._at: tuple[Path, int, int] = (self.files[0] if self.files else path, 0, 0)
 
     def _schema(self, file: Path) -> Any:
         import pyarrow.parquet as pq
@@ -149,7 +150,8 @@ class Table:
         return ipc.open_stream(source)
 
     def rows(self, start: int = 0) -> Iterator[Row]:
-        """Every row from row number ``start`` on (the rows before it are not decoded)."""
+        """Every row from row number ``start`` on (the rows before it are not decoded); :meth:`where`
+        locates the row yielded last."""
         import pyarrow as pa
 
         try:
@@ -160,8 +162,10 @@ class Table:
                     if skip >= rows:
                         skip -= rows
                         continue
-                for batch in self._batches(file, skip):
-                    yield from self._rows(batch)
+                for group, first, batch in self._batches(file, skip):
+                    for i, row in enumerate(self._rows(batch)):
+                        self._at = (file, group, first + i)
+                        yield row
                 skip = 0
         except pa.ArrowException as exc:
             # Damage found mid-read: the ingest keeps what came before and names the file.
@@ -175,24 +179,29 @@ class Table:
         with self._open_ipc(file) as reader:
             return sum(b.num_rows for b in _ipc_batches(reader))
 
-    def _batches(self, file: Path, skip: int) -> Iterator[Any]:
-        """Record batches of at most BATCH_ROWS rows of ``file``, the first ``skip`` rows left out."""
+    def where(self) -> dict[str, Any]:
+        """Where the row :meth:`rows` yielded last sits: its file, its row group (an Arrow input's
+        record batch) and its row in that group, both counted from 0 as pyarrow counts them."""
+        file, group, row = self._at
+        return {"file": str(file), "row_group": group, "row": row}
 
+    def _batches(self, file: Path, skip: int) -> Iterator[tuple[int, int, Any]]:
+        """Record batches of at most BATCH_ROWS rows of ``file``, the first ``skip`` rows left out, each
+        with its row group (record batch) and the place of its first row in that group."""
         if self.kind == "parquet":
-            batches = self._parquet_batches(file, skip)
-            skip = 0
-        else:
-            reader = self._open_ipc(file)
-            batches = (b.select(self.columns) for b in _ipc_batches(reader))
-        for batch in batches:
+            yield from self._parquet_batches(file, skip)
+            return
+        reader = self._open_ipc(file)
+        for group, batch in enumerate(_ipc_batches(reader)):
             if skip >= batch.num_rows:
                 skip -= batch.num_rows
                 continue
+            batch = batch.select(self.columns)
             for offset in range(skip, batch.num_rows, BATCH_ROWS):
-                yield batch.slice(offset, BATCH_ROWS)
+                yield group, offset, batch.slice(offset, BATCH_ROWS)
             skip = 0
 
-    def _parquet_batches(self, file: Path, skip: int) -> Iterator[Any]:
+    def _parquet_batches(self, file: Path, skip: int) -> Iterator[tuple[int, int, Any]]:
         """One row group at a time (damage in a group surfaces after the groups before it), the
         groups wholly before ``skip`` not read at all."""
         import pyarrow.parquet as pq
@@ -203,11 +212,14 @@ class Table:
             if skip >= n:
                 skip -= n
                 continue
+            row = 0
             for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[i], columns=self.columns):
                 if skip >= batch.num_rows:
                     skip -= batch.num_rows
+                    row += batch.num_rows
                     continue
-                yield batch.slice(skip)
+                yield i, row + skip, batch.slice(skip)
+                row += batch.num_rows
                 skip = 0
 
     def _rows(self, batch: Any) -> Iterator[Row]:

@@ -11,6 +11,15 @@ far the source has been read. A re-run skips finished sources and resumes an
 unfinished one after the last record that reached the collection, read back
 from the documents themselves (``source``/``source_pos``), so a batch that was
 inserted but not yet recorded is neither lost nor duplicated.
+
+One writer per source: an ingest holds each source it writes (an owner and a
+heartbeat in meta_info), and a second ingest of the same source while the first
+lives is refused; a holder that died (its process gone on this machine, or no
+heartbeat for ``LEASE_SECONDS``) is taken over by the re-run. Different sources
+may go into one collection at once: the unique idx index numbers them apart.
+
+Every skipped record is located (file and 1-based line, or Parquet row group and
+row): the first few in the log, all of them in the ``--report`` file.
 """
 
 from __future__ import annotations
@@ -23,20 +32,25 @@ import io
 import json
 import logging
 import os
+import socket
 import sys
 import time
+import uuid
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
+
+from pymongo.errors import PyMongoError
 
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
 from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
-from dsgpt2.corpus.dedup import HASH, SeenTexts, document_hash
+from dsgpt2.corpus.dedup import HASH, SeenTexts, document_hash, ensure_hash_index
 from dsgpt2.corpus.documents import SkipTally, utf8_encodable
 from dsgpt2.corpus.mongo import (
     Connection,
@@ -46,9 +60,8 @@ from dsgpt2.corpus.mongo import (
     max_idx,
     read_meta,
     with_retries,
-    write_meta,
 )
-from dsgpt2.errors import BadDocumentError, IngestError
+from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
@@ -60,13 +73,47 @@ QUERY_SPEAKER = "user"
 REPLY_SPEAKER = "bot"
 
 
+# A source held by an ingest whose heartbeat is older than this (on another machine) is taken over.
+LEASE_SECONDS = 60.0
+# Skipped records named in the log, per source (the --report file lists every one).
+SHOWN_SKIPS = 5
+# Records read without the text field, none with it, before the log says the field may be wrong.
+NO_FIELD_WARNING = 1000
+
+
 class BadRecord:
-    """A source record that cannot become a document, and why."""
+    """A source record that cannot become a document, and why (``no_field``: the record's fields,
+    each with whether it holds a string)."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("keys", "reason")
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, keys: dict[str, bool] | None = None) -> None:
         self.reason = reason
+        self.keys = keys
+
+
+class LineCursor:
+    """The 1-based line of the file (as an editor numbers them, blank lines counted) where the record
+    a reader yielded last starts."""
+
+    __slots__ = ("line",)
+
+    def __init__(self) -> None:
+        self.line = 0
+
+
+def _by_record_number(pos: int) -> dict[str, Any]:
+    return {"record": pos}
+
+
+def describe(where: dict[str, Any]) -> str:
+    """A location of :meth:`Source.locate` in words: ``news.jsonl line 21``, ``x.parquet row group 3,
+    row 17``, ``record 20``."""
+    if "line" in where:
+        return f"{Path(where['file']).name} line {where['line']}"
+    if "row_group" in where:
+        return f"{Path(where['file']).name} row group {where['row_group']}, row {where['row']}"
+    return f"record {where.get('record')}"
 
 
 @dataclass(frozen=True)
@@ -80,6 +127,10 @@ class Source:
     decoding: DecodeTally | None = field(default=None, repr=False, compare=False)
     # Sources that can start at a record number without reading the ones before it (columnar files).
     read_from: Callable[[int], Iterator[Any]] | None = field(default=None, repr=False, compare=False)
+    # Where the record read last (number ``pos``) is in the input: {"file", "line"} or {"file",
+    # "row_group", "row"}, or {"record"} for the built-in samples.
+    locate: Callable[[int], dict[str, Any]] = field(default=_by_record_number, repr=False, compare=False)
+    flag: str = ""  # the option that names the text field, with its value ("--field body")
 
 
 @dataclass
@@ -156,7 +207,15 @@ def file_source(
         table = Table(p, fmt, field, keep_fields)
         key = _key("file", str(p.resolve()), fmt, field, *keep_fields)
         label = f"{p.name} ({fmt}: {field}{kept})"
-        return Source(key, label, "text", table.rows, read_from=table.rows)
+        return Source(
+            key,
+            label,
+            "text",
+            table.rows,
+            read_from=table.rows,
+            locate=lambda _: table.where(),
+            flag=f"--field {field}",
+        )
     if keep_fields and fmt not in ("jsonl", "csv"):
         raise IngestError(f"--keep_fields goes with jsonl, csv, parquet, arrow and dataset inputs, not {fmt}")
     if codecs.lookup(encoding).name in ("utf-8", "ascii", "latin-1", "cp1252", "iso8859-1"):
@@ -170,14 +229,21 @@ def file_source(
     option = {"text": split, "jsonl": field, "csv": column, "conversation": ""}[fmt]
     key = _key("file", str(p.resolve()), fmt, option, *keep_fields)
     label = f"{p.name} ({fmt}{': ' + option if option else ''}{kept})"
+    at = LineCursor()
+
+    def locate(_: int) -> dict[str, Any]:
+        return {"file": str(p), "line": at.line}
+
     if fmt == "text":
-        return Source(key, label, "text", lambda: _read_text(p, split, tally), tally)
+        return Source(key, label, "text", lambda: _read_text(p, split, tally, at), tally, locate=locate)
     if fmt == "jsonl":
-        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally, keep_fields), tally)
+        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally, keep_fields, at), tally,
+                      locate=locate, flag=f"--field {field}")  # fmt: skip
     if fmt == "csv":
         _check_csv_header(p, column, tally, keep_fields)
-        return Source(key, label, "text", lambda: _read_csv(p, column, tally, keep_fields), tally)
-    return Source(key, label, "conversation", lambda: _read_conversations(p, tally), tally)
+        return Source(key, label, "text", lambda: _read_csv(p, column, tally, keep_fields, at), tally,
+                      locate=locate, flag=f"--column {column}")  # fmt: skip
+    return Source(key, label, "conversation", lambda: _read_conversations(p, tally, at), tally, locate=locate)
 
 
 def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
@@ -226,28 +292,38 @@ def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:
 DAMAGED_INPUT = (EOFError, OSError, zlib.error, csv.Error)
 
 
-def _read_text(path: Path, split: str, tally: DecodeTally | None = None) -> Iterator[Any]:
+def _read_text(
+    path: Path, split: str, tally: DecodeTally | None = None, at: LineCursor | None = None
+) -> Iterator[Any]:
+    at = at or LineCursor()
     with open_text(path, tally) as f:
         if split == "line":
-            for line in f:
+            for n, line in enumerate(f, 1):
+                at.line = n
                 yield line.rstrip("\r\n")
             return
         para: list[str] = []
-        for line in f:
+        first = 0
+        for n, line in enumerate(f, 1):
             if line.strip():
+                first = first if para else n
                 para.append(line)
             elif para:
+                at.line = first
                 yield "".join(para)
                 para = []
         if para:
+            at.line = first
             yield "".join(para)
 
 
-def _json_lines(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
+def _json_lines(path: Path, tally: DecodeTally | None = None, at: LineCursor | None = None) -> Iterator[Any]:
+    at = at or LineCursor()
     with open_text(path, tally) as f:
-        for line in f:
+        for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            at.line = n
             try:
                 yield json.loads(line)
             except (json.JSONDecodeError, RecursionError):
@@ -256,15 +332,19 @@ def _json_lines(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
 
 
 def _read_jsonl(
-    path: Path, field_name: str, tally: DecodeTally | None = None, keep: tuple[str, ...] = ()
+    path: Path,
+    field_name: str,
+    tally: DecodeTally | None = None,
+    keep: tuple[str, ...] = (),
+    at: LineCursor | None = None,
 ) -> Iterator[Any]:
-    for obj in _json_lines(path, tally):
+    for obj in _json_lines(path, tally, at):
         if isinstance(obj, BadRecord):
             yield obj
         elif not isinstance(obj, dict):
             yield BadRecord("bad_json")
         elif field_name not in obj:
-            yield BadRecord("no_field")
+            yield BadRecord("no_field", {str(k): isinstance(v, str) for k, v in obj.items()})
         elif keep:
             yield Row(obj[field_name], {k: storable(obj.get(k)) for k in keep})
         else:
@@ -289,10 +369,25 @@ def _check_csv_header(
 
 
 def _read_csv(
-    path: Path, column: str, tally: DecodeTally | None = None, keep: tuple[str, ...] = ()
+    path: Path,
+    column: str,
+    tally: DecodeTally | None = None,
+    keep: tuple[str, ...] = (),
+    at: LineCursor | None = None,
 ) -> Iterator[Any]:
+    at = at or LineCursor()
     with open_text(path, tally) as f:
-        for row in _csv_reader(f):
+        # csv.reader, not DictReader: a record's first line is the line after the previous record's
+        # last, and DictReader passes over blank lines without saying so.
+        reader = csv.reader(f)
+        csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
+        header = next(reader, [])
+        end = reader.line_num
+        for values in reader:
+            at.line, end = end + 1, reader.line_num
+            if not values:
+                continue
+            row = dict(zip(header, values, strict=False))
             value = row.get(column)
             if value is None:
                 yield BadRecord("no_field")
@@ -300,8 +395,10 @@ def _read_csv(
                 yield Row(value, {k: row.get(k) for k in keep}) if keep else value
 
 
-def _read_conversations(path: Path, tally: DecodeTally | None = None) -> Iterator[Any]:
-    for obj in _json_lines(path, tally):
+def _read_conversations(
+    path: Path, tally: DecodeTally | None = None, at: LineCursor | None = None
+) -> Iterator[Any]:
+    for obj in _json_lines(path, tally, at):
         yield obj if isinstance(obj, BadRecord) else normalize_conversation(obj)
 
 
@@ -376,6 +473,77 @@ class SourceReport:
     near_duplicates: int = 0  # inserted marked near_dup_of (ingest --dedup after a dedup --near)
 
 
+class SkipLog:
+    """Where each skipped record is: every one in the ``--report`` file (one JSON object a line: the
+    file and line, or the file, row group and row; and the reason), the first few of a source in the
+    log when the source ends."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = None if path is None else str(path)
+        self.file: TextIO | None = None
+        self.first: list[str] = []
+        self.count = 0
+        if self.path is not None:
+            try:
+                self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+            except OSError as exc:
+                raise IngestError(
+                    f"cannot write --report {self.path!r}: {exc.strerror or exc}; give a writable path"
+                ) from None
+
+    def add(self, source: Source, where: dict[str, Any], reason: str) -> None:
+        self.count += 1
+        if len(self.first) < SHOWN_SKIPS:
+            self.first.append(f"{describe(where)} ({reason})")
+        if self.file is not None:
+            entry = where if "file" in where else {"source": source.label, **where}
+            self.file.write(json.dumps({**entry, "reason": reason}) + "\n")
+
+    def end_source(self, source: Source, quiet: bool = False) -> None:
+        """Log the first skipped records of ``source`` (not when ``quiet``: an error says more)."""
+        if self.first and not quiet:
+            more = self.count - len(self.first)
+            rest = ""
+            if more:
+                rest = f" and {more} more (--report {self.path or 'FILE'} lists each)"
+            log.warning("%s: skipped %s%s", source.label, ", ".join(self.first), rest)
+        self.first, self.count = [], 0
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class MissingField:
+    """The records without the text field, and the fields they have instead (for the line that says
+    the field asked for is not there)."""
+
+    KEPT = 1000  # records whose field names are counted
+
+    def __init__(self) -> None:
+        self.records = 0
+        self.with_field = 0
+        self.keys: Counter[str] = Counter()
+        self.texts: Counter[str] = Counter()  # fields holding a string
+
+    def add(self, keys: dict[str, bool] | None) -> None:
+        self.records += 1
+        if keys and self.records <= self.KEPT:
+            self.keys.update(list(keys))
+            self.texts.update(k for k, is_text in keys.items() if is_text)
+
+    def fields(self) -> str:
+        return ", ".join(k for k, _ in self.keys.most_common(12)) or "none"
+
+    def advice(self, source: Source) -> str:
+        flag = source.flag.split(" ")[0]
+        best = "text" if "text" in self.texts else next(iter(k for k, _ in self.texts.most_common(1)), None)
+        example = f", e.g. {flag} {best}" if best else ""
+        return (
+            f"its records have the fields {self.fields()}; name the one holding the text with {flag}{example}"
+        )
+
+
 @dataclass
 class IngestReport:
     """The outcome of :func:`ingest`."""
@@ -417,27 +585,36 @@ def ingest(
     strict: bool = False,
     progress: bool = False,
     dedup: bool = False,
+    report_file: str | os.PathLike[str] | None = None,
 ) -> IngestReport:
     """Append every record of ``sources`` to ``collection`` exactly once (see module doc). With
     ``dedup``, a record whose text the corpus already holds (``collection`` and the config's
-    collections, by ``text_hash``) is skipped and counted as ``duplicate``.
+    collections, by ``text_hash``) is skipped and counted as ``duplicate``. ``report_file``: a JSON
+    lines file that lists where each record this run skipped is, and why.
 
     Raises:
-        IngestError: bad options or unreadable input.
+        IngestError: bad options or unreadable input, or no record of a source has its text field.
         BadDocumentError: a record is unusable and ``strict`` is on.
-        CorpusError: the collection's idx is broken, or another writer interferes.
+        CorpusError: the collection's idx is broken, or another ingest is writing the same source.
     """
     if batch_size <= 0:
         raise IngestError(f"--batch_size must be positive; got {batch_size}")
     started = time.monotonic()
     coll = conn.db[collection]
-    with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
-        with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
-        seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
-        reports = []
-        for source in sources:
-            reports.append(_ingest_source(conn, collection, source, batch_size, strict, progress, seen))
-        top = max_idx(coll)
+    skips = SkipLog(report_file)
+    try:
+        with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
+            with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
+            # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
+            with_retries(lambda: ensure_hash_index(conn, collection), conn.config, f"indexing {collection}")
+            seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
+            reports = [
+                _ingest_source(conn, collection, source, batch_size, strict, progress, seen, skips)
+                for source in sources
+            ]
+            top = max_idx(coll)
+    finally:
+        skips.close()
     count = 0 if top is None else top + 1
     return IngestReport(collection, reports, count, time.monotonic() - started)
 
@@ -450,6 +627,28 @@ def _ingest_source(
     strict: bool,
     progress: bool,
     seen: SeenTexts | None = None,
+    skips: SkipLog | None = None,
+) -> SourceReport:
+    """Ingest one source, holding it (see module doc) while this process writes it."""
+    owner = _claim(conn, collection, source)
+    try:
+        return _write_source(
+            conn, collection, source, batch_size, strict, progress, seen, skips or SkipLog(), owner
+        )
+    finally:
+        _release(conn, collection, source, owner)
+
+
+def _write_source(
+    conn: Connection,
+    collection: str,
+    source: Source,
+    batch_size: int,
+    strict: bool,
+    progress: bool,
+    seen: SeenTexts | None,
+    skips: SkipLog,
+    owner: str,
 ) -> SourceReport:
     coll = conn.db[collection]
     report = SourceReport(source.label, decoding=source.decoding)
@@ -460,7 +659,7 @@ def _ingest_source(
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
-    if state:
+    if state and "records" in state:  # more than this run's claim: an earlier run started it
         start = int(state.get("records", 0))
         # Documents inserted after meta_info was last updated: the batch in flight at a crash.
         lag = coll.find_one(
@@ -480,9 +679,12 @@ def _ingest_source(
         log.info("%s: resuming after record %d", source.label, start)
     else:
         start = 0
-        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False)
+        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False, owner=owner)
 
     batch: list[dict[str, Any]] = []
+    places: list[dict[str, Any]] | None = [] if seen is not None else None  # where each of batch is
+    missing = MissingField()
+    beat = time.monotonic()
     pos = -1
     damage: BaseException | None = None
     bar = progress_display(source.label[:40], "doc", initial=start, enabled=progress)
@@ -500,29 +702,55 @@ def _ingest_source(
                 continue
             report.read += 1
             bar.update(1)
+            if isinstance(record, BadRecord) and record.reason == "no_field":
+                missing.add(record.keys)
+                if missing.records == NO_FIELD_WARNING and not missing.with_field:
+                    log.warning("%s: the first %d records have no %s; %s", source.label,
+                                NO_FIELD_WARNING, source.flag, missing.advice(source))  # fmt: skip
+            elif not (isinstance(record, BadRecord) and record.reason == "bad_json"):
+                missing.with_field += 1
             doc = make_document(record, source.kind)
             if isinstance(doc, str):
                 report.skipped[doc] += 1
+                where = source.locate(pos)
                 if strict:
                     raise BadDocumentError(
-                        f"{source.label}: record {pos} is unusable ({doc}); fix it, or run without --strict"
+                        f"{source.label}: {describe(where)} is unusable ({doc}); fix it, or run without "
+                        "--strict"
                     )
+                skips.add(source, where, doc)
+                if pos % 1024 == 0 and time.monotonic() - beat > LEASE_SECONDS / 4:
+                    # A long run of skipped records inserts nothing: the heartbeat still goes on.
+                    _beat(conn, collection, source, owner)
+                    beat = time.monotonic()
                 continue
             doc[HASH] = document_hash(doc, conn.config.text_field)
             batch.append({**doc, "source": source.key, "source_pos": pos})
+            if places is not None:
+                places.append(source.locate(pos))
             if len(batch) >= batch_size:
-                next_idx = _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx, seen)
-                batch = []
-        next_idx = _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx, seen)
+                next_idx = _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx, seen,
+                                  owner, places, skips)  # fmt: skip
+                batch, places, beat = [], [] if places is not None else None, time.monotonic()
+        next_idx = _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx, seen,
+                          owner, places, skips)  # fmt: skip
+        if missing.records and not missing.with_field and not report.inserted and damage is None:
+            # Nothing stored: the source is forgotten, so that the run with the right field starts clean.
+            skips.end_source(source, quiet=True)
+            _forget(conn, collection, source, owner)
+            raise IngestError(
+                f"{source.label}: none of its {missing.records} record(s) has the field named by "
+                f"{source.flag}; nothing was stored; {missing.advice(source)}"
+            )
+        skips.end_source(source)
         if damage is not None:
             raise IngestError(
                 f"{source.label}: the file is damaged after record {pos + 1} "
                 f"({type(damage).__name__}: {str(damage).strip() or 'no detail'}); the records before it "
                 "are ingested; repair or replace the file and re-run the same command to resume"
             )
-        _record(
-            conn, collection, source, report, records=max(pos + 1, start), idx_end=next_idx, complete=True
-        )
+        _record(conn, collection, source, report, records=max(pos + 1, start), idx_end=next_idx,
+                complete=True, owner=owner)  # fmt: skip
     finally:
         bar.close()
     return report
@@ -538,12 +766,20 @@ def _flush(
     records: int,
     next_idx: int,
     seen: SeenTexts | None,
+    owner: str,
+    places: list[dict[str, Any]] | None = None,
+    skips: SkipLog | None = None,
 ) -> int:
-    """Number and insert ``batch`` (with ``--dedup``, less the texts the corpus holds), record how far
-    the source is read; returns the next idx."""
+    """Number and insert ``batch`` (with ``--dedup``, less the texts the corpus holds, each located
+    by ``places`` in ``skips``), record how far the source is read; returns the next idx."""
     if seen is not None:
         fresh = seen.fresh(batch)
         report.skipped["duplicate"] += len(batch) - len(fresh)
+        if skips is not None and places is not None and len(fresh) < len(batch):
+            kept = {id(doc) for doc in fresh}
+            for doc, where in zip(batch, places, strict=True):
+                if id(doc) not in kept:
+                    skips.add(source, where, "duplicate")
         batch = fresh
     if batch:
         numbered = [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)]
@@ -551,7 +787,7 @@ def _flush(
             report.near_duplicates += seen.mark_near(collection, numbered)
         next_idx = insert_batch(conn, coll, numbered)
         report.inserted += len(batch)
-    _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False)
+    _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False, owner=owner)
     return next_idx
 
 
@@ -563,7 +799,9 @@ def _record(
     records: int,
     idx_end: int,
     complete: bool,
+    owner: str,
 ) -> None:
+    """Record in meta_info how far ``source`` is read, as long as this run (``owner``) holds it."""
     state = {
         "label": source.label,
         "kind": source.kind,
@@ -572,14 +810,102 @@ def _record(
         "skipped": dict(report.skipped),
         "idx_end": idx_end,
         "complete": complete,
+        "heartbeat": time.time(),
     }
-    write_meta(
-        conn,
-        collection,
-        {
-            "cleaner_version": CLEANER_VERSION,
-            f"sources.{source.key}": state,
-            "updated_at": time.time(),
-        },
-        at_least={"count": idx_end},
+    fields = {f"sources.{source.key}.{k}": v for k, v in state.items()}
+    _held_update(conn, collection, source, owner, {
+        "$set": {"cleaner_version": CLEANER_VERSION, **fields, "updated_at": time.time()},
+        "$max": {"count": idx_end},  # never lowered: another source may have gone further
+    })  # fmt: skip
+
+
+# ---------------------------------------------------------------- one writer per source
+
+
+def _meta(conn: Connection) -> Any:
+    return conn.db[conn.config.meta_collection]
+
+
+def _held_update(
+    conn: Connection, collection: str, source: Source, owner: str, update: dict[str, Any]
+) -> None:
+    """Apply ``update`` to the collection's meta_info entry while ``owner`` holds ``source``.
+
+    Raises:
+        CorpusError: another ingest took the source over (this one was silent past the lease).
+    """
+    held = {"collection": collection, f"sources.{source.key}.owner": owner}
+    if _meta(conn).update_one(held, update).matched_count == 0:
+        raise CorpusError(
+            f"{source.label}: another dsgpt2 ingest took over writing it into {collection!r} (this one "
+            f"gave no sign of life for {LEASE_SECONDS:.0f}s); this run stops, the other goes on"
+        )
+
+
+def _beat(conn: Connection, collection: str, source: Source, owner: str) -> None:
+    _held_update(conn, collection, source, owner, {"$set": {f"sources.{source.key}.heartbeat": time.time()}})
+
+
+def _alive(owner: str, heartbeat: Any) -> bool:
+    """Whether the ingest ``owner`` (``host:pid:token``) may still be writing: on this machine, while
+    its process lives; elsewhere, while its heartbeat is younger than ``LEASE_SECONDS``."""
+    host, _, rest = owner.rpartition(":")[0].rpartition(":")
+    pid = int(rest) if rest.isdigit() else -1
+    if host == socket.gethostname() and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return isinstance(heartbeat, int | float) and time.time() - heartbeat < LEASE_SECONDS
+
+
+def _claim(conn: Connection, collection: str, source: Source) -> str:
+    """Hold ``source`` for this run: returns the owner token.
+
+    Raises:
+        CorpusError: a live ingest holds it.
+    """
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    meta = _meta(conn)
+    key = f"sources.{source.key}"
+    # The entry exists before the conditional update takes the source.
+    meta.update_one({"collection": collection}, {"$setOnInsert": {"collection": collection}}, upsert=True)
+    for _ in range(5):
+        entry = meta.find_one({"collection": collection}, {"_id": 0, key: 1}) or {}
+        held = (entry.get("sources") or {}).get(source.key) or {}
+        holder = held.get("owner")
+        if holder and _alive(str(holder), held.get("heartbeat")):
+            raise CorpusError(
+                f"{source.label}: another dsgpt2 ingest ({holder}) is writing it into {collection!r} "
+                "now, and one source has one writer; this run stops here; wait for that ingest to end, "
+                "then re-run this command (what either has stored is not stored again)"
+            )
+        # Taken only if nobody took it since it was read (a racing ingest reads it held, above).
+        took = meta.update_one(
+            {"collection": collection, f"{key}.owner": holder},
+            {"$set": {f"{key}.owner": owner, f"{key}.heartbeat": time.time()}},
+        )
+        if took.modified_count == 1:
+            if holder:
+                log.info("%s: taking over from %s, which stopped", source.label, holder)
+            return owner
+    raise CorpusError(
+        f"{source.label}: other ingests keep taking it in {collection!r}; run one ingest of it at a time"
     )
+
+
+def _release(conn: Connection, collection: str, source: Source, owner: str) -> None:
+    """Let go of ``source`` (whatever ended this run: a re-run may take it at once)."""
+    try:
+        _meta(conn).update_one({"collection": collection, f"sources.{source.key}.owner": owner},
+                               {"$set": {f"sources.{source.key}.owner": None}})  # fmt: skip
+    except PyMongoError as exc:  # the server is gone: the error that ended the run says more
+        log.debug("%s: not released (%s)", source.label, exc)
+
+
+def _forget(conn: Connection, collection: str, source: Source, owner: str) -> None:
+    """Remove ``source`` from meta_info: it stored nothing."""
+    _held_update(conn, collection, source, owner, {"$unset": {f"sources.{source.key}": ""}})

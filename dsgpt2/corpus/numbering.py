@@ -28,6 +28,7 @@ from typing import Any
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
 
+from dsgpt2.corpus.dedup import ensure_hash_index
 from dsgpt2.corpus.mongo import Connection, idx_index_name, max_idx, read_meta, with_retries, write_meta
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
@@ -121,6 +122,9 @@ def index_collection(
         finally:
             bar.close()
         _ensure_sparse_index(conn, name)
+        # As ingest builds it: `ingest --dedup` and `dedup --exact` ask text_hash of every batch (the
+        # documents without a hash cost an index entry each, until `dedup --exact` gives them one).
+        run("text_hash index", lambda: ensure_hash_index(conn, name))
         _record(conn, name, field, next_idx, owner)
         no_text = [{field: {"$exists": False}}, {field: {"$not": {"$type": "string"}}}]
         bad = {"idx": {"$gte": next_idx - numbered}, "$or": no_text}
