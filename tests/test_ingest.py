@@ -20,7 +20,7 @@ from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_conversation
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
 from dsgpt2.corpus.validate import validate_collection
-from dsgpt2.errors import BadDocumentError, IngestError
+from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 
 
 def _conn() -> Connection:
@@ -506,3 +506,43 @@ def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -
         assert read_meta(conn, ["w"])["w"]["count"] == len(big) == conn.db["w"].count_documents({})
     finally:
         embedded.stop(directory)
+
+
+def test_a_source_another_machine_holds_is_refused_until_its_heartbeat_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = _lines(tmp_path, 100)
+    conn = _conn()
+    meta = conn.db[conn.config.meta_collection]
+    held = f"sources.{file_source(f).key}"
+    now = time.time()
+    meta.update_one({"collection": "a"}, {"$set": {f"{held}.owner": "elsewhere:4242:beef",
+                                                   f"{held}.heartbeat": now}}, upsert=True)  # fmt: skip
+    with pytest.raises(
+        CorpusError, match=r"another dsgpt2 ingest \(elsewhere:4242:beef\) is writing it into 'a'"
+    ):
+        ingest(conn, "a", [file_source(f)])
+    assert conn.db["a"].count_documents({}) == 0
+    # No sign of life for longer than the lease: that ingest is gone, this one takes the source over.
+    meta.update_one({"collection": "a"}, {"$set": {f"{held}.heartbeat": now - 2 * ingest_mod.LEASE_SECONDS}})
+    ingest(conn, "a", [file_source(f)], batch_size=10)
+    assert _texts(conn) == _expected(100)
+
+    # A run whose source another ingest took over stops at its next record of progress, unfinished.
+    g = tmp_path / "g.txt"
+    g.write_text("".join(f"line {i}\n" for i in range(100)))
+    original = ingest_mod.insert_batch
+    calls = {"n": 0}
+
+    def insert(conn_, coll, docs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            meta.update_one(
+                {"collection": "b"}, {"$set": {f"sources.{file_source(g).key}.owner": "elsewhere:1:f"}}
+            )
+        return original(conn_, coll, docs)
+
+    monkeypatch.setattr(ingest_mod, "insert_batch", insert)
+    with pytest.raises(CorpusError, match="another dsgpt2 ingest took over writing it into 'b'"):
+        ingest(conn, "b", [file_source(g)], batch_size=10)
+    assert not read_meta(conn, ["b"])["b"]["sources"][file_source(g).key]["complete"]

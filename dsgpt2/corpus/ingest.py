@@ -698,6 +698,11 @@ def _write_source(
             except DAMAGED_INPUT as exc:
                 damage = exc  # what was read before it still lands, below
                 break
+            if pos % 1024 == 0 and time.monotonic() - beat > LEASE_SECONDS / 4:
+                # Reading up to a resume point, or a long run of skipped records, inserts nothing: the
+                # heartbeat goes on all the same.
+                _beat(conn, collection, source, owner)
+                beat = time.monotonic()
             if pos < start:
                 continue
             report.read += 1
@@ -719,10 +724,6 @@ def _write_source(
                         "--strict"
                     )
                 skips.add(source, where, doc)
-                if pos % 1024 == 0 and time.monotonic() - beat > LEASE_SECONDS / 4:
-                    # A long run of skipped records inserts nothing: the heartbeat still goes on.
-                    _beat(conn, collection, source, owner)
-                    beat = time.monotonic()
                 continue
             doc[HASH] = document_hash(doc, conn.config.text_field)
             batch.append({**doc, "source": source.key, "source_pos": pos})
