@@ -99,7 +99,7 @@ def add_ingest(sub: Any) -> None:
         "--report",
         metavar="FILE.jsonl",
         help="write where each skipped record is, one JSON object a line: file and line (Parquet, Arrow: "
-        "row_group and row) and the reason; the log names the first few",
+        "row_group and row) and the reason, for the records this run read; the log names the first few",
     )
     p.add_argument(
         "--dedup",
