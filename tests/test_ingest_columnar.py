@@ -233,6 +233,7 @@ def test_bad_columnar_input_is_one_line(tmp_path: Path) -> None:
             ["--field", "body", str(path)],
             "x.parquet has no column 'body' (--field); its columns are text, id,",
         ),
+        (["--field", "body", str(path)], "name the text column with --field, e.g. --field text"),
         (["--keep_fields", "id,nope", str(path)], "no column 'nope' (--keep_fields)"),
         (["--keep_fields", "idx", str(path)], "--keep_fields idx: a document's own fields"),
         (["--field", "token_count", str(path)], "column 'token_count' holds int64, not text"),

@@ -118,9 +118,16 @@ class Table:
         absent = [c for c in wanted if c not in names]
         if absent:
             which = "--field" if field in absent else "--keep_fields"
+            texts = [f.name for f in schemas[0] if str(f.type) in ("string", "large_string", "string_view")]
+            best = "text" if "text" in texts else (texts[0] if texts else None)
+            example = (
+                f"; name the text column with --field, e.g. --field {best}"
+                if field in absent and best
+                else ""
+            )
             raise IngestError(
                 f"{path.name} has no column {', '.join(map(repr, absent))} ({which}); its columns are "
-                f"{', '.join(names)}"
+                f"{', '.join(names)}{example}"
             )
         kind_of_text = schemas[0].field(field).type
         if not (pa.types.is_string(kind_of_text) or pa.types.is_large_string(kind_of_text)
