@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from pace import deadline
 
 # Rank 1 works alone for WORK seconds (ticking) while rank 0 waits, under a TIMEOUT-second group;
 # FAULT: none, or what happens to rank 1 a second into its work.
@@ -54,11 +55,11 @@ def _two_ranks(timeout: float, work: float, fault: str) -> tuple[subprocess.Comp
     procs = [subprocess.Popen(cmd, env={**env, "RANK": str(r)}, cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]  # fmt: skip
     start = time.monotonic()
-    out, _ = procs[0].communicate(timeout=120)
+    out, _ = procs[0].communicate(timeout=deadline(120))
     elapsed = time.monotonic() - start
     if procs[1].poll() is None:
         procs[1].kill()  # frozen: SIGKILL reaches a stopped process
-    procs[1].communicate(timeout=60)
+    procs[1].communicate(timeout=deadline(60))
     return subprocess.CompletedProcess(cmd, procs[0].returncode, out), elapsed
 
 
@@ -82,7 +83,7 @@ def test_a_peer_that_dies_or_freezes_mid_work_ends_the_other_in_bounded_time(fau
     lost, elapsed = _two_ranks(timeout=3, work=30, fault=fault)
     assert lost.returncode == 3, lost.stdout
     assert said in lost.stdout and "Traceback" not in lost.stdout
-    assert elapsed < 15 + 1 + 2 * 3  # start-up, the work's first second, a timeout or two
+    assert elapsed < deadline(15) + 1 + 2 * 3  # start-up, the work's first second, a timeout or two
 
 
 def test_a_rank_unlinks_its_deepspeed_shm_buffer_only_where_all_ranks_share_the_machine(

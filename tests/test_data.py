@@ -23,6 +23,7 @@ from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
+from pace import deadline, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -154,9 +155,7 @@ def test_one_loader_reads_every_epoch_and_fetches_across_the_boundary(
     stream = BlockStream(_Logged(data, log), schedule, 0, 1, micro_batch=1, workers=1)
     it = iter(stream)
     ids = [next(it).block_ids[0] for _ in range(first_epoch)]  # epoch 0, to its last block
-    deadline = time.monotonic() + 10
-    while len(_lines(log)) <= chunks and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for(lambda: len(_lines(log)) > chunks, 10, "the next epoch's first chunk read ahead", every=0.05)
     ahead = _lines(log)[chunks:]
     assert ahead and int(ahead[0]) == schedule.rank_chunks(0, 1, 0, 1)[0]
     ids += [next(it).block_ids[0] for _ in range(len(expected) - first_epoch)]
@@ -204,8 +203,8 @@ def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer:
     del it, stream
     gc.collect()
     for p in workers:
-        p.join(3)
-    assert not any(p.is_alive() for p in workers) and time.monotonic() - started < 3
+        p.join(deadline(3))
+    assert not any(p.is_alive() for p in workers) and time.monotonic() - started < deadline(3)
 
 
 @pytest.mark.parametrize("order", ["spread", "ranges"])
@@ -433,10 +432,7 @@ def test_loader_workers_die_with_a_sigkilled_rank() -> None:
         assert rank.pid not in workers and all(_alive(p) for p in workers)
         rank.kill()
         rank.wait()
-        deadline = time.monotonic() + 5
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(p) for p in workers)
+        wait_for(lambda: not any(_alive(p) for p in workers), 5, "the workers' end", every=0.05)
     finally:
         rank.kill()
         rank.wait()

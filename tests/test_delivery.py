@@ -24,6 +24,7 @@ import yaml
 
 from conftest import ROOT
 from dsgpt2.corpus.config import load_config
+from pace import deadline
 
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
@@ -643,7 +644,7 @@ def _compose_config(cli: list[str], tmp_path: Path, **env: str) -> subprocess.Co
         capture_output=True,
         text=True,
         env={**base, **env},
-        timeout=120,
+        timeout=deadline(120),
         check=False,
     )
 
@@ -672,7 +673,7 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
          str(ROOT)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=deadline(300),
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("dsgpt2-*.whl")
@@ -683,7 +684,7 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     target = tmp_path / "site"
     install = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=deadline(300),
     )  # fmt: skip
     assert install.returncode == 0, install.stderr[-2000:]
     elsewhere = tmp_path / "elsewhere"
@@ -695,7 +696,7 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
-        env={**os.environ, "PYTHONPATH": str(target)}, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(target)}, timeout=deadline(120),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     where, paths = json.loads(result.stdout)

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from dsgpt2.corpus import embedded
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.errors import ConfigError
+from pace import alive, deadline, wait_for
 
 
 @pytest.fixture
@@ -73,8 +73,9 @@ def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(
 def test_a_killed_server_is_started_again_with_everything_committed(local: Any) -> None:
     cfg, directory = local
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "200").returncode == 0
-    os.kill(_pid(directory), signal.SIGKILL)
-    time.sleep(0.2)
+    pid = _pid(directory)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(pid), 10, "the killed server's end")
     # The stale server file names a dead pid: the next command starts a server and finds every document.
     conn = Connection(load_config(cfg))
     assert conn.db["stdlib"].count_documents({}) == 200
@@ -96,7 +97,7 @@ def test_processes_starting_at_once_share_one_server(local: Any) -> None:
         subprocess.Popen([sys.executable, "-c", code, str(cfg)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
         for _ in range(4)
     ]
-    ports = {p.communicate(timeout=120)[0].strip() for p in procs}
+    ports = {p.communicate(timeout=deadline(120))[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
     assert len(ports) == 1
     assert Connection(load_config(cfg)).db["x"].count_documents({}) == 4
@@ -191,7 +192,7 @@ def test_two_ingests_into_one_collection_at_once_both_land(local: Any, tmp_path:
         for f in files
     ]
     for p in procs:
-        _, err = p.communicate(timeout=300)
+        _, err = p.communicate(timeout=deadline(300))
         assert p.returncode == 0, err
     conn = Connection(load_config(cfg))
     docs = list(conn.db["stdlib"].find({}, {"_id": 0, "idx": 1, "filt_text": 1}))

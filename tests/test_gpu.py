@@ -18,6 +18,7 @@ from conftest import ROOT, sample_corpus
 from dsgpt2.model import build_model, doc_position_ids, gpt2_config
 from dsgpt2.shipped import shipped_config
 from dsgpt2.train.metrics import device_peak_tflops, read_metrics
+from pace import deadline
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -41,7 +42,7 @@ def train(corpus: dict[str, Path], run: Path, *extra: str) -> list[dict]:
             "1", "--save_interval", "1000", "--ckpt_dir", run / "ckpt", "--workspace", run / "ws",
             "--no_resume", *extra]  # fmt: skip
     result = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), *map(str, args)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)  # fmt: skip
+                            capture_output=True, text=True, timeout=deadline(600), cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return [r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"]
 

@@ -22,6 +22,7 @@ from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from pace import deadline
 from zygote import run_python
 
 pytestmark = pytest.mark.slow
@@ -285,7 +286,7 @@ def test_two_ranks_follow_growth_with_a_mixture_from_one_cache(
 
     def launch(chunk_docs: str) -> subprocess.CompletedProcess:
         cmd = [*launcher, *inject, *args, "--chunk_docs", chunk_docs]
-        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))
 
     # With weights each collection is dealt to the ranks on its own: "b" must make a chunk per rank.
     refused = launch("100")
@@ -332,7 +333,7 @@ def test_an_ingest_and_a_curate_pass_beside_follow_training_all_land(
                          cwd=ROOT, stderr=subprocess.PIPE, text=True),
     ]  # fmt: skip
     for proc in [*others, trainer]:
-        _, err = proc.communicate(timeout=400)
+        _, err = proc.communicate(timeout=deadline(400))
         assert proc.returncode == 0, err[-3000:]
     conn = Connection(load_config(cfg))
     assert sorted(d["idx"] for d in conn.db["a"].find({}, {"idx": 1})) == list(range(FIRST + 300))

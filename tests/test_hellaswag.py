@@ -13,6 +13,7 @@ import torch
 from conftest import db_for, run_cli, store_config, tiny_export
 from dsgpt2.corpus.mongo import Connection
 from dsgpt2.hellaswag import Example, read_examples, result, score
+from pace import deadline
 
 
 def examples(texts: list[str], n: int) -> list[dict]:
@@ -131,7 +132,8 @@ def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
     harness = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_block("lm_eval --model hf")],
-                             cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+                             cwd=tmp_path, capture_output=True, text=True, env=env,
+                             timeout=deadline(300))  # fmt: skip
     assert harness.returncode == 0, (harness.stdout + harness.stderr)[-3000:]
     (results,) = (tmp_path / "runs" / "lm_eval").rglob("results_*.json")
     theirs = json.loads(results.read_text())["results"]["hellaswag_local"]

@@ -24,6 +24,7 @@ from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model
 from dsgpt2.tokenizer.bpe import VocabSettings, load_tokenizer, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
+from pace import deadline
 from zygote import run_python
 
 pytestmark = pytest.mark.slow
@@ -306,7 +307,7 @@ def test_chat_through_a_pipe(models: dict[str, Path]) -> None:
     )
     out = subprocess.run(
         [sys.executable, "-m", "dsgpt2", "chat", "--model", str(models["chat"]), "--max_new_tokens", "16"],
-        input=script, capture_output=True, text=True, timeout=120, cwd=ROOT,
+        input=script, capture_output=True, text=True, timeout=deadline(120), cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

@@ -21,6 +21,7 @@ from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta
 from dsgpt2.corpus.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
+from pace import deadline, wait_for
 
 
 def _conn() -> Connection:
@@ -202,13 +203,9 @@ def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
     cfg, store = store_config(tmp_path)
     args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch_size", "200", str(f)]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
     # Wait until some batches have been committed, then kill without warning.
     stored = Connection(make_config(["a"], **db_for(store))).db["a"]
-    while time.monotonic() < deadline and proc.poll() is None:
-        if stored.estimated_document_count() >= 400:
-            break
-        time.sleep(0.02)
+    wait_for(lambda: stored.estimated_document_count() >= 400, 120, "400 documents stored", proc, every=0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the ingest finished before it could be killed"
@@ -216,7 +213,7 @@ def test_killed_ingest_process_resumes_exactly_once(tmp_path: Path) -> None:
     partial = conn.db["a"].count_documents({})
     assert 0 < partial < len(_expected(n))
 
-    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed after record" in rerun.stdout
     conn = Connection(conn.config)
@@ -460,7 +457,7 @@ def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -
     try:
         procs = [_start_ingest(cfg, "x", tmp_path / "a.txt"), _start_ingest(cfg, "y", tmp_path / "b.txt")]
         for proc in procs:
-            _, err = proc.communicate(timeout=300)
+            _, err = proc.communicate(timeout=deadline(300))
             assert proc.returncode == 0, err[-3000:]
         conn = Connection(load_config(cfg))
         assert _texts(conn, "x") == a and _texts(conn, "y") == b
@@ -470,7 +467,7 @@ def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -
 
         procs = [_start_ingest(cfg, "z", tmp_path / "a.txt"), _start_ingest(cfg, "z", tmp_path / "b.txt")]
         for proc in procs:
-            _, err = proc.communicate(timeout=300)
+            _, err = proc.communicate(timeout=deadline(300))
             assert proc.returncode == 0, err[-3000:]
         _assert_contiguous(conn, "z")
         docs = list(conn.db["z"].find({}, {"_id": 0, "filt_text": 1}, sort=[("idx", 1)]))
@@ -483,10 +480,8 @@ def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -
 
         big = _numbered(5 * n, "w", tmp_path / "w.txt")
         first = _start_ingest(cfg, "w", tmp_path / "w.txt")
-        deadline = time.monotonic() + 120
-        while conn.db["w"].estimated_document_count() < 100 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert first.poll() is None, "the first ingest ended before the second could meet it"
+        some = lambda: conn.db["w"].estimated_document_count() >= 100  # noqa: E731
+        wait_for(some, 120, "the first ingest's first documents", first, every=0.02)
         first.send_signal(signal.SIGSTOP)  # alive, holding the source, writing nothing for now
         try:
             second = run_cli("ingest", "--config", str(cfg), "--collection", "w", "--no_progress",
@@ -495,7 +490,7 @@ def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -
             first.send_signal(signal.SIGCONT)
         assert second.returncode == 2 and "Traceback" not in second.stderr
         assert "another dsgpt2 ingest" in second.stderr.strip().splitlines()[-1]
-        _, err = first.communicate(timeout=300)
+        _, err = first.communicate(timeout=deadline(300))
         assert first.returncode == 0, err[-3000:]
         assert _texts(conn, "w") == big
         _assert_contiguous(conn, "w")

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,6 +25,7 @@ from dsgpt2.corpus.ingest import detect_format, file_source, ingest
 from dsgpt2.corpus.mongo import Connection, read_meta
 from dsgpt2.corpus.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, IngestError
+from pace import deadline, wait_for
 
 
 def fineweb_rows(n: int, start: int = 0) -> dict[str, list]:
@@ -185,16 +185,12 @@ def test_a_killed_parquet_ingest_process_resumes_exactly_once(tmp_path: Path) ->
     args = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--batch_size", "200",
             "--keep_fields", "id,language_score", str(path)]  # fmt: skip
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
     stored = Connection(make_config(["a"], **db_for(store))).db["a"]
-    while time.monotonic() < deadline and proc.poll() is None:
-        if stored.estimated_document_count() >= 400:
-            break
-        time.sleep(0.02)
+    wait_for(lambda: stored.estimated_document_count() >= 400, 120, "400 documents stored", proc, every=0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the ingest finished before it could be killed"
-    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))
     assert rerun.returncode == 0, rerun.stderr
     assert "resumed after record" in rerun.stdout
     conn = Connection(make_config(["a"], **db_for(store)))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from pace import deadline
 
 PACKAGE = ROOT / "dsgpt2"
 # A stage may import the stages before it, never one after it.
@@ -112,7 +113,12 @@ def test_no_module_changes_the_environment_at_import() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "OMP_NUM_THREADS")}
     env["TORCH_CUDA_ARCH_LIST"] = "9.0a"
     result = subprocess.run(
-        [sys.executable, "-c", code, *names], capture_output=True, text=True, env=env, cwd=ROOT, timeout=240
+        [sys.executable, "-c", code, *names],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=deadline(240),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == {}

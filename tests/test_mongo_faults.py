@@ -29,6 +29,7 @@ from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from pace import deadline, wait_for
 from wire_server import PASSWORD, Proxy, WireServer
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
@@ -86,14 +87,6 @@ def one_clear_line(result: Any, host: str) -> str:
     return last
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def seed_corpus(server: WireServer, tmp: Path, docs: int) -> tuple[MongoConfig, str]:
     db = f"faults_{uuid.uuid4().hex[:8]}"
     cfg = make_config(["stdlib"], MONGO_CONNECTION_STRING=server.uri(), MONGO_CONNECTION_DB=db, **FAST_FAIL)
@@ -129,17 +122,17 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
 
     env = env_for(up.uri())
     straight = subprocess.run(command(tmp_path / "straight"), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=deadline(300))  # fmt: skip
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
     metrics = run / "ws" / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 120, "step 2")
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 120, "step 2", proc)
     up.kill()
     killed_at = time.monotonic()
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=deadline(120))
     # Retries: 3 attempts of up to 1 s server selection, 0.2 s and 0.4 s apart, then the save.
     assert time.monotonic() - killed_at < 30
     assert proc.returncode == 3, err[-3000:]
@@ -150,7 +143,9 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
     assert (run / "ckpt" / "latest").read_text() == f"global_step{saved}"
 
     up.start()  # the same port and data file
-    again = subprocess.run(command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'ckpt' / f'global_step{saved}'}" in again.stderr
     a, b = steps(tmp_path / "straight"), steps(run)
@@ -179,16 +174,16 @@ def test_ingest_killed_by_a_server_loss_lands_every_record_once_on_rerun(
     def some_inserted() -> bool:
         return watcher.db["lines"].estimated_document_count() >= 40
 
-    wait_for(some_inserted, 60, "the first batches")
+    wait_for(some_inserted, 60, "the first batches", proc)
     watcher.close()
     up.kill()
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=deadline(60))
     assert proc.returncode == 2, err[-3000:]
     last = one_clear_line(subprocess.CompletedProcess([], 2, out, err), f"127.0.0.1:{up.port}")
     assert "re-run the same command to resume" in last
 
     up.start()
-    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(120))
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed after record" in again.stdout
     conn = Connection(make_config(["lines"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db))
@@ -220,9 +215,9 @@ def test_vocab_download_killed_by_a_server_loss_finishes_exactly_once(up: WireSe
             except (FileNotFoundError, json.JSONDecodeError):
                 return False
 
-        wait_for(one_shard_done, 60, "the first shard")
+        wait_for(one_shard_done, 60, "the first shard", proc)
         up.kill()
-        stdout, stderr = proc.communicate(timeout=60)
+        stdout, stderr = proc.communicate(timeout=deadline(60))
         assert proc.returncode == 2, stderr[-3000:]
         one_clear_line(subprocess.CompletedProcess([], 2, stdout, stderr), f"127.0.0.1:{proxy.port}")
         done_before = json.loads((out / "manifest.json").read_text())["done"]
@@ -232,7 +227,7 @@ def test_vocab_download_killed_by_a_server_loss_finishes_exactly_once(up: WireSe
         up.start()
         proxy.delay = 0.0
         again = subprocess.run(
-            command, cwd=ROOT, env=env_for(uri), capture_output=True, text=True, timeout=120
+            command, cwd=ROOT, env=env_for(uri), capture_output=True, text=True, timeout=deadline(120)
         )
         assert again.returncode == 0, again.stderr[-3000:]
         assert f"{len(done_before)} already done" in again.stdout

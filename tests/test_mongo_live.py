@@ -28,6 +28,7 @@ from dsgpt2.corpus.config import ENV_URI, MongoConfig, load_config, redact_uri
 from dsgpt2.corpus.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.train.metrics import read_metrics
+from pace import deadline
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 DOCS = 240
@@ -91,7 +92,9 @@ class Corpus:
         import os
 
         env = {k: v for k, v in os.environ.items() if k != ENV_URI} | self.env
-        result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
+        )
         self.check_no_secret(result)
         assert result.returncode == 0, result.stderr[-3000:]
         return result

@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, db_for, write_config
 from dsgpt2.corpus.config import load_config
 from dsgpt2.corpus.mongo import EVAL_RESULTS, Connection
+from pace import deadline, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,7 @@ def _run(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
         env=_env(tmp_path, **extra),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=deadline(600),
         cwd=ROOT,
     )
 
@@ -78,7 +79,7 @@ def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_p
     again = _run(tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert set(_stage_lines(again.stdout).values()) == {"skipped"}
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < deadline(20)
     assert len(_eval_results(tmp_path)) == 1  # nothing redone
     assert Connection(load_config(tmp_path / "c.json")).db["stdlib"].count_documents({}) == 500
 
@@ -93,12 +94,11 @@ def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_p
             cwd=ROOT,
         )
         metrics = run / "train" / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while sum(1 for line in metrics.read_text().splitlines() if '"train"' in line) < 14:
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        lines = lambda: metrics.read_text().splitlines() if metrics.exists() else []  # noqa: E731
+        trained = lambda: sum(1 for line in lines() if '"train"' in line) >= 14  # noqa: E731
+        wait_for(trained, 240, "step 14 of the resumed training", proc, every=0.5)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143, log.read_text()[-3000:]
+        assert proc.wait(timeout=deadline(60)) == 143, log.read_text()[-3000:]
     assert "stopped after train" in log.read_text()
     assert not (run / "stages" / "export-100000.done").exists()  # stopped: nothing after training ran
     assert (run / "stages" / "export-12.done").exists()
@@ -130,7 +130,7 @@ def _fresh_shell() -> dict[str, str]:
 def test_pipeline_scripts_find_the_project_venv_in_a_fresh_shell() -> None:
     result = subprocess.run(
         ["bash", "pipelines/train_vocab.sh", "--help"], cwd=ROOT, env=_fresh_shell(),
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=deadline(120),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: dsgpt2 vocab train")
@@ -145,7 +145,12 @@ def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
     ):
         pytest.skip("needs a system python3 without torch")
     result = subprocess.run(
-        [system, "ds_trainer.py", "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [system, "ds_trainer.py", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=deadline(120),
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("usage: ds_trainer.py")

@@ -20,6 +20,7 @@ import pytest
 from conftest import ROOT, tiny_export
 from dsgpt2.infer.generate import SamplingParams
 from dsgpt2.infer.serve import BadRequest, ServeLimits, make_app, parse_request
+from pace import deadline
 
 
 def _free_port() -> int:
@@ -43,21 +44,21 @@ def _start(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -> Iter
     url = f"http://127.0.0.1:{port}"
     LOGS[url] = base / "server.log"
     MODELS[url] = cwd / model
-    deadline = time.monotonic() + 90
+    end_by = time.monotonic() + deadline(90)
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
                 break
         except httpx.TransportError:
             pass
-        if proc.poll() is not None or time.monotonic() > deadline:
+        if proc.poll() is not None or time.monotonic() > end_by:
             proc.kill()
             log.close()
             pytest.fail(f"server did not start: {(base / 'server.log').read_text()[-3000:]}")
         time.sleep(0.3)
     yield url
     proc.terminate()
-    proc.wait(timeout=30)
+    proc.wait(timeout=deadline(30))
     log.close()
     assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
 
@@ -88,18 +89,20 @@ def chat_server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str
 
 
 def test_both_endpoints_answer(server: str) -> None:
-    r = httpx.get(f"{server}/generate", params={"sentence": "Return the", "max_new_tokens": "5"}, timeout=30)
+    r = httpx.get(
+        f"{server}/generate", params={"sentence": "Return the", "max_new_tokens": "5"}, timeout=deadline(30)
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["prompt"] == "Return the" and isinstance(body["generated"], str)
     assert body["completions"][0]["tokens"] <= 5
     post = {"prompt": "Return the", "max_new_tokens": 6, "seed": 4, "temperature": 0.9}
-    a = httpx.post(f"{server}/generate", json=post, timeout=30)
-    b = httpx.post(f"{server}/generate", json=post, timeout=30)
+    a = httpx.post(f"{server}/generate", json=post, timeout=deadline(30))
+    b = httpx.post(f"{server}/generate", json=post, timeout=deadline(30))
     assert a.status_code == b.status_code == 200
     assert a.json()["generated"] == b.json()["generated"]
     assert a.json()["settings"]["max_new_tokens"] == 6
-    health = httpx.get(f"{server}/health", timeout=5).json()
+    health = httpx.get(f"{server}/health", timeout=deadline(5)).json()
     assert health["status"] == "ok" and health["limits"]["max_new_tokens"] == 32
 
 
@@ -130,24 +133,28 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
     server: str, method: str, payload: dict, reason: str
 ) -> None:
     if method == "get":
-        r = httpx.get(f"{server}/generate", params=payload, timeout=30)
+        r = httpx.get(f"{server}/generate", params=payload, timeout=deadline(30))
     else:
-        r = httpx.post(f"{server}/generate", json=payload, timeout=30)
+        r = httpx.post(f"{server}/generate", json=payload, timeout=deadline(30))
     assert r.status_code == 400, r.text
     assert reason in r.json()["error"]
-    ok = httpx.get(f"{server}/generate", params={"sentence": "The", "max_new_tokens": "2"}, timeout=30)
+    ok = httpx.get(
+        f"{server}/generate", params={"sentence": "The", "max_new_tokens": "2"}, timeout=deadline(30)
+    )
     assert ok.status_code == 200
 
 
 def test_malformed_bodies_get_400(server: str) -> None:
     for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 50_000):
-        r = httpx.post(f"{server}/generate", content=body, timeout=10)
+        r = httpx.post(f"{server}/generate", content=body, timeout=deadline(10))
         assert r.status_code == 400, body
-    r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=10)
+    r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=deadline(10))
     assert r.status_code == 400 and "invalid text" in r.json()["error"]
-    r = httpx.post(f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=10)
+    r = httpx.post(
+        f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=deadline(10)
+    )
     assert r.status_code == 413
-    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
 
 
 def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
@@ -160,13 +167,13 @@ def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
             b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
         )
         time.sleep(0.3)
-    deadline = time.monotonic() + 10
-    while "disconnected" not in log.read_text()[before:] and time.monotonic() < deadline:
+    end_by = time.monotonic() + deadline(10)
+    while "disconnected" not in log.read_text()[before:] and time.monotonic() < end_by:
         time.sleep(0.1)
     added = log.read_text()[before:]
     assert "disconnected after" in added and "request dropped" in added, added
     assert "Traceback" not in added and "Exception in ASGI application" not in added, added
-    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
 
 
 def test_defaults_bind_to_localhost() -> None:
@@ -186,7 +193,7 @@ def gated_app(model: Path, limits: ServeLimits) -> tuple[Any, threading.Semaphor
     step = generator.decoder.step
 
     def gated_step() -> None:
-        assert gate.acquire(timeout=30)
+        assert gate.acquire(timeout=deadline(30))
         step()
 
     generator.decoder.step = gated_step  # type: ignore[method-assign]
@@ -203,9 +210,9 @@ def opened(gate: threading.Semaphore) -> Iterator[None]:
 
 
 def wait_for(client: Any, **expected: int) -> None:
-    deadline = time.monotonic() + 20
+    end_by = time.monotonic() + deadline(20)
     while any(client.get("/health").json()[k] != v for k, v in expected.items()):
-        assert time.monotonic() < deadline, (client.get("/health").json(), expected)
+        assert time.monotonic() < end_by, (client.get("/health").json(), expected)
         time.sleep(0.02)
 
 
@@ -229,7 +236,7 @@ def test_requests_beyond_the_concurrency_limit_get_503(pretrained: Path) -> None
         assert api.status_code == 503 and api.headers["Retry-After"] == "1"
         assert api.json()["error"]["type"] == "server_busy"
         gate.release(10)
-        first.join(10)
+        first.join(deadline(10))
         assert results["first"].status_code == 200
         assert results["first"].json()["completions"][0]["tokens"] == 3
         gate.release(10)
@@ -266,7 +273,7 @@ def test_concurrent_requests_share_the_batch(pretrained: Path) -> None:
         wait_for(client, batch_rows=3)
         gate.release(100)
         for t in threads:
-            t.join(20)
+            t.join(deadline(20))
         wait_for(client, running=0, batch_rows=0)
         texts = {k: r.json()["choices"][0]["text"] for k, r in results.items()}
         # Each answer is the one it gets alone.
@@ -309,22 +316,22 @@ def test_serve_on_a_busy_port_is_one_line(server: str) -> None:
     port = server.rsplit(":", 1)[1]
     result = subprocess.run(
         [sys.executable, "-m", "dsgpt2", "serve", "--model", str(MODELS[server]), "--port", port],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, capture_output=True, text=True, timeout=deadline(120),
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"dsgpt2: error: --port {port} on 127.0.0.1 is in use by another program; choose another --port"
     )
-    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
 
 
 def test_openai_completions_models_and_errors(server: str) -> None:
-    models = httpx.get(f"{server}/v1/models", timeout=10).json()
+    models = httpx.get(f"{server}/v1/models", timeout=deadline(10)).json()
     served = models["data"][0]["id"]
     assert models["object"] == "list" and models["data"][0]["object"] == "model"
     body = {"model": served, "prompt": "def", "max_tokens": 8, "temperature": 0.9, "n": 2, "seed": 3}
-    first = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
-    again = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    first = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
+    again = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
     assert first["object"] == "text_completion" and len(first["choices"]) == 2
     assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
     assert [c["index"] for c in first["choices"]] == [0, 1]
@@ -334,7 +341,9 @@ def test_openai_completions_models_and_errors(server: str) -> None:
     # A stop sequence cuts the text before it.
     text = first["choices"][0]["text"]
     if len(text) > 2:
-        cut = httpx.post(f"{server}/v1/completions", json={**body, "n": 1, "stop": [text[1:3]]}, timeout=60)
+        cut = httpx.post(
+            f"{server}/v1/completions", json={**body, "n": 1, "stop": [text[1:3]]}, timeout=deadline(60)
+        )
         assert cut.json()["choices"][0]["text"] == text[: text.find(text[1:3])]
         assert cut.json()["choices"][0]["finish_reason"] == "stop"
     for bad, param in (
@@ -345,16 +354,16 @@ def test_openai_completions_models_and_errors(server: str) -> None:
         ({"prompt": 5}, "prompt"),
         ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ):
-        r = httpx.post(f"{server}/v1/completions", json=bad, timeout=10)
+        r = httpx.post(f"{server}/v1/completions", json=bad, timeout=deadline(10))
         assert r.status_code == 400, bad
         assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "a"}, timeout=10)
+    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "a"}, timeout=deadline(10))
     assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
     # A pretrained model has no speaker tokens: chat is refused with the way out.
     r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
-                   timeout=30)  # fmt: skip
+                   timeout=deadline(30))  # fmt: skip
     assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
-    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server}/health", timeout=deadline(10)).status_code == 200
 
 
 @pytest.fixture(scope="module")
@@ -372,24 +381,26 @@ def named_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> 
 
 def test_the_model_is_named_as_given_and_its_checkpoint_is_an_alias(named_server: str) -> None:
     given, checkpoint = "runs/model2", "runs/ckpt2/global_step120"
-    models = httpx.get(f"{named_server}/v1/models", timeout=10).json()["data"]
+    models = httpx.get(f"{named_server}/v1/models", timeout=deadline(10)).json()["data"]
     assert [m["id"] for m in models] == [given, checkpoint]
     assert models[0]["aliases"] == [checkpoint] and models[1]["alias_of"] == given
     for name in (given, checkpoint):
         body = {"model": name, "prompt": "def", "max_tokens": 3}
-        r = httpx.post(f"{named_server}/v1/completions", json=body, timeout=60)
+        r = httpx.post(f"{named_server}/v1/completions", json=body, timeout=deadline(60))
         assert r.status_code == 200, r.text
         assert r.json()["model"] == given
         # Chat gets past the name too, to the refusal a pretrained model gives.
         chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
-        r = httpx.post(f"{named_server}/v1/chat/completions", json=chat, timeout=30)
+        r = httpx.post(f"{named_server}/v1/chat/completions", json=chat, timeout=deadline(30))
         assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
-    r = httpx.post(f"{named_server}/v1/completions", json={"model": "runs/model3", "prompt": "a"}, timeout=10)
+    r = httpx.post(
+        f"{named_server}/v1/completions", json={"model": "runs/model3", "prompt": "a"}, timeout=deadline(10)
+    )
     assert r.status_code == 404
     assert r.json()["error"]["message"] == (
         f"the model 'runs/model3' does not exist; this server serves {given!r} (also as {checkpoint!r})"
     )
-    health = httpx.get(f"{named_server}/health", timeout=10).json()
+    health = httpx.get(f"{named_server}/health", timeout=deadline(10)).json()
     assert health["model"] == given and health["aliases"] == [checkpoint]
 
 
@@ -407,9 +418,9 @@ def sse(response: httpx.Response) -> list[Any]:
 
 def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> None:
     body = {"prompt": "Return the", "max_tokens": 12, "temperature": 0.9, "n": 2, "seed": 11, "stop": "\n\n"}
-    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
     streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{server}/v1/completions", json=streamed, timeout=60) as r:
+    with httpx.stream("POST", f"{server}/v1/completions", json=streamed, timeout=deadline(60)) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse(r)
     assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"] and events[-2]["choices"] == []
@@ -427,7 +438,7 @@ def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> 
 def test_official_client_completions_chat_and_streaming(chat_server: str) -> None:
     import openai
 
-    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=deadline(60))
     served = client.models.list().data[0].id
     done = client.completions.create(model=served, prompt="The", max_tokens=5, seed=1)
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
@@ -463,15 +474,17 @@ def test_official_client_completions_chat_and_streaming(chat_server: str) -> Non
 
 def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
     for path in ("/v1/models", "/generate?sentence=a"):
-        r = httpx.get(f"{chat_server}{path}", timeout=10)
+        r = httpx.get(f"{chat_server}{path}", timeout=deadline(10))
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert r.headers["WWW-Authenticate"] == "Bearer"
     r = httpx.post(
         f"{chat_server}/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}
     )
     assert r.status_code == 401
-    assert httpx.get(f"{chat_server}/health", timeout=10).json()["auth"] is True
-    ok = httpx.get(f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["auth"] is True
+    ok = httpx.get(
+        f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=deadline(10)
+    )
     assert ok.status_code == 200
     assert KEY not in LOGS[chat_server].read_text()
 
@@ -483,7 +496,10 @@ LONG = {"prompt": [f"The {i}" for i in range(8)], "max_tokens": 1000, "temperatu
 def test_long_requests_run_to_their_length(chat_server: str) -> None:
     """What the two tests below cut short runs 8,000 tokens when left alone."""
     r = httpx.post(
-        f"{chat_server}/v1/completions", json=LONG, headers={"Authorization": f"Bearer {KEY}"}, timeout=120
+        f"{chat_server}/v1/completions",
+        json=LONG,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=deadline(120),
     )
     assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
     assert r.json()["usage"]["completion_tokens"] == 8 * 1000
@@ -493,39 +509,46 @@ def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> N
     auth = {"Authorization": f"Bearer {KEY}"}
 
     def health() -> dict:
-        return httpx.get(f"{chat_server}/health", timeout=10).json()
+        return httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()
 
     before = health()["tokens_generated"]
     body = {**LONG, "stream": True}
-    with httpx.stream("POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=deadline(60)
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
     # The connection is closed: the row leaves the batch and the slot frees.
-    deadline = time.monotonic() + 10
+    end_by = time.monotonic() + deadline(10)
     while (h := health())["running"] or h["batch_rows"]:
-        assert time.monotonic() < deadline, h
+        assert time.monotonic() < end_by, h
         time.sleep(0.05)
     spent = h["tokens_generated"] - before
     time.sleep(0.5)
     assert health()["tokens_generated"] - before == spent < 8 * 1000
     # The server goes on.
     r = httpx.post(
-        f"{chat_server}/v1/completions", json={"prompt": "a", "max_tokens": 3}, headers=auth, timeout=30
+        f"{chat_server}/v1/completions",
+        json={"prompt": "a", "max_tokens": 3},
+        headers=auth,
+        timeout=deadline(30),
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
 
 
 def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
-    before = httpx.get(f"{chat_server}/health", timeout=10).json()["tokens_generated"]
+    before = httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["tokens_generated"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{chat_server}/v1/completions", json=LONG, headers=auth, timeout=httpx.Timeout(10, read=0.1)
         )
     # The slot frees when the handler returns; the cancelled rows leave the batch at the engine's next step.
-    deadline = time.monotonic() + 10
-    while (h := httpx.get(f"{chat_server}/health", timeout=10).json())["running"] or h["batch_rows"]:
-        assert time.monotonic() < deadline, h
+    end_by = time.monotonic() + deadline(10)
+    while (h := httpx.get(f"{chat_server}/health", timeout=deadline(10)).json())["running"] or h[
+        "batch_rows"
+    ]:
+        assert time.monotonic() < end_by, h
         time.sleep(0.05)
     assert h["tokens_generated"] - before < 8 * 1000
 
@@ -584,7 +607,9 @@ def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_st
 
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
     asyncio.run(
-        asyncio.wait_for(EventStream(events(), lambda: closed.append(True))(scope, receive, send), 10)
+        asyncio.wait_for(
+            EventStream(events(), lambda: closed.append(True))(scope, receive, send), deadline(10)
+        )
     )
     assert closed == [True] and started == []
 

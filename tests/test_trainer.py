@@ -23,6 +23,7 @@ from dsgpt2.corpus.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from pace import deadline, wait_for
 from wire_server import fail_point
 from zygote import run_python
 
@@ -109,6 +110,13 @@ def train(
 def steps(run: Path) -> dict[int, dict]:
     """The last train record of each step (a resumed run repeats the steps after its checkpoint)."""
     return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
+
+
+def wait_for_steps(run: Path, count: int, proc: subprocess.Popen, after: int = 0) -> None:
+    """Until ``proc`` (training into ``run``) has logged ``count`` steps past step ``after``."""
+    metrics = run / "ws" / "metrics.jsonl"
+    done = lambda: metrics.exists() and len([s for s in steps(run) if s > after]) >= count  # noqa: E731
+    wait_for(done, 240, f"{count} training step(s)", proc)
 
 
 CRASH_RUN = ("--train_iters", "8", "--save_interval", "4")
@@ -256,14 +264,10 @@ def test_stop_signal_saves_and_exits_then_resumes(
         args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     metrics = tmp_path / "ws" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(steps(tmp_path)) >= 3:
-            break
-        time.sleep(0.2)
+    wait_for_steps(tmp_path, 3, proc)
     os.killpg(proc.pid, signum)
     sent = time.monotonic()
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=deadline(60))
     assert proc.returncode == 0, err[-2000:]
     assert time.monotonic() - sent < 30
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
@@ -489,7 +493,7 @@ def test_every_zero_stage_trains_resumes_and_exports(
         [sys.executable, "-c", EXPORT_CHECK, str(tmp_path / "hf"), json.dumps(ids)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=deadline(300),
         cwd=tmp_path,
     )
     assert check.returncode == 0, check.stderr[-2000:]
@@ -594,8 +598,8 @@ def _launch_nodes(
         nodes.append(subprocess.Popen(argv, cwd=ROOT, stdout=logs[-1], stderr=subprocess.STDOUT,
                                       start_new_session=True))  # fmt: skip
     ended = [0.0] * len(nodes)
-    deadline = time.monotonic() + 400
-    while not all(ended) and time.monotonic() < deadline:
+    end_by = time.monotonic() + deadline(400)
+    while not all(ended) and time.monotonic() < end_by:
         for i, node in enumerate(nodes):
             if not ended[i] and node.poll() is not None:
                 ended[i] = time.monotonic()
@@ -685,7 +689,7 @@ def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
     start = time.monotonic()
     alone = tmp_path / "alone"
     [(out, end)] = _launch_nodes(small, alone, [[]], *common, "--dist_timeout", "10", expect=(3,))
-    assert end - start < 10 + 60  # the launch's own start-up, then the timeout
+    assert end - start < 10 + deadline(60)  # the launch's own start-up, then the timeout
     errors = [line for line in out.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
     assert "stops at start-up: only 1 of 3 ranks joined the run within --dist_timeout 10 s" in errors[0]
@@ -768,14 +772,11 @@ def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_pa
         [sys.executable, str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
     )
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "ws" / "metrics.jsonl").exists() or len(steps(tmp_path)) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "no training steps"
-            time.sleep(0.2)
+        wait_for_steps(tmp_path, 2, proc)
         fail_point(
             cfg["MONGO_CONNECTION_STRING"], "alwaysOn", failCommands=["find", "aggregate"], errorCode=code
         )
-        _, stderr = proc.communicate(timeout=240)
+        _, stderr = proc.communicate(timeout=deadline(240))
     finally:
         fail_point(cfg["MONGO_CONNECTION_STRING"], "off")
         proc.kill()
@@ -964,7 +965,7 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
     launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
     result = subprocess.run(
         [*launcher, "--module", "dsgpt2", "train", "--config", str(run_file), "--train_iters", "4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=deadline(300),
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"  # 4 from the command line
@@ -1047,7 +1048,7 @@ def test_a_finished_run_leaves_its_process_group(corpus: dict[str, Path], tmp_pa
         "sys.exit(rc)"
     )
     args = trainer_args(corpus, tmp_path, "--train_iters", "2")
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
-                            cwd=ROOT)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                            timeout=deadline(300), cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "group open after the run: False" in result.stdout

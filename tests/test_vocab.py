@@ -16,6 +16,7 @@ from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer import texts as vocab_mod
 from dsgpt2.tokenizer.bpe import EOT, PAD, VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import download, mongo_texts, shard_texts
+from pace import deadline
 
 ODD_TEXTS = [
     "naïve café, São Paulo — “quotes” and ‘apostrophes’",
@@ -266,7 +267,7 @@ def test_pipeline_scripts_end_to_end(tmp_path: Path) -> None:
     for script in ("download_vocab.sh", "train_vocab.sh"):
         result = subprocess.run(
             ["bash", str(ROOT / "pipelines" / script), "--no_progress"],
-            env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+            env=env, capture_output=True, text=True, cwd=tmp_path, timeout=deadline(300),
         )  # fmt: skip
         assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "corpus").glob("shard-*.jsonl"))) == 2

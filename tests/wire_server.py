@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.corpus import embedded
+from pace import deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 USER = "trainer"
@@ -47,9 +48,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_listening(proc: subprocess.Popen[Any], log_path: Path, start: int, timeout: float = 60.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_listening(proc: subprocess.Popen[Any], log_path: Path, start: int, base_s: float = 60.0) -> int:
+    end = time.monotonic() + deadline(base_s)
+    while time.monotonic() < end:
         with open(log_path, "rb") as f:
             f.seek(start)
             for line in f.read().decode("utf-8", "replace").splitlines():
@@ -114,7 +115,7 @@ class WireServer:
                         )
             finally:
                 proc.terminate()
-                proc.wait(30)
+                proc.wait(deadline(30))
             self.provisioned = True
         self.proc, _ = _spawn(self._args(self.port, auth=True), self.log_path)
         return self
@@ -124,7 +125,7 @@ class WireServer:
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGCONT)
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(deadline(10))
         self.proc = None
 
     def pause(self) -> None:

@@ -21,8 +21,11 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
+
+from pace import deadline, note_launch
 
 # Two servers per test worker: commands that build or run a model fork from one holding torch, DeepSpeed
 # and transformers; the others (ingest, vocab, dedup, info, ...) from one holding only what they import,
@@ -106,6 +109,7 @@ class Zygote:
 
     def __init__(self, kind: str) -> None:
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, __file__, kind],
             stdin=subprocess.PIPE,
@@ -121,6 +125,9 @@ class Zygote:
         # A warning printed while importing would reach no test's stderr: none may be printed.
         if ready != "ready" or said.strip():
             raise RuntimeError(f"zygote did not start cleanly: {ready!r} {said[-3000:]}")
+        if kind == "model":
+            # A fresh interpreter importing what a launch imports: the suite's pace measured for free.
+            note_launch(time.monotonic() - started)
 
     def _read(self, timeout: float) -> str | None:
         assert self.proc.stdout is not None
@@ -139,18 +146,18 @@ class Zygote:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            pid = json.loads(self._read(60) or "{}")["pid"]
+            pid = json.loads(self._read(deadline(60)) or "{}")["pid"]
             done = self._read(timeout)
             if done is None:
                 os.kill(pid, signal.SIGKILL)
-                self._read(60)
+                self._read(deadline(60))
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
             return json.loads(done)["code"], out.read_text(), err.read_text()
 
     def close(self) -> None:
         if self.proc.stdin:
             self.proc.stdin.close()
-        self.proc.wait(30)
+        self.proc.wait(deadline(30))
         self.errors.close()
 
 
@@ -158,10 +165,11 @@ _zygotes: dict[str, Zygote] = {}
 
 
 def run_python(
-    args: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float = 300
+    args: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` through the
-    server (each kind started on first use, once per test worker)."""
+    server (each kind started on first use, once per test worker); ``timeout``: by default 300 s at
+    the suite's pace (tests/pace.py)."""
     model = args[0] != "-m" or (len(args) > 2 and args[2] in MODEL_COMMANDS)
     kind = "model" if model else "corpus"
     if kind not in _zygotes:
@@ -169,7 +177,8 @@ def run_python(
 
         _zygotes[kind] = Zygote(kind)
         atexit.register(_zygotes[kind].close)
-    code, out, err = _zygotes[kind].run(list(args), cwd, dict(os.environ if env is None else env), timeout)
+    limit = deadline(300) if timeout is None else timeout
+    code, out, err = _zygotes[kind].run(list(args), cwd, dict(os.environ if env is None else env), limit)
     return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
 
 
