@@ -48,6 +48,12 @@ def build_parser() -> OneLineErrorParser:
         help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
         add_help=False,
     )
+    sub.add_parser(
+        "launch",
+        help="the deepspeed launcher, ended by Ctrl-C or SIGTERM as one process is: every rank saves, "
+        "exit 0 (`dsgpt2 launch --help`)",
+        add_help=False,
+    )
     for add in (
         corpus.add_ingest,
         corpus.add_index,
@@ -79,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from dsgpt2.train.trainer import main as train
 
         return train(argv[1:], prog="dsgpt2 train")
+    if argv[:1] == ["launch"]:
+        # Every argument is the deepspeed launcher's (and its script's).
+        from dsgpt2.train.launch import main as launch
+
+        return launch(argv[1:])
     from dsgpt2.runfile import parse_args
 
     args = parse_args(build_parser(), argv)

@@ -69,9 +69,10 @@ def test_readme_has_commands() -> None:
 
 
 def _is_train(words: list[str]) -> bool:
-    """`dsgpt2 train ...` or `deepspeed ... --module dsgpt2 train ...`."""
+    """`dsgpt2 train ...`, `deepspeed ... --module dsgpt2 train ...` or `dsgpt2 launch ...` (the
+    launcher's flags, then ds_trainer.py's or the module's)."""
     module = words[words.index("--module") + 1 :] if "--module" in words else []
-    return words[:2] == ["dsgpt2", "train"] or module[:2] == ["dsgpt2", "train"]
+    return words[:2] in (["dsgpt2", "train"], ["dsgpt2", "launch"]) or module[:2] == ["dsgpt2", "train"]
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -334,6 +335,30 @@ def test_resume_refuses_other_data(corpus: dict[str, Path], tmp_path: Path) -> N
     assert "Traceback" not in result.stderr
 
 
+def test_resume_with_another_model_names_each_setting_and_the_flags_that_match(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A checkpoint of the tiny model resumed as another size: one line with both values of every
+    setting that differs and the flags it was trained with, --ignore_fingerprint or not."""
+    train(corpus, tmp_path, "--train_iters", "2", "--save_interval", "100")
+    where = tmp_path / "ckpt" / "global_step2"
+    wider = train(corpus, tmp_path, "--train_iters", "4", "--model_select", "112m_half", check=False)
+    longer = train(corpus, tmp_path, "--train_iters", "4", "--model_select", "112m_half", "--context_length",
+                   "128", "--ignore_fingerprint", check=False)  # fmt: skip
+    for result in (wider, longer):
+        assert result.returncode == 2, result.stderr[-2000:]
+        [line] = [x for x in result.stderr.splitlines() if "error" in x.lower()]
+        assert line.startswith(f"ds_trainer.py: error: {where} holds another model than this run builds (")
+        assert "Traceback" not in result.stderr
+        assert "layers 2 there, 6 here; width 64 there, 768 here; heads 2 there, 12 here" in line
+        assert line.endswith("or train this model in another --ckpt_dir")
+        assert "state_dict" not in line
+    assert "context" not in wider.stderr and "resume it with --model_select tiny, or" in wider.stderr
+    assert "context 64 there, 128 here" in longer.stderr
+    assert "resume it with --model_select tiny --context_length 64, or" in longer.stderr
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+
+
 def test_a_run_in_the_ranges_order_resumes_in_it_and_only_in_it(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -561,11 +586,95 @@ def _launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subp
         str(port),
     ]
     result = subprocess.run([*launcher, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                            cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     # DeepSpeed's CPU allreduce buffers (66 MB a rank) are not left in /dev/shm after the run.
     assert list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*")) == []
     return result
+
+
+def _ctrl_c(proc: subprocess.Popen) -> None:
+    """SIGINT to the launch's process group, as a terminal's Ctrl-C sends it."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def _stop_rank_1(proc: subprocess.Popen) -> None:
+    """SIGTERM to rank 1 alone (a scheduler that signals one process)."""
+    import psutil
+
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+    [rank] = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
+    rank.send_signal(signal.SIGTERM)
+
+
+def _launch_and_stop(
+    launcher: list[str], corpus: dict[str, Path], run: Path, after: int = 0, stop: Any = _ctrl_c
+) -> tuple[subprocess.Popen, str, list[str]]:
+    """``launcher`` (2 CPU ranks) training into ``run``, ``stop``-ped once it has taken 2 steps past step
+    ``after``: the launcher, what it printed once every process of its group closed its output, and
+    the ranks' stop lines. Both ranks saved the same step, which ``latest`` names."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = trainer_args(
+        corpus, run, "--train_iters", "100000", "--save_interval", "100000", "--num_workers", "1"
+    )
+    command = [*launcher, "--num_gpus", "2", "--master_port", str(port), str(ROOT / "ds_trainer.py"), *args]
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        wait_for_steps(run, 2, proc, after=after)
+        stop(proc)
+        # Every rank and the launcher hold the pipe: it closes when the last of them ends.
+        out = proc.communicate(timeout=deadline(120))[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    stops = [line for line in out.splitlines() if "dsgpt2.train.trainer: " in line and "saving" in line]
+    last = max(steps(run))
+    assert (run / "ckpt" / "latest").read_text() == f"global_step{last}", out[-3000:]
+    for rank in range(2):
+        assert [r["step"] for r in read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")][-1] == last
+    return proc, out, stops
+
+
+def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_one_process_then_resumes(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the launch's process group) with two ranks: `dsgpt2 launch` ends as a single
+    process does (both ranks save after the same step, the log says SIGINT, exit 0); under the plain
+    `deepspeed` command, whose launcher passes the SIGINT on as a SIGTERM, the ranks still name SIGINT and
+    save, and the run resumes from the first stop; a SIGTERM to one rank stops both at one step."""
+    proc, out, stops = _launch_and_stop([sys.executable, "-m", "dsgpt2", "launch"], corpus, tmp_path)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(stops) == 2 and all("trainer: SIGINT: saving a checkpoint" in s for s in stops), out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    first = max(steps(tmp_path))
+    assert f"stopped: SIGINT at step {first}" in out
+
+    plain = [str(Path(sys.executable).parent / "deepspeed")]
+    proc, out, stops = _launch_and_stop(plain, corpus, tmp_path, after=first)
+    assert len(stops) == 2 and all("trainer: SIGINT: saving a checkpoint" in s for s in stops), out[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / f'global_step{first}'}" in out
+    second = max(steps(tmp_path))
+    assert first + 1 in steps(tmp_path) and second >= first + 2
+    # DeepSpeed's runner dies of the SIGINT itself, at once (README: why `dsgpt2 launch`).
+    assert proc.returncode == -signal.SIGINT
+
+    launch = [sys.executable, "-m", "dsgpt2", "launch"]
+    proc, out, stops = _launch_and_stop(launch, corpus, tmp_path, after=second, stop=_stop_rank_1)
+    assert proc.returncode == 0, out[-3000:]
+    said = {("[rank 1]" in s, s.split("dsgpt2.train.trainer: ")[1]) for s in stops}
+    assert said == {
+        (True, "SIGTERM: saving a checkpoint after the current step, then exiting"),
+        (False, "stopping with the other ranks (SIGTERM): saving a checkpoint"),
+    }, out[-3000:]
+    assert f"stopped: SIGTERM at step {max(steps(tmp_path))}" in out
 
 
 def _launch_nodes(

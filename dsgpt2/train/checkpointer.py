@@ -29,6 +29,11 @@ from dsgpt2.train.feed import check_saved_data
 log = logging.getLogger(__name__)
 
 
+# The settings that give a GPT-2 its shape, as a user calls them.
+MODEL_SHAPE = {"n_layer": "layers", "n_embd": "width", "n_head": "heads", "n_inner": "inner width",
+               "n_positions": "context", "vocab_size": "vocabulary size"}  # fmt: skip
+
+
 class TrainingAborted(DsGpt2Error):
     """Training stopped on purpose: non-finite losses in a row, or a lost database."""
 
@@ -56,16 +61,25 @@ class Checkpointer:
         world: this run's number of ranks.
         conn: the corpus connection (a resumed run's trained prefix is checked against it).
         marks: the corpus's high-water marks at the start of this run.
+        model: the model config this run builds (``GPT2Config.to_dict()``); a checkpoint of another
+            shape is refused. None: not checked.
     """
 
     def __init__(
-        self, cfg: TrainConfig, fingerprint: dict[str, Any], world: int, conn: Any, marks: tuple[int, ...]
+        self,
+        cfg: TrainConfig,
+        fingerprint: dict[str, Any],
+        world: int,
+        conn: Any,
+        marks: tuple[int, ...],
+        model: dict[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.world = world
         self.conn = conn
         self.marks = marks
+        self.model = model
 
     def find(self) -> tuple[Path, str, dict[str, Any]] | None:
         """The checkpoint to resume from, verified, and its data state; None for a fresh start.
@@ -94,6 +108,8 @@ class Checkpointer:
             )
         tag = resolve(load_dir, c.ckpt_id, f"; {fresh}")
         saved = read_client_state(load_dir, tag)
+        # First, and whatever --ignore_fingerprint says: weights of another shape cannot be loaded.
+        self._check_model(saved, load_dir / tag)
         self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         self._check_data(saved, load_dir / tag)
         ranks = len(saved["data"]["ranks"])
@@ -109,6 +125,24 @@ class Checkpointer:
                 "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
             )  # fmt: skip
         return load_dir, tag, saved["data"]
+
+    def _check_model(self, saved: dict[str, Any], where: Path) -> None:
+        """Refuse a checkpoint of another model shape: each setting that differs with both values, and
+        the flags the checkpoint was trained with."""
+        theirs = saved.get("model_config")
+        if self.model is None or not theirs:
+            return
+        differ = {
+            k: (theirs.get(k), self.model.get(k)) for k in MODEL_SHAPE if theirs.get(k) != self.model.get(k)
+        }
+        if not differ:
+            return
+        values = "; ".join(f"{MODEL_SHAPE[k]} {a} there, {b} here" for k, (a, b) in differ.items())
+        flags = _model_flags(saved.get("args") or {}, differ) or "the model it was trained with"
+        raise CheckpointError(
+            f"{where} holds another model than this run builds ({values}): resume it with {flags}, "
+            "or train this model in another --ckpt_dir"
+        )
 
     def _check_data(self, saved: dict[str, Any], where: Path) -> None:
         problems = check_saved_data(self.conn, saved, self.marks, where)
@@ -220,3 +254,19 @@ class Checkpointer:
         tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last, files)
         log.info("saved checkpoint %s", c.ckpt_dir / tag)
         return tag
+
+
+def _model_flags(args: dict[str, Any], differ: dict[str, tuple[Any, Any]]) -> str:
+    """The flags (from a checkpoint's ``args``) that build its model again, for the settings that differ."""
+    flags = []
+    if differ.keys() & {"n_layer", "n_embd", "n_head", "n_inner"}:
+        for flag in ("init_from", "model_config", "model_select"):
+            if args.get(flag):
+                flags.append(f"--{flag} {args[flag]}")
+                break
+    if "n_positions" in differ and not args.get("init_from"):
+        context = args.get("context_length") or differ["n_positions"][0]
+        flags.append(f"--context_length {context}")
+    if "vocab_size" in differ and args.get("vocab_dir"):
+        flags.append(f"--vocab_dir {args['vocab_dir']}")
+    return " ".join(flags)

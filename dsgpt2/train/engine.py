@@ -72,6 +72,17 @@ def init_weights(cfg: TrainConfig, vocab_size: int) -> tuple[Any, dict[str, Any]
     return config, weights
 
 
+def model_config_for(
+    cfg: TrainConfig, vocab_size: int, spec: DataSpec, init: tuple[Any, dict[str, Any]] | None
+) -> Any:
+    """The ``GPT2Config`` the run builds (a preset, ``--model_config`` or ``init``'s), known before any
+    model is: a checkpoint of another shape is refused before the engine exists."""
+    if init is not None:
+        return init[0]
+    m = cfg.model
+    return gpt2_config(m.model_select, vocab_size, spec.context, spec.eot, spec.pad, m.model_config)
+
+
 @dataclass
 class Engine:
     """The DeepSpeed engine and what the run reads off it."""
@@ -103,15 +114,13 @@ def build_engine(
     _seed_all(cfg.data.seed)
     c = cfg.compute
     context = spec.context
+    model_config = model_config_for(cfg, vocab_size, spec, init)
+    model_config._attn_implementation = c.attn_implementation
     if init is None:
-        model_config = gpt2_config(m.model_select, vocab_size, context, spec.eot, spec.pad, m.model_config)
-        model_config._attn_implementation = c.attn_implementation
         model = build_model(model_config)
     else:
         from dsgpt2.checkpoints.weights import build_with_weights
 
-        model_config = init[0]
-        model_config._attn_implementation = c.attn_implementation
         model = build_with_weights(init[0], init[1], str(m.init_from))
         log.info("initialised from %s", m.init_from)
     model = with_chunked_loss(model, c.loss_chunk)

@@ -1,5 +1,11 @@
 """How a run is asked to stop: SIGTERM (a scheduler, ``docker stop``) or Ctrl-C finishes the current
-step, saves a checkpoint and exits; a second Ctrl-C stops at once."""
+step, saves a checkpoint and exits; a second Ctrl-C stops at once.
+
+Under the ``deepspeed`` launcher a Ctrl-C reaches each rank twice: the terminal's SIGINT, then the
+SIGTERM the launcher sends its ranks when it gets the SIGINT itself. The first signal names the stop.
+The ranks decide together (:meth:`StopRequest.agreed`): one that got no signal, or got it a moment
+after the others looked, stops at the same step as they do.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,11 @@ import logging
 import signal
 from typing import Any
 
+from dsgpt2.train.collective import all_sum
+
 log = logging.getLogger("dsgpt2.train.trainer")
+
+_NAMES = ("SIGINT", "SIGTERM")
 
 
 class StopRequest:
@@ -23,7 +33,20 @@ class StopRequest:
 
     def _stop(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.name and signum == signal.SIGINT:
+        if self.name is None:
+            log.warning("%s: saving a checkpoint after the current step, then exiting", name)
+            self.name = name
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        log.warning("%s: saving a checkpoint after the current step, then exiting", name)
-        self.name = name
+        else:
+            # The launcher passing on a signal this rank already got: the stop is under way.
+            log.debug("%s after %s: already stopping", name, self.name)
+
+    def agreed(self, device: Any) -> bool:
+        """Whether any rank was asked to stop; every rank calls it at the same step (a collective). A rank
+        that got no signal takes the others' name for the stop."""
+        seen = all_sum([int(self.name == n) for n in _NAMES], device)
+        if self.name is None and any(seen):
+            self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
+            log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)
+        return self.name is not None

@@ -48,7 +48,14 @@ from dsgpt2.train.ds_config import (
     load_ds_config,
     zero_stage,
 )
-from dsgpt2.train.engine import Engine, build_engine, init_context, init_weights, run_context
+from dsgpt2.train.engine import (
+    Engine,
+    build_engine,
+    init_context,
+    init_weights,
+    model_config_for,
+    run_context,
+)
 from dsgpt2.train.feed import Feed, corpus_marks
 from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.runlog import RunLog
@@ -132,7 +139,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     spec = cfg.data_spec(context)
     feed = Feed(cfg, mongo, conn, spec, rank, world)
     fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
-    checkpointer = Checkpointer(cfg, fp, world, conn, marks)
+    model = model_config_for(cfg, vocab_size, spec, init).to_dict()
+    checkpointer = Checkpointer(cfg, fp, world, conn, marks, model)
     found = on_rank0(checkpointer.find)
     feed.start(marks, found[2] if found else None)
     engine = build_engine(cfg, ds_config, lr_schedule, spec, vocab_size, init, device, world)
@@ -215,7 +223,11 @@ class Trainer:
                 record = self.feed.record_growth(state.step, *self.feed.resume_growth, "resume")
                 self.runlog.write({"event": "growth", **record})
             try:
-                while state.step < r.train_iters and not self.stop.name and not self.stopped_early:
+                while (
+                    state.step < r.train_iters
+                    and not self.stopped_early
+                    and not self.stop.agreed(self.engine.device)
+                ):
                     losses, ids = self.train_step(state, self.batches)
                     boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, losses, ids)
