@@ -13,6 +13,7 @@ import pytest
 from conftest import ROOT, sample_corpus
 from dsgpt2.cli import main
 from dsgpt2.data.sources import tokenizer_digest
+from pace import deadline
 from zygote import run_python
 
 pytestmark = pytest.mark.slow
@@ -223,7 +224,7 @@ def test_two_vocab_trains_into_one_directory_at_once_leave_one_whole_tokenizer(
         )
         for _ in range(2)
     ]
-    results = [(p.communicate(timeout=300)[1], p.returncode) for p in procs]
+    results = [(p.communicate(timeout=deadline(300))[1], p.returncode) for p in procs]
     results = [(code, err) for err, code in results]
     assert sorted(code for code, _ in results) == [0, 2], results
     refused = next(err for code, err in results if code == 2)
