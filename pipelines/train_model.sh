@@ -14,7 +14,7 @@
 #   CKPT_DIR      checkpoints (resumed from when present)         runs/ckpt
 #   WORKSPACE     metrics, loss plot, wandb                       runs/train
 #   DATA_MODE     streaming or cached                             streaming
-#   LAUNCHER      "deepspeed" (GPUs, hostfile) or "python"        deepspeed
+#   LAUNCHER      "deepspeed" (via dsgpt2 launch) or "python"     deepspeed
 #   NUM_GPUS      GPUs per node for the deepspeed launcher        (all visible)
 #   HOSTFILE      DeepSpeed hostfile for several nodes            (single node)
 set -euo pipefail
@@ -42,7 +42,9 @@ args=(--deepspeed_config "$DS_CONFIG" --config_train "$CONFIG" --vocab_dir "$TOK
 if [[ "$LAUNCHER" == "python" ]]; then
   exec python ds_trainer.py "${args[@]}" "$@"
 fi
-launcher=(deepspeed)
+# The deepspeed launcher through `dsgpt2 launch`: Ctrl-C or SIGTERM to this script's group ends it as a
+# single process ends (every rank saves, exit 0) instead of the launcher's own 130/143 mid-save.
+launcher=(dsgpt2 launch)
 if [[ -n "$HOSTFILE" ]]; then
   launcher+=(--hostfile "$HOSTFILE")
 fi
