@@ -659,28 +659,7 @@ def _write_source(
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
-    if state and "records" in state:  # more than this run's claim: an earlier run started it
-        start = int(state.get("records", 0))
-        # Documents inserted after meta_info was last updated: the batch in flight at a crash.
-        lag = coll.find_one(
-            {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}},
-            {"_id": 0, "source_pos": 1},
-            sort=[("idx", -1)],
-        )
-        if lag is not None:
-            start = int(lag["source_pos"]) + 1
-        report.resumed_at = start
-        report.skipped.update(state.get("skipped", {}))
-        report.inserted = int(state.get("inserted", 0))
-        if lag is not None:
-            report.inserted += coll.count_documents(
-                {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
-            )
-        log.info("%s: resuming after record %d", source.label, start)
-    else:
-        start = 0
-        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False, owner=owner)
-
+    start = _starting_point(conn, collection, source, report, state, next_idx, owner)
     batch: list[dict[str, Any]] = []
     places: list[dict[str, Any]] | None = [] if seen is not None else None  # where each of batch is
     missing = MissingField()
@@ -755,6 +734,42 @@ def _write_source(
     finally:
         bar.close()
     return report
+
+
+def _starting_point(
+    conn: Connection,
+    collection: str,
+    source: Source,
+    report: SourceReport,
+    state: dict[str, Any] | None,
+    next_idx: int,
+    owner: str,
+) -> int:
+    """The first record of ``source`` this run reads: after what an earlier run stored (its counts
+    taken into ``report``), or 0 for a source begun now (recorded as begun)."""
+    coll = conn.db[collection]
+    if not (state and "records" in state):
+        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False, owner=owner)
+        return 0
+    # More than this run's claim: an earlier run started it.
+    start = int(state.get("records", 0))
+    # Documents inserted after meta_info was last updated: the batch in flight at a crash.
+    lag = coll.find_one(
+        {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}},
+        {"_id": 0, "source_pos": 1},
+        sort=[("idx", -1)],
+    )
+    if lag is not None:
+        start = int(lag["source_pos"]) + 1
+    report.resumed_at = start
+    report.skipped.update(state.get("skipped", {}))
+    report.inserted = int(state.get("inserted", 0))
+    if lag is not None:
+        report.inserted += coll.count_documents(
+            {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
+        )
+    log.info("%s: resuming after record %d", source.label, start)
+    return start
 
 
 def _flush(
