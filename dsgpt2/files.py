@@ -72,14 +72,15 @@ def _clear_stale_staging(out: Path) -> None:
 
     for path in out.parent.glob(f".{out.name}{_STAGING}*"):
         pid = path.name[len(f".{out.name}{_STAGING}") :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             if path.name.endswith("-old") and not out.exists():
                 os.replace(path, out)  # killed between the two renames: the earlier artifact returns
             else:
                 shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (a writer that left something behind)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

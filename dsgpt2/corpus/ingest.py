@@ -62,6 +62,7 @@ from dsgpt2.corpus.mongo import (
     with_retries,
 )
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
+from dsgpt2.files import process_alive
 from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
@@ -868,13 +869,7 @@ def _alive(owner: str, heartbeat: Any) -> bool:
     host, _, rest = owner.rpartition(":")[0].rpartition(":")
     pid = int(rest) if rest.isdigit() else -1
     if host == socket.gethostname() and pid > 0:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return process_alive(pid)
     return isinstance(heartbeat, int | float) and time.time() - heartbeat < LEASE_SECONDS
 
 
