@@ -130,7 +130,8 @@ def test_every_dsgpt2_command_reads_one(tmp_path: Path) -> None:
 
 
 def test_the_table_names_are_the_commands() -> None:
-    assert command_names(cli_parser()) == COMMANDS
+    # `dsgpt2 launch` hands every argument to the deepspeed launcher: the script it starts reads the file.
+    assert command_names(cli_parser()) - {"launch"} == COMMANDS
 
 
 def test_the_shipped_demo_recipe_is_the_demo(files: dict[str, Path]) -> None:
