@@ -625,12 +625,19 @@ def _launch_and_stop(
     command = [*launcher, "--num_gpus", "2", "--master_port", str(port), str(ROOT / "ds_trainer.py"), *args]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
+    import psutil
+
     try:
         wait_for_steps(run, 2, proc, after=after)
         stop(proc)
         # Every rank and the launcher hold the pipe: it closes when the last of them ends.
         out = proc.communicate(timeout=deadline(120))[0]
     finally:
+        # `dsgpt2 launch` runs the launcher in a process group of its own: the whole tree goes.
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

@@ -45,8 +45,12 @@ class StopRequest:
     def agreed(self, device: Any) -> bool:
         """Whether any rank was asked to stop; every rank calls it at the same step (a collective). A rank
         that got no signal takes the others' name for the stop."""
+        # Decided by the sum alone: a signal that lands while the sum is taken is counted at the next
+        # step, on every rank at once; read here, it would stop this rank a step before the others.
         seen = all_sum([int(self.name == n) for n in _NAMES], device)
-        if self.name is None and any(seen):
+        if not any(seen):
+            return False
+        if self.name is None:
             self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
             log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)
-        return self.name is not None
+        return True

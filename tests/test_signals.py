@@ -1,0 +1,36 @@
+"""The stop the ranks agree on: decided by what every rank reported, never by a signal that landed while
+the ranks were comparing (that rank would stop a step before the others, and the others wait forever)."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from dsgpt2.train import signals
+from dsgpt2.train.signals import StopRequest
+
+
+def test_a_signal_landing_during_the_agreement_counts_at_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    stop = StopRequest()
+    reported: list[list[int]] = []
+
+    def sum_while_a_signal_lands(values: list[int], device: object) -> list[int]:
+        reported.append(values)
+        if len(reported) == 1:
+            stop._stop(signal.SIGINT, None)  # the handler runs while this rank waits for the others
+        return values  # one rank: the sum is what it reported
+
+    monkeypatch.setattr(signals, "all_sum", sum_while_a_signal_lands)
+    assert stop.agreed("cpu") is False and stop.name == "SIGINT"  # the others reported nothing
+    assert stop.agreed("cpu") is True and reported[1] == [1, 0]
+
+
+def test_a_rank_without_a_signal_takes_the_others_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    stop = StopRequest()
+    monkeypatch.setattr(signals, "all_sum", lambda values, device: [0, 1])  # another rank got SIGTERM
+    assert stop.agreed("cpu") is True and stop.name == "SIGTERM"
+    monkeypatch.setattr(signals, "all_sum", lambda values, device: values)
+    assert StopRequest().agreed("cpu") is False
