@@ -765,6 +765,9 @@ def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
         assert not list(caches[1].glob(".rank-*"))
 
 
+# Three two-node launches, two of them waiting out a 60 s --dist_timeout: beside another suite on the
+# same cores it needs more than the per-test hang guard.
+@pytest.mark.timeout(1200)
 def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
