@@ -27,11 +27,11 @@ from dsgpt2.corpus.cleaning import clean_text
 
 def _train_data(texts: list[str], results: Path) -> list:
     """Tokenize + pack, cached loader, data stall, memory: on the vocabulary of the vocab benchmark."""
-    from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.corpus.mongo import Connection
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.data.sources import make_spec
     from dsgpt2.data.table import ChunkTable
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.db.mongo import Connection
 
     tokenizer = results / "vocab_bench_tok"
     if not (tokenizer / "tokenizer.json").exists():

@@ -211,7 +211,7 @@ def main(argv: list[str]) -> int:
 
         code = trainer.main(rest, on_loss=on_loss)
     else:
-        from dsgpt2.cli import main as cli
+        from dsgpt2.cli.main import main as cli
 
         code = cli(rest)
     event("end")

@@ -18,8 +18,8 @@ import os
 import uuid
 
 from bench.common import Metric, database_uri, paired_times
-from dsgpt2.corpus.config import config_from_dict
-from dsgpt2.corpus.mongo import Connection, MongoWrapper
+from dsgpt2.db.config import config_from_dict
+from dsgpt2.db.mongo import Connection, MongoWrapper
 
 
 def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, MongoWrapper]:

@@ -15,7 +15,7 @@ boundary falls inside the figure.
   the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the GPU, the same micro-batch and
   accumulation, gradient clipping at 1.0, nothing else. Each side runs in a fresh process.
 - both eager and under ``torch.compile``; MFU from the FLOPs per token of the model config
-  (``dsgpt2.model.flops_per_token``) and the device's peak (GPU only);
+  (``dsgpt2.model.gpt2.flops_per_token``) and the device's peak (GPU only);
 - the DataLoader workers one device needs: our eager run with several worker counts, the fewest
   within 5 % of the fastest.
 """
@@ -62,7 +62,7 @@ FORMER_GPU_SHAPE = (16, 2)  # micro × accumulation of the GPU config before it 
 
 def gpu_settings() -> Settings:
     """112m at context 1024 with the shipped GPU config's own micro-batch and accumulation."""
-    from dsgpt2.shipped import shipped_config
+    from dsgpt2.settings.shipped import shipped_config
 
     ds = json.loads(shipped_config("ds_config.json").read_text())
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
@@ -181,8 +181,8 @@ def _device_name() -> str:
 def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     """The sample corpus, repeated until it holds 1.25 × ``tokens`` (the training split included), in a
     database in ``work/db`` (``local://``); the config file naming it."""
-    from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.corpus.mongo import connect
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.db.mongo import connect
     from dsgpt2.tokenizer.bpe import load_tokenizer
 
     have = sum(len(e.ids) + 1 for e in load_tokenizer(tokenizer).encode_batch(texts))
@@ -204,7 +204,7 @@ def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
 
 def _ours(s: Settings, tokenizer: Path, store_config: Path, run: Path, workers: int, compiled: bool) -> dict:
     """``ds_trainer.py`` for warmup + steps; tokens/s and MFU over the measured steps."""
-    from dsgpt2.shipped import shipped_config
+    from dsgpt2.settings.shipped import shipped_config
     from dsgpt2.train.metrics import read_metrics
 
     run.mkdir(parents=True, exist_ok=True)
@@ -244,14 +244,14 @@ def _mfu(s: Settings, tokenizer: Path, tps: float) -> dict[str, Any]:
 
 
 def _flops_per_token(s: Settings, tokenizer: Path) -> float:
-    from dsgpt2.model import flops_per_token
+    from dsgpt2.model.gpt2 import flops_per_token
 
     return flops_per_token(_config(s, tokenizer), s.context)
 
 
 def _config(s: Settings, tokenizer: Path) -> Any:
     """The model config our trainer builds for this preset and tokenizer."""
-    from dsgpt2.model import gpt2_config
+    from dsgpt2.model.gpt2 import gpt2_config
     from dsgpt2.tokenizer.bpe import EOT, PAD, load_tokenizer
 
     tok = load_tokenizer(tokenizer)
@@ -272,7 +272,7 @@ def plain_loop(s: Settings, tokenizer: Path, compiled: bool) -> dict[str, Any]:
     """nanoGPT's loop on the HF model: tokens/s (and MFU on a GPU) over ``s.steps`` steps."""
     import torch
 
-    from dsgpt2.model import build_model, param_groups
+    from dsgpt2.model.gpt2 import build_model, param_groups
 
     cuda = s.device == "cuda"
     config = _config(s, tokenizer)

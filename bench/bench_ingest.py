@@ -109,9 +109,9 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
     if reason:
         print(f"   (no server ingest line: {reason})")
         return []
-    from dsgpt2.corpus.config import ENV_URI, load_config, redact_uri
     from dsgpt2.corpus.ingest import file_source, ingest
-    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.db.config import ENV_URI, load_config, redact_uri
+    from dsgpt2.db.mongo import Connection
 
     docs = _documents(texts, WIRE_DOCS)
     path = base / "wire.jsonl"

@@ -114,7 +114,7 @@ def _datasketch(texts: list[str]) -> set[int]:
 
 
 def neardup(texts: list[str]) -> list[Metric]:
-    from dsgpt2.corpus.minhash import LshParams, cluster_texts
+    from dsgpt2.curation.minhash import LshParams, cluster_texts
 
     docs, families = planted_corpus(vocabulary(texts), originals=600)
     expected = expected_duplicates(docs, families)

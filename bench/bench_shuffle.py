@@ -107,12 +107,12 @@ def _train_and_evaluate(
     """The demo's recipe on ``collection``, read in ``order``; perplexity on the held-out collection."""
     import shutil
 
-    from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.demo import DEMO_DS_CONFIG, DEMO_LR, DEMO_WARMUP
+    from dsgpt2.cli.pipeline import DEMO_DS_CONFIG, DEMO_LR, DEMO_WARMUP
+    from dsgpt2.db.config import config_from_dict
     from dsgpt2.infer.evaluate import evaluate
     from dsgpt2.infer.loading import load_model
     from dsgpt2.infer.settings import EvalRequest
-    from dsgpt2.shipped import shipped_config
+    from dsgpt2.settings.shipped import shipped_config
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
@@ -146,9 +146,9 @@ def _train_and_evaluate(
 
 
 def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
-    from dsgpt2.corpus import embedded
-    from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.db import embedded
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.db.mongo import Connection
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
     work = results / "shuffle"

@@ -118,7 +118,7 @@ def deepspeed_overhead(rounds: int = 8, window: int = 10) -> list[Metric]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.model import param_groups
+    from dsgpt2.model.gpt2 import param_groups
     from dsgpt2.train.trainer import ensure_distributed_env
 
     ensure_distributed_env()
@@ -200,12 +200,12 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.corpus.config import config_from_dict
-    from dsgpt2.corpus.mongo import Connection
     from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import StreamingChunks, make_spec
-    from dsgpt2.model import param_groups
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.db.mongo import Connection
+    from dsgpt2.model.gpt2 import param_groups
     from dsgpt2.tokenizer.bpe import load_vocab_size
     from dsgpt2.train.trainer import ensure_distributed_env
 
@@ -305,10 +305,10 @@ def _index_rss(total: int) -> dict[str, int]:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.corpus.config import config_from_dict
     from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import DataSpec, StreamingChunks
+    from dsgpt2.db.config import config_from_dict
 
     config = config_from_dict(
         {

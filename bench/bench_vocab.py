@@ -88,7 +88,7 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
 
     from transformers import GPT2TokenizerFast  # noqa: F401  (lazy module: load it before the clock)
 
-    from dsgpt2.corpus.mongo import MongoWrapper
+    from dsgpt2.db.mongo import MongoWrapper
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts
 
@@ -115,7 +115,7 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
 
 
 def _config(store: str) -> Any:
-    from dsgpt2.corpus.config import config_from_dict
+    from dsgpt2.db.config import config_from_dict
 
     uri = os.environ.get("DSGPT2_BENCH_MONGO_URI") or f"local://{store}"
     return config_from_dict(
@@ -133,7 +133,7 @@ def _spawn(mode: str, store: Path, texts_file: Path, out: Path) -> dict[str, Any
 
 def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> list[Metric]:
     """Both sides train on ``copies`` copies of ``texts``: long enough that start-up costs fade."""
-    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.db.mongo import Connection
 
     texts = texts * copies
     workdir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +155,7 @@ def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> l
         anchor.append(_spawn("anchor", store, texts_file, workdir / "vocab_bench_tok"))
     conn.client.drop_database(config.db)
     if config.is_local:
-        from dsgpt2.corpus import embedded
+        from dsgpt2.db import embedded
 
         embedded.stop(embedded.local_dir(config.uri))
     mb = e2e[0]["bytes"] / 1e6

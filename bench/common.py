@@ -92,7 +92,7 @@ def database_uri() -> str:
         import tempfile
         from pathlib import Path
 
-        from dsgpt2.corpus import embedded
+        from dsgpt2.db import embedded
 
         directory = Path(tempfile.mkdtemp(prefix="dsgpt2-bench-db-"))
         owner = os.getpid()

@@ -1,3 +1,3 @@
-from dsgpt2.cli import main
+from dsgpt2.cli.main import main
 
 raise SystemExit(main())

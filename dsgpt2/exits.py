@@ -6,7 +6,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from dsgpt2.corpus.config import ENV_URI, scrub
+from dsgpt2.db.config import ENV_URI, scrub
 from dsgpt2.errors import DsGpt2Error
 
 

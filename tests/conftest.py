@@ -16,12 +16,19 @@ from typing import Any
 
 import pytest
 
-from dsgpt2.corpus.config import MongoConfig, config_from_dict
-from dsgpt2.corpus.mongo import Connection
+from dsgpt2.db.config import MongoConfig, config_from_dict
+from dsgpt2.db.mongo import Connection
 from wire_server import WireServer, shared_server, shared_started, unavailable_reason
 from zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# tests/ holds the shared helpers (this file, zygote, wire_server, inject, pace); the tests live in one
+# folder per room of the package, plus e2e/ and project/. The live-server tests rerun other rooms'
+# planted corpora, so every room is importable from every other.
+for _room in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and p.name[0] not in "._"):
+    if str(_room) not in sys.path:
+        sys.path.append(str(_room))
 
 # Under pytest-xdist the workers already fill the cores: a DeepSpeed rank, a DataLoader worker or an
 # in-process model computing on two threads each would only contend (about a sixth of the suite's time).
@@ -171,8 +178,8 @@ def store_config(tmp_path: Path, collections: list[str] | None = None) -> tuple[
 def sample_corpus(base: Path, documents: int = 2000, vocab_size: int = 512) -> dict[str, Path]:
     """The first ``documents`` sample documents in a file-backed store in ``base``, and a
     ``vocab_size``-token vocabulary trained on them: {"config", "tok"}."""
-    from dsgpt2.corpus.config import load_config
     from dsgpt2.corpus.ingest import builtin_source, ingest
+    from dsgpt2.db.config import load_config
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts
 
@@ -307,8 +314,8 @@ def trained_on(
 def check_lineage(ckpt_dir: Path, workspace: Path, config: Path, docs: dict[str, int], ranks: int = 1) -> Any:
     """``dsgpt2 lineage`` for every document of ``docs`` (collection → count): each one's (step,
     rank) pairs are exactly those whose logged block ids hold its blocks."""
-    from dsgpt2.corpus.config import load_config
-    from dsgpt2.train.lineage import lineage
+    from dsgpt2.checkpoints.lineage import lineage
+    from dsgpt2.db.config import load_config
 
     wanted = [f"{name}:{i}" for name, n in docs.items() for i in range(n)]
     mongo = load_config(config)

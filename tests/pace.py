@@ -32,7 +32,7 @@ LAUNCH = """
 from dsgpt2.accelerator import prepare_deepspeed_environment
 prepare_deepspeed_environment()
 import torch, deepspeed, transformers
-from dsgpt2.model import gpt2_config, build_model
+from dsgpt2.model.gpt2 import gpt2_config, build_model
 model = build_model(gpt2_config("tiny", 512, 64, 0, 0))
 ids = torch.randint(0, 512, (4, 64))
 model(input_ids=ids, labels=ids).loss.backward()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.corpus import embedded
+from dsgpt2.db import embedded
 from pace import deadline
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,11 +37,11 @@ PRELOAD = {
         "transformers",
         "transformers.models.gpt2.modeling_gpt2",
         "dsgpt2.train.trainer",
-        "dsgpt2.model",
-        "dsgpt2.cli",
+        "dsgpt2.model.gpt2",
+        "dsgpt2.cli.main",
         "matplotlib.pyplot",
     ),
-    "corpus": ("dsgpt2.cli", "dsgpt2.corpus.mongo", "pymongo", "tokenizers"),
+    "corpus": ("dsgpt2.cli.main", "dsgpt2.db.mongo", "pymongo", "tokenizers"),
 }
 MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", "generate", "chat", "serve",
                   "demo"}  # fmt: skip

@@ -19,7 +19,7 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import ConfigError
-from dsgpt2.model import causal_lm_loss
+from dsgpt2.model.gpt2 import causal_lm_loss
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,2 @@
-"""The corpus in MongoDB: connection config, client and retries, documents, ingest, validate."""
+"""Documents into the database: the readers and exactly-once ingest, cleaning, the built-in sample,
+numbering collections in place, the high-water marks of a growing corpus and seeded per-document draws."""

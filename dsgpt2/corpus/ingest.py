@@ -3,7 +3,7 @@
 Each source record becomes ``{"idx", "form", "filt_text", "text_hash", "source", "source_pos"}``
 (conversations also keep ``turns``): ``idx`` continues after the collection's
 largest one, ``form`` is the original text, ``filt_text`` its cleaned form and
-``text_hash`` the hash of the text training reads (:mod:`dsgpt2.corpus.dedup`).
+``text_hash`` the hash of the text training reads (:mod:`dsgpt2.curation.dedup`).
 
 Exactly once, even when killed: before its first insert a source is recorded
 in meta_info; each batch is inserted in order and then meta_info records how
@@ -43,17 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from pymongo.errors import PyMongoError
-
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
 from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
-from dsgpt2.corpus.dedup import HASH, SeenTexts, document_hash, ensure_hash_index
-from dsgpt2.corpus.documents import SkipTally, utf8_encodable
-from dsgpt2.corpus.mongo import (
+from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
+from dsgpt2.db.mongo import (
     Connection,
+    DatabaseError,
     database_errors,
     ensure_idx_index,
     insert_batch,
@@ -61,6 +59,7 @@ from dsgpt2.corpus.mongo import (
     read_meta,
     with_retries,
 )
+from dsgpt2.documents import SkipTally, document_hash, turns_text, utf8_encodable
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from dsgpt2.files import process_alive
 from dsgpt2.progress import progress as progress_display
@@ -446,8 +445,7 @@ def make_document(record: Any, kind: str) -> dict[str, Any] | str:
             doc.update(record.fields)
         return doc
     if kind == "conversation":
-        text = "\n".join(f"{t['speaker']}: {t['text']}" for t in record["turns"])
-        return {"form": record["form"], "filt_text": text, "turns": record["turns"]}
+        return {"form": record["form"], "filt_text": turns_text(record["turns"]), "turns": record["turns"]}
     if record is None:
         return "null"
     if not isinstance(record, str):
@@ -913,7 +911,7 @@ def _release(conn: Connection, collection: str, source: Source, owner: str) -> N
     try:
         _meta(conn).update_one({"collection": collection, f"sources.{source.key}.owner": owner},
                                {"$set": {f"sources.{source.key}.owner": None}})  # fmt: skip
-    except PyMongoError as exc:  # the server is gone: the error that ended the run says more
+    except DatabaseError as exc:  # the server is gone: the error that ended the run says more
         log.debug("%s: not released (%s)", source.label, exc)
 
 

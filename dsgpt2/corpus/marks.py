@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
-from dsgpt2.corpus.mongo import Connection, MongoWrapper, read_meta, with_retries, write_meta
+from dsgpt2.db.mongo import Connection, MongoWrapper, read_meta, with_retries, write_meta
 
 log = logging.getLogger(__name__)
 

@@ -25,11 +25,19 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import pymongo
-from pymongo.errors import OperationFailure, PyMongoError
-
-from dsgpt2.corpus.dedup import ensure_hash_index
-from dsgpt2.corpus.mongo import Connection, idx_index_name, max_idx, read_meta, with_retries, write_meta
+from dsgpt2.curation.dedup import ensure_hash_index
+from dsgpt2.db.mongo import (
+    ASCENDING,
+    Connection,
+    DatabaseError,
+    OperationFailure,
+    UpdateOne,
+    idx_index_name,
+    max_idx,
+    read_meta,
+    with_retries,
+    write_meta,
+)
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 
@@ -138,9 +146,7 @@ def index_collection(
 def _number(conn: Connection, coll: Any, ids: list[Any], first: int) -> int:
     """Give ``ids`` (in order) the numbers ``first``, ``first + 1``, ... where they have none yet; an
     ordered bulk write, so a failure leaves a prefix numbered. Returns how many were numbered."""
-    updates = [
-        pymongo.UpdateOne({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}) for k, i in enumerate(ids)
-    ]
+    updates = [UpdateOne({"_id": i, **UNNUMBERED}, {"$set": {"idx": first + k}}) for k, i in enumerate(ids)]
     return coll.bulk_write(updates, ordered=True).modified_count
 
 
@@ -167,8 +173,8 @@ def _ensure_sparse_index(conn: Connection, name: str) -> None:
     if idx_index_name(coll) is not None:
         return
     try:
-        coll.create_index([("idx", pymongo.ASCENDING)], unique=True, sparse=True, name="idx_unique")
-    except (OperationFailure, PyMongoError) as exc:
+        coll.create_index([("idx", ASCENDING)], unique=True, sparse=True, name="idx_unique")
+    except (OperationFailure, DatabaseError) as exc:
         raise CorpusError(f"cannot create the unique idx index on {name!r}: {exc}") from None
 
 

@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 from torch.utils.data import Dataset
 
-from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.loader import start_loader
 from dsgpt2.data.packing import pack_flat
 from dsgpt2.data.sources import Chunk, Chunks, DataSpec, Key, StreamingChunks, fingerprint, spec_of
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
+from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer, is_occupied
 from dsgpt2.progress import progress as progress_display
@@ -290,7 +290,7 @@ def prepare_cache(
     Returns:
         (the cache's meta, how many chunks were tokenized now: 0 when it was up to date).
     """
-    from dsgpt2.corpus.mongo import MongoWrapper
+    from dsgpt2.db.mongo import MongoWrapper
     from dsgpt2.tokenizer.bpe import load_vocab_size
 
     if table is None:

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.order import ReadOrder
 from dsgpt2.data.packing import lay_end_to_end, pack, pack_with_loss, tokens_per_block
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
+from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import CorpusError
 from dsgpt2.files import file_digest
 from dsgpt2.tokenizer.bpe import load_tokenizer
@@ -277,7 +277,7 @@ class StreamingChunks(Dataset):
 
     def _ready(self) -> None:
         if self._pid != os.getpid():
-            from dsgpt2.corpus.mongo import MongoWrapper
+            from dsgpt2.db.mongo import MongoWrapper
 
             if torch.utils.data.get_worker_info() is not None:
                 # Each worker tokenizes one chunk at a time on one thread: several workers with a

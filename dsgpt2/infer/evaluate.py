@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from dsgpt2.corpus.config import MongoConfig
 from dsgpt2.data.loader import Batch, iter_eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spec
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
+from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import EvalRequest
-from dsgpt2.lmloss import with_chunked_loss
-from dsgpt2.model import batch_nll, perplexity
+from dsgpt2.model.gpt2 import batch_nll, perplexity
+from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ def check_collections(config: MongoConfig, request: EvalRequest) -> None:
     Raises:
         CorpusError: one line naming the missing collections and those the database holds.
     """
-    from dsgpt2.corpus.mongo import check_exist, connect
+    from dsgpt2.db.mongo import check_exist, connect
 
     fix = "fix COLLECTIONS in the connection config or give one with --collection"
     if request.collections:
@@ -122,7 +122,7 @@ def evaluate(
     """Evaluate ``loaded`` on the corpus of ``config``; return the report."""
     from dataclasses import replace
 
-    from dsgpt2.corpus.mongo import MongoWrapper
+    from dsgpt2.db.mongo import MongoWrapper
 
     if request.collections:
         config = replace(config, collections=tuple(request.collections))
@@ -175,8 +175,8 @@ def evaluate(
 
 
 def hellaswag_report(loaded: LoadedModel, examples: list[Any], path: Path) -> dict[str, Any]:
-    """HellaSwag accuracy of ``loaded`` on ``examples`` (see :mod:`dsgpt2.hellaswag`)."""
-    from dsgpt2.hellaswag import encoder, result, score
+    """HellaSwag accuracy of ``loaded`` on ``examples`` (see :mod:`dsgpt2.model.hellaswag`)."""
+    from dsgpt2.model.hellaswag import encoder, result, score
 
     started = time.monotonic()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,7 +204,7 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:
-    from dsgpt2.hellaswag import describe
+    from dsgpt2.model.hellaswag import describe
 
     m = report["metrics"]
     if "hellaswag" in report:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsgpt2.corpus.documents import text_problem
+from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.decode import Decoder, DecodeRequest, run
 from dsgpt2.infer.loading import LoadedModel

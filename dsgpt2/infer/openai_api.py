@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dsgpt2.corpus.documents import text_problem
+from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits

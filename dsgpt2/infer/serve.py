@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dsgpt2.corpus.documents import text_problem
+from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Engine, GenerationFailed

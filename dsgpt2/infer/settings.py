@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from dsgpt2.argtypes import non_negative_int, positive_int
 from dsgpt2.errors import ConfigError
-from dsgpt2.model import DEFAULT_LOSS_CHUNK
-from dsgpt2.options import (
+from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK
+from dsgpt2.settings.argtypes import non_negative_int, positive_int
+from dsgpt2.settings.options import (
     check_choice,
     check_int,
     check_non_negative,

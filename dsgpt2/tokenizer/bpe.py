@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.argtypes import comma_list, non_negative_int, positive_int
-from dsgpt2.corpus.documents import SkipTally
+from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, file_digest, is_occupied, staged_dir
-from dsgpt2.options import check_non_negative, check_positive, option
+from dsgpt2.settings.argtypes import comma_list, non_negative_int, positive_int
+from dsgpt2.settings.options import check_non_negative, check_positive, option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)

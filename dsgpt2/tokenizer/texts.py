@@ -30,15 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsgpt2.argtypes import positive_int
-from dsgpt2.corpus.config import MongoConfig
-from dsgpt2.corpus.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.corpus.draws import select, shard_ranges
-from dsgpt2.corpus.mongo import MongoWrapper, require_nonempty
+from dsgpt2.db.config import MongoConfig
+from dsgpt2.db.mongo import MongoWrapper, require_nonempty
+from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
-from dsgpt2.options import check_int, check_positive, check_ratio, option
 from dsgpt2.progress import progress as progress_display
+from dsgpt2.settings.argtypes import positive_int
+from dsgpt2.settings.options import check_int, check_positive, check_ratio, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

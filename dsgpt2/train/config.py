@@ -1,7 +1,7 @@
 """The training run's configuration: one dataclass per concern, each field a ``ds_trainer.py`` flag.
 
 Defaults live here and nowhere else; ``ds_trainer.py``'s parser (and ``dsgpt2 tokenize``'s data
-flags) are derived from these classes (:mod:`dsgpt2.options`), and every value is checked on
+flags) are derived from these classes (:mod:`dsgpt2.settings.options`), and every value is checked on
 construction with a message that names the flag, whether it came from the command line or from code.
 """
 
@@ -14,12 +14,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
-from dsgpt2.argtypes import OneLineErrorParser, accept_hyphen_spellings, non_negative_int, positive_int, ratio
 from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
-from dsgpt2.model import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
-from dsgpt2.options import (
+from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
+from dsgpt2.settings.argtypes import (
+    OneLineErrorParser,
+    accept_hyphen_spellings,
+    non_negative_int,
+    positive_int,
+    ratio,
+)
+from dsgpt2.settings.options import (
     add_options,
     as_path,
     check_choice,
@@ -183,7 +189,7 @@ class RunOptions:
         self.hellaswag = as_path(self.hellaswag)
         check_positive("--hellaswag_limit", self.hellaswag_limit)
         if self.hellaswag is not None:
-            from dsgpt2.hellaswag import read_examples
+            from dsgpt2.model.hellaswag import read_examples
 
             read_examples(self.hellaswag, self.hellaswag_limit)  # a bad file stops the run before it starts
         for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
@@ -372,7 +378,7 @@ class TrainConfig:
     def resolved(self) -> str:
         """Every option as an experiment file (YAML) that runs this configuration again:
         ``ds_trainer.py --config THIS`` (the launcher's --local_rank left out)."""
-        from dsgpt2.runfile import dump_yaml
+        from dsgpt2.settings.runfile import dump_yaml
 
         values = {k: v for k, v in self.to_dict().items() if k != "local_rank"}
         return "# The resolved configuration of a dsgpt2 training run.\n" + dump_yaml(values)
@@ -438,7 +444,7 @@ def parse(argv: Sequence[str] | None = None, prog: str = "ds_trainer.py") -> Tra
     """
     import sys
 
-    from dsgpt2.runfile import COMMANDS, parse_args
+    from dsgpt2.settings.runfile import COMMANDS, parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(build_parser(prog), argv, command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)

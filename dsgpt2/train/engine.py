@@ -16,8 +16,7 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.data.sources import DataSpec
 from dsgpt2.errors import ConfigError
-from dsgpt2.lmloss import with_chunked_loss
-from dsgpt2.model import (
+from dsgpt2.model.gpt2 import (
     PRESETS,
     build_model,
     checkpoint_activations,
@@ -27,6 +26,7 @@ from dsgpt2.model import (
     param_groups,
     read_model_config,
 )
+from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.train.config import ModelOptions, TrainConfig
 from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
 from dsgpt2.train.metrics import peak_flops

@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.checkpoints.format import CheckpointError
-from dsgpt2.corpus.config import MongoConfig
-from dsgpt2.corpus.mongo import Connection
 from dsgpt2.data.cache import CachedChunks, prepare_cache
 from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take_in
 from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
+from dsgpt2.db.config import MongoConfig
+from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import TrainConfig
@@ -35,8 +35,8 @@ def corpus_marks(
     """The documents of each collection a run may read, once the corpus passed its check (unless
     ``allow_problems``): the quick one (index and meta_info), or every document with
     ``full_check``. Read on rank 0, whose verdict and counts every rank takes."""
-    from dsgpt2.corpus.mongo import MongoWrapper
-    from dsgpt2.corpus.validate import require_valid
+    from dsgpt2.db.mongo import MongoWrapper
+    from dsgpt2.db.validate import require_valid
 
     if not allow_problems:
         require_valid(

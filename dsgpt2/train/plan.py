@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
-from dsgpt2.model import PRESETS
+from dsgpt2.model.gpt2 import PRESETS
 
 
 def gpt2_parameters(n_layer: int, n_embd: int, vocab: int, context: int) -> tuple[int, int]:
@@ -175,8 +175,8 @@ def _saved_bytes(
     ``tokens`` tokens through ``preset``'s width with ``layers`` blocks (bf16, parameters not counted)."""
     import torch
 
-    from dsgpt2.lmloss import with_chunked_loss
-    from dsgpt2.model import build_model, checkpoint_activations, gpt2_config
+    from dsgpt2.model.gpt2 import build_model, checkpoint_activations, gpt2_config
+    from dsgpt2.model.loss import with_chunked_loss
 
     cfg = gpt2_config(preset, vocab, tokens, 0, 0)
     cfg.n_layer = layers

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.options import check_choice, check_number, check_ratio
+from dsgpt2.settings.options import check_choice, check_number, check_ratio
 
 KINDS = ("deepspeed", "cosine", "wsd")
 

@@ -19,17 +19,17 @@ import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.format import tag_for
-from dsgpt2.corpus.config import MongoConfig, load_config
-from dsgpt2.corpus.documents import SkipTally
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
+from dsgpt2.db.config import MongoConfig, load_config
+from dsgpt2.documents import SkipTally
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.exits import run_command
-from dsgpt2.hellaswag import describe
 from dsgpt2.log import setup_logging
-from dsgpt2.model import batch_inputs, perplexity, to_device
+from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
+from dsgpt2.model.hellaswag import describe
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
@@ -108,7 +108,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         mongo: used instead of reading --config_train (the demo passes its in-process store).
         hooks: see :class:`Hooks`.
     """
-    from dsgpt2.corpus.mongo import Connection
+    from dsgpt2.db.mongo import Connection
 
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -1,6 +1,6 @@
 """Validation during training: this rank's held-out batches, read once, and their mean token loss
 under no_grad, summed over every rank: the measure ``dsgpt2 evaluate`` takes
-(:func:`~dsgpt2.model.batch_nll`). With ``--hellaswag``, HellaSwag's accuracies as ``dsgpt2
+(:func:`~dsgpt2.model.gpt2.batch_nll`). With ``--hellaswag``, HellaSwag's accuracies as ``dsgpt2
 evaluate --hellaswag`` takes them, each rank scoring an equal share of the examples."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from dsgpt2.data.loader import eval_batches
 from dsgpt2.errors import ConfigError
-from dsgpt2.model import batch_nll
+from dsgpt2.model.gpt2 import batch_nll
 from dsgpt2.train.config import TrainConfig
 
 
@@ -80,7 +80,7 @@ class Validator:
         ``--hellaswag``)."""
         import torch.distributed as dist
 
-        from dsgpt2.hellaswag import ENDINGS, encoder, result, score
+        from dsgpt2.model.hellaswag import ENDINGS, encoder, result, score
 
         if not self._hellaswag:
             return None
@@ -99,7 +99,7 @@ class Validator:
         """This rank's contiguous share of the examples: the same number on every rank, the few left
         over (fewer than the ranks) left out, so that every rank runs the same forwards (under ZeRO-3
         each gathers from all ranks). Read before the first step: a file too small stops the run then."""
-        from dsgpt2.hellaswag import read_examples
+        from dsgpt2.model.hellaswag import read_examples
 
         examples = read_examples(self.run.hellaswag, self.run.hellaswag_limit)
         share = len(examples) // self.world

@@ -1,0 +1,111 @@
+"""``dsgpt2 db status|stop``: the embedded database server of a ``local://DIR`` database."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.cli.common import usage
+
+
+def add_db(sub: Any) -> None:
+    p = sub.add_parser(
+        "db",
+        help="show or stop the embedded database server of a local:// database",
+        description=(
+            "The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
+            "command needing it starts and that later commands share. `status` shows it, `stop` ends it "
+            "(the next command that needs it starts it again, on the same data)."
+        ),
+    )
+    p.add_argument("action", choices=("status", "stop"), help="what to do")
+    p.add_argument(
+        "database",
+        nargs="?",
+        metavar="local://DIR",
+        help="the database (local://DIR or DIR); or give --config",
+    )
+    p.add_argument(
+        "--config", metavar="JSON", help="a connection config whose MONGO_CONNECTION_STRING is local://"
+    )
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    p.set_defaults(func=cmd_db)
+
+
+def _directory(args: argparse.Namespace) -> Path:
+    from dsgpt2.db import embedded
+
+    if args.database and args.config:
+        raise usage("db", "give the database or --config, not both")
+    if args.config:
+        from dsgpt2.db.config import load_config
+
+        config = load_config(args.config)
+        if not config.is_local:
+            raise usage(
+                "db", f"{args.config} names {config.display_uri}, not an embedded database (local://DIR)"
+            )
+        return embedded.local_dir(config.uri)
+    if not args.database:
+        raise usage("db", "name the database: dsgpt2 db status local://runs/db (or --config FILE)")
+    name = args.database
+    if "://" in name and not embedded.is_local(name):
+        raise usage(
+            "db", f"{name.split('://')[0]}:// is a server of its own; only local://DIR is managed here"
+        )
+    return embedded.local_dir(name if embedded.is_local(name) else embedded.PREFIX + name)
+
+
+def cmd_db(args: argparse.Namespace) -> int:
+    from dsgpt2.db import embedded
+
+    directory = _directory(args)
+    where = f"{embedded.PREFIX}{directory}"
+    if not (directory / embedded.MARKER).exists():
+        raise usage("db", f"{where} is not a dsgpt2 database (no {embedded.MARKER} there)")
+    if args.action == "stop":
+        stopped = embedded.stop(directory)
+        if stopped is None:
+            print(f"{where}: not running")
+        else:
+            print(f"{where}: stopped (pid {stopped.pid}); the next command that needs it starts it again")
+        return 0
+    state = embedded.running(directory)
+    info: dict[str, Any] = {
+        "database": where,
+        "running": state is not None,
+        "disk_bytes": embedded.disk_bytes(directory),
+    }
+    if state is not None:
+        info |= {
+            "pid": state.pid,
+            "address": f"{state.host}:{state.port}",
+            "rss_bytes": embedded.rss_bytes(state.pid),
+            "since": _since(directory),
+        }
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    disk = f"{info['disk_bytes'] / 1e6:.1f} MB on disk"
+    if state is None:
+        print(f"{where}: not running ({disk}); the next command that needs it starts it")
+    else:
+        rss = f", {info['rss_bytes'] / 1e6:.0f} MB resident" if info["rss_bytes"] else ""
+        print(f"{where}: running (pid {state.pid}, {info['address']}, up {info['since']}{rss}, {disk})")
+    return 0
+
+
+def _since(directory: Path) -> str:
+    try:
+        seconds = time.time() - (directory / "server.json").stat().st_mtime
+    except OSError:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

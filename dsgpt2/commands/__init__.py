@@ -1,1 +1,0 @@
-"""The ``dsgpt2`` subcommands, one module per stage: each adds its parsers and runs its commands."""

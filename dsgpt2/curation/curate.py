@@ -1,0 +1,155 @@
+"""``dsgpt2 curate``: quality signals and verdicts stored on each document, in place.
+
+Each document of the collections gets ``quality`` (the measures of :func:`dsgpt2.curation.quality.
+signals` of the text training reads) and ``passes`` (``{"gopher": true, "c4": false, ...}`` for the
+rule sets asked, and ``key``: the signals' version, the rule sets and the thresholds they were judged
+by). A pass selects the documents whose ``passes.key`` is not this run's, so it is resumable (killed,
+it continues with the documents not yet judged) and a run with other thresholds judges every document
+again. ``{"passes.gopher": true}`` selects the documents that pass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split, set_fields
+from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
+from dsgpt2.db.mongo import Connection, with_retries, write_meta
+from dsgpt2.documents import document_text
+
+
+def run_key(rules: Sequence[str], thresholds: Mapping[str, float]) -> str:
+    """What a document's verdicts were judged by: the signals' version, the rule sets, the thresholds."""
+    used = {k: v for k, v in sorted(thresholds.items())}
+    blob = json.dumps([SIGNALS_VERSION, sorted(rules), used], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class CollectionCuration:
+    name: str
+    documents: int = 0
+    judged: int = 0  # by this run
+    failing: dict[str, int] = field(default_factory=dict)  # rule set → documents that fail it
+    passing_all: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class CurationReport:
+    rules: list[str]
+    collections: list[CollectionCuration]
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = []
+        for c in self.collections:
+            fails = ", ".join(f"{rule} {c.failing[rule]} ({c.failing[rule] / max(c.documents, 1):.1%})"
+                              for rule in self.rules)  # fmt: skip
+            out.append(f"{c.name}: {c.documents} documents, {c.judged} judged by this run; failing: {fails}; "
+                       f"passing all: {c.passing_all}")  # fmt: skip
+            out.extend(f"  e.g. {e}" for e in c.examples)
+        out.append(f"({self.seconds:.1f}s)")
+        keep = ", ".join(f'"passes.{rule}": true' for rule in self.rules)
+        out.append(f'to train on the documents that pass, add to the config: "FILTER": {{{keep}}}')
+        return out
+
+
+def curate(
+    conn: Connection,
+    names: Sequence[str],
+    rules: Sequence[str],
+    thresholds: Mapping[str, float],
+    batch_size: int = 1000,
+    progress: bool = False,
+    split: Split = WHOLE,
+) -> CurationReport:
+    """Measure and judge every document of ``names`` not judged by this run's key (see module doc),
+    over this machine's idx ranges of ``split``.
+
+    Raises:
+        CorpusError: a collection is missing.
+    """
+    started = time.monotonic()
+    require_present(conn, names, "curate")
+    key = run_key(rules, thresholds)
+    report = CurationReport(list(rules), [CollectionCuration(n) for n in names])
+    work = partial(judge_range, rules=list(rules), thresholds=dict(thresholds), batch_size=batch_size,
+                   progress=progress and split.workers == 1)  # fmt: skip
+    for part in report.collections:
+        part.judged = run_split(conn, part.name, work, split, "curate")
+        _summarize(conn, part, rules, thresholds)
+        write_meta(conn, part.name, {"curate": {"rules": list(rules), "thresholds": dict(thresholds),
+                                                "key": key, "at": time.time()}})  # fmt: skip
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def judge_range(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    rules: Sequence[str] = (),
+    thresholds: Mapping[str, float] | None = None,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Measure and judge the documents of ``name`` of idx in ``span`` not judged by this key."""
+    cfg = conn.config
+    thresholds = thresholds or {}
+    key = run_key(rules, thresholds)
+    todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
+    wanted = {cfg.text_field: 1, "turns": 1}
+    done = 0
+    for batch in each_batch(conn, name, todo, wanted, batch_size, f"curate {name}", progress, span):
+        updates = []
+        for doc in batch:
+            text = document_text(doc, cfg.text_field)
+            measured = signals(text) if text is not None else None
+            judged = verdicts(measured, rules, thresholds) if measured else dict.fromkeys(rules, False)
+            updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
+                                         "passes": {"key": key, **judged}}))  # fmt: skip
+        set_fields(conn, name, updates, "curate")
+        done += len(batch)
+    return done
+
+
+def _summarize(
+    conn: Connection, part: CollectionCuration, rules: Sequence[str], thresholds: Mapping[str, float]
+) -> None:
+    coll = conn.db[part.name]
+    # One pass over the collection for every count and example (a count per rule is a scan per rule).
+    facets: dict[str, list[dict[str, Any]]] = {
+        "documents": [{"$count": "n"}],
+        "passing_all": [{"$match": {f"passes.{rule}": True for rule in rules}}, {"$count": "n"}],
+    }
+    for i, rule in enumerate(rules):
+        failing = {f"passes.{rule}": False}
+        facets[f"failing{i}"] = [{"$match": failing}, {"$count": "n"}]
+        facets[f"example{i}"] = [{"$match": failing}, {"$sort": {"idx": 1}}, {"$limit": 1},
+                                 {"$project": {"idx": 1, "quality": 1}}]  # fmt: skip
+    pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
+    (row,) = with_retries(lambda: list(coll.aggregate(pipeline, allowDiskUse=True)), conn.config,
+                          f"curate: counting {part.name}")  # fmt: skip
+
+    def count(facet: str) -> int:
+        return int(row[facet][0]["n"]) if row[facet] else 0
+
+    part.documents, part.passing_all = count("documents"), count("passing_all")
+    for i, rule in enumerate(rules):
+        part.failing[rule] = count(f"failing{i}")
+        if not row[f"example{i}"]:
+            continue
+        doc = row[f"example{i}"][0]
+        why = (
+            failed(doc.get("quality") or {}, rule, thresholds)
+            if doc.get("quality", {}).get("words") is not None
+            else []
+        )
+        part.examples.append(f"{part.name}:{doc['idx']} fails {rule}: {', '.join(why[:3]) or 'no text'}")

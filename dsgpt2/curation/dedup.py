@@ -1,0 +1,319 @@
+"""Exact duplicates, found and marked where the corpus lives.
+
+Every document carries ``text_hash``: a 128-bit BLAKE2b of the text training reads (the config's
+``TEXT_FIELD``; a conversation's turns as the ``speaker: text`` lines ingest writes), stored by
+``dsgpt2 ingest`` and, for documents without one (a collection numbered in place, one ingested
+before hashes), by ``dsgpt2 dedup --exact``, which also indexes it.
+
+``dedup --exact`` groups the hashes with the database's aggregation pipeline (``$group``, over several
+collections joined by ``$unionWith``: on a sharded cluster every shard groups its own documents),
+keeps the first copy of each text (the earliest collection in ``COLLECTIONS`` order, then the
+smallest idx) and marks every other copy with ``dup_of: "collection:idx"``, the copy it repeats.
+Nothing is deleted: a query ``{"dup_of": {"$exists": false}}`` selects one copy of every text.
+
+Killed and re-run, a pass ends as a straight one: hashing continues with the documents still
+without a hash, and marking is a function of the groups alone (the kept copy of a group is unmarked
+if it was marked before, say under another order of ``COLLECTIONS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from dsgpt2.curation.neardup import NearLookup
+from dsgpt2.curation.passes import (
+    WHOLE,
+    Split,
+    each_batch,
+    ensure_index,
+    require_present,
+    run_split,
+    set_fields,
+)
+from dsgpt2.db.mongo import Connection, UpdateMany, read_meta, with_retries, write_meta
+from dsgpt2.documents import document_hash
+
+log = logging.getLogger(__name__)
+
+HASH = "text_hash"
+DUP_OF = "dup_of"
+HASH_INDEX = "text_hash_1"
+# idx values stay below 2**40: a document's place over all collections is rank * 2**40 + idx.
+_SPAN = 2**40
+_BULK = 1000
+
+
+def ensure_hash_index(conn: Connection, name: str) -> None:
+    ensure_index(conn, name, HASH)
+
+
+@dataclass
+class CollectionDedup:
+    """One collection's part of a ``dedup --exact`` run."""
+
+    name: str
+    documents: int = 0
+    hashed: int = 0  # documents given a hash by this run
+    duplicates: int = 0  # documents marked as a copy, after the run
+    marked: int = 0  # of them, marked by this run
+    unmarked: int = 0  # documents no longer marked (kept copies, marked before)
+
+
+@dataclass
+class DedupReport:
+    collections: list[CollectionDedup]
+    groups: int = 0  # texts held more than once
+    seconds: float = 0.0
+    examples: list[tuple[str, str]] = field(default_factory=list)  # (copy, kept)
+
+    def lines(self) -> list[str]:
+        out = []
+        for c in self.collections:
+            share = f" ({c.duplicates / c.documents:.1%})" if c.documents else ""
+            out.append(
+                f"{c.name}: {c.documents} documents, {c.hashed} hashed by this run; {c.duplicates} exact "
+                f"duplicate(s){share} marked {DUP_OF} ({c.marked} by this run"
+                + (f", {c.unmarked} unmarked" if c.unmarked else "")
+                + ")"
+            )
+        out.append(f"{self.groups} text(s) held more than once ({self.seconds:.1f}s)")
+        out.extend(f"e.g. {copy} repeats {kept}" for copy, kept in self.examples)
+        out.append(
+            "to train on one copy of each text, add to the config: "
+            f'"FILTER": {{"{DUP_OF}": {{"$exists": false}}}}'
+        )
+        return out
+
+
+def dedup_exact(
+    conn: Connection,
+    names: Sequence[str],
+    batch_size: int = 1000,
+    progress: bool = False,
+    split: Split = WHOLE,
+) -> DedupReport:
+    """Hash what is unhashed, group the hashes, mark every copy but the first (see module doc). With
+    ``split.parts`` > 1, only hash this machine's part: one run without parts then marks.
+
+    Raises:
+        CorpusError: a collection is missing, or an index cannot be built.
+    """
+    started = time.monotonic()
+    cfg = conn.config
+    require_present(conn, names, "dedup")
+    report = DedupReport([CollectionDedup(n) for n in names])
+    for part in report.collections:
+        # Indexed before the hashes are written: the writes keep it, no long build at the end.
+        with_retries(lambda n=part.name: ensure_hash_index(conn, n), cfg, f"dedup: indexing {part.name}")
+        part.hashed = hash_collection(conn, part.name, batch_size, progress, split)
+    if split.parts > 1:
+        report.seconds = time.monotonic() - started
+        return report
+    marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
+    writer = _Marker(conn, names, marked, unmarked)
+    for h, first, ranks in with_retries(lambda: list(exact_groups(conn, names)), cfg, "dedup: grouping"):
+        report.groups += 1
+        kept = (first // _SPAN, first % _SPAN)
+        writer.mark(h, kept, ranks)
+    writer.flush()
+    for part in report.collections:
+        coll = conn.db[part.name]
+        part.marked, part.unmarked = marked[part.name], unmarked[part.name]
+        part.documents = with_retries(
+            lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
+        )
+        part.duplicates = with_retries(
+            lambda c=coll: c.count_documents({DUP_OF: {"$exists": True}}), cfg, "count"
+        )
+        write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
+        if part.duplicates and len(report.examples) < 3:
+            doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
+            if doc is not None:
+                report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def hash_collection(
+    conn: Connection, name: str, batch_size: int = 1000, progress: bool = False, split: Split = WHOLE
+) -> int:
+    """Store ``text_hash`` on the documents of ``name`` without one (all of them when the hashes were
+    taken of another field than the config's TEXT_FIELD), over this machine's idx ranges of ``split``;
+    returns how many were hashed."""
+    cfg = conn.config
+    meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
+    hashed_field = (meta.get("hashes") or {}).get("field")
+    every = hashed_field is not None and hashed_field != cfg.text_field
+    if every:
+        log.info("%s: hashes were taken of %r, TEXT_FIELD is %r: hashing every document again", name,
+                 hashed_field, cfg.text_field)  # fmt: skip
+    work = partial(hash_range, every=every, batch_size=batch_size, progress=progress and split.workers == 1)
+    done = run_split(conn, name, work, split, "hash")
+    if split.parts == 1:  # the field is recorded once every range is hashed under it
+        write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
+    return done
+
+
+def hash_range(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    every: bool = False,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Hash the documents of ``name`` of idx in ``span`` without a hash (all of them with ``every``)."""
+    cfg = conn.config
+    todo: dict[str, Any] = {"idx": {"$exists": True}}
+    if not every:
+        todo[HASH] = {"$exists": False}
+    done = 0
+    fields = {cfg.text_field: 1, "turns": 1}
+    for batch in each_batch(conn, name, todo, fields, batch_size, f"hash {name}", progress, span):
+        updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
+        _set_hashes(conn, name, updates)
+        done += len(batch)
+    return done
+
+
+def _set_hashes(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]]) -> None:
+    set_fields(conn, name, updates, "dedup: hashing")
+
+
+def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:
+    """``(hash, first, ranks)`` for every text held more than once across ``names``: ``first`` is
+    ``rank * 2**40 + idx`` of its first copy, ``ranks`` the collections holding it."""
+
+    def keyed(rank: int) -> list[dict[str, Any]]:
+        return [
+            {"$match": {HASH: {"$type": "string"}, "idx": {"$exists": True}}},
+            {
+                "$project": {
+                    "_id": 0,
+                    "h": f"${HASH}",
+                    "k": {"$add": [rank * _SPAN, "$idx"]},
+                    "r": {"$literal": rank},
+                }
+            },
+        ]
+
+    group = {"$group": {"_id": "$h", "first": {"$min": "$k"}, "n": {"$sum": 1}, "ranks": {"$addToSet": "$r"}}}
+    pipeline = keyed(0)
+    for rank, name in enumerate(names[1:], 1):
+        pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
+    pipeline += [group, {"$match": {"n": {"$gt": 1}}}]
+    for g in conn.db[names[0]].aggregate(pipeline, allowDiskUse=True):
+        yield g["_id"], int(g["first"]), sorted(g["ranks"])
+
+
+class _Marker:
+    """Bulk writes that mark a group's copies and unmark its kept document, per collection."""
+
+    def __init__(
+        self, conn: Connection, names: Sequence[str], marked: dict[str, int], unmarked: dict[str, int]
+    ):
+        self.conn, self.names, self.marked, self.unmarked = conn, list(names), marked, unmarked
+        self.ops: dict[str, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {n: [] for n in names}
+
+    def mark(self, h: str, kept: tuple[int, int], ranks: Sequence[int]) -> None:
+        kept_name, kept_idx = self.names[kept[0]], kept[1]
+        label = f"{kept_name}:{kept_idx}"
+        for rank in ranks:
+            name = self.names[rank]
+            copies: dict[str, Any] = {HASH: h, DUP_OF: {"$ne": label}}
+            if name == kept_name:
+                copies["idx"] = {"$ne": kept_idx}
+                self._add(
+                    name,
+                    "unmark",
+                    {HASH: h, "idx": kept_idx, DUP_OF: {"$exists": True}},
+                    {"$unset": {DUP_OF: ""}},
+                )
+            self._add(name, "mark", copies, {"$set": {DUP_OF: label}})
+
+    def _add(self, name: str, kind: str, query: dict[str, Any], update: dict[str, Any]) -> None:
+        self.ops[name].append((kind, query, update))
+        if len(self.ops[name]) >= _BULK:
+            self._write(name)
+
+    def flush(self) -> None:
+        for name in self.names:
+            self._write(name)
+
+    def _write(self, name: str) -> None:
+        ops, self.ops[name] = self.ops[name], []
+        if not ops:
+            return
+        coll = self.conn.db[name]
+
+        def write() -> None:
+            for kind in ("unmark", "mark"):
+                batch = [(q, u) for k, q, u in ops if k == kind]
+                if not batch:
+                    continue
+                n = coll.bulk_write([UpdateMany(q, u) for q, u in batch], ordered=False).modified_count
+                (self.marked if kind == "mark" else self.unmarked)[name] += n
+
+        with_retries(write, self.conn.config, f"dedup: marking {name}")
+
+
+class SeenTexts:
+    """``ingest --dedup``: which of a batch's texts the corpus does not hold yet, asked of the
+    ``text_hash`` index of each collection (one query per collection and batch)."""
+
+    def __init__(self, conn: Connection, names: Sequence[str]) -> None:
+        self.conn, self.names = conn, list(dict.fromkeys(names))
+        self.near: NearLookup | None = None  # once `dedup --near` has run on these collections
+
+    @classmethod
+    def open(cls, conn: Connection, names: Sequence[str]) -> SeenTexts:
+        """Index the hashes of ``names`` that exist; warn of documents there without one."""
+        seen = cls(conn, names)
+        present = set(with_retries(conn.db.list_collection_names, conn.config, "dedup: collections"))
+        seen.names = [n for n in seen.names if n in present or n == seen.names[0]]
+        for name in seen.names:
+            with_retries(lambda n=name: ensure_hash_index(conn, n), conn.config, f"indexing {name}")
+            unhashed = conn.db[name].find_one(
+                {"idx": {"$exists": True}, HASH: {"$exists": False}}, {"_id": 1}
+            )
+            if unhashed is not None:
+                log.warning(
+                    "%s holds documents without %s (ingested before hashes, or numbered in place): "
+                    "`ingest --dedup` does not see their texts until `dsgpt2 dedup --exact` hashes them",
+                    name,
+                    HASH,
+                )
+        seen.near = NearLookup.open(conn, seen.names)
+        return seen
+
+    def mark_near(self, name: str, docs: list[dict[str, Any]]) -> int:
+        """Sign numbered ``docs`` and mark their near copies (see :class:`NearLookup`); 0 when no
+        ``dedup --near`` has run."""
+        return self.near.mark(name, docs) if self.near is not None else 0
+
+    def fresh(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``docs`` less those whose text a collection holds, or an earlier one of ``docs``."""
+        hashes = list({d[HASH] for d in docs if d.get(HASH)})
+        held: set[str] = set()
+        for name in self.names:
+            coll = self.conn.db[name]
+            found = with_retries(
+                lambda c=coll: [d[HASH] for d in c.find({HASH: {"$in": hashes}}, {"_id": 0, HASH: 1})],
+                self.conn.config,
+                f"ingest --dedup: looking up {name}",
+            )
+            held.update(found)
+        out = []
+        for doc in docs:
+            h = doc.get(HASH)
+            if h is not None and h in held:
+                continue
+            if h is not None:
+                held.add(h)
+            out.append(doc)
+        return out

@@ -1,0 +1,355 @@
+"""Near duplicates, found and marked where the corpus lives: ``dsgpt2 dedup --near``.
+
+Stages, each resumable (the shape of datatrove's minhash dedup, on documents instead of files):
+
+1. **Signatures.** Each document gets ``lsh`` (its MinHash LSH band values, :mod:`dsgpt2.curation.minhash`)
+   and ``lsh_key`` (the shingling, permutations and banding they were taken with); ``lsh`` is indexed
+   (multikey), so that a new document finds its candidates with one query. A pass signs the documents
+   whose ``lsh_key`` is not this run's: killed, it continues; under another threshold it signs again.
+2. **Buckets.** The database groups the band values (``$unwind``, ``$group`` over the collections
+   joined by ``$unionWith``; on a sharded cluster every shard groups its own documents); a band value
+   held by more than one document is a bucket of candidates.
+3. **Clusters.** Candidates are confirmed on their texts (the Jaccard similarity of their shingle sets
+   at least the threshold, not the signature's estimate of it) and joined into clusters.
+4. **Marks.** Every document of a cluster but the first (earliest collection in ``COLLECTIONS``, then
+   smallest idx) gets ``near_dup_of: "collection:idx"``, the cluster's first document; a document
+   marked before and in no cluster now is unmarked. Stages 2–4 are computed whole from the
+   signatures, so a pass killed while marking and run again ends as a straight one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
+from dsgpt2.curation.passes import (
+    WHOLE,
+    Split,
+    each_batch,
+    ensure_index,
+    require_present,
+    run_split,
+    set_fields,
+)
+from dsgpt2.db.mongo import Connection, UpdateOne, read_meta, with_retries, write_meta
+from dsgpt2.documents import document_text
+
+log = logging.getLogger(__name__)
+
+BANDS = "lsh"
+BANDS_KEY = "lsh_key"
+NEAR_OF = "near_dup_of"
+BANDS_INDEX = "lsh_1"
+_SPAN = 2**40  # a document's key over all collections: rank * 2**40 + idx
+_BUCKETS_PER_ROUND = 2000
+_CACHE = 50_000  # shingle sets held while confirming
+_BULK = 1000
+
+
+def label(names: Sequence[str], key: int) -> str:
+    """``collection:idx`` of a document key."""
+    return f"{names[key // _SPAN]}:{key % _SPAN}"
+
+
+def ensure_bands_index(conn: Connection, name: str) -> None:
+    ensure_index(conn, name, BANDS)
+
+
+def sign_collection(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    *,
+    params: LshParams,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Store ``lsh`` and ``lsh_key`` on the documents of ``name`` (those of idx in ``span``, when
+    given) not signed under ``params``; returns how many were signed."""
+    cfg = conn.config
+    signer = Signer(params)
+    todo: dict[str, Any] = {"idx": {"$exists": True}, BANDS_KEY: {"$ne": params.key}}
+    done = 0
+    fields = {cfg.text_field: 1, "turns": 1}
+    for batch in each_batch(conn, name, todo, fields, batch_size, f"sign {name}", progress, span):
+        updates = []
+        for doc in batch:
+            text = document_text(doc, cfg.text_field)
+            updates.append((doc["_id"], {BANDS: signer.bands(text or ""), BANDS_KEY: params.key}))
+        set_fields(conn, name, updates, "dedup --near: signing")
+        done += len(batch)
+    return done
+
+
+def band_buckets(conn: Connection, names: Sequence[str], key: str) -> Iterator[list[int]]:
+    """The sorted document keys (``rank * 2**40 + idx``) sharing each band value held more than once."""
+
+    def keyed(rank: int) -> list[dict[str, Any]]:
+        return [
+            {"$match": {BANDS_KEY: key, "idx": {"$exists": True}}},
+            {"$project": {"_id": 0, "k": {"$add": [rank * _SPAN, "$idx"]}, "b": f"${BANDS}"}},
+            {"$unwind": "$b"},
+        ]
+
+    group = {"$group": {"_id": "$b", "keys": {"$push": "$k"}, "n": {"$sum": 1}}}
+    pipeline = keyed(0)
+    for rank, name in enumerate(names[1:], 1):
+        pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
+    pipeline += [group, {"$match": {"n": {"$gt": 1}}}, {"$project": {"_id": 0, "keys": 1}}]
+    for g in conn.db[names[0]].aggregate(pipeline, allowDiskUse=True):
+        yield sorted(int(k) for k in g["keys"])
+
+
+class ShingleCache:
+    """The shingle sets of documents by key, read from the collections in batches, the least recently
+    used dropped beyond ``limit``."""
+
+    def __init__(self, conn: Connection, names: Sequence[str], ngram: int, limit: int = _CACHE) -> None:
+        self.conn, self.names, self.ngram, self.limit = conn, list(names), ngram, limit
+        self.held: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.reads = 0
+
+    def load(self, keys: set[int]) -> None:
+        """Read the texts of ``keys`` not held (one query per collection and thousand keys)."""
+        missing = sorted(k for k in keys if k not in self.held)
+        while len(self.held) + len(missing) > self.limit and self.held:
+            self.held.popitem(last=False)
+        cfg = self.conn.config
+        by_rank: dict[int, list[int]] = {}
+        for k in missing:
+            by_rank.setdefault(k // _SPAN, []).append(k % _SPAN)
+        wanted = {"idx": 1, cfg.text_field: 1, "turns": 1}
+        for rank, idxs in by_rank.items():
+            coll = self.conn.db[self.names[rank]]
+            for start in range(0, len(idxs), _BULK):
+                part = idxs[start : start + _BULK]
+                q = {"idx": {"$in": part}}
+                docs = with_retries(lambda c=coll, q=q: list(c.find(q, wanted)), cfg,
+                                    "dedup --near: reading candidates")  # fmt: skip
+                self.reads += 1
+                for doc in docs:
+                    text = document_text(doc, cfg.text_field) or ""
+                    self.held[rank * _SPAN + doc["idx"]] = shingles(text, self.ngram)
+        for k in missing:  # a candidate deleted since it was signed: nobody's duplicate
+            self.held.setdefault(k, np.empty(0, dtype=np.uint64))
+
+    def __getitem__(self, key: int) -> np.ndarray:
+        self.held.move_to_end(key)
+        return self.held[key]
+
+
+@dataclass
+class CollectionNear:
+    name: str
+    documents: int = 0
+    signed: int = 0  # by this run
+    duplicates: int = 0  # marked near_dup_of, after the run
+    marked: int = 0  # by this run
+    unmarked: int = 0
+
+
+@dataclass
+class NearReport:
+    params: LshParams
+    collections: list[CollectionNear]
+    buckets: int = 0
+    compared: int = 0
+    confirmed: int = 0
+    clusters: int = 0
+    seconds: float = 0.0
+    examples: list[tuple[str, str, float]] = field(default_factory=list)  # (copy, kept, Jaccard)
+
+    def lines(self) -> list[str]:
+        p = self.params
+        out = [f"near duplicates at Jaccard >= {p.threshold} of word {p.ngram}-grams "
+               f"({p.num_perm} permutations, {p.bands} bands of {p.rows} rows)"]  # fmt: skip
+        for c in self.collections:
+            share = f" ({c.duplicates / c.documents:.1%})" if c.documents else ""
+            out.append(
+                f"{c.name}: {c.documents} documents, {c.signed} signed by this run; {c.duplicates} near "
+                f"duplicate(s){share} marked {NEAR_OF} ({c.marked} by this run"
+                + (f", {c.unmarked} unmarked" if c.unmarked else "")
+                + ")"
+            )
+        out.append(
+            f"{self.buckets} candidate bucket(s), {self.compared} pair(s) compared, {self.confirmed} "
+            f"confirmed, {self.clusters} cluster(s) ({self.seconds:.1f}s)"
+        )
+        out.extend(f"e.g. {copy} repeats {kept} (Jaccard {j:.2f})" for copy, kept, j in self.examples)
+        out.append(
+            "to train on one of each cluster, add to the config: "
+            f'"FILTER": {{"{NEAR_OF}": {{"$exists": false}}}}'
+        )
+        return out
+
+
+def dedup_near(
+    conn: Connection,
+    names: Sequence[str],
+    params: LshParams,
+    batch_size: int = 1000,
+    progress: bool = False,
+    split: Split = WHOLE,
+) -> NearReport:
+    """Sign what is unsigned, bucket, confirm, cluster and mark (see module doc). With ``split.parts``
+    > 1, only sign this machine's part: one run without parts then marks.
+
+    Raises:
+        CorpusError: a collection is missing, or an index cannot be built.
+    """
+    started = time.monotonic()
+    cfg = conn.config
+    require_present(conn, names, "dedup")
+    report = NearReport(params, [CollectionNear(n) for n in names])
+    for part in report.collections:
+        # Indexed before the values are written, so that each write keeps the index as it goes: one
+        # build over every document at the end is a single long operation (minutes at 10^5 documents
+        # on a small server, past a socket timeout).
+        with_retries(lambda n=part.name: ensure_bands_index(conn, n), cfg, f"dedup: indexing {part.name}")
+        work = partial(sign_collection, params=params, batch_size=batch_size,
+                       progress=progress and split.workers == 1)  # fmt: skip
+        part.signed = run_split(conn, part.name, work, split, "sign")
+    if split.parts > 1:
+        report.seconds = time.monotonic() - started
+        return report
+    dups = _cluster(conn, names, params, report)
+    marks = {name: {} for name in names}
+    for key, root in dups.items():
+        marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
+    for part in report.collections:
+        part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
+        coll = conn.db[part.name]
+        part.documents = with_retries(
+            lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
+        )
+        part.duplicates = len(marks[part.name])
+        done = {
+            "duplicates": part.duplicates,
+            "key": params.key,
+            "threshold": params.threshold,
+            "params": asdict(params),
+            "at": time.time(),
+        }
+        write_meta(conn, part.name, {"dedup.near": done})
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: NearReport) -> dict[int, int]:
+    cache = ShingleCache(conn, names, params.ngram)
+    clusters = Clusters(lambda a, b: jaccard(cache[a], cache[b]) >= params.threshold)
+    pending: list[list[int]] = []
+
+    def settle() -> None:
+        cache.load({k for keys in pending for k in keys})
+        for keys in pending:
+            clusters.add_bucket(keys)
+        pending.clear()
+
+    for keys in with_retries(lambda: list(band_buckets(conn, names, params.key)), conn.config,
+                             "dedup --near: grouping bands"):  # fmt: skip
+        report.buckets += 1
+        pending.append(keys)
+        if len(pending) >= _BUCKETS_PER_ROUND:
+            settle()
+    settle()
+    report.compared, report.confirmed = clusters.compared, clusters.confirmed
+    dups = clusters.duplicates()
+    report.clusters = len(set(dups.values()))
+    for key in sorted(dups)[:3]:
+        root = dups[key]
+        cache.load({key, root})
+        j = jaccard(cache[key], cache[root])
+        report.examples.append((label(names, key), label(names, root), j))
+    return dups
+
+
+def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int, int]:
+    """Make ``near_dup_of`` on ``name`` equal ``marks`` (idx → the kept document's label): set what
+    differs, unset what is marked and should not be. Returns (marked, unmarked) by this call."""
+    cfg = conn.config
+    coll = conn.db[name]
+    marked = unmarked = 0
+    items = sorted(marks.items())
+    for start in range(0, len(items), _BULK):
+        part = items[start : start + _BULK]
+
+        def write(part: list[tuple[int, str]] = part) -> int:
+            ops = [UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
+                   for i, label in part]  # fmt: skip
+            return coll.bulk_write(ops, ordered=False).modified_count
+
+        marked += with_retries(write, cfg, f"dedup --near: marking {name}")
+    held = with_retries(lambda: [d["idx"] for d in coll.find({NEAR_OF: {"$exists": True}}, {"idx": 1})],
+                        cfg, f"dedup --near: reading marks of {name}")  # fmt: skip
+    stale = sorted(i for i in held if i not in marks)
+    for start in range(0, len(stale), _BULK):
+        q = {"idx": {"$in": stale[start : start + _BULK]}}
+        unmarked += with_retries(lambda q=q: coll.update_many(q, {"$unset": {NEAR_OF: ""}}).modified_count,
+                                 cfg, f"dedup --near: unmarking {name}")  # fmt: skip
+    return marked, unmarked
+
+
+class NearLookup:
+    """``ingest --dedup`` on a corpus that ``dedup --near`` has run on: each new document is signed
+    under the same settings (so that no later pass signs it again) and asked of the ``lsh`` index of
+    every collection (one ``$in`` query per collection and batch); one whose near copy, confirmed on
+    the texts, the corpus holds, or an earlier document of the batch, is marked ``near_dup_of`` that
+    copy's cluster (the copy's own ``near_dup_of``, else the copy). It is kept, marked: a FILTER
+    leaves it out, and the next ``dedup --near`` clusters it with the rest."""
+
+    def __init__(self, conn: Connection, names: Sequence[str], params: LshParams) -> None:
+        self.conn, self.names, self.params = conn, list(names), params
+        self.signer = Signer(params)
+
+    @classmethod
+    def open(cls, conn: Connection, names: Sequence[str]) -> NearLookup | None:
+        """The lookup under the settings of the last ``dedup --near`` on ``names``; None if none ran."""
+        meta = with_retries(lambda: read_meta(conn, names), conn.config, "ingest --dedup: meta")
+        for name in names:
+            params = ((meta.get(name) or {}).get("dedup") or {}).get("near", {}).get("params")
+            if params:
+                return cls(conn, names, LshParams(**params))
+        return None
+
+    def mark(self, name: str, docs: list[dict[str, Any]]) -> int:
+        """Sign ``docs`` (numbered, about to be inserted into ``name``) in place and mark their near
+        copies; returns how many were marked."""
+        cfg, p = self.conn.config, self.params
+        sets = [shingles(document_text(d, cfg.text_field) or "", p.ngram) for d in docs]
+        bands = [
+            band_values(signature(s, self.signer.perms), p.bands, p.rows) if len(s) else [] for s in sets
+        ]
+        wanted = sorted({v for b in bands for v in b})
+        held: list[tuple[tuple[int, int], str, set[int], np.ndarray]] = []  # (order, root, bands, shingles)
+        for rank, other in enumerate(self.names):
+            if not wanted:
+                break
+            coll = self.conn.db[other]
+            q = {BANDS: {"$in": wanted}, BANDS_KEY: p.key}
+            fields = {"idx": 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, "turns": 1}
+            found = with_retries(lambda c=coll, q=q, f=fields: list(c.find(q, f)), cfg,
+                                 f"ingest --dedup: near copies in {other}")  # fmt: skip
+            for c in found:
+                text = document_text(c, cfg.text_field) or ""
+                root = c.get(NEAR_OF) or f"{other}:{c['idx']}"
+                held.append(((rank, c["idx"]), root, set(c[BANDS]), shingles(text, p.ngram)))
+        marked = 0
+        rank = self.names.index(name) if name in self.names else len(self.names)
+        for doc, mine, sh in zip(docs, bands, sets, strict=True):
+            doc[BANDS], doc[BANDS_KEY] = mine, p.key
+            first = min((h for h in held if h[2].intersection(mine) and jaccard(sh, h[3]) >= p.threshold),
+                        default=None, key=lambda h: h[0])  # fmt: skip
+            if first is not None:
+                doc[NEAR_OF] = first[1]
+                marked += 1
+            held.append(((rank, doc["idx"]), doc.get(NEAR_OF) or f"{name}:{doc['idx']}", set(mine), sh))
+        return marked

@@ -1,0 +1,114 @@
+"""``dsgpt2 curate report``: what each curation pass marks, per collection, with examples, printed and
+plotted. Read from the marks the passes left on the documents (``dup_of``, ``near_dup_of``,
+``passes.<rule>``), counted by the database, one aggregation per collection."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.curation.dedup import DUP_OF
+from dsgpt2.curation.neardup import NEAR_OF
+from dsgpt2.curation.passes import require_present
+from dsgpt2.curation.quality import RULES
+from dsgpt2.db.mongo import Connection, with_retries
+from dsgpt2.documents import document_text
+from dsgpt2.files import atomic_writer
+
+# What a document can be left out for, in the order the report lists them, and the query that selects it.
+REASONS: dict[str, dict[str, Any]] = {
+    "exact duplicate": {DUP_OF: {"$exists": True}},
+    "near duplicate": {NEAR_OF: {"$exists": True}},
+    **{f"fails {rule}": {f"passes.{rule}": False} for rule in RULES},
+}
+
+
+@dataclass
+class CollectionSummary:
+    name: str
+    documents: int = 0
+    judged: int = 0  # documents with quality verdicts
+    removed: dict[str, int] = field(default_factory=dict)  # reason → documents it selects
+    kept: int = 0  # documents no reason selects
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+
+def summarize(
+    conn: Connection, names: Sequence[str], examples: int = 2, chars: int = 80
+) -> list[CollectionSummary]:
+    """Per collection: documents, each reason's count, the documents no reason selects, examples."""
+    require_present(conn, names, "curate report")
+    cfg = conn.config
+    facets = {reason: [{"$match": q}, {"$count": "n"}] for reason, q in REASONS.items()}
+    facets["documents"] = [{"$count": "n"}]
+    facets["judged"] = [{"$match": {"passes.key": {"$exists": True}}}, {"$count": "n"}]
+    facets["kept"] = [{"$match": {"$nor": list(REASONS.values())}}, {"$count": "n"}]
+    out = []
+    for name in names:
+        coll = conn.db[name]
+        pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
+        (row,) = with_retries(lambda c=coll, p=pipeline: list(c.aggregate(p, allowDiskUse=True)), cfg,
+                              f"curate report: counting {name}")  # fmt: skip
+        count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
+        part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
+        part.removed = {reason: count[reason] for reason in REASONS}
+        for reason, q in REASONS.items():
+            if not part.removed[reason] or examples <= 0:
+                continue
+            docs = with_retries(
+                lambda c=coll, q=q: list(c.find(q, {"idx": 1, cfg.text_field: 1, "turns": 1, DUP_OF: 1,
+                                                    NEAR_OF: 1}).sort("idx", 1).limit(examples)),
+                cfg, f"curate report: examples of {name}",
+            )  # fmt: skip
+            part.examples[reason] = [_example(name, d, cfg.text_field, chars) for d in docs]
+        out.append(part)
+    return out
+
+
+def _example(name: str, doc: dict[str, Any], text_field: str, chars: int) -> str:
+    text = " ".join((document_text(doc, text_field) or "").split())
+    text = text if len(text) <= chars else text[: chars - 1] + "…"
+    of = doc.get(DUP_OF) or doc.get(NEAR_OF)
+    return f"{name}:{doc['idx']}" + (f" (of {of})" if of else "") + f": {text!r}"
+
+
+def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
+    lines = []
+    for p in parts:
+        total = max(p.documents, 1)
+        lines.append(f"{p.name}: {p.documents} documents ({p.judged} with quality verdicts)")
+        for reason, n in p.removed.items():
+            lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}")
+            lines.extend(f"      e.g. {e}" for e in p.examples.get(reason, []))
+        lines.append(f"  {'kept by all':<16} {p.kept:>9}  {p.kept / total:6.1%}")
+    return lines
+
+
+def plot(parts: Sequence[CollectionSummary], out: Path) -> Path:
+    """One horizontal bar per reason and collection: the share of its documents each selects."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [*REASONS, "kept by all"]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(labels) * max(len(parts), 1) ** 0.5))
+    height = 0.8 / max(len(parts), 1)
+    for k, p in enumerate(parts):
+        shares = [p.removed.get(r, 0) / max(p.documents, 1) for r in REASONS] + [p.kept / max(p.documents, 1)]
+        ys = [i + k * height for i in range(len(labels))]
+        ax.barh(ys, shares, height=height, label=f"{p.name} ({p.documents} documents)")
+    ax.set_yticks([i + height * (len(parts) - 1) / 2 for i in range(len(labels))], labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of the collection's documents")
+    ax.set_xlim(0, 1)
+    ax.legend(loc="lower right")
+    ax.set_title("what each curation pass marks")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(out, "wb", prefix=".plot-") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,279 @@
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli, store_config, write_config
+from dsgpt2.cli.main import build_parser, main
+
+
+def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:
+    """Every command path, nested ones included: ("ingest",), ("vocab", "train"), ..."""
+    parser = parser or build_parser()
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not actions:
+        return [prefix]
+    out = [prefix] if prefix else []
+    for name, sub in sorted(actions[0].choices.items()):
+        out += _commands(sub, (*prefix, name))
+    return out
+
+
+def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name, *_ in _commands():
+        assert name in out
+    assert "MONGO_CONNECTION_STRING" in out
+
+
+@pytest.mark.parametrize("path", _commands(), ids=" ".join)
+def test_each_command_has_help(path: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*path, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: dsgpt2 {' '.join(path)}" in out
+    assert len(out.splitlines()) > 5  # a description and the options, not just a usage line
+
+
+@pytest.fixture
+def cfg(tmp_path: Path) -> Path:
+    return store_config(tmp_path)[0]
+
+
+def _one_line_error(result, *needles: str) -> None:
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_cli_input_is_one_line_and_exit_2(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("hello\n")
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{oops")
+    unknown = write_config(tmp_path / "u.json", MONGO_CONNECTION_DB="d", COLLECTIONS=["a"], COLECTIONS=["a"])
+    cases = [
+        (["ingest", "--config", str(cfg), "--batch_size", "-3", str(txt)], ["--batch_size", "positive"]),
+        (["ingest", "--config", str(cfg), "--batch_size", "x", str(txt)], ["--batch_size", "'x'"]),
+        (["ingest", "--config", str(tmp_path / "none.json"), str(txt)], ["none.json", "not found"]),
+        (["ingest", "--config", str(bad_json), str(txt)], ["not valid JSON", "line 1"]),
+        (["ingest", "--config", str(unknown), str(txt)], ["COLECTIONS", "valid keys"]),
+        (["ingest", "--config", str(cfg), "--format", "xml", str(txt)], ["--format", "invalid choice"]),
+        (["ingest", "--config", str(cfg)], ["FILE", "--sample"]),
+        (["ingest", "--config", str(cfg), str(tmp_path / "missing.txt")], ["missing.txt", "not found"]),
+        (["ingest", "--config", str(cfg), "--limit", "5", str(txt)], ["--limit", "--sample"]),
+        (["validate"], ["--config"]),
+        (["nonsense"], ["invalid choice"]),
+    ]
+    for args, needles in cases:
+        _one_line_error(run_cli(*args), *needles)
+
+
+def test_unreachable_server_via_cli_never_prints_the_password(tmp_path: Path) -> None:
+    cfg = write_config(
+        tmp_path / "c.json",
+        MONGO_CONNECTION_DB="d",
+        COLLECTIONS=["a"],
+        SERVER_SELECTION_TIMEOUT_MS=300,
+    )
+    env = {"MONGO_CONNECTION_STRING": "mongodb://user:secret@127.0.0.1:1/"}
+    for command in ("info", "validate"):
+        result = run_cli(command, "--config", str(cfg), "-v", env=env)
+        _one_line_error(result, "127.0.0.1:1", "MONGO_CONNECTION_STRING")
+        assert "secret" not in result.stdout + result.stderr
+
+
+def test_ingest_then_info_through_the_cli(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\ntwo\n\nthree\n")
+    result = run_cli("ingest", "--config", str(cfg), str(txt))
+    assert result.returncode == 0, result.stderr
+    assert "3 inserted, 1 skipped (empty: 1)" in result.stdout
+    info = run_cli("info", "--config", str(cfg), "--json")
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["documents"] == 3
+    assert data["collections"][0]["sources"][0]["complete"] is True
+
+
+@pytest.mark.slow
+def test_demo_runs_every_stage(tmp_path: Path) -> None:
+    result = run_cli(
+        "demo", "--out", str(tmp_path / "demo"), "--limit", "1000", "--steps", "12", "--chat_steps", "6",
+        "--no_progress",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    # No noise a newcomer must learn to ignore: no warning about a model "trained on None", none
+    # of DeepSpeed's accelerator guess or transformers' loss_type notice.
+    for noise in ("trained on None", "held out", "Setting accelerator", "loss_type", "Traceback"):
+        assert noise not in result.stderr, noise
+    # Nor any warning at all: a deprecated call of ours (FutureWarning, transformers' notices), or
+    # DeepSpeed's scheduler complaining in its own constructor.
+    output = (result.stdout + result.stderr).splitlines()  # DeepSpeed logs to stdout
+    warned = [line for line in output if re.search(r"(?i)warn|deprecat", line)]
+    assert not warned, warned
+    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    assert summary["ingest"]["documents"] == 1000
+    assert summary["validate"] == "ok"
+    assert summary["read"]["documents"] == 1000
+    assert summary["read"]["queries_per_1000_docs"] <= 2
+    assert summary["vocab_download"]["documents"] == 1000
+    assert summary["vocab"]["vocab_size"] > 1000
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(summary["vocab"]["dir"])) == summary["vocab"]["vocab_size"]
+    assert summary["train"]["steps"] == 12 and summary["train"]["val_ppl"] < summary["vocab"]["vocab_size"]
+    # The demo's pretraining recipe: micro-batches of 16, a model without dropout.
+    import yaml
+
+    resolved = yaml.safe_load((tmp_path / "demo" / "train" / "config.yaml").read_text())
+    ds = json.loads(Path(resolved["deepspeed_config"]).read_text())
+    assert ds["train_micro_batch_size_per_gpu"] == 16 and resolved["lr_schedule"] == "cosine"
+    model_config = json.loads((Path(summary["export"]["dir"]) / "config.json").read_text())
+    assert model_config["resid_pdrop"] == model_config["embd_pdrop"] == model_config["attn_pdrop"] == 0
+    assert Path(summary["train"]["plot"]).exists()
+    assert (Path(summary["export"]["dir"]) / "model.safetensors").exists()
+    before, after = summary["eval_before"], summary["eval_after"]
+    assert before["tokens"] == after["tokens"] > 0
+    assert after["perplexity"] < before["perplexity"]
+    assert 0.7 * summary["vocab"]["vocab_size"] < before["perplexity"] < 1.5 * summary["vocab"]["vocab_size"]
+    assert summary["sample"]["prompt"] and 0 < summary["sample"]["tokens"] <= 40
+    chat = summary["chat"]
+    assert summary["chat_ingest"]["conversations"] == 1000 and chat["train"]["steps"] == 6
+    assert chat["reply_loss_after"]["loss"] < chat["reply_loss_before"]["loss"]
+    assert chat["exchange"]["user"] and isinstance(chat["exchange"]["bot"], str)
+    assert (Path(chat["dir"]) / "model.safetensors").exists()
+    lines = result.stdout.splitlines()
+    assert "dsgpt2 demo: summary" in lines
+    assert any(line.strip().startswith("validation    perplexity") for line in lines)
+    assert any(line.strip().startswith("sample") for line in lines)
+
+
+def test_one_spelling_old_ones_hidden_no_abbreviations(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    new = parser.parse_args(["vocab", "train", "--from_mongo", "--config", "c.json", "--vocab_size", "300"])
+    old = parser.parse_args(["vocab", "train", "--from-mongo", "--config", "c.json", "--vocab-size", "300"])
+    assert vars(new) == vars(old) and new.vocab_size == 300 and new.from_mongo
+    ev = ["evaluate", "--model", "m", "--config", "c.json"]
+    masks = ([], ["--doc_mask"], ["--no_doc_mask"], ["--no-doc_mask"])
+    assert [parser.parse_args([*ev, *m]).doc_mask for m in masks] == [None, True, False, False]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["vocab", "train", "--help"])
+    shown = capsys.readouterr().out
+    assert "--vocab_size" in shown and "--no_progress" in shown and "--vocab-size" not in shown
+    # A prefix is not a flag: `--vocab 300` is an error, not --vocab_size.
+    with pytest.raises(SystemExit) as exited:
+        main(["vocab", "train", "--from_mongo", "--config", "c.json", "--vocab", "300"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --vocab 300" in err and err.count("\n") == 1
+
+
+def test_info_on_a_missing_collection_names_it_and_the_fix(tmp_path: Path, cfg: Path) -> None:
+    result = run_cli("info", "--config", str(cfg))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert "not found in database" in line and "no collection (empty or absent)" in line
+    assert "dsgpt2 ingest --config" in line
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\n")
+    assert run_cli("ingest", "--config", str(cfg), "--collection", "other", str(txt)).returncode == 0
+    line = run_cli("info", "--config", str(cfg)).stderr.strip()
+    assert "it holds" in line and "other" in line
+
+
+def test_the_product_never_imports_the_embedded_server_or_a_test_double() -> None:
+    """SecantusDB (GPL) runs as a process of its own; mongomock is no part of the product."""
+    code = (
+        "import sys, dsgpt2.cli.main, dsgpt2.db.mongo, dsgpt2.db.embedded, dsgpt2.train.trainer, "
+        "dsgpt2.infer.serve, dsgpt2.cli.pipeline\n"
+        "for m in ('corpus', 'db', 'vocab', 'train', 'infer', 'demo'):\n"
+        "    __import__('dsgpt2.cli.' + m)\n"
+        "print(any(m.split('.')[0] in ('mongomock', 'secantus') for m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+@pytest.mark.parametrize("name", ["bad$name", "system.profile", ""])
+def test_ingest_into_an_impossible_collection_is_one_line(tmp_path: Path, cfg: Path, name: str) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\n")
+    result = run_cli("ingest", "--config", str(cfg), "--collection", name, str(txt))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert f"--collection {name!r} is not a collection name" in line
+
+
+def test_vocab_download_into_a_file_is_one_line(tmp_path: Path, cfg: Path) -> None:
+    txt = tmp_path / "t.txt"
+    txt.write_text("one\ntwo\n")
+    assert run_cli("ingest", "--config", str(cfg), str(txt)).returncode == 0
+    for out in (txt, txt / "shards"):
+        result = run_cli("vocab", "download", "--config", str(cfg), "--out", str(out))
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert f"{txt} is a file" in line
+    assert txt.read_text() == "one\ntwo\n"
+
+
+def test_the_command_line_starts_without_torch() -> None:
+    """`dsgpt2 info`, `--help` and the argument errors answer in a fraction of a second."""
+    code = "import sys, dsgpt2.cli.main as c; c.build_parser(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_settings_come_from_their_dataclass_through_the_flags() -> None:
+    """Each flag lands in its settings object by one road (``from_namespace``), renamed flags too."""
+    from dsgpt2.infer.settings import EvalRequest, ServeLimits
+    from dsgpt2.settings.options import from_namespace
+    from dsgpt2.tokenizer.texts import DownloadSettings, Draw
+
+    parse = build_parser().parse_args
+    ev = ["evaluate", "--model", "m", "--config", "c.json"]
+    request = from_namespace(EvalRequest, parse(
+        [*ev, "--collection", "news", "--collection", "wiki", "--stop", "50", "--split_seed", "4",
+         "--context_length", "32", "--num_workers", "0", "--no_doc_mask"]
+    ))  # fmt: skip
+    assert request.collections == ("news", "wiki") and request.window == (0, 50)
+    assert (request.seed, request.context, request.workers, request.doc_mask) == (4, 32, 0, False)
+    assert from_namespace(EvalRequest, parse(ev)) == EvalRequest()
+    serve = parse(["serve", "--model", "m", "--max_tokens_limit", "32", "--max_new_tokens", "9"])
+    assert from_namespace(ServeLimits, serve) == ServeLimits(max_new_tokens=32) and serve.max_new_tokens == 9
+    down = parse(["vocab", "download", "--config", "c", "--count", "7", "--shards", "3", "--overwrite"])
+    assert from_namespace(Draw, down) == Draw(count=7)
+    assert from_namespace(DownloadSettings, down) == DownloadSettings(shards=3, overwrite=True)
+
+
+def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) -> None:
+    ev = ["evaluate", "--model", str(tmp_path / "no-model"), "--config", str(cfg)]
+    down = ["vocab", "download", "--config", str(cfg), "--out", str(tmp_path / "shards")]
+    cases = [
+        ([*ev, "--start", "-1"], ["--start", "at least 0"]),
+        ([*ev, "--start", "9", "--stop", "3"], ["--start/--stop"]),
+        ([*ev, "--tr_ratio", "2"], ["--tr_ratio", "(0, 1]"]),
+        ([*down, "--fraction", "0.5", "--count", "3"], ["--fraction or --count"]),
+        ([*down, "--fraction", "0"], ["--fraction must be in (0, 1]"]),
+        ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
+        (
+            ["serve", "--model", "m", "--max_tokens_limit", "8", "--max_new_tokens", "9"],
+            ["--max_tokens_limit"],
+        ),
+    ]
+    for args, needles in cases:
+        _one_line_error(run_cli(*args), *needles)
+    assert not (tmp_path / "shards").exists()

@@ -1,0 +1,171 @@
+"""Experiment files (`--config run.yaml` / `run.toml`): any flag as a key, flags typed after it
+override it, one line for a bad key or value, tables per command, the shipped examples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli, store_config
+from dsgpt2.cli.main import build_parser as cli_parser
+from dsgpt2.settings.runfile import COMMANDS, command_names, find_run_file
+from dsgpt2.train.config import parse
+from zygote import run_python
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "mongo.json").write_text("{}")
+    (tmp_path / "ds.json").write_text("{}")
+    return {"tok": tmp_path / "tok", "mongo": tmp_path / "mongo.json", "ds": tmp_path / "ds.json"}
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def yaml_run(tmp_path: Path, files: dict[str, Path], extra: str = "") -> Path:
+    return write(
+        tmp_path / "run.yaml",
+        f"config: {files['mongo']}\ndeepspeed_config: {files['ds']}\nvocab_dir: {files['tok']}\n"
+        "model_select: tiny\ntrain_iters: 300\nearly_stopping: true\npatience: 2\nlr: 3e-3\n"
+        "wandb: off\n" + extra,
+    )
+
+
+def test_a_yaml_file_sets_the_flags_and_the_command_line_overrides_it(
+    tmp_path: Path, files: dict[str, Path]
+) -> None:
+    run = yaml_run(tmp_path, files)
+    cfg = parse(["--config", str(run)])
+    assert cfg.data.config_train == files["mongo"] and cfg.model.model_select == "tiny"
+    assert cfg.run.train_iters == 300 and cfg.run.early_stopping and cfg.run.patience == 2
+    assert cfg.schedule.lr == 3e-3 and cfg.run.wandb == "off"  # an unquoted YAML `off` is the choice
+    cfg = parse(["--train_iters", "7", f"--config={run}", "--no_resume", "--wandb", "offline"])
+    assert cfg.run.train_iters == 7 and cfg.ckpt.no_resume and cfg.run.wandb == "offline"
+    assert cfg.run.patience == 2  # the file's, not the default
+    # Without the file every one of these is the default again.
+    plain = parse(["--config", str(files["mongo"]), "--deepspeed_config", str(files["ds"]),
+                   "--vocab_dir", str(files["tok"])])  # fmt: skip
+    assert (
+        plain.run.train_iters == 1000 and not plain.run.early_stopping and plain.model.model_select == "112m"
+    )
+
+
+def test_toml_and_tables_per_command(tmp_path: Path, files: dict[str, Path]) -> None:
+    run = write(
+        tmp_path / "run.toml",
+        f'config = "{files["mongo"]}"\ndeepspeed_config = "{files["ds"]}"\nvocab_dir = "{files["tok"]}"\n'
+        'model_select = "tiny"\n\n[train]\ntrain_iters = 40\ncompile = true\n\n'
+        "[evaluate]\nbatch_size = 3\n\n[vocab.train]\nvocab_size = 512\n",
+    )
+    cfg = parse(["--config", str(run)])
+    assert cfg.run.train_iters == 40 and cfg.compute.compile and cfg.model.model_select == "tiny"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train_iterz: 3\n", "unknown key 'train_iterz'; did you mean 'train_iters'?"),
+        ("train_iters: abc\n", "key 'train_iters': expected a positive integer, got 'abc'"),
+        ("train_iters: 2.5\n", "key 'train_iters': expected a positive integer, got '2.5'"),
+        ("early_stopping: 3\n", "key 'early_stopping' must be true or false, got 3"),
+        ("model_select: huge\n", "key 'model_select': 'huge' is not one of tiny"),
+        ("lr: [1, 2]\n", "key 'lr' must be a single value"),
+        ("monitor: true\n", "key 'monitor' must be one of val_loss, val_ppl, not true/false"),
+        ("train:\n  save_intervall: 5\n", "unknown key 'save_intervall'"),
+        ("train: 5\n", "[train] must be a table of flags"),
+        ("- a\n- b\n", "expected a mapping of flag names to values, got list"),
+        ("a: b: c\n", "not valid YAML at line 2"),
+    ],
+)
+def test_a_bad_key_or_value_is_one_line_naming_it(
+    tmp_path: Path, files: dict[str, Path], text: str, message: str
+) -> None:
+    prefix = "" if text.startswith("-") else f"config: {files['mongo']}\n"
+    run = write(tmp_path / "bad.yaml", prefix + text)
+    result = run_python([str(ROOT / "ds_trainer.py"), "--config", str(run)], cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"ds_trainer.py: error: --config {run}: ")
+    assert message in result.stderr
+
+
+def test_a_missing_or_second_experiment_file_is_refused(tmp_path: Path) -> None:
+    result = run_cli("info", "--config", str(tmp_path / "nope.toml"))
+    assert result.returncode == 2 and result.stderr.strip().endswith("nope.toml: file not found")
+    with pytest.raises(Exception, match="one experiment file at a time"):
+        find_run_file(["--config", "a.yaml", "--config", "b.toml"])
+
+
+def test_every_dsgpt2_command_reads_one(tmp_path: Path) -> None:
+    """`config` in the file names the connection JSON; the command's table applies to it alone."""
+    config, _ = store_config(tmp_path, ["a", "b"])
+    text = (
+        f"config: {config}\n"
+        "ingest:\n  collection: a\n  sample: stdlib\n  limit: 30\n"
+        "validate:\n  json: true\n"
+        "info:\n  json: true\n"
+        "vocab:\n  train:\n    vocab_size: 300\n"
+    )
+    run = write(tmp_path / "corpus.yaml", text)
+    ingest = run_cli("ingest", "--config", str(run))
+    assert ingest.returncode == 0, ingest.stderr
+    # A flag typed after the file overrides it.
+    more = run_cli("ingest", "--config", str(run), "--collection", "b", "--limit", "20")
+    assert more.returncode == 0, more.stderr
+    info = run_cli("info", "--config", str(run))
+    assert [c["count"] for c in json.loads(info.stdout)["collections"]] == [30, 20]
+    validate = run_cli("validate", "--config", str(run))
+    assert validate.returncode == 0 and json.loads(validate.stdout)
+    # A key of another command at the top level is not this command's.
+    write(run, f"config: {config}\nvocab_size: 300\n")
+    bad = run_cli("info", "--config", str(run))
+    assert bad.returncode == 2 and "unknown key 'vocab_size'" in bad.stderr
+
+
+def test_the_table_names_are_the_commands() -> None:
+    # `dsgpt2 launch` hands every argument to the deepspeed launcher: the script it starts reads the file.
+    assert command_names(cli_parser()) - {"launch"} == COMMANDS
+
+
+def test_the_shipped_demo_recipe_is_the_demo(files: dict[str, Path]) -> None:
+    from dsgpt2.cli import pipeline as demo
+    from dsgpt2.data.split import DEFAULT_CHUNK_DOCS
+
+    recipe = ROOT / "configs" / "recipes" / "demo.yaml"
+    cfg = parse(["--config", str(recipe), "--vocab_dir", str(files["tok"])])
+    assert cfg.data.config_train == Path("configs/sample.json")
+    ds = json.loads(Path(ROOT / cfg.engine.deepspeed_config).read_text())
+    assert cfg.engine.deepspeed_config.name == demo.DEMO_DS_CONFIG
+    assert ds["train_micro_batch_size_per_gpu"] == 16
+    assert cfg.model.model_select == "tiny" and cfg.data.tr_ratio == demo.TR_RATIO
+    assert cfg.data.chunk_docs == DEFAULT_CHUNK_DOCS and cfg.data.read_order == "spread"  # no work-around
+    assert cfg.run.train_iters == demo.DEMO_STEPS
+    assert cfg.run.eval_interval == demo.DEMO_STEPS // 6 and cfg.run.eval_iters == 8
+    assert cfg.ckpt.save_interval == demo.DEMO_STEPS // 3
+    s = cfg.schedule
+    assert (s.lr_schedule, s.lr, s.warmup_iters) == ("cosine", demo.DEMO_LR, demo.DEMO_WARMUP)
+    assert cfg.run.wandb == "off"
+
+
+def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dict[str, Path]) -> None:
+    cfg = parse(
+        ["--config", str(ROOT / "configs" / "recipes" / "112m_8gpu.toml"), "--vocab_dir", str(files["tok"])]
+    )
+    ds = json.loads(Path(ROOT / cfg.engine.deepspeed_config).read_text())
+    tokens = (
+        ds["train_micro_batch_size_per_gpu"]
+        * ds["gradient_accumulation_steps"]
+        * 8
+        * cfg.model.context_length
+    )
+    assert cfg.model.model_select == "112m" and ds["bf16"]["enabled"] and tokens == 1_048_576
+    assert cfg.schedule.lr_schedule == "cosine" and cfg.run.train_iters * tokens > 9.9e9
+    # llm.c's GPT-2 warmup, 700 steps of ~0.5 M tokens, over the same tokens at twice the batch.
+    assert cfg.schedule.warmup_iters * tokens == 700 * 524_288

@@ -1,0 +1,177 @@
+"""Quality signals and verdicts in place: the measures on texts with known answers, `dsgpt2 curate`
+judging planted good and bad documents, a killed pass ending as a straight one, other thresholds
+judging every document again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bson import ObjectId
+
+from conftest import db_for, make_config, run_cli, store_config
+from dsgpt2.curation import curate as curate_mod
+from dsgpt2.curation.curate import curate
+from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
+from dsgpt2.db.mongo import Connection
+
+PROSE = (
+    "The committee met on Tuesday to review the budget for the coming year. Members agreed that the "
+    "library should have longer opening hours, and that the funds for the new reading room be moved "
+    "forward.\nThe chair noted that the proposal had strong support from residents of the town. A "
+    "vote will be held at the next meeting, after the figures have been checked by the treasurer.\n"
+    "Several speakers asked whether the plan could be extended to the schools. The committee said it "
+    "would consider the idea once the first phase of the work was complete and paid for."
+)
+
+
+def test_signals_on_texts_with_known_answers() -> None:
+    s = signals("a b\na b\nc d e\n\nx #")
+    assert s["words"] == 8  # of nine tokens, '#' is symbols only
+    assert s["dup_lines"] == round(1 / 4, 4)  # lines: 'a b', 'a b', 'c d e', 'x #'
+    assert s["dup_line_chars"] == round(3 / 18, 4)
+    assert s["symbol_ratio"] == round(1 / 9, 4)
+    bullets = signals("- one\n- two\n• three\nfour")
+    assert bullets["bullet_lines"] == 0.75
+    grams = signals("the cat sat the cat sat the cat sat")  # 9 words
+    assert grams["top_2gram"] == round(len("the cat") * 3 / 35, 4)
+    # 5-grams left to right: 'the cat sat the cat' ... the first repeat starts at word 3
+    # ('the cat sat the cat' again), covering 19 characters, then the scan is past the end.
+    assert grams["dup_5gram"] == round(19 / 35, 4)
+    c4 = signals("Lorem ipsum dolor sit amet.\nvar x = {a: 1};")
+    assert c4["lorem_ipsum"] == 1 and c4["curly_brackets"] == 1
+    good = signals(PROSE)
+    assert good["c4_sentences"] == 6 and good["stop_words"] >= 2
+    defaults = resolve_thresholds({})
+    assert verdicts(good, RULES, defaults) == {"gopher": True, "repetition": True, "c4": True}
+    assert failed(c4, "c4", defaults)[:1] == ["min_c4_sentences (1 < 5)"]
+    assert set(defaults) == set(THRESHOLDS)
+    with pytest.raises(ValueError, match="unknown threshold 'min_wrds'"):
+        resolve_thresholds({"min_wrds": 3})
+
+
+BAD = {
+    "bullets": "\n".join(f"- item number {i} of the list" for i in range(60)),
+    "repeated": "\n".join(["Click here to read more about our offers today."] * 20),
+    "lorem": PROSE + "\nLorem ipsum dolor sit amet, consectetur adipiscing elit.",
+    "short": "Too short to be a document.",
+}
+
+
+def _store(tmp_path: Path) -> tuple[Path, Path, list[str]]:
+    texts = [PROSE, *BAD.values(), PROSE.replace("Tuesday", "Monday")]
+    cfg, store = store_config(tmp_path, ["docs"])
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert run_cli("ingest", "--config", str(cfg), str(path), "--no_progress").returncode == 0
+    return cfg, store, texts
+
+
+def test_curate_judges_planted_documents_and_rejudges_under_other_thresholds(tmp_path: Path) -> None:
+    cfg, store, _ = _store(tmp_path)
+    result = run_cli("curate", "--config", str(cfg), "--rules", "gopher,repetition,c4", "--no_progress")
+    assert result.returncode == 0, result.stderr
+    assert "docs: 6 documents, 6 judged by this run" in result.stdout
+    conn = Connection(make_config(["docs"], **db_for(store)))
+    passes = {d["idx"]: {k: v for k, v in d["passes"].items() if k != "key"} for d in conn.db["docs"].find()}
+    assert passes[0] == passes[5] == {"gopher": True, "repetition": True, "c4": True}
+    assert passes[1]["gopher"] is False  # bullets
+    assert passes[2]["repetition"] is False  # the same line twenty times
+    assert passes[3]["c4"] is False and passes[3]["gopher"] is True  # lorem ipsum
+    assert passes[4]["gopher"] is False  # too few words
+    assert conn.db["docs"].find_one({"idx": 0})["quality"]["words"] == len(PROSE.split())
+    conn.close()
+
+    again = run_cli("curate", "--config", str(cfg), "--no_progress")
+    assert "0 judged by this run" in again.stdout
+    looser = run_cli("curate", "--config", str(cfg), "--threshold", "min_words=3", "--no_progress")
+    assert looser.returncode == 0 and "6 judged by this run" in looser.stdout, looser.stderr
+    bad = run_cli("curate", "--config", str(cfg), "--threshold", "min_words")
+    assert bad.returncode == 2 and "give NAME=NUMBER" in bad.stderr.strip().splitlines()[-1]
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = [PROSE if i % 3 else BAD["repeated"] for i in range(90)]
+    thresholds = resolve_thresholds({})
+
+    def fresh(db: str) -> Connection:
+        conn = Connection(make_config(["docs"], MONGO_CONNECTION_DB=db))
+        conn.db["docs"].insert_many(
+            [{"_id": ObjectId(), "idx": i, "filt_text": t} for i, t in enumerate(texts)]
+        )
+        return conn
+
+    straight = fresh("straight")
+    curate(straight, ["docs"], RULES, thresholds, batch_size=20)
+    expected = {d["idx"]: (d["quality"], d["passes"]) for d in straight.db["docs"].find()}
+
+    killed = fresh("killed")
+    calls = {"n": 0}
+    original = curate_mod.set_fields
+
+    def crash(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Crash
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(curate_mod, "set_fields", crash)
+    with pytest.raises(Crash):
+        curate(killed, ["docs"], RULES, thresholds, batch_size=20)
+    monkeypatch.undo()
+    report = curate(killed, ["docs"], RULES, thresholds, batch_size=20)
+    assert report.collections[0].judged == 90 - 40
+    assert {d["idx"]: (d["quality"], d["passes"]) for d in killed.db["docs"].find()} == expected
+    assert report.collections[0].failing["repetition"] == 30
+    # The summary: every count equals a direct count of the marks, and each rule's first failure.
+    part, docs = report.collections[0], killed.db["docs"]
+    assert part.documents == 90
+    assert part.passing_all == docs.count_documents({f"passes.{rule}": True for rule in RULES})
+    for rule in RULES:
+        assert part.failing[rule] == docs.count_documents({f"passes.{rule}": False})
+    assert [e.split(" fails ")[0] for e in part.examples if " fails repetition" in e] == ["docs:0"]
+
+
+def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -> None:
+    """Two collections through dedup --exact --near and curate, then `curate report`: each reason's
+    count equals a direct count of its mark, with examples, and a PNG."""
+    from dsgpt2.curation.report import REASONS
+
+    cfg, store = store_config(tmp_path, ["news", "web"])
+    texts = {
+        "news": [PROSE, PROSE, *BAD.values(), PROSE + " And one more line."],
+        "web": [PROSE, *BAD.values()],
+    }
+    for name, batch in texts.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in batch))
+        assert run_cli("ingest", "--config", str(cfg), "--collection", name, str(path)).returncode == 0
+    for args in (["dedup", "--exact", "--near"], ["curate"]):
+        done = run_cli(*args, "--config", str(cfg), "--no_progress")
+        assert done.returncode == 0, done.stderr
+    plot = tmp_path / "out" / "curation.png"
+    done = run_cli("curate", "report", "--config", str(cfg), "--plot", str(plot), "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["plot"] == str(plot)
+    conn = Connection(make_config(["news", "web"], **db_for(store)))  # fmt: skip
+    for part in report["collections"]:
+        coll = conn.db[part["name"]]
+        assert part["documents"] == len(texts[part["name"]])
+        for reason, query in REASONS.items():
+            assert part["removed"][reason] == coll.count_documents(query), (part["name"], reason)
+        assert part["kept"] == coll.count_documents({"$nor": list(REASONS.values())})
+    web = report["collections"][1]
+    assert web["removed"]["exact duplicate"] == 1 + len(BAD) and web["kept"] == 0  # all of web is in news
+    assert web["examples"]["exact duplicate"][0].startswith("web:0 (of news:0): ")
+    lines = run_cli("curate", "report", "--config", str(cfg), "--plot", str(plot))
+    assert (
+        lines.returncode == 0
+        and "  exact duplicate" in lines.stdout
+        and "e.g. web:0 (of news:0)" in lines.stdout
+    )

@@ -1,0 +1,159 @@
+"""Exact duplicates where the corpus lives: `text_hash` stored at ingest and by `dsgpt2 dedup --exact`
+for documents without one, copies marked `dup_of` the first copy (COLLECTIONS order, then idx) by
+the database's grouping, a killed pass ending as a straight one, `ingest --dedup` skipping and
+counting texts the corpus holds."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from bson import ObjectId
+
+from conftest import db_for, make_config, run_cli, store_config
+from dsgpt2.curation import dedup
+from dsgpt2.db.mongo import Connection
+from dsgpt2.documents import hash_text
+
+
+def planted(seed: int, n: int, pool: int) -> list[str]:
+    """``n`` texts drawn from ``pool`` distinct ones: copies wherever a draw repeats."""
+    rng = random.Random(seed)
+    return [f"Document {rng.randrange(pool)}: the {rng.choice(['cat', 'dog'])} sat." for _ in range(n)]
+
+
+def reference(collections: dict[str, list[str]]) -> dict[tuple[str, int], str]:
+    """Each copy's mark, by the rule: the first copy in (COLLECTIONS order, idx) is kept."""
+    first: dict[str, str] = {}
+    marks = {}
+    for name, texts in collections.items():
+        for idx, text in enumerate(texts):
+            if text in first:
+                marks[(name, idx)] = first[text]
+            else:
+                first[text] = f"{name}:{idx}"
+    return marks
+
+
+def marks(conn: Connection, names: list[str]) -> dict[tuple[str, int], str]:
+    return {(n, d["idx"]): d["dup_of"] for n in names for d in conn.db[n].find({"dup_of": {"$exists": True}})}
+
+
+def _ingest_files(tmp_path: Path, collections: dict[str, list[str]]) -> tuple[Path, Path]:
+    cfg, store = store_config(tmp_path, list(collections))
+    for name, texts in collections.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        done = run_cli("ingest", "--config", str(cfg), "--collection", name, str(path), "--no_progress")
+        assert done.returncode == 0, done.stderr
+    return cfg, store
+
+
+def _open(store: Path, names: list[str], **extra: object) -> Connection:
+    return Connection(make_config(names, **db_for(store), **extra))
+
+
+def test_dedup_exact_marks_every_copy_but_the_first_across_collections(tmp_path: Path) -> None:
+    collections = {"news": planted(1, 300, 120), "web": planted(2, 200, 120)}
+    cfg, store = _ingest_files(tmp_path, collections)
+    conn = _open(store, list(collections))
+    hashed = conn.db["news"].find_one({"idx": 0})
+    assert hashed["text_hash"] == hash_text(collections["news"][0])  # stored at ingest
+    conn.close()
+
+    result = run_cli("dedup", "--config", str(cfg), "--exact", "--batch_size", "64", "--no_progress")
+    assert result.returncode == 0, result.stderr
+    expected = reference(collections)
+    conn = _open(store, list(collections))
+    assert marks(conn, list(collections)) == expected
+    news = sum(1 for n, _ in expected if n == "news")
+    assert f"news: 300 documents, 0 hashed by this run; {news} exact duplicate(s)" in result.stdout
+    groups = sum(1 for t in set(collections["news"] + collections["web"])
+                 if (collections["news"] + collections["web"]).count(t) > 1)  # fmt: skip
+    assert f"{groups} text(s) held more than once" in result.stdout
+    assert "text_hash_1" in conn.db["web"].index_information()
+    conn.close()
+
+    again = run_cli("dedup", "--config", str(cfg), "--exact", "--no_progress")
+    assert again.returncode == 0 and "(0 by this run)" in again.stdout, again.stdout
+
+    # Another order of COLLECTIONS keeps other copies: the marks follow, the kept ones unmarked.
+    data = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**data, "COLLECTIONS": ["web", "news"]}))
+    flipped = run_cli("dedup", "--config", str(cfg), "--exact", "--no_progress")
+    assert flipped.returncode == 0, flipped.stderr
+    conn = _open(store, ["web", "news"])
+    assert marks(conn, ["web", "news"]) == reference({"web": collections["web"], "news": collections["news"]})
+    assert "unmarked" in flipped.stdout
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["hashing", "marking"])
+def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Documents another application wrote (no hash), numbered in place; the pass killed half-way
+    through its hashing or its marking, then run again."""
+    texts = planted(3, 400, 150)
+    conn = Connection(make_config(["articles"], TEXT_FIELD="body"))
+    conn.db["articles"].insert_many([{"_id": ObjectId(), "idx": i, "body": t} for i, t in enumerate(texts)])
+    calls = {"n": 0}
+    target = {"hashing": "_set_hashes", "marking": "_Marker._write"}[where]
+    owner, attr = (dedup, target) if "." not in target else (dedup._Marker, target.split(".")[1])
+    original = getattr(owner, attr)
+
+    def crash(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise Crash
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, crash)
+    monkeypatch.setattr(dedup, "_BULK", 20)
+    with pytest.raises(Crash):
+        dedup.dedup_exact(conn, ["articles"], batch_size=50)
+    monkeypatch.setattr(owner, attr, original)
+    report = dedup.dedup_exact(conn, ["articles"], batch_size=50)
+    expected = reference({"articles": texts})
+    assert marks(conn, ["articles"]) == expected
+    (part,) = report.collections
+    assert part.documents == 400 and part.duplicates == len(expected)
+    if where == "hashing":
+        assert part.hashed == 400 - 100  # two batches of 50 were hashed before the crash
+    assert conn.db["articles"].count_documents({"text_hash": {"$type": "string"}}) == 400
+
+
+def test_ingest_dedup_skips_and_counts_texts_the_corpus_holds(tmp_path: Path) -> None:
+    news = planted(4, 100, 60)
+    cfg, store = _ingest_files(tmp_path, {"news": news})
+    data = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**data, "COLLECTIONS": ["news", "web"]}))
+    web = planted(5, 150, 90)
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in web))
+    result = run_cli("ingest", "--config", str(cfg), "--collection", "web", str(tmp_path / "web.jsonl"),
+                     "--dedup", "--batch_size", "16", "--no_progress")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    fresh, seen = [], set(news)
+    for t in web:
+        if t not in seen:
+            fresh.append(t)
+            seen.add(t)
+    assert (
+        f"150 records read, {len(fresh)} inserted, {150 - len(fresh)} skipped (duplicate: {150 - len(fresh)})"
+        in (result.stdout)
+    )
+    conn = _open(store, ["news", "web"])
+    assert [d["filt_text"] for d in conn.db["web"].find().sort("idx")] == fresh
+    assert [d["idx"] for d in conn.db["web"].find().sort("idx")] == list(range(len(fresh)))
+
+
+def test_dedup_refusals_are_one_line(tmp_path: Path) -> None:
+    cfg, _ = store_config(tmp_path, ["news"])
+    plain = run_cli("dedup", "--config", str(cfg))
+    assert plain.returncode == 2 and "say which duplicates: --exact" in plain.stderr.strip().splitlines()[-1]
+    missing = run_cli("dedup", "--config", str(cfg), "--exact", "--collection", "nowhere")
+    assert missing.returncode != 0 and "'nowhere'" in missing.stderr and "Traceback" not in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1

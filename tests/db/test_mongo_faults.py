@@ -1,0 +1,284 @@
+"""Real server faults, on the wire-protocol test server: killed, restarted, hung, slow.
+
+The server here is a process of its own (tests/wire_server.py) that these tests SIGKILL, restart on
+the same port and data file, and SIGSTOP: what a client sees when MongoDB crashes, fails over or
+hangs. Each test works in a database of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, make_config, run_wire_server
+from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.db.config import ENV_URI, MongoConfig
+from dsgpt2.db.mongo import Connection, MongoWrapper
+from dsgpt2.errors import MongoUnavailableError
+from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
+from dsgpt2.train.metrics import read_metrics
+from pace import deadline, wait_for
+from wire_server import PASSWORD, Proxy, WireServer
+
+pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
+
+# Short timeouts and few retries: a lost server is given up on within seconds.
+FAST_FAIL = {
+    "SERVER_SELECTION_TIMEOUT_MS": 1000,
+    "SOCKET_TIMEOUT_MS": 1500,
+    "RETRIES": 2,
+    "RETRY_BACKOFF_S": 0.2,
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WireServer]:
+    """A server of this module's own: these tests kill it."""
+    yield from run_wire_server(tmp_path_factory, "faults")
+
+
+@pytest.fixture
+def up(server: WireServer) -> Iterator[WireServer]:
+    """The server, running (again) when the test starts and ends."""
+    if server.proc is None:
+        server.start()
+    yield server
+    if server.proc is None:
+        server.start()
+    else:
+        server.resume()
+
+
+def write_config(path: Path, db: str, port: int, collections: list[str], **extra: Any) -> Path:
+    # The password stays in the environment (ENV_URI), as a user would keep it.
+    data = {
+        "MONGO_CONNECTION_STRING": f"mongodb://127.0.0.1:{port}/",
+        "MONGO_CONNECTION_DB": db,
+        "COLLECTIONS": collections,
+        **FAST_FAIL,
+        **extra,
+    }
+    path.write_text(json.dumps(data))
+    return path
+
+
+def env_for(uri: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != ENV_URI}, ENV_URI: uri}
+
+
+def one_clear_line(result: Any, host: str) -> str:
+    """The last stderr line of a failed command: one line naming the host, no password, no traceback."""
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert PASSWORD not in result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert host in last, last
+    return last
+
+
+def seed_corpus(server: WireServer, tmp: Path, docs: int) -> tuple[MongoConfig, str]:
+    db = f"faults_{uuid.uuid4().hex[:8]}"
+    cfg = make_config(["stdlib"], MONGO_CONNECTION_STRING=server.uri(), MONGO_CONNECTION_DB=db, **FAST_FAIL)
+    conn = Connection(cfg)
+    ingest(conn, "stdlib", [builtin_source("stdlib", docs)], batch_size=100)
+    conn.close()
+    return cfg, db
+
+
+def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
+    up: WireServer, tmp_path: Path
+) -> None:
+    cfg, db = seed_corpus(up, tmp_path, 160)
+    texts, reader = mongo_texts(cfg)
+    train_vocab(texts, tmp_path / "tok", VocabSettings(vocab_size=320), "test", progress=False)
+    reader.connection.close()
+    config = write_config(tmp_path / "mongo.json", db, up.port, ["stdlib"])
+    iters = 40
+
+    def command(run: Path) -> list[str]:
+        return [
+            sys.executable, "ds_trainer.py",
+            "--deepspeed_config", "configs/ds_config_cpu.json", "--config_train", str(config),
+            "--vocab_dir", str(tmp_path / "tok"), "--model_select", "tiny", "--context_length", "32",
+            "--tr_ratio", "0.9", "--chunk_docs", "2", "--num_workers", "1", "--seed", "3",
+            "--train_iters", str(iters), "--eval_interval", "1000", "--save_interval", "1000",
+            "--log_interval", "1", "--log_block_ids", "--wandb", "off",
+            "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"),
+        ]  # fmt: skip
+
+    def steps(run: Path) -> dict[int, dict[str, Any]]:
+        return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
+
+    env = env_for(up.uri())
+    straight = subprocess.run(command(tmp_path / "straight"), cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=deadline(300))  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(command(run), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    metrics = run / "ws" / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 120, "step 2", proc)
+    up.kill()
+    killed_at = time.monotonic()
+    out, err = proc.communicate(timeout=deadline(120))
+    # Retries: 3 attempts of up to 1 s server selection, 0.2 s and 0.4 s apart, then the save.
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode == 3, err[-3000:]
+    last = one_clear_line(subprocess.CompletedProcess([], 3, out, err), f"127.0.0.1:{up.port}")
+    assert last.startswith("ds_trainer.py: error:") and "re-run to resume" in last
+    saved = max(steps(run))
+    assert 2 <= saved < iters
+    assert (run / "ckpt" / "latest").read_text() == f"global_step{saved}"
+
+    up.start()  # the same port and data file
+    again = subprocess.run(
+        command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {run / 'ckpt' / f'global_step{saved}'}" in again.stderr
+    a, b = steps(tmp_path / "straight"), steps(run)
+    assert sorted(a) == sorted(b) == list(range(1, iters + 1))
+    for step in a:
+        assert a[step]["block_ids"] == b[step]["block_ids"], step
+        assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-6, step
+
+
+def test_ingest_killed_by_a_server_loss_lands_every_record_once_on_rerun(
+    up: WireServer, tmp_path: Path
+) -> None:
+    db = f"faults_{uuid.uuid4().hex[:8]}"
+    config = write_config(tmp_path / "mongo.json", db, up.port, ["lines"])
+    source = tmp_path / "lines.txt"
+    n = 300
+    source.write_text("".join(f"record number {i}\n" for i in range(n)))
+    command = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(config), "--collection", "lines",
+               "--batch_size", "10", "--no_progress", str(source)]  # fmt: skip
+    env = env_for(up.uri())
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    watcher = Connection(make_config(["lines"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db))
+
+    def some_inserted() -> bool:
+        return watcher.db["lines"].estimated_document_count() >= 40
+
+    wait_for(some_inserted, 60, "the first batches", proc)
+    watcher.close()
+    up.kill()
+    out, err = proc.communicate(timeout=deadline(60))
+    assert proc.returncode == 2, err[-3000:]
+    last = one_clear_line(subprocess.CompletedProcess([], 2, out, err), f"127.0.0.1:{up.port}")
+    assert "re-run the same command to resume" in last
+
+    up.start()
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(120))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed after record" in again.stdout
+    conn = Connection(make_config(["lines"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db))
+    docs = sorted(conn.db["lines"].find({}, {"_id": 0, "idx": 1, "filt_text": 1, "source_pos": 1}),
+                  key=lambda d: d["idx"])  # fmt: skip
+    assert [d["idx"] for d in docs] == list(range(n))
+    assert [d["source_pos"] for d in docs] == list(range(n))
+    assert [d["filt_text"] for d in docs] == [f"record number {i}" for i in range(n)]
+    conn.close()
+
+
+def test_vocab_download_killed_by_a_server_loss_finishes_exactly_once(up: WireServer, tmp_path: Path) -> None:
+    _, db = seed_corpus(up, tmp_path, 120)
+    # Answers slowed down on their way back: the download lasts long enough to lose its server.
+    proxy = Proxy(up.port, delay=0.05)
+    try:
+        config = write_config(tmp_path / "mongo.json", db, proxy.port, ["stdlib"])
+        out = tmp_path / "shards"
+        command = [sys.executable, "-m", "dsgpt2", "vocab", "download", "--config", str(config),
+                   "--out", str(out), "--workers", "1", "--shards", "6", "--chunk", "5",
+                   "--no_progress"]  # fmt: skip
+        uri = up.uri().replace(f":{up.port}/", f":{proxy.port}/")
+        proc = subprocess.Popen(command, cwd=ROOT, env=env_for(uri), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+        def one_shard_done() -> bool:
+            try:
+                return len(json.loads((out / "manifest.json").read_text())["done"]) >= 1
+            except (FileNotFoundError, json.JSONDecodeError):
+                return False
+
+        wait_for(one_shard_done, 60, "the first shard", proc)
+        up.kill()
+        stdout, stderr = proc.communicate(timeout=deadline(60))
+        assert proc.returncode == 2, stderr[-3000:]
+        one_clear_line(subprocess.CompletedProcess([], 2, stdout, stderr), f"127.0.0.1:{proxy.port}")
+        done_before = json.loads((out / "manifest.json").read_text())["done"]
+        assert 1 <= len(done_before) < 6
+        assert not list(out.glob(".shard-*"))
+
+        up.start()
+        proxy.delay = 0.0
+        again = subprocess.run(
+            command, cwd=ROOT, env=env_for(uri), capture_output=True, text=True, timeout=deadline(120)
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"{len(done_before)} already done" in again.stdout
+    finally:
+        proxy.close()
+    lines = [json.loads(x) for p in sorted(out.glob("shard-*.jsonl")) for x in p.read_text().splitlines()]
+    assert [x["idx"] for x in lines] == list(range(120))
+    assert not list(out.glob(".shard-*"))
+
+
+def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireServer) -> None:
+    db = f"faults_{uuid.uuid4().hex[:8]}"
+    cfg = make_config(["a"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db, **FAST_FAIL)
+    conn = Connection(cfg)
+    conn.db["a"].insert_many([{"idx": i, "filt_text": f"text {i}"} for i in range(20)])
+    conn.db["meta_info"].insert_one({"collection": "a", "count": 20})
+    assert len(MongoWrapper(cfg, connection=conn).get_range(0, 20)) == 20
+
+    # Hung for 4 s: reads time out, are retried with backoff, and succeed once it answers again
+    # (far longer than pymongo's own single retry of a read can cover, even on a loaded machine).
+    retrying = make_config(["a"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db,
+                           **{**FAST_FAIL, "SERVER_SELECTION_TIMEOUT_MS": 500, "SOCKET_TIMEOUT_MS": 500,
+                              "RETRIES": 10, "RETRY_BACKOFF_S": 0.3})  # fmt: skip
+    wrapper = MongoWrapper(retrying, connection=Connection(retrying))
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("dsgpt2.db.mongo").addHandler(handler)
+    up.pause()
+    timer = threading.Timer(4.0, up.resume)
+    timer.start()
+    started = time.monotonic()
+    try:
+        assert [d.text for d in wrapper.get_range(0, 20)] == [f"text {i}" for i in range(20)]
+    finally:
+        logging.getLogger("dsgpt2.db.mongo").removeHandler(handler)
+        timer.join()
+    assert time.monotonic() - started >= 3.5
+    assert any("transient MongoDB error" in w for w in warnings), warnings
+    assert PASSWORD not in "".join(warnings)
+    wrapper.connection.close()
+
+    # Hung for good: bounded retries, then one clear error naming the host.
+    up.pause()
+    started = time.monotonic()
+    hung = Connection(cfg)
+    with pytest.raises(MongoUnavailableError) as err:
+        MongoWrapper(cfg, connection=hung).get_range(0, 20)
+    hung.close()
+    assert time.monotonic() - started < 15
+    assert f"127.0.0.1:{up.port}" in str(err.value) and PASSWORD not in str(err.value)
+    up.resume()
+    conn.client.drop_database(db)
+    conn.close()

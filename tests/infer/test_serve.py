@@ -1,0 +1,672 @@
+"""dsgpt2 serve: a real HTTP client against a server on 127.0.0.1; QUALITY.md row 15."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import ROOT, tiny_export
+from dsgpt2.infer.generate import SamplingParams
+from dsgpt2.infer.serve import BadRequest, ServeLimits, make_app, parse_request
+from pace import deadline
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LOGS: dict[str, Path] = {}  # server URL → its log file
+MODELS: dict[str, Path] = {}  # server URL → the model it serves
+
+
+def _start(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -> Iterator[str]:
+    """A ``dsgpt2 serve`` subprocess on a free port of 127.0.0.1 for a fixture; its URL."""
+    port = _free_port()
+    log = open(base / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags],
+        cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    LOGS[url] = base / "server.log"
+    MODELS[url] = cwd / model
+    end_by = time.monotonic() + deadline(90)
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end_by:
+            proc.kill()
+            log.close()
+            pytest.fail(f"server did not start: {(base / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=deadline(30))
+    log.close()
+    assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Path:
+    """A model with no speaker tokens (pretrained only)."""
+    return tiny_export(tmp_path_factory.mktemp("pretrained"), sample_texts[:400], speakers=())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    yield from _start(
+        tmp_path_factory.mktemp("serve"), pretrained,
+        "--max_prompt_chars", "200", "--max_tokens_limit", "32", "--max_new_tokens", "8",
+    )  # fmt: skip
+
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
+    """A model with <|user|> and <|bot|>, a long context, an API key."""
+    base = tmp_path_factory.mktemp("chat")
+    model = tiny_export(base, sample_texts[:400], context=1024)
+    yield from _start(base, model, "--max_tokens_limit", "1000", "--api_key", KEY)
+
+
+def test_both_endpoints_answer(server: str) -> None:
+    r = httpx.get(
+        f"{server}/generate", params={"sentence": "Return the", "max_new_tokens": "5"}, timeout=deadline(30)
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt"] == "Return the" and isinstance(body["generated"], str)
+    assert body["completions"][0]["tokens"] <= 5
+    post = {"prompt": "Return the", "max_new_tokens": 6, "seed": 4, "temperature": 0.9}
+    a = httpx.post(f"{server}/generate", json=post, timeout=deadline(30))
+    b = httpx.post(f"{server}/generate", json=post, timeout=deadline(30))
+    assert a.status_code == b.status_code == 200
+    assert a.json()["generated"] == b.json()["generated"]
+    assert a.json()["settings"]["max_new_tokens"] == 6
+    health = httpx.get(f"{server}/health", timeout=deadline(5)).json()
+    assert health["status"] == "ok" and health["limits"]["max_new_tokens"] == 32
+
+
+@pytest.mark.parametrize(
+    ("method", "payload", "reason"),
+    [
+        ("get", {"sentence": "x" * 201}, "at most 200"),
+        ("post", {"prompt": "x" * 201}, "at most 200"),
+        ("get", {"sentence": "hi", "max_new_tokens": "1000000000"}, "more than this server allows"),
+        ("post", {"prompt": "hi", "max_new_tokens": 10**12}, "more than this server allows"),
+        ("get", {"sentence": "hi", "temperature": "hot"}, "temperature must be a number"),
+        ("post", {"prompt": "hi", "temperature": "hot"}, "temperature must be a number"),
+        ("get", {"sentence": "hi", "temperature": "nan"}, "temperature must be 0 or a number in [0.01"),
+        ("post", {"prompt": "hi", "temperature": 1e-45}, "temperature must be 0 or a number in [0.01"),
+        ("get", {"sentence": "hi", "max_new_tokens": "--5"}, "max_new_tokens must be an integer"),
+        ("get", {"sentence": "hi", "max_new_tokens": "²"}, "max_new_tokens must be an integer"),
+        ("get", {"sentence": "hi", "seed": "9" * 5000}, "seed must be an integer"),
+        ("post", {"prompt": "hi", "temperature": 0, "num_samples": 2}, "num_samples > 1 needs sampling"),
+        ("post", {"prompt": "hi", "top_p": 7}, "top_p must be a number in (0.0, 1.0]"),
+        ("post", {"prompt": "hi", "max_new_tokens": -3}, "max_new_tokens must be an integer"),
+        ("post", {"prompt": "hi", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+        ("post", {"prompt": "hi", "stream": True}, "unknown setting 'stream'"),
+        ("get", {}, "'sentence' is required"),
+        ("post", {"prompt": 42}, "'prompt' is required and must be a string"),
+    ],
+)
+def test_bad_requests_get_400_and_the_server_keeps_serving(
+    server: str, method: str, payload: dict, reason: str
+) -> None:
+    if method == "get":
+        r = httpx.get(f"{server}/generate", params=payload, timeout=deadline(30))
+    else:
+        r = httpx.post(f"{server}/generate", json=payload, timeout=deadline(30))
+    assert r.status_code == 400, r.text
+    assert reason in r.json()["error"]
+    ok = httpx.get(
+        f"{server}/generate", params={"sentence": "The", "max_new_tokens": "2"}, timeout=deadline(30)
+    )
+    assert ok.status_code == 200
+
+
+def test_malformed_bodies_get_400(server: str) -> None:
+    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 50_000):
+        r = httpx.post(f"{server}/generate", content=body, timeout=deadline(10))
+        assert r.status_code == 400, body
+    r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=deadline(10))
+    assert r.status_code == 400 and "invalid text" in r.json()["error"]
+    r = httpx.post(
+        f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=deadline(10)
+    )
+    assert r.status_code == 413
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
+
+
+def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
+    log = LOGS[server]
+    before = log.stat().st_size
+    port = int(server.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
+        )
+        time.sleep(0.3)
+    end_by = time.monotonic() + deadline(10)
+    while "disconnected" not in log.read_text()[before:] and time.monotonic() < end_by:
+        time.sleep(0.1)
+    added = log.read_text()[before:]
+    assert "disconnected after" in added and "request dropped" in added, added
+    assert "Traceback" not in added and "Exception in ASGI application" not in added, added
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
+
+
+def test_defaults_bind_to_localhost() -> None:
+    from dsgpt2.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert args.host == "127.0.0.1"
+
+
+def gated_app(model: Path, limits: ServeLimits) -> tuple[Any, threading.Semaphore]:
+    """An app on a real model whose decoding steps each wait for the test to release one."""
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(model))
+    gate = threading.Semaphore(0)
+    step = generator.decoder.step
+
+    def gated_step() -> None:
+        assert gate.acquire(timeout=deadline(30))
+        step()
+
+    generator.decoder.step = gated_step  # type: ignore[method-assign]
+    return make_app(generator, limits), gate
+
+
+@contextlib.contextmanager
+def opened(gate: threading.Semaphore) -> Iterator[None]:
+    """On the way out (an assertion failed, say), no step waits any more."""
+    try:
+        yield
+    finally:
+        gate.release(10_000)
+
+
+def wait_for(client: Any, **expected: int) -> None:
+    end_by = time.monotonic() + deadline(20)
+    while any(client.get("/health").json()[k] != v for k, v in expected.items()):
+        assert time.monotonic() < end_by, (client.get("/health").json(), expected)
+        time.sleep(0.02)
+
+
+def in_thread(results: dict, name: str, call: Any, *args: Any, **kw: Any) -> threading.Thread:
+    t = threading.Thread(target=lambda: results.update({name: call(*args, **kw)}))
+    t.start()
+    return t
+
+
+def test_requests_beyond_the_concurrency_limit_get_503(pretrained: Path) -> None:
+    from starlette.testclient import TestClient
+
+    app, gate = gated_app(pretrained, ServeLimits(max_concurrent=1))
+    with TestClient(app) as client, opened(gate):
+        results: dict = {}
+        first = in_thread(results, "first", client.get, "/generate?sentence=a&max_new_tokens=3")
+        wait_for(client, running=1, batch_rows=1)
+        busy = client.post("/generate", json={"prompt": "b", "max_new_tokens": 3})
+        assert busy.status_code == 503 and "busy" in busy.json()["error"]
+        api = client.post("/v1/completions", json={"prompt": "b"})
+        assert api.status_code == 503 and api.headers["Retry-After"] == "1"
+        assert api.json()["error"]["type"] == "server_busy"
+        gate.release(10)
+        first.join(deadline(10))
+        assert results["first"].status_code == 200
+        assert results["first"].json()["completions"][0]["tokens"] == 3
+        gate.release(10)
+        assert client.get("/generate?sentence=c&max_new_tokens=2").status_code == 200
+        wait_for(client, running=0, batch_rows=0)
+
+
+def test_concurrent_requests_share_the_batch(pretrained: Path) -> None:
+    """Requests arriving while one decodes join its batch at the next step, up to --max_batch
+    rows; each gets what it would alone."""
+    from starlette.testclient import TestClient
+
+    app, gate = gated_app(pretrained, ServeLimits(max_batch=4))
+    body = {"max_tokens": 6, "temperature": 0}
+    prompts = {"a": "Return the", "b": "The value", "c": "def f", "d": "class"}
+    with TestClient(app) as client, opened(gate):
+        results: dict = {}
+        threads = [
+            in_thread(results, "a", client.post, "/v1/completions", json={**body, "prompt": prompts["a"]})
+        ]
+        wait_for(client, running=1, batch_rows=1)  # "a" decodes alone, held before its second token
+        for name in "bc":
+            threads.append(
+                in_thread(
+                    results, name, client.post, "/v1/completions", json={**body, "prompt": prompts[name]}
+                )
+            )
+        wait_for(client, running=3)
+        # "d" asks for 2 samples: with 3 rows running it does not fit 4 rows, and waits.
+        d_body = {**body, "prompt": prompts["d"], "n": 2, "temperature": 1.0, "seed": 5}
+        threads.append(in_thread(results, "d", client.post, "/v1/completions", json=d_body))
+        wait_for(client, running=4)
+        gate.release()  # one step of "a"; then "b" and "c" join it
+        wait_for(client, batch_rows=3)
+        gate.release(100)
+        for t in threads:
+            t.join(deadline(20))
+        wait_for(client, running=0, batch_rows=0)
+        texts = {k: r.json()["choices"][0]["text"] for k, r in results.items()}
+        # Each answer is the one it gets alone.
+        for name in "abc":
+            alone = client.post("/v1/completions", json={**body, "prompt": prompts[name]})
+            assert alone.json()["choices"][0]["text"] == texts[name]
+        assert [c["index"] for c in results["d"].json()["choices"]] == [0, 1]
+        assert client.post("/v1/completions", json=d_body).json()["choices"] == results["d"].json()["choices"]
+
+
+def test_parse_request_applies_limits_and_defaults() -> None:
+    limits = ServeLimits(max_prompt_chars=10, max_new_tokens=8)
+    defaults = SamplingParams(max_new_tokens=4, temperature=0.5)
+    prompt, params = parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults)
+    assert prompt == "hi" and params.top_k == 3 and params.temperature == 0.5 and params.max_new_tokens == 4
+    with pytest.raises(BadRequest, match="at most 10"):
+        parse_request({"prompt": "x" * 11}, "prompt", limits, defaults)
+    with pytest.raises(BadRequest, match="seed must be a number"):
+        parse_request({"prompt": "x", "seed": True}, "prompt", limits, defaults)
+
+
+def test_busy_port_or_foreign_address_is_one_line(tmp_path: Path) -> None:
+    import socket
+
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.infer.serve import check_bind
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port {port} on 127.0.0.1 is in use"):
+            check_bind("127.0.0.1", port)
+    check_bind("127.0.0.1", port)  # free again
+    with pytest.raises(ConfigError, match="cannot listen there"):
+        check_bind("192.0.2.1", port)  # TEST-NET-1: no machine's own address
+
+
+def test_serve_on_a_busy_port_is_one_line(server: str) -> None:
+    port = server.rsplit(":", 1)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(MODELS[server]), "--port", port],
+        cwd=ROOT, capture_output=True, text=True, timeout=deadline(120),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"dsgpt2: error: --port {port} on 127.0.0.1 is in use by another program; choose another --port"
+    )
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
+
+
+def test_openai_completions_models_and_errors(server: str) -> None:
+    models = httpx.get(f"{server}/v1/models", timeout=deadline(10)).json()
+    served = models["data"][0]["id"]
+    assert models["object"] == "list" and models["data"][0]["object"] == "model"
+    body = {"model": served, "prompt": "def", "max_tokens": 8, "temperature": 0.9, "n": 2, "seed": 3}
+    first = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
+    again = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
+    assert first["object"] == "text_completion" and len(first["choices"]) == 2
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+    assert all(c["finish_reason"] in ("stop", "length") for c in first["choices"])
+    u = first["usage"]
+    assert u["prompt_tokens"] >= 1 and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    # A stop sequence cuts the text before it.
+    text = first["choices"][0]["text"]
+    if len(text) > 2:
+        cut = httpx.post(
+            f"{server}/v1/completions", json={**body, "n": 1, "stop": [text[1:3]]}, timeout=deadline(60)
+        )
+        assert cut.json()["choices"][0]["text"] == text[: text.find(text[1:3])]
+        assert cut.json()["choices"][0]["finish_reason"] == "stop"
+    for bad, param in (
+        ({"prompt": "a", "frobnicate": 1}, "frobnicate"),
+        ({"prompt": "a", "logprobs": 5}, "logprobs"),
+        ({"prompt": "a", "max_tokens": 10_000}, "max_tokens"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ):
+        r = httpx.post(f"{server}/v1/completions", json=bad, timeout=deadline(10))
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{server}/v1/completions", json={"model": "gpt-4", "prompt": "a"}, timeout=deadline(10))
+    assert r.status_code == 404 and "gpt-4" in r.json()["error"]["message"]
+    # A pretrained model has no speaker tokens: chat is refused with the way out.
+    r = httpx.post(f"{server}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                   timeout=deadline(30))  # fmt: skip
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+    assert httpx.get(f"{server}/health", timeout=deadline(10)).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def named_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    """An export at runs/model2 of the checkpoint runs/ckpt2/global_step120 (as `dsgpt2 export` records
+    it), served from its working directory as `--model runs/model2`."""
+    from dsgpt2.checkpoints.weights import RUN_INFO
+
+    base = tmp_path_factory.mktemp("named")
+    shutil.copytree(pretrained, base / "runs" / "model2")
+    run = {"step": 120, "checkpoint": "runs/ckpt2/global_step120"}
+    (base / "runs" / "model2" / RUN_INFO).write_text(json.dumps(run))
+    yield from _start(base, "runs/model2", cwd=base)
+
+
+def test_the_model_is_named_as_given_and_its_checkpoint_is_an_alias(named_server: str) -> None:
+    given, checkpoint = "runs/model2", "runs/ckpt2/global_step120"
+    models = httpx.get(f"{named_server}/v1/models", timeout=deadline(10)).json()["data"]
+    assert [m["id"] for m in models] == [given, checkpoint]
+    assert models[0]["aliases"] == [checkpoint] and models[1]["alias_of"] == given
+    for name in (given, checkpoint):
+        body = {"model": name, "prompt": "def", "max_tokens": 3}
+        r = httpx.post(f"{named_server}/v1/completions", json=body, timeout=deadline(60))
+        assert r.status_code == 200, r.text
+        assert r.json()["model"] == given
+        # Chat gets past the name too, to the refusal a pretrained model gives.
+        chat = {"model": name, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{named_server}/v1/chat/completions", json=chat, timeout=deadline(30))
+        assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+    r = httpx.post(
+        f"{named_server}/v1/completions", json={"model": "runs/model3", "prompt": "a"}, timeout=deadline(10)
+    )
+    assert r.status_code == 404
+    assert r.json()["error"]["message"] == (
+        f"the model 'runs/model3' does not exist; this server serves {given!r} (also as {checkpoint!r})"
+    )
+    health = httpx.get(f"{named_server}/health", timeout=deadline(10)).json()
+    assert health["model"] == given and health["aliases"] == [checkpoint]
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    """The events of a server-sent event stream: JSON objects, then the string "[DONE]"."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
+
+
+def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> None:
+    body = {"prompt": "Return the", "max_tokens": 12, "temperature": 0.9, "n": 2, "seed": 11, "stop": "\n\n"}
+    whole = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server}/v1/completions", json=streamed, timeout=deadline(60)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["usage"] == whole["usage"] and events[-2]["choices"] == []
+    chunks = events[:-2]
+    assert len(chunks) > 4 and all(
+        c["object"] == "text_completion" and c["id"] == chunks[0]["id"] for c in chunks
+    )
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        assert "".join(m["text"] for m in mine) == choice["text"]
+        assert [m["finish_reason"] for m in mine][-1] == choice["finish_reason"]
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+
+
+def test_official_client_completions_chat_and_streaming(chat_server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=deadline(60))
+    served = client.models.list().data[0].id
+    done = client.completions.create(model=served, prompt="The", max_tokens=5, seed=1)
+    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does this return?"},
+        {"role": "assistant", "content": "A list."},
+        {"role": "user", "content": "Of what?"},
+    ]
+    chat = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    answer = chat.choices[0].message
+    assert answer.role == "assistant" and answer.content == answer.content.strip()
+    assert chat.usage.prompt_tokens > 10
+    again = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    assert again.choices[0].message.content == answer.content  # the same seed, the same reply
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8, stream=True
+    ):
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(pieces) == answer.content and reasons[-1] == chat.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=served, messages=messages, frequency_penalty=0.5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{chat_server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
+    for path in ("/v1/models", "/generate?sentence=a"):
+        r = httpx.get(f"{chat_server}{path}", timeout=deadline(10))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    r = httpx.post(
+        f"{chat_server}/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}
+    )
+    assert r.status_code == 401
+    assert httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["auth"] is True
+    ok = httpx.get(
+        f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=deadline(10)
+    )
+    assert ok.status_code == 200
+    assert KEY not in LOGS[chat_server].read_text()
+
+
+# Greedy completions of 8 prompts that each run to max_tokens (no end-of-text): 8,000 tokens.
+LONG = {"prompt": [f"The {i}" for i in range(8)], "max_tokens": 1000, "temperature": 0}
+
+
+def test_long_requests_run_to_their_length(chat_server: str) -> None:
+    """What the two tests below cut short runs 8,000 tokens when left alone."""
+    r = httpx.post(
+        f"{chat_server}/v1/completions",
+        json=LONG,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=deadline(120),
+    )
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+    assert r.json()["usage"]["completion_tokens"] == 8 * 1000
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def health() -> dict:
+        return httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()
+
+    before = health()["tokens_generated"]
+    body = {**LONG, "stream": True}
+    with httpx.stream(
+        "POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=deadline(60)
+    ) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+    # The connection is closed: the row leaves the batch and the slot frees.
+    end_by = time.monotonic() + deadline(10)
+    while (h := health())["running"] or h["batch_rows"]:
+        assert time.monotonic() < end_by, h
+        time.sleep(0.05)
+    spent = h["tokens_generated"] - before
+    time.sleep(0.5)
+    assert health()["tokens_generated"] - before == spent < 8 * 1000
+    # The server goes on.
+    r = httpx.post(
+        f"{chat_server}/v1/completions",
+        json={"prompt": "a", "max_tokens": 3},
+        headers=auth,
+        timeout=deadline(30),
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["tokens_generated"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{chat_server}/v1/completions", json=LONG, headers=auth, timeout=httpx.Timeout(10, read=0.1)
+        )
+    # The slot frees when the handler returns; the cancelled rows leave the batch at the engine's next step.
+    end_by = time.monotonic() + deadline(10)
+    while (h := httpx.get(f"{chat_server}/health", timeout=deadline(10)).json())["running"] or h[
+        "batch_rows"
+    ]:
+        assert time.monotonic() < end_by, h
+        time.sleep(0.05)
+    assert h["tokens_generated"] - before < 8 * 1000
+
+
+def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(pretrained))
+    add = generator.decoder.add
+    failures = [RuntimeError("CUDA error: an illegal memory access")] * 2
+
+    # The first forward of a request fails: a failure inside step() could come after an unseeded
+    # draw ended the request at end-of-text, and the client would rightly get its answer.
+    def failing_add(batch: list) -> None:
+        if failures and batch:
+            raise failures.pop()
+        add(batch)
+
+    generator.decoder.add = failing_add  # type: ignore[method-assign]
+    with TestClient(make_app(generator, ServeLimits())) as client:
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        with client.stream(
+            "POST", "/v1/completions", json={"prompt": "a", "max_tokens": 4, "stream": True}
+        ) as r:
+            events = sse(r)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+        ok = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        # A draw without a seed may end at end-of-text before its 4 tokens: either way, an answer.
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert 1 <= ok.json()["usage"]["completion_tokens"] <= 4
+        # The decoding thread lets a finished row go just after its last text went out.
+        wait_for(client, running=0, batch_rows=0)
+
+
+def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_starts() -> None:
+    import asyncio
+
+    from dsgpt2.infer.serve import EventStream
+
+    started, closed = [], []
+
+    async def events() -> Any:
+        started.append(True)
+        yield "data: [DONE]\n\n"
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(30)  # the client is gone: nothing goes out
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(
+        asyncio.wait_for(
+            EventStream(events(), lambda: closed.append(True))(scope, receive, send), deadline(10)
+        )
+    )
+    assert closed == [True] and started == []
+
+
+def test_api_defaults_and_field_mapping() -> None:
+    from dsgpt2.infer.openai_api import ApiError, chat_request, completion_request
+
+    limits, defaults = ServeLimits(max_new_tokens=100), SamplingParams(max_new_tokens=48, top_k=40)
+    plain = completion_request({"prompt": "a"}, "m", limits, defaults)
+    assert (plain.params.max_new_tokens, plain.params.temperature, plain.params.top_p) == (16, 1.0, 1.0)
+    assert plain.params.top_k == 0 and plain.params.repetition_penalty == 1.0 and not plain.stream
+    # No seed: a fresh one each request (the server's --seed is for /generate).
+    assert plain.params.seed != completion_request({"prompt": "a"}, "m", limits, defaults).params.seed
+    chat = chat_request({"messages": [{"role": "user", "content": "hi"}]}, "m", limits, defaults)
+    assert chat.params.max_new_tokens == 48  # a reply is as long as the server's default
+    asked = chat_request(
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+         "max_completion_tokens": 7, "n": 3, "seed": 9, "stop": "x", "stream": True,
+         "stream_options": {"include_usage": True}},
+        "m", limits, defaults,
+    )  # fmt: skip
+    assert (asked.params.max_new_tokens, asked.params.num_samples, asked.params.seed) == (7, 3, 9)
+    assert asked.stop == ["x"] and asked.stream and asked.stream_usage
+    assert asked.turns == [{"speaker": "user", "text": "Be brief.\n\nhi"}]
+    for body, param in (
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "a", "n": 2, "temperature": 0}, "n"),
+        ({"prompt": ["a", 3]}, "prompt"),
+        ({"prompt": "a\ud800"}, "prompt"),
+    ):
+        with pytest.raises(ApiError) as caught:
+            completion_request(body, "m", limits, defaults)
+        assert caught.value.param == param, (body, caught.value)
+    for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
+        with pytest.raises(ApiError, match=r"messages|last message|role"):
+            chat_request({"messages": messages}, "m", limits, defaults)
+
+
+def test_every_route_checks_a_request_against_the_context_one_way(pretrained: Path) -> None:
+    """A length the context cannot hold: the same check and message on /generate and the OpenAI
+    route, each naming the parameter as its request spells it."""
+    from starlette.testclient import TestClient
+
+    from dsgpt2.infer.generate import Generator
+    from dsgpt2.infer.loading import load_model
+
+    generator = Generator(load_model(pretrained))
+    context = generator.context
+    with TestClient(make_app(generator, ServeLimits(max_new_tokens=10 * context))) as client:
+        r = client.post("/generate", json={"prompt": "a", "max_new_tokens": context})
+        assert r.status_code == 400
+        assert f"max_new_tokens {context} does not fit the model's context of {context}" in r.text
+        r = client.post("/v1/completions", json={"prompt": "a", "max_tokens": context})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "max_tokens"
+        assert error["message"].startswith(
+            f"max_tokens {context} does not fit the model's context of {context}"
+        )
+        ok = client.post("/generate", json={"prompt": "a", "max_new_tokens": context - 1})
+        assert ok.status_code == 200, ok.text

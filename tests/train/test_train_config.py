@@ -1,0 +1,164 @@
+"""The training configuration: defaults in one place, checks on construction, the derived parser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.train import trainer
+from dsgpt2.train.config import (
+    DEFAULT_CHUNK_DOCS,
+    DEFAULT_SEED,
+    DEFAULT_TR_RATIO,
+    CheckpointOptions,
+    DataOptions,
+    ModelOptions,
+    RunOptions,
+    TrainConfig,
+    build_parser,
+    parse,
+)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "mongo.json").write_text("{}")
+    (tmp_path / "ds.json").write_text("{}")
+    return {"tok": tmp_path / "tok", "mongo": tmp_path / "mongo.json", "ds": tmp_path / "ds.json"}
+
+
+def argv(files: dict[str, Path], *extra: str) -> list[str]:
+    return ["--deepspeed_config", str(files["ds"]), "--config_train", str(files["mongo"]),
+            "--vocab_dir", str(files["tok"]), *extra]  # fmt: skip
+
+
+def test_parsed_defaults_are_the_dataclass_defaults(files: dict[str, Path]) -> None:
+    cfg = parse(argv(files))
+    assert (cfg.data.tr_ratio, cfg.data.seed, cfg.data.chunk_docs) == (
+        DEFAULT_TR_RATIO, DEFAULT_SEED, DEFAULT_CHUNK_DOCS,
+    )  # fmt: skip
+    assert cfg.run == RunOptions() and cfg.ckpt == CheckpointOptions() and cfg.model == ModelOptions()
+    # tokenize takes the same data flags, with the same defaults.
+    from dsgpt2.cli.main import build_parser as cli_parser
+
+    ns = cli_parser().parse_args(["tokenize", "--config_train", str(files["mongo"])])
+    assert (ns.tr_ratio, ns.seed, ns.chunk_docs) == (DEFAULT_TR_RATIO, DEFAULT_SEED, DEFAULT_CHUNK_DOCS)
+
+
+@pytest.mark.parametrize(
+    ("make", "flag"),
+    [
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], tr_ratio=1.5), "--tr_ratio"),
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], chunk_docs=0), "--chunk_docs"),
+        (lambda f: DataOptions(config_train=f["mongo"].with_name("nope.json")), "--config_train"),
+        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["mongo"].parent), "--vocab_dir"),
+        (lambda f: RunOptions(train_iters=-3), "--train_iters"),
+        (lambda f: ModelOptions(model_select="huge"), "--model_select"),
+        (lambda f: CheckpointOptions(no_resume=True, ckpt_id="global_step2"), "--no_resume"),
+    ],
+)
+def test_config_made_in_code_is_checked_like_flags(files: dict[str, Path], make, flag: str) -> None:
+    with pytest.raises(ConfigError, match=flag):
+        make(files)
+
+
+def test_vocab_dir_default_is_checked(files: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"--vocab_dir runs/tokenizer: no tokenizer\.json"):
+        TrainConfig(data=DataOptions(config_train=files["mongo"]))
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"n_layer": 2, "n_layers": 4}', "unknown key(s) n_layers; GPT-2 configs have"),
+    ],
+)
+def test_model_config_is_one_clear_line(
+    files: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, expected: str
+) -> None:
+    bad = tmp_path / "model.json"
+    bad.write_text(content)
+    assert trainer.main(argv(files, "--model_config", str(bad))) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ds_trainer.py: error: --model_config") and expected in err
+    assert "\n" not in err
+
+
+def test_model_config_accepts_what_save_pretrained_writes(files: dict[str, Path], tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    from dsgpt2.train.engine import run_context
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(str(tmp_path / "m"))
+    cfg = parse(argv(files, "--model_config", str(tmp_path / "m" / "config.json")))
+    assert run_context(cfg.model) == 1024
+
+
+def test_no_silent_abbreviations_and_hidden_old_spelling(
+    files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --train_iter is not --train_iters: an error, not a guess.
+    with pytest.raises(SystemExit) as exited:
+        parse(argv(files, "--train_iter", "5"))
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --train_iter" in capsys.readouterr().err
+    cfg = parse(argv(files, "--distributed-backend", "gloo"))
+    assert cfg.engine.distributed_backend == "gloo"
+    assert "--distributed-backend" not in build_parser().format_help()
+
+
+def test_config_dump_holds_every_flag(files: dict[str, Path]) -> None:
+    dumped = parse(argv(files, "--train_iters", "7")).to_dict()
+    assert dumped["train_iters"] == 7 and dumped["vocab_dir"] == str(files["tok"])
+    assert json.loads(json.dumps(dumped)) == dumped
+
+
+def test_arch_suffixes_deepspeed_cannot_read_are_made_plain() -> None:
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST=9.0a, on which DeepSpeed's FusedAdam build
+    fails (seen on an H100); the plain arch builds the same ops."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os; from dsgpt2.accelerator import prepare_deepspeed_environment as p; p(); "
+        "print(os.environ['TORCH_CUDA_ARCH_LIST'])"
+    )
+    env = {**os.environ, "TORCH_CUDA_ARCH_LIST": "8.0;9.0a;10.0f+PTX"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "8.0;9.0;10.0+PTX"
+
+
+def test_deepspeed_builds_its_ops_with_the_environments_own_ninja(tmp_path: Path) -> None:
+    """A system ninja of another version first on PATH (an environment used without activating it)
+    and the environment's own for other commands: each reads the other's build log as stale and
+    compiles DeepSpeed's CPU op again (~30 s). Before DeepSpeed is imported, the environment's
+    ninja comes first."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    own = Path(sys.executable).parent / "ninja"
+    if not own.is_file():
+        pytest.skip("no ninja in this environment (DeepSpeed's dependency)")
+    other = tmp_path / "bin"
+    other.mkdir()
+    (other / "ninja").write_text("#!/bin/sh\necho 1.0\n")
+    (other / "ninja").chmod(0o755)
+    code = (
+        "import shutil; from dsgpt2.accelerator import prepare_deepspeed_environment as p; "
+        "print(shutil.which('ninja')); p(); p(); print(shutil.which('ninja'))"
+    )
+    env = {**os.environ, "PATH": f"{other}{os.pathsep}/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    before, after = out.stdout.split()
+    assert before == str(other / "ninja") and after == str(own) and shutil.which("ninja") is not None
