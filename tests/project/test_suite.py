@@ -66,3 +66,14 @@ def test_a_forked_command_is_the_process_a_user_starts(tmp_path: Path) -> None:
         run_python([str(script), "hang"], cwd=tmp_path, env=env, timeout=2)
     assert time.monotonic() - started < deadline(30)
     assert run_python([str(script), "0"], cwd=tmp_path, env=env).returncode == 0  # the server goes on
+
+
+def test_ci_lints_and_tests_as_the_readme_says() -> None:
+    """``.ci/run`` runs the whole ``make lint`` (ruff check, ruff's format check, shellcheck) and then
+    ``make test``: a change that is not lint-clean is red like one that fails a test."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    commands = [line for line in ci if line and not line.startswith("#")]
+    assert commands.index("make lint") < commands.index("make test")
+    makefile = (ROOT / "Makefile").read_text()
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    assert "ruff check ." in lint and "ruff format --check ." in lint and "shellcheck" in lint
