@@ -128,9 +128,10 @@ class Replay:
         stages = [Stage(int(s), tuple(w)) for s, w in launch["stages"]]
         mb, accum = int(launch["micro_batch"]), int(launch["grad_accum"])
         readers = [
-            BlockStream(self.shapes, self.schedule, r, world, mb, self.states[r], 0, stages, accum)
+            BlockStream(self.shapes, self.schedule, r, world, mb, state=self.states[r], workers=0,
+                        stages=stages, grad_accum=accum)
             for r in range(world)
-        ]
+        ]  # fmt: skip
         batches = [iter(b) for b in readers]
         try:
             for step in range(start + 1, stop + 1):
@@ -268,6 +269,7 @@ def lineage(
     mongo: MongoConfig | None = None,
     ckpt_id: str | None = None,
     vocab_dir: Path | None = None,
+    *,
     progress: Callable[[int, int], None] | None = None,
 ) -> RunLineage:
     """The steps and checkpoints of the run in ``ckpt_dir`` (up to ``ckpt_id``, default the latest)
@@ -312,7 +314,7 @@ def lineage(
     shapes = _Shapes(source)
     try:
         wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
-        _replay(data, shapes, wanted, step, tag, progress)
+        _replay(data, shapes, wanted, step, tag, progress=progress)
     finally:
         source.close()
     tags = {t: (read_marker(ckpt_dir, t) or {}).get("step", -1) for t in complete_tags(ckpt_dir)}
@@ -331,6 +333,7 @@ def _replay(
     wanted: list[DocLineage],
     step: int,
     tag: str,
+    *,
     progress: Callable[[int, int], None] | None,
 ) -> None:
     """Replay the run's reading to ``step``, noting where it trained on each wanted document."""
@@ -340,7 +343,7 @@ def _replay(
         for rank, blocks in enumerate(ids):
             for e, c, b in blocks:
                 for d, chunk in watch.at(e, c, b):
-                    _sighted(d, s, rank, e, chunk, b)
+                    _sighted(d, s, rank, (e, chunk, b))
         if progress:
             progress(s, step)
     replay.check(tag)
@@ -378,7 +381,8 @@ def _blocks_in(where: tuple[int, int], epoch: int, shapes: _Shapes) -> tuple[int
     return chunk, list(range(first // context, (end - 1) // context + 1)), (first, end)  # type: ignore[return-value]
 
 
-def _sighted(d: DocLineage, step: int, rank: int, epoch: int, chunk: int, block: int) -> None:
+def _sighted(d: DocLineage, step: int, rank: int, block_id: BlockId) -> None:
+    epoch, chunk, block = block_id
     last = d.sightings[-1] if d.sightings else None
     if last and (last.step, last.rank, last.epoch) == (step, rank, epoch):
         last.blocks.append(block)

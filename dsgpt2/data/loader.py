@@ -203,6 +203,14 @@ class BlockStream:
     checkpoint taken between two batches resumes with the very next one. With several streams
     (mixture weights), each block comes from the stream :func:`~dsgpt2.data.mixture.pick` names
     under the stage in force at the batch's step (micro-batches read // ``grad_accum``).
+
+    Args:
+        dataset, schedule: the training split's chunks, and the order each epoch deals them.
+        rank, world: this rank among the run's ranks.
+        micro_batch: blocks per batch.
+        state: where the reading resumes (default: the start).
+        workers: DataLoader workers, shared among the streams.
+        stages, grad_accum: the mixture's stages, and the micro-batches per step they are counted in.
     """
 
     def __init__(
@@ -212,6 +220,7 @@ class BlockStream:
         rank: int,
         world: int,
         micro_batch: int,
+        *,
         state: ReadState | None = None,
         workers: int = 2,
         stages: Sequence[Stage] = (),
@@ -302,7 +311,8 @@ class BlockStream:
         # chunks dealt when the corpus grew.
         queue = list(pos.queue)
         plan: deque[_Planned] = deque()
-        chunks = _plan(self.schedule.rank_chunks, s, self.rank, self.world, pos, plan)
+        deal, rank, world = self.schedule.rank_chunks, self.rank, self.world
+        chunks = _plan(lambda e: deal(s, e, rank, world), pos, plan)
         epoch, whole, produced = -1, False, False
         for item in start_loader(self.dataset, chunks, self.workers):
             p = plan.popleft()  # the loader hands chunks back in the order they were drawn
@@ -350,22 +360,18 @@ class _Planned:
 
 
 def _plan(
-    rank_chunks: Callable[[int, int, int, int], np.ndarray],
-    s: int,
-    rank: int,
-    world: int,
-    pos: Position,
-    plan: deque[_Planned],
+    rank_chunks: Callable[[int], np.ndarray], pos: Position, plan: deque[_Planned]
 ) -> Iterator[tuple[int, int]]:
     """The chunks a reader at ``pos`` reads, as (epoch, chunk), endlessly: its queue, then each
-    epoch's order from ``pos`` on; each one's place is appended to ``plan`` as the loader draws it.
-    Stops at an epoch that deals no chunk to this rank (an empty split)."""
+    epoch's order from ``pos`` on (``rank_chunks(epoch)``: the chunks the epoch deals this reader's
+    rank and stream); each one's place is appended to ``plan`` as the loader draws it. Stops at an
+    epoch that deals no chunk to this rank (an empty split)."""
     for i, (e, c, first) in enumerate(pos.queue):
         plan.append(_Planned(e, -1, int(c), first, i))
         yield (int(e), int(c))
     epoch, start, skip = pos.epoch, pos.chunk, pos.block
     while True:
-        order = rank_chunks(s, epoch, rank, world)
+        order = rank_chunks(epoch)
         if start == 0 and len(order) == 0:
             return
         for k in range(start, len(order)):
@@ -382,7 +388,7 @@ def _normalize(pos: Position, blocks_in_chunk: int) -> Position:
 
 
 def eval_batches(
-    dataset: Dataset, rank: int, world: int, micro_batch: int, limit: int, workers: int = 0
+    dataset: Dataset, rank: int, world: int, micro_batch: int, limit: int, *, workers: int = 0
 ) -> list[Batch]:
     """The first ``limit`` validation micro-batches of this rank: the same at every evaluation."""
     out: list[Batch] = []
@@ -394,7 +400,7 @@ def eval_batches(
 
 
 def iter_eval_batches(
-    dataset: Dataset, rank: int, world: int, micro_batch: int, workers: int = 0, stats: Any = None
+    dataset: Dataset, rank: int, world: int, micro_batch: int, workers: int = 0, *, stats: Any = None
 ) -> Iterator[Batch]:
     """Every block of this rank's evaluation chunks, in micro-batches, in a fixed order.
 

@@ -149,7 +149,7 @@ def evaluate(
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = with_chunked_loss(loaded.model.to(device), request.loss_chunk)
     stats: dict[str, Any] = {}
-    batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats)
+    batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats=stats)
     doc_mask = request.doc_mask if request.doc_mask is not None else bool(loaded.run.get("doc_mask"))
     eot = spec.eot if doc_mask else None
     metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, eot)

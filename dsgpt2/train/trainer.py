@@ -190,8 +190,8 @@ class Trainer:
         self.rank, self.world = feed.rank, feed.world
         feed.note_launch(state.step, state.micro, self.micro_batch, self.grad_accum)
         self.stream = BlockStream(
-            feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, feed.state,
-            cfg.data.num_workers, feed.stages, self.grad_accum,
+            feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, state=feed.state,
+            workers=cfg.data.num_workers, stages=feed.stages, grad_accum=self.grad_accum,
         )  # fmt: skip
         eot = feed.spec.eot if cfg.compute.doc_mask else None
         self.validator = Validator(cfg, feed.val_data, self.rank, self.world, self.micro_batch, eot,
