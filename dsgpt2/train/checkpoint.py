@@ -58,6 +58,7 @@ def save(
     ckpt_dir: Path,
     step: int,
     client_state: dict[str, Any],
+    *,
     keep_last: int,
     files: dict[str, str] | None = None,
 ) -> str:

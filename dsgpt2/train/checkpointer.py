@@ -23,7 +23,7 @@ from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import DsGpt2Error
 from dsgpt2.train import checkpoint
-from dsgpt2.train.config import RESOLVED, TrainConfig
+from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
 
 log = logging.getLogger(__name__)
@@ -52,14 +52,27 @@ class TrainState:
     stale: int = 0
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What the checkpointer is told of the run: its checkpoint options, and what every checkpoint
+    records of the run's configuration."""
+
+    ckpt: CheckpointOptions
+    # --train_iters: a resume with another number warns that the learning-rate schedule changed span.
+    train_iters: int
+    vocab_dir: Path  # the run's tokenizer
+    args: dict[str, Any]  # every option by flag name (TrainConfig.to_dict())
+    resolved: str  # the resolved configuration, saved beside each checkpoint (config.yaml)
+
+
 class Checkpointer:
     """Finds, verifies, restores and saves the checkpoints of one run.
 
     Args:
-        cfg: the run's configuration (its checkpoint options decide).
+        settings: the checkpoint options (they decide) and what a checkpoint records of the run.
+        conn: the corpus connection (a resumed run's trained prefix is checked against it).
         fingerprint: this run's data fingerprint; a checkpoint of other data is refused.
         world: this run's number of ranks.
-        conn: the corpus connection (a resumed run's trained prefix is checked against it).
         marks: the corpus's high-water marks at the start of this run.
         model: the model config this run builds (``GPT2Config.to_dict()``); a checkpoint of another
             shape is refused. None: not checked.
@@ -67,14 +80,15 @@ class Checkpointer:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        settings: CheckpointSettings,
+        conn: Any,
+        *,
         fingerprint: dict[str, Any],
         world: int,
-        conn: Any,
         marks: tuple[int, ...],
         model: dict[str, Any] | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.fingerprint = fingerprint
         self.world = world
         self.conn = conn
@@ -88,7 +102,7 @@ class Checkpointer:
             CheckpointError: none where one was asked for, a broken one, one of other data or of
                 another number of ranks, or a fresh start that would overwrite checkpoints.
         """
-        c = self.cfg.ckpt
+        c = self.settings.ckpt
         load_dir = c.load_dir
         if load_dir is None and has_checkpoints(c.ckpt_dir):
             if c.no_resume:
@@ -148,7 +162,7 @@ class Checkpointer:
         problems = check_saved_data(self.conn, saved, self.marks, where)
         if not problems:
             return
-        if not self.cfg.ckpt.ignore_fingerprint:
+        if not self.settings.ckpt.ignore_fingerprint:
             raise CheckpointError(
                 f"{where} trained on documents that are no longer there as they were: {'; '.join(problems)}. "
                 "Restore them, start fresh (--no_resume, another --ckpt_dir) or pass --ignore_fingerprint"
@@ -168,7 +182,7 @@ class Checkpointer:
                    f"its chunks under layout {saved.get('layout')}, which this version does not read")
                 + " (or start fresh: --no_resume, another --ckpt_dir)"
             )  # fmt: skip
-        if not self.cfg.ckpt.ignore_fingerprint:
+        if not self.settings.ckpt.ignore_fingerprint:
             raise CheckpointError(
                 f"{where} was saved for other data ({', '.join(changed)} changed); "
                 "resuming would not continue the same run. Start fresh (--no_resume, another "
@@ -206,8 +220,9 @@ class Checkpointer:
         if then and lr_schedule is not None and then.get("kind") != lr_schedule.kind:
             log.warning("the checkpoint's run followed a %s schedule; this one follows %s from step %d",
                         then.get("kind"), lr_schedule.kind, step)  # fmt: skip
-        before = int(saved.get("args", {}).get("train_iters") or self.cfg.run.train_iters)
-        if before == self.cfg.run.train_iters or step >= self.cfg.run.train_iters:
+        train_iters = self.settings.train_iters
+        before = int(saved.get("args", {}).get("train_iters") or train_iters)
+        if before == train_iters or step >= train_iters:
             return
         lr_now = engine.get_lr()[0]
         lr_then = saved.get("lr")
@@ -215,7 +230,7 @@ class Checkpointer:
         log.warning(
             "--train_iters %d where the checkpoint's run had %d: the learning-rate schedule now spans "
             "%d steps, so the learning rate at step %d is %.3g (it was %s)",
-            self.cfg.run.train_iters, before, self.cfg.run.train_iters, step, lr_now, was,
+            train_iters, before, train_iters, step, lr_now, was,
         )  # fmt: skip
 
     def save(
@@ -232,7 +247,7 @@ class Checkpointer:
         for p in engine.module.parameters():
             if not torch.isfinite(p).all():
                 raise TrainingAborted("the weights hold non-finite values; refusing to save them")
-        c = self.cfg.ckpt
+        s = self.settings
         client_state = {
             "dsgpt2": {
                 "step": state.step,
@@ -245,14 +260,15 @@ class Checkpointer:
                 "rng": checkpoint.rng_state(),
                 "fingerprint": self.fingerprint,
                 "model_config": model_config.to_dict(),
-                "vocab_dir": str(self.cfg.data.vocab_dir.resolve()),
-                "args": self.cfg.to_dict(),
+                "vocab_dir": str(s.vocab_dir.resolve()),
+                "args": dict(s.args),
                 "mongo": mongo.to_dict(),
             }
         }
-        files = {RESOLVED: self.cfg.resolved()}
-        tag = checkpoint.save(engine, c.ckpt_dir, state.step, client_state, c.keep_last, files)
-        log.info("saved checkpoint %s", c.ckpt_dir / tag)
+        files = {RESOLVED: s.resolved}
+        tag = checkpoint.save(engine, s.ckpt.ckpt_dir, state.step, client_state, keep_last=s.ckpt.keep_last,
+                              files=files)  # fmt: skip
+        log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
         return tag
 
 

@@ -8,6 +8,7 @@ import logging
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from dsgpt2.model.gpt2 import (
     read_model_config,
 )
 from dsgpt2.model.loss import with_chunked_loss
-from dsgpt2.train.config import ModelOptions, TrainConfig
+from dsgpt2.train.config import ComputeOptions, ModelOptions
 from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
 from dsgpt2.train.metrics import peak_flops
 from dsgpt2.train.schedule import ScheduledLR
@@ -55,9 +56,11 @@ def init_context(args: ModelOptions, config: Any) -> int:
     return int(context)
 
 
-def init_weights(cfg: TrainConfig, vocab_size: int) -> tuple[Any, dict[str, Any]] | None:
-    """The config and weights of --init_from, checked against the tokenizer; None without it."""
-    m = cfg.model
+def init_weights(
+    m: ModelOptions, vocab_size: int, vocab_dir: Path | None
+) -> tuple[Any, dict[str, Any]] | None:
+    """The config and weights of --init_from, checked against the tokenizer (``vocab_size`` tokens, of
+    ``vocab_dir``); None without it."""
     if m.init_from is None:
         return None
     from dsgpt2.checkpoints.weights import load_weights
@@ -66,21 +69,30 @@ def init_weights(cfg: TrainConfig, vocab_size: int) -> tuple[Any, dict[str, Any]
     if config.vocab_size != vocab_size:
         raise ConfigError(
             f"--init_from {m.init_from} has a vocabulary of {config.vocab_size} tokens but "
-            f"--vocab_dir {cfg.data.vocab_dir} has {vocab_size}; use the tokenizer the model "
+            f"--vocab_dir {vocab_dir} has {vocab_size}; use the tokenizer the model "
             "was trained with (the default when --vocab_dir is left out)"
         )
     return config, weights
 
 
 def model_config_for(
-    cfg: TrainConfig, vocab_size: int, spec: DataSpec, init: tuple[Any, dict[str, Any]] | None
+    m: ModelOptions, vocab_size: int, spec: DataSpec, init: tuple[Any, dict[str, Any]] | None
 ) -> Any:
     """The ``GPT2Config`` the run builds (a preset, ``--model_config`` or ``init``'s), known before any
     model is: a checkpoint of another shape is refused before the engine exists."""
     if init is not None:
         return init[0]
-    m = cfg.model
     return gpt2_config(m.model_select, vocab_size, spec.context, spec.eot, spec.pad, m.model_config)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine is built from: the model and compute options, and the run's seed (the initial
+    weights)."""
+
+    model: ModelOptions
+    compute: ComputeOptions
+    seed: int
 
 
 @dataclass
@@ -96,11 +108,12 @@ class Engine:
 
 
 def build_engine(
-    cfg: TrainConfig,
+    settings: EngineSettings,
     ds_config: dict[str, Any],
-    lr_schedule: Any,
     spec: DataSpec,
     vocab_size: int,
+    *,
+    lr_schedule: Any,
     init: tuple[Any, dict[str, Any]] | None,
     device: str,
     world: int,
@@ -110,11 +123,11 @@ def build_engine(
     prepare_deepspeed_environment()
     import deepspeed
 
-    m = cfg.model
-    _seed_all(cfg.data.seed)
-    c = cfg.compute
+    m = settings.model
+    _seed_all(settings.seed)
+    c = settings.compute
     context = spec.context
-    model_config = model_config_for(cfg, vocab_size, spec, init)
+    model_config = model_config_for(m, vocab_size, spec, init)
     model_config._attn_implementation = c.attn_implementation
     if init is None:
         model = build_model(model_config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
-from dsgpt2.train.config import TrainConfig
+from dsgpt2.train.config import DataOptions
 
 log = logging.getLogger("dsgpt2.train.feed")
 
@@ -52,19 +53,44 @@ def streams_of(n_collections: int, stages: list[Stage]) -> list[Stream]:
     return [(c,) for c in range(n_collections)] if stages else [tuple(range(n_collections))]
 
 
+@dataclass(frozen=True)
+class FeedSettings:
+    """What the feed is told of the run: its data options, and the few other settings it reads."""
+
+    data: DataOptions
+    cache_dir: Path  # the token cache of --data_mode cached (--cache_dir, else WORKSPACE/cache)
+    ckpt_dir: Path  # named in meta_info's note of how far the run has read
+    # --dist_timeout: ranks waiting for the token cache's builders check on them well within it.
+    dist_timeout: int = 600
+
+
 class Feed:
-    """See the module docstring. Build with :meth:`start` (every rank, the same arguments)."""
+    """See the module docstring. Build with :meth:`start` (every rank, the same arguments).
+
+    Args:
+        settings: the run's data options and what else the feed reads (:class:`FeedSettings`).
+        mongo, conn: the corpus's connection config, and a connection to it.
+        spec: the blocks the run reads (the data fingerprint's settings).
+        rank, world: this rank among the run's ranks.
+    """
 
     def __init__(
-        self, cfg: TrainConfig, mongo: MongoConfig, conn: Connection, spec: DataSpec, rank: int, world: int
+        self,
+        settings: FeedSettings,
+        mongo: MongoConfig,
+        conn: Connection,
+        spec: DataSpec,
+        *,
+        rank: int,
+        world: int,
     ) -> None:
-        self.cfg = cfg
+        self.settings = settings
         self.mongo = mongo
         self.conn = conn
         self.spec = spec
         self.rank = rank
         self.world = world
-        self.stages = mixture_stages(mongo.weights, cfg.data.mixture, mongo.collections)
+        self.stages = mixture_stages(mongo.weights, settings.data.mixture, mongo.collections)
         self.streams = streams_of(len(mongo.collections), self.stages)
         self._prefix: tuple[tuple[int, ...], dict[str, Any]] | None = None
         # Every growth the run took in: {"step", "added": {collection: documents}, "at": resume|follow}.
@@ -79,7 +105,7 @@ class Feed:
     def start(self, marks: tuple[int, ...], saved: dict[str, Any] | None) -> None:
         """The table, schedule, datasets and this rank's state: fresh at ``marks``, or from the
         checkpoint's ``saved`` data state with what came since taken in."""
-        seed, names = self.cfg.data.seed, self.mongo.collections
+        seed, names = self.settings.data.seed, self.mongo.collections
         if saved is None:
             self.schedule = Schedule(
                 ChunkTable.initial(names, marks, self.spec.chunk_docs), self.streams, seed
@@ -95,14 +121,14 @@ class Feed:
                 states = redeal_states(self.schedule, states, self.world)
             added = self.schedule.table.growth(marks)
             if added:
-                table, dealt = take_in(self.schedule, states, added, deal=self.cfg.data.follow > 0)
+                table, dealt = take_in(self.schedule, states, added, deal=self.settings.data.follow > 0)
                 for state, mine in zip(states, dealt, strict=True):
                     for s, items in mine.items():
                         state.streams[s].queue.extend(items)
                 before = self.schedule.table.marks
                 self.schedule = Schedule(table, self.streams, seed)
                 self.resume_growth = (before, self.schedule.table.marks)
-                self._log_growth(added, "now" if self.cfg.data.follow else "from the next epoch")
+                self._log_growth(added, "now" if self.settings.data.follow else "from the next epoch")
         self._check_enough_chunks()
         self.state = states[self.rank]
         self.train_data, self.val_data = self._datasets()
@@ -125,13 +151,13 @@ class Feed:
                 )
 
     def _datasets(self) -> tuple[Any, Any]:
-        d, table = self.cfg.data, self.schedule.table
+        d, table = self.settings.data, self.schedule.table
         if d.data_mode == "streaming":
             return tuple(
                 StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s, streams=self.streams)
                 for s in SPLITS
             )
-        cache_dir = self.cfg.cache_dir
+        cache_dir = self.settings.cache_dir
         self._prepare_caches(cache_dir, table)
         return tuple(CachedChunks(cache_dir, s, table, self.streams) for s in SPLITS)
 
@@ -145,7 +171,7 @@ class Feed:
         own builds. A builder's user error is raised on every rank. While builders work, every
         rank stays in touch (:class:`Rounds`): a builder that dies is noticed within --dist_timeout.
         """
-        d = self.cfg.data
+        d = self.settings.data
         call = on_rank0(lambda: uuid.uuid4().hex)
         try:
             cache_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +182,7 @@ class Feed:
         barrier()
         sharing = [r for r in range(self.world) if (cache_dir / f".rank-{call}-{r}").exists()]
         outcome: tuple[str, str] | str | None = None
-        rounds = Rounds(every=min(5.0, self.cfg.engine.dist_timeout / 4))
+        rounds = Rounds(every=min(5.0, self.settings.dist_timeout / 4))
         if sharing[0] == self.rank:
             try:
                 meta, added = prepare_cache(
@@ -188,10 +214,10 @@ class Feed:
         if not added:
             return None
         table, dealt = take_in(self.schedule, states, added, deal=True)
-        self.schedule = Schedule(table, self.streams, self.cfg.data.seed)
+        self.schedule = Schedule(table, self.streams, self.settings.data.seed)
         self._log_growth(added, "now")
         self._note_prefix()
-        if self.cfg.data.data_mode == "streaming":
+        if self.settings.data.data_mode == "streaming":
             self.train_data = self.train_data.grown(table)
         else:
             self.train_data, _ = self._datasets()
@@ -203,7 +229,7 @@ class Feed:
         self.launches.append({
             "step": step, "micro": micro, "world": self.world, "micro_batch": micro_batch,
             "grad_accum": grad_accum, "stages": [[s.step, list(s.weights)] for s in self.stages],
-            "follow": self.cfg.data.follow,
+            "follow": self.settings.data.follow,
         })  # fmt: skip
 
     def record_growth(
@@ -229,7 +255,7 @@ class Feed:
         from dsgpt2.corpus.marks import prefix_record
 
         marks = self.schedule.table.marks
-        self._prefix = (marks, prefix_record(self.conn, marks, self.cfg.data.seed))
+        self._prefix = (marks, prefix_record(self.conn, marks, self.settings.data.seed))
         self.note_trained(None)
 
     def note_trained(self, step: int | None) -> None:
@@ -239,7 +265,7 @@ class Feed:
             return
         from dsgpt2.corpus.marks import record_trained
 
-        record_trained(self.conn, self.schedule.table.marks, str(self.cfg.ckpt.ckpt_dir), step)
+        record_trained(self.conn, self.schedule.table.marks, str(self.settings.ckpt_dir), step)
 
     def state_dict(self, state: ReadState) -> dict[str, Any]:
         """What a checkpoint keeps of the data (a collective: every rank calls it)."""
@@ -255,7 +281,7 @@ class Feed:
 
     def poll(self, step: int) -> tuple[int, ...] | None:
         """With ``--follow N``, every N steps: the marks, read by rank 0 (a collective)."""
-        n = self.cfg.data.follow
+        n = self.settings.data.follow
         if not n or step % n:
             return None
         from dsgpt2.corpus.marks import read_marks

@@ -19,7 +19,7 @@ import torch
 
 from dsgpt2.files import atomic_write_text
 from dsgpt2.progress import on_terminal
-from dsgpt2.train.config import RESOLVED, TrainConfig
+from dsgpt2.train.config import RESOLVED, RunOptions
 from dsgpt2.train.metrics import MetricsLog, plot_losses
 
 log = logging.getLogger(__name__)
@@ -29,31 +29,34 @@ class RunLog:
     """The records of one run, from ``start`` (step and tokens where it begins) on.
 
     Args:
-        cfg: the run's configuration (workspace, wandb, log interval, block ids).
-        rank, world: this rank among the run's ranks; only rank 0 writes records.
+        run: the run options (workspace, wandb, log interval, block ids, --train_iters).
         run_config: what the run's records open with (flags, database, DeepSpeed config, model).
+        resolved: the run's resolved configuration (an experiment file), written to the workspace.
+        rank, world: this rank among the run's ranks; only rank 0 writes records.
         flops_per_token, peak_flops: for MFU (no MFU without a known peak).
+        start: the step and tokens where the run (or its resume) begins.
     """
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        run: RunOptions,
+        run_config: dict[str, Any],
+        *,
+        resolved: str,
         rank: int,
         world: int,
-        run_config: dict[str, Any],
         flops_per_token: float,
         peak_flops: float | None,
         start: tuple[int, int],
     ) -> None:
-        self.run = cfg.run
+        self.run = run
         self.rank = rank
         self.world = world
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
-        r = cfg.run
-        self.metrics = MetricsLog(r.workspace, r.wandb, r.wandb_dir, run_config) if rank == 0 else None
+        self.metrics = MetricsLog(run.workspace, run.wandb, run.wandb_dir, run_config) if rank == 0 else None
         if rank == 0:
-            atomic_write_text(r.workspace / RESOLVED, cfg.resolved())
+            atomic_write_text(run.workspace / RESOLVED, resolved)
         self.started = (*start, time.monotonic())
         self._last = self.started
         self.bar: Any = None
@@ -98,8 +101,9 @@ class RunLog:
         device_losses: list[torch.Tensor],
         ids: list[Any],
         lr: float,
-        grad_norm: float | None,
-        collection_tokens: dict[str, int] | None,
+        *,
+        grad_norm: float | None = None,
+        collection_tokens: dict[str, int] | None = None,
     ) -> None:
         """The ``train`` record of ``step`` (a log step): mean loss, rate, tokens/s since the last one."""
         losses = torch.stack(device_losses).float().cpu().tolist()

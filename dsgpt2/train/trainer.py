@@ -32,7 +32,7 @@ from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import describe
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
-from dsgpt2.train.checkpointer import Checkpointer, TrainingAborted, TrainState
+from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainingAborted, TrainState
 from dsgpt2.train.collective import (
     all_sum,
     gather,
@@ -50,13 +50,14 @@ from dsgpt2.train.ds_config import (
 )
 from dsgpt2.train.engine import (
     Engine,
+    EngineSettings,
     build_engine,
     init_context,
     init_weights,
     model_config_for,
     run_context,
 )
-from dsgpt2.train.feed import Feed, corpus_marks
+from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
@@ -134,16 +135,20 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     conn.ping()
     d = cfg.data
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
-    init = init_weights(cfg, vocab_size)
+    init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context)
-    feed = Feed(cfg, mongo, conn, spec, rank, world)
+    feed_settings = FeedSettings(cfg.data, cfg.cache_dir, cfg.ckpt.ckpt_dir, cfg.engine.dist_timeout)
+    feed = Feed(feed_settings, mongo, conn, spec, rank=rank, world=world)
     fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
-    model = model_config_for(cfg, vocab_size, spec, init).to_dict()
-    checkpointer = Checkpointer(cfg, fp, world, conn, marks, model)
+    model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
+    ckpt_settings = CheckpointSettings(cfg.ckpt, cfg.run.train_iters, cfg.data.vocab_dir, cfg.to_dict(),
+                                       cfg.resolved())  # fmt: skip
+    checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model)
     found = on_rank0(checkpointer.find)
     feed.start(marks, found[2] if found else None)
-    engine = build_engine(cfg, ds_config, lr_schedule, spec, vocab_size, init, device, world)
+    engine = build_engine(EngineSettings(cfg.model, cfg.compute, cfg.data.seed), ds_config, spec, vocab_size,
+                          lr_schedule=lr_schedule, init=init, device=device, world=world)  # fmt: skip
     state = checkpointer.restore(
         engine.engine, found[:2] if found else None, feed.state.streams[0], lr_schedule
     )
@@ -154,7 +159,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         "fingerprint": fp,
         "model": engine.model_config.to_dict(),
     }
-    return Trainer(cfg, mongo, feed, engine, checkpointer, state, run_config, hooks)
+    return Trainer(cfg, mongo, feed=feed, engine=engine, checkpointer=checkpointer, state=state,
+                   run_config=run_config, hooks=hooks)  # fmt: skip
 
 
 class Trainer:
@@ -175,6 +181,7 @@ class Trainer:
         self,
         cfg: TrainConfig,
         mongo: MongoConfig,
+        *,
         feed: Feed,
         engine: Engine,
         checkpointer: Checkpointer,
@@ -194,10 +201,15 @@ class Trainer:
             workers=cfg.data.num_workers, stages=feed.stages, grad_accum=self.grad_accum,
         )  # fmt: skip
         eot = feed.spec.eot if cfg.compute.doc_mask else None
-        self.validator = Validator(cfg, feed.val_data, self.rank, self.world, self.micro_batch, eot,
-                                   feed.spec.context)  # fmt: skip
-        self.runlog = RunLog(cfg, self.rank, self.world, run_config, engine.flops_per_token,
-                             engine.peak_flops, (state.step, state.tokens))  # fmt: skip
+        self.validator = Validator(
+            cfg.run, feed.val_data, vocab_dir=cfg.data.vocab_dir, rank=self.rank, world=self.world,
+            micro_batch=self.micro_batch, doc_mask_eot=eot, context=feed.spec.context,
+        )  # fmt: skip
+        self.runlog = RunLog(
+            cfg.run, run_config, resolved=cfg.resolved(), rank=self.rank, world=self.world,
+            flops_per_token=engine.flops_per_token, peak_flops=engine.peak_flops,
+            start=(state.step, state.tokens),
+        )  # fmt: skip
         self.stop = StopRequest()
         self.started = state.step
         # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
@@ -318,8 +330,9 @@ class Trainer:
         # A collective: every rank takes part.
         by_collection = self._collection_tokens() if len(self.mongo.collections) > 1 else None
         self.runlog.log_train(
-            state.step, state.tokens, device_losses, ids, self._step_lr, grad_norm, by_collection
-        )
+            state.step, state.tokens, device_losses, ids, self._step_lr,
+            grad_norm=grad_norm, collection_tokens=by_collection,
+        )  # fmt: skip
 
     def _read_grad_norm(self) -> float | None:
         """The gradient norm of the step just taken: DeepSpeed's, or the one taken by hand (ZeRO 0)."""

@@ -5,6 +5,7 @@ evaluate --hellaswag`` takes them, each rank scoring an equal share of the examp
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,15 +13,17 @@ import torch
 from dsgpt2.data.loader import eval_batches
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import batch_nll
-from dsgpt2.train.config import TrainConfig
+from dsgpt2.train.config import RunOptions
 
 
 class Validator:
     """Asks at each step whether to validate, and validates.
 
     Args:
-        cfg: the run's configuration (``--eval_interval``, ``--eval_iters``, ``--eval_batch_size``).
+        run: the run options (``--eval_interval``, ``--eval_iters``, ``--eval_batch_size``,
+            ``--train_iters``, ``--hellaswag``, ``--hellaswag_limit``).
         val_data: the validation split's chunks (the documents known at the run's start).
+        vocab_dir: the run's tokenizer (HellaSwag's texts are encoded with it).
         rank, world: this rank among the run's ranks.
         micro_batch: the training micro-batch, the default evaluation batch.
         doc_mask_eot: the end-of-text id when the run attends within documents (--doc_mask).
@@ -29,23 +32,25 @@ class Validator:
 
     def __init__(
         self,
-        cfg: TrainConfig,
+        run: RunOptions,
         val_data: Any,
+        *,
+        vocab_dir: Path | None,
         rank: int,
         world: int,
         micro_batch: int,
         doc_mask_eot: int | None,
         context: int = 1024,
     ) -> None:
-        self.run = cfg.run
-        self.vocab_dir, self.context = cfg.data.vocab_dir, context
+        self.run = run
+        self.vocab_dir, self.context = vocab_dir, context
         self.doc_mask_eot = doc_mask_eot
         self.val_data = val_data
         self.rank = rank
         self.world = world
-        self.batch = cfg.run.eval_batch_size or micro_batch
+        self.batch = run.eval_batch_size or micro_batch
         self._batches: list[Any] | None = None
-        self._hellaswag: list[Any] = self._hellaswag_share() if cfg.run.hellaswag else []
+        self._hellaswag: list[Any] = self._hellaswag_share() if run.hellaswag else []
         self._encode: Any = None
 
     def should_validate(self, step: int) -> bool:

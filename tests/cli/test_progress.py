@@ -114,15 +114,15 @@ def test_a_bad_interval_is_one_line_naming_the_variable(monkeypatch: pytest.Monk
 def _runlog(tmp_path: Path) -> RunLog:
     run = SimpleNamespace(workspace=tmp_path / "ws", wandb="off", wandb_dir=None, log_interval=1,
                           train_iters=4, log_block_ids=False)  # fmt: skip
-    cfg = SimpleNamespace(run=run, resolved=lambda: "{}\n")
-    return RunLog(cfg, 0, 1, {}, flops_per_token=1.0, peak_flops=None, start=(0, 0))  # type: ignore[arg-type]
+    return RunLog(run, {}, resolved="{}\n", rank=0, world=1, flops_per_token=1.0, peak_flops=None,  # type: ignore[arg-type]
+                  start=(0, 0))  # fmt: skip
 
 
 def _two_steps(runlog: RunLog) -> None:
     with runlog.open():
         for step in (1, 2):
             runlog.stepped(step, [])
-            runlog.log_train(step, 1000 * step, [torch.tensor(2.5)], [], 3e-4, None, None)
+            runlog.log_train(step, 1000 * step, [torch.tensor(2.5)], [], 3e-4)
         runlog.log_eval({"event": "eval", "step": 2, "val_loss": 2.0, "val_ppl": 7.389056})
     assert runlog.metrics is not None
     runlog.metrics.close()

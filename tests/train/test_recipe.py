@@ -178,10 +178,10 @@ def test_a_train_record_on_a_gpu_carries_the_allocator_peak(monkeypatch: pytest.
             return True
 
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 3 * 2**30)
-    cfg = SimpleNamespace(run=SimpleNamespace(log_block_ids=False))  # rank 1: no files of its own
-    log = RunLog(cfg, 1, 2, {}, 1.0, None, (0, 0))
+    run = SimpleNamespace(log_block_ids=False)  # rank 1: no files of its own
+    log = RunLog(run, {}, resolved="", rank=1, world=2, flops_per_token=1.0, peak_flops=None, start=(0, 0))
     written: list[dict] = []
     log.write = written.append
-    log.log_train(1, 64, [torch.tensor(2.0).as_subclass(OnGpu)], [], 1e-3, None, None)
-    log.log_train(2, 128, [torch.tensor(2.0)], [], 1e-3, None, None)
+    log.log_train(1, 64, [torch.tensor(2.0).as_subclass(OnGpu)], [], 1e-3)
+    log.log_train(2, 128, [torch.tensor(2.0)], [], 1e-3)
     assert written[0]["peak_memory_gb"] == 3.0 and "peak_memory_gb" not in written[1]
