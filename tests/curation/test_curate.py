@@ -11,19 +11,11 @@ import pytest
 from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
+from corpora import BAD, PROSE
 from dsgpt2.curation import curate as curate_mod
 from dsgpt2.curation.curate import curate
 from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
 from dsgpt2.db.mongo import Connection
-
-PROSE = (
-    "The committee met on Tuesday to review the budget for the coming year. Members agreed that the "
-    "library should have longer opening hours, and that the funds for the new reading room be moved "
-    "forward.\nThe chair noted that the proposal had strong support from residents of the town. A "
-    "vote will be held at the next meeting, after the figures have been checked by the treasurer.\n"
-    "Several speakers asked whether the plan could be extended to the schools. The committee said it "
-    "would consider the idea once the first phase of the work was complete and paid for."
-)
 
 
 def test_signals_on_texts_with_known_answers() -> None:
@@ -49,14 +41,6 @@ def test_signals_on_texts_with_known_answers() -> None:
     assert set(defaults) == set(THRESHOLDS)
     with pytest.raises(ValueError, match="unknown threshold 'min_wrds'"):
         resolve_thresholds({"min_wrds": 3})
-
-
-BAD = {
-    "bullets": "\n".join(f"- item number {i} of the list" for i in range(60)),
-    "repeated": "\n".join(["Click here to read more about our offers today."] * 20),
-    "lorem": PROSE + "\nLorem ipsum dolor sit amet, consectetur adipiscing elit.",
-    "short": "Too short to be a document.",
-}
 
 
 def _store(tmp_path: Path) -> tuple[Path, Path, list[str]]:

@@ -6,49 +6,16 @@ counting texts the corpus holds."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
+from corpora import ingest_files, marks, planted, reference
 from dsgpt2.curation import dedup
 from dsgpt2.db.mongo import Connection
 from dsgpt2.documents import hash_text
-
-
-def planted(seed: int, n: int, pool: int) -> list[str]:
-    """``n`` texts drawn from ``pool`` distinct ones: copies wherever a draw repeats."""
-    rng = random.Random(seed)
-    return [f"Document {rng.randrange(pool)}: the {rng.choice(['cat', 'dog'])} sat." for _ in range(n)]
-
-
-def reference(collections: dict[str, list[str]]) -> dict[tuple[str, int], str]:
-    """Each copy's mark, by the rule: the first copy in (COLLECTIONS order, idx) is kept."""
-    first: dict[str, str] = {}
-    marks = {}
-    for name, texts in collections.items():
-        for idx, text in enumerate(texts):
-            if text in first:
-                marks[(name, idx)] = first[text]
-            else:
-                first[text] = f"{name}:{idx}"
-    return marks
-
-
-def marks(conn: Connection, names: list[str]) -> dict[tuple[str, int], str]:
-    return {(n, d["idx"]): d["dup_of"] for n in names for d in conn.db[n].find({"dup_of": {"$exists": True}})}
-
-
-def _ingest_files(tmp_path: Path, collections: dict[str, list[str]]) -> tuple[Path, Path]:
-    cfg, store = store_config(tmp_path, list(collections))
-    for name, texts in collections.items():
-        path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-        done = run_cli("ingest", "--config", str(cfg), "--collection", name, str(path), "--no_progress")
-        assert done.returncode == 0, done.stderr
-    return cfg, store
 
 
 def _open(store: Path, names: list[str], **extra: object) -> Connection:
@@ -57,7 +24,7 @@ def _open(store: Path, names: list[str], **extra: object) -> Connection:
 
 def test_dedup_exact_marks_every_copy_but_the_first_across_collections(tmp_path: Path) -> None:
     collections = {"news": planted(1, 300, 120), "web": planted(2, 200, 120)}
-    cfg, store = _ingest_files(tmp_path, collections)
+    cfg, store = ingest_files(tmp_path, collections)
     conn = _open(store, list(collections))
     hashed = conn.db["news"].find_one({"idx": 0})
     assert hashed["text_hash"] == hash_text(collections["news"][0])  # stored at ingest
@@ -128,7 +95,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, w
 
 def test_ingest_dedup_skips_and_counts_texts_the_corpus_holds(tmp_path: Path) -> None:
     news = planted(4, 100, 60)
-    cfg, store = _ingest_files(tmp_path, {"news": news})
+    cfg, store = ingest_files(tmp_path, {"news": news})
     data = json.loads(cfg.read_text())
     cfg.write_text(json.dumps({**data, "COLLECTIONS": ["news", "web"]}))
     web = planted(5, 150, 90)

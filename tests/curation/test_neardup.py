@@ -8,17 +8,15 @@ from __future__ import annotations
 import json
 import random
 import re
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
 import pytest
 from bson import ObjectId
-from test_dedup import _ingest_files
 
-from bench.bench_neardup import expected_duplicates, planted_corpus, precision_recall, vocabulary
+from bench.bench_neardup import expected_duplicates, precision_recall
 from conftest import db_for, make_config, run_cli, store_config
-from dsgpt2.corpus.builtin import stdlib_documents
+from corpora import corpus, ingest_files, near_copy, near_marks
 from dsgpt2.curation import neardup, passes
 from dsgpt2.curation.minhash import (
     Clusters,
@@ -35,21 +33,6 @@ from dsgpt2.curation.minhash import (
 )
 from dsgpt2.curation.passes import Split
 from dsgpt2.db.mongo import Connection
-
-_CORPUS: dict[int, tuple[list[str], list[int]]] = {}
-
-
-def corpus(originals: int = 60, seed: int = 0) -> tuple[list[str], list[int]]:
-    if seed not in _CORPUS or len(set(_CORPUS[seed][1])) != originals:
-        _CORPUS[seed] = planted_corpus(
-            vocabulary(list(islice(stdlib_documents(), 300))), originals=originals, seed=seed
-        )
-    return _CORPUS[seed]
-
-
-def near_marks(conn: Connection, names: list[str]) -> dict[str, str]:
-    held = {n: conn.db[n].find({"near_dup_of": {"$exists": True}}) for n in names}
-    return {f"{n}:{d['idx']}": d["near_dup_of"] for n, docs in held.items() for d in docs}
 
 
 def test_the_bands_catch_pairs_at_the_threshold_and_few_far_below() -> None:
@@ -124,7 +107,7 @@ def test_dedup_near_from_the_cli_marks_planted_copies_across_collections(tmp_pat
     docs, families = corpus()
     half = len(docs) // 2
     collections = {"news": docs[:half], "web": docs[half:]}
-    cfg, store = _ingest_files(tmp_path, collections)
+    cfg, store = ingest_files(tmp_path, collections)
     done = run_cli("dedup", "--config", str(cfg), "--near", "--threshold", "0.8", "--no_progress")
     assert done.returncode == 0, done.stderr
     expected = _expected_marks(collections, {"news": families[:half], "web": families[half:]})
@@ -205,7 +188,7 @@ def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path)
     assert passes.spans(5, 6, 4) == [(5, 6), (6, 7)]  # fewer idx values than parts
     assert Split(workers=2, part=1, parts=2).ranges((0, 99)) == [(50, 75), (75, 100)]
     docs, _ = corpus()
-    cfg, store = _ingest_files(tmp_path, {"news": docs})
+    cfg, store = ingest_files(tmp_path, {"news": docs})
     straight = set(cluster_texts(docs, LshParams(threshold=0.8)))
     for part in ("1/2", "2/2"):
         done = run_cli("dedup", "--config", str(cfg), "--near", "--exact", "--workers", "2", "--part", part,
@@ -240,27 +223,20 @@ def _words(rng: random.Random, n: int) -> list[str]:
     return [f"w{rng.randrange(20000)}" for _ in range(n)]
 
 
-def _near(rng: random.Random, words: list[str], changes: int = 4) -> str:
-    copy = list(words)
-    for i in rng.sample(range(len(copy)), changes):
-        copy[i] = "changed"
-    return " ".join(copy)
-
-
 def test_ingest_dedup_after_a_near_pass_signs_and_marks_what_arrives(tmp_path: Path) -> None:
     """A growing corpus: documents ingested after `dedup --near` are signed at ingest and checked
     against the lsh index (and against each other); a near copy is kept but marked, an exact copy is
     skipped, and a reader with a FILTER (a --follow run's) leaves the copies out."""
     rng = random.Random(5)
     old = [_words(rng, 300) for _ in range(20)]
-    cfg, store = _ingest_files(tmp_path, {"news": [" ".join(w) for w in old]})
+    cfg, store = ingest_files(tmp_path, {"news": [" ".join(w) for w in old]})
     assert run_cli("dedup", "--config", str(cfg), "--exact", "--near", "--no_progress").returncode == 0
     fresh = _words(rng, 300)
     arriving = [
-        _near(rng, old[3]),
+        near_copy(rng, old[3]),
         " ".join(old[5]),
         " ".join(fresh),
-        _near(rng, fresh),
+        near_copy(rng, fresh),
         " ".join(_words(rng, 300)),
     ]
     path = tmp_path / "more.jsonl"

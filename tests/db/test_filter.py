@@ -12,30 +12,12 @@ import numpy as np
 import pytest
 
 from conftest import db_for, make_config, run_cli, seed, tiny_export, write_config
+from corpora import KEEP, left_out, mark, texts
 from dsgpt2.data.sources import StreamingChunks, fingerprint, make_spec
 from dsgpt2.data.split import split_mask
 from dsgpt2.db.config import config_from_dict
 from dsgpt2.db.mongo import Connection, MongoWrapper
 from dsgpt2.errors import BadDocumentError, ConfigError
-
-KEEP = {"dup_of": {"$exists": False}, "passes.gopher": {"$ne": False}}
-
-
-def texts(n: int) -> list[str]:
-    return [f"document {i} tells of the {['cat', 'dog', 'owl'][i % 3]} and the sea." for i in range(n)]
-
-
-def left_out(i: int) -> bool:
-    """Planted marks: every 4th a duplicate, every 7th failing gopher."""
-    return i % 4 == 1 or i % 7 == 3
-
-
-def mark(conn: Connection, name: str, n: int) -> None:
-    for i in range(n):
-        if i % 4 == 1:
-            conn.db[name].update_one({"idx": i}, {"$set": {"dup_of": f"{name}:0"}})
-        if i % 7 == 3:
-            conn.db[name].update_one({"idx": i}, {"$set": {"passes": {"gopher": False}}})
 
 
 def test_filter_is_a_checked_query_kept_in_order() -> None:

@@ -12,92 +12,23 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from pymongo import monitoring
 
-from conftest import ROOT, logged_blocks, make_config, run_cli, trained_on
-from dsgpt2.db.config import ENV_URI, MongoConfig, load_config, redact_uri
+from conftest import logged_blocks, make_config, trained_on
+from corpora import Corpus, password_of
 from dsgpt2.db.mongo import Connection, MongoWrapper, connect
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.train.metrics import read_metrics
-from pace import deadline
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 DOCS = 240
-
-
-def password_of(uri: str) -> str | None:
-    creds = uri.split("://", 1)[1].split("/", 1)[0]
-    if "@" not in creds or ":" not in creds.split("@", 1)[0]:
-        return None
-    return creds.split("@", 1)[0].split(":", 1)[1]
-
-
-class Corpus:
-    """The sample corpus ingested into a database of its own, and how to run commands on it."""
-
-    def __init__(self, uri: str, base: Path) -> None:
-        self.uri = uri
-        self.base = base
-        self.db = f"dsgpt2_test_{uuid.uuid4().hex[:8]}"
-        # The password stays out of the file: the environment carries the connection string.
-        self.config = base / "mongo.json"
-        self.config.write_text(
-            json.dumps(
-                {
-                    "MONGO_CONNECTION_STRING": redact_uri(uri),
-                    "MONGO_CONNECTION_DB": self.db,
-                    "COLLECTIONS": ["stdlib"],
-                    "SERVER_SELECTION_TIMEOUT_MS": 5000,
-                }
-            )
-        )
-        self.env = {ENV_URI: uri}
-        self.secret = password_of(uri)
-
-    @property
-    def mongo(self) -> MongoConfig:
-        return load_config(self.config, env=self.env)
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        result = run_cli(*args, env=self.env)
-        self.check_no_secret(result)
-        return result
-
-    def check_no_secret(self, result: Any) -> None:
-        if self.secret:
-            assert self.secret not in result.stdout + result.stderr
-
-    def train(self, run: Path, *extra: str, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-        script = ["tests/inject.py", *faults, "--"] if faults else ["ds_trainer.py"]
-        args = [
-            sys.executable, *script,
-            "--deepspeed_config", "configs/ds_config_cpu.json",
-            "--config_train", str(self.config),
-            "--vocab_dir", str(self.base / "tok"),
-            "--model_select", "tiny", "--context_length", "64",
-            "--tr_ratio", "0.8", "--chunk_docs", "20", "--num_workers", "2",
-            "--eval_interval", "4", "--eval_iters", "2", "--log_interval", "1",
-            "--wandb", "off", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws"),
-            *extra,
-        ]  # fmt: skip
-        import os
-
-        env = {k: v for k, v in os.environ.items() if k != ENV_URI} | self.env
-        result = subprocess.run(
-            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
-        )
-        self.check_no_secret(result)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result
 
 
 @pytest.fixture(scope="module")
@@ -373,8 +304,7 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     $unionWith, bulk UpdateMany marks; `ingest --dedup` asks the hash index."""
     from dataclasses import replace
 
-    from test_dedup import marks, planted, reference
-
+    from corpora import marks, planted, reference
     from dsgpt2.corpus.ingest import Source, ingest
     from dsgpt2.curation.dedup import dedup_exact
 
@@ -405,8 +335,7 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     in-memory clustering of the same texts; `curate` in two workers judges every document once."""
     from dataclasses import replace
 
-    from test_neardup import corpus, near_marks
-
+    from corpora import corpus, near_marks
     from dsgpt2.curation.curate import curate
     from dsgpt2.curation.minhash import LshParams, cluster_texts
     from dsgpt2.curation.neardup import dedup_near
@@ -426,11 +355,10 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     straight = {labels[k]: labels[v] for k, v in cluster_texts(docs, params).items()}
     assert straight and near_marks(conn, ["news", "web"]) == straight
     assert "lsh_1" in {i["name"] for i in conn.db["web"].list_indexes()}
-    from test_neardup import _near
-
+    from corpora import near_copy
     from dsgpt2.corpus.ingest import Source, ingest
 
-    copy = _near(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
+    copy = near_copy(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
     report = ingest(conn, "more", [Source("more", "more", "text", read=lambda: iter([copy]))], dedup=True)
     assert report.sources[0].near_duplicates == 1
     assert conn.db["more"].find_one({"idx": 0})["near_dup_of"] == straight.get("news:0", "news:0")
@@ -445,8 +373,7 @@ def test_filter_on_the_server_skips_counts_and_refuses_bad_operators(scratch: Co
     are found with `$nor` (idx only) and counted; an operator the server refuses is one line."""
     from dataclasses import replace
 
-    from test_filter import KEEP, left_out, mark, texts
-
+    from corpora import KEEP, left_out, mark, texts
     from dsgpt2.db.config import canonical_filter
     from dsgpt2.db.mongo import MongoWrapper, check_filter, write_meta
 
@@ -467,8 +394,7 @@ def test_filter_on_the_server_skips_counts_and_refuses_bad_operators(scratch: Co
 
 def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
     """`curate` on a real server: bulk UpdateOne of signals and verdicts, counted by rule set."""
-    from test_curate import BAD, PROSE
-
+    from corpora import BAD, PROSE
     from dsgpt2.curation.curate import curate
     from dsgpt2.curation.quality import RULES, resolve_thresholds
     from dsgpt2.curation.report import summarize

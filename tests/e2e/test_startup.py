@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_mongo_live import Corpus
 
 from bench import audit
+from corpora import Corpus
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 SIZES = (200, 1000)

@@ -11,21 +11,10 @@ import pytest
 import torch
 
 from conftest import db_for, run_cli, store_config, tiny_export
+from corpora import examples
 from dsgpt2.db.mongo import Connection
 from dsgpt2.model.hellaswag import Example, read_examples, result, score
 from pace import deadline
-
-
-def examples(texts: list[str], n: int) -> list[dict]:
-    """llm.c's layout: ctx, four endings, label (and the fields it carries beside them)."""
-    out = []
-    for i in range(n):
-        words = " ".join(texts[i].split()[:10]) or "module"
-        endings = [" ".join(texts[i + k + 1].split()[: 3 + 2 * k]) or "x" for k in range(4)]
-        out.append({"ind": i, "activity_label": "docs", "ctx_a": words, "ctx_b": "", "ctx": words,
-                    "endings": endings, "label": i % 4, "split": "val", "split_type": "indomain",
-                    "source_id": f"s{i}"})  # fmt: skip
-    return out
 
 
 def reference(model, encode, example: Example) -> tuple[int, int]:

@@ -1107,7 +1107,7 @@ def test_hellaswag_at_each_evaluation_on_two_zero3_ranks_equals_evaluating_the_c
     """--hellaswag on two gloo ranks under ZeRO-3: nine examples, four scored on each rank (the one
     left over left out, so both ranks run the same forwards), logged at every evaluation; the final
     record's accuracies are those `dsgpt2 evaluate --hellaswag` takes of the final checkpoint."""
-    from test_hellaswag import examples
+    from corpora import examples
 
     path = tmp_path / "hellaswag_val.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in examples(sample_texts, 9)))
