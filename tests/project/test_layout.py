@@ -197,6 +197,77 @@ def test_no_class_is_longer_than_300_lines() -> None:
     assert long == []
 
 
+# Signatures with more than five positional parameters, left for now: their callers, or the files, are
+# outside the change that held the rest to five. Each entry fails the test once it is fixed: remove it then.
+MANY_POSITIONAL = {
+    # the demo pipeline
+    "cli/pipeline.py:run_demo",
+    "cli/pipeline.py:_run_demo",
+    "cli/pipeline.py:_chat_stages",
+    # ingest, curation
+    "corpus/ingest.py:file_source",
+    "corpus/ingest.py:ingest",
+    "corpus/ingest.py:_ingest_source",
+    "corpus/ingest.py:_write_source",
+    "corpus/ingest.py:_starting_point",
+    "corpus/ingest.py:_flush",
+    "corpus/ingest.py:_record",
+    "curation/curate.py:curate",
+    "curation/curate.py:judge_range",
+    "curation/dedup.py:hash_range",
+    "curation/neardup.py:dedup_near",
+    "curation/passes.py:each_batch",
+    # data, model, tokenizer, inference
+    "data/cache.py:build_cache",
+    "data/cache.py:prepare_cache",
+    "data/sources.py:StreamingChunks.__init__",
+    "infer/evaluate.py:evaluate_batches",
+    "model/gpt2.py:gpt2_config",
+    "model/hellaswag.py:score",
+    "tokenizer/bpe.py:train_vocab",
+    "tokenizer/texts.py:download",
+    # base modules, settings
+    "progress.py:LogLines.__init__",
+    "settings/options.py:check_number",
+    # `dsgpt2 plan`: cli/train.py and tests/model/test_model.py pass these positionally
+    "train/plan.py:plan_lines",
+    "train/plan.py:activations",
+    "train/plan.py:_saved_bytes",
+}
+
+
+def _positional_counts(path: Path) -> dict[str, int]:
+    """``module:Qual.name`` → positional parameters (positional-only and ordinary, ``self``/``cls`` not
+    counted; those after ``*`` are keyword-only) of every function and method in ``path``."""
+    rel = path.relative_to(PACKAGE).as_posix()
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                names = [a.arg for a in child.args.posonlyargs + child.args.args]
+                if names and names[0] in ("self", "cls"):
+                    names = names[1:]
+                out[f"{rel}:{prefix}{child.name}"] = len(names)
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text()), "")
+    return out
+
+
+def test_no_signature_has_more_than_five_positional_parameters() -> None:
+    """A call one can read: past five, parameters go by keyword (after ``*``) or travel together (a
+    small dataclass)."""
+    counts = {name: n for path in _modules() for name, n in _positional_counts(path).items()}
+    many = {name for name, n in counts.items() if n > 5}
+    assert sorted(many - MANY_POSITIONAL) == []
+    assert sorted(MANY_POSITIONAL - many) == [], "fixed: remove these from MANY_POSITIONAL"
+
+
 def test_one_held_out_measure() -> None:
     """Validation during training and ``dsgpt2 evaluate`` take the held-out loss by one function
     (``model.gpt2.batch_nll``; HellaSwag's endings by ``model.gpt2.span_nll``): no second softmax over
