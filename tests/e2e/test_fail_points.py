@@ -1,5 +1,5 @@
 """Faults the way MongoDB's drivers test them: ``failCommand`` fail points on the test server, under every
-command that writes or reads the corpus outside training (training's own: tests/train/test_trainer.py).
+command that writes or reads the corpus outside training (training's own: tests/train/test_run_faults.py).
 
 Error codes 91 (ShutdownInProgress), 189 (PrimarySteppedDown), 10107 (NotWritablePrimary) and 11600
 (InterruptedAtShutdown) and dropped connections are what a replica set's failover looks like to a client.

@@ -1,0 +1,293 @@
+"""Several ranks and nodes: two CPU ranks (gloo) under the `deepspeed` launcher and `dsgpt2 launch`,
+simulated nodes with disks of their own, a node lost mid-run, a resume on another number of ranks,
+an experiment file under the launcher, HellaSwag scored across ZeRO-3 ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, check_lineage, run_cli, store_config
+from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.db.config import load_config
+from dsgpt2.db.mongo import Connection
+from dsgpt2.train.metrics import read_metrics
+from pace import deadline
+from training import (
+    launch,
+    launch_and_stop,
+    launch_nodes,
+    steps,
+    stop_rank_1,
+    train,
+    trainer_args,
+    training_corpus,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """2,000 sample documents in a file-backed store, and a 512-token vocabulary."""
+    return training_corpus(tmp_path_factory)
+
+
+def test_two_ranks_under_the_deepspeed_launcher_share_one_cache(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two CPU ranks (gloo) started by the `deepspeed` launcher in cached mode: one token cache built
+    by rank 0 for both, one verdict on the corpus, disjoint chunks (streaming: the elastic test)."""
+    result = launch(corpus, tmp_path, 2, "--train_iters", "6", "--save_interval", "100",
+                     "--num_workers", "1", "--data_mode", "cached")  # fmt: skip
+    assert "2 rank(s)" in result.stdout + result.stderr
+    chunks = []
+    for rank in range(2):
+        records = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert [r["step"] for r in records] == list(range(1, 7))
+        chunks.append({c for r in records for _, c, _ in r["block_ids"]})
+    assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
+    assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
+
+
+def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_one_process_then_resumes(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT to the launch's process group) with two ranks: `dsgpt2 launch` ends as a single
+    process does (both ranks save after the same step, the log says SIGINT, exit 0); under the plain
+    `deepspeed` command, whose launcher passes the SIGINT on as a SIGTERM, the ranks still name SIGINT and
+    save, and the run resumes from the first stop; a SIGTERM to one rank stops both at one step."""
+    proc, out, stops = launch_and_stop([sys.executable, "-m", "dsgpt2", "launch"], corpus, tmp_path)
+    assert proc.returncode == 0, out[-3000:]
+    assert len(stops) == 2 and all("trainer: SIGINT: saving a checkpoint" in s for s in stops), out[-3000:]
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out
+    first = max(steps(tmp_path))
+    assert f"stopped: SIGINT at step {first}" in out
+
+    plain = [str(Path(sys.executable).parent / "deepspeed")]
+    proc, out, stops = launch_and_stop(plain, corpus, tmp_path, after=first)
+    assert len(stops) == 2 and all("trainer: SIGINT: saving a checkpoint" in s for s in stops), out[-3000:]
+    assert f"resumed from {tmp_path / 'ckpt' / f'global_step{first}'}" in out
+    second = max(steps(tmp_path))
+    assert first + 1 in steps(tmp_path) and second >= first + 2
+    # DeepSpeed's runner dies of the SIGINT itself, at once (README: why `dsgpt2 launch`).
+    assert proc.returncode == -signal.SIGINT
+
+    launch = [sys.executable, "-m", "dsgpt2", "launch"]
+    proc, out, stops = launch_and_stop(launch, corpus, tmp_path, after=second, stop=stop_rank_1)
+    assert proc.returncode == 0, out[-3000:]
+    said = {("[rank 1]" in s, s.split("dsgpt2.train.trainer: ")[1]) for s in stops}
+    assert said == {
+        (True, "SIGTERM: saving a checkpoint after the current step, then exiting"),
+        (False, "stopping with the other ranks (SIGTERM): saving a checkpoint"),
+    }, out[-3000:]
+    assert f"stopped: SIGTERM at step {max(steps(tmp_path))}" in out
+
+
+@pytest.mark.parametrize("mode", ["streaming", "cached"])
+def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
+    corpus: dict[str, Path], tmp_path: Path, mode: str
+) -> None:
+    """Two nodes (1 + 2 ranks), each with its own cache directory (node-local disks): one cache per
+    node, built by the node's first rank; across the 3 ranks, epoch 0's blocks are exactly those of
+    a one-rank run's epoch 0, none twice."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1", "--data_mode", mode)
+    train(small, tmp_path / "one", "--train_iters", "40", *common[:-2])
+    whole = [tuple(b) for r in read_metrics(tmp_path / "one" / "ws" / "block_ids_rank0.jsonl")
+             for b in r["block_ids"] if b[0] == 0]  # fmt: skip
+    caches = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
+    out = [o for o, _ in launch_nodes(small, tmp_path / "two", [["--cache_dir", str(c)] for c in caches],
+                                       "--train_iters", "24", *common)]  # fmt: skip
+    read = []
+    for rank in range(3):
+        records = read_metrics(tmp_path / "two" / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert records[-1]["block_ids"][-1][0] >= 1, f"rank {rank} did not finish epoch 0"
+        read += [tuple(b) for r in records for b in r["block_ids"] if b[0] == 0]
+    assert len(read) == len(set(read)), "a block was read twice"
+    assert set(read) == set(whole)
+    if mode == "cached":
+        assert all((c / "cache.json").is_file() for c in caches)
+        assert "2 cache directories, built by ranks 0, 1" in out[0]
+        assert not list(caches[1].glob(".rank-*"))
+
+
+# Three two-node launches, two of them waiting out a 60 s --dist_timeout: beside another suite on the
+# same cores it needs more than the per-test hang guard.
+@pytest.mark.timeout(1200)
+def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Node 1 (ranks 1 and 2) is killed at once after step 6 of 12, its checkpoint at step 4:
+    node 0 ends within --dist_timeout, one line and exit 3, the checkpoint intact; the same two
+    commands resume, to the straight run's blocks and losses. A node that never comes: the one
+    launched ends after --dist_timeout with one line."""
+    from dsgpt2.checkpoints.format import complete_tags
+
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "4", "--num_workers", "1", "--train_iters", "12")
+    timeout = ("--dist_timeout", "60")
+    launch_nodes(small, tmp_path / "straight", [[], []], *common, *timeout)
+
+    run = tmp_path / "lost"
+    kill = [[], ["--kill_group_after", "6"]]
+    nodes = launch_nodes(small, run, [[], []], *common, *timeout, faults=kill, expect=(3, -9))
+    (out, end), (_, killed) = nodes
+    assert end - killed < 60
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "rank 0 of 3 stops at step 7: a rank or node of the run died" in errors[0]
+    assert f"the last whole checkpoint, {run / 'ckpt'}/global_step4, is kept" in errors[0]
+    assert complete_tags(run / "ckpt") == ["global_step4"]
+    assert (run / "ckpt" / "latest").read_text().strip() == "global_step4"
+
+    launch_nodes(small, run, [[], []], *common, *timeout)
+    straight, resumed = steps(tmp_path / "straight"), steps(run)
+    assert sorted(resumed) == sorted(straight) == list(range(1, 13))
+    for step in straight:
+        assert abs(resumed[step]["loss"] - straight[step]["loss"]) <= 1e-6, step
+    for rank in range(3):
+        ids = [{r["step"]: r["block_ids"] for r in read_metrics(d / "ws" / f"block_ids_rank{rank}.jsonl")}
+               for d in (tmp_path / "straight", run)]  # fmt: skip
+        assert ids[0] == ids[1], f"rank {rank} read other blocks"
+
+    start = time.monotonic()
+    alone = tmp_path / "alone"
+    [(out, end)] = launch_nodes(small, alone, [[]], *common, "--dist_timeout", "10", expect=(3,))
+    assert end - start < 10 + deadline(60)  # the launch's own start-up, then the timeout
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert "stops at start-up: only 1 of 3 ranks joined the run within --dist_timeout 10 s" in errors[0]
+
+
+def test_resume_on_another_number_of_ranks_reads_every_block_once(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two ranks stop mid-epoch; one rank resumes: the epoch's blocks, set-wise, are exactly those
+    of a one-rank straight run, none twice."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
+
+    def epoch0(run: Path, rank: int = 0, after: int = 0) -> list[tuple[int, int, int]]:
+        records = read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")
+        return [tuple(b) for r in records if r["step"] > after for b in r["block_ids"] if b[0] == 0]
+
+    train(small, tmp_path / "straight", "--train_iters", "40", *common)
+    whole = epoch0(tmp_path / "straight")
+    assert len(whole) == len(set(whole))
+    last = read_metrics(tmp_path / "straight" / "ws" / "block_ids_rank0.jsonl")[-1]
+    assert last["block_ids"][-1][0] == 1  # the straight run got past epoch 0
+
+    launch(small, tmp_path / "elastic", 2, "--train_iters", "4", *common)
+    ranks = [epoch0(tmp_path / "elastic", 0), epoch0(tmp_path / "elastic", 1)]
+    assert ranks[0] and ranks[1] and {c for _, c, _ in ranks[0]}.isdisjoint({c for _, c, _ in ranks[1]})
+    before = ranks[0] + ranks[1]
+    partitioned = tmp_path / "zero1"
+    shutil.copytree(tmp_path / "elastic" / "ckpt", partitioned / "ckpt")
+    resumed = train(small, tmp_path / "elastic", "--train_iters", "40", *common)
+    assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
+    both = before + epoch0(tmp_path / "elastic", 0, after=4)
+    assert len(both) == len(set(both)), "a block was trained twice"
+    assert set(both) == set(whole), "a block was skipped"
+    # Two ranks, then one, the leftovers of their epoch dealt anew: replayed as they were read.
+    check_lineage(tmp_path / "elastic" / "ckpt", tmp_path / "elastic" / "ws", cfg, {"small": 150}, ranks=2)
+
+    # Where DeepSpeed's optimizer state is partitioned per rank, it cannot follow: one line.
+    (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    refused = train(small, partitioned, "--train_iters", "8", *common, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "ds_to_universal" in refused.stderr.strip().splitlines()[-1]
+
+
+def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_the_resolved_one(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """`deepspeed --module dsgpt2 train --config run.toml` on two ranks: the file's flags, the command
+    line over them; the resolved configuration in the run directory and the checkpoint runs again."""
+    import socket
+
+    import yaml
+
+    from dsgpt2.train.config import parse
+
+    flags = trainer_args(corpus, tmp_path, "--train_iters", "50", "--save_interval", "2")
+    lines, i = [], 0
+    while i < len(flags):  # `--name value` / `--name` pairs, the TOML a user would write
+        name = flags[i][2:]
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value = flags[i + 1]
+            lines.append(f"{name} = {value if value.isdigit() else json.dumps(value)}")
+            i += 2
+        else:
+            lines.append(f"{name} = true")
+            i += 1
+    run_file = tmp_path / "run.toml"
+    run_file.write_text("\n".join(lines) + "\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    result = subprocess.run(
+        [*launcher, "--module", "dsgpt2", "train", "--config", str(run_file), "--train_iters", "4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=deadline(300),
+    )  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"  # 4 from the command line
+    assert [r["step"] for r in read_metrics(tmp_path / "ws" / "block_ids_rank1.jsonl")] == [1, 2, 3, 4]
+    resolved = tmp_path / "ws" / "config.yaml"
+    values = yaml.safe_load(resolved.read_text())
+    assert values["train_iters"] == 4 and values["save_interval"] == 2 and values["context_length"] == 64
+    assert values["log_block_ids"] is True and values["config_train"] == str(corpus["config"])
+    assert (tmp_path / "ckpt" / "global_step4" / "config.yaml").read_text() == resolved.read_text()
+    # The resolved file runs the same configuration again.
+    again = parse(["--config", str(resolved)])
+    from_file = parse(["--config", str(run_file), "--train_iters", "4"])
+    assert again.to_dict() == from_file.to_dict()
+
+
+def test_hellaswag_at_each_evaluation_on_two_zero3_ranks_equals_evaluating_the_checkpoint(
+    corpus: dict[str, Path], tmp_path: Path, sample_texts: list[str]
+) -> None:
+    """--hellaswag on two gloo ranks under ZeRO-3: nine examples, four scored on each rank (the one
+    left over left out, so both ranks run the same forwards), logged at every evaluation; the final
+    record's accuracies are those `dsgpt2 evaluate --hellaswag` takes of the final checkpoint."""
+    from corpora import examples
+
+    path = tmp_path / "hellaswag_val.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples(sample_texts, 9)))
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": 3}
+    (tmp_path / "ds3.json").write_text(json.dumps(ds))
+    staged = dict(corpus, ds=tmp_path / "ds3.json")
+    result = launch(staged, tmp_path, 2, "--train_iters", "4", "--eval_interval", "2", "--save_interval",
+                     "100", "--num_workers", "1", "--hellaswag", str(path))  # fmt: skip
+    assert "HellaSwag: acc" in result.stdout + result.stderr
+    evals = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(r["hellaswag_examples"] == 8 and "val_loss" in r for r in evals)
+    end = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert end["hellaswag_acc"] == evals[-1]["hellaswag_acc"]
+
+    report = tmp_path / "report.json"
+    alone = run_cli("evaluate", "--model", str(tmp_path / "ckpt"), "--config", str(corpus["config"]),
+                    "--hellaswag", str(path), "--hellaswag_limit", "8", "--report", str(report),
+                    "--no_record")  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    metrics = json.loads(report.read_text())["metrics"]
+    assert metrics["hellaswag_examples"] == 8
+    assert metrics["hellaswag_acc"] == evals[-1]["hellaswag_acc"]
+    assert metrics["hellaswag_acc_norm"] == evals[-1]["hellaswag_acc_norm"]
