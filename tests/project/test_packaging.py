@@ -1,0 +1,75 @@
+"""What the project ships: the GPU DeepSpeed configs step on enough tokens per GPU, and a plain wheel
+carries the configs and finds them from any directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from pace import deadline
+
+
+def test_every_shipped_gpu_config_steps_on_at_least_128k_tokens_per_gpu() -> None:
+    """DeepSpeed's optimizer step costs a fixed time per step on a GPU: the GPU configs amortize it over
+    at least 131,072 tokens per GPU at context 1,024, warm up as GPT-2's recipe does, and keep the
+    schedule in the config consistent with the optimizer's rate."""
+    gpu = {}
+    for path in sorted((ROOT / "configs").glob("ds_config*.json")):
+        ds = json.loads(path.read_text(encoding="utf-8"))
+        if any(ds.get(k, {}).get("enabled") for k in ("bf16", "fp16")):
+            gpu[path.name] = ds
+    assert {"ds_config.json", "ds_config_fp16.json", "ds_config_zero2_offload.json",
+            "ds_config_zero3_offload.json"} <= set(gpu)  # fmt: skip
+    for name, ds in gpu.items():
+        tokens = ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * 1024
+        assert tokens >= 131_072, (name, tokens)
+        params = ds["scheduler"]["params"]
+        assert params["warmup_max_lr"] == ds["optimizer"]["params"]["lr"], name
+        assert 0 < params["warmup_num_steps"] <= 2000, name
+
+
+@pytest.mark.slow
+def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Path) -> None:
+    """A plain `pip install .` (the Docker image's) finds the shipped configs from any directory."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+         str(ROOT)],
+        capture_output=True, text=True, timeout=deadline(300),
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-2000:]
+    (wheel,) = wheels.glob("dsgpt2-*.whl")
+    shipped = sorted(p.name for p in (ROOT / "configs").glob("*.json"))
+    runs = sorted(p.name for p in (ROOT / "configs" / "recipes").iterdir())
+    inside = sorted(Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/configs/" in n)
+    assert inside == sorted(shipped + runs) and "ds_config_cpu.json" in inside and "demo.yaml" in runs
+    target = tmp_path / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        capture_output=True, text=True, timeout=deadline(300),
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = (
+        "import json, dsgpt2, dsgpt2.settings.shipped as s\n"
+        "paths = [s.shipped_config(n) for n in s.shipped_names()]\n"
+        "print(json.dumps([dsgpt2.__file__, [str(p) for p in paths if json.loads(p.read_text())]]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(target)}, timeout=deadline(120),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    where, paths = json.loads(result.stdout)
+    assert where.startswith(str(target))
+    assert sorted(Path(p).name for p in paths) == shipped
+    assert all(p.startswith(str(target)) for p in paths)
