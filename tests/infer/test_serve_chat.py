@@ -1,0 +1,143 @@
+"""dsgpt2 serve with a chat model and an API key: the official OpenAI client (completions, chat,
+streaming), the key guarding every route but /health, long requests run to their length and stopped
+when their client leaves; QUALITY.md row 15."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conftest import tiny_export
+from pace import deadline
+from serving import LOGS, start_server
+
+KEY = "sk-test-0123456789"
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Iterator[str]:
+    """A model with <|user|> and <|bot|>, a long context, an API key."""
+    base = tmp_path_factory.mktemp("chat")
+    model = tiny_export(base, sample_texts[:400], context=1024)
+    yield from start_server(base, model, "--max_tokens_limit", "1000", "--api_key", KEY)
+
+
+def test_official_client_completions_chat_and_streaming(chat_server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=deadline(60))
+    served = client.models.list().data[0].id
+    done = client.completions.create(model=served, prompt="The", max_tokens=5, seed=1)
+    assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What does this return?"},
+        {"role": "assistant", "content": "A list."},
+        {"role": "user", "content": "Of what?"},
+    ]
+    chat = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    answer = chat.choices[0].message
+    assert answer.role == "assistant" and answer.content == answer.content.strip()
+    assert chat.usage.prompt_tokens > 10
+    again = client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8
+    )
+    assert again.choices[0].message.content == answer.content  # the same seed, the same reply
+    pieces, reasons = [], []
+    for chunk in client.chat.completions.create(
+        model=served, messages=messages, max_tokens=20, seed=4, temperature=0.8, stream=True
+    ):
+        for c in chunk.choices:
+            pieces.append(c.delta.content or "")
+            reasons.append(c.finish_reason)
+    assert "".join(pieces) == answer.content and reasons[-1] == chat.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="frequency_penalty"):
+        client.chat.completions.create(model=served, messages=messages, frequency_penalty=0.5)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{chat_server}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
+    for path in ("/v1/models", "/generate?sentence=a"):
+        r = httpx.get(f"{chat_server}{path}", timeout=deadline(10))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    r = httpx.post(
+        f"{chat_server}/v1/completions", json={"prompt": "a"}, headers={"Authorization": "Bearer x"}
+    )
+    assert r.status_code == 401
+    assert httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["auth"] is True
+    ok = httpx.get(
+        f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=deadline(10)
+    )
+    assert ok.status_code == 200
+    assert KEY not in LOGS[chat_server].read_text()
+
+
+# Greedy completions of 8 prompts that each run to max_tokens (no end-of-text): 8,000 tokens.
+LONG = {"prompt": [f"The {i}" for i in range(8)], "max_tokens": 1000, "temperature": 0}
+
+
+def test_long_requests_run_to_their_length(chat_server: str) -> None:
+    """What the two tests below cut short runs 8,000 tokens when left alone."""
+    r = httpx.post(
+        f"{chat_server}/v1/completions",
+        json=LONG,
+        headers={"Authorization": f"Bearer {KEY}"},
+        timeout=deadline(120),
+    )
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
+    assert r.json()["usage"]["completion_tokens"] == 8 * 1000
+
+
+def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def health() -> dict:
+        return httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()
+
+    before = health()["tokens_generated"]
+    body = {**LONG, "stream": True}
+    with httpx.stream(
+        "POST", f"{chat_server}/v1/completions", json=body, headers=auth, timeout=deadline(60)
+    ) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: {")
+    # The connection is closed: the row leaves the batch and the slot frees.
+    end_by = time.monotonic() + deadline(10)
+    while (h := health())["running"] or h["batch_rows"]:
+        assert time.monotonic() < end_by, h
+        time.sleep(0.05)
+    spent = h["tokens_generated"] - before
+    time.sleep(0.5)
+    assert health()["tokens_generated"] - before == spent < 8 * 1000
+    # The server goes on.
+    r = httpx.post(
+        f"{chat_server}/v1/completions",
+        json={"prompt": "a", "max_tokens": 3},
+        headers=auth,
+        timeout=deadline(30),
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str) -> None:
+    auth = {"Authorization": f"Bearer {KEY}"}
+    before = httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["tokens_generated"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{chat_server}/v1/completions", json=LONG, headers=auth, timeout=httpx.Timeout(10, read=0.1)
+        )
+    # The slot frees when the handler returns; the cancelled rows leave the batch at the engine's next step.
+    end_by = time.monotonic() + deadline(10)
+    while (h := httpx.get(f"{chat_server}/health", timeout=deadline(10)).json())["running"] or h[
+        "batch_rows"
+    ]:
+        assert time.monotonic() < end_by, h
+        time.sleep(0.05)
+    assert h["tokens_generated"] - before < 8 * 1000

@@ -1,0 +1,84 @@
+"""`dsgpt2 serve` for the tests: the small model they serve, a server process on a free port of
+127.0.0.1 for a fixture (with its log and the model it serves), the events of a server-sent stream."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import ROOT, tiny_export
+from pace import deadline
+
+# The pretrained model, one per test process (pytest's temporary directory): the tests only read it,
+# so the test modules share it instead of each exporting their own.
+_PRETRAINED: dict[Path, Path] = {}
+
+
+def pretrained_model(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Path:
+    """A model with no speaker tokens (pretrained only), exported once per test process."""
+    key = tmp_path_factory.getbasetemp()
+    if key not in _PRETRAINED:
+        _PRETRAINED[key] = tiny_export(tmp_path_factory.mktemp("pretrained"), sample_texts[:400], speakers=())
+    return _PRETRAINED[key]
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+LOGS: dict[str, Path] = {}  # server URL → its log file
+MODELS: dict[str, Path] = {}  # server URL → the model it serves
+
+
+def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -> Iterator[str]:
+    """A ``dsgpt2 serve`` subprocess on a free port of 127.0.0.1 for a fixture; its URL."""
+    port = free_port()
+    log = open(base / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags],
+        cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    LOGS[url] = base / "server.log"
+    MODELS[url] = cwd / model
+    end_by = time.monotonic() + deadline(90)
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end_by:
+            proc.kill()
+            log.close()
+            pytest.fail(f"server did not start: {(base / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.3)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=deadline(30))
+    log.close()
+    assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    """The events of a server-sent event stream: JSON objects, then the string "[DONE]"."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
