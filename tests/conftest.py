@@ -23,12 +23,10 @@ from zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# tests/ holds the shared helpers (this file, zygote, wire_server, inject, pace); the tests live in one
-# folder per room of the package, plus e2e/ and project/. The live-server tests rerun other rooms'
-# planted corpora, so every room is importable from every other.
-for _room in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir() and p.name[0] not in "._"):
-    if str(_room) not in sys.path:
-        sys.path.append(str(_room))
+# tests/ holds the shared helpers (this file, zygote, wire_server, inject, pace, and corpora, training,
+# serving, delivery for what tests of several files share); the tests live in one folder per room of the
+# package, plus e2e/ and project/. pytest puts this file's folder on sys.path, so every test module
+# imports the helpers by name.
 
 # Under pytest-xdist the workers already fill the cores: a DeepSpeed rank, a DataLoader worker or an
 # in-process model computing on two threads each would only contend (about a sixth of the suite's time).
