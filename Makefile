@@ -16,7 +16,7 @@ LATEST_VENV ?= .venv-latest
 # Two workers on two cores: the DeepSpeed runs compute while the other tests wait on processes and sockets.
 PYTEST_WORKERS ?= 2
 
-.PHONY: venv test test-fast test-latest latest lock demo bench lint clean
+.PHONY: venv test test-fast test-latest latest lock demo bench lint docs clean
 
 # pip and setuptools first, at their locked versions: setuptools is also the build backend, held by
 # --build-constraint in pip's isolated build environment.
@@ -68,6 +68,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/shellcheck pipelines/*.sh .ci/run
+
+# The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link or anchor, a page
+# outside the navigation) fails the build. The reference pages are written from the parsers as it builds.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache
