@@ -95,17 +95,18 @@ def test_a_malformed_file_is_one_line(tmp_path: Path, sample_texts: list[str], l
 
 
 def readme_block(containing: str) -> str:
-    """The README's bash block that holds ``containing``."""
+    """The bash block of the README or the docs (docs/*.md) that holds ``containing``."""
     from conftest import ROOT
 
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    text = "".join(page.read_text() for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     (block,) = [b for b in blocks if containing in b]
     return block
 
 
 @pytest.mark.slow
 def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample_texts: list[str]) -> None:
-    """The README's lm-eval commands, run as written in a directory holding `runs/model` (an export)
+    """The docs' lm-eval commands, run as written in a directory holding `runs/model` (an export)
     and `hellaswag_val.jsonl`: EleutherAI's `lm_eval --model hf` loads the export and runs the local
     task offline. Its acc, the ending of least summed loss, is the acc `dsgpt2 evaluate --hellaswag`
     reports on the same file."""

@@ -1,5 +1,6 @@
 """The README's commands stay true: every `dsgpt2`/`ds_trainer.py` line parses, every script exists and
-every variable set for a script is one its header documents."""
+every variable set for a script is one its header documents. The functions take the Markdown file to
+read, so that tests/project/test_docs.py checks the pages of docs/ the same way."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from conftest import ROOT
 README = ROOT / "README.md"
 
 
-def _blocks() -> list[str]:
-    """The commands of the README's fenced bash blocks, continuations joined, comments dropped."""
-    text = README.read_text(encoding="utf-8")
+def blocks(page: Path = README) -> list[str]:
+    """The commands of a page's fenced bash blocks, continuations joined, comments dropped."""
+    text = page.read_text(encoding="utf-8")
     out = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         joined = re.sub(r"\\\n\s*", " ", block)
@@ -25,14 +26,15 @@ def _blocks() -> list[str]:
     return [c for c in out if c and not c.startswith("#")]
 
 
-def _inline() -> list[str]:
-    """Commands quoted inline in the prose (`dsgpt2 ... --flag`, `VAR=... bash pipelines/...`)."""
-    prose = re.sub(r"```.*?```", "", README.read_text(encoding="utf-8"), flags=re.S)
+def inline(page: Path = README) -> list[str]:
+    """Commands quoted inline in a page's prose (`dsgpt2 ... --flag`, `VAR=... bash pipelines/...`)."""
+    prose = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
     found = re.findall(r"`((?:[A-Z_]+=\S* )*(?:dsgpt2 |bash pipelines/)[^`]*)`", prose.replace("\n", " "))
     return [c for c in found if "--" in c or "pipelines/" in c]
 
 
-def _split(command: str) -> tuple[dict[str, str], list[str]]:
+def split(command: str) -> tuple[dict[str, str], list[str]]:
+    """A command line as its leading ``VAR=value`` settings and its words (after the last pipe)."""
     words = shlex.split(command.split("| ")[-1])
     env = {}
     while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
@@ -41,14 +43,7 @@ def _split(command: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def _parse(parser: object, words: list[str]) -> None:
-    try:
-        parser.parse_args(words)  # type: ignore[attr-defined]
-    except SystemExit as exc:  # --help exits 0; anything else is a broken command
-        assert exc.code == 0, words
-
-
-def _subparser(words: list[str]) -> object:
+def subparser(words: list[str]) -> object:
     """The argparse parser of a dsgpt2 (sub)command, following subcommand names."""
     import argparse
 
@@ -63,50 +58,60 @@ def _subparser(words: list[str]) -> object:
     return parser
 
 
-def test_readme_has_commands() -> None:
-    assert sum(c.startswith("dsgpt2 ") for c in _blocks()) >= 15
-    assert any("pipelines/all.sh" in c for c in _blocks())
-
-
-def _is_train(words: list[str]) -> bool:
+def is_train(words: list[str]) -> bool:
     """`dsgpt2 train ...`, `deepspeed ... --module dsgpt2 train ...` or `dsgpt2 launch ...` (the
     launcher's flags, then ds_trainer.py's or the module's)."""
     module = words[words.index("--module") + 1 :] if "--module" in words else []
     return words[:2] in (["dsgpt2", "train"], ["dsgpt2", "launch"]) or module[:2] == ["dsgpt2", "train"]
 
 
-@pytest.mark.parametrize(
-    "command", [c for c in _blocks() if _split(c)[1][:1] == ["dsgpt2"] and not _is_train(_split(c)[1])]
-)
-def test_dsgpt2_commands_parse(command: str) -> None:
+def dsgpt2_commands(page: Path = README) -> list[str]:
+    """The `dsgpt2 ...` lines of a page's bash blocks, the trainer's aside."""
+    return [c for c in blocks(page) if split(c)[1][:1] == ["dsgpt2"] and not is_train(split(c)[1])]
+
+
+def trainer_commands(page: Path = README) -> list[str]:
+    """`python ds_trainer.py`, `deepspeed ds_trainer.py`, `dsgpt2 train` and `dsgpt2 launch` lines."""
+    return [c for c in blocks(page) if "ds_trainer.py" in split(c)[1][:6] or is_train(split(c)[1])]
+
+
+def pipeline_commands(page: Path = README) -> list[str]:
+    return [c for c in blocks(page) + inline(page) if "bash pipelines/" in c]
+
+
+def named_paths(page: Path = README) -> set[str]:
+    """The repository paths a page names in backticks (`configs/...`, `tests/...`, ...)."""
+    text = page.read_text(encoding="utf-8")
+    return set(re.findall(r"`((?:dsgpt2|configs|tests|pipelines)/[A-Za-z0-9_./-]+)`", text))
+
+
+def check_dsgpt2_command(command: str) -> None:
+    """The command parses with the real parser (an experiment file applied)."""
     from dsgpt2.cli.main import build_parser
     from dsgpt2.settings.runfile import parse_args
 
-    words = _split(command)[1][1:]
+    words = split(command)[1][1:]
     try:
         parse_args(build_parser(), words)
-    except SystemExit as exc:
+    except SystemExit as exc:  # --help exits 0; anything else is a broken command
         assert exc.code == 0, words
 
 
-@pytest.mark.parametrize("command", [c for c in _inline() if c.startswith("dsgpt2 ")])
-def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
-    words = _split(command)[1][1:]
-    parser = _subparser(words)
+def check_inline_options(command: str) -> None:
+    """Every --flag of an inline `dsgpt2 ...` quote is a flag of that (sub)command."""
+    words = split(command)[1][1:]
+    parser = subparser(words)
     for flag in (w.split("=")[0] for w in words if w.startswith("--")):
         assert flag in parser._option_string_actions, (flag, command)  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    "command", [c for c in _blocks() if "ds_trainer.py" in _split(c)[1][:6] or _is_train(_split(c)[1])]
-)
-def test_trainer_commands_parse(command: str, tmp_path: Path) -> None:
-    """ds_trainer.py, dsgpt2 train and deepspeed --module dsgpt2 train lines, experiment files applied
-    (a file the README asks the user to supply is written in the layout it names)."""
+def check_trainer_command(command: str, tmp_path: Path) -> None:
+    """ds_trainer.py, dsgpt2 train and deepspeed --module dsgpt2 train lines parse, experiment files
+    applied (a file the page asks the user to supply is written in the layout it names)."""
     from dsgpt2.settings.runfile import COMMANDS, parse_args
     from dsgpt2.train.config import TRAIN_ALIASES, build_parser
 
-    words = _split(command)[1]
+    words = split(command)[1]
     supplied = tmp_path / "hellaswag_val.jsonl"
     supplied.write_text(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 1}) + "\n")
     words = [str(supplied) if w == supplied.name else w for w in words]
@@ -117,19 +122,53 @@ def test_trainer_commands_parse(command: str, tmp_path: Path) -> None:
         assert exc.code == 0, words
 
 
-def _documented(script: Path) -> set[str]:
+def documented(script: Path) -> set[str]:
+    """The settings a pipeline script's header documents."""
     header = script.read_text(encoding="utf-8").split("set -euo pipefail")[0]
     return set(re.findall(r"^#\s+([A-Z_]+)\s", header, flags=re.M))
 
 
-@pytest.mark.parametrize("command", [c for c in _blocks() + _inline() if "bash pipelines/" in c])
-def test_pipeline_commands_use_documented_settings(command: str) -> None:
-    env, words = _split(command)
+def check_pipeline_command(command: str) -> None:
+    """The script exists and every variable set for it is one its header documents."""
+    env, words = split(command)
     script = ROOT / words[words.index("bash") + 1]
     assert script.is_file(), script
-    assert set(env) <= _documented(script), (set(env) - _documented(script), script.name)
+    assert set(env) <= documented(script), (set(env) - documented(script), script.name)
+
+
+def missing_paths(page: Path = README) -> list[str]:
+    return sorted(p for p in named_paths(page) if not (ROOT / p).exists())
+
+
+def test_readme_has_the_tour_and_the_two_commands() -> None:
+    """The front door: `make demo`, `make test` (CI runs it as the README says) and a tour through every
+    stage, each a command that parses (below)."""
+    text = README.read_text(encoding="utf-8")
+    assert "make demo" in text and "make test" in text
+    stages = [split(c)[1][1] for c in blocks() if split(c)[1][:1] == ["dsgpt2"]]
+    for stage in ("ingest", "vocab", "train", "evaluate", "export", "generate"):
+        assert stage in stages, stage
+
+
+@pytest.mark.parametrize("command", dsgpt2_commands())
+def test_dsgpt2_commands_parse(command: str) -> None:
+    check_dsgpt2_command(command)
+
+
+@pytest.mark.parametrize("command", [c for c in inline() if c.startswith("dsgpt2 ")])
+def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
+    check_inline_options(command)
+
+
+@pytest.mark.parametrize("command", trainer_commands())
+def test_trainer_commands_parse(command: str, tmp_path: Path) -> None:
+    check_trainer_command(command, tmp_path)
+
+
+@pytest.mark.parametrize("command", pipeline_commands())
+def test_pipeline_commands_use_documented_settings(command: str) -> None:
+    check_pipeline_command(command)
 
 
 def test_files_the_readme_names_in_the_repository_exist() -> None:
-    named = set(re.findall(r"`((?:dsgpt2|configs|tests|pipelines)/[A-Za-z0-9_./-]+)`", README.read_text()))
-    assert named and not [p for p in named if not (ROOT / p).exists()]
+    assert named_paths() and missing_paths() == []

@@ -1,0 +1,212 @@
+"""The documentation site stays true: it builds in strict mode, every command its pages show parses with
+the real parsers, every path they name exists, and the generated reference names every flag of every
+command and every connection-config key (checked the way tests/project/test_readme.py checks the
+README, with its functions)."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from test_readme import (
+    check_dsgpt2_command,
+    check_inline_options,
+    check_pipeline_command,
+    check_trainer_command,
+    dsgpt2_commands,
+    inline,
+    missing_paths,
+    named_paths,
+    pipeline_commands,
+    trainer_commands,
+)
+
+from conftest import ROOT
+
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.rglob("*.md"))
+# A page a reader takes in at one sitting: long enough to stand alone, short enough to finish.
+PAGE_LINES = (30, 250)
+
+
+def _params(collect: object) -> list[object]:
+    """``pytest.param(command)`` for every command ``collect(page)`` finds, named by page and command."""
+    return [
+        pytest.param(command, id=f"{page.relative_to(DOCS)}: {command[:80]}")
+        for page in PAGES
+        for command in collect(page)  # type: ignore[operator]
+    ]
+
+
+def gen_reference() -> ModuleType:
+    """docs/gen_reference.py, the MkDocs hook that writes the reference pages."""
+    spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parsers(name: str, parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """Every (sub)command's parser by its full name, found apart from the generator's own walk."""
+    out = {name: parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                out.update(parsers(f"{name} {sub_name}", sub))
+    return out
+
+
+def sections(page: str) -> dict[str, str]:
+    """A reference page's ``## NAME`` sections by NAME."""
+    return {part.split("\n", 1)[0]: part for part in re.split(r"(?m)^## ", page)[1:]}
+
+
+def missing_flags(section: str, parser: argparse.ArgumentParser) -> list[str]:
+    """The option strings of ``parser`` that no row of ``section``'s flag tables shows in its first cell."""
+    cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    shown = {flag for cell in cells for flag in re.findall(r"`(-{1,2}[A-Za-z0-9_-]+)", cell)}
+    return [flag for action in parser._actions for flag in action.option_strings if flag not in shown]
+
+
+def expanded(page: Path) -> str:
+    """A page's text with its ``--8<-- "FILE:N"`` snippets included, as the site shows it."""
+
+    def include(match: re.Match[str]) -> str:
+        path, _, start = match[1].partition(":")
+        lines = (ROOT / path).read_text(encoding="utf-8").splitlines()
+        return "\n".join(lines[int(start) - 1 if start else 0 :])
+
+    return re.sub(r'^--8<-- "([^"]+)"$', include, page.read_text(encoding="utf-8"), flags=re.M)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site as ``make docs`` builds it (strict: a warning fails), into a temporary directory."""
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(ROOT / "mkdocs.yml"),
+         "-d", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )  # fmt: skip
+    assert built.returncode == 0, (built.stdout + built.stderr)[-3000:]
+    return out
+
+
+def test_the_site_builds_in_strict_mode_with_the_generated_reference(site: Path) -> None:
+    """Every page is built, the reference pages among them (written by the hook, not stored), and the
+    built commands page names every flag of every dsgpt2 command."""
+    for page in PAGES:
+        rel = page.relative_to(DOCS).with_suffix("")
+        built = site / (rel.parent if rel.name == "index" else rel) / "index.html"
+        assert built.is_file(), built
+    commands = (site / "reference" / "commands" / "index.html").read_text(encoding="utf-8")
+    from dsgpt2.cli.main import build_parser
+
+    for name, parser in parsers("dsgpt2", build_parser()).items():
+        assert html.escape(name) in commands, name
+        for action in parser._actions:
+            for flag in action.option_strings:
+                assert f"<code>{flag}" in commands, (name, flag)
+    for name in ("trainer", "connection-config"):
+        assert (site / "reference" / name / "index.html").is_file()
+
+
+def test_reference_pages_are_not_stored() -> None:
+    """The reference is made at build time only: a stored copy could drift from the code."""
+    for path in gen_reference().PAGES:
+        assert not (DOCS / path).exists(), path
+
+
+def test_the_commands_reference_lists_every_flag_of_every_command() -> None:
+    from dsgpt2.cli.main import build_parser
+
+    page = sections(gen_reference().commands_page())
+    for name, parser in parsers("dsgpt2", build_parser()).items():
+        assert name in page, f"no section for {name}"
+        assert missing_flags(page[name], parser) == [], name
+
+
+def test_the_trainer_reference_lists_every_flag() -> None:
+    from dsgpt2.train.config import build_parser
+
+    page = gen_reference().trainer_page()
+    assert missing_flags(page, build_parser()) == []
+
+
+def test_the_config_reference_lists_every_key_with_its_default() -> None:
+    from dsgpt2.db.config import _KEYS, MongoConfig
+
+    page = gen_reference().config_page()
+    rows = {m[1]: m[0] for m in re.finditer(r"^\| `([A-Z_]+)` \|.*$", page, flags=re.M)}
+    assert set(rows) == set(_KEYS)
+    assert "`5000`" in rows["SERVER_SELECTION_TIMEOUT_MS"] and MongoConfig.server_selection_timeout_ms == 5000
+    assert '`"filt_text"`' in rows["TEXT_FIELD"]
+
+
+def test_a_flag_missing_from_the_reference_is_found() -> None:
+    """The completeness check fails where the page leaves a flag out."""
+    parser = argparse.ArgumentParser(prog="dsgpt2 x")
+    parser.add_argument("--kept", default=1, help="stays")
+    parser.add_argument("--left_out", choices=["a", "b"], help="dropped below")
+    module = gen_reference()
+    whole = "\n".join(module._table(parser, parser._actions))
+    assert missing_flags(whole, parser) == []
+    cut = "\n".join(line for line in whole.splitlines() if "--left_out" not in line)
+    assert missing_flags(cut, parser) == ["--left_out"]
+    assert "`a`, `b`" in whole and "| `1` |" in whole  # choices and defaults are shown
+
+
+def test_pages_are_of_reading_length() -> None:
+    """Each page's own text fits the range; a page that shows another document (architecture.md shows
+    ARCHITECTURE.md) counts that document towards the least, not the most."""
+    low, high = PAGE_LINES
+    own = {str(p.relative_to(DOCS)): len(p.read_text(encoding="utf-8").splitlines()) for p in PAGES}
+    shown = {str(p.relative_to(DOCS)): len(expanded(p).splitlines()) for p in PAGES}
+    assert {p: n for p, n in own.items() if n > high} == {}
+    assert {p: n for p, n in shown.items() if n < low} == {}
+
+
+def test_the_docs_show_commands() -> None:
+    """What test_readme once asked of the README, now asked of the docs as a whole."""
+    found = [c for page in PAGES for c in dsgpt2_commands(page)]
+    assert sum(c.startswith("dsgpt2 ") for c in found) >= 15
+    assert any("pipelines/all.sh" in c for page in PAGES for c in pipeline_commands(page))
+    assert any("deepspeed ds_trainer.py" in c for page in PAGES for c in trainer_commands(page))
+
+
+@pytest.mark.parametrize("command", _params(dsgpt2_commands))
+def test_dsgpt2_commands_parse(command: str) -> None:
+    check_dsgpt2_command(command)
+
+
+@pytest.mark.parametrize("command", _params(lambda p: [c for c in inline(p) if c.startswith("dsgpt2 ")]))
+def test_inline_dsgpt2_commands_name_real_options(command: str) -> None:
+    check_inline_options(command)
+
+
+@pytest.mark.parametrize("command", _params(trainer_commands))
+def test_trainer_commands_parse(command: str, tmp_path: Path) -> None:
+    check_trainer_command(command, tmp_path)
+
+
+@pytest.mark.parametrize("command", _params(pipeline_commands))
+def test_pipeline_commands_use_documented_settings(command: str) -> None:
+    check_pipeline_command(command)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+def test_files_the_docs_name_in_the_repository_exist(page: Path) -> None:
+    assert missing_paths(page) == [], page
+
+
+def test_the_docs_name_files() -> None:
+    assert sum(len(named_paths(page)) for page in PAGES) >= 20
