@@ -1,7 +1,7 @@
 """The documentation site stays true: it builds in strict mode, every command its pages show parses with
 the real parsers, every path they name exists, and the generated reference names every flag of every
-command and every connection-config key (checked the way tests/project/test_readme.py checks the
-README, with its functions)."""
+command and every connection-config key (checked as tests/project/test_readme.py checks the README,
+with the functions of tests/doc_checks.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from test_readme import (
+from doc_checks import (
     check_dsgpt2_command,
     check_inline_options,
     check_pipeline_command,
