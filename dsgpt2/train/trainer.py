@@ -138,17 +138,22 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context)
-    feed_settings = FeedSettings(cfg.data, cfg.cache_dir, cfg.ckpt.ckpt_dir, cfg.engine.dist_timeout)
+    feed_settings = FeedSettings(
+        cfg.data, cache_dir=cfg.cache_dir, ckpt_dir=cfg.ckpt.ckpt_dir, dist_timeout=cfg.engine.dist_timeout
+    )
     feed = Feed(feed_settings, mongo, conn, spec, rank=rank, world=world)
     fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
-    ckpt_settings = CheckpointSettings(cfg.ckpt, cfg.run.train_iters, cfg.data.vocab_dir, cfg.to_dict(),
-                                       cfg.resolved())  # fmt: skip
+    ckpt_settings = CheckpointSettings(
+        cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=cfg.to_dict(),
+        resolved=cfg.resolved(),
+    )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model)
     found = on_rank0(checkpointer.find)
     feed.start(marks, found[2] if found else None)
-    engine = build_engine(EngineSettings(cfg.model, cfg.compute, cfg.data.seed), ds_config, spec, vocab_size,
-                          lr_schedule=lr_schedule, init=init, device=device, world=world)  # fmt: skip
+    engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed)
+    engine = build_engine(engine_settings, ds_config, spec, vocab_size, lr_schedule=lr_schedule, init=init,
+                          device=device, world=world)  # fmt: skip
     state = checkpointer.restore(
         engine.engine, found[:2] if found else None, feed.state.streams[0], lr_schedule
     )
