@@ -1,5 +1,6 @@
-"""dsgpt2 serve: a real HTTP client against a server on 127.0.0.1, /generate and the OpenAI routes;
-QUALITY.md row 15."""
+"""dsgpt2 serve: a real HTTP client against a server on 127.0.0.1, /generate and the OpenAI routes:
+an oversized prompt, absurd max tokens or a non-numeric temperature is a 400 with a reason, and the
+server keeps serving."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """dsgpt2 serve with a chat model and an API key: the official OpenAI client (completions, chat,
 streaming), the key guarding every route but /health, long requests run to their length and stopped
-when their client leaves; QUALITY.md row 15."""
+when their client leaves."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """compose.yaml and .env.example, read as files, and `docker compose config` where it is installed.
 
-QUALITY row 16: no inline secrets, MongoDB not published beyond localhost, auth on; plus the wiring a
+The delivery's promises: no inline secrets, MongoDB not published beyond localhost, auth on; plus the wiring a
 fresh clone relies on (`cp .env.example .env && docker compose up`). Every checker (tests/delivery.py)
 is also run on a broken snippet, so that a checker that lets everything through fails here.
 """

@@ -1,6 +1,6 @@
 """docker/Dockerfile and .dockerignore, read as files.
 
-QUALITY row 16: a non-root user, no secret baked into the image; plus what the image must hold for
+The delivery's promises: a non-root user, no secret baked into the image; plus what the image must hold for
 `docker compose up` and `docker run IMAGE bash ...` to work. Every checker (tests/delivery.py) is also
 run on a broken snippet, so that a checker that lets everything through fails here.
 """
