@@ -74,6 +74,29 @@ def test_fewer_hellaswag_examples_than_ranks_is_refused_before_training(
     one = tmp_path / "hellaswag_val.jsonl"
     one.write_text(json.dumps({"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 2}) + "\n")
     cfg = parse(trainer_args(corpus, tmp_path, "--hellaswag", str(one)))
-    assert len(Validator(cfg, None, 0, 1, 4, None, 64)._hellaswag) == 1
+    assert (
+        len(
+            Validator(
+                cfg.run,
+                None,
+                vocab_dir=cfg.data.vocab_dir,
+                rank=0,
+                world=1,
+                micro_batch=4,
+                doc_mask_eot=None,
+                context=64,
+            )._hellaswag
+        )
+        == 1
+    )
     with pytest.raises(ConfigError, match="1 example\\(s\\) for 2 ranks"):
-        Validator(cfg, None, 1, 2, 4, None, 64)
+        Validator(
+            cfg.run,
+            None,
+            vocab_dir=cfg.data.vocab_dir,
+            rank=1,
+            world=2,
+            micro_batch=4,
+            doc_mask_eot=None,
+            context=64,
+        )
