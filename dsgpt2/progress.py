@@ -88,7 +88,7 @@ def progress(
     every = interval_seconds()
     if on_terminal():
         return tqdm(desc=desc, unit=unit, total=total, initial=initial)
-    return LogLines(desc, unit, total, initial, every)
+    return LogLines(desc, unit, total=total, initial=initial, every=every)
 
 
 class LogLines:
@@ -97,7 +97,14 @@ class LogLines:
     line at :meth:`close` when lines were written and the count moved since."""
 
     def __init__(
-        self, desc: str, unit: str, total: int | None, initial: int, every: float, clock: Any = time.monotonic
+        self,
+        desc: str,
+        unit: str,
+        *,
+        total: int | None,
+        initial: int,
+        every: float,
+        clock: Any = time.monotonic,
     ) -> None:
         self.desc, self.unit, self.total, self.every = desc, unit, total, every
         self.n = self.initial = initial

@@ -238,6 +238,7 @@ class StreamingChunks(Dataset):
         tokenizer_dir: Path,
         spec: DataSpec,
         split: str,
+        *,
         window: tuple[int, int] | None = None,
         streams: Sequence[Sequence[int]] | None = None,
     ) -> None:

@@ -145,7 +145,7 @@ def evaluate(
             list(config.collections),
             request.split,
         )
-    dataset = StreamingChunks(config, counts, loaded.tokenizer_dir, spec, request.split, window)
+    dataset = StreamingChunks(config, counts, loaded.tokenizer_dir, spec, request.split, window=window)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = with_chunked_loss(loaded.model.to(device), request.loss_chunk)
     stats: dict[str, Any] = {}

@@ -220,14 +220,12 @@ MANY_POSITIONAL = {
     # data, model, tokenizer, inference
     "data/cache.py:build_cache",
     "data/cache.py:prepare_cache",
-    "data/sources.py:StreamingChunks.__init__",
     "infer/evaluate.py:evaluate_batches",
     "model/gpt2.py:gpt2_config",
     "model/hellaswag.py:score",
     "tokenizer/bpe.py:train_vocab",
     "tokenizer/texts.py:download",
     # base modules, settings
-    "progress.py:LogLines.__init__",
     "settings/options.py:check_number",
     # `dsgpt2 plan`: cli/train.py and tests/model/test_model.py pass these positionally
     "train/plan.py:plan_lines",
