@@ -5,23 +5,222 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.cli.common import (
-    add_config,
     check_writable,
-    load_config_arg,
+    config_option,
+    load_connection,
+    no_progress_option,
     usage,
+    verbose_option,
 )
+from dsgpt2.curation.quality import RULES, THRESHOLDS
 from dsgpt2.db.config import collection_name_problem
-from dsgpt2.settings.argtypes import comma_list, non_negative_int, part_of, positive_int, unit_fraction
+from dsgpt2.settings.argtypes import comma_list, part_of
+from dsgpt2.settings.options import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    RATIO,
+    add_options,
+    check_fields,
+    from_namespace,
+    option,
+)
 
 log = logging.getLogger("dsgpt2")
+FORMATS = ("auto", "text", "jsonl", "csv", "conversation", "parquet", "arrow", "dataset")
 
 
-def add_ingest(sub: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class IngestSettings:
+    """``dsgpt2 ingest``: what to load, from where, into which collection."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    inputs: tuple[str, ...] = option(
+        (),
+        "input files (.txt, .jsonl, .csv, optionally .gz; .parquet, .arrow) or `datasets` directories",
+        positional=True,
+        metavar="FILE",
+    )
+    sample: str | None = option(
+        None,
+        "ingest a built-in sample (no download): stdlib documentation, or conversations about it",
+        choices=["stdlib", "stdlib-chat"],
+    )
+    limit: int | None = option(None, "with --sample: only the first N documents", check=POSITIVE_INT)
+    collection: str | None = option(
+        None, "target collection (default: the first of COLLECTIONS in the config)"
+    )
+    format: str = option(
+        "auto",
+        "input format; auto goes by the file extension, and knows Parquet and Arrow by their first bytes",
+        choices=FORMATS,
+    )
+    field: str = option("text", "jsonl, parquet, arrow, dataset: the field holding the text")
+    keep_fields: tuple[str, ...] = option(
+        (),
+        "also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score",
+        type=comma_list,
+        metavar="A,B,...",
+    )
+    column: str = option("text", "csv: the column holding the text")
+    split: str = option(
+        "line",
+        "text files: one document per line or per blank-line separated paragraph",
+        choices=["line", "paragraph"],
+    )
+    batch_size: int = option(1000, "documents per insert", check=POSITIVE_INT)
+    encoding: str = option(
+        "utf-8",
+        "encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become U+FFFD and "
+        "are counted",
+    )
+    strict: bool = option(False, "stop at the first unusable record, naming its file and line")
+    report: str | None = option(
+        None,
+        "write where each skipped record is, one JSON object a line: file and line (Parquet, Arrow: "
+        "row_group and row) and the reason, for the records this run read; the log names the first few",
+        metavar="FILE.jsonl",
+    )
+    dedup: bool = option(
+        False,
+        "skip a record whose text the corpus already holds (this collection and the config's), "
+        "counted as duplicate",
+    )
+    no_progress: bool = no_progress_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassSettings:
+    """The options of a pass over the collections (dedup, curate)."""
+
+    collection: tuple[str, ...] | None = option(
+        None, "only these collections (repeatable; default: the config's)", repeat=True
+    )
+    batch_size: int = option(1000, "documents per read and bulk write", check=POSITIVE_INT)
+    workers: int = option(
+        1, "processes for the per-document work, each on its own idx range", check=POSITIVE_INT
+    )
+    part: tuple[int, int] | None = option(
+        None,
+        "only the R-th of M idx ranges of each collection: machine R of M runs its part",
+        type=part_of,
+        metavar="R/M",
+    )
+    no_progress: bool = no_progress_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def split(self) -> Any:
+        """The worker processes and the share of the idx ranges this run does."""
+        from dsgpt2.curation.passes import Split
+
+        part, parts = self.part or (1, 1)
+        return Split(workers=self.workers, part=part - 1, parts=parts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DedupSettings:
+    """``dsgpt2 dedup``: which duplicates, and how near is near."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    exact: bool = option(False, "exact duplicates, by text_hash")
+    near: bool = option(False, "near duplicates, by MinHash LSH")
+    threshold: float = option(
+        0.8,
+        "--near: the Jaccard similarity of word n-gram sets from which two texts are near duplicates",
+        check=RATIO,
+    )
+    ngram: int = option(5, "--near: words per shingle", check=POSITIVE_INT)
+    num_perm: int = option(
+        128,
+        "--near: MinHash permutations; the bands are chosen from them for --threshold",
+        check=POSITIVE_INT,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CurateSettings:
+    """``dsgpt2 curate``: the rule sets and thresholds, or the report of what every pass marked."""
+
+    action: str | None = option(
+        None,
+        "report: print and plot what dedup and curate marked per collection, with examples "
+        "(reads the marks; judges nothing)",
+        positional=True,
+        choices=["report"],
+    )
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    rules: tuple[str, ...] = option(
+        RULES, f"rule sets (default: {','.join(RULES)})", type=comma_list, metavar="A,B"
+    )
+    threshold: tuple[str, ...] = option(
+        (),
+        "change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
+        repeat=True,
+        metavar="NAME=VALUE",
+    )
+    plot: str = option("runs/curation.png", "report: the PNG")
+    examples: int = option(2, "report: examples per reason", check=NON_NEGATIVE_INT)
+    json: bool = option(False, "report: print JSON instead of lines")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexSettings:
+    """``dsgpt2 index``: the collection to number in place."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    collection: str = option(help="the collection to number")
+    field: str = option("text", "the field holding each document's text")
+    batch_size: int = option(1000, "documents numbered per bulk write", check=POSITIVE_INT)
+    no_progress: bool = no_progress_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateSettings:
+    """``dsgpt2 validate``: which collections, and whether to fix what can be."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    collection: tuple[str, ...] | None = option(
+        None, "check only this collection (repeatable; default: all)", repeat=True
+    )
+    json: bool = option(False, "print the report as JSON")
+    fix: bool = option(False, "create a missing idx index and record counts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class InfoSettings:
+    """``dsgpt2 info``."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    json: bool = option(False, "print as JSON")
+
+
+def add_ingest(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "ingest",
+        name,
         help="load text files or the built-in sample into a collection",
         description=(
             "Load documents into a collection: each record's text is kept as `form`, cleaned into "
@@ -43,77 +242,13 @@ def add_ingest(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config(p)
-    p.add_argument(
-        "inputs",
-        nargs="*",
-        metavar="FILE",
-        help="input files (.txt, .jsonl, .csv, optionally .gz; .parquet, .arrow) or `datasets` directories",
-    )
-    p.add_argument(
-        "--sample",
-        choices=["stdlib", "stdlib-chat"],
-        help="ingest a built-in sample (no download): stdlib documentation, or conversations about it",
-    )
-    p.add_argument("--limit", type=positive_int, help="with --sample: only the first N documents")
-    p.add_argument("--collection", help="target collection (default: the first of COLLECTIONS in the config)")
-    p.add_argument(
-        "--format",
-        default="auto",
-        choices=["auto", "text", "jsonl", "csv", "conversation", "parquet", "arrow", "dataset"],
-        help="input format; auto goes by the file extension, and knows Parquet and Arrow by their first "
-        "bytes (default: auto)",
-    )
-    p.add_argument(
-        "--field",
-        default="text",
-        help="jsonl, parquet, arrow, dataset: the field holding the text (default: text)",
-    )
-    p.add_argument(
-        "--keep_fields",
-        type=comma_list,
-        default=(),
-        metavar="A,B,...",
-        help="also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score",
-    )
-    p.add_argument("--column", default="text", help="csv: the column holding the text (default: text)")
-    p.add_argument(
-        "--split",
-        default="line",
-        choices=["line", "paragraph"],
-        help="text files: one document per line or per blank-line separated paragraph (default: line)",
-    )
-    p.add_argument(
-        "--batch_size", type=positive_int, default=1000, help="documents per insert (default: 1000)"
-    )
-    p.add_argument(
-        "--encoding",
-        default="utf-8",
-        help="encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become "
-        "U+FFFD and are counted (default: utf-8)",
-    )
-    p.add_argument(
-        "--strict", action="store_true", help="stop at the first unusable record, naming its file and line"
-    )
-    p.add_argument(
-        "--report",
-        metavar="FILE.jsonl",
-        help="write where each skipped record is, one JSON object a line: file and line (Parquet, Arrow: "
-        "row_group and row) and the reason, for the records this run read; the log names the first few",
-    )
-    p.add_argument(
-        "--dedup",
-        action="store_true",
-        help="skip a record whose text the corpus already holds (this collection and the config's), "
-        "counted as duplicate",
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_options(p, IngestSettings)
     p.set_defaults(func=cmd_ingest)
 
 
-def add_dedup(sub: Any) -> None:
+def add_dedup(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "dedup",
+        name,
         help="mark duplicate and near-duplicate documents in place (dup_of, near_dup_of)",
         description=(
             "--exact: store text_hash (a hash of the text training reads) on every document without one "
@@ -136,24 +271,8 @@ def add_dedup(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config(p)
-    p.add_argument("--exact", action="store_true", help="exact duplicates, by text_hash")
-    p.add_argument("--near", action="store_true", help="near duplicates, by MinHash LSH")
-    p.add_argument(
-        "--threshold",
-        type=unit_fraction,
-        default=0.8,
-        help="--near: the Jaccard similarity of word n-gram sets from which two texts are near "
-        "duplicates (default: 0.8)",
-    )
-    p.add_argument("--ngram", type=positive_int, default=5, help="--near: words per shingle (default: 5)")
-    p.add_argument(
-        "--num_perm",
-        type=positive_int,
-        default=128,
-        help="--near: MinHash permutations; the bands are chosen from them for --threshold (default: 128)",
-    )
-    _add_pass_options(p)
+    add_options(p, DedupSettings)
+    add_options(p, PassSettings)
     p.set_defaults(func=cmd_dedup)
 
 
@@ -163,21 +282,22 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     from dsgpt2.curation.neardup import dedup_near
     from dsgpt2.db.mongo import connect
 
-    if not (args.exact or args.near):
+    settings, passes = from_namespace(DedupSettings, args), from_namespace(PassSettings, args)
+    if not (settings.exact or settings.near):
         raise usage("dedup", "say which duplicates: --exact, --near, or both")
     try:
-        params = LshParams(threshold=args.threshold, ngram=args.ngram, num_perm=args.num_perm)
+        params = LshParams(threshold=settings.threshold, ngram=settings.ngram, num_perm=settings.num_perm)
     except ValueError as exc:
         raise usage("dedup", str(exc)) from None
-    config = load_config_arg(args)
-    names = _collections(args, config, "dedup")
-    split = _split(args)
+    config = load_connection(settings.config)
+    names = _collections(passes.collection, config, "dedup")
+    split, progress = passes.split, not passes.no_progress
     conn = connect(config)
     lines = []
-    if args.exact:
-        lines += dedup_exact(conn, names, args.batch_size, not args.no_progress, split).lines()
-    if args.near:
-        lines += dedup_near(conn, names, params, args.batch_size, not args.no_progress, split).lines()
+    if settings.exact:
+        lines += dedup_exact(conn, names, passes.batch_size, progress, split).lines()
+    if settings.near:
+        lines += dedup_near(conn, names, params, passes.batch_size, progress, split).lines()
     if split.parts > 1:
         lines.append(
             f"part {split.part + 1}/{split.parts} done: once every part is, run once without --part to mark"
@@ -186,13 +306,11 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_curate(sub: Any) -> None:
-    from dsgpt2.curation.quality import RULES, THRESHOLDS
-
+def add_curate(sub: Any, name: str) -> None:
     listed = "; ".join(f"{name} ({rule}, default {default:g}): {what}" for name, (default, rule, what)
                        in THRESHOLDS.items())  # fmt: skip
     p = sub.add_parser(
-        "curate",
+        name,
         help="store quality signals and per-rule-set verdicts on each document (Gopher, C4, repetition)",
         description=(
             "Measure each document's text (words, mean word length, symbol, bullet and ellipsis ratios, "
@@ -207,49 +325,24 @@ def add_curate(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument(
-        "action",
-        nargs="?",
-        choices=["report"],
-        help="report: print and plot what dedup and curate marked per collection, with examples "
-        "(reads the marks; judges nothing)",
-    )
-    add_config(p)
-    p.add_argument(
-        "--rules",
-        type=comma_list,
-        default=RULES,
-        metavar="A,B",
-        help=f"rule sets (default: {','.join(RULES)})",
-    )
-    p.add_argument(
-        "--threshold",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
-    )
-    p.add_argument("--plot", default="runs/curation.png", help="report: the PNG (default: runs/curation.png)")
-    p.add_argument(
-        "--examples", type=non_negative_int, default=2, help="report: examples per reason (default: 2)"
-    )
-    p.add_argument("--json", action="store_true", help="report: print JSON instead of lines")
-    _add_pass_options(p)
+    add_options(p, CurateSettings)
+    add_options(p, PassSettings)
     p.set_defaults(func=cmd_curate)
 
 
 def cmd_curate(args: argparse.Namespace) -> int:
     from dsgpt2.curation.curate import curate
-    from dsgpt2.curation.quality import RULES, resolve_thresholds
+    from dsgpt2.curation.quality import resolve_thresholds
     from dsgpt2.db.mongo import connect
 
-    if args.action == "report":
-        return _curation_report(args)
-    unknown = [r for r in args.rules if r not in RULES]
+    settings, passes = from_namespace(CurateSettings, args), from_namespace(PassSettings, args)
+    if settings.action == "report":
+        return _curation_report(settings, passes)
+    unknown = [r for r in settings.rules if r not in RULES]
     if unknown:
         raise usage("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {', '.join(RULES)}")
     overrides = {}
-    for item in args.threshold:
+    for item in settings.threshold:
         name, sep, value = item.partition("=")
         try:
             overrides[name.strip()] = float(value)
@@ -261,77 +354,44 @@ def cmd_curate(args: argparse.Namespace) -> int:
         thresholds = resolve_thresholds(overrides)
     except ValueError as exc:
         raise usage("curate", f"--threshold: {exc}") from None
-    config = load_config_arg(args)
-    names = _collections(args, config, "curate")
+    config = load_connection(settings.config)
+    names = _collections(passes.collection, config, "curate")
     report = curate(
         connect(config),
         names,
-        list(args.rules),
+        list(settings.rules),
         thresholds,
-        args.batch_size,
-        not args.no_progress,
-        _split(args),
+        passes.batch_size,
+        not passes.no_progress,
+        passes.split,
     )
     print("\n".join(report.lines()))
     return 0
 
 
-def _curation_report(args: argparse.Namespace) -> int:
+def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
     from dataclasses import asdict
     from pathlib import Path
 
     from dsgpt2.curation import report as curation_report
     from dsgpt2.db.mongo import connect
 
-    config = load_config_arg(args)
-    names = _collections(args, config, "curate")
-    plot = Path(args.plot)
+    config = load_connection(settings.config)
+    names = _collections(passes.collection, config, "curate")
+    plot = Path(settings.plot)
     check_writable(plot, "--plot")
-    parts = curation_report.summarize(connect(config), names, args.examples)
+    parts = curation_report.summarize(connect(config), names, settings.examples)
     curation_report.plot(parts, plot)
-    if args.json:
+    if settings.json:
         print(json.dumps({"collections": [asdict(p) for p in parts], "plot": str(plot)}, indent=2))
     else:
         print("\n".join([*curation_report.report_lines(parts), f"plot: {plot}"]))
     return 0
 
 
-def _add_pass_options(p: argparse.ArgumentParser) -> None:
-    """The options of a pass over the collections (dedup, curate)."""
-    p.add_argument(
-        "--collection", action="append", help="only these collections (repeatable; default: the config's)"
-    )
-    p.add_argument(
-        "--batch_size",
-        type=positive_int,
-        default=1000,
-        help="documents per read and bulk write (default: 1000)",
-    )
-    p.add_argument(
-        "--workers",
-        type=positive_int,
-        default=1,
-        help="processes for the per-document work, each on its own idx range (default: 1)",
-    )
-    p.add_argument(
-        "--part",
-        type=part_of,
-        metavar="R/M",
-        help="only the R-th of M idx ranges of each collection: machine R of M runs its part",
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-
-
-def _split(args: argparse.Namespace) -> Any:
-    from dsgpt2.curation.passes import Split
-
-    part, parts = args.part or (1, 1)
-    return Split(workers=args.workers, part=part - 1, parts=parts)
-
-
-def _collections(args: argparse.Namespace, config: Any, command: str) -> list[str]:
+def _collections(given: tuple[str, ...] | None, config: Any, command: str) -> list[str]:
     """--collection (repeatable), else the config's COLLECTIONS; a bad name is a usage error."""
-    names = args.collection or list(config.collections)
+    names = list(given or config.collections)
     for name in names:
         problem = collection_name_problem(name)
         if problem:
@@ -339,9 +399,9 @@ def _collections(args: argparse.Namespace, config: Any, command: str) -> list[st
     return names
 
 
-def add_index(sub: Any) -> None:
+def add_index(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "index",
+        name,
         help="number a collection already in MongoDB in place (idx, unique index, meta_info)",
         description=(
             "Make a collection that another application wrote into a training collection, without a "
@@ -354,22 +414,13 @@ def add_index(sub: Any) -> None:
         epilog="example:\n  dsgpt2 index --config c.json --collection articles --field body",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_config(p)
-    p.add_argument("--collection", required=True, help="the collection to number")
-    p.add_argument("--field", default="text", help="the field holding each document's text (default: text)")
-    p.add_argument(
-        "--batch_size",
-        type=positive_int,
-        default=1000,
-        help="documents numbered per bulk write (default: 1000)",
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_options(p, IndexSettings)
     p.set_defaults(func=cmd_index)
 
 
-def add_validate(sub: Any) -> None:
+def add_validate(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "validate",
+        name,
         help="check idx, indexes and counts of the collections",
         description=(
             "Check each collection for what training relies on: integer idx values 0..n-1, each once, "
@@ -377,23 +428,17 @@ def add_validate(sub: Any) -> None:
             "fix; exits 1 when there is one. --fix creates a missing index and records the count."
         ),
     )
-    add_config(p)
-    p.add_argument(
-        "--collection", action="append", help="check only this collection (repeatable; default: all)"
-    )
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--fix", action="store_true", help="create a missing idx index and record counts")
+    add_options(p, ValidateSettings)
     p.set_defaults(func=cmd_validate)
 
 
-def add_info(sub: Any) -> None:
+def add_info(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "info",
+        name,
         help="show the configured collections, their counts and ingest history",
         description="Show what the config points at: hosts, database, collections and meta_info.",
     )
-    add_config(p)
-    p.add_argument("--json", action="store_true", help="print as JSON")
+    add_options(p, InfoSettings)
     p.set_defaults(func=cmd_info)
 
 
@@ -401,20 +446,20 @@ def cmd_index(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.numbering import index_collection
     from dsgpt2.db.mongo import connect
 
-    config = load_config_arg(args)
-    problem = collection_name_problem(args.collection)
+    settings = from_namespace(IndexSettings, args)
+    config = load_connection(settings.config)
+    name, field = settings.collection, settings.field
+    problem = collection_name_problem(name)
     if problem:
-        raise usage("index", f"--collection {args.collection!r} is not a collection name: {problem}")
-    report = index_collection(
-        connect(config), args.collection, args.field, args.batch_size, not args.no_progress
-    )
+        raise usage("index", f"--collection {name!r} is not a collection name: {problem}")
+    report = index_collection(connect(config), name, field, settings.batch_size, not settings.no_progress)
     print("\n".join(report.lines()))
-    if config.text_field != args.field:
-        setting = json.dumps({"TEXT_FIELD": args.field})[1:-1]
-        print(f"note: {args.config} reads TEXT_FIELD {config.text_field!r}; set {setting} in it to train "
-              f"on {args.collection!r}")  # fmt: skip
-    if args.collection not in config.collections:
-        print(f"note: {args.collection!r} is not in the COLLECTIONS of {args.config}; add it to train on it")
+    if config.text_field != field:
+        setting = json.dumps({"TEXT_FIELD": field})[1:-1]
+        print(f"note: {settings.config} reads TEXT_FIELD {config.text_field!r}; set {setting} in it to "
+              f"train on {name!r}")  # fmt: skip
+    if name not in config.collections:
+        print(f"note: {name!r} is not in the COLLECTIONS of {settings.config}; add it to train on it")
     return 0
 
 
@@ -422,27 +467,28 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.ingest import builtin_source, file_source, ingest
     from dsgpt2.db.mongo import connect
 
-    if not args.inputs and not args.sample:
+    s = from_namespace(IngestSettings, args)
+    if not s.inputs and not s.sample:
         raise usage("ingest", "give input FILEs or --sample stdlib")
-    if args.limit and not args.sample:
+    if s.limit and not s.sample:
         raise usage("ingest", "--limit goes with --sample")
-    config = load_config_arg(args)
-    collection = config.collections[0] if args.collection is None else args.collection
+    config = load_connection(s.config)
+    collection = config.collections[0] if s.collection is None else s.collection
     problem = collection_name_problem(collection)
     if problem:
         raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
-    sources = [builtin_source(args.sample, args.limit)] if args.sample else []
+    sources = [builtin_source(s.sample, s.limit)] if s.sample else []
     sources += [
         file_source(
             path,
-            args.format,
-            field=args.field,
-            column=args.column,
-            split=args.split,
-            encoding=args.encoding,
-            keep_fields=args.keep_fields,
+            s.format,
+            field=s.field,
+            column=s.column,
+            split=s.split,
+            encoding=s.encoding,
+            keep_fields=s.keep_fields,
         )
-        for path in args.inputs
+        for path in s.inputs
     ]
     conn = connect(config)
     log.info("ingesting %d source(s) into %s.%s", len(sources), config.db, collection)
@@ -450,11 +496,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         conn,
         collection,
         sources,
-        batch_size=args.batch_size,
-        strict=args.strict,
-        progress=not args.no_progress,
-        dedup=args.dedup,
-        report_file=args.report,
+        batch_size=s.batch_size,
+        strict=s.strict,
+        progress=not s.no_progress,
+        dedup=s.dedup,
+        report_file=s.report,
     )
     for line in report.lines():
         print(line)
@@ -466,15 +512,16 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from dsgpt2.db.validate import fix_collection, validate_corpus
     from dsgpt2.errors import CorpusValidationError
 
-    config = load_config_arg(args)
+    settings = from_namespace(ValidateSettings, args)
+    config = load_connection(settings.config)
     conn = connect(config)
-    names = args.collection or list(config.collections)
-    if args.fix:
+    names = list(settings.collection or config.collections)
+    if settings.fix:
         for name in names:
             for line in fix_collection(conn, name):
                 print(line)
     reports = validate_corpus(conn, names)
-    if args.json:
+    if settings.json:
         print(json.dumps([r.to_dict() for r in reports], indent=2))
     else:
         for r in reports:
@@ -488,8 +535,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     from dsgpt2.db.mongo import MongoWrapper, connect, read_meta, require_collections
 
-    config = load_config_arg(args)
-    require_collections(connect(config), args.config)
+    settings = from_namespace(InfoSettings, args)
+    config = load_connection(settings.config)
+    require_collections(connect(config), settings.config)
     wrapper = MongoWrapper(config)
     meta = read_meta(wrapper.connection, list(config.collections))
     total = max(len(wrapper), 1)
@@ -520,7 +568,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             for name, count, weight in zip(config.collections, wrapper.counts, weights, strict=True)
         ],
     }
-    if args.json:
+    if settings.json:
         print(json.dumps(info, indent=2))
         return 0
     print(f"{info['uri']} / {info['db']}: {info['documents']} documents")

@@ -5,15 +5,35 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.cli.common import usage
+from dsgpt2.cli.common import config_option, load_connection, usage, verbose_option
+from dsgpt2.settings.options import add_options, check_fields, from_namespace, option
 
 
-def add_db(sub: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class DbSettings:
+    """``dsgpt2 db``: what to do, to which embedded database."""
+
+    action: str = option(help="what to do", positional=True, choices=("status", "stop"))
+    database: str | None = option(
+        None, "the database (local://DIR or DIR); or give --config", positional=True, metavar="local://DIR"
+    )
+    config: str | None = config_option(
+        "a connection config whose MONGO_CONNECTION_STRING is local://", required=False
+    )
+    json: bool = option(False, "print the status as JSON")
+    verbose: bool = verbose_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def add_db(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "db",
+        name,
         help="show or stop the embedded database server of a local:// database",
         description=(
             "The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
@@ -21,38 +41,25 @@ def add_db(sub: Any) -> None:
             "(the next command that needs it starts it again, on the same data)."
         ),
     )
-    p.add_argument("action", choices=("status", "stop"), help="what to do")
-    p.add_argument(
-        "database",
-        nargs="?",
-        metavar="local://DIR",
-        help="the database (local://DIR or DIR); or give --config",
-    )
-    p.add_argument(
-        "--config", metavar="JSON", help="a connection config whose MONGO_CONNECTION_STRING is local://"
-    )
-    p.add_argument("--json", action="store_true", help="print the status as JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_options(p, DbSettings)
     p.set_defaults(func=cmd_db)
 
 
-def _directory(args: argparse.Namespace) -> Path:
+def _directory(settings: DbSettings) -> Path:
     from dsgpt2.db import embedded
 
-    if args.database and args.config:
+    if settings.database and settings.config:
         raise usage("db", "give the database or --config, not both")
-    if args.config:
-        from dsgpt2.db.config import load_config
-
-        config = load_config(args.config)
+    if settings.config:
+        config = load_connection(settings.config)
         if not config.is_local:
             raise usage(
-                "db", f"{args.config} names {config.display_uri}, not an embedded database (local://DIR)"
+                "db", f"{settings.config} names {config.display_uri}, not an embedded database (local://DIR)"
             )
         return embedded.local_dir(config.uri)
-    if not args.database:
+    if not settings.database:
         raise usage("db", "name the database: dsgpt2 db status local://runs/db (or --config FILE)")
-    name = args.database
+    name = settings.database
     if "://" in name and not embedded.is_local(name):
         raise usage(
             "db", f"{name.split('://')[0]}:// is a server of its own; only local://DIR is managed here"
@@ -63,11 +70,12 @@ def _directory(args: argparse.Namespace) -> Path:
 def cmd_db(args: argparse.Namespace) -> int:
     from dsgpt2.db import embedded
 
-    directory = _directory(args)
+    settings = from_namespace(DbSettings, args)
+    directory = _directory(settings)
     where = f"{embedded.PREFIX}{directory}"
     if not (directory / embedded.MARKER).exists():
         raise usage("db", f"{where} is not a dsgpt2 database (no {embedded.MARKER} there)")
-    if args.action == "stop":
+    if settings.action == "stop":
         stopped = embedded.stop(directory)
         if stopped is None:
             print(f"{where}: not running")
@@ -87,7 +95,7 @@ def cmd_db(args: argparse.Namespace) -> int:
             "rss_bytes": embedded.rss_bytes(state.pid),
             "since": _since(directory),
         }
-    if args.json:
+    if settings.json:
         print(json.dumps(info))
         return 0
     disk = f"{info['disk_bytes'] / 1e6:.1f} MB on disk"

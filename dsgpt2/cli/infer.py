@@ -7,24 +7,117 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import (
     check_writable,
-    load_config_arg,
+    config_option,
+    load_connection,
+    no_progress_option,
     usage,
+    verbose_option,
 )
-from dsgpt2.settings.argtypes import port, positive_int
-from dsgpt2.settings.options import add_options, from_namespace
+from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
+from dsgpt2.settings.options import PORT, add_options, check_fields, from_namespace, option
+from dsgpt2.train.config import RunOptions
 
 log = logging.getLogger("dsgpt2")
 API_KEY_ENV = "DSGPT2_API_KEY"
+SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
 
 
-def add_export(sub: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class ExportSettings:
+    """``dsgpt2 export``: the checkpoint and the directory it becomes."""
+
+    ckpt_dir: Path = option(help="checkpoint directory of a training run")
+    ckpt_id: str | None = option(None, "checkpoint tag (default: the one `latest` names)")
+    out: Path = option(help="output directory")
+    vocab_dir: Path | None = option(
+        None,
+        "where the run's tokenizer is, if it moved (default: the one the run trained with; checked by "
+        "its hash)",
+    )
+    overwrite: bool = option(False, "replace an export of another checkpoint at --out")
+    verbose: bool = verbose_option()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """The model a command loads (evaluate, generate, chat, serve)."""
+
+    model: str = option(
+        help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)", metavar="DIR"
+    )
+    ckpt_id: str | None = option(None, "checkpoint tag (default: the one `latest` names)")
+    vocab_dir: Path | None = option(
+        None, "where the model's tokenizer is, if it moved (default: the model's; checked by hash)"
+    )
+    verbose: bool = verbose_option()
+
+    def load(self) -> Any:
+        from dsgpt2.infer.loading import load_model
+
+        return load_model(Path(self.model), self.ckpt_id, self.vocab_dir)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvaluateSettings:
+    """``dsgpt2 evaluate``: the corpus and what becomes of the result (what to evaluate on:
+    :class:`EvalRequest`; HellaSwag instead: the trainer's --hellaswag flags)."""
+
+    config: str = config_option("connection config of the corpus")
+    report: Path | None = option(None, "JSON report path (default: runs/eval/<model>-<split>.json)")
+    no_record: bool = option(False, "do not write the result to eval_results")
+    no_progress: bool = no_progress_option()
+
+
+# The trainer scores HellaSwag besides its validation; `dsgpt2 evaluate` scores it instead.
+HELLASWAG = {
+    "hellaswag": "score HellaSwag instead (llm.c's hellaswag_val.jsonl layout: ctx, four endings, label): "
+    "acc by summed, acc_norm by mean ending loss",
+    "hellaswag_limit": "only the first N HellaSwag examples",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateSettings:
+    """``dsgpt2 generate``: the prompts and how the text is printed (how it is sampled:
+    :class:`SamplingParams`)."""
+
+    prompts: tuple[str, ...] = option((), "prompt texts", positional=True, metavar="PROMPT")
+    prompts_file: Path | None = option(None, "a file with one prompt per line")
+    json: bool = option(False, "print JSON lines instead of text")
+    stream: bool = option(False, "print the text as it is generated (one sample)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatSettings:
+    """``dsgpt2 chat``: who speaks."""
+
+    user: str = option("user", "the user's speaker name")
+    bot: str = option("bot", "the model's speaker name")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSettings:
+    """``dsgpt2 serve``: where it listens and who may ask (what a request may ask: :class:`ServeLimits`)."""
+
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(8000, "port", check=PORT)
+    api_key: str | None = option(
+        None, f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)"
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+def add_export(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "export",
+        name,
         help="turn a training checkpoint into a Hugging Face model directory",
         description=(
             "Export a checkpoint (any ZeRO stage) as safetensors weights, config and tokenizer: the "
@@ -32,24 +125,13 @@ def add_export(sub: Any) -> None:
             "pipeline('text-generation'), without dsgpt2."
         ),
     )
-    p.add_argument("--ckpt_dir", required=True, help="checkpoint directory of a training run")
-    p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument(
-        "--vocab_dir",
-        help="where the run's tokenizer is, if it moved (default: the one the run trained with; "
-        "checked by its hash)",
-    )
-    p.add_argument(
-        "--overwrite", action="store_true", help="replace an export of another checkpoint at --out"
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_options(p, ExportSettings)
     p.set_defaults(func=cmd_export)
 
 
-def add_evaluate(sub: Any) -> None:
+def add_evaluate(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "evaluate",
+        name,
         help="loss and perplexity of a model on the validation split or any collection",
         description=(
             "Evaluate a checkpoint or an exported model: mean loss per token and perplexity over every "
@@ -64,28 +146,17 @@ def add_evaluate(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_model(p)
-    p.add_argument("--config", required=True, metavar="JSON", help="connection config of the corpus")
-    from dsgpt2.infer.settings import EvalRequest
-
+    add_options(p, ModelSource)
+    add_options(p, EvaluateSettings, only=["config"])
     add_options(p, EvalRequest)
-    p._option_string_actions["--no-doc_mask"] = p._option_string_actions["--no_doc_mask"]  # earlier spelling
-    p.add_argument(
-        "--hellaswag",
-        metavar="FILE.jsonl",
-        help="score HellaSwag instead (llm.c's hellaswag_val.jsonl layout: ctx, four endings, label): "
-        "acc by summed, acc_norm by mean ending loss",
-    )
-    p.add_argument("--hellaswag_limit", type=positive_int, help="only the first N HellaSwag examples")
-    p.add_argument("--report", help="JSON report path (default: runs/eval/<model>-<split>.json)")
-    p.add_argument("--no_record", action="store_true", help="do not write the result to eval_results")
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_options(p, RunOptions, only=list(HELLASWAG), helps=HELLASWAG)
+    add_options(p, EvaluateSettings, only=["report", "no_record", "no_progress"])
     p.set_defaults(func=cmd_evaluate)
 
 
-def add_generate(sub: Any) -> None:
+def add_generate(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "generate",
+        name,
         help="sample text from a checkpoint or an exported model",
         description=(
             "Continue each prompt (from the arguments, or one per line of --prompts_file) with "
@@ -93,18 +164,15 @@ def add_generate(sub: Any) -> None:
             "prompt and model give the same text."
         ),
     )
-    _add_model(p)
-    p.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
-    p.add_argument("--prompts_file", help="a file with one prompt per line")
-    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
-    p.add_argument("--stream", action="store_true", help="print the text as it is generated (one sample)")
-    _add_generation(p, samples=True)
+    add_options(p, ModelSource)
+    add_options(p, GenerateSettings)
+    add_options(p.add_argument_group("sampling"), SamplingParams, only=[*SAMPLING, "num_samples"])
     p.set_defaults(func=cmd_generate)
 
 
-def add_chat(sub: Any) -> None:
+def add_chat(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "chat",
+        name,
         help="talk with a conversation-finetuned model (stdin, interactive or piped)",
         description=(
             "Read a line, answer it, keep the dialogue within the model's context (oldest turns go "
@@ -112,16 +180,15 @@ def add_chat(sub: Any) -> None:
             "per input line."
         ),
     )
-    _add_model(p)
-    p.add_argument("--user", default="user", help="the user's speaker name (default: user)")
-    p.add_argument("--bot", default="bot", help="the model's speaker name (default: bot)")
-    _add_generation(p)
+    add_options(p, ModelSource)
+    add_options(p, ChatSettings)
+    add_options(p.add_argument_group("sampling"), SamplingParams, only=SAMPLING)
     p.set_defaults(func=cmd_chat)
 
 
-def add_serve(sub: Any) -> None:
+def add_serve(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "serve",
+        name,
         help="serve generation over HTTP: the OpenAI API (/v1/...) and GET/POST /generate",
         description=(
             "An HTTP server: the OpenAI API (POST /v1/completions, POST /v1/chat/completions, "
@@ -133,76 +200,29 @@ def add_serve(sub: Any) -> None:
             "every request but /health carry 'Authorization: Bearer KEY'."
         ),
     )
-    _add_model(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    p.add_argument("--port", type=port, default=8000, help="port (default: 8000)")
-    from dsgpt2.infer.settings import ServeLimits
-
+    add_options(p, ModelSource)
+    add_options(p, ServeSettings, only=["host", "port"])
     add_options(p, ServeLimits, only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch"])
-    p.add_argument(
-        "--api_key",
-        help=f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)",
-    )
-    _add_generation(p, serving=True)
+    add_options(p, ServeSettings, only=["api_key"])
+    # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
+    sampling = p.add_argument_group("sampling")
+    add_options(sampling, SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None})
     p.set_defaults(func=cmd_serve)
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        required=True,
-        metavar="DIR",
-        help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)",
-    )
-    p.add_argument("--ckpt_id", help="checkpoint tag (default: the one `latest` names)")
-    p.add_argument(
-        "--vocab_dir",
-        help="where the model's tokenizer is, if it moved (default: the model's; checked by hash)",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-
-
-def _add_generation(p: argparse.ArgumentParser, serving: bool = False, samples: bool = False) -> None:
-    from dsgpt2.infer.settings import SamplingParams
-
-    flags = ["max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed"]
-    add_options(
-        p.add_argument_group("sampling"),
-        SamplingParams,
-        only=flags + (["num_samples"] if samples else []),
-        # Serving: the default request's length follows --max_tokens_limit (at most 64).
-        defaults={"max_new_tokens": None} if serving else None,
-    )
-
-
-def _sampling(args: argparse.Namespace) -> Any:
-    from dsgpt2.infer.settings import SamplingParams
-
-    return from_namespace(SamplingParams, args)
-
-
-def _load_model(args: argparse.Namespace) -> Any:
-
-    from dsgpt2.infer.loading import load_model
-
-    return load_model(Path(args.model), args.ckpt_id, Path(args.vocab_dir) if args.vocab_dir else None)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
-
     from dsgpt2.infer.export import export
 
-    vocab = Path(args.vocab_dir) if args.vocab_dir else None
-    result = export(Path(args.ckpt_dir), Path(args.out), args.ckpt_id, vocab, args.overwrite)
+    s = from_namespace(ExportSettings, args)
+    result = export(s.ckpt_dir, s.out, s.ckpt_id, s.vocab_dir, s.overwrite)
     print(
-        f"exported {args.ckpt_dir}/{result['tag']} (step {result['step']}, "
+        f"exported {s.ckpt_dir}/{result['tag']} (step {result['step']}, "
         f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"
     )
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-
     from dsgpt2.infer.evaluate import (
         check_collections,
         default_report_path,
@@ -210,31 +230,32 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         report_lines,
         write_report,
     )
-    from dsgpt2.infer.settings import EvalRequest
 
+    source, output = from_namespace(ModelSource, args), from_namespace(EvaluateSettings, args)
     request = from_namespace(EvalRequest, args)
-    config = load_config_arg(args)
+    hellaswag = from_namespace(RunOptions, args)  # its --hellaswag file, checked on construction
+    config = load_connection(output.config)
     examples = None
-    if args.hellaswag:
+    if hellaswag.hellaswag:
         from dsgpt2.model.hellaswag import read_examples
 
-        examples = read_examples(Path(args.hellaswag), args.hellaswag_limit)
+        examples = read_examples(hellaswag.hellaswag, hellaswag.hellaswag_limit)
     else:
         check_collections(config, request)
-    loaded = _load_model(args)
-    split = "hellaswag" if examples else args.split
-    path = Path(args.report) if args.report else default_report_path(loaded.name, split)
+    loaded = source.load()
+    split = "hellaswag" if examples else request.split
+    path = output.report or default_report_path(loaded.name, split)
     check_writable(path, "--report")
     if examples:
         from dsgpt2.infer.evaluate import hellaswag_report
 
-        report = hellaswag_report(loaded, examples, Path(args.hellaswag))
+        report = hellaswag_report(loaded, examples, hellaswag.hellaswag)
     else:
-        report = evaluate(loaded, config, request, progress=not args.no_progress)
+        report = evaluate(loaded, config, request, progress=not output.no_progress)
     write_report(report, path)
     print("\n".join(report_lines(report)))
     print(f"report: {path}")
-    if not args.no_record:
+    if not output.no_record:
         from dsgpt2.db.mongo import EVAL_RESULTS, connect, record_eval
 
         record_eval(connect(config), report)
@@ -243,12 +264,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-
     from dsgpt2.infer.generate import Generator
 
-    prompts = list(args.prompts)
-    if args.prompts_file:
-        path = Path(args.prompts_file)
+    s = from_namespace(GenerateSettings, args)
+    prompts = list(s.prompts)
+    if s.prompts_file:
+        path = s.prompts_file
         if not path.is_file():
             raise usage("generate", f"--prompts_file {path}: file not found")
         try:
@@ -258,16 +279,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise usage("generate", "give PROMPT arguments or --prompts_file")
-    params = _sampling(args)
-    if args.stream and (args.json or params.num_samples > 1):
+    params = from_namespace(SamplingParams, args)
+    if s.stream and (s.json or params.num_samples > 1):
         raise usage("generate", "--stream prints one text as it comes: drop --json and keep --num_samples 1")
-    generator = Generator(_load_model(args))
+    generator = Generator(from_namespace(ModelSource, args).load())
 
     def write(text: str) -> None:
         print(text, end="", flush=True)
 
     for prompt in prompts:
-        if args.stream:
+        if s.stream:
             write(prompt)
             c = generator.generate(prompt, params, on_text=write)[0]
             print()
@@ -275,7 +296,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             continue
         completions = generator.generate(prompt, params)
         for i, c in enumerate(completions):
-            if args.json:
+            if s.json:
                 print(json.dumps({"prompt": prompt, "sample": i, **vars(c)}, ensure_ascii=False))
             else:
                 head = f"[{i + 1}/{len(completions)}] " if len(completions) > 1 else ""
@@ -288,13 +309,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from dsgpt2.infer.chat import ChatSession, run_chat
     from dsgpt2.infer.generate import Generator
 
-    session = ChatSession(Generator(_load_model(args)), _sampling(args), args.user, args.bot)
+    s = from_namespace(ChatSettings, args)
+    generator = Generator(from_namespace(ModelSource, args).load())
+    session = ChatSession(generator, from_namespace(SamplingParams, args), s.user, s.bot)
     interactive = sys.stdin.isatty()
 
     def lines() -> Any:
         while True:
             if interactive:
-                print(f"{args.user}> ", end="", flush=True)
+                print(f"{s.user}> ", end="", flush=True)
             line = sys.stdin.readline()
             if not line:
                 return
@@ -307,14 +330,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsgpt2.infer.generate import Generator
     from dsgpt2.infer.serve import make_app, serve
-    from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
-    limits = from_namespace(ServeLimits, args)
-    if args.max_new_tokens is None:
-        args.max_new_tokens = min(SamplingParams().max_new_tokens, limits.max_new_tokens)
-    if args.max_new_tokens > limits.max_new_tokens:
-        raise usage("serve", f"--max_new_tokens {args.max_new_tokens} is above --max_tokens_limit")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    app = make_app(Generator(_load_model(args)), limits, _sampling(args), api_key, name=args.model)
-    serve(app, args.host, args.port, authenticated=api_key is not None)
+    s, limits = from_namespace(ServeSettings, args), from_namespace(ServeLimits, args)
+    source = from_namespace(ModelSource, args)
+    asked = args.max_new_tokens  # None: not given, and the default request follows --max_tokens_limit
+    length = min(SamplingParams().max_new_tokens, limits.max_new_tokens) if asked is None else asked
+    if length > limits.max_new_tokens:
+        raise usage("serve", f"--max_new_tokens {length} is above --max_tokens_limit")
+    params = from_namespace(SamplingParams, args, max_new_tokens=length)
+    api_key = s.api_key or os.environ.get(API_KEY_ENV) or None
+    app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
+    serve(app, s.host, s.port, authenticated=api_key is not None)
     return 0

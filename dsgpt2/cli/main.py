@@ -6,13 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from dsgpt2 import __version__
 from dsgpt2.cli import corpus, db, demo, infer, train, vocab
+from dsgpt2.cli.common import by_command
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.progress import interval_seconds
 from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
+from dsgpt2.settings.runfile import COMMAND_TREE
 
 DESCRIPTION = """\
 Pretrain GPT-2 with DeepSpeed on a corpus stored in MongoDB.
@@ -37,43 +40,52 @@ Typical first steps:
 """
 
 
+def add_train(sub: Any, name: str) -> None:
+    sub.add_parser(
+        name,
+        help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
+        add_help=False,
+    )
+
+
+# What builds each command of the table of commands (runfile.COMMAND_TREE, which gives their order).
+BUILDERS = by_command(
+    add_train,
+    corpus.add_ingest,
+    corpus.add_index,
+    corpus.add_dedup,
+    corpus.add_curate,
+    corpus.add_validate,
+    corpus.add_info,
+    vocab.add_vocab,
+    train.add_tokenize,
+    train.add_plan,
+    train.add_lineage,
+    infer.add_export,
+    infer.add_evaluate,
+    infer.add_generate,
+    infer.add_chat,
+    infer.add_serve,
+    demo.add_demo,
+    db.add_db,
+)
+
+
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
         prog="dsgpt2", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"dsgpt2 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    sub.add_parser(
-        "train",
-        help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
-        add_help=False,
-    )
+    for name in COMMAND_TREE:
+        BUILDERS[name](sub, name)
+    # Not a command of the table: every argument is the deepspeed launcher's (and its script's).
     sub.add_parser(
         "launch",
         help="the deepspeed launcher, ended by Ctrl-C or SIGTERM as one process is: every rank saves, "
         "exit 0 (`dsgpt2 launch --help`)",
         add_help=False,
     )
-    for add in (
-        corpus.add_ingest,
-        corpus.add_index,
-        corpus.add_dedup,
-        corpus.add_curate,
-        corpus.add_validate,
-        corpus.add_info,
-        vocab.add_vocab,
-        train.add_tokenize,
-        train.add_plan,
-        train.add_lineage,
-        infer.add_export,
-        infer.add_evaluate,
-        infer.add_generate,
-        infer.add_chat,
-        infer.add_serve,
-        demo.add_demo,
-        db.add_db,
-    ):
-        add(sub)
     return accept_hyphen_spellings(parser)
 
 

@@ -8,19 +8,23 @@ summary is printed at the end and written to ``OUT/summary.json``.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import logging
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
 from dsgpt2.corpus.ingest import builtin_source, ingest
 from dsgpt2.db import embedded
 from dsgpt2.db.config import MongoConfig, config_from_dict
 from dsgpt2.db.mongo import Connection, MongoWrapper, connect
 from dsgpt2.db.validate import require_valid
+from dsgpt2.settings.options import POSITIVE_INT, check_fields, from_namespace, option
 from dsgpt2.settings.shipped import shipped_config
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import download, shard_texts
@@ -32,24 +36,55 @@ DEMO_COLLECTION = "stdlib"
 CHAT_COLLECTION = "stdlib_chat"
 DEMO_VOCAB_SIZE = 8192  # small: the demo model's embedding stays cheap on a CPU
 STAGES = 10
-TR_RATIO = 0.95
-# The pretraining recipe: the tiny preset reaches a validation perplexity of about 190 in two to three
-# minutes on two cores (the untrained model is at ~8,200, the sample's unigram distribution at ~950).
-# The same recipe ships as an experiment file, configs/recipes/demo.yaml (a test keeps the two equal).
-DEMO_STEPS = 1000
-DEMO_DS_CONFIG = "ds_config_demo.json"  # micro-batch 16
-DEMO_LR = 3e-3
-DEMO_WARMUP = 40
+# The pretraining recipe (model, split, steps, learning rate, DeepSpeed config, evaluations): the tiny
+# preset reaches a validation perplexity of about 190 in two to three minutes on two cores (the
+# untrained model is at ~8,200, the sample's unigram distribution at ~950). It ships as an experiment
+# file, and the demo reads it from there.
+DEMO_RECIPE = "recipes/demo.yaml"
 CHAT_STEPS = 150
 PROMPT = "Return a new list"
 QUESTION = "What does `json.dumps` do?"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSettings:
+    """``dsgpt2 demo``: where, against which database, and how long."""
+
+    out: Path = option(Path("runs/demo"), "output directory")
+    config: str | None = config_option(
+        "run against this MongoDB server and database instead (the demo's own collections there: "
+        f"{DEMO_COLLECTION}, {CHAT_COLLECTION})",
+        required=False,
+    )
+    limit: int | None = option(None, "only the first N sample documents", check=POSITIVE_INT)
+    steps: int | None = option(
+        None, f"training steps (default: train_iters of configs/{DEMO_RECIPE})", check=POSITIVE_INT
+    )
+    chat_steps: int = option(CHAT_STEPS, "conversation finetuning steps", check=POSITIVE_INT)
+    no_progress: bool = no_progress_option("no progress bars")
+    verbose: bool = verbose_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@functools.cache
+def demo_recipe() -> argparse.Namespace:
+    """The pretraining recipe (configs/recipes/demo.yaml, as shipped) read as ``dsgpt2 train --config``
+    reads it: every trainer flag, the file's values over the defaults. Its paths are the checkout's;
+    the demo puts its own in their place."""
+    from dsgpt2.settings.runfile import COMMANDS, parse_args
+    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
+
+    argv = ["--config", str(shipped_config(DEMO_RECIPE))]
+    return parse_args(build_parser(), argv, command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)
 
 
 def run_demo(
     out: Path,
     limit: int | None = None,
     progress: bool = True,
-    steps: int = DEMO_STEPS,
+    steps: int | None = None,
     chat_steps: int = CHAT_STEPS,
     server: MongoConfig | None = None,
 ) -> dict[str, Any]:
@@ -59,12 +94,13 @@ def run_demo(
         out: directory for the outputs and ``summary.json``.
         limit: only the first ``limit`` sample documents and conversations (quicker runs).
         progress: show progress bars.
-        steps: training steps.
+        steps: training steps (None: the recipe's).
         chat_steps: conversation finetuning steps.
         server: run against this server and database (in the demo's own collections) instead of
             the embedded database in ``out/db``.
     """
     out.mkdir(parents=True, exist_ok=True)
+    steps = steps or demo_recipe().train_iters
     if server is not None:
         return _run_demo(out, limit, progress, steps, chat_steps, server.with_collections([DEMO_COLLECTION]))
     database = out.resolve() / "db"
@@ -117,10 +153,10 @@ def _run_demo(
     log.info(f"stage 6/{STAGES}: validation perplexity of the untrained model")
     summary["eval_before"] = _evaluate_untrained(config, conn, out / "tokenizer", progress)
 
-    log.info(f"stage 7/{STAGES}: train the tiny GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
-    summary["train"] = _train(
-        config, out, steps, "train", model_select="tiny", vocab_dir=out / "tokenizer", pretrain=True
-    )
+    preset = demo_recipe().model_select
+    log.info(f"stage 7/{STAGES}: train the {preset} GPT-2 preset with DeepSpeed on the CPU ({steps} steps)")
+    summary["train"] = _train(config, out, steps, "train", vocab_dir=out / "tokenizer", pretrain=True)
+    summary["train"]["preset"] = preset
 
     log.info(f"stage 8/{STAGES}: export the last checkpoint as a Hugging Face model; evaluate it")
     from dsgpt2.infer.export import export
@@ -200,19 +236,19 @@ def _evaluate_untrained(config: Any, conn: Connection, tokenizer: Path, progress
     """The same architecture before any step: the perplexity training starts from."""
     import torch
 
-    from dsgpt2.data.split import DEFAULT_SEED
     from dsgpt2.infer.loading import LoadedModel
     from dsgpt2.model.gpt2 import PRESETS, build_model, gpt2_config
     from dsgpt2.tokenizer.bpe import EOT, PAD, load_tokenizer
 
+    recipe = demo_recipe()
+    preset, context = recipe.model_select, PRESETS[recipe.model_select].context
     tok = load_tokenizer(tokenizer)
-    torch.manual_seed(DEFAULT_SEED)
+    torch.manual_seed(recipe.seed)
     model = build_model(
-        gpt2_config("tiny", tok.get_vocab_size(), PRESETS["tiny"].context, tok.token_to_id(EOT),
-                    tok.token_to_id(PAD))
-    )  # fmt: skip
-    fp = {"context": PRESETS["tiny"].context, "tr_ratio": TR_RATIO, "seed": DEFAULT_SEED}
-    loaded = LoadedModel(model.eval(), tokenizer, "untrained tiny", {"step": 0, "fingerprint": fp})
+        gpt2_config(preset, tok.get_vocab_size(), context, tok.token_to_id(EOT), tok.token_to_id(PAD))
+    )
+    fp = {"context": context, "tr_ratio": recipe.tr_ratio, "seed": recipe.seed}
+    loaded = LoadedModel(model.eval(), tokenizer, f"untrained {preset}", {"step": 0, "fingerprint": fp})
     return _evaluate_loaded(loaded, config, conn, progress)
 
 
@@ -256,16 +292,7 @@ def _chat(model: Path) -> dict[str, str]:
 def _train(
     config: Any, out: Path, steps: int, name: str, pretrain: bool = False, **model: Any
 ) -> dict[str, Any]:
-    """Train in process; ``pretrain``: the demo's pretraining recipe, else the shipped CPU config's."""
-    from dsgpt2.train.config import (
-        CheckpointOptions,
-        DataOptions,
-        EngineOptions,
-        ModelOptions,
-        RunOptions,
-        ScheduleOptions,
-        TrainConfig,
-    )
+    """Train in process (see :func:`train_config`)."""
     from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import build as build_trainer
 
@@ -274,27 +301,7 @@ def _train(
     # Each demo trains afresh: the checkpoints of an earlier demo in this directory go.
     shutil.rmtree(run / "ckpt", ignore_errors=True)
     (run / "mongo.json").write_text(json.dumps(config.to_dict()))
-    vocab_dir = model.pop("vocab_dir", None)
-    ds_config = shipped_config("ds_config_cpu.json")
-    data, schedule = {}, ScheduleOptions()
-    if pretrain:
-        ds_config = shipped_config(DEMO_DS_CONFIG)
-        warmup = min(DEMO_WARMUP, steps // 4)
-        schedule = ScheduleOptions(lr_schedule="cosine", lr=DEMO_LR, warmup_iters=warmup)
-    cfg = TrainConfig(
-        data=DataOptions(config_train=run / "mongo.json", vocab_dir=vocab_dir, tr_ratio=TR_RATIO, **data),
-        model=ModelOptions(**model),
-        run=RunOptions(
-            train_iters=steps,
-            eval_interval=max(1, steps // 6),
-            eval_iters=8,
-            workspace=run / "train",
-            wandb="off",
-        ),
-        ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=max(1, steps // 3), no_resume=True),
-        schedule=schedule,
-        engine=EngineOptions(deepspeed_config=ds_config),
-    )
+    cfg = train_config(run, steps, pretrain, **model)
     # The config object, not the file: the file holds no password (to_dict redacts it).
     trainer = build_trainer(cfg, mongo=config)
     result = trainer.train()
@@ -310,6 +317,47 @@ def _train(
         "plot": result.get("plot"),
         "checkpoint": result["checkpoint"],
     }
+
+
+def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) -> Any:
+    """A demo training run's configuration, in ``run`` (its connection config in ``run/mongo.json``):
+    the recipe's split, and its evaluations and checkpoints spread over ``steps``; ``pretrain``: the
+    recipe's model, schedule and DeepSpeed config (as shipped) too, else the shipped CPU config's.
+    ``model``: ModelOptions fields, and ``vocab_dir`` (default: the ``init_from`` model's)."""
+    from dsgpt2.train.config import (
+        CheckpointOptions,
+        DataOptions,
+        EngineOptions,
+        ModelOptions,
+        RunOptions,
+        ScheduleOptions,
+        TrainConfig,
+    )
+
+    vocab_dir = model.pop("vocab_dir", None)
+    recipe = demo_recipe()
+    ds_config = shipped_config("ds_config_cpu.json")
+    model_options, schedule = ModelOptions(**model), ScheduleOptions()
+    if pretrain:
+        ds_config = shipped_config(Path(recipe.deepspeed_config).name)
+        model_options = from_namespace(ModelOptions, recipe, **model)
+        warmup = recipe.warmup_iters if recipe.warmup_iters is None else min(recipe.warmup_iters, steps // 4)
+        schedule = from_namespace(ScheduleOptions, recipe, warmup_iters=warmup)
+    # As many evaluations and checkpoints as the recipe makes, over this run's steps.
+    evals, saves = recipe.train_iters // recipe.eval_interval, recipe.train_iters // recipe.save_interval
+    every_eval, every_save = max(1, steps // evals), max(1, steps // saves)
+    return TrainConfig(
+        data=from_namespace(DataOptions, recipe, config_train=run / "mongo.json", vocab_dir=vocab_dir),
+        model=model_options,
+        run=from_namespace(
+            RunOptions, recipe, train_iters=steps, eval_interval=every_eval, workspace=run / "train"
+        ),
+        ckpt=from_namespace(
+            CheckpointOptions, recipe, ckpt_dir=run / "ckpt", save_interval=every_save, no_resume=True
+        ),
+        schedule=schedule,
+        engine=EngineOptions(deepspeed_config=ds_config),
+    )
 
 
 def _tokenize_example(directory: Path) -> dict[str, Any]:
@@ -339,7 +387,7 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"  example       {vocab['example']['text']!r}",
         f"                → {vocab['example']['tokens']} tokens: {' '.join(vocab['example']['pieces'])}",
         f"  training      {train['steps']} steps, {train['tokens']:,} tokens, "
-        f"{train['tokens_per_s']:,} tokens/s (tiny preset, DeepSpeed on the CPU)",
+        f"{train['tokens_per_s']:,} tokens/s ({train['preset']} preset, DeepSpeed on the CPU)",
         f"  validation    perplexity {before['perplexity']:,} untrained → {after['perplexity']:,} after "
         f"{train['steps']} steps ({after['tokens']:,} tokens; uniform guess: {vocab['vocab_size']:,})",
         f"  sample        {summary['sample']['prompt']}{summary['sample']['text']!r}",

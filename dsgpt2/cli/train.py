@@ -5,18 +5,70 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK
-from dsgpt2.settings.argtypes import non_negative_int, positive_float, positive_int
+from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
+from dsgpt2.settings.argtypes import positive_float
+from dsgpt2.settings.options import MISSING, POSITIVE_INT, add_options, check_fields, from_namespace, option
+from dsgpt2.train.config import ComputeOptions, DataOptions, ModelOptions
 
 log = logging.getLogger("dsgpt2")
+# The training run's own data flags, so that a token cache matches the run that reads it.
+CACHE_DATA = ("config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "read_order", "cache_dir",
+              "num_workers")  # fmt: skip
+CACHE_MODEL = ("model_select", "context_length", "task", "reply_speakers")
 
 
-def add_tokenize(sub: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TokenizeSettings:
+    """``dsgpt2 tokenize``, besides the run's data and model flags (:data:`CACHE_DATA`,
+    :data:`CACHE_MODEL`)."""
+
+    force: bool = option(False, "rebuild even if the cache is up to date")
+    overwrite: bool = option(
+        False, "replace a token cache of other data (another tokenizer, corpus or settings) at --cache_dir"
+    )
+    no_progress: bool = no_progress_option()
+    verbose: bool = verbose_option()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """``dsgpt2 plan``: the machines and the batch, besides the model's and the trainer's flags
+    (--model_select, --context_length, --activation_checkpointing, --loss_chunk)."""
+
+    vocab_size: int = option(50257, "vocabulary size", check=POSITIVE_INT)
+    num_gpus: int = option(1, "GPUs per node", check=POSITIVE_INT)
+    num_nodes: int = option(1, "nodes", check=POSITIVE_INT)
+    micro_batch: int | None = option(None, "add activations: N sequences a micro-batch", check=POSITIVE_INT)
+    # Refused as it is parsed: the message quotes the number as typed.
+    gpu_memory: float = option(80.0, "GB per GPU", type=positive_float)
+    verbose: bool = verbose_option()
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageSettings:
+    """``dsgpt2 lineage``: the run, the documents, and where the run's inputs are now."""
+
+    ckpt_dir: Path = option(help="the run's checkpoint directory")
+    doc: tuple[str, ...] = option(help="a document (repeatable)", repeat=True, metavar="COLLECTION:IDX")
+    ckpt_id: str | None = option(None, "replay up to this checkpoint (default: the one `latest` names)")
+    config: str | None = config_option(
+        "connection config (default: the run's --config_train)", required=False
+    )
+    vocab_dir: Path | None = option(None, "the run's tokenizer (default: the one it recorded)")
+    json: bool = option(False, "print JSON")
+    verbose: bool = verbose_option()
+
+
+def add_tokenize(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "tokenize",
+        name,
         help="build the token cache that `ds_trainer.py --data_mode cached` reads",
         description=(
             "Tokenize every document into memory-mapped files, ahead of training. Use the data flags the "
@@ -27,29 +79,16 @@ def add_tokenize(sub: Any) -> None:
             "node with its own --cache_dir (a run builds what a node lacks, one builder per directory)."
         ),
     )
-    from dsgpt2.settings.options import add_options
-    from dsgpt2.train.config import DataOptions, ModelOptions
-
-    # The training run's own data flags, so that the cache matches the run that reads it.
-    data_flags = ["config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "read_order", "cache_dir",
-                  "num_workers"]  # fmt: skip
     defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
-    add_options(p, DataOptions, only=data_flags, defaults=defaults)
-    add_options(p, ModelOptions, only=["model_select", "context_length", "task", "reply_speakers"])
-    p.add_argument("--force", action="store_true", help="rebuild even if the cache is up to date")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a token cache of other data (another tokenizer, corpus or settings) at --cache_dir",
-    )
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_options(p, DataOptions, only=CACHE_DATA, defaults=defaults)
+    add_options(p, ModelOptions, only=CACHE_MODEL)
+    add_options(p, TokenizeSettings)
     p.set_defaults(func=cmd_tokenize)
 
 
-def add_plan(sub: Any) -> None:
+def add_plan(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "plan",
+        name,
         help="estimate GPU and CPU memory per ZeRO stage for a model preset",
         description=(
             "Estimate the memory the model states of a preset need under each ZeRO stage and offload "
@@ -57,25 +96,18 @@ def add_plan(sub: Any) -> None:
             "Activations come on top."
         ),
     )
-    from dsgpt2.model.gpt2 import PRESETS
-
-    p.add_argument("--model_select", required=True, choices=list(PRESETS), help="model size preset")
-    p.add_argument("--vocab_size", type=positive_int, default=50257, help="vocabulary size (default 50257)")
-    p.add_argument("--num_gpus", type=positive_int, default=1, help="GPUs per node (default 1)")
-    p.add_argument("--num_nodes", type=positive_int, default=1, help="nodes (default 1)")
-    p.add_argument("--micro_batch", type=positive_int, help="add activations: N sequences a micro-batch")
-    p.add_argument("--context_length", type=positive_int, help="tokens per sequence (default: the preset's)")
-    p.add_argument("--activation_checkpointing", action="store_true", help="as the trainer's flag")
-    chunk = f"as the trainer's flag (default {DEFAULT_LOSS_CHUNK}; 0: transformers' loss)"
-    p.add_argument("--loss_chunk", type=non_negative_int, default=DEFAULT_LOSS_CHUNK, help=chunk)
-    p.add_argument("--gpu_memory", type=positive_float, default=80.0, help="GB per GPU (default 80)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    # The model's and the trainer's own flags among the plan's: a plan is of the run those flags make.
+    add_options(p, ModelOptions, only=["model_select"], defaults={"model_select": MISSING})
+    add_options(p, PlanSettings, only=["vocab_size", "num_gpus", "num_nodes", "micro_batch"])
+    add_options(p, ModelOptions, only=["context_length"])
+    add_options(p, ComputeOptions, only=["activation_checkpointing", "loss_chunk"])
+    add_options(p, PlanSettings, only=["gpu_memory", "verbose"])
     p.set_defaults(func=cmd_plan)
 
 
-def add_lineage(sub: Any) -> None:
+def add_lineage(sub: Any, name: str) -> None:
     p = sub.add_parser(
-        "lineage",
+        name,
         help="the steps and checkpoints of a run that trained on a document",
         description=(
             "Which steps of a training run, and so which of its checkpoints, trained on a document: its "
@@ -90,15 +122,7 @@ def add_lineage(sub: Any) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--ckpt_dir", required=True, help="the run's checkpoint directory")
-    p.add_argument(
-        "--doc", required=True, action="append", metavar="COLLECTION:IDX", help="a document (repeatable)"
-    )
-    p.add_argument("--ckpt_id", help="replay up to this checkpoint (default: the one `latest` names)")
-    p.add_argument("--config", metavar="JSON", help="connection config (default: the run's --config_train)")
-    p.add_argument("--vocab_dir", help="the run's tokenizer (default: the one it recorded)")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    add_options(p, LineageSettings)
     p.set_defaults(func=cmd_lineage)
 
 
@@ -108,11 +132,10 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     from dsgpt2.checkpoints.lineage import lineage, lineage_lines
     from dsgpt2.db.config import load_config
 
-    ckpt_dir = Path(args.ckpt_dir)
-    mongo = load_config(args.config) if args.config else None
-    vocab = Path(args.vocab_dir) if args.vocab_dir else None
-    result = lineage(ckpt_dir, args.doc, mongo, args.ckpt_id, vocab)
-    print(json.dumps(result.to_dict(), indent=1) if args.json else "\n".join(lineage_lines(result)))
+    s = from_namespace(LineageSettings, args)
+    mongo = load_config(s.config) if s.config else None
+    result = lineage(s.ckpt_dir, list(s.doc), mongo, s.ckpt_id, s.vocab_dir)
+    print(json.dumps(result.to_dict(), indent=1) if s.json else "\n".join(lineage_lines(result)))
     return 0
 
 
@@ -120,11 +143,11 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.db.config import load_config
     from dsgpt2.db.mongo import connect, require_collections
-    from dsgpt2.settings.options import from_namespace
-    from dsgpt2.train.config import DataOptions, ModelOptions, data_spec
+    from dsgpt2.train.config import data_spec
     from dsgpt2.train.engine import run_context
 
     data, model = from_namespace(DataOptions, args), from_namespace(ModelOptions, args)
+    settings = from_namespace(TokenizeSettings, args)
     context = run_context(model)
     spec = data_spec(data, model, context)
     config = load_config(data.config_train)
@@ -136,9 +159,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         spec,
         data.cache_dir,
         data.num_workers,
-        args.force,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
+        settings.force,
+        progress=not settings.no_progress,
+        overwrite=settings.overwrite,
     )
     state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
     tokens = meta["tokens"]
@@ -150,14 +173,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dsgpt2.model.gpt2 import PRESETS
     from dsgpt2.train.plan import plan, plan_lines
 
-    total, rows = plan(args.model_select, args.vocab_size, args.num_gpus, args.num_nodes)
+    s, model = from_namespace(PlanSettings, args), from_namespace(ModelOptions, args)
+    compute = from_namespace(ComputeOptions, args)
+    preset = model.model_select
+    total, rows = plan(preset, s.vocab_size, s.num_gpus, s.num_nodes)
     act, shape = None, (0, 0)
-    if args.micro_batch:
+    if s.micro_batch:
         from dsgpt2.train.plan import activations
 
-        shape = (args.micro_batch, args.context_length or PRESETS[args.model_select].context)
-        act = activations(args.model_select, args.vocab_size, shape[1], shape[0],
-                          args.activation_checkpointing, args.loss_chunk)  # fmt: skip
-    where = (args.num_gpus, args.num_nodes)
-    print("\n".join(plan_lines(args.model_select, total, rows, *where, act, shape, args.gpu_memory)))
+        shape = (s.micro_batch, model.context_length or PRESETS[preset].context)
+        act = activations(preset, s.vocab_size, shape[1], shape[0], compute.activation_checkpointing,
+                          compute.loss_chunk)  # fmt: skip
+    where = (s.num_gpus, s.num_nodes)
+    print("\n".join(plan_lines(preset, total, rows, *where, act, shape, s.gpu_memory)))
     return 0

@@ -4,29 +4,71 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import (
-    add_config,
-    load_config_arg,
+    by_command,
+    config_option,
+    load_connection,
+    no_progress_option,
     usage,
+    verbose_option,
 )
-from dsgpt2.settings.options import add_options, from_namespace
+from dsgpt2.settings.options import OneOf, add_options, from_namespace, option
+from dsgpt2.settings.runfile import COMMAND_TREE
+from dsgpt2.tokenizer.bpe import VocabSettings
+from dsgpt2.tokenizer.texts import DownloadSettings, Draw
 
 log = logging.getLogger("dsgpt2")
+SOURCE = OneOf(required=True)  # vocab train reads shards or the collections
 
 
-def add_vocab(sub: Any) -> None:
+@dataclass(frozen=True, kw_only=True)
+class VocabDownloadSettings:
+    """``dsgpt2 vocab download``: the connection and where the shards go (the draw and the work:
+    :class:`Draw`, :class:`DownloadSettings`)."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    out: Path = option(Path("runs/vocab_corpus"), "shard directory")
+    no_progress: bool = no_progress_option()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabTrainSettings:
+    """``dsgpt2 vocab train``: the texts it learns from and where the tokenizer goes (how it learns:
+    :class:`VocabSettings`)."""
+
+    input: Path | None = option(
+        None, "shard directory written by `vocab download`", metavar="DIR", one_of=SOURCE
+    )
+    from_mongo: bool = option(False, "stream texts from the collections of --config", one_of=SOURCE)
+    config: str | None = config_option("connection config (with --from_mongo)", required=False)
+    verbose: bool = verbose_option()
+    out: Path = option(Path("runs/tokenizer"), "tokenizer directory")
+    overwrite: bool = option(
+        False, "replace a tokenizer already at --out (runs trained with it will refuse the new one)"
+    )
+    no_progress: bool = no_progress_option()
+
+
+def add_vocab(sub: Any, name: str) -> None:
     vocab = sub.add_parser(
-        "vocab",
+        name,
         help="export the vocabulary corpus and train the BPE tokenizer",
         description="Build the vocabulary: `vocab download` exports text shards, `vocab train` learns BPE.",
     )
-    vsub = vocab.add_subparsers(dest="vocab_command", metavar="STEP", required=True)
+    steps = vocab.add_subparsers(dest="vocab_command", metavar="STEP", required=True)
+    builders = by_command(add_download, add_train)
+    for step in COMMAND_TREE[name]:
+        builders[step](steps, step)
 
-    p = vsub.add_parser(
-        "download",
+
+def add_download(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
         help="export (a sample of) the collections to local text shards",
         description=(
             "Export the configured collections, all documents or a seeded sample, to "
@@ -35,17 +77,16 @@ def add_vocab(sub: Any) -> None:
             "crash, say) writes only the missing ones."
         ),
     )
-    add_config(p)
-    p.add_argument("--out", default="runs/vocab_corpus", help="shard directory (default: runs/vocab_corpus)")
-    from dsgpt2.tokenizer.texts import DownloadSettings, Draw
-
+    add_options(p, VocabDownloadSettings, only=["config", "verbose", "out"])
     add_options(p, Draw)
     add_options(p, DownloadSettings)
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_options(p, VocabDownloadSettings, only=["no_progress"])
     p.set_defaults(func=cmd_vocab_download)
 
-    p = vsub.add_parser(
-        "train",
+
+def add_train(sub: Any, name: str) -> None:
+    p = sub.add_parser(
+        name,
         help="train the byte-level BPE tokenizer from shards or straight from MongoDB",
         description=(
             "Train a byte-level BPE tokenizer (GPT-2 style) on the shards of `vocab download` or, with "
@@ -55,72 +96,54 @@ def add_vocab(sub: Any) -> None:
             "ids: <|endoftext|> 0, <|pad|> 1, then <|SPEAKER|> per --speakers, then <unusedN>."
         ),
     )
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", metavar="DIR", help="shard directory written by `vocab download`")
-    src.add_argument(
-        "--from_mongo", action="store_true", help="stream texts from the collections of --config"
-    )
-    p.add_argument("--config", metavar="JSON", help="connection config (with --from_mongo)")
-    p.add_argument("-v", "--verbose", action="store_true", help="log debug details")
-    p.add_argument("--out", default="runs/tokenizer", help="tokenizer directory (default: runs/tokenizer)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace a tokenizer already at --out (runs trained with it will refuse the new one)",
-    )
-    from dsgpt2.tokenizer.bpe import VocabSettings
-
+    add_options(p, VocabTrainSettings, only=["input", "from_mongo", "config", "verbose", "out", "overwrite"])
     add_options(p, Draw)
     add_options(p, VocabSettings)
-    p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    add_options(p, VocabTrainSettings, only=["no_progress"])
     p.set_defaults(func=cmd_vocab_train)
 
 
 def cmd_vocab_download(args: argparse.Namespace) -> int:
+    from dsgpt2.tokenizer.texts import download
 
-    from dataclasses import asdict
-
-    from dsgpt2.tokenizer.texts import DownloadSettings, Draw, download
-
+    target = from_namespace(VocabDownloadSettings, args)
     draw, settings = from_namespace(Draw, args), from_namespace(DownloadSettings, args)
-    config = load_config_arg(args)
-    report = download(
-        config, Path(args.out), **asdict(draw), **asdict(settings), progress=not args.no_progress
-    )
+    config = load_connection(target.config)
+    report = download(config, target.out, **asdict(draw), **asdict(settings), progress=not target.no_progress)
     print("\n".join(report.lines()))
     return 0
 
 
 def cmd_vocab_train(args: argparse.Namespace) -> int:
-
     from dsgpt2.documents import SkipTally
-    from dsgpt2.tokenizer.bpe import VocabSettings, check_vocab_out, train_vocab
-    from dsgpt2.tokenizer.texts import Draw, mongo_texts, shard_texts
+    from dsgpt2.tokenizer.bpe import check_vocab_out, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
 
-    check_vocab_out(Path(args.out), args.overwrite)  # before any query
+    source = from_namespace(VocabTrainSettings, args)
+    check_vocab_out(source.out, source.overwrite)  # before any query
 
     settings, draw = from_namespace(VocabSettings, args), from_namespace(Draw, args)
-    if args.from_mongo:
-        if not args.config:
+    if source.from_mongo:
+        if not source.config:
             raise usage("vocab train", "--from_mongo needs --config")
-        config = load_config_arg(args)
+        config = load_connection(source.config)
         texts, wrapper = mongo_texts(config, draw.fraction, draw.count, draw.seed)
         skipped = wrapper.skipped
-        source = f"{config.display_uri} {config.db}.{','.join(config.collections)}"
+        origin = f"{config.display_uri} {config.db}.{','.join(config.collections)}"
     else:
         if draw.sampled:
             raise usage("vocab train", "--fraction/--count go with --from_mongo; sample at `vocab download`")
         skipped = SkipTally()
-        texts = shard_texts(Path(args.input), skipped=skipped)
-        source = f"shards in {args.input}"
+        texts = shard_texts(source.input, skipped=skipped)
+        origin = f"shards in {source.input}"
     report = train_vocab(
         texts,
-        Path(args.out),
+        source.out,
         settings,
-        source,
+        origin,
         skipped=skipped,
-        progress=not args.no_progress,
-        overwrite=args.overwrite,
+        progress=not source.no_progress,
+        overwrite=source.overwrite,
     )
     print("\n".join(report.lines()))
     return 0

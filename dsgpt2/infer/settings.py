@@ -8,21 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK
-from dsgpt2.settings.argtypes import non_negative_int, positive_int
-from dsgpt2.settings.options import (
-    check_choice,
-    check_int,
-    check_non_negative,
-    check_number,
-    check_positive,
-    check_ratio,
-    option,
-)
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Range, check_fields, option
 
 MAX_SAMPLES = 16
 MIN_TEMPERATURE = 0.01
@@ -43,23 +34,28 @@ class SamplingParams:
         seed: the same seed, prompt and model give the same text.
     """
 
-    max_new_tokens: int = option(64, "tokens to generate at most", type=positive_int)
-    temperature: float = option(0.8, "0: greedy; higher: more random")
-    top_k: int = option(50, "sample among the k likeliest tokens; 0: all")
-    top_p: float = option(0.95, "nucleus sampling: the likeliest tokens holding this probability mass")
-    repetition_penalty: float = option(1.0, "> 1 discourages tokens already present")
-    num_samples: int = option(1, "completions per prompt", type=positive_int)
-    seed: int = option(0, "the same seed, prompt and model give the same text")
+    # The ranges name the settings as a request spells them (``max_new_tokens must be ...``).
+    max_new_tokens: int = option(64, "tokens to generate at most", check=Range(int, 1))
+    # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
+    temperature: float = option(
+        0.8, "0: greedy; higher: more random", check=Range(float, MIN_TEMPERATURE, 100.0, or_zero=True)
+    )
+    top_k: int = option(50, "sample among the k likeliest tokens; 0: all", check=NON_NEGATIVE_INT)
+    top_p: float = option(
+        0.95,
+        "nucleus sampling: the likeliest tokens holding this probability mass",
+        check=Range(float, 0.0, 1.0, low_open=True),
+    )
+    repetition_penalty: float = option(
+        1.0, "> 1 discourages tokens already present", check=Range(float, 0.01, 100.0)
+    )
+    num_samples: int = option(1, "completions per prompt", check=Range(int, 1, MAX_SAMPLES))
+    seed: int = option(
+        0, "the same seed, prompt and model give the same text", check=Range(int, 0, 2**63 - 1)
+    )
 
     def __post_init__(self) -> None:
-        check_int("max_new_tokens", self.max_new_tokens, 1)
-        # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
-        check_number("temperature", self.temperature, MIN_TEMPERATURE, 100.0, or_zero=True)
-        check_int("top_k", self.top_k, 0)
-        check_number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        check_number("repetition_penalty", self.repetition_penalty, 0.01, 100.0)
-        check_int("num_samples", self.num_samples, 1, MAX_SAMPLES)
-        check_int("seed", self.seed, 0, 2**63 - 1)
+        check_fields(self, prefix="")
         if self.temperature == 0 and self.num_samples > 1:
             raise ConfigError(
                 "num_samples > 1 needs sampling: greedy decoding (temperature 0) gives one answer; "
@@ -109,21 +105,20 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
 class ServeLimits:
     """What one request may ask for, and how many may generate at once."""
 
-    max_prompt_chars: int = option(4000, "longest prompt accepted", type=positive_int)
+    max_prompt_chars: int = option(4000, "longest prompt accepted", check=POSITIVE_INT)
     # A flag of its own: --max_new_tokens is the default request's (SamplingParams).
     max_new_tokens: int = option(
-        256, "largest max_new_tokens a request may ask", type=positive_int, flag="max_tokens_limit"
+        256, "largest max_new_tokens a request may ask", check=POSITIVE_INT, flag="max_tokens_limit"
     )
     max_concurrent: int = option(
         16, "requests in flight at once (decoding or waiting for room in the batch); more get 503",
-        type=positive_int,
+        check=POSITIVE_INT,
     )  # fmt: skip
-    max_batch: int = option(8, "sequences decoded together in one batch (samples count)", type=positive_int)
-    max_body_bytes: int = option(64_000, "largest request body", type=positive_int)
+    max_batch: int = option(8, "sequences decoded together in one batch (samples count)", check=POSITIVE_INT)
+    max_body_bytes: int = option(64_000, "largest request body", check=POSITIVE_INT)
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            check_int(f"--{name}", value, 1)
+        check_fields(self)
 
     def check_length(self, asked: int, name: str = "max_new_tokens") -> None:
         """A request's length within what this server allows (``name``: as the request spells it).
@@ -152,40 +147,35 @@ class EvalRequest:
         flag="collection",
         repeat=True,
     )
-    start: int | None = option(None, "first document of the unified index (default: 0)")
-    stop: int | None = option(None, "end of the unified index range (default: all)", type=positive_int)
+    start: int | None = option(
+        None, "first document of the unified index (default: 0)", check=NON_NEGATIVE_INT
+    )
+    stop: int | None = option(None, "end of the unified index range (default: all)", check=POSITIVE_INT)
     task: str | None = option(None, "lm or conversation (default: the run's)", choices=["lm", "conversation"])
     reply_speakers: str | None = option(None, "conversation task: speakers scored (default: the run's)")
-    tr_ratio: float | None = option(None, "split ratio (default: the run's)")
+    tr_ratio: float | None = option(None, "split ratio (default: the run's)", check=RATIO)
     seed: int | None = option(None, "split seed (default: the run's)", flag="split_seed")
     context: int | None = option(
-        None, "tokens per block (default: the run's)", type=positive_int, flag="context_length"
+        None, "tokens per block (default: the run's)", check=POSITIVE_INT, flag="context_length"
     )
-    batch_size: int = option(8, "blocks per forward pass", type=positive_int)
-    max_batches: int | None = option(None, "stop after this many batches (default: all)", type=positive_int)
-    workers: int = option(2, "tokenizing worker processes", type=non_negative_int, flag="num_workers")
+    batch_size: int = option(8, "blocks per forward pass", check=POSITIVE_INT)
+    max_batches: int | None = option(None, "stop after this many batches (default: all)", check=POSITIVE_INT)
+    workers: int = option(2, "tokenizing worker processes", check=NON_NEGATIVE_INT, flag="num_workers")
     doc_mask: bool | None = option(None, "attention within documents only (default: as the model trained)")
     loss_chunk: int = option(
         DEFAULT_LOSS_CHUNK,
         "cross-entropy over the LM head in chunks of this many tokens (0: over the whole logits at once)",
-        type=non_negative_int,
+        check=NON_NEGATIVE_INT,
     )
 
     def __post_init__(self) -> None:
-        check_choice("--split", self.split, EVAL_SPLITS)
+        check_fields(self)
         if self.collections is not None:
             self.collections = tuple(self.collections)
-        check_non_negative("--start", self.start)
-        check_positive("--stop", self.stop)
         if self.stop is not None and self.start is None:
             self.start = 0
         if self.start is not None and self.stop is not None and self.start >= self.stop:
             raise ConfigError(f"--start/--stop: need start < stop; got {self.start} and {self.stop}")
-        check_ratio("--tr_ratio", self.tr_ratio)
-        check_positive("--context_length", self.context)
-        check_positive("--batch_size", self.batch_size)
-        check_positive("--max_batches", self.max_batches)
-        check_non_negative("--num_workers", self.workers)
 
     @property
     def window(self) -> tuple[int, int] | None:

@@ -1,8 +1,12 @@
-"""Argument parsing shared by the ``dsgpt2`` command and ``ds_trainer.py``."""
+"""Argument parsing shared by the ``dsgpt2`` command and ``ds_trainer.py``: the parser, the hyphenated
+spellings, and the argparse type converters (the numeric ones built from the ranges of
+:mod:`dsgpt2.settings.options`, so that a range is written once)."""
 
 from __future__ import annotations
 
 import argparse
+
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, RATIO, subcommands
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -18,7 +22,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def accept_hyphen_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Accept ``--vocab-size`` for ``--vocab_size`` (and so on) in ``parser`` and its subcommands.
+    """Accept ``--vocab-size`` for ``--vocab_size`` (and so on) in ``parser`` and its subcommands, and
+    ``--no-doc_mask`` for ``--no_doc_mask``.
 
     Options are spelled with underscores, the original toolkit's way; the hyphenated spellings that
     earlier versions used keep working, unlisted in ``--help``.
@@ -27,31 +32,31 @@ def accept_hyphen_spellings(parser: argparse.ArgumentParser) -> argparse.Argumen
         for flag in list(action.option_strings):
             if flag.startswith("--") and "_" in flag:
                 parser._option_string_actions.setdefault(flag.replace("_", "-"), action)
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in set(action.choices.values()):
-                accept_hyphen_spellings(sub)
+            if flag.startswith("--no_"):
+                parser._option_string_actions.setdefault("--no-" + flag[len("--no_") :], action)
+    for sub in set(subcommands(parser).values()):
+        accept_hyphen_spellings(sub)
     return parser
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+    """An integer of at least 1, refused as it is parsed."""
+    return POSITIVE_INT.convert(text)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0, refused as it is parsed."""
+    return NON_NEGATIVE_INT.convert(text)
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number above zero."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
+    """A finite number above zero, refused as it is parsed."""
+    return POSITIVE_NUMBER.convert(text)
+
+
+def ratio(text: str) -> float:
+    """A share in (0, 1], refused as it is parsed."""
+    return RATIO.convert(text)
 
 
 def part_of(text: str) -> tuple[int, int]:
@@ -64,45 +69,6 @@ def part_of(text: str) -> tuple[int, int]:
     if not sep or not 1 <= part <= parts:
         raise argparse.ArgumentTypeError(f"expected R/M with 1 <= R <= M (e.g. 2/4), got {text!r}")
     return part, parts
-
-
-def unit_fraction(text: str) -> float:
-    """A number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def port(text: str) -> int:
-    value = non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0 to 65535, got {value}")
-    return value
-
-
-def ratio(text: str) -> float:
-    """A share in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share in (0, 1], got {value}")
-    return value
 
 
 def comma_list(text: str) -> tuple[str, ...]:

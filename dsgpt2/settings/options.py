@@ -1,20 +1,26 @@
 """Command-line options derived from dataclasses: one home for every default, help text and check.
 
-A config dataclass declares each option once with :func:`option`; :func:`add_options` turns its
-fields into ``--name`` flags (underscore spelling, the original toolkit's) and
-:func:`from_namespace` builds the validated object back from parsed arguments. The dataclass's
-``__post_init__`` checks values and names the flag in its message, so a config made in code (the
-demo, the tests) is checked exactly like one from the command line.
+A settings dataclass declares each option once with :func:`option`; :func:`add_options` turns its
+fields into ``--name`` flags (underscore spelling, the original toolkit's), positional arguments,
+short aliases and mutually exclusive groups, and :func:`from_namespace` builds the object back from
+parsed arguments. A field's range (a :class:`Range`) is written once: the dataclass's
+``__post_init__`` checks it (:func:`check_fields`) and names the flag in its message, so a setting made
+in code (the demo, the tests) is checked exactly like one from the command line. The argparse type
+converters of :mod:`dsgpt2.settings.argtypes` are built from the same ranges.
+
+This module is also the one place that reads a parser back (its flags, its subcommands): argparse
+keeps those in attributes of its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,144 +29,97 @@ from dsgpt2.errors import ConfigError
 MISSING = dataclasses.MISSING
 
 
-def option(
-    default: Any = MISSING,
-    help: str = "",
-    *,
-    type: Callable[[str], Any] | None = None,
-    choices: Iterable[str] | None = None,
-    metavar: str | None = None,
-    hidden: bool = False,
-    flag: str | None = None,
-    repeat: bool = False,
-) -> Any:
-    """A dataclass field that is also a command-line option.
-
-    Args:
-        default: the default value (the one place it is written); MISSING for a required option.
-        help: one line for ``--help``; the default is appended.
-        type: argparse type converter (default: from the annotation).
-        choices: the allowed values.
-        hidden: not shown in ``--help`` (test hooks).
-        flag: the option's name where it differs from the field's (``--flag``, parsed into ``flag``).
-        repeat: a tuple field given once per value (``--collection a --collection b``).
-
-    A ``bool | None`` field becomes a pair, ``--name`` and ``--no_name``, left None when neither is
-    given (the caller's default applies).
-    """
-    meta = {
-        "help": help,
-        "type": type,
-        "choices": list(choices) if choices is not None else None,
-        "metavar": metavar,
-        "hidden": hidden,
-        "flag": flag,
-        "repeat": repeat,
-    }
-    if isinstance(default, (list, dict, set)):
-        return dataclasses.field(default_factory=default.copy, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
-
-
-def _base_type(annotation: Any) -> tuple[Any, bool]:
-    """``(type, optional)`` of an annotation such as ``int | None``."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args[0], True
-    return annotation, False
-
-
-def add_options(
-    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
-    cls: type,
-    only: Iterable[str] | None = None,
-    defaults: dict[str, Any] | None = None,
-) -> None:
-    """Add a ``--field`` option per field of the dataclass ``cls`` (``only``: a subset, in order).
-
-    ``defaults`` overrides a field's default for this parser (``dsgpt2 plan`` needs no corpus).
-    """
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for name in only or fields:
-        f = fields[name]
-        meta = f.metadata
-        dest = meta.get("flag") or name
-        kind, optional = _base_type(hints[name])
-        default = (defaults or {}).get(name, _default(f))
-        help_text = meta.get("help", "")
-        if meta.get("hidden"):
-            help_text = argparse.SUPPRESS
-        elif _shown(default) and "default" not in help_text:
-            shown = ",".join(default) if isinstance(default, tuple) else default
-            help_text = f"{help_text} (default: {shown})"
-        kwargs: dict[str, Any] = {"dest": dest, "help": help_text}
-        if kind is bool and optional:
-            pair = parser.add_mutually_exclusive_group()
-            pair.add_argument(f"--{dest}", action="store_const", const=True, default=default, **kwargs)
-            no = argparse.SUPPRESS if meta.get("hidden") else f"the opposite of --{dest}"
-            pair.add_argument(f"--no_{dest}", dest=dest, action="store_const", const=False, help=no)
-            continue
-        if kind is bool:
-            kwargs["action"] = "store_true"
-        else:
-            if typing.get_origin(kind) in (list, tuple) and not meta.get("type"):
-                if meta.get("repeat"):
-                    kwargs["action"] = "append"
-                else:
-                    kwargs["nargs"] = "*"
-                kind = typing.get_args(kind)[0]
-            kwargs["type"] = meta.get("type") or kind
-            if meta.get("choices"):
-                kwargs["choices"] = meta["choices"]
-            if meta.get("metavar"):
-                kwargs["metavar"] = meta["metavar"]
-        if default is MISSING:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = default
-        parser.add_argument(f"--{dest}", **kwargs)
-
-
-def _shown(default: Any) -> bool:
-    """Whether ``--help`` states the default: not for "not given" (None, off, empty)."""
-    return default is not MISSING and default is not None and default is not False and default != []
-
-
-def _default(f: dataclasses.Field[Any]) -> Any:
-    if f.default is not MISSING:
-        return f.default
-    if f.default_factory is not MISSING:
-        return f.default_factory()
-    return MISSING
-
-
-def from_namespace(cls: type, args: argparse.Namespace, **override: Any) -> Any:
-    """An instance of ``cls`` from the parsed ``args`` (fields it has), validated on construction."""
-    values = {}
-    for f in dataclasses.fields(cls):
-        dest = f.metadata.get("flag") or f.name
-        if hasattr(args, dest):
-            values[f.name] = getattr(args, dest)
-    values.update(override)
-    return cls(**values)
-
-
-# ---------------------------------------------------------------- checks
+# ---------------------------------------------------------------- value checks
 # One family for every setting, from a flag or a request body: ``name`` is the setting as the user
 # wrote it (``--train_iters`` for a flag, ``temperature`` in a request), the message its range.
 # ``optional``: None means "not given" and passes.
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """A range of numbers, written once: it checks values (:meth:`check`) and reads a flag's text
+    (:meth:`parse`; :meth:`convert` also refuses a number outside it, as argparse parses it).
+
+    Attributes:
+        kind: ``int`` (not a bool) or ``float`` (an int too; finite).
+        low, high: the bounds (``high`` None: none above).
+        low_open: ``(low, high]`` instead of ``[low, high]``.
+        or_zero: 0 is accepted too.
+        name: the range in words where it has a name (``"a positive integer"``); else from the bounds.
+        short: how a number of the right kind outside the range is told (``"in (0, 1]"``).
+    """
+
+    kind: type
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    or_zero: bool = False
+    name: str | None = None
+    short: str | None = None
+
+    @property
+    def words(self) -> str:
+        """The range in words: ``an integer at least 0``, ``a number in (0, 1]``."""
+        if self.name:
+            return self.name
+        noun = "an integer" if self.kind is int else "a number"
+        if self.high is None:
+            bound = f"above {self.low}" if self.low_open else f"at least {self.low}"
+        elif self.kind is int:
+            bound = f"between {self.low} and {self.high}"
+        else:
+            bound = f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+        return f"{'0 or ' if self.or_zero else ''}{noun} {bound}"
+
+    def _of_kind(self, value: Any) -> bool:
+        if isinstance(value, bool):
+            return False
+        if self.kind is int:
+            return isinstance(value, int)
+        return isinstance(value, int | float) and math.isfinite(value)
+
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` is a number of this kind inside the range."""
+        if not self._of_kind(value):
+            return False
+        if self.or_zero and value == 0:
+            return True
+        above = value > self.low if self.low_open else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def check(self, name: str, value: Any, optional: bool = False) -> None:
+        """Raise :class:`ConfigError` naming ``name`` unless ``value`` is in the range."""
+        if (optional and value is None) or self.holds(value):
+            return
+        told = self.short if self.short and self._of_kind(value) else self.words
+        raise ConfigError(f"{name} must be {told}, got {value!r}")
+
+    def parse(self, text: str) -> Any:
+        """argparse type: the number ``text`` spells, of this range's kind (the range is checked on
+        construction of the settings object, naming the flag)."""
+        try:
+            return self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {self.words}, got {text!r}") from None
+
+    def convert(self, text: str) -> Any:
+        """argparse type: the number ``text`` spells, refused unless it is in the range."""
+        value = self.parse(text)
+        if not self.holds(value):
+            raise argparse.ArgumentTypeError(f"must be {self.short or self.words}, got {text!r}")
+        return value
+
+
+POSITIVE_INT = Range(int, 1, name="a positive integer")
+NON_NEGATIVE_INT = Range(int, 0)
+POSITIVE_NUMBER = Range(float, 0, low_open=True, name="a positive number")
+RATIO = Range(float, 0, 1, low_open=True, short="in (0, 1]")  # a share
+PORT = Range(int, 0, 65535)  # a TCP port; 0: any free one
+
+
 def check_int(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
     """``value`` is an integer (not a bool) in ``[low, high]``."""
-    if optional and value is None:
-        return
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if not is_int or value < low or (high is not None and value > high):
-        bound = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+    Range(int, low, high).check(name, value, optional)
 
 
 def check_number(
@@ -174,34 +133,20 @@ def check_number(
 ) -> None:
     """``value`` is a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``; no upper
     bound with ``high`` None); ``or_zero``: 0 is accepted too."""
-    if optional and value is None:
-        return
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and not (or_zero and value == 0):
-        ok = (value > low if low_open else value >= low) and (high is None or value <= high)
-    if not ok:
-        also = "0 or " if or_zero else ""
-        if high is None:
-            bound = f"above {low}" if low_open else f"at least {low}"
-        else:
-            bound = f"in {'(' if low_open else '['}{low}, {high}]"
-        raise ConfigError(f"{name} must be {also}a number {bound}, got {value!r}")
+    Range(float, low, high, low_open, or_zero).check(name, value, optional)
 
 
 def check_positive(name: str, value: int | None) -> None:
-    check_int(name, value, 1, optional=True)
+    POSITIVE_INT.check(name, value, optional=True)
 
 
 def check_non_negative(name: str, value: int | None) -> None:
-    check_int(name, value, 0, optional=True)
+    NON_NEGATIVE_INT.check(name, value, optional=True)
 
 
 def check_ratio(name: str, value: float | None) -> None:
     """A share in (0, 1]."""
-    if value is not None and not (
-        isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= 1
-    ):
-        raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
+    RATIO.check(name, value, optional=True)
 
 
 def check_choice(name: str, value: str | None, choices: Iterable[str]) -> None:
@@ -212,3 +157,260 @@ def check_choice(name: str, value: str | None, choices: Iterable[str]) -> None:
 
 def as_path(value: str | Path | None) -> Path | None:
     return None if value is None else Path(value)
+
+
+# ---------------------------------------------------------------- fields
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OneOf:
+    """Options that exclude one another (``--input DIR`` or ``--from_mongo``): the fields given the
+    same ``OneOf`` form one group; ``required``: one of them must be given."""
+
+    required: bool = False
+
+
+def option(
+    default: Any = MISSING,
+    help: str = "",
+    *,
+    type: Callable[[str], Any] | None = None,
+    check: Range | None = None,
+    choices: Iterable[str] | None = None,
+    metavar: str | None = None,
+    hidden: bool = False,
+    flag: str | None = None,
+    repeat: bool = False,
+    positional: bool = False,
+    short: str | None = None,
+    one_of: OneOf | None = None,
+) -> Any:
+    """A dataclass field that is also a command-line option.
+
+    Args:
+        default: the default value (the one place it is written); MISSING for a required option.
+        help: one line for ``--help``; the default is appended.
+        type: argparse type converter (default: from the annotation, or ``check``'s parser).
+        check: the field's range, checked by :func:`check_fields` naming the flag.
+        choices: the allowed values (checked by argparse and by :func:`check_fields`).
+        metavar: the value's name in ``--help``.
+        hidden: not shown in ``--help`` (test hooks).
+        flag: the option's name where it differs from the field's (``--flag``, parsed into ``flag``).
+        repeat: a tuple field given once per value (``--collection a --collection b``).
+        positional: an argument without a flag (``FILE...``: a tuple field takes any number; a field
+            with a default may be left out).
+        short: a one-letter alias (``-v``).
+        one_of: the group of options this one excludes the others of.
+
+    A ``bool`` field is a switch (``--name``); a ``bool | None`` field a pair, ``--name`` and
+    ``--no_name``, left None when neither is given (the caller's default applies).
+    """
+    meta = {
+        "help": help,
+        "type": type,
+        "check": check,
+        "choices": list(choices) if choices is not None else None,
+        "metavar": metavar,
+        "hidden": hidden,
+        "flag": flag,
+        "repeat": repeat,
+        "positional": positional,
+        "short": short,
+        "one_of": one_of,
+    }
+    if isinstance(default, (list, dict, set)):
+        return dataclasses.field(default_factory=default.copy, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """``(type, optional)`` of an annotation such as ``int | None``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0], True
+    return annotation, False
+
+
+def _is_sequence(kind: Any) -> bool:
+    return typing.get_origin(kind) in (list, tuple)
+
+
+def add_options(
+    parser: Any,
+    cls: type,
+    only: Iterable[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    helps: Mapping[str, str] | None = None,
+) -> None:
+    """Add an option per field of the dataclass ``cls`` to ``parser`` (a parser or an argument group;
+    ``only``: a subset, in that order).
+
+    ``defaults`` overrides a field's default for this parser (MISSING: required here); ``helps`` its
+    help line, where this command reads the same flag in another sense (``dsgpt2 evaluate
+    --hellaswag`` scores it instead of the validation split).
+    """
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    groups: dict[OneOf, Any] = {}
+    for name in only or fields:
+        f = fields[name]
+        one_of = f.metadata.get("one_of")
+        target = parser
+        if one_of is not None:
+            if one_of not in groups:
+                groups[one_of] = parser.add_mutually_exclusive_group(required=one_of.required)
+            target = groups[one_of]
+        default = (defaults or {}).get(name, _default(f))
+        _add_field(target, f, _hints(cls)[name], default, (helps or {}).get(name))
+
+
+def _add_field(
+    parser: Any, f: dataclasses.Field[Any], annotation: Any, default: Any, help: str | None
+) -> None:
+    meta = f.metadata
+    dest = meta.get("flag") or f.name
+    kind, optional = _base_type(annotation)
+    help_text = meta.get("help", "") if help is None else help
+    if meta.get("hidden"):
+        help_text = argparse.SUPPRESS
+    elif _shown(default) and "default" not in help_text:
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        help_text = f"{help_text} (default: {shown})"
+    if kind is bool and optional:
+        pair = parser.add_mutually_exclusive_group()
+        pair.add_argument(
+            f"--{dest}", dest=dest, action="store_const", const=True, default=default, help=help_text
+        )
+        no = argparse.SUPPRESS if meta.get("hidden") else f"the opposite of --{dest}"
+        pair.add_argument(f"--no_{dest}", dest=dest, action="store_const", const=False, help=no)
+        return
+    kwargs: dict[str, Any] = {"help": help_text}
+    if kind is bool:
+        kwargs["action"] = "store_true"
+    else:
+        if _is_sequence(kind) and not meta.get("type"):
+            if meta.get("repeat"):
+                kwargs["action"] = "append"
+            else:
+                kwargs["nargs"] = "*"
+            kind = typing.get_args(kind)[0]
+        check = meta.get("check")
+        kwargs["type"] = meta.get("type") or (check.parse if check is not None else kind)
+        for key in ("choices", "metavar"):
+            if meta.get(key):
+                kwargs[key] = meta[key]
+    if meta.get("positional"):
+        if default is not MISSING:
+            kwargs.setdefault("nargs", "?")
+            kwargs["default"] = default
+        parser.add_argument(dest, **kwargs)
+        return
+    if default is MISSING:
+        kwargs["required"] = True
+    else:
+        # An appended option adds to its default: a list of its own, not the field's tuple.
+        appended = kwargs.get("action") == "append" and default is not None
+        kwargs["default"] = list(default) if appended else default
+    names = [meta["short"]] if meta.get("short") else []
+    parser.add_argument(*names, f"--{dest}", dest=dest, **kwargs)
+
+
+def _shown(default: Any) -> bool:
+    """Whether ``--help`` states the default: not for "not given" (None, off, empty)."""
+    if default is MISSING or default is None or default is False:
+        return False
+    return not (isinstance(default, list | tuple) and not default)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return MISSING
+
+
+def from_namespace(cls: type, args: argparse.Namespace, **override: Any) -> Any:
+    """An instance of ``cls`` from the parsed ``args`` (fields it has), validated on construction.
+
+    A list parsed for a tuple field (``--collection`` given twice) becomes a tuple; ``override``
+    replaces what was parsed.
+    """
+    values = {}
+    for f in dataclasses.fields(cls):
+        dest = f.metadata.get("flag") or f.name
+        if hasattr(args, dest):
+            value = getattr(args, dest)
+            if isinstance(value, list) and typing.get_origin(_base_type(_hints(cls)[f.name])[0]) is tuple:
+                value = tuple(value)
+            values[f.name] = value
+    values.update(override)
+    return cls(**values)
+
+
+def check_fields(settings: Any, prefix: str = "--") -> None:
+    """Check every field of the dataclass ``settings`` against its ``check`` range and its ``choices``,
+    naming it as its flag (``prefix`` and the flag's name; ``prefix=""`` for request settings); None
+    passes where the field may be None.
+
+    Raises:
+        ConfigError: the first value out of its range, or not one of its choices.
+    """
+    hints = _hints(type(settings))
+    for f in dataclasses.fields(settings):
+        meta, value = f.metadata, getattr(settings, f.name)
+        name = prefix + (meta.get("flag") or f.name)
+        optional = _base_type(hints[f.name])[1]
+        if meta.get("check") is not None:
+            meta["check"].check(name, value, optional)
+        if meta.get("choices") is not None:
+            check_choice(name, value, meta["choices"])
+
+
+# ---------------------------------------------------------------- reading a parser back
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The subcommands of ``parser`` by name (none: an empty dict)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def command_names(parser: argparse.ArgumentParser) -> set[str]:
+    """Every subcommand name below ``parser``, nested ones included."""
+    names: set[str] = set()
+    for name, sub in subcommands(parser).items():
+        names |= {name} | command_names(sub)
+    return names
+
+
+def settable_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The actions of ``parser`` that take a setting: not ``--help``, ``--version`` or subcommands."""
+    return [
+        a
+        for a in parser._actions
+        if a.dest not in (argparse.SUPPRESS, "help", "version")
+        and not isinstance(a, argparse._SubParsersAction)
+    ]
+
+
+def flag_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string ``parser`` accepts, the unlisted spellings included."""
+    return set(parser._option_string_actions)
+
+
+def is_switch(action: argparse.Action) -> bool:
+    """An option that takes no value (``--json``, ``--no_doc_mask``): it sets its constant."""
+    return isinstance(action, argparse._StoreConstAction)
+
+
+def takes_many(action: argparse.Action) -> bool:
+    """An option or argument that takes a list (``nargs`` * or +, or repeated)."""
+    return action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction)

@@ -24,16 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.settings.options import is_switch, settable_actions, subcommands, takes_many
 
 SUFFIXES = (".yaml", ".yml", ".toml")
 YAML_WORDS = {False: "off", True: "on"}
 FLAG = "--config"
-# Every dsgpt2 command, nested ones included: the names of tables in an experiment file (a test keeps
-# this equal to the command line's).
-COMMANDS = frozenset(
-    {"ingest", "validate", "info", "vocab", "download", "train", "tokenize", "plan", "export", "evaluate",
-     "generate", "chat", "serve", "demo", "index", "dedup", "curate", "lineage", "db"}
-)  # fmt: skip
+# Every dsgpt2 command that reads an experiment file, in the order `dsgpt2 --help` lists them, with its
+# steps: the one list of them. The `dsgpt2` parser is built from it (dsgpt2.cli.main), and a table in
+# an experiment file is named by one of them (`dsgpt2 launch` hands its arguments to the deepspeed
+# launcher: the script it starts reads the file).
+COMMAND_TREE: dict[str, tuple[str, ...]] = {
+    "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "validate": (), "info": (),
+    "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
+    "evaluate": (), "generate": (), "chat": (), "serve": (), "demo": (), "db": (),
+}  # fmt: skip
+COMMANDS = frozenset(COMMAND_TREE).union(*COMMAND_TREE.values())
 
 
 def is_run_file(value: str) -> bool:
@@ -132,9 +137,7 @@ def apply_run_file(
     ``aliases``: keys that stand for another flag (the trainer's ``config`` is ``config_train``).
     """
     by_name: dict[str, argparse.Action] = {}
-    for action in parser._actions:
-        if action.dest in (argparse.SUPPRESS, "help", "version"):
-            continue
+    for action in settable_actions(parser):
         for flag in action.option_strings:
             if flag.startswith("--"):
                 by_name.setdefault(flag[2:], action)
@@ -155,7 +158,7 @@ def apply_run_file(
         if value is None:
             continue
         converted = _convert(action, key, value, path)
-        if isinstance(action, argparse._StoreConstAction):
+        if is_switch(action):
             # A switch: true sets what the flag sets; false the opposite (or leaves the default).
             if not converted:
                 if not isinstance(action.const, bool):
@@ -163,7 +166,7 @@ def apply_run_file(
                 converted = not action.const
             else:
                 converted = action.const
-            for other in parser._actions:
+            for other in settable_actions(parser):
                 if other.dest == action.dest:
                     other.default = converted
         else:
@@ -176,12 +179,11 @@ def _convert(action: argparse.Action, key: str, value: Any, path: Path) -> Any:
     def wrong(expected: str) -> ConfigError:
         return ConfigError(f"{FLAG} {path}: key {key!r} must be {expected}, got {value!r}")
 
-    if isinstance(action, argparse._StoreConstAction):
+    if is_switch(action):
         if not isinstance(value, bool):
             raise wrong("true or false")
         return value
-    many = action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction)
-    if many:
+    if takes_many(action):
         items = value if isinstance(value, list) else [value]
         return [_one(action, key, item, path, wrong) for item in items]
     if isinstance(value, list | dict):
@@ -223,23 +225,12 @@ def subparser_for(
     for token in argv:
         if token.startswith("-"):
             continue
-        subs = [a for a in current._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs or token not in subs[0].choices:
+        subs = subcommands(current)
+        if token not in subs:
             break
-        current = subs[0].choices[token]
+        current = subs[token]
         path.append(token)
     return current, path
-
-
-def command_names(parser: argparse.ArgumentParser) -> set[str]:
-    """Every subcommand name below ``parser`` (the names a table in an experiment file may have)."""
-    names: set[str] = set()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                names.add(name)
-                names |= command_names(sub)
-    return names
 
 
 def dump_yaml(values: Mapping[str, Any]) -> str:

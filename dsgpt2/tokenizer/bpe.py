@@ -22,8 +22,8 @@ from typing import Any
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, file_digest, is_occupied, staged_dir
-from dsgpt2.settings.argtypes import comma_list, non_negative_int, positive_int
-from dsgpt2.settings.options import check_non_negative, check_positive, option
+from dsgpt2.settings.argtypes import comma_list
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, check_fields, option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)
@@ -67,25 +67,23 @@ class VocabSettings:
         context_length: the model's context, recorded as ``model_max_length``.
     """
 
-    vocab_size: int = option(50257, "vocabulary size, special tokens included", type=positive_int)
-    min_frequency: int = option(2, "minimum pair count", type=positive_int)
+    vocab_size: int = option(50257, "vocabulary size, special tokens included", check=POSITIVE_INT)
+    min_frequency: int = option(2, "minimum pair count", check=POSITIVE_INT)
     speakers: tuple[str, ...] = option(
         DEFAULT_SPEAKERS, "conversation speakers, comma-separated", type=comma_list, metavar="A,B"
     )
-    reserved: int = option(0, "number of <unusedN> tokens to reserve", type=non_negative_int)
+    reserved: int = option(0, "number of <unusedN> tokens to reserve", check=NON_NEGATIVE_INT)
     lowercase: bool = option(False, "lowercase texts first (default: keep case)")
-    context_length: int = option(1024, "model context length", type=positive_int)
+    context_length: int = option(1024, "model context length", check=POSITIVE_INT)
 
     def __post_init__(self) -> None:
+        check_fields(self)
         floor = 256 + len(self.specials)
         if self.vocab_size < floor:
             raise ConfigError(
                 f"--vocab_size must be at least {floor} (256 bytes + {len(self.specials)} special tokens); "
                 f"got {self.vocab_size}"
             )
-        check_positive("--min_frequency", self.min_frequency)
-        check_non_negative("--reserved", self.reserved)
-        check_positive("--context_length", self.context_length)
         for s in self.speakers:
             if not _SPEAKER_NAME.match(s):
                 raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")

@@ -37,8 +37,7 @@ from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
 from dsgpt2.progress import progress as progress_display
-from dsgpt2.settings.argtypes import positive_int
-from dsgpt2.settings.options import check_int, check_positive, check_ratio, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, check_fields, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -51,16 +50,14 @@ _SHARD_DOCS = 50_000
 class Draw:
     """Which documents a vocabulary corpus holds: every one, or a seeded sample, each field a flag."""
 
-    fraction: float | None = option(None, "draw this fraction of the documents, in (0, 1]")
-    count: int | None = option(None, "draw about this many documents", type=positive_int)
-    seed: int = option(0, "seed of the draw")
+    fraction: float | None = option(None, "draw this fraction of the documents, in (0, 1]", check=RATIO)
+    count: int | None = option(None, "draw about this many documents", check=POSITIVE_INT)
+    seed: int = option(0, "seed of the draw", check=NON_NEGATIVE_INT)
 
     def __post_init__(self) -> None:
         if self.fraction is not None and self.count is not None:
             raise ConfigError("give --fraction or --count, not both")
-        check_ratio("--fraction", self.fraction)
-        check_positive("--count", self.count)
-        check_int("--seed", self.seed, 0)
+        check_fields(self)
 
     @property
     def sampled(self) -> bool:
@@ -79,17 +76,15 @@ class Draw:
 class DownloadSettings:
     """How ``vocab download`` splits and runs its work, each field a flag."""
 
-    workers: int = option(2, "worker processes", type=positive_int)
+    workers: int = option(2, "worker processes", check=POSITIVE_INT)
     shards: int | None = option(
-        None, "number of shards (default: one per 50,000 documents)", type=positive_int
+        None, "number of shards (default: one per 50,000 documents)", check=POSITIVE_INT
     )
-    chunk: int = option(1000, "documents per query", type=positive_int)
+    chunk: int = option(1000, "documents per query", check=POSITIVE_INT)
     overwrite: bool = option(False, "replace shards of a different download in --out")
 
     def __post_init__(self) -> None:
-        check_positive("--workers", self.workers)
-        check_positive("--shards", self.shards)
-        check_positive("--chunk", self.chunk)
+        check_fields(self)
 
 
 # ---------------------------------------------------------------- download

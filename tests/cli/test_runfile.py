@@ -10,7 +10,8 @@ import pytest
 
 from conftest import ROOT, run_cli, store_config
 from dsgpt2.cli.main import build_parser as cli_parser
-from dsgpt2.settings.runfile import COMMANDS, command_names, find_run_file
+from dsgpt2.settings.options import command_names, subcommands
+from dsgpt2.settings.runfile import COMMAND_TREE, COMMANDS, find_run_file
 from dsgpt2.train.config import parse
 from zygote import run_python
 
@@ -129,29 +130,63 @@ def test_every_dsgpt2_command_reads_one(tmp_path: Path) -> None:
     assert bad.returncode == 2 and "unknown key 'vocab_size'" in bad.stderr
 
 
-def test_the_table_names_are_the_commands() -> None:
-    # `dsgpt2 launch` hands every argument to the deepspeed launcher: the script it starts reads the file.
-    assert command_names(cli_parser()) - {"launch"} == COMMANDS
+def test_the_parser_is_built_from_the_table_of_commands() -> None:
+    """One list of the commands (runfile.COMMAND_TREE): the parser's commands and steps, in its order,
+    and the names an experiment file's tables may have. `dsgpt2 launch` hands every argument to the
+    deepspeed launcher: the script it starts reads the file."""
+    parser = cli_parser()
+    top = subcommands(parser)
+    assert list(top) == [*COMMAND_TREE, "launch"]
+    for name, steps in COMMAND_TREE.items():
+        assert tuple(subcommands(top[name])) == steps, name
+    assert command_names(parser) - {"launch"} == COMMANDS == set(COMMAND_TREE).union(*COMMAND_TREE.values())
 
 
-def test_the_shipped_demo_recipe_is_the_demo(files: dict[str, Path]) -> None:
-    from dsgpt2.cli import pipeline as demo
+def test_a_command_added_to_the_table_needs_its_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsgpt2.cli import main as cli_main
+
+    monkeypatch.setitem(COMMAND_TREE, "frobnicate", ())
+    with pytest.raises(KeyError, match="frobnicate"):
+        cli_main.build_parser()
+
+
+def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path: Path) -> None:
+    """The demo reads its pretraining recipe from configs/recipes/demo.yaml (as shipped in the package):
+    its model, split, schedule and DeepSpeed config, and its evaluations and checkpoints spread over the
+    demo's steps."""
+    from dsgpt2.cli.pipeline import DEMO_RECIPE, demo_recipe, train_config
     from dsgpt2.data.split import DEFAULT_CHUNK_DOCS
+    from dsgpt2.settings.shipped import shipped_config
 
-    recipe = ROOT / "configs" / "recipes" / "demo.yaml"
-    cfg = parse(["--config", str(recipe), "--vocab_dir", str(files["tok"])])
-    assert cfg.data.config_train == Path("configs/sample.json")
-    ds = json.loads(Path(ROOT / cfg.engine.deepspeed_config).read_text())
-    assert cfg.engine.deepspeed_config.name == demo.DEMO_DS_CONFIG
+    shipped = shipped_config(DEMO_RECIPE)
+    assert shipped.read_text() == (ROOT / "configs" / "recipes" / "demo.yaml").read_text()
+    recipe = parse(["--config", str(shipped), "--vocab_dir", str(files["tok"])])
+    assert recipe.data.config_train == Path("configs/sample.json")
+    ds = json.loads(Path(ROOT / recipe.engine.deepspeed_config).read_text())
     assert ds["train_micro_batch_size_per_gpu"] == 16
-    assert cfg.model.model_select == "tiny" and cfg.data.tr_ratio == demo.TR_RATIO
-    assert cfg.data.chunk_docs == DEFAULT_CHUNK_DOCS and cfg.data.read_order == "spread"  # no work-around
-    assert cfg.run.train_iters == demo.DEMO_STEPS
-    assert cfg.run.eval_interval == demo.DEMO_STEPS // 6 and cfg.run.eval_iters == 8
-    assert cfg.ckpt.save_interval == demo.DEMO_STEPS // 3
-    s = cfg.schedule
-    assert (s.lr_schedule, s.lr, s.warmup_iters) == ("cosine", demo.DEMO_LR, demo.DEMO_WARMUP)
-    assert cfg.run.wandb == "off"
+    assert (
+        recipe.data.chunk_docs == DEFAULT_CHUNK_DOCS and recipe.data.read_order == "spread"
+    )  # no work-around
+    assert demo_recipe().train_iters == recipe.run.train_iters
+
+    (tmp_path / "mongo.json").write_text("{}")
+    steps = recipe.run.train_iters
+    cfg = train_config(tmp_path, steps, pretrain=True, vocab_dir=files["tok"])
+    assert cfg.engine.deepspeed_config == shipped_config(recipe.engine.deepspeed_config.name)
+    assert cfg.model == recipe.model and cfg.schedule == recipe.schedule and cfg.compute == recipe.compute
+    assert cfg.data.tr_ratio == recipe.data.tr_ratio and cfg.data.config_train == tmp_path / "mongo.json"
+    same = ("train_iters", "eval_interval", "eval_iters", "wandb", "hellaswag")
+    assert [getattr(cfg.run, k) for k in same] == [getattr(recipe.run, k) for k in same]
+    assert cfg.ckpt.save_interval == recipe.ckpt.save_interval and cfg.ckpt.no_resume
+    assert cfg.run.workspace == tmp_path / "train" and cfg.ckpt.ckpt_dir == tmp_path / "ckpt"
+    # A shorter demo keeps the recipe's number of evaluations and checkpoints, and warms up for a quarter.
+    short = train_config(tmp_path, 12, pretrain=True, vocab_dir=files["tok"])
+    assert (short.run.train_iters, short.run.eval_interval, short.ckpt.save_interval) == (12, 2, 4)
+    assert short.schedule.warmup_iters == 3 and short.schedule.lr == recipe.schedule.lr
+    # Finetuning on conversations: the recipe's split and run, the shipped CPU config and schedule.
+    chat = train_config(tmp_path, 6, init_from=files["tok"], task="conversation", vocab_dir=files["tok"])
+    assert chat.data.tr_ratio == recipe.data.tr_ratio and chat.schedule.lr_schedule == "deepspeed"
+    assert chat.engine.deepspeed_config.name == "ds_config_cpu.json" and chat.model.task == "conversation"
 
 
 def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dict[str, Path]) -> None:
