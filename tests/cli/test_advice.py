@@ -20,17 +20,11 @@ from conftest import ROOT, run_cli, seed, store_config, tiny_export, write_confi
 from dsgpt2.cli.main import build_parser
 from dsgpt2.db.config import load_config
 from dsgpt2.db.mongo import Connection
+from dsgpt2.settings.options import flag_strings, subcommands
 
 # The deepspeed launcher's own flags (``deepspeed --num_gpus 2 ds_trainer.py ...``).
 LAUNCHER = {"--num_gpus", "--num_nodes", "--hostfile", "--master_addr", "--master_port", "--include",
             "--exclude", "--module", "--launcher", "--force_multi", "--bind_cores_to_rank"}  # fmt: skip
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return dict(action.choices)
-    return {}
 
 
 @cache
@@ -43,14 +37,14 @@ def command_flags(command: str) -> frozenset[str]:
     else:
         parser = build_parser()
         for word in command.split():
-            parser = _subcommands(parser)[word]
-    return frozenset(f.replace("-", "_") for f in parser._option_string_actions)
+            parser = subcommands(parser)[word]
+    return frozenset(f.replace("-", "_") for f in flag_strings(parser))
 
 
 @cache
 def command_names() -> dict[str, frozenset[str]]:
     """Each command and its subcommands (``vocab``: download, train)."""
-    return {name: frozenset(_subcommands(p)) for name, p in _subcommands(build_parser()).items()}
+    return {name: frozenset(subcommands(p)) for name, p in subcommands(build_parser()).items()}
 
 
 # Programs whose flags a message may name with them (``pip install flash-attn --no-build-isolation``).

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import subprocess
@@ -11,16 +10,17 @@ import pytest
 
 from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import build_parser, main
+from dsgpt2.settings.options import subcommands
 
 
 def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:
     """Every command path, nested ones included: ("ingest",), ("vocab", "train"), ..."""
     parser = parser or build_parser()
-    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not actions:
+    subs = subcommands(parser)
+    if not subs:
         return [prefix]
     out = [prefix] if prefix else []
-    for name, sub in sorted(actions[0].choices.items()):
+    for name, sub in sorted(subs.items()):
         out += _commands(sub, (*prefix, name))
     return out
 
