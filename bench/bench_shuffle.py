@@ -107,7 +107,7 @@ def _train_and_evaluate(
     """The demo's recipe on ``collection``, read in ``order``; perplexity on the held-out collection."""
     import shutil
 
-    from dsgpt2.cli.pipeline import DEMO_DS_CONFIG, DEMO_LR, DEMO_WARMUP
+    from dsgpt2.cli.pipeline import demo_recipe
     from dsgpt2.db.config import config_from_dict
     from dsgpt2.infer.evaluate import evaluate
     from dsgpt2.infer.loading import load_model
@@ -129,6 +129,7 @@ def _train_and_evaluate(
     mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "shuffle",
                               "COLLECTIONS": [collection]}, env={})  # fmt: skip
     (run / "mongo.json").write_text(json.dumps(mongo.to_dict()))
+    recipe = demo_recipe()
     cfg = TrainConfig(
         data=DataOptions(
             config_train=run / "mongo.json", vocab_dir=tokenizer, tr_ratio=1.0, read_order=order, seed=seed
@@ -136,8 +137,10 @@ def _train_and_evaluate(
         model=ModelOptions(model_select="tiny"),
         run=RunOptions(train_iters=STEPS, eval_interval=10 * STEPS, workspace=run / "train", wandb="off"),
         ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),
-        schedule=ScheduleOptions(lr_schedule="cosine", lr=DEMO_LR, warmup_iters=min(DEMO_WARMUP, STEPS // 4)),
-        engine=EngineOptions(deepspeed_config=shipped_config(DEMO_DS_CONFIG)),
+        schedule=ScheduleOptions(
+            lr_schedule="cosine", lr=recipe.lr, warmup_iters=min(recipe.warmup_iters, STEPS // 4)
+        ),
+        engine=EngineOptions(deepspeed_config=shipped_config(Path(recipe.deepspeed_config).name)),
     )
     build(cfg, mongo=mongo).train()
     request = EvalRequest(split="all", collections=("heldout",), workers=0)
