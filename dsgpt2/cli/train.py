@@ -10,8 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
-from dsgpt2.settings.argtypes import positive_float
-from dsgpt2.settings.options import MISSING, POSITIVE_INT, add_options, check_fields, from_namespace, option
+from dsgpt2.settings.options import (
+    MISSING,
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    add_options,
+    check_fields,
+    from_namespace,
+    option,
+)
 from dsgpt2.train.config import ComputeOptions, DataOptions, ModelOptions
 
 log = logging.getLogger("dsgpt2")
@@ -43,8 +50,7 @@ class PlanSettings:
     num_gpus: int = option(1, "GPUs per node", check=POSITIVE_INT)
     num_nodes: int = option(1, "nodes", check=POSITIVE_INT)
     micro_batch: int | None = option(None, "add activations: N sequences a micro-batch", check=POSITIVE_INT)
-    # Refused as it is parsed: the message quotes the number as typed.
-    gpu_memory: float = option(80.0, "GB per GPU", type=positive_float)
+    gpu_memory: float = option(80.0, "GB per GPU", check=POSITIVE_NUMBER)
     verbose: bool = verbose_option()
 
     def __post_init__(self) -> None:

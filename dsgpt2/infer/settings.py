@@ -34,24 +34,29 @@ class SamplingParams:
         seed: the same seed, prompt and model give the same text.
     """
 
-    # The ranges name the settings as a request spells them (``max_new_tokens must be ...``).
-    max_new_tokens: int = option(64, "tokens to generate at most", check=Range(int, 1))
+    # Checked on construction only (plain int and float flags), from flags as from a request body, the
+    # message naming the setting as a request spells it (``temperature must be ...``).
+    max_new_tokens: int = option(64, "tokens to generate at most", type=int, check=Range(int, 1))
     # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
     temperature: float = option(
-        0.8, "0: greedy; higher: more random", check=Range(float, MIN_TEMPERATURE, 100.0, or_zero=True)
+        0.8,
+        "0: greedy; higher: more random",
+        type=float,
+        check=Range(float, MIN_TEMPERATURE, 100.0, or_zero=True),
     )
-    top_k: int = option(50, "sample among the k likeliest tokens; 0: all", check=NON_NEGATIVE_INT)
+    top_k: int = option(50, "sample among the k likeliest tokens; 0: all", type=int, check=NON_NEGATIVE_INT)
     top_p: float = option(
         0.95,
         "nucleus sampling: the likeliest tokens holding this probability mass",
+        type=float,
         check=Range(float, 0.0, 1.0, low_open=True),
     )
     repetition_penalty: float = option(
-        1.0, "> 1 discourages tokens already present", check=Range(float, 0.01, 100.0)
+        1.0, "> 1 discourages tokens already present", type=float, check=Range(float, 0.01, 100.0)
     )
-    num_samples: int = option(1, "completions per prompt", check=Range(int, 1, MAX_SAMPLES))
+    num_samples: int = option(1, "completions per prompt", type=int, check=Range(int, 1, MAX_SAMPLES))
     seed: int = option(
-        0, "the same seed, prompt and model give the same text", check=Range(int, 0, 2**63 - 1)
+        0, "the same seed, prompt and model give the same text", type=int, check=Range(int, 0, 2**63 - 1)
     )
 
     def __post_init__(self) -> None:

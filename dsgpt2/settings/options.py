@@ -3,10 +3,10 @@
 A settings dataclass declares each option once with :func:`option`; :func:`add_options` turns its
 fields into ``--name`` flags (underscore spelling, the original toolkit's), positional arguments,
 short aliases and mutually exclusive groups, and :func:`from_namespace` builds the object back from
-parsed arguments. A field's range (a :class:`Range`) is written once: the dataclass's
-``__post_init__`` checks it (:func:`check_fields`) and names the flag in its message, so a setting made
-in code (the demo, the tests) is checked exactly like one from the command line. The argparse type
-converters of :mod:`dsgpt2.settings.argtypes` are built from the same ranges.
+parsed arguments. A field's range (a :class:`Range`) is written once: the flag refuses a value
+outside it as it is parsed, and the dataclass's ``__post_init__`` checks it (:func:`check_fields`)
+naming the flag, so a setting made in code (the demo, the tests) is checked like one from the command
+line. The argparse type converters of :mod:`dsgpt2.settings.argtypes` are built from the same ranges.
 
 This module is also the one place that reads a parser back (its flags, its subcommands): argparse
 keeps those in attributes of its own.
@@ -95,8 +95,7 @@ class Range:
         raise ConfigError(f"{name} must be {told}, got {value!r}")
 
     def parse(self, text: str) -> Any:
-        """argparse type: the number ``text`` spells, of this range's kind (the range is checked on
-        construction of the settings object, naming the flag)."""
+        """The number ``text`` spells, of this range's kind (not checked against the range)."""
         try:
             return self.kind(text)
         except ValueError:
@@ -190,8 +189,10 @@ def option(
     Args:
         default: the default value (the one place it is written); MISSING for a required option.
         help: one line for ``--help``; the default is appended.
-        type: argparse type converter (default: from the annotation, or ``check``'s parser).
-        check: the field's range, checked by :func:`check_fields` naming the flag.
+        type: argparse type converter (default: ``check``'s, else from the annotation; a plain
+            ``int`` or ``float`` leaves the range to the check on construction).
+        check: the field's range: refused as the flag is parsed, and checked by :func:`check_fields`
+            naming the flag.
         choices: the allowed values (checked by argparse and by :func:`check_fields`).
         metavar: the value's name in ``--help``.
         hidden: not shown in ``--help`` (test hooks).
@@ -300,7 +301,7 @@ def _add_field(
                 kwargs["nargs"] = "*"
             kind = typing.get_args(kind)[0]
         check = meta.get("check")
-        kwargs["type"] = meta.get("type") or (check.parse if check is not None else kind)
+        kwargs["type"] = meta.get("type") or (check.convert if check is not None else kind)
         for key in ("choices", "metavar"):
             if meta.get(key):
                 kwargs[key] = meta[key]

@@ -50,7 +50,10 @@ _SHARD_DOCS = 50_000
 class Draw:
     """Which documents a vocabulary corpus holds: every one, or a seeded sample, each field a flag."""
 
-    fraction: float | None = option(None, "draw this fraction of the documents, in (0, 1]", check=RATIO)
+    # Checked on construction (a plain float flag): `--fraction must be in (0, 1]`.
+    fraction: float | None = option(
+        None, "draw this fraction of the documents, in (0, 1]", type=float, check=RATIO
+    )
     count: int | None = option(None, "draw about this many documents", check=POSITIVE_INT)
     seed: int = option(0, "seed of the draw", check=NON_NEGATIVE_INT)
 

@@ -190,25 +190,43 @@ def test_mutually_exclusive_options(capsys: pytest.CaptureFixture[str]) -> None:
         assert exited.value.code == 2 and says in err and err.count("\n") == 1
 
 
-def test_a_checked_field_reads_its_text_and_is_checked_on_construction(
+def test_a_checked_field_is_refused_as_parsed_and_checked_on_construction(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The range is written once: the flag's text is read as its kind, the value checked when the
-    object is made, from the command line or from code, with the flag named."""
-    with pytest.raises(SystemExit) as exited:
-        _parser().parse_args(["--config", "c", "--batch_size", "x"])
-    err = capsys.readouterr().err
-    assert exited.value.code == 2 and err.count("\n") == 1
-    assert "argument --batch_size: expected a positive integer, got 'x'" in err
-    with pytest.raises(ConfigError, match=r"^--batch_size must be a positive integer, got -3$"):
-        _parse(["--config", "c", "--batch_size", "-3"])
+    """The range is written once: the flag refuses a value outside it as argparse reads it (one line,
+    where to look), and the object checks it when made in code, naming the flag."""
+    for text, says in (
+        ("x", "expected a positive integer, got 'x'"),
+        ("-3", "must be a positive integer, got '-3'"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            _parser().parse_args(["--config", "c", "--batch_size", text])
+        err = capsys.readouterr().err
+        assert exited.value.code == 2 and err.count("\n") == 1
+        assert f"t: error: argument --batch_size: {says} (see `t --help`)" in err
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--config", "c", "--share", "2"])
+    assert "argument --share: must be in (0, 1], got '2'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"^--batch_size must be a positive integer, got 0$"):
         Sample(config="c", batch_size=0)
-    with pytest.raises(ConfigError, match=r"^--share must be in \(0, 1\], got 2.0$"):
-        _parse(["--config", "c", "--share", "2"])
+    with pytest.raises(ConfigError, match=r"^--share must be in \(0, 1\], got 2$"):
+        Sample(config="c", share=2)
     with pytest.raises(ConfigError, match=r"^--split 'word' is not one of line, paragraph$"):
         Sample(config="c", split="word")
     Sample(config="c", share=None)  # None: not given, where the field may be None
+
+
+def test_a_plain_type_leaves_the_range_to_construction() -> None:
+    @dataclass(frozen=True)
+    class Draw:
+        fraction: float | None = option(None, "a share", type=float, check=RATIO)
+
+        def __post_init__(self) -> None:
+            check_fields(self)
+
+    args = _parser(Draw).parse_args(["--fraction", "0"])
+    with pytest.raises(ConfigError, match=r"^--fraction must be in \(0, 1\], got 0.0$"):
+        from_namespace(Draw, args)
 
 
 def test_check_fields_names_settings_as_given() -> None:
@@ -307,7 +325,7 @@ def test_the_converters_refuse_with_the_ranges_words(convert: object, text: str,
 def test_the_converters_read_good_text() -> None:
     assert (positive_int("3"), non_negative_int("0"), positive_float("0.5"), ratio("1")) == (3, 0, 0.5, 1.0)
     assert part_of("2/4") == (2, 4) and comma_list(" user, ,bot ") == ("user", "bot")
-    assert POSITIVE_INT.parse("-3") == -3  # the kind only: the range is checked on construction
+    assert POSITIVE_INT.parse("-3") == -3  # the kind only
 
 
 def test_errors_are_one_line_with_where_to_look(capsys: pytest.CaptureFixture[str]) -> None:
@@ -347,3 +365,15 @@ def test_reading_a_parser_back() -> None:
     assert command_names(root) == {"vocab", "train", "info"}
     dests = [a.dest for a in settable_actions(subcommands(root)["info"])]
     assert dests == ["input", "from_mongo"]  # not --help
+
+
+def test_an_experiment_file_value_is_refused_naming_its_key(tmp_path: Path) -> None:
+    from dsgpt2.settings.runfile import apply_run_file
+
+    run = tmp_path / "run.yaml"
+    with pytest.raises(ConfigError, match=r"key 'batch_size': must be a positive integer, got '-3'$"):
+        apply_run_file(_parser(), {"batch_size": -3}, run)
+    p = _parser()
+    apply_run_file(p, {"batch_size": 7, "inputs": ["a", "b"], "collection": "x", "doc_mask": False}, run)
+    s = from_namespace(Sample, p.parse_args(["--config", "c"]))
+    assert (s.batch_size, s.inputs, s.collections, s.doc_mask) == (7, ("a", "b"), ("x",), False)
