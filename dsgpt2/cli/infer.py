@@ -28,12 +28,17 @@ API_KEY_ENV = "DSGPT2_API_KEY"
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed")
 
 
+def ckpt_id_option() -> Any:
+    """The ``--ckpt_id`` field of a command that reads a checkpoint directory (export, the model's)."""
+    return option(None, "checkpoint tag (default: the one `latest` names)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ExportSettings:
     """``dsgpt2 export``: the checkpoint and the directory it becomes."""
 
     ckpt_dir: Path = option(help="checkpoint directory of a training run")
-    ckpt_id: str | None = option(None, "checkpoint tag (default: the one `latest` names)")
+    ckpt_id: str | None = ckpt_id_option()
     out: Path = option(help="output directory")
     vocab_dir: Path | None = option(
         None,
@@ -51,7 +56,7 @@ class ModelSource:
     model: str = option(
         help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)", metavar="DIR"
     )
-    ckpt_id: str | None = option(None, "checkpoint tag (default: the one `latest` names)")
+    ckpt_id: str | None = ckpt_id_option()
     vocab_dir: Path | None = option(
         None, "where the model's tokenizer is, if it moved (default: the model's; checked by hash)"
     )
@@ -233,13 +238,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     source, output = from_namespace(ModelSource, args), from_namespace(EvaluateSettings, args)
     request = from_namespace(EvalRequest, args)
-    hellaswag = from_namespace(RunOptions, args)  # its --hellaswag file, checked on construction
+    # --hellaswag and --hellaswag_limit are the trainer's flags: its RunOptions checks the file.
+    trainer = from_namespace(RunOptions, args)
     config = load_connection(output.config)
     examples = None
-    if hellaswag.hellaswag:
+    if trainer.hellaswag:
         from dsgpt2.model.hellaswag import read_examples
 
-        examples = read_examples(hellaswag.hellaswag, hellaswag.hellaswag_limit)
+        examples = read_examples(trainer.hellaswag, trainer.hellaswag_limit)
     else:
         check_collections(config, request)
     loaded = source.load()
@@ -249,7 +255,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if examples:
         from dsgpt2.infer.evaluate import hellaswag_report
 
-        report = hellaswag_report(loaded, examples, hellaswag.hellaswag)
+        report = hellaswag_report(loaded, examples, trainer.hellaswag)
     else:
         report = evaluate(loaded, config, request, progress=not output.no_progress)
     write_report(report, path)
