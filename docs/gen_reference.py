@@ -15,7 +15,6 @@ own, ``python docs/gen_reference.py DIR`` writes the same pages into DIR to read
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import html
 import re
@@ -23,6 +22,9 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from dsgpt2.settings import options
+from dsgpt2.settings.options import ActionHelp
 
 GENERATED = (
     "This page is generated from the code by `docs/gen_reference.py` each time the site is built "
@@ -41,12 +43,10 @@ def command_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
 def _walk(name: str, parser: argparse.ArgumentParser) -> Iterator[tuple[str, argparse.ArgumentParser]]:
     yield name, parser
     seen: set[int] = set()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub_name, sub in action.choices.items():
-                if id(sub) not in seen:  # an alias names a parser already listed
-                    seen.add(id(sub))
-                    yield from _walk(f"{name} {sub_name}", sub)
+    for sub_name, sub in options.subcommands(parser).items():
+        if id(sub) not in seen:  # an alias names a parser already listed
+            seen.add(id(sub))
+            yield from _walk(f"{name} {sub_name}", sub)
 
 
 def trainer_parser() -> argparse.ArgumentParser:
@@ -59,7 +59,7 @@ def trainer_parser() -> argparse.ArgumentParser:
 def flags(parser: argparse.ArgumentParser) -> list[str]:
     """Every option string of ``parser`` as its actions spell them (the hyphenated spellings that
     :func:`~dsgpt2.settings.argtypes.accept_hyphen_spellings` also accepts are not listed)."""
-    return [flag for action in parser._actions for flag in action.option_strings]
+    return options.listed_flags(parser)
 
 
 def _escape(text: str) -> str:
@@ -84,45 +84,40 @@ def _code(value: object) -> str:
     return f"`` {text} ``" if "`" in text else f"`{text}`"
 
 
-def _default(action: argparse.Action) -> str:
-    if action.default is None or action.default is argparse.SUPPRESS:
+def _default(shown: ActionHelp) -> str:
+    value = shown.default
+    if value is None:
         return ""
-    value = action.default
     if isinstance(value, list | tuple):
         value = ",".join(str(v) for v in value) if value else "(none)"
     return _code(value)
 
 
-def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    if action.help is argparse.SUPPRESS:
-        text = "(not listed by `--help`)"
-    else:
-        text = _escape(parser._get_formatter()._expand_help(action)) if action.help else ""
-    if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
-        text += f"{' ' if text else ''}Choices: {', '.join(_code(c) for c in action.choices)}."
-    if action.required and action.option_strings:
+def _help(shown: ActionHelp) -> str:
+    text = "(not listed by `--help`)" if shown.hidden else _escape(shown.help)
+    if shown.choices is not None:
+        text += f"{' ' if text else ''}Choices: {', '.join(_code(c) for c in shown.choices)}."
+    if shown.required and shown.flags:
         text += f"{' ' if text else ''}Required."
     return text
 
 
-def _name(action: argparse.Action) -> str:
+def _name(shown: ActionHelp) -> str:
     """The flag as typed (``--format FORMAT``, ``-v, --verbose``) or a positional's name (``FILE ...``);
     choices are listed beside the help, not here."""
-    shown = copy.copy(action)
-    shown.choices = None
-    formatter = argparse.HelpFormatter("x")
-    if not action.option_strings:
-        return _code(formatter._format_args(shown, action.dest.upper()))
-    metavar = "" if action.nargs == 0 else " " + formatter._format_args(shown, action.dest.upper())
-    return ", ".join(_code(flag + metavar) for flag in action.option_strings)
+    if not shown.flags:
+        return _code(shown.value)
+    value = f" {shown.value}" if shown.value else ""
+    return ", ".join(_code(flag + value) for flag in shown.flags)
 
 
 def _table(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> list[str]:
-    rows = [
-        f"| {_name(a)} | {_default(a)} | {_help(parser, a)} |"
-        for a in actions
-        if not isinstance(a, argparse._SubParsersAction)
-    ]
+    """A flag table of ``actions`` (of :func:`dsgpt2.settings.options.actions`), as ``parser``'s
+    ``--help`` tells them."""
+    rows = []
+    for action in actions:
+        shown = options.describe(parser, action)
+        rows.append(f"| {_name(shown)} | {_default(shown)} | {_help(shown)} |")
     return ["| flag | default | what it does |", "|---|---|---|", *rows, ""] if rows else []
 
 
@@ -176,7 +171,7 @@ def commands_page() -> str:
             continue
         lines += _text_block(parser.format_usage())
         lines += _description(parser)
-        lines += _table(parser, parser._actions)
+        lines += _table(parser, options.actions(parser))
         if parser.epilog:
             lines += _text_block(parser.epilog)
     return "\n".join(lines)
@@ -197,10 +192,10 @@ def trainer_page() -> str:
         "",
         *_description(parser),
     ]
-    for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.option_strings or a.help is not argparse.SUPPRESS]
+    for title, group in options.action_groups(parser):
+        actions = [a for a in group if a.option_strings or a.help is not argparse.SUPPRESS]
         if actions:
-            title = group.title or "options"
+            title = title or "options"
             lines += [f"## {title[:1].upper()}{title[1:]}", "", *_table(parser, actions)]
     return "\n".join(lines)
 

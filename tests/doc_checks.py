@@ -4,6 +4,7 @@ names exist: the README's (tests/project/test_readme.py) and the docs pages' (te
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -41,18 +42,17 @@ def split(command: str) -> tuple[dict[str, str], list[str]]:
     return env, words
 
 
-def subparser(words: list[str]) -> object:
+def subparser(words: list[str]) -> argparse.ArgumentParser:
     """The argparse parser of a dsgpt2 (sub)command, following subcommand names."""
-    import argparse
-
     from dsgpt2.cli.main import build_parser
+    from dsgpt2.settings.options import subcommands
 
     parser = build_parser()
     for word in words:
-        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-        if not subs or word not in subs[0].choices:
+        subs = subcommands(parser)
+        if word not in subs:
             break
-        parser = subs[0].choices[word]
+        parser = subs[word]
     return parser
 
 
@@ -97,10 +97,12 @@ def check_dsgpt2_command(command: str) -> None:
 
 def check_inline_options(command: str) -> None:
     """Every --flag of an inline `dsgpt2 ...` quote is a flag of that (sub)command."""
+    from dsgpt2.settings.options import flag_strings
+
     words = split(command)[1][1:]
-    parser = subparser(words)
+    accepted = flag_strings(subparser(words))
     for flag in (w.split("=")[0] for w in words if w.startswith("--")):
-        assert flag in parser._option_string_actions, (flag, command)  # type: ignore[attr-defined]
+        assert flag in accepted, (flag, command)
 
 
 def check_trainer_command(command: str, tmp_path: Path) -> None:

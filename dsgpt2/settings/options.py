@@ -15,6 +15,7 @@ keeps those in attributes of its own.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import functools
 import math
@@ -415,3 +416,66 @@ def is_switch(action: argparse.Action) -> bool:
 def takes_many(action: argparse.Action) -> bool:
     """An option or argument that takes a list (``nargs`` * or +, or repeated)."""
     return action.nargs in ("*", "+") or isinstance(action, argparse._AppendAction)
+
+
+def actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The flags and positional arguments of ``parser`` in the order added, ``--help`` and hidden ones
+    included; not its subcommands (:func:`subcommands` reads those)."""
+    return [a for a in parser._actions if not isinstance(a, argparse._SubParsersAction)]
+
+
+def action_groups(parser: argparse.ArgumentParser) -> list[tuple[str | None, list[argparse.Action]]]:
+    """``(title, actions)`` of each argument group of ``parser``, as ``--help`` lists them (a mutually
+    exclusive group's options in the group that holds it; not the subcommands)."""
+    return [
+        (group.title, [a for a in group._group_actions if not isinstance(a, argparse._SubParsersAction)])
+        for group in parser._action_groups
+    ]
+
+
+def listed_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """The option strings of ``parser`` as ``--help`` lists them, in order: not the hyphenated spellings
+    that are accepted unlisted (:func:`flag_strings` has every one)."""
+    return [flag for action in actions(parser) for flag in action.option_strings]
+
+
+@dataclasses.dataclass(frozen=True)
+class ActionHelp:
+    """What ``--help`` tells of one flag or positional argument, for a reference table.
+
+    Attributes:
+        flags: the option strings as listed (``-v``, ``--verbose``); empty for a positional argument.
+        value: the value as a usage line spells it (``FORMAT``, ``[FILE ...]``): the metavar, else the
+            destination in capitals, choices left to ``choices``; empty for a switch.
+        help: the help text with ``%(default)s`` and the like filled in; empty where there is none.
+        hidden: not shown by ``--help``.
+        default: the default; None where there is none.
+        choices: the values allowed; None: any.
+        required: must be given.
+    """
+
+    flags: tuple[str, ...]
+    value: str
+    help: str
+    hidden: bool
+    default: Any
+    choices: tuple[Any, ...] | None
+    required: bool
+
+
+def describe(parser: argparse.ArgumentParser, action: argparse.Action) -> ActionHelp:
+    """What ``parser``'s ``--help`` tells of ``action`` (one of :func:`actions`)."""
+    hidden = action.help is argparse.SUPPRESS
+    # The value without its choices: they are told apart, not as ``{a,b}``.
+    plain = copy.copy(action)
+    plain.choices = None
+    value = argparse.HelpFormatter(parser.prog)._format_args(plain, action.dest.upper())
+    return ActionHelp(
+        flags=tuple(action.option_strings),
+        value=value,
+        help=parser._get_formatter()._expand_help(action) if action.help and not hidden else "",
+        hidden=hidden,
+        default=None if action.default is argparse.SUPPRESS else action.default,
+        choices=None if action.choices is None else tuple(action.choices),
+        required=bool(action.required),
+    )

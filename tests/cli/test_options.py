@@ -29,8 +29,11 @@ from dsgpt2.settings.options import (
     POSITIVE_INT,
     POSITIVE_NUMBER,
     RATIO,
+    ActionHelp,
     OneOf,
     Range,
+    action_groups,
+    actions,
     add_options,
     check_choice,
     check_fields,
@@ -40,9 +43,11 @@ from dsgpt2.settings.options import (
     check_positive,
     check_ratio,
     command_names,
+    describe,
     flag_strings,
     from_namespace,
     is_switch,
+    listed_flags,
     option,
     settable_actions,
     subcommands,
@@ -365,6 +370,54 @@ def test_reading_a_parser_back() -> None:
     assert command_names(root) == {"vocab", "train", "info"}
     dests = [a.dest for a in settable_actions(subcommands(root)["info"])]
     assert dests == ["input", "from_mongo"]  # not --help
+
+
+def test_reading_flags_and_their_help_back() -> None:
+    root = _tree()
+    train = subcommands(subcommands(root)["vocab"])["train"]
+    assert [a.dest for a in actions(root)] == ["help"]  # not the subcommands
+    assert [a.dest for a in actions(subcommands(root)["info"])] == ["help", "input", "from_mongo"]
+    listed = listed_flags(train)
+    assert listed[:6] == ["-h", "--help", "--config", "-v", "--verbose", "--batch_size"]
+    assert listed[-3:] == ["--doc_mask", "--no_doc_mask", "--hook"]
+    assert "--batch-size" not in listed and "--batch-size" in flag_strings(train)  # unlisted spelling
+
+    shown = {(a.option_strings or [a.dest])[-1]: describe(train, a) for a in actions(train)}
+    assert shown["--batch_size"] == ActionHelp(
+        flags=("--batch_size",),
+        value="BATCH_SIZE",
+        help="documents per insert (default: 1000)",
+        hidden=False,
+        default=1000,
+        choices=None,
+        required=False,
+    )
+    assert (shown["--config"].value, shown["--config"].required, shown["--config"].default) == (
+        "JSON",
+        True,
+        None,
+    )
+    assert (shown["--verbose"].flags, shown["--verbose"].value, shown["--verbose"].default) == (
+        ("-v", "--verbose"),
+        "",
+        False,
+    )
+    assert (shown["inputs"].flags, shown["inputs"].value, shown["inputs"].default) == ((), "[FILE ...]", ())
+    assert (shown["--split"].value, shown["--split"].choices) == ("SPLIT", ("line", "paragraph"))  # apart
+    assert (shown["--hook"].hidden, shown["--hook"].help) == (True, "")
+    assert shown["--help"].default is None  # argparse's SUPPRESS: none
+
+    plain = argparse.ArgumentParser(prog="t")
+    n = plain.add_argument("--n", type=int, default=3, help="how many (at most %(default)s)")
+    assert describe(plain, n).help == "how many (at most 3)"
+
+
+def test_argument_groups_are_read_back_with_their_titles() -> None:
+    p = OneLineErrorParser(prog="t")
+    add_options(p.add_argument_group("source"), Source)  # a mutually exclusive pair inside a group
+    p.add_subparsers(dest="command").add_parser("x")
+    groups = {title: [a.dest for a in group] for title, group in action_groups(p)}
+    assert groups == {"positional arguments": [], "options": ["help"], "source": ["input", "from_mongo"]}
 
 
 def test_an_experiment_file_value_is_refused_naming_its_key(tmp_path: Path) -> None:

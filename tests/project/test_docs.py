@@ -30,6 +30,7 @@ from doc_checks import (
 )
 
 from conftest import ROOT
+from dsgpt2.settings.options import actions, listed_flags, subcommands
 
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.rglob("*.md"))
@@ -58,10 +59,8 @@ def gen_reference() -> ModuleType:
 def parsers(name: str, parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     """Every (sub)command's parser by its full name, found apart from the generator's own walk."""
     out = {name: parser}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub_name, sub in action.choices.items():
-                out.update(parsers(f"{name} {sub_name}", sub))
+    for sub_name, sub in subcommands(parser).items():
+        out.update(parsers(f"{name} {sub_name}", sub))
     return out
 
 
@@ -74,7 +73,7 @@ def missing_flags(section: str, parser: argparse.ArgumentParser) -> list[str]:
     """The option strings of ``parser`` that no row of ``section``'s flag tables shows in its first cell."""
     cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
     shown = {flag for cell in cells for flag in re.findall(r"`(-{1,2}[A-Za-z0-9_-]+)", cell)}
-    return [flag for action in parser._actions for flag in action.option_strings if flag not in shown]
+    return [flag for flag in listed_flags(parser) if flag not in shown]
 
 
 def expanded(page: Path) -> str:
@@ -113,9 +112,8 @@ def test_the_site_builds_in_strict_mode_with_the_generated_reference(site: Path)
 
     for name, parser in parsers("dsgpt2", build_parser()).items():
         assert html.escape(name) in commands, name
-        for action in parser._actions:
-            for flag in action.option_strings:
-                assert f"<code>{flag}" in commands, (name, flag)
+        for flag in listed_flags(parser):
+            assert f"<code>{flag}" in commands, (name, flag)
     for name in ("trainer", "connection-config"):
         assert (site / "reference" / name / "index.html").is_file()
 
@@ -158,7 +156,7 @@ def test_a_flag_missing_from_the_reference_is_found() -> None:
     parser.add_argument("--kept", default=1, help="stays")
     parser.add_argument("--left_out", choices=["a", "b"], help="dropped below")
     module = gen_reference()
-    whole = "\n".join(module._table(parser, parser._actions))
+    whole = "\n".join(module._table(parser, actions(parser)))
     assert missing_flags(whole, parser) == []
     cut = "\n".join(line for line in whole.splitlines() if "--left_out" not in line)
     assert missing_flags(cut, parser) == ["--left_out"]
