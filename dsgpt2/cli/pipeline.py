@@ -86,6 +86,7 @@ def run_demo(
     progress: bool = True,
     steps: int | None = None,
     chat_steps: int = CHAT_STEPS,
+    *,
     server: MongoConfig | None = None,
 ) -> dict[str, Any]:
     """Run every stage on the sample corpus; return the summary.
@@ -102,7 +103,9 @@ def run_demo(
     out.mkdir(parents=True, exist_ok=True)
     steps = steps or demo_recipe().train_iters
     if server is not None:
-        return _run_demo(out, limit, progress, steps, chat_steps, server.with_collections([DEMO_COLLECTION]))
+        return _run_demo(
+            out, limit, progress, steps, chat_steps, config=server.with_collections([DEMO_COLLECTION])
+        )
     database = out.resolve() / "db"
     config = config_from_dict(
         {
@@ -115,7 +118,7 @@ def run_demo(
     try:
         conn = connect(config)
         conn.client.drop_database(DEMO_DB)  # the demo's own database: every demo starts from nothing
-        return _run_demo(out, limit, progress, steps, chat_steps, config, conn)
+        return _run_demo(out, limit, progress, steps, chat_steps, config=config, conn=conn)
     finally:
         embedded.stop(database)
 
@@ -126,6 +129,7 @@ def _run_demo(
     progress: bool,
     steps: int,
     chat_steps: int,
+    *,
     config: MongoConfig,
     conn: Connection | None = None,
 ) -> dict[str, Any]:
@@ -166,7 +170,9 @@ def _run_demo(
     summary["eval_after"] = _evaluate(out / "model", config, conn, progress)
     summary["sample"] = _sample(out / "model")
 
-    summary["chat_ingest"], summary["chat"] = _chat_stages(config, conn, out, limit, chat_steps, progress)
+    summary["chat_ingest"], summary["chat"] = _chat_stages(
+        config, conn, out, limit, chat_steps, progress=progress
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -214,7 +220,7 @@ def _vocabulary(config: MongoConfig, out: Path, progress: bool) -> tuple[dict[st
 
 
 def _chat_stages(
-    config: MongoConfig, conn: Connection, out: Path, limit: int | None, steps: int, progress: bool
+    config: MongoConfig, conn: Connection, out: Path, limit: int | None, steps: int, *, progress: bool
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Stages 9 and 10: the conversation sample, finetuning on its replies, one exchange."""
     from dsgpt2.infer.export import export
