@@ -177,6 +177,7 @@ def file_source(
     field: str = "text",
     column: str = "text",
     split: str = "line",
+    *,
     encoding: str = "utf-8",
     keep_fields: tuple[str, ...] = (),
 ) -> Source:
@@ -582,6 +583,7 @@ def ingest(
     sources: list[Source],
     batch_size: int = 1000,
     strict: bool = False,
+    *,
     progress: bool = False,
     dedup: bool = False,
     report_file: str | os.PathLike[str] | None = None,
@@ -608,7 +610,9 @@ def ingest(
             with_retries(lambda: ensure_hash_index(conn, collection), conn.config, f"indexing {collection}")
             seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
             reports = [
-                _ingest_source(conn, collection, source, batch_size, strict, progress, seen, skips)
+                _ingest_source(
+                    conn, collection, source, batch_size, strict, progress=progress, seen=seen, skips=skips
+                )
                 for source in sources
             ]
             top = max_idx(coll)
@@ -624,6 +628,7 @@ def _ingest_source(
     source: Source,
     batch_size: int,
     strict: bool,
+    *,
     progress: bool,
     seen: SeenTexts | None = None,
     skips: SkipLog | None = None,
@@ -632,7 +637,15 @@ def _ingest_source(
     owner = _claim(conn, collection, source)
     try:
         return _write_source(
-            conn, collection, source, batch_size, strict, progress, seen, skips or SkipLog(), owner
+            conn,
+            collection,
+            source,
+            batch_size,
+            strict,
+            progress=progress,
+            seen=seen,
+            skips=skips or SkipLog(),
+            owner=owner,
         )
     finally:
         _release(conn, collection, source, owner)
@@ -644,6 +657,7 @@ def _write_source(
     source: Source,
     batch_size: int,
     strict: bool,
+    *,
     progress: bool,
     seen: SeenTexts | None,
     skips: SkipLog,
@@ -658,7 +672,7 @@ def _write_source(
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
-    start = _starting_point(conn, collection, source, report, state, next_idx, owner)
+    start = _starting_point(conn, collection, source, report, state, next_idx=next_idx, owner=owner)
     batch: list[dict[str, Any]] = []
     places: list[dict[str, Any]] | None = [] if seen is not None else None  # where each of batch is
     missing = MissingField()
@@ -708,11 +722,12 @@ def _write_source(
             if places is not None:
                 places.append(source.locate(pos))
             if len(batch) >= batch_size:
-                next_idx = _flush(conn, coll, collection, source, report, batch, pos + 1, next_idx, seen,
-                                  owner, places, skips)  # fmt: skip
+                next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=pos + 1,
+                                  next_idx=next_idx, seen=seen, owner=owner, places=places,
+                                  skips=skips)  # fmt: skip
                 batch, places, beat = [], [] if places is not None else None, time.monotonic()
-        next_idx = _flush(conn, coll, collection, source, report, batch, max(pos + 1, start), next_idx, seen,
-                          owner, places, skips)  # fmt: skip
+        next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=max(pos + 1, start),
+                          next_idx=next_idx, seen=seen, owner=owner, places=places, skips=skips)  # fmt: skip
         if missing.records and not missing.with_field and not report.inserted and damage is None:
             # Nothing stored: the source is forgotten, so that the run with the right field starts clean.
             skips.end_source(source, quiet=True)
@@ -741,6 +756,7 @@ def _starting_point(
     source: Source,
     report: SourceReport,
     state: dict[str, Any] | None,
+    *,
     next_idx: int,
     owner: str,
 ) -> int:
@@ -777,6 +793,7 @@ def _flush(
     collection: str,
     source: Source,
     report: SourceReport,
+    *,
     batch: list[dict[str, Any]],
     records: int,
     next_idx: int,
@@ -811,6 +828,7 @@ def _record(
     collection: str,
     source: Source,
     report: SourceReport,
+    *,
     records: int,
     idx_end: int,
     complete: bool,
