@@ -297,7 +297,7 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     if settings.exact:
         lines += dedup_exact(conn, names, passes.batch_size, progress, split).lines()
     if settings.near:
-        lines += dedup_near(conn, names, params, passes.batch_size, progress, split).lines()
+        lines += dedup_near(conn, names, params, passes.batch_size, progress, split=split).lines()
     if split.parts > 1:
         lines.append(
             f"part {split.part + 1}/{split.parts} done: once every part is, run once without --part to mark"
@@ -362,8 +362,8 @@ def cmd_curate(args: argparse.Namespace) -> int:
         list(settings.rules),
         thresholds,
         passes.batch_size,
-        not passes.no_progress,
-        passes.split,
+        progress=not passes.no_progress,
+        split=passes.split,
     )
     print("\n".join(report.lines()))
     return 0

@@ -67,6 +67,7 @@ def curate(
     rules: Sequence[str],
     thresholds: Mapping[str, float],
     batch_size: int = 1000,
+    *,
     progress: bool = False,
     split: Split = WHOLE,
 ) -> CurationReport:
@@ -95,6 +96,7 @@ def judge_range(
     conn: Connection,
     name: str,
     span: tuple[int, int] | None = None,
+    *,
     rules: Sequence[str] = (),
     thresholds: Mapping[str, float] | None = None,
     batch_size: int = 1000,
@@ -107,7 +109,9 @@ def judge_range(
     todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
     wanted = {cfg.text_field: 1, "turns": 1}
     done = 0
-    for batch in each_batch(conn, name, todo, wanted, batch_size, f"curate {name}", progress, span):
+    for batch in each_batch(
+        conn, name, todo, wanted, batch_size, desc=f"curate {name}", progress=progress, span=span
+    ):
         updates = []
         for doc in batch:
             text = document_text(doc, cfg.text_field)

@@ -163,6 +163,7 @@ def hash_range(
     conn: Connection,
     name: str,
     span: tuple[int, int] | None = None,
+    *,
     every: bool = False,
     batch_size: int = 1000,
     progress: bool = False,
@@ -174,7 +175,9 @@ def hash_range(
         todo[HASH] = {"$exists": False}
     done = 0
     fields = {cfg.text_field: 1, "turns": 1}
-    for batch in each_batch(conn, name, todo, fields, batch_size, f"hash {name}", progress, span):
+    for batch in each_batch(
+        conn, name, todo, fields, batch_size, desc=f"hash {name}", progress=progress, span=span
+    ):
         updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
         _set_hashes(conn, name, updates)
         done += len(batch)

@@ -79,7 +79,9 @@ def sign_collection(
     todo: dict[str, Any] = {"idx": {"$exists": True}, BANDS_KEY: {"$ne": params.key}}
     done = 0
     fields = {cfg.text_field: 1, "turns": 1}
-    for batch in each_batch(conn, name, todo, fields, batch_size, f"sign {name}", progress, span):
+    for batch in each_batch(
+        conn, name, todo, fields, batch_size, desc=f"sign {name}", progress=progress, span=span
+    ):
         updates = []
         for doc in batch:
             text = document_text(doc, cfg.text_field)
@@ -197,6 +199,7 @@ def dedup_near(
     params: LshParams,
     batch_size: int = 1000,
     progress: bool = False,
+    *,
     split: Split = WHOLE,
 ) -> NearReport:
     """Sign what is unsigned, bucket, confirm, cluster and mark (see module doc). With ``split.parts``

@@ -60,6 +60,7 @@ def each_batch(
     query: dict[str, Any],
     fields: dict[str, int],
     batch_size: int,
+    *,
     desc: str,
     progress: bool = False,
     span: tuple[int, int] | None = None,

@@ -67,20 +67,20 @@ def test_an_edge_reads_the_documents_near_the_guess_not_the_collection(asked: li
 
 def test_each_batch_walks_bounded_windows_in_idx_order(asked: list[dict[str, Any]]) -> None:
     conn, _ = _collection([*range(0, 2500), *range(2600, 3100)], extra=5)
-    batches = list(each_batch(conn, "a", {"even": True}, {"even": 1}, 100, "test"))
+    batches = list(each_batch(conn, "a", {"even": True}, {"even": 1}, 100, desc="test"))
     seen = [d["idx"] for b in batches for d in b]
     assert seen == [i for i in [*range(0, 2500), *range(2600, 3100)] if i % 2 == 0]
     assert all(len(b) <= 100 for b in batches)
     walked = [f for f in asked if "even" in f]
     assert all(f["idx"]["$lt"] - f["idx"]["$gte"] <= 100 for f in walked)
-    spanned = [d["idx"] for b in each_batch(conn, "a", {}, {}, 64, "test", span=(90, 2610)) for d in b]
+    spanned = [d["idx"] for b in each_batch(conn, "a", {}, {}, 64, desc="test", span=(90, 2610)) for d in b]
     assert spanned == [*range(90, 2500), *range(2600, 2610)]
 
 
 def test_each_batch_takes_in_documents_added_while_it_walks() -> None:
     conn, coll = _collection(list(range(250)))
     seen = []
-    for batch in each_batch(conn, "a", {}, {}, 100, "test"):
+    for batch in each_batch(conn, "a", {}, {}, 100, desc="test"):
         seen += [d["idx"] for d in batch]
         if len(seen) == 200:
             coll.insert_many([{"idx": i} for i in range(250, 420)])
