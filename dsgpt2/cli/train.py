@@ -165,7 +165,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
         spec,
         data.cache_dir,
         data.num_workers,
-        settings.force,
+        force=settings.force,
         progress=not settings.no_progress,
         overwrite=settings.overwrite,
     )

@@ -195,6 +195,7 @@ def build_cache(
     fp: dict[str, Any],
     vocab_size: int,
     workers: int = 2,
+    *,
     tick: Callable[[], None] | None = None,
     progress: bool = True,
 ) -> dict[str, int]:
@@ -277,6 +278,7 @@ def prepare_cache(
     spec: DataSpec,
     cache_dir: Path,
     workers: int = 2,
+    *,
     force: bool = False,
     table: ChunkTable | None = None,
     tick: Callable[[], None] | None = None,
