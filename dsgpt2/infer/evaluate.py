@@ -53,6 +53,7 @@ def evaluate_batches(
     max_batches: int | None = None,
     progress: bool = True,
     stats: dict[str, Any] | None = None,
+    *,
     doc_mask_eot: int | None = None,
 ) -> EvalMetrics:
     """Loss and perplexity of ``model`` over ``batches`` (``stats``: what the batches skipped)."""
@@ -152,7 +153,7 @@ def evaluate(
     batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats=stats)
     doc_mask = request.doc_mask if request.doc_mask is not None else bool(loaded.run.get("doc_mask"))
     eot = spec.eot if doc_mask else None
-    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, eot)
+    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, doc_mask_eot=eot)
     metrics.documents = stats.get("documents", 0)
     metrics.skipped = stats.get("skipped", {})
     return {

@@ -42,7 +42,7 @@ PRESETS: dict[str, Preset] = {
 
 
 def gpt2_config(
-    preset: str | None, vocab_size: int, context: int, eot: int, pad: int, config_json: Path | None = None
+    preset: str | None, vocab_size: int, context: int, eot: int, pad: int, *, config_json: Path | None = None
 ) -> Any:
     """A ``GPT2Config`` from a preset or an HF config JSON, sized for the tokenizer.
 

@@ -75,7 +75,7 @@ def rows(example: Example, encode: Any, context: int) -> list[tuple[list[int], i
 
 
 def score(
-    forward: Any, encode: Any, examples: list[Example], device: Any, context: int, batch_examples: int = 4
+    forward: Any, encode: Any, examples: list[Example], device: Any, context: int, *, batch_examples: int = 4
 ) -> Any:
     """``[correct, correct_norm, count]`` (a float64 tensor on ``device``) over ``examples``.
 

@@ -82,7 +82,9 @@ def model_config_for(
     model is: a checkpoint of another shape is refused before the engine exists."""
     if init is not None:
         return init[0]
-    return gpt2_config(m.model_select, vocab_size, spec.context, spec.eot, spec.pad, m.model_config)
+    return gpt2_config(
+        m.model_select, vocab_size, spec.context, spec.eot, spec.pad, config_json=m.model_config
+    )
 
 
 @dataclass(frozen=True)

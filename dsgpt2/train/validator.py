@@ -94,7 +94,7 @@ class Validator:
         engine.eval()
         with torch.no_grad():
             total = score(engine, self._encode, self._hellaswag, engine.device, self.context,
-                          max(1, self.batch // ENDINGS))  # fmt: skip
+                          batch_examples=max(1, self.batch // ENDINGS))  # fmt: skip
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(total)
         engine.train()

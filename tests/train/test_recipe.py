@@ -114,7 +114,7 @@ def test_presets_pretrain_without_dropout_and_a_model_config_keeps_its_own(tmp_p
         cfg = gpt2_config(preset, 100, 32, 0, 1)
         assert cfg.resid_pdrop == cfg.embd_pdrop == cfg.attn_pdrop == 0.0
     (tmp_path / "c.json").write_text('{"n_layer": 1, "n_embd": 32, "n_head": 2, "resid_pdrop": 0.1}')
-    assert gpt2_config(None, 100, 32, 0, 1, tmp_path / "c.json").resid_pdrop == 0.1
+    assert gpt2_config(None, 100, 32, 0, 1, config_json=tmp_path / "c.json").resid_pdrop == 0.1
 
 
 def test_flops_per_token_counts_every_parameter_and_attention() -> None:
