@@ -147,6 +147,7 @@ def train_vocab(
     settings: VocabSettings,
     source: str,
     skipped: SkipTally | None = None,
+    *,
     progress: bool = True,
     overwrite: bool = False,
 ) -> VocabReport:

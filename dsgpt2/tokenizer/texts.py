@@ -129,6 +129,7 @@ def download(
     fraction: float | None = None,
     count: int | None = None,
     seed: int = 0,
+    *,
     workers: int = 2,
     shards: int | None = None,
     chunk: int = 1000,
