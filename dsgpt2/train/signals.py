@@ -10,6 +10,7 @@ after the others looked, stops at the same step as they do.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from typing import Any
 
@@ -25,13 +26,20 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.name: str | None = None
+        self._pid = os.getpid()
 
     def install(self) -> None:
         """Handle SIGTERM and SIGINT in this process from now on."""
+        self._pid = os.getpid()
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
 
     def _stop(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            # A process forked from the rank (a DataLoader worker before it ignores these signals; the
+            # launcher signals a rank's whole tree) inherits this handler: its rank stops it, not the
+            # signal, and it must not announce a stop of its own.
+            return
         name = signal.Signals(signum).name
         if self.name is None:
             log.warning("%s: saving a checkpoint after the current step, then exiting", name)

@@ -3,6 +3,7 @@ the ranks were comparing (that rank would stop a step before the others, and the
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -34,3 +35,31 @@ def test_a_rank_without_a_signal_takes_the_others_name(monkeypatch: pytest.Monke
     assert stop.agreed("cpu") is True and stop.name == "SIGTERM"
     monkeypatch.setattr(signals, "all_sum", lambda values, device: values)
     assert StopRequest().agreed("cpu") is False
+
+
+def test_a_process_forked_from_the_rank_ignores_the_inherited_handler(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The launcher signals a rank's whole tree: a DataLoader worker caught before it ignores the stop
+    signals runs the rank's handler, which must neither announce a stop nor raise there."""
+    stop = StopRequest()
+    stop.install()
+    try:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the handler it inherited, called as a signal would
+            try:
+                stop._stop(signal.SIGTERM, None)
+                stop._stop(signal.SIGINT, None)  # in the rank itself, a second signal raises
+                os.write(write, repr(stop.name).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 100) == b"None"
+        os.waitpid(pid, 0)
+        assert stop.name is None and "saving a checkpoint" not in caplog.text
+        stop._stop(signal.SIGTERM, None)
+        assert stop.name == "SIGTERM"
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
