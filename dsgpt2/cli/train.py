@@ -189,7 +189,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         shape = (s.micro_batch, model.context_length or PRESETS[preset].context)
         act = activations(preset, s.vocab_size, shape[1], shape[0], compute.activation_checkpointing,
-                          compute.loss_chunk)  # fmt: skip
+                          loss_chunk=compute.loss_chunk)  # fmt: skip
     where = (s.num_gpus, s.num_nodes)
-    print("\n".join(plan_lines(preset, total, rows, *where, act, shape, s.gpu_memory)))
+    print("\n".join(plan_lines(preset, total, rows, *where, act=act, shape=shape, gpu_memory=s.gpu_memory)))
     return 0

@@ -127,6 +127,7 @@ def check_number(
     value: Any,
     low: float,
     high: float | None = None,
+    *,
     low_open: bool = False,
     or_zero: bool = False,
     optional: bool = False,

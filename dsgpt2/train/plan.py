@@ -68,6 +68,7 @@ def plan_lines(
     rows: list[PlanRow],
     gpus_per_node: int,
     nodes: int,
+    *,
     act: Activations | None = None,
     shape: tuple[int, int] = (0, 0),
     gpu_memory: float = 80.0,
@@ -132,6 +133,7 @@ def activations(
     context: int,
     micro_batch: int,
     checkpointing: bool = False,
+    *,
     loss_chunk: int = 0,
     probe_tokens: int = 32,
 ) -> Activations:
@@ -144,9 +146,9 @@ def activations(
     torch.compile keeps fewer tensors than eager.
     """
     layers = PRESETS[preset].n_layer
-    one = _saved_bytes(preset, vocab, 1, probe_tokens, checkpointing, loss_chunk)
-    per_layer = _saved_bytes(preset, vocab, 2, probe_tokens, checkpointing, loss_chunk) - one
-    doubled = _saved_bytes(preset, vocab, 1, 2 * probe_tokens, checkpointing, loss_chunk) - one
+    one = _saved_bytes(preset, vocab, 1, probe_tokens, checkpointing, chunk=loss_chunk)
+    per_layer = _saved_bytes(preset, vocab, 2, probe_tokens, checkpointing, chunk=loss_chunk) - one
+    doubled = _saved_bytes(preset, vocab, 1, 2 * probe_tokens, checkpointing, chunk=loss_chunk) - one
     per_token = (doubled - per_layer) / probe_tokens  # outside the blocks: embeddings, final norm, loss
     per_token_layer = per_layer / probe_tokens
     fixed = one - probe_tokens * (per_token + per_token_layer)  # e.g. the head's float32 gradient
@@ -155,8 +157,8 @@ def activations(
     working_fixed = 6.0 * min(loss_chunk, tokens) * vocab if loss_chunk else 0.0
     working_row = 0.0 if loss_chunk else 6.0 * context * vocab  # transformers' loss: bf16 + float32 logits
     if checkpointing:  # backward recomputes one block, whole
-        full = _saved_bytes(preset, vocab, 2, probe_tokens, False, loss_chunk) - _saved_bytes(
-            preset, vocab, 1, probe_tokens, False, loss_chunk
+        full = _saved_bytes(preset, vocab, 2, probe_tokens, False, chunk=loss_chunk) - _saved_bytes(
+            preset, vocab, 1, probe_tokens, False, chunk=loss_chunk
         )
         working_row += context * full / probe_tokens
     return Activations(
@@ -169,7 +171,7 @@ def activations(
 
 @functools.lru_cache(maxsize=16)
 def _saved_bytes(
-    preset: str, vocab: int, layers: int, tokens: int, checkpointing: bool, chunk: int, rows: int = 1
+    preset: str, vocab: int, layers: int, tokens: int, checkpointing: bool, *, chunk: int, rows: int = 1
 ) -> float:
     """Bytes of the tensors autograd keeps for backward after one forward of ``rows`` sequences of
     ``tokens`` tokens through ``preset``'s width with ``layers`` blocks (bf16, parameters not counted)."""

@@ -109,8 +109,10 @@ def test_plan_activations_match_what_autograd_keeps_at_full_depth(checkpointing:
     it gives the bytes autograd keeps there, measured whole."""
     from dsgpt2.train.plan import _saved_bytes, activations
 
-    est = activations("112m_half", 512, 96, 3, checkpointing, chunk)
-    whole = _saved_bytes("112m_half", 512, PRESETS["112m_half"].n_layer, 96, checkpointing, chunk, rows=3)
+    est = activations("112m_half", 512, 96, 3, checkpointing, loss_chunk=chunk)
+    whole = _saved_bytes(
+        "112m_half", 512, PRESETS["112m_half"].n_layer, 96, checkpointing, chunk=chunk, rows=3
+    )
     assert est.saved == pytest.approx(whole, rel=0.02)
     assert est.total > est.saved > 0 and est.fixed >= 0
 
