@@ -41,3 +41,15 @@ def test_every_room_is_a_row_and_in_the_import_order() -> None:
     for room in rooms:
         assert f"| **`{room}/`** |" in text, room
     assert " ← ".join(f"`{r}`" for r in ORDER) in text.replace("\n", " ")
+
+
+def test_architecture_names_every_section_of_the_run_config() -> None:
+    import dataclasses
+
+    from dsgpt2.train.config import TrainConfig
+
+    text = ARCHITECTURE.read_text()
+    sections = [
+        f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(TrainConfig)
+    ]
+    assert len(sections) == 7 and [s for s in sections if f"`{s}`" not in text] == []
