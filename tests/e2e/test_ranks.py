@@ -78,8 +78,9 @@ def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_on
     assert f"resumed from {tmp_path / 'ckpt' / f'global_step{first}'}" in out
     second = max(steps(tmp_path))
     assert first + 1 in steps(tmp_path) and second >= first + 2
-    # DeepSpeed's runner dies of the SIGINT itself, at once (README: why `dsgpt2 launch`).
-    assert proc.returncode == -signal.SIGINT
+    # DeepSpeed's runner does not end as one process does (why `dsgpt2 launch`): it dies of the SIGINT
+    # itself, or, when its node launcher ended first, exits with the launcher's 1.
+    assert proc.returncode in (-signal.SIGINT, 1), proc.returncode
 
     launch = [sys.executable, "-m", "dsgpt2", "launch"]
     proc, out, stops = launch_and_stop(launch, corpus, tmp_path, after=second, stop=stop_rank_1)
