@@ -1,3 +1,6 @@
+"""Seeded per-document draws and shard ranges (corpus/draws.py): deterministic, and independent of how a
+range is cut."""
+
 from __future__ import annotations
 
 import numpy as np
