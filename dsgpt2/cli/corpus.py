@@ -560,6 +560,8 @@ def cmd_info(args: argparse.Namespace) -> int:
                 if isinstance(meta.get(name, {}).get("trained"), dict)
                 else None,
                 "cleaner_version": meta.get(name, {}).get("cleaner_version"),
+                # Counted by `dsgpt2 langid` at the end of its pass: read here without a scan.
+                "languages": (meta.get(name, {}).get("langid") or {}).get("counts"),
                 "sources": [
                     {k: s.get(k) for k in ("label", "records", "inserted", "complete")}
                     for s in meta.get(name, {}).get("sources", {}).values()
@@ -587,6 +589,10 @@ def cmd_info(args: argparse.Namespace) -> int:
             step = f"step {run['step']}" if run.get("step") is not None else "no checkpoint yet"
             print(f"    last run: {run['run']} ({step}, {run.get('when') or 'time unknown'}) read "
                   f"{run['mark']} documents; {c['growth_since_last_run']:+d} since")  # fmt: skip
+        if c["languages"]:
+            from dsgpt2.curation.language import top_languages
+
+            print(f"    languages (at the last langid): {top_languages(c['languages'])}")
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")

@@ -33,6 +33,7 @@ class CollectionSummary:
     removed: dict[str, int] = field(default_factory=dict)  # reason → documents it selects
     kept: int = 0  # documents no reason selects
     examples: dict[str, list[str]] = field(default_factory=dict)
+    languages: dict[str, int] = field(default_factory=dict)  # `dsgpt2 langid`'s code → documents
 
 
 def summarize(
@@ -45,15 +46,19 @@ def summarize(
     facets["documents"] = [{"$count": "n"}]
     facets["judged"] = [{"$match": {"passes.key": {"$exists": True}}}, {"$count": "n"}]
     facets["kept"] = [{"$match": {"$nor": list(REASONS.values())}}, {"$count": "n"}]
+    facets["languages"] = [{"$match": {"lang_key": {"$exists": True}}},
+                           {"$group": {"_id": {"$ifNull": ["$lang", "none"]}, "n": {"$sum": 1}}}]  # fmt: skip
     out = []
     for name in names:
         coll = conn.db[name]
         pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
         (row,) = with_retries(lambda c=coll, p=pipeline: list(c.aggregate(p, allowDiskUse=True)), cfg,
                               f"curate report: counting {name}")  # fmt: skip
+        languages = {str(r["_id"]): int(r["n"]) for r in row.pop("languages")}
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
         part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
         part.removed = {reason: count[reason] for reason in REASONS}
+        part.languages = dict(sorted(languages.items(), key=lambda kv: (-kv[1], kv[0])))
         for reason, q in REASONS.items():
             if not part.removed[reason] or examples <= 0:
                 continue
@@ -83,6 +88,10 @@ def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
             lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}")
             lines.extend(f"      e.g. {e}" for e in p.examples.get(reason, []))
         lines.append(f"  {'kept by all':<16} {p.kept:>9}  {p.kept / total:6.1%}")
+        if p.languages:
+            shown = ", ".join(f"{code} {n}" for code, n in list(p.languages.items())[:10])
+            more = f", {len(p.languages) - 10} more" if len(p.languages) > 10 else ""
+            lines.append(f"  languages ({sum(p.languages.values())} labelled): {shown}{more}")
     return lines
 
 

@@ -298,6 +298,7 @@ def check_filter(conn: Connection) -> None:
     query = config.filter_query
     if query is None:
         return
+    check_filter_languages(query, config.filter)
 
     def ask() -> None:
         try:
@@ -314,6 +315,58 @@ def check_filter(conn: Connection) -> None:
         raise ConfigError(
             f"FILTER {config.filter}: {filter_refusal(query, reason)}; fix FILTER in the config"
         ) from None
+
+
+# The field `dsgpt2 langid` labels, and every code its model (py3langid 0.4) can put there; a test of
+# dsgpt2/curation/language.py keeps the list equal to the model's.
+LANGUAGE_FIELD = "lang"
+_CODES = """ace af am an ar ary arz as az ba bcl be bg bn br bs ca crh cs cy da de dz el en eo es et eu ext fa
+fi fo fr fuv fy ga gcf gcr gd gl gom grc gu gug guw ha hbo he hi hr ht hu hy id ig is it ja jv ka
+kab kik kk km kn ko ku ky la lb lg lij ln lo lt ltg lv mg mk ml mn mr ms mt my ne nl nn no nso oc om
+or pa pcm pl ps pt qu ro ru rw sa sdh se si sk sl sn so sq sr st sv sw ta te tg th tk tl tr tt ug uk
+ur uz uzs vec vi vo wa wuu xh yo yue zh zu zxx"""
+LANGUAGE_CODES = frozenset(_CODES.split())
+
+
+def check_filter_languages(query: Any, shown: str) -> None:
+    """Refuse a FILTER that compares ``lang`` with a code the language model never emits (it would
+    select nothing, or everything): ``{"lang": "xx"}``, ``{"lang": {"$in": ["en", "zz"]}}``, also
+    inside ``$and``, ``$or``, ``$nor`` and ``$not``.
+
+    Raises:
+        ConfigError: naming the code.
+    """
+    for code in _language_values(query):
+        if code not in LANGUAGE_CODES:
+            raise ConfigError(
+                f"FILTER {shown}: {LANGUAGE_FIELD!r} {code!r} is not a language code `dsgpt2 langid` "
+                f"labels (ISO 639, e.g. en, de, zh; {len(LANGUAGE_CODES)} codes); fix FILTER in the config"
+            )
+
+
+def _language_values(query: Any) -> Iterator[str]:
+    if isinstance(query, list):
+        for item in query:
+            yield from _language_values(item)
+    elif isinstance(query, dict):
+        for key, value in query.items():
+            if key in ("$and", "$or", "$nor"):
+                yield from _language_values(value)
+            elif key == LANGUAGE_FIELD:
+                yield from _compared_codes(value)
+
+
+def _compared_codes(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for op, operand in value.items():
+            if op in ("$eq", "$ne") and isinstance(operand, str):
+                yield operand
+            elif op in ("$in", "$nin") and isinstance(operand, list):
+                yield from (v for v in operand if isinstance(v, str))
+            elif op == "$not":
+                yield from _compared_codes(operand)
 
 
 # Query operators, to suggest one for a typo the server refuses.

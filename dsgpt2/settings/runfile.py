@@ -35,7 +35,7 @@ FLAG = "--config"
 # launcher: the script it starts reads the file).
 COMMAND_TREE: dict[str, tuple[str, ...]] = {
     "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "validate": (), "info": (),
-    "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
+    "langid": (), "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
     "evaluate": (), "generate": (), "chat": (), "serve": (), "demo": (), "db": (),
 }  # fmt: skip
 COMMANDS = frozenset(COMMAND_TREE).union(*COMMAND_TREE.values())

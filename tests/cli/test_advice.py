@@ -316,6 +316,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("curate", ["--config", "CFG", "--threshold", "2"]),
     ("curate", ["--config", "CFG", "--threshold", "min_wordz=3"]),
     ("curate", ["--config", "CFG", "mark"]),
+    # langid
+    ("langid", ["--config", "NOPE"]),
+    ("langid", ["--config", "CFG", "--collection", "nope"]),
+    ("langid", ["--config", "CFG", "--collection", "bad$name"]),
+    ("langid", ["--config", "CFG", "--part", "3/2"]),
     # validate
     ("validate", ["--config", "NOPE"]),
     ("validate", ["--config", "UNINDEXED"]),
@@ -364,7 +369,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("train", [*T, "--init_from", "EMPTY", "--ckpt_dir", "OUT"]),
 ]
 # Commands the table must cover (every one the issue names, and the trainer).
-COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup",
+COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",
            "curate", "validate", "info", "vocab download", "vocab train", "tokenize", "plan", "lineage",
            "db"}  # fmt: skip
 
@@ -406,6 +411,7 @@ OWNERS = {
     "dsgpt2/curation/quality.py": ["curate"],
     "dsgpt2/curation/curate.py": ["curate"],
     "dsgpt2/curation/report.py": ["curate"],
+    "dsgpt2/curation/language.py": ["langid"],
     "dsgpt2/curation/passes.py": ["dedup", "curate"],
     "dsgpt2/tokenizer/texts.py": ["vocab download", "vocab train"],
     "dsgpt2/infer/export.py": ["export"],
