@@ -256,6 +256,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         from dsgpt2.infer.evaluate import hellaswag_report
 
         report = hellaswag_report(loaded, examples, trainer.hellaswag)
+        from dsgpt2.infer.evaluate import contamination
+
+        # Whether the run trained on the set's passages: what `dsgpt2 decontaminate` marked.
+        report["contamination"] = contamination(config, loaded.run, trainer.hellaswag)
     else:
         report = evaluate(loaded, config, request, progress=not output.no_progress)
     write_report(report, path)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsgpt2 import __version__
-from dsgpt2.cli import corpus, db, demo, infer, langid, train, vocab
+from dsgpt2.cli import corpus, db, decontaminate, demo, infer, langid, train, vocab
 from dsgpt2.cli.common import by_command
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
@@ -55,6 +55,7 @@ BUILDERS = by_command(
     corpus.add_index,
     corpus.add_dedup,
     corpus.add_curate,
+    decontaminate.add_decontaminate,
     corpus.add_validate,
     corpus.add_info,
     langid.add_langid,

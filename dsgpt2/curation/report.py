@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.curation.decontaminate import CONTAMINATED, contaminated_counts
 from dsgpt2.curation.dedup import DUP_OF
 from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.passes import require_present
@@ -22,6 +23,7 @@ REASONS: dict[str, dict[str, Any]] = {
     "exact duplicate": {DUP_OF: {"$exists": True}},
     "near duplicate": {NEAR_OF: {"$exists": True}},
     **{f"fails {rule}": {f"passes.{rule}": False} for rule in RULES},
+    "contaminated": {CONTAMINATED: {"$exists": True}},
 }
 
 
@@ -33,6 +35,7 @@ class CollectionSummary:
     removed: dict[str, int] = field(default_factory=dict)  # reason → documents it selects
     kept: int = 0  # documents no reason selects
     examples: dict[str, list[str]] = field(default_factory=dict)
+    contaminated_by: dict[str, int] = field(default_factory=dict)  # evaluation set → documents marked
     languages: dict[str, int] = field(default_factory=dict)  # `dsgpt2 langid`'s code → documents
 
 
@@ -58,6 +61,7 @@ def summarize(
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
         part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
         part.removed = {reason: count[reason] for reason in REASONS}
+        part.contaminated_by = contaminated_counts(conn, name)
         part.languages = dict(sorted(languages.items(), key=lambda kv: (-kv[1], kv[0])))
         for reason, q in REASONS.items():
             if not part.removed[reason] or examples <= 0:
@@ -87,6 +91,8 @@ def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
         for reason, n in p.removed.items():
             lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}")
             lines.extend(f"      e.g. {e}" for e in p.examples.get(reason, []))
+            if reason == "contaminated":
+                lines.extend(f"      by {s}: {k}" for s, k in p.contaminated_by.items())
         lines.append(f"  {'kept by all':<16} {p.kept:>9}  {p.kept / total:6.1%}")
         if p.languages:
             shown = ", ".join(f"{code} {n}" for code, n in list(p.languages.items())[:10])

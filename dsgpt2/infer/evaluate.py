@@ -211,7 +211,8 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     if "hellaswag" in report:
         return [
             f"{report['model']} (step {report['step']}) on HellaSwag ({report['hellaswag']}): "
-            f"{describe(m)} in {m['seconds']:.1f}s"
+            f"{describe(m)} in {m['seconds']:.1f}s",
+            *(contamination_lines(report["contamination"]) if "contamination" in report else []),
         ]
     lines = [
         f"{report['model']} (step {report['step']}) on the {report['split']} split of "
@@ -222,3 +223,79 @@ def report_lines(report: dict[str, Any]) -> list[str]:
     if m["skipped"]:
         lines.append(f"skipped documents: {m['skipped']}")
     return lines
+
+
+def contamination(config: MongoConfig, run: dict[str, Any], hellaswag: Path) -> dict[str, Any]:
+    """Whether the run behind a model trained on documents marked as sharing an n-gram with the set
+    named as ``hellaswag`` (``dsgpt2 decontaminate``), and how many: the marked documents of its
+    training split (the run's collections, FILTER, split ratio and seed) below the high-water marks its
+    checkpoint records, or every marked one of the split where it records none. Whether the run's
+    steps reached each of them is what ``dsgpt2 lineage`` answers."""
+    import numpy as np
+
+    from dsgpt2.curation.decontaminate import META, iter_marked, set_name
+    from dsgpt2.data.split import split_mask
+    from dsgpt2.db.mongo import connect, read_meta
+
+    name = set_name(Path(hellaswag))
+    fp = run.get("fingerprint") or {}
+    names = list(fp.get("collections") or config.collections)
+    out: dict[str, Any] = {"set": name, "collections": names}
+    conn = connect(config)
+    checked = [n for n, m in read_meta(conn, names).items() if name in (m.get(META) or {})]
+    out["checked"] = sorted(checked)
+    if not checked:
+        return out
+    marks = _checkpoint_marks(run, names)
+    out["marks"] = marks
+    query = json.loads(fp["filter"]) if fp.get("filter") else None
+    tr_ratio, seed = fp.get("tr_ratio", DEFAULT_TR_RATIO), fp.get("seed", DEFAULT_SEED)
+    trained = marked = 0
+    for c in checked:
+        idx = np.array(iter_marked(conn, c, name, query), dtype=np.int64)
+        if marks is not None:
+            idx = idx[idx < marks.get(c, 0)]
+        marked += len(idx)
+        trained += int(split_mask(idx, tr_ratio, seed, c).sum()) if len(idx) else 0
+    out.update(documents=trained, marked=marked)
+    return out
+
+
+def _checkpoint_marks(run: dict[str, Any], names: list[str]) -> dict[str, int] | None:
+    """Per collection, the end of what the run's checkpoint had taken in; None when the model names no
+    checkpoint that can still be read."""
+    from dsgpt2.checkpoints.format import read_client_state
+    from dsgpt2.data.table import ChunkTable
+    from dsgpt2.errors import DsGpt2Error
+
+    where = run.get("checkpoint")
+    if not where:
+        return None
+    try:
+        data = read_client_state(Path(where).parent, Path(where).name)["data"]
+        table = ChunkTable.from_dict(data["table"])
+    except (OSError, KeyError, ValueError, RuntimeError, DsGpt2Error):
+        return None
+    return {n: m for n, m in zip(table.names, table.marks, strict=True) if n in names}
+
+
+def contamination_lines(note: dict[str, Any]) -> list[str]:
+    """One line: what :func:`contamination` found, or that no decontamination against the set ran."""
+    name, where = note["set"], ", ".join(note["collections"])
+    if not note.get("checked"):
+        return [
+            f"contamination: no decontamination against {name!r} was run on {where}: whether the run "
+            f"trained on its passages is unknown (`dsgpt2 decontaminate --against FILE` marks them)"
+        ]
+    scope = (
+        "below its checkpoint's high-water marks" if note.get("marks") is not None else "now in the corpus"
+    )
+    if not note["documents"]:
+        checked = ", ".join(note["checked"])
+        return [f"contamination: the run's training split held no document contaminated by {name!r} "
+                f"(decontaminated: {checked}; {note['marked']} marked {scope})"]  # fmt: skip
+    return [
+        f"contamination: the run's training split held {note['documents']} documents contaminated by "
+        f"{name!r} (of {note['marked']} marked {scope} in {', '.join(note['checked'])}): this score may be "
+        "inflated; `dsgpt2 lineage --doc` tells the steps that read one"
+    ]

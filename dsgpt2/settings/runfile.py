@@ -34,8 +34,9 @@ FLAG = "--config"
 # an experiment file is named by one of them (`dsgpt2 launch` hands its arguments to the deepspeed
 # launcher: the script it starts reads the file).
 COMMAND_TREE: dict[str, tuple[str, ...]] = {
-    "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "validate": (), "info": (),
-    "langid": (), "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
+    "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "decontaminate": (), "validate": (),
+    "info": (), "langid": (),
+    "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
     "evaluate": (), "generate": (), "chat": (), "serve": (), "demo": (), "db": (),
 }  # fmt: skip
 COMMANDS = frozenset(COMMAND_TREE).union(*COMMAND_TREE.values())

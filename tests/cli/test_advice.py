@@ -321,6 +321,13 @@ CASES: list[tuple[str, list[str]]] = [
     ("langid", ["--config", "CFG", "--collection", "nope"]),
     ("langid", ["--config", "CFG", "--collection", "bad$name"]),
     ("langid", ["--config", "CFG", "--part", "3/2"]),
+    # decontaminate
+    ("decontaminate", ["--config", "CFG"]),
+    ("decontaminate", ["--config", "CFG", "--against", "MISSING"]),
+    ("decontaminate", ["--config", "CFG", "--against", "FILE"]),
+    ("decontaminate", ["--config", "CFG", "--against", "FILE", "--ngram", "4"]),
+    ("decontaminate", ["--config", "CFG", "--against", "FILE", "--name", "a.b"]),
+    ("decontaminate", ["--config", "CFG", "--against", "FILE", "--name", "a", "--name", "b"]),
     # validate
     ("validate", ["--config", "NOPE"]),
     ("validate", ["--config", "UNINDEXED"]),
@@ -371,7 +378,7 @@ CASES: list[tuple[str, list[str]]] = [
 # Commands the table must cover (every one the issue names, and the trainer).
 COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",
            "curate", "validate", "info", "vocab download", "vocab train", "tokenize", "plan", "lineage",
-           "db"}  # fmt: skip
+           "db", "decontaminate"}  # fmt: skip
 
 
 def test_the_table_covers_every_command() -> None:
@@ -411,6 +418,7 @@ OWNERS = {
     "dsgpt2/curation/quality.py": ["curate"],
     "dsgpt2/curation/curate.py": ["curate"],
     "dsgpt2/curation/report.py": ["curate"],
+    "dsgpt2/curation/decontaminate.py": ["decontaminate"],
     "dsgpt2/curation/language.py": ["langid"],
     "dsgpt2/curation/passes.py": ["dedup", "curate"],
     "dsgpt2/tokenizer/texts.py": ["vocab download", "vocab train"],

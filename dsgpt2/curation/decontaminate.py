@@ -1,0 +1,411 @@
+"""``dsgpt2 decontaminate``: documents that share a word n-gram with an evaluation set, marked in place.
+
+Every evaluation text is normalised as GPT-3 and datatrove's n-gram decontamination do (lowercase,
+punctuation stripped, whitespace collapsed, words) and each of its N-word n-grams goes into one
+table in memory (evaluation sets are small). Each document is then read once, in idx order, in
+batches (:mod:`dsgpt2.curation.passes`): a document holding one of those n-grams gets
+``contaminated: {SET: "the n-gram"}`` (the first such n-gram of the text, for each set it shares one
+with), and every document read gets ``decont: {SET: KEY}``, the set's run key (the normaliser's
+version, N and the set's n-grams). A pass selects the documents whose key for a set is not this
+run's, so it is resumable (killed, it continues with the documents not yet checked), incremental
+(documents ingested after a run are the only ones the next run reads) and a set whose texts or N
+changed is checked again everywhere. ``{"contaminated": {"$exists": false}}`` as a FILTER leaves the
+marked documents out of training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split
+from dsgpt2.db.mongo import Connection, UpdateOne, with_retries, write_meta
+from dsgpt2.documents import document_text
+from dsgpt2.errors import ConfigError
+
+CONTAMINATED = "contaminated"  # {SET: n-gram}: absent on a document no set shares an n-gram with
+CHECKED = "decont"  # {SET: run key}: the sets a document was checked against, and under which key
+META = "decontaminate"  # meta_info: {SET: {key, ngram, files, items, at}} after each complete run
+NORMALISER_VERSION = 1
+MIN_NGRAM = 5
+DEFAULT_NGRAM = 13
+
+_PUNCT = re.compile(r"[^\w\s]|_")
+_LABEL_KEYS = ("label", "gold", "gold_index", "answer", "answerKey")
+
+
+def words(text: str) -> list[str]:
+    """``text`` lowercased, punctuation replaced by spaces, split into words."""
+    return _PUNCT.sub(" ", text.lower()).split()
+
+
+def ngrams(tokens: Sequence[str], n: int) -> Iterator[tuple[str, ...]]:
+    """The ``n``-word windows of ``tokens`` (none when there are fewer than ``n``)."""
+    for i in range(len(tokens) - n + 1):
+        yield tuple(tokens[i : i + n])
+
+
+# ---------------------------------------------------------------- evaluation files
+
+
+def set_name(path: Path) -> str:
+    """A set's default name: the file's name without .gz, .jsonl, .json."""
+    name = path.name
+    for suffix in (".gz", ".jsonl", ".json"):
+        name = name.removesuffix(suffix)
+    return name
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a set (it is a field name on the documents), or None."""
+    if not name:
+        return "it is empty"
+    if "." in name or name.startswith("$"):
+        return "a set's name holds no '.' and does not start with '$'"
+    return None
+
+
+def _open(path: Path) -> Any:
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")
+
+
+def _hellaswag(obj: dict[str, Any]) -> str | None:
+    """The context and the gold ending of a HellaSwag example (llm.c's layout), or None."""
+    ctx, endings, label = obj.get("ctx"), obj.get("endings"), obj.get("label")
+    if not (isinstance(ctx, str) and isinstance(endings, list) and endings):
+        return None
+    if not all(isinstance(e, str) for e in endings):
+        return None
+    try:
+        gold = endings[int(label)]
+    except (TypeError, ValueError, IndexError):
+        return None
+    return f"{ctx} {gold}"
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (dict values and list items, depth first)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
+def _task_doc(doc: dict[str, Any], target: Any = None) -> str | None:
+    """An lm-eval task document's text: its string fields, a list of choices cut to the gold one
+    where a label says which (the wrong choices are not the test's text), and the target."""
+    hs = _hellaswag(doc)
+    if hs is not None:
+        return hs
+    labels = (doc[k] for k in _LABEL_KEYS if isinstance(doc.get(k), int) and not isinstance(doc[k], bool))
+    label = next(labels, None)
+    parts: list[str] = []
+    for key, value in doc.items():
+        if isinstance(value, list) and label is not None and 0 <= label < len(value) and key != "label":
+            parts.extend(_strings(value[label]))
+        elif key not in _LABEL_KEYS or isinstance(value, str):
+            parts.extend(_strings(value))
+    if isinstance(target, str | list):
+        parts.extend(_strings(target))
+    text = " ".join(p for p in parts if p.strip())
+    return text or None
+
+
+# Each layout: how it is known from a record, and the record's evaluation text.
+def _layout(obj: Any) -> str | None:
+    if not isinstance(obj, dict):
+        return None
+    if {"ctx", "endings", "label"} <= obj.keys():
+        return "hellaswag"
+    if isinstance(obj.get("doc"), dict):
+        return "lm-eval"
+    if isinstance(obj.get("text"), str):
+        return "text"
+    return None
+
+
+def _text_of(layout: str, obj: dict[str, Any]) -> str | None:
+    if layout == "hellaswag":
+        return _hellaswag(obj)
+    if layout == "lm-eval":
+        doc = obj.get("doc")
+        return _task_doc(doc, obj.get("target")) if isinstance(doc, dict) else None
+    text = obj.get("text")
+    return text if isinstance(text, str) else None
+
+
+LAYOUTS = {
+    "hellaswag": "HellaSwag (ctx, endings, label: the layout `evaluate --hellaswag` reads)",
+    "lm-eval": "lm-eval task documents ({doc: {...}, target}, as --log_samples writes them)",
+    "text": 'plain text ({"text": ...})',
+}
+
+
+def read_texts(path: Path) -> tuple[str, list[str]]:
+    """The layout of the evaluation file ``path`` (known from its first record) and its texts.
+
+    Raises:
+        ConfigError: a missing or empty file, an unknown layout, a line that is not JSON or not of
+            the file's layout: one line naming the file (and the line).
+    """
+    known = "; ".join(LAYOUTS.values())
+    if not path.is_file():
+        raise ConfigError(f"--against {path}: file not found")
+    layout: str | None = None
+    texts: list[str] = []
+    try:
+        with _open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    raise ConfigError(f"--against {path}: line {number} is not JSON") from None
+                if layout is None:
+                    layout = _layout(obj)
+                    if layout is None:
+                        raise ConfigError(f"--against {path}: unknown layout (line {number}); known: {known}")
+                text = _text_of(layout, obj) if isinstance(obj, dict) else None
+                if text is None:
+                    raise ConfigError(
+                        f"--against {path}: line {number} is not a record of the file's layout, "
+                        f"{LAYOUTS[layout]}"
+                    )
+                texts.append(text)
+    except (OSError, UnicodeDecodeError, EOFError) as exc:
+        raise ConfigError(f"--against {path}: cannot read it as UTF-8 JSON lines ({exc})") from None
+    if layout is None:
+        raise ConfigError(f"--against {path}: the file is empty (no evaluation record)")
+    return layout, texts
+
+
+@dataclass
+class EvalSet:
+    """One evaluation set: its name, files, items and the n-grams of its texts."""
+
+    name: str
+    files: list[str] = field(default_factory=list)
+    items: int = 0
+    grams: set[tuple[str, ...]] = field(default_factory=set)
+    short: int = 0  # items with fewer than N words: nothing of them can be found
+
+    def key(self, n: int) -> str:
+        """The run key: what a document checked against this set was checked by."""
+        h = hashlib.sha256(json.dumps([NORMALISER_VERSION, n]).encode())
+        for gram in sorted(self.grams):
+            h.update(" ".join(gram).encode())
+            h.update(b"\n")
+        return h.hexdigest()[:16]
+
+
+def load_sets(files: Sequence[Path], names: Sequence[str | None], n: int) -> list[EvalSet]:
+    """The evaluation sets of ``files`` (a file's set is its name in ``names``, else its stem; files of
+    one name make one set), each with the ``n``-grams of its texts."""
+    sets: dict[str, EvalSet] = {}
+    for path, given in zip(files, names, strict=True):
+        name = given or set_name(path)
+        problem = name_problem(name)
+        if problem:
+            flag = "--name" if given else f"--against {path}: the set's name {name!r} (give --name)"
+            raise ConfigError(f"{flag} {name!r}: {problem}" if given else f"{flag}: {problem}")
+        _, texts = read_texts(path)
+        s = sets.setdefault(name, EvalSet(name))
+        s.files.append(str(path))
+        for text in texts:
+            s.items += 1
+            before = len(s.grams)
+            tokens = words(text)
+            s.grams.update(ngrams(tokens, n))
+            if len(tokens) < n and len(s.grams) == before:
+                s.short += 1
+    return list(sets.values())
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def find(tokens: Sequence[str], n: int, table: Mapping[tuple[str, ...], Any]) -> dict[str, str]:
+    """For each set of ``table`` (n-gram → the sets holding it) the first n-gram of ``tokens`` it holds."""
+    found: dict[str, str] = {}
+    for i in range(len(tokens) - n + 1):
+        owners = table.get(tuple(tokens[i : i + n]))
+        if owners:
+            for owner in owners:
+                found.setdefault(owner, " ".join(tokens[i : i + n]))
+    return found
+
+
+@dataclass
+class CollectionDecont:
+    name: str
+    documents: int = 0
+    checked: int = 0  # by this run
+    contaminated: dict[str, int] = field(default_factory=dict)  # set → documents marked with it
+    examples: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DecontReport:
+    ngram: int
+    sets: list[EvalSet]
+    collections: list[CollectionDecont]
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = []
+        for s in self.sets:
+            short = f" ({s.short} items shorter than {self.ngram} words)" if s.short else ""
+            out.append(f"{s.name}: {s.items} items, {len(s.grams)} distinct {self.ngram}-grams{short}")
+        for c in self.collections:
+            counts = ", ".join(f"{k} {v}" for k, v in c.contaminated.items())
+            out.append(
+                f"{c.name}: {c.documents} documents, {c.checked} checked by this run; contaminated: {counts}"
+            )
+            out.extend(f"  e.g. {e}" for e in c.examples)
+        out.append(f"({self.seconds:.1f}s)")
+        out.append(
+            f'to train without them, add to the config: "FILTER": {{"{CONTAMINATED}": {{"$exists": false}}}}'
+        )
+        return out
+
+
+def decontaminate(
+    conn: Connection,
+    names: Sequence[str],
+    sets: Sequence[EvalSet],
+    ngram: int = DEFAULT_NGRAM,
+    batch_size: int = 1000,
+    *,
+    progress: bool = False,
+    split: Split = WHOLE,
+) -> DecontReport:
+    """Check every document of ``names`` not yet checked against each set under its key (see the
+    module doc), over this machine's idx ranges of ``split``.
+
+    Raises:
+        CorpusError: a collection is missing.
+    """
+    started = time.monotonic()
+    require_present(conn, names, "decontaminate")
+    keys = {s.name: s.key(ngram) for s in sets}
+    table: dict[tuple[str, ...], tuple[str, ...]] = {}
+    for s in sets:
+        for gram in s.grams:
+            table[gram] = (*table.get(gram, ()), s.name)
+    report = DecontReport(ngram, list(sets), [CollectionDecont(n) for n in names])
+    work = partial(check_range, keys=keys, table=table, ngram=ngram, batch_size=batch_size,
+                   progress=progress and split.workers == 1)  # fmt: skip
+    for part in report.collections:
+        part.checked = run_split(conn, part.name, work, split, "decontaminate")
+        _summarize(conn, part, [s.name for s in sets])
+        if split.parts == 1:  # a run over every idx range: the set has been checked everywhere
+            for s in sets:
+                record = {"key": keys[s.name], "ngram": ngram, "files": s.files, "items": s.items}
+                write_meta(conn, part.name, {f"{META}.{s.name}": {**record, "at": time.time()}})
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def check_range(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    *,
+    keys: Mapping[str, str] | None = None,
+    table: Mapping[tuple[str, ...], tuple[str, ...]] | None = None,
+    ngram: int = DEFAULT_NGRAM,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Check the documents of ``name`` of idx in ``span`` not checked under ``keys``; returns how many."""
+    cfg = conn.config
+    keys, table = dict(keys or {}), table or {}
+    todo = {"idx": {"$exists": True}, "$or": [{f"{CHECKED}.{s}": {"$ne": k}} for s, k in keys.items()]}
+    wanted = {cfg.text_field: 1, "turns": 1, CONTAMINATED: 1, CHECKED: 1}
+    done = 0
+    for batch in each_batch(
+        conn, name, todo, wanted, batch_size, desc=f"decontaminate {name}", progress=progress, span=span
+    ):
+        updates = []
+        for doc in batch:
+            text = document_text(doc, cfg.text_field)
+            found = find(words(text), ngram, table) if text else {}
+            marks = {k: v for k, v in (doc.get(CONTAMINATED) or {}).items() if k not in keys}
+            marks.update(found)
+            checked = {**(doc.get(CHECKED) or {}), **keys}
+            updates.append((doc["_id"], {CHECKED: checked, CONTAMINATED: marks or None}))
+        _write(conn, name, updates)
+        done += len(batch)
+    return done
+
+
+def _write(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]]) -> None:
+    """One bulk write: each document's checks set, its marks set or (none left) removed, so that
+    ``{"contaminated": {"$exists": false}}`` selects exactly the clean documents."""
+    coll = conn.db[name]
+    ops = []
+    for _id, f in updates:
+        if f[CONTAMINATED]:
+            ops.append(UpdateOne({"_id": _id}, {"$set": f}))
+        else:
+            ops.append(UpdateOne({"_id": _id}, {"$set": {CHECKED: f[CHECKED]}, "$unset": {CONTAMINATED: ""}}))
+    if ops:
+        with_retries(
+            lambda: coll.bulk_write(ops, ordered=False), conn.config, f"decontaminate: writing {name}"
+        )
+
+
+def _summarize(conn: Connection, part: CollectionDecont, sets: Sequence[str]) -> None:
+    coll = conn.db[part.name]
+    facets: dict[str, list[dict[str, Any]]] = {"documents": [{"$count": "n"}]}
+    for i, s in enumerate(sets):
+        marked = {f"{CONTAMINATED}.{s}": {"$exists": True}}
+        facets[f"set{i}"] = [{"$match": marked}, {"$count": "n"}]
+        facets[f"example{i}"] = [{"$match": marked}, {"$sort": {"idx": 1}}, {"$limit": 1},
+                                 {"$project": {"idx": 1, CONTAMINATED: 1}}]  # fmt: skip
+    pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
+    (row,) = with_retries(lambda: list(coll.aggregate(pipeline, allowDiskUse=True)), conn.config,
+                          f"decontaminate: counting {part.name}")  # fmt: skip
+    part.documents = int(row["documents"][0]["n"]) if row["documents"] else 0
+    for i, s in enumerate(sets):
+        part.contaminated[s] = int(row[f"set{i}"][0]["n"]) if row[f"set{i}"] else 0
+        for doc in row[f"example{i}"]:
+            part.examples.append(f"{part.name}:{doc['idx']} shares with {s}: {doc[CONTAMINATED][s]!r}")
+
+
+def contaminated_counts(conn: Connection, name: str) -> dict[str, int]:
+    """Per set, the documents of ``name`` marked as sharing an n-gram with it (one aggregation)."""
+    pipeline = [
+        {"$match": {CONTAMINATED: {"$exists": True}, "idx": {"$exists": True}}},
+        {"$project": {"sets": {"$objectToArray": f"${CONTAMINATED}"}}},
+        {"$unwind": "$sets"},
+        {"$group": {"_id": "$sets.k", "n": {"$sum": 1}}},
+    ]
+    rows = with_retries(lambda: list(conn.db[name].aggregate(pipeline, allowDiskUse=True)), conn.config,
+                        f"counting the contaminated documents of {name}")  # fmt: skip
+    return {r["_id"]: int(r["n"]) for r in sorted(rows, key=lambda r: r["_id"])}
+
+
+def iter_marked(
+    conn: Connection, name: str, set_name_: str, query: dict[str, Any] | None = None
+) -> Iterable[int]:
+    """The idx of the documents of ``name`` marked with ``set_name_`` (and matching ``query``)."""
+    q: dict[str, Any] = {f"{CONTAMINATED}.{set_name_}": {"$exists": True}, "idx": {"$exists": True}}
+    if query:
+        q = {"$and": [q, query]}
+    docs = with_retries(lambda: list(conn.db[name].find(q, {"idx": 1, "_id": 0})), conn.config,
+                        f"reading the contaminated documents of {name}")  # fmt: skip
+    return [int(d["idx"]) for d in docs]
