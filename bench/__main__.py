@@ -12,6 +12,7 @@ from bench import (
     bench_generate,
     bench_gpu,
     bench_ingest,
+    bench_langid,
     bench_neardup,
     bench_scale,
     bench_serve,
@@ -74,6 +75,7 @@ def main() -> int:
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
         "startup": lambda: bench_startup.startup(results),
         "neardup": lambda: bench_neardup.neardup(texts),
+        "langid": bench_langid.langid,
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
         "scale": lambda: bench_scale.scale(results),
     }
