@@ -90,6 +90,11 @@ class IngestSettings:
         "skip a record whose text the corpus already holds (this collection and the config's), "
         "counted as duplicate",
     )
+    pii: bool = option(
+        False,
+        "replace e-mail addresses, IP addresses and phone numbers in the text (as `dsgpt2 redact` does; "
+        "`form` keeps the original)",
+    )
     no_progress: bool = no_progress_option()
 
     def __post_init__(self) -> None:
@@ -501,6 +506,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         progress=not s.no_progress,
         dedup=s.dedup,
         report_file=s.report,
+        pii=s.pii,
     )
     for line in report.lines():
         print(line)

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dsgpt2 import __version__
-from dsgpt2.cli import corpus, db, decontaminate, demo, infer, langid, train, vocab
+from dsgpt2.cli import corpus, db, decontaminate, demo, infer, langid, redact, train, vocab
 from dsgpt2.cli.common import by_command
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
@@ -59,6 +59,7 @@ BUILDERS = by_command(
     corpus.add_validate,
     corpus.add_info,
     langid.add_langid,
+    redact.add_redact,
     vocab.add_vocab,
     train.add_tokenize,
     train.add_plan,

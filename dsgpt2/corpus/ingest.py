@@ -49,6 +49,7 @@ from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
 from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
+from dsgpt2.curation.pii import redact_document
 from dsgpt2.db.mongo import (
     Connection,
     DatabaseError,
@@ -436,8 +437,14 @@ def normalize_conversation(obj: Any) -> dict[str, Any] | BadRecord:
     return {"turns": turns, "form": json.dumps(obj, ensure_ascii=False)}
 
 
-def make_document(record: Any, kind: str) -> dict[str, Any] | str:
-    """The fields of a document for ``record``, or the reason it is skipped."""
+def make_document(record: Any, kind: str, *, pii: bool = False) -> dict[str, Any] | str:
+    """The fields of a document for ``record``, or the reason it is skipped; with ``pii``, its text
+    redacted and the counts in ``pii`` (``form`` keeps the original)."""
+    if pii:
+        doc = make_document(record, kind)
+        if isinstance(doc, dict):
+            doc.update(redact_document(doc, "filt_text") or {})
+        return doc
     if isinstance(record, BadRecord):
         return record.reason
     if isinstance(record, Row):
@@ -587,11 +594,13 @@ def ingest(
     progress: bool = False,
     dedup: bool = False,
     report_file: str | os.PathLike[str] | None = None,
+    pii: bool = False,
 ) -> IngestReport:
     """Append every record of ``sources`` to ``collection`` exactly once (see module doc). With
     ``dedup``, a record whose text the corpus already holds (``collection`` and the config's
     collections, by ``text_hash``) is skipped and counted as ``duplicate``. ``report_file``: a JSON
-    lines file that lists where each record this run skipped is, and why.
+    lines file that lists where each record this run skipped is, and why. With ``pii``, each document's
+    text is redacted (:func:`dsgpt2.curation.pii.redact_document`) before it is hashed and inserted.
 
     Raises:
         IngestError: bad options or unreadable input, or no record of a source has its text field.
@@ -611,7 +620,15 @@ def ingest(
             seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
             reports = [
                 _ingest_source(
-                    conn, collection, source, batch_size, strict, progress=progress, seen=seen, skips=skips
+                    conn,
+                    collection,
+                    source,
+                    batch_size,
+                    strict,
+                    progress=progress,
+                    seen=seen,
+                    skips=skips,
+                    pii=pii,
                 )
                 for source in sources
             ]
@@ -632,6 +649,7 @@ def _ingest_source(
     progress: bool,
     seen: SeenTexts | None = None,
     skips: SkipLog | None = None,
+    pii: bool = False,
 ) -> SourceReport:
     """Ingest one source, holding it (see module doc) while this process writes it."""
     owner = _claim(conn, collection, source)
@@ -646,6 +664,7 @@ def _ingest_source(
             seen=seen,
             skips=skips or SkipLog(),
             owner=owner,
+            pii=pii,
         )
     finally:
         _release(conn, collection, source, owner)
@@ -662,6 +681,7 @@ def _write_source(
     seen: SeenTexts | None,
     skips: SkipLog,
     owner: str,
+    pii: bool = False,
 ) -> SourceReport:
     coll = conn.db[collection]
     report = SourceReport(source.label, decoding=source.decoding)
@@ -706,7 +726,7 @@ def _write_source(
                                 NO_FIELD_WARNING, source.flag, missing.advice(source))  # fmt: skip
             elif not (isinstance(record, BadRecord) and record.reason == "bad_json"):
                 missing.with_field += 1
-            doc = make_document(record, source.kind)
+            doc = make_document(record, source.kind, pii=pii)
             if isinstance(doc, str):
                 report.skipped[doc] += 1
                 where = source.locate(pos)

@@ -13,6 +13,7 @@ from dsgpt2.curation.decontaminate import CONTAMINATED, contaminated_counts
 from dsgpt2.curation.dedup import DUP_OF
 from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.passes import require_present
+from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
 from dsgpt2.db.mongo import Connection, with_retries
 from dsgpt2.documents import document_text
@@ -37,6 +38,7 @@ class CollectionSummary:
     examples: dict[str, list[str]] = field(default_factory=dict)
     contaminated_by: dict[str, int] = field(default_factory=dict)  # evaluation set → documents marked
     languages: dict[str, int] = field(default_factory=dict)  # `dsgpt2 langid`'s code → documents
+    pii: dict[str, int] = field(default_factory=dict)  # redacted documents, items replaced per kind
 
 
 def summarize(
@@ -51,6 +53,7 @@ def summarize(
     facets["kept"] = [{"$match": {"$nor": list(REASONS.values())}}, {"$count": "n"}]
     facets["languages"] = [{"$match": {"lang_key": {"$exists": True}}},
                            {"$group": {"_id": {"$ifNull": ["$lang", "none"]}, "n": {"$sum": 1}}}]  # fmt: skip
+    facets["pii"] = PII_FACET
     out = []
     for name in names:
         coll = conn.db[name]
@@ -58,11 +61,13 @@ def summarize(
         (row,) = with_retries(lambda c=coll, p=pipeline: list(c.aggregate(p, allowDiskUse=True)), cfg,
                               f"curate report: counting {name}")  # fmt: skip
         languages = {str(r["_id"]): int(r["n"]) for r in row.pop("languages")}
+        redacted = pii_totals(row.pop("pii"))
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
         part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
         part.removed = {reason: count[reason] for reason in REASONS}
         part.contaminated_by = contaminated_counts(conn, name)
         part.languages = dict(sorted(languages.items(), key=lambda kv: (-kv[1], kv[0])))
+        part.pii = redacted
         for reason, q in REASONS.items():
             if not part.removed[reason] or examples <= 0:
                 continue
@@ -98,6 +103,9 @@ def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
             shown = ", ".join(f"{code} {n}" for code, n in list(p.languages.items())[:10])
             more = f", {len(p.languages) - 10} more" if len(p.languages) > 10 else ""
             lines.append(f"  languages ({sum(p.languages.values())} labelled): {shown}{more}")
+        if p.pii:
+            n, kinds = p.pii["documents"], ", ".join(f"{k} {p.pii[k]}" for k in KINDS)
+            lines.append(f"  {'pii redacted':<16} {n:>9}  {n / total:6.1%}  (replaced: {kinds})")
     return lines
 
 

@@ -36,6 +36,7 @@ FLAG = "--config"
 COMMAND_TREE: dict[str, tuple[str, ...]] = {
     "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "decontaminate": (), "validate": (),
     "info": (), "langid": (),
+    "redact": (),
     "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
     "evaluate": (), "generate": (), "chat": (), "serve": (), "demo": (), "db": (),
 }  # fmt: skip

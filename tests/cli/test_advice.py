@@ -321,6 +321,11 @@ CASES: list[tuple[str, list[str]]] = [
     ("langid", ["--config", "CFG", "--collection", "nope"]),
     ("langid", ["--config", "CFG", "--collection", "bad$name"]),
     ("langid", ["--config", "CFG", "--part", "3/2"]),
+    # redact
+    ("redact", ["--config", "NOPE"]),
+    ("redact", ["--config", "CFG", "--collection", "nope"]),
+    ("redact", ["--config", "CFG", "--collection", "bad$name"]),
+    ("redact", ["--config", "CFG", "--workers", "0"]),
     # decontaminate
     ("decontaminate", ["--config", "CFG"]),
     ("decontaminate", ["--config", "CFG", "--against", "MISSING"]),
@@ -378,7 +383,7 @@ CASES: list[tuple[str, list[str]]] = [
 # Commands the table must cover (every one the issue names, and the trainer).
 COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",
            "curate", "validate", "info", "vocab download", "vocab train", "tokenize", "plan", "lineage",
-           "db", "decontaminate"}  # fmt: skip
+           "db", "redact", "decontaminate"}  # fmt: skip
 
 
 def test_the_table_covers_every_command() -> None:
