@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bench import (
+    bench_decont,
     bench_feed,
     bench_fetch,
     bench_generate,
@@ -75,6 +76,7 @@ def main() -> int:
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
         "startup": lambda: bench_startup.startup(results),
         "neardup": lambda: bench_neardup.neardup(texts),
+        "decont": lambda: bench_decont.decont(texts),
         "langid": bench_langid.langid,
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
         "scale": lambda: bench_scale.scale(results),
