@@ -15,6 +15,7 @@ from bench import (
     bench_ingest,
     bench_langid,
     bench_neardup,
+    bench_pii,
     bench_scale,
     bench_serve,
     bench_shuffle,
@@ -78,6 +79,7 @@ def main() -> int:
         "neardup": lambda: bench_neardup.neardup(texts),
         "decont": lambda: bench_decont.decont(texts),
         "langid": bench_langid.langid,
+        "pii": bench_pii.pii,
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
         "scale": lambda: bench_scale.scale(results),
     }

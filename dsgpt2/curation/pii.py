@@ -165,8 +165,12 @@ def redact(text: str) -> tuple[str, dict[str, int]]:
     counts = dict.fromkeys(KINDS, 0)
     if not any(c in text for c in "@.:-+( "):
         return text, counts
-    text, counts["email"] = _replace(text, _EMAIL, _email, _cycle(EMAILS))
-    text, v6 = _replace(text, _IPV6, lambda m, _t: _public(m.group(0)), _cycle(IPV6S))
+    # Each pattern only where its one necessary character is: most texts hold no "@" and no "::".
+    if "@" in text:
+        text, counts["email"] = _replace(text, _EMAIL, _email, _cycle(EMAILS))
+    v6 = 0
+    if "::" in text or text.count(":") >= 7:
+        text, v6 = _replace(text, _IPV6, lambda m, _t: _public(m.group(0)), _cycle(IPV6S))
     text, v4 = _replace(
         text, _IPV4, lambda m, t: _public(m.group(0)) and not _numbered(t, m.start()), _cycle(IPV4S)
     )
