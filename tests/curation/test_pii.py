@@ -250,3 +250,24 @@ def test_the_bench_cases_score_as_the_bench_reports() -> None:
     positives, negatives = cases(20)
     precision, recall = score(ours(), [c for kind in positives.values() for c in kind], negatives)
     assert precision >= 0.95 and recall >= 0.95, (precision, recall)
+
+
+@pytest.mark.parametrize("code", [189, 11600])
+def test_redact_goes_on_through_transient_errors(tmp_path: Path, code: int) -> None:
+    from wire_server import fail_point
+
+    cfg, store = store_config(tmp_path, ["docs"])
+    texts = _texts(60)
+    _ingest(cfg, tmp_path, "docs", texts)
+    uri = json.loads(cfg.read_text())["MONGO_CONNECTION_STRING"]
+    try:
+        fail_point(uri, {"skip": 2, "times": 6}, failCommands=["find", "aggregate", "update"], errorCode=code)
+        done = run_cli("redact", "--config", str(cfg), "--batch_size", "10", "--no_progress")
+    finally:
+        fail_point(uri, "off")
+    assert done.returncode == 0, done.stderr
+    assert "transient MongoDB error" in done.stderr
+    conn = Connection(make_config(["docs"], **db_for(store)))
+    docs = sorted(conn.db["docs"].find({}, {"idx": 1, "filt_text": 1}), key=lambda d: d["idx"])
+    conn.close()
+    assert [d["filt_text"] for d in docs] == [redact(t)[0] for t in texts]  # as a run without faults
