@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split
-from dsgpt2.db.mongo import Connection, UpdateOne, with_retries, write_meta
+from dsgpt2.db.mongo import Connection, UpdateMany, UpdateOne, with_retries, write_meta
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError
 
@@ -339,24 +339,36 @@ def check_range(
     for batch in each_batch(
         conn, name, todo, wanted, batch_size, desc=f"decontaminate {name}", progress=progress, span=span
     ):
-        updates = []
+        clean: list[int] = []
+        updates: list[tuple[Any, dict[str, Any]]] = []
         for doc in batch:
             text = document_text(doc, cfg.text_field)
             found = find(words(text), ngram, table) if text else {}
+            if not found and not doc.get(CONTAMINATED):
+                clean.append(int(doc["idx"]))  # the common case: nothing to mark, nothing to take off
+                continue
             marks = {k: v for k, v in (doc.get(CONTAMINATED) or {}).items() if k not in keys}
             marks.update(found)
             checked = {**(doc.get(CHECKED) or {}), **keys}
             updates.append((doc["_id"], {CHECKED: checked, CONTAMINATED: marks or None}))
-        _write(conn, name, updates)
+        _write(conn, name, clean, updates, keys)
         done += len(batch)
     return done
 
 
-def _write(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]]) -> None:
-    """One bulk write: each document's checks set, its marks set or (none left) removed, so that
-    ``{"contaminated": {"$exists": false}}`` selects exactly the clean documents."""
+def _write(
+    conn: Connection, name: str, clean: list[int], updates: list[Any], keys: Mapping[str, str]
+) -> None:
+    """One bulk write: the keys set on the ``clean`` documents (by idx), and each other document's
+    checks set with its marks set or (none left) removed, so that ``{"contaminated": {"$exists":
+    false}}`` selects exactly the clean documents.
+
+    The clean documents are updated by runs of consecutive idx, one update per run on the idx index
+    (far fewer writes than one per document): idx being unique, a run of idx values all read holds no
+    document this pass has not read."""
     coll = conn.db[name]
-    ops = []
+    checked = {"$set": {f"{CHECKED}.{s}": k for s, k in keys.items()}}
+    ops: list[Any] = [UpdateMany({"idx": {"$gte": lo, "$lte": hi}}, checked) for lo, hi in _runs(clean)]
     for _id, f in updates:
         if f[CONTAMINATED]:
             ops.append(UpdateOne({"_id": _id}, {"$set": f}))
@@ -366,6 +378,17 @@ def _write(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]
         with_retries(
             lambda: coll.bulk_write(ops, ordered=False), conn.config, f"decontaminate: writing {name}"
         )
+
+
+def _runs(values: list[int]) -> list[tuple[int, int]]:
+    """``values`` (ascending) as runs of consecutive integers, ``(first, last)`` each."""
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], v)
+        else:
+            runs.append((v, v))
+    return runs
 
 
 def _summarize(conn: Connection, part: CollectionDecont, sets: Sequence[str]) -> None:
