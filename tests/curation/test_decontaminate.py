@@ -1,6 +1,7 @@
 """Decontamination against evaluation sets: planted overlaps found under other case and punctuation,
 hard negatives (12 shared words, the same words reordered) left alone, each layout of evaluation file
-read, a killed pass ending as a straight one, a run after an ingest reading only the new documents,
+read, a pass killed (an exception mid-way, SIGKILL of the command) ending as a straight one and one
+going on through transient server errors, a run after an ingest reading only the new documents,
 FILTER leaving the marked documents out, `curate report` counting them per set, `evaluate --hellaswag`
 saying whether the run trained on them, and bad input refused in one line."""
 
@@ -257,3 +258,70 @@ def test_bad_input_is_one_line(tmp_path: Path, records: list, extra: list, said:
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert said in line and (str(path) in line or extra), line
+
+
+def _marks(conn: Connection) -> dict:
+    return {d["idx"]: (d.get(CONTAMINATED), d.get("decont")) for d in conn.db["web"].find({}, {"_id": 0})}
+
+
+def _corpus(tmp_path: Path, copies: int) -> tuple[Path, Path, Path, dict[int, str]]:
+    """A stored corpus of ``copies`` rounds of planted documents, a straight run's database beside it,
+    and the evaluation file."""
+    items = eval_items(7, 8)
+    texts, expected = planted(items, 8)
+    every = texts * copies
+    cfg, store = store_config(tmp_path, ["web"])
+    corpus = write_jsonl(tmp_path / "web.jsonl", [{"text": t} for t in every])
+    assert run_cli("ingest", "--config", str(cfg), str(corpus), "--no_progress").returncode == 0
+    hs = write_jsonl(tmp_path / "hellaswag_val.jsonl", items)
+    marked = {k * len(texts) + i: g for k in range(copies) for i, g in expected.items()}
+    return cfg, store, hs, marked
+
+
+def test_a_pass_killed_with_sigkill_ends_as_a_straight_one(tmp_path: Path) -> None:
+    """The command killed without warning once some documents are checked, then run again."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from pace import deadline, wait_for
+
+    cfg, store, hs, marked = _corpus(tmp_path, 30)
+    conn = Connection(make_config(["web"], **db_for(store)))
+    args = [sys.executable, "-m", "dsgpt2", "decontaminate", "--config", str(cfg), "--against", str(hs),
+            "--batch_size", "5", "--no_progress"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    checked = {"decont.hellaswag_val": {"$exists": True}}
+    wait_for(
+        lambda: conn.db["web"].count_documents(checked) >= 100, 120, "100 documents checked", proc, every=0.02
+    )
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the pass finished before it could be killed"
+    assert conn.db["web"].count_documents(checked) < 30 * 40
+    rerun = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))
+    assert rerun.returncode == 0, rerun.stderr
+    found = {i: m["hellaswag_val"] for i, (m, _) in _marks(conn).items() if m}
+    assert found == marked
+    assert conn.db["web"].count_documents(checked) == 30 * 40
+    conn.close()
+
+
+@pytest.mark.parametrize("code", [189, 11600])
+def test_the_pass_goes_on_through_transient_errors(tmp_path: Path, code: int) -> None:
+    from wire_server import fail_point
+
+    cfg, store, hs, marked = _corpus(tmp_path, 2)
+    uri = json.loads(cfg.read_text())["MONGO_CONNECTION_STRING"]
+    try:
+        fail_point(uri, {"skip": 2, "times": 6}, failCommands=["find", "aggregate", "update"], errorCode=code)
+        done = run_cli("decontaminate", "--config", str(cfg), "--against", str(hs), "--batch_size", "10",
+                       "--no_progress")  # fmt: skip
+    finally:
+        fail_point(uri, "off")
+    assert done.returncode == 0, done.stderr
+    assert "transient MongoDB error" in done.stderr
+    conn = Connection(make_config(["web"], **db_for(store)))
+    assert {i: m["hellaswag_val"] for i, (m, _) in _marks(conn).items() if m} == marked
+    conn.close()
