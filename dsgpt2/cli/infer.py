@@ -256,10 +256,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         from dsgpt2.infer.evaluate import hellaswag_report
 
         report = hellaswag_report(loaded, examples, trainer.hellaswag)
+        from dsgpt2.errors import DsGpt2Error
         from dsgpt2.infer.evaluate import contamination
 
-        # Whether the run trained on the set's passages: what `dsgpt2 decontaminate` marked.
-        report["contamination"] = contamination(config, loaded.run, trainer.hellaswag)
+        # Whether the run trained on the set's passages: what `dsgpt2 decontaminate` marked. The score
+        # stands without it: a corpus that cannot be read is said, not an error.
+        try:
+            report["contamination"] = contamination(config, loaded.run, trainer.hellaswag)
+        except DsGpt2Error as exc:
+            report["contamination"] = {"set": str(trainer.hellaswag), "error": str(exc)}
     else:
         report = evaluate(loaded, config, request, progress=not output.no_progress)
     write_report(report, path)

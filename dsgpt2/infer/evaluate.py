@@ -281,6 +281,8 @@ def _checkpoint_marks(run: dict[str, Any], names: list[str]) -> dict[str, int] |
 
 def contamination_lines(note: dict[str, Any]) -> list[str]:
     """One line: what :func:`contamination` found, or that no decontamination against the set ran."""
+    if "error" in note:
+        return [f"contamination: not known, the corpus could not be read ({note['error']})"]
     name, where = note["set"], ", ".join(note["collections"])
     if not note.get("checked"):
         return [
