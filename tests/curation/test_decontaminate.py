@@ -325,3 +325,37 @@ def test_the_pass_goes_on_through_transient_errors(tmp_path: Path, code: int) ->
     conn = Connection(make_config(["web"], **db_for(store)))
     assert {i: m["hellaswag_val"] for i, (m, _) in _marks(conn).items() if m} == marked
     conn.close()
+
+
+def test_the_note_counts_below_the_checkpoints_marks_and_under_its_filter(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The run's checkpoint took in the first documents only, under a FILTER: the note counts the
+    marked documents of its training split below those marks that the FILTER kept."""
+    import numpy as np
+
+    from dsgpt2.checkpoints import format as ckpt_format
+    from dsgpt2.data.split import split_mask
+    from dsgpt2.data.table import ChunkTable
+    from dsgpt2.infer.evaluate import contamination, contamination_lines
+
+    items = eval_items(9, 8)
+    texts, expected = planted(items, 10)
+    config = make_config(["web"], MONGO_CONNECTION_DB="decont_note")
+    conn = Connection(config)
+    conn.db["web"].insert_many([{"idx": i, "filt_text": t, "keep": i % 10 != 5} for i, t in enumerate(texts)])
+    hs = write_jsonl(tmp_path / "hellaswag_val.jsonl", items)
+    mark = 30
+    table = ChunkTable.initial(["web"], [mark], 10).to_dict()
+    monkeypatch.setattr(ckpt_format, "read_client_state", lambda where, tag: {"data": {"table": table}})
+    fp = {"collections": ["web"], "tr_ratio": 0.6, "seed": 3, "filter": '{"keep": true}'}
+    run = {"checkpoint": str(tmp_path / "ckpt" / "global_step3"), "fingerprint": fp}
+    assert contamination(config, run, hs)["checked"] == []
+    decontaminate(conn, ["web"], load_sets([hs], [None], 13))
+    note = contamination(config, run, hs)
+    kept = np.array([i for i in sorted(expected) if i < mark and i % 10 != 5])
+    held = int(split_mask(kept, 0.6, 3, "web").sum())
+    assert 0 < held < len(kept) < len([i for i in expected if i < mark])  # each part of the rule counts
+    assert (note["marks"], note["marked"], note["documents"]) == ({"web": mark}, len(kept), held)
+    assert "below its checkpoint's high-water marks" in contamination_lines(note)[0]
+    conn.close()
