@@ -61,8 +61,17 @@ lock: latest
 demo: $(STAMP)
 	$(VENV)/bin/dsgpt2 demo --out runs/demo
 
-bench: $(STAMP)
-	$(PY) -m bench
+# The benches' anchors that are no dependency of dsgpt2 (datatrove's n-gram decontamination and PII
+# formatter): installed beside the environment at fixed versions (dill and multiprocess, which it also
+# needs, are in the lock), on the benches' path only.
+BENCH_ANCHORS := $(VENV)/bench-anchors
+BENCH_ANCHOR_SPECS := datatrove==0.10.1 loguru==0.7.3 humanize==4.17.0
+$(BENCH_ANCHORS)/.installed: $(STAMP)
+	$(PIP) install -q --target $(BENCH_ANCHORS) --no-deps $(BENCH_ANCHOR_SPECS)
+	touch $@
+
+bench: $(STAMP) $(BENCH_ANCHORS)/.installed
+	PYTHONPATH=$(BENCH_ANCHORS) $(PY) -m bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

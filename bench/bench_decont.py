@@ -4,8 +4,9 @@ negatives that must not count (12 shared words, the 13 words reordered, 13 words
 ending), and documents/s of ``dsgpt2 decontaminate``'s pass (read from and marked in the embedded
 database) against datatrove's ``NGramsDecontFilter`` on the same documents, in memory.
 
-The anchor's ratio is left out, and the note says why, where datatrove does not import (it is not in
-the locked environment: see :func:`_datatrove` for what it needs beside it)."""
+The anchor's ratio is left out, and the note says why, where datatrove does not import (it is no
+dependency of dsgpt2: ``make bench`` installs it beside the environment, ``BENCH_ANCHORS`` in the
+Makefile; see :func:`_datatrove` for what it needs there)."""
 
 from __future__ import annotations
 

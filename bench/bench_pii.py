@@ -13,8 +13,8 @@ counts as found when it is no longer in the output; a lookalike as a false posit
 
 datatrove looks for e-mail addresses and public IPv4 addresses only: the ratios on the kinds both look
 for are the fair comparison; the line on every kind shows what it does not cover. datatrove is not a
-dependency of the project: install it beside it (``pip install datatrove``) for the anchor's figures;
-without it, ours alone are printed.
+dependency of the project: ``make bench`` installs it beside the environment at a fixed version
+(``BENCH_ANCHORS`` in the Makefile); run without it, ours alone are printed.
 
 Run alone: ``python -m bench.bench_pii [ITEMS_PER_KIND]``; ``python -m bench pii`` in the suite.
 """
