@@ -85,6 +85,8 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     def fresh(db: str) -> Connection:
         conn = Connection(make_config(["docs"], MONGO_CONNECTION_DB=db))
+        # Another pass's test in this process may have used the same name: start from nothing.
+        conn.db.client.drop_database(db)
         conn.db["docs"].insert_many(
             [{"_id": ObjectId(), "idx": i, "filt_text": t} for i, t in enumerate(texts)]
         )

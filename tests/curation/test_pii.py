@@ -125,6 +125,8 @@ def _texts(n: int) -> list[str]:
 
 def _fresh(db: str, texts: list[str]) -> Connection:
     conn = Connection(make_config(["docs"], MONGO_CONNECTION_DB=db))
+    # Another pass's test in this process may have used the same name: start from nothing.
+    conn.db.client.drop_database(db)
     conn.db["docs"].insert_many(
         [{"_id": ObjectId(), "idx": i, "form": t, "filt_text": t} for i, t in enumerate(texts)]
     )
