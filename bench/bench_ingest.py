@@ -69,7 +69,7 @@ def _rate(fn, n: int) -> float:
 def reading(texts: list[str], base: Path) -> list[Metric]:
     import pyarrow.parquet as pq
 
-    from dsgpt2.corpus.ingest import file_source, make_document
+    from dsgpt2.corpus.readers import file_source, make_document
 
     parquet, jsonl = _files(texts, base)
     keep = ("id", "url", "dump", "language_score")
@@ -109,7 +109,8 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
     if reason:
         print(f"   (no server ingest line: {reason})")
         return []
-    from dsgpt2.corpus.ingest import file_source, ingest
+    from dsgpt2.corpus.ingest import ingest
+    from dsgpt2.corpus.readers import file_source
     from dsgpt2.db.config import ENV_URI, load_config, redact_uri
     from dsgpt2.db.mongo import Connection
 

@@ -34,7 +34,8 @@ def _corpus(base: Path, uri: str, n: int) -> tuple[Path, dict[str, str]]:
     have = read_meta(conn, ["stdlib"]).get("stdlib", {}).get("count")
     if have != n:
         print(f"   building the {n}-document corpus (once; kept in {base})", flush=True)
-        from dsgpt2.corpus.ingest import builtin_source, ingest
+        from dsgpt2.corpus.ingest import ingest
+        from dsgpt2.corpus.readers import builtin_source
 
         ingest(conn, "stdlib", [builtin_source("stdlib", n)], batch_size=100)
     conn.close()

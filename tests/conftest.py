@@ -176,7 +176,8 @@ def store_config(tmp_path: Path, collections: list[str] | None = None) -> tuple[
 def sample_corpus(base: Path, documents: int = 2000, vocab_size: int = 512) -> dict[str, Path]:
     """The first ``documents`` sample documents in a file-backed store in ``base``, and a
     ``vocab_size``-token vocabulary trained on them: {"config", "tok"}."""
-    from dsgpt2.corpus.ingest import builtin_source, ingest
+    from dsgpt2.corpus.ingest import ingest
+    from dsgpt2.corpus.readers import builtin_source
     from dsgpt2.db.config import load_config
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts

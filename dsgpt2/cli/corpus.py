@@ -469,7 +469,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dsgpt2.corpus.ingest import builtin_source, file_source, ingest
+    from dsgpt2.corpus.ingest import ingest
+    from dsgpt2.corpus.readers import builtin_source, file_source
     from dsgpt2.db.mongo import connect
 
     s = from_namespace(IngestSettings, args)

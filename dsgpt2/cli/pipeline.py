@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db import embedded
 from dsgpt2.db.config import MongoConfig, config_from_dict
 from dsgpt2.db.mongo import Connection, MongoWrapper, connect

@@ -415,6 +415,8 @@ def test_every_suggestion_in_an_error_names_what_exists(
 # Modules whose messages only these commands print (a shared module is left to the cases above).
 OWNERS = {
     "dsgpt2/corpus/ingest.py": ["ingest"],
+    "dsgpt2/corpus/readers.py": ["ingest"],
+    "dsgpt2/corpus/ingest_report.py": ["ingest"],
     "dsgpt2/corpus/columnar.py": ["ingest"],
     "dsgpt2/corpus/numbering.py": ["index"],
     "dsgpt2/curation/neardup.py": ["dedup", "ingest"],

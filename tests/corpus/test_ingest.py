@@ -15,7 +15,8 @@ from conftest import ROOT, db_for, make_config, run_cli, seed, store_config, wri
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
-from dsgpt2.corpus.ingest import builtin_source, file_source, ingest, normalize_conversation
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source, file_source, normalize_conversation
 from dsgpt2.db import embedded
 from dsgpt2.db.config import load_config
 from dsgpt2.db.mongo import Connection, MongoWrapper, read_meta

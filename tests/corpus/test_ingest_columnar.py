@@ -21,7 +21,8 @@ from conftest import ROOT, db_for, make_config, run_cli, store_config
 from dsgpt2.corpus import columnar
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.cleaning import clean_text
-from dsgpt2.corpus.ingest import detect_format, file_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import detect_format, file_source
 from dsgpt2.db.mongo import Connection, read_meta
 from dsgpt2.db.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, IngestError

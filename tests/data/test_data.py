@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, make_config
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.cache import CachedChunks, build_cache
 from dsgpt2.data.dealing import Position, ReadState, Schedule
 from dsgpt2.data.loader import BlockStream, eval_batches

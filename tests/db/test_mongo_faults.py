@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, make_config, run_wire_server
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.config import ENV_URI, MongoConfig
 from dsgpt2.db.mongo import Connection, MongoWrapper
 from dsgpt2.errors import MongoUnavailableError

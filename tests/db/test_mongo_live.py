@@ -305,7 +305,8 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     from dataclasses import replace
 
     from corpora import marks, planted, reference
-    from dsgpt2.corpus.ingest import Source, ingest
+    from dsgpt2.corpus.ingest import ingest
+    from dsgpt2.corpus.readers import Source
     from dsgpt2.curation.dedup import dedup_exact
 
     def memory_source(key: str, batch: list[str]) -> Source:
@@ -356,7 +357,8 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     assert straight and near_marks(conn, ["news", "web"]) == straight
     assert "lsh_1" in {i["name"] for i in conn.db["web"].list_indexes()}
     from corpora import near_copy
-    from dsgpt2.corpus.ingest import Source, ingest
+    from dsgpt2.corpus.ingest import ingest
+    from dsgpt2.corpus.readers import Source
 
     copy = near_copy(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
     report = ingest(conn, "more", [Source("more", "more", "text", read=lambda: iter([copy]))], dedup=True)

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, check_lineage, run_cli, store_config
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.config import load_config
 from dsgpt2.db.mongo import Connection
 from dsgpt2.train.metrics import read_metrics

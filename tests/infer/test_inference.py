@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, db_for, run_cli, write_config
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.loader import iter_eval_batches
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import StreamingChunks, tokenizer_digest

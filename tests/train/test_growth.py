@@ -16,7 +16,8 @@ import pytest
 from conftest import ROOT, check_lineage, clone_db, run_cli, store_config, write_config
 from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus.builtin import stdlib_documents
-from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.corpus.ingest import ingest
+from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.config import load_config
 from dsgpt2.db.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
