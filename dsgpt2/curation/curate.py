@@ -15,10 +15,9 @@ import json
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split, set_fields
+from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
 from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
 from dsgpt2.db.mongo import Connection, with_retries, write_meta
 from dsgpt2.documents import document_text
@@ -61,6 +60,46 @@ class CurationReport:
         return out
 
 
+@dataclass
+class Curation(Pass):
+    """The pass: each document measured and judged by ``rules`` under ``thresholds``."""
+
+    rules: list[str]
+    thresholds: dict[str, float]
+
+    command = "curate"
+    verb = "curate"
+    writing = "curate"
+    mark = "passes.key"
+
+    def key(self) -> str:
+        return run_key(self.rules, self.thresholds)
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        key, updates = self.key(), []
+        for doc in batch:
+            text = document_text(doc, text_field)
+            measured = signals(text) if text is not None else None
+            judged = (
+                verdicts(measured, self.rules, self.thresholds)
+                if measured
+                else dict.fromkeys(self.rules, False)
+            )
+            updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
+                                         "passes": {"key": key, **judged}}))  # fmt: skip
+        return set_each(updates)
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionCuration:
+        part = CollectionCuration(name, judged=done)
+        _summarize(conn, part, self.rules, self.thresholds)
+        write_meta(conn, name, {"curate": {"rules": list(self.rules), "thresholds": dict(self.thresholds),
+                                           "key": self.key(), "at": time.time()}})  # fmt: skip
+        return part
+
+    def report(self, parts: list[Any]) -> CurationReport:
+        return CurationReport(list(self.rules), parts)
+
+
 def curate(
     conn: Connection,
     names: Sequence[str],
@@ -77,51 +116,8 @@ def curate(
     Raises:
         CorpusError: a collection is missing.
     """
-    started = time.monotonic()
-    require_present(conn, names, "curate")
-    key = run_key(rules, thresholds)
-    report = CurationReport(list(rules), [CollectionCuration(n) for n in names])
-    work = partial(judge_range, rules=list(rules), thresholds=dict(thresholds), batch_size=batch_size,
-                   progress=progress and split.workers == 1)  # fmt: skip
-    for part in report.collections:
-        part.judged = run_split(conn, part.name, work, split, "curate")
-        _summarize(conn, part, rules, thresholds)
-        write_meta(conn, part.name, {"curate": {"rules": list(rules), "thresholds": dict(thresholds),
-                                                "key": key, "at": time.time()}})  # fmt: skip
-    report.seconds = time.monotonic() - started
-    return report
-
-
-def judge_range(
-    conn: Connection,
-    name: str,
-    span: tuple[int, int] | None = None,
-    *,
-    rules: Sequence[str] = (),
-    thresholds: Mapping[str, float] | None = None,
-    batch_size: int = 1000,
-    progress: bool = False,
-) -> int:
-    """Measure and judge the documents of ``name`` of idx in ``span`` not judged by this key."""
-    cfg = conn.config
-    thresholds = thresholds or {}
-    key = run_key(rules, thresholds)
-    todo = {"idx": {"$exists": True}, "passes.key": {"$ne": key}}
-    wanted = {cfg.text_field: 1, "turns": 1}
-    done = 0
-    for batch in each_batch(
-        conn, name, todo, wanted, batch_size, desc=f"curate {name}", progress=progress, span=span
-    ):
-        updates = []
-        for doc in batch:
-            text = document_text(doc, cfg.text_field)
-            measured = signals(text) if text is not None else None
-            judged = verdicts(measured, rules, thresholds) if measured else dict.fromkeys(rules, False)
-            updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
-                                         "passes": {"key": key, **judged}}))  # fmt: skip
-        set_fields(conn, name, updates, "curate")
-        done += len(batch)
-    return done
+    step = Curation(list(rules), dict(thresholds))
+    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def _summarize(

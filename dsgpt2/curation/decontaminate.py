@@ -22,11 +22,10 @@ import re
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split
+from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass
 from dsgpt2.db.mongo import Connection, UpdateMany, UpdateOne, with_retries, write_meta
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError
@@ -282,6 +281,83 @@ class DecontReport:
         return out
 
 
+@dataclass
+class Decontamination(Pass):
+    """The pass: each document checked for an ``ngram``-word n-gram of each evaluation set of ``sets``."""
+
+    sets: list[EvalSet]
+    ngram: int = DEFAULT_NGRAM
+    # n-gram → the sets holding it; made from ``sets`` (and sent to worker processes with them).
+    table: dict[tuple[str, ...], tuple[str, ...]] = field(default_factory=dict, repr=False)
+    keys: dict[str, str] = field(default_factory=dict, repr=False)  # each set's run key, made once
+
+    command = "decontaminate"
+    verb = "decontaminate"
+    writing = "decontaminate"
+    part_note = "the sets are recorded as checked once a run without --part has read what the parts left"
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            self.keys = {s.name: s.key(self.ngram) for s in self.sets}
+        if not self.table:
+            for s in self.sets:
+                for gram in s.grams:
+                    self.table[gram] = (*self.table.get(gram, ()), s.name)
+
+    def key(self) -> dict[str, str]:
+        """Each set's run key, by name."""
+        return self.keys
+
+    def todo(self) -> dict[str, Any]:
+        return {
+            "idx": {"$exists": True},
+            "$or": [{f"{CHECKED}.{s}": {"$ne": k}} for s, k in self.key().items()],
+        }
+
+    def fields(self, text_field: str) -> dict[str, int]:
+        return {text_field: 1, "turns": 1, CONTAMINATED: 1, CHECKED: 1}
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        """The checked documents' marks: the clean ones get the keys by runs of consecutive idx, one
+        update per run on the idx index (far fewer writes than one per document; idx being unique, a
+        run of idx values all read holds no document this pass has not read); every other document gets
+        its checks set with its marks set or (none left) removed, so that ``{"contaminated": {"$exists":
+        false}}`` selects exactly the clean documents."""
+        keys = self.key()
+        clean: list[int] = []
+        ops: list[Any] = []
+        for doc in batch:
+            text = document_text(doc, text_field)
+            found = find(words(text), self.ngram, self.table) if text else {}
+            if not found and not doc.get(CONTAMINATED):
+                clean.append(int(doc["idx"]))  # the common case: nothing to mark, nothing to take off
+                continue
+            marks = {k: v for k, v in (doc.get(CONTAMINATED) or {}).items() if k not in keys}
+            marks.update(found)
+            checked = {**(doc.get(CHECKED) or {}), **keys}
+            if marks:
+                ops.append(UpdateOne({"_id": doc["_id"]}, {"$set": {CHECKED: checked, CONTAMINATED: marks}}))
+            else:
+                ops.append(
+                    UpdateOne({"_id": doc["_id"]}, {"$set": {CHECKED: checked}, "$unset": {CONTAMINATED: ""}})
+                )
+        checks = {"$set": {f"{CHECKED}.{s}": k for s, k in keys.items()}}
+        return [UpdateMany({"idx": {"$gte": lo, "$lte": hi}}, checks) for lo, hi in _runs(clean)] + ops
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionDecont:
+        part = CollectionDecont(name, checked=done)
+        _summarize(conn, part, [s.name for s in self.sets])
+        if split.parts == 1:  # a run over every idx range: the set has been checked everywhere
+            keys = self.key()
+            for s in self.sets:
+                record = {"key": keys[s.name], "ngram": self.ngram, "files": s.files, "items": s.items}
+                write_meta(conn, name, {f"{META}.{s.name}": {**record, "at": time.time()}})
+        return part
+
+    def report(self, parts: list[Any]) -> DecontReport:
+        return DecontReport(self.ngram, list(self.sets), parts)
+
+
 def decontaminate(
     conn: Connection,
     names: Sequence[str],
@@ -298,86 +374,8 @@ def decontaminate(
     Raises:
         CorpusError: a collection is missing.
     """
-    started = time.monotonic()
-    require_present(conn, names, "decontaminate")
-    keys = {s.name: s.key(ngram) for s in sets}
-    table: dict[tuple[str, ...], tuple[str, ...]] = {}
-    for s in sets:
-        for gram in s.grams:
-            table[gram] = (*table.get(gram, ()), s.name)
-    report = DecontReport(ngram, list(sets), [CollectionDecont(n) for n in names])
-    work = partial(check_range, keys=keys, table=table, ngram=ngram, batch_size=batch_size,
-                   progress=progress and split.workers == 1)  # fmt: skip
-    for part in report.collections:
-        part.checked = run_split(conn, part.name, work, split, "decontaminate")
-        _summarize(conn, part, [s.name for s in sets])
-        if split.parts == 1:  # a run over every idx range: the set has been checked everywhere
-            for s in sets:
-                record = {"key": keys[s.name], "ngram": ngram, "files": s.files, "items": s.items}
-                write_meta(conn, part.name, {f"{META}.{s.name}": {**record, "at": time.time()}})
-    report.seconds = time.monotonic() - started
-    return report
-
-
-def check_range(
-    conn: Connection,
-    name: str,
-    span: tuple[int, int] | None = None,
-    *,
-    keys: Mapping[str, str] | None = None,
-    table: Mapping[tuple[str, ...], tuple[str, ...]] | None = None,
-    ngram: int = DEFAULT_NGRAM,
-    batch_size: int = 1000,
-    progress: bool = False,
-) -> int:
-    """Check the documents of ``name`` of idx in ``span`` not checked under ``keys``; returns how many."""
-    cfg = conn.config
-    keys, table = dict(keys or {}), table or {}
-    todo = {"idx": {"$exists": True}, "$or": [{f"{CHECKED}.{s}": {"$ne": k}} for s, k in keys.items()]}
-    wanted = {cfg.text_field: 1, "turns": 1, CONTAMINATED: 1, CHECKED: 1}
-    done = 0
-    for batch in each_batch(
-        conn, name, todo, wanted, batch_size, desc=f"decontaminate {name}", progress=progress, span=span
-    ):
-        clean: list[int] = []
-        updates: list[tuple[Any, dict[str, Any]]] = []
-        for doc in batch:
-            text = document_text(doc, cfg.text_field)
-            found = find(words(text), ngram, table) if text else {}
-            if not found and not doc.get(CONTAMINATED):
-                clean.append(int(doc["idx"]))  # the common case: nothing to mark, nothing to take off
-                continue
-            marks = {k: v for k, v in (doc.get(CONTAMINATED) or {}).items() if k not in keys}
-            marks.update(found)
-            checked = {**(doc.get(CHECKED) or {}), **keys}
-            updates.append((doc["_id"], {CHECKED: checked, CONTAMINATED: marks or None}))
-        _write(conn, name, clean, updates, keys)
-        done += len(batch)
-    return done
-
-
-def _write(
-    conn: Connection, name: str, clean: list[int], updates: list[Any], keys: Mapping[str, str]
-) -> None:
-    """One bulk write: the keys set on the ``clean`` documents (by idx), and each other document's
-    checks set with its marks set or (none left) removed, so that ``{"contaminated": {"$exists":
-    false}}`` selects exactly the clean documents.
-
-    The clean documents are updated by runs of consecutive idx, one update per run on the idx index
-    (far fewer writes than one per document): idx being unique, a run of idx values all read holds no
-    document this pass has not read."""
-    coll = conn.db[name]
-    checked = {"$set": {f"{CHECKED}.{s}": k for s, k in keys.items()}}
-    ops: list[Any] = [UpdateMany({"idx": {"$gte": lo, "$lte": hi}}, checked) for lo, hi in _runs(clean)]
-    for _id, f in updates:
-        if f[CONTAMINATED]:
-            ops.append(UpdateOne({"_id": _id}, {"$set": f}))
-        else:
-            ops.append(UpdateOne({"_id": _id}, {"$set": {CHECKED: f[CHECKED]}, "$unset": {CONTAMINATED: ""}}))
-    if ops:
-        with_retries(
-            lambda: coll.bulk_write(ops, ordered=False), conn.config, f"decontaminate: writing {name}"
-        )
+    step = Decontamination(list(sets), ngram)
+    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

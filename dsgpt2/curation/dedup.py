@@ -22,19 +22,10 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from dsgpt2.curation.neardup import NearLookup
-from dsgpt2.curation.passes import (
-    WHOLE,
-    Split,
-    each_batch,
-    ensure_index,
-    require_present,
-    run_split,
-    set_fields,
-)
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, WHOLE, Pass, Split, ensure_index, run_pass, set_each
 from dsgpt2.db.mongo import Connection, UpdateMany, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_hash
 
@@ -105,12 +96,7 @@ def dedup_exact(
     """
     started = time.monotonic()
     cfg = conn.config
-    require_present(conn, names, "dedup")
-    report = DedupReport([CollectionDedup(n) for n in names])
-    for part in report.collections:
-        # Indexed before the hashes are written: the writes keep it, no long build at the end.
-        with_retries(lambda n=part.name: ensure_hash_index(conn, n), cfg, f"dedup: indexing {part.name}")
-        part.hashed = hash_collection(conn, part.name, batch_size, progress, split)
+    report = run_pass(conn, names, Hashing(), batch_size=batch_size, progress=progress, split=split)
     if split.parts > 1:
         report.seconds = time.monotonic() - started
         return report
@@ -139,53 +125,51 @@ def dedup_exact(
     return report
 
 
-def hash_collection(
-    conn: Connection, name: str, batch_size: int = 1000, progress: bool = False, split: Split = WHOLE
-) -> int:
-    """Store ``text_hash`` on the documents of ``name`` without one (all of them when the hashes were
-    taken of another field than the config's TEXT_FIELD), over this machine's idx ranges of ``split``;
-    returns how many were hashed."""
-    cfg = conn.config
-    meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
-    hashed_field = (meta.get("hashes") or {}).get("field")
-    every = hashed_field is not None and hashed_field != cfg.text_field
-    if every:
-        log.info("%s: hashes were taken of %r, TEXT_FIELD is %r: hashing every document again", name,
-                 hashed_field, cfg.text_field)  # fmt: skip
-    work = partial(hash_range, every=every, batch_size=batch_size, progress=progress and split.workers == 1)
-    done = run_split(conn, name, work, split, "hash")
-    if split.parts == 1:  # the field is recorded once every range is hashed under it
-        write_meta(conn, name, {"hashes": {"field": cfg.text_field, "at": time.time()}})
-    return done
+@dataclass
+class Hashing(Pass):
+    """``dedup --exact``'s first stage: ``text_hash`` stored on every document without one (on every
+    document, ``every``, when the hashes were taken of another field than the config's TEXT_FIELD)."""
 
+    text_field: str = ""  # the field hashed (the config's TEXT_FIELD), known once started
+    every: bool = False
 
-def hash_range(
-    conn: Connection,
-    name: str,
-    span: tuple[int, int] | None = None,
-    *,
-    every: bool = False,
-    batch_size: int = 1000,
-    progress: bool = False,
-) -> int:
-    """Hash the documents of ``name`` of idx in ``span`` without a hash (all of them with ``every``)."""
-    cfg = conn.config
-    todo: dict[str, Any] = {"idx": {"$exists": True}}
-    if not every:
-        todo[HASH] = {"$exists": False}
-    done = 0
-    fields = {cfg.text_field: 1, "turns": 1}
-    for batch in each_batch(
-        conn, name, todo, fields, batch_size, desc=f"hash {name}", progress=progress, span=span
-    ):
-        updates = [(d["_id"], {HASH: document_hash(d, cfg.text_field)}) for d in batch]
-        _set_hashes(conn, name, updates)
-        done += len(batch)
-    return done
+    command = "dedup"
+    verb = "hash"
+    writing = "dedup: hashing"
+    part_note = MARKED_AFTER_PARTS
 
+    def key(self) -> str:
+        """A hash is current while it is of the field it was taken of (meta_info's ``hashes.field``)."""
+        return self.text_field
 
-def _set_hashes(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]]) -> None:
-    set_fields(conn, name, updates, "dedup: hashing")
+    def todo(self) -> dict[str, Any]:
+        todo: dict[str, Any] = {"idx": {"$exists": True}}
+        if not self.every:
+            todo[HASH] = {"$exists": False}
+        return todo
+
+    def start(self, conn: Connection, name: str) -> Hashing:
+        cfg = conn.config
+        # Indexed before the hashes are written: the writes keep it, no long build at the end.
+        with_retries(lambda: ensure_hash_index(conn, name), cfg, f"dedup: indexing {name}")
+        meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
+        hashed_field = (meta.get("hashes") or {}).get("field")
+        every = hashed_field is not None and hashed_field != cfg.text_field
+        if every:
+            log.info("%s: hashes were taken of %r, TEXT_FIELD is %r: hashing every document again", name,
+                     hashed_field, cfg.text_field)  # fmt: skip
+        return Hashing(text_field=cfg.text_field, every=every)
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        return set_each([(d["_id"], {HASH: document_hash(d, text_field)}) for d in batch])
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionDedup:
+        if split.parts == 1:  # the field is recorded once every range is hashed under it
+            write_meta(conn, name, {"hashes": {"field": self.key(), "at": time.time()}})
+        return CollectionDedup(name, hashed=done)
+
+    def report(self, parts: list[Any]) -> DedupReport:
+        return DedupReport(parts)
 
 
 def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:

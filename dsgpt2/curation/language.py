@@ -33,11 +33,10 @@ import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from importlib import metadata
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split, set_fields
+from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
 from dsgpt2.db.mongo import LANGUAGE_FIELD, Connection, with_retries, write_meta
 from dsgpt2.documents import document_text
 
@@ -106,6 +105,35 @@ def top_languages(counts: dict[str, int], shown: int = 8) -> str:
     return text + (f", {rest} more" if rest > 0 else "") if text else "no documents"
 
 
+@dataclass
+class Labelling(Pass):
+    """The pass: each document labelled with its language by the bundled model."""
+
+    command = "langid"
+    verb = "langid"
+    writing = "langid"
+    mark = KEY
+    part_note = "the counts are those of the whole collection"
+
+    def key(self) -> str:
+        return run_key()
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        key, updates = self.key(), []
+        for doc in batch:
+            code, score = identify(document_text(doc, text_field))
+            updates.append((doc["_id"], {LANGUAGE_FIELD: code, SCORE: score, KEY: key}))
+        return set_each(updates)
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionLanguages:
+        part = CollectionLanguages(name, labelled=done, counts=count_languages(conn, name))
+        write_meta(conn, name, {"langid": {"key": self.key(), "counts": part.counts, "at": time.time()}})
+        return part
+
+    def report(self, parts: list[Any]) -> LanguageReport:
+        return LanguageReport(self.key(), parts)
+
+
 def langid(
     conn: Connection,
     names: Sequence[str],
@@ -120,43 +148,7 @@ def langid(
     Raises:
         CorpusError: a collection is missing.
     """
-    started = time.monotonic()
-    require_present(conn, names, "langid")
-    key = run_key()
-    report = LanguageReport(key, [CollectionLanguages(n) for n in names])
-    work = partial(label_range, batch_size=batch_size, progress=progress and split.workers == 1)
-    for part in report.collections:
-        part.labelled = run_split(conn, part.name, work, split, "langid")
-        part.counts = count_languages(conn, part.name)
-        write_meta(conn, part.name, {"langid": {"key": key, "counts": part.counts, "at": time.time()}})
-    report.seconds = time.monotonic() - started
-    return report
-
-
-def label_range(
-    conn: Connection,
-    name: str,
-    span: tuple[int, int] | None = None,
-    *,
-    batch_size: int = 1000,
-    progress: bool = False,
-) -> int:
-    """Label the documents of ``name`` of idx in ``span`` not labelled by this key."""
-    cfg = conn.config
-    key = run_key()
-    todo = {"idx": {"$exists": True}, KEY: {"$ne": key}}
-    wanted = {cfg.text_field: 1, "turns": 1}
-    done = 0
-    for batch in each_batch(
-        conn, name, todo, wanted, batch_size, desc=f"langid {name}", progress=progress, span=span
-    ):
-        updates = []
-        for doc in batch:
-            code, score = identify(document_text(doc, cfg.text_field))
-            updates.append((doc["_id"], {LANGUAGE_FIELD: code, SCORE: score, KEY: key}))
-        set_fields(conn, name, updates, "langid")
-        done += len(batch)
-    return done
+    return run_pass(conn, names, Labelling(), batch_size=batch_size, progress=progress, split=split)
 
 
 def count_languages(conn: Connection, name: str) -> dict[str, int]:

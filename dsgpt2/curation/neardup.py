@@ -19,26 +19,18 @@ Stages, each resumable (the shape of datatrove's minhash dedup, on documents ins
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import (
-    WHOLE,
-    Split,
-    each_batch,
-    ensure_index,
-    require_present,
-    run_split,
-    set_fields,
-)
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, WHOLE, Pass, Split, ensure_index, run_pass, set_each
 from dsgpt2.db.mongo import Connection, UpdateOne, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_text
 
@@ -63,32 +55,48 @@ def ensure_bands_index(conn: Connection, name: str) -> None:
     ensure_index(conn, name, BANDS)
 
 
-def sign_collection(
-    conn: Connection,
-    name: str,
-    span: tuple[int, int] | None = None,
-    *,
-    params: LshParams,
-    batch_size: int = 1000,
-    progress: bool = False,
-) -> int:
-    """Store ``lsh`` and ``lsh_key`` on the documents of ``name`` (those of idx in ``span``, when
-    given) not signed under ``params``; returns how many were signed."""
-    cfg = conn.config
-    signer = Signer(params)
-    todo: dict[str, Any] = {"idx": {"$exists": True}, BANDS_KEY: {"$ne": params.key}}
-    done = 0
-    fields = {cfg.text_field: 1, "turns": 1}
-    for batch in each_batch(
-        conn, name, todo, fields, batch_size, desc=f"sign {name}", progress=progress, span=span
-    ):
+@dataclass
+class Signing(Pass):
+    """``dedup --near``'s first stage: ``lsh`` and ``lsh_key`` stored on the documents not signed under
+    ``params``, the ``lsh`` index built first."""
+
+    params: LshParams
+
+    command = "dedup"
+    verb = "sign"
+    writing = "dedup --near: signing"
+    mark = BANDS_KEY
+    part_note = MARKED_AFTER_PARTS
+
+    def key(self) -> str:
+        return self.params.key
+
+    def start(self, conn: Connection, name: str) -> Signing:
+        # Indexed before the values are written, so that each write keeps the index as it goes: one
+        # build over every document at the end is a single long operation (minutes at 10^5 documents
+        # on a small server, past a socket timeout).
+        with_retries(lambda: ensure_bands_index(conn, name), conn.config, f"dedup: indexing {name}")
+        return self
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        signer, key = _signer(self.params), self.key()
         updates = []
         for doc in batch:
-            text = document_text(doc, cfg.text_field)
-            updates.append((doc["_id"], {BANDS: signer.bands(text or ""), BANDS_KEY: params.key}))
-        set_fields(conn, name, updates, "dedup --near: signing")
-        done += len(batch)
-    return done
+            text = document_text(doc, text_field)
+            updates.append((doc["_id"], {BANDS: signer.bands(text or ""), BANDS_KEY: key}))
+        return set_each(updates)
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionNear:
+        return CollectionNear(name, signed=done)
+
+    def report(self, parts: list[Any]) -> NearReport:
+        return NearReport(self.params, parts)
+
+
+@functools.lru_cache(maxsize=4)
+def _signer(params: LshParams) -> Signer:
+    """The permutations of ``params``, drawn once per process rather than once per batch."""
+    return Signer(params)
 
 
 def band_buckets(conn: Connection, names: Sequence[str], key: str) -> Iterator[list[int]]:
@@ -210,16 +218,7 @@ def dedup_near(
     """
     started = time.monotonic()
     cfg = conn.config
-    require_present(conn, names, "dedup")
-    report = NearReport(params, [CollectionNear(n) for n in names])
-    for part in report.collections:
-        # Indexed before the values are written, so that each write keeps the index as it goes: one
-        # build over every document at the end is a single long operation (minutes at 10^5 documents
-        # on a small server, past a socket timeout).
-        with_retries(lambda n=part.name: ensure_bands_index(conn, n), cfg, f"dedup: indexing {part.name}")
-        work = partial(sign_collection, params=params, batch_size=batch_size,
-                       progress=progress and split.workers == 1)  # fmt: skip
-        part.signed = run_split(conn, part.name, work, split, "sign")
+    report = run_pass(conn, names, Signing(params), batch_size=batch_size, progress=progress, split=split)
     if split.parts > 1:
         report.seconds = time.monotonic() - started
         return report

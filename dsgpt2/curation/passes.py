@@ -1,7 +1,13 @@
-"""A pass over a collection's documents in idx order, in batches, writing fields back with bulk
-writes: the shape of every curation pass (hashes, quality signals).
+"""One kind of pass over a collection's documents, and the one driver that runs every kind: idx-ordered
+windows, bulk writes, resume, worker processes and machine parts, retries, progress and the report.
 
-Resumable by its query: a pass selects the documents still without its result, so a pass killed
+A :class:`Pass` says what it does to a document and nothing else: ``key()`` (what makes a document's
+mark current), ``todo()`` (the documents whose mark is not: by default those whose ``mark`` field is not
+``key()``), ``process(batch)`` (the bulk writes for a batch of them), and what it counts once a
+collection is done. :func:`run_pass` does the rest for every pass (curate, langid, redact,
+decontaminate, and the hashing and signing stages of dedup).
+
+Resumable by its query: a pass selects the documents still without its current mark, so a pass killed
 and run again continues with those, and ends as a straight one.
 
 Split by idx ranges: each collection's idx range is cut into contiguous ranges, one per worker
@@ -14,10 +20,12 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, ClassVar
 
 from dsgpt2.db.mongo import (
     ASCENDING,
@@ -30,6 +38,8 @@ from dsgpt2.db.mongo import (
 )
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
+from dsgpt2.settings.argtypes import part_of
+from dsgpt2.settings.options import POSITIVE_INT, check_fields, option
 
 log = logging.getLogger(__name__)
 
@@ -95,15 +105,17 @@ def each_batch(
         bar.close()
 
 
-def set_fields(conn: Connection, name: str, updates: list[tuple[Any, dict[str, Any]]], what: str) -> None:
-    """``$set`` each ``(_id, fields)`` of ``updates`` on ``name``: one unordered bulk write."""
+def write_ops(conn: Connection, name: str, ops: list[Any], what: str) -> None:
+    """``ops`` (pymongo write operations) on ``name``: one unordered bulk write, retried as a whole (each
+    operation sets values, so a retry after a partial write ends where one write would)."""
     coll = conn.db[name]
+    if ops:
+        with_retries(lambda: coll.bulk_write(ops, ordered=False), conn.config, f"{what}: writing {name}")
 
-    def write() -> None:
-        coll.bulk_write([UpdateOne({"_id": _id}, {"$set": f}) for _id, f in updates], ordered=False)
 
-    if updates:
-        with_retries(write, conn.config, f"{what}: writing {name}")
+def set_each(updates: Sequence[tuple[Any, dict[str, Any]]]) -> list[Any]:
+    """A ``$set`` of each ``(_id, fields)``: the writes of a pass that marks document by document."""
+    return [UpdateOne({"_id": _id}, {"$set": f}) for _id, f in updates]
 
 
 def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
@@ -169,3 +181,146 @@ def _work(work: Callable[..., int], config: Any, name: str, span: tuple[int, int
         return work(conn, name, span=span)
     finally:
         conn.close()
+
+
+# ---------------------------------------------------------------- the passes and their driver
+
+
+@dataclass(frozen=True, kw_only=True)
+class PassSettings:
+    """The options every pass over the collections takes (dedup, curate, langid, redact,
+    decontaminate)."""
+
+    collection: tuple[str, ...] | None = option(
+        None, "only these collections (repeatable; default: the config's)", repeat=True
+    )
+    batch_size: int = option(1000, "documents per read and bulk write", check=POSITIVE_INT)
+    workers: int = option(
+        1, "processes for the per-document work, each on its own idx range", check=POSITIVE_INT
+    )
+    part: tuple[int, int] | None = option(
+        None,
+        "only the R-th of M idx ranges of each collection: machine R of M runs its part",
+        type=part_of,
+        metavar="R/M",
+    )
+    no_progress: bool = option(False, "no progress bar")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def split(self) -> Split:
+        """The worker processes and the share of the idx ranges this run does."""
+        part, parts = self.part or (1, 1)
+        return Split(workers=self.workers, part=part - 1, parts=parts)
+
+
+# The dedup stages' note: marking groups every part's hashes or signatures, so one run without parts marks.
+MARKED_AFTER_PARTS = "once every part is, run once without --part to mark"
+
+
+class Pass:
+    """One kind of pass: what it reads of a document, what it writes back, what it counts after.
+
+    A subclass is a dataclass of its settings (picklable: worker processes receive it), and sets:
+
+    - ``command``: the command, as messages name it (``"dedup"``);
+    - ``verb``: what its progress bar and worker log say it does (``"hash"``);
+    - ``writing``: the prefix of its write retries' messages (``"dedup: hashing"``);
+    - ``mark``: the field holding the key a document was processed under (None: ``todo`` says).
+    """
+
+    command: ClassVar[str]
+    verb: ClassVar[str]
+    writing: ClassVar[str]
+    mark: ClassVar[str | None] = None
+    # What a run over part of the idx ranges leaves to another run (a line of the report), if anything.
+    part_note: ClassVar[str | None] = None
+
+    def key(self) -> Any:
+        """What makes a document's mark current: a document marked under another key is processed."""
+        raise NotImplementedError
+
+    def todo(self) -> dict[str, Any]:
+        """The numbered documents this pass has still to process."""
+        return {"idx": {"$exists": True}, self.mark: {"$ne": self.key()}}
+
+    def fields(self, text_field: str) -> dict[str, int]:
+        """The fields a batch is read with (besides ``_id`` and ``idx``)."""
+        return {text_field: 1, "turns": 1}
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        """The bulk writes that process ``batch`` (documents in idx order)."""
+        raise NotImplementedError
+
+    def check(self, conn: Connection, names: Sequence[str]) -> None:
+        """Refuse the run before any work (e.g. documents a run trained on would change)."""
+
+    def start(self, conn: Connection, name: str) -> Pass:
+        """The pass as it runs on ``name`` (an index built first, settings read from its meta_info)."""
+        return self
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> Any:
+        """``name``'s entry of the report, once this run processed ``done`` of its documents; records
+        the run in meta_info."""
+        raise NotImplementedError
+
+    def report(self, parts: list[Any]) -> Any:
+        """The run's report (with ``seconds`` and ``lines()``) from the collections' entries."""
+        raise NotImplementedError
+
+
+def walk(
+    conn: Connection,
+    name: str,
+    span: tuple[int, int] | None = None,
+    *,
+    step: Pass,
+    batch_size: int = 1000,
+    progress: bool = False,
+) -> int:
+    """Process the documents of ``name`` (of idx in ``span``) that ``step`` has still to; returns how
+    many it processed."""
+    text_field = conn.config.text_field
+    done = 0
+    batches = each_batch(conn, name, step.todo(), step.fields(text_field), batch_size,
+                         desc=f"{step.verb} {name}", progress=progress, span=span)  # fmt: skip
+    for batch in batches:
+        write_ops(conn, name, step.process(batch, text_field), step.writing)
+        done += len(batch)
+    return done
+
+
+def run_pass(
+    conn: Connection,
+    names: Sequence[str],
+    step: Pass,
+    *,
+    batch_size: int = 1000,
+    progress: bool = False,
+    split: Split = WHOLE,
+) -> Any:
+    """Run ``step`` over this machine's idx ranges of each of ``names`` in turn, then count.
+
+    Raises:
+        CorpusError: a collection is missing, or the pass refuses (:meth:`Pass.check`).
+    """
+    started = time.monotonic()
+    require_present(conn, names, step.command)
+    step.check(conn, names)
+    parts = []
+    for name in names:
+        here = step.start(conn, name)
+        work = partial(walk, step=here, batch_size=batch_size, progress=progress and split.workers == 1)
+        parts.append(here.finish(conn, name, run_split(conn, name, work, split, step.verb), split))
+    report = step.report(parts)
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def part_line(step: Pass, split: Split) -> list[str]:
+    """The report's last line on a run over part of the idx ranges: what is left to another run."""
+    if split.parts == 1 or step.part_note is None:
+        return []
+    return [f"part {split.part + 1}/{split.parts} done: {step.part_note}"]

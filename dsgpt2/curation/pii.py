@@ -38,11 +38,10 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from dsgpt2.curation.dedup import HASH
-from dsgpt2.curation.passes import WHOLE, Split, each_batch, require_present, run_split, set_fields
+from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
 from dsgpt2.db.mongo import Connection, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
@@ -261,6 +260,50 @@ def trained_prefix_at_risk(conn: Connection, name: str) -> str | None:
     )
 
 
+@dataclass
+class Redaction(Pass):
+    """The pass: e-mail addresses, IP addresses and phone numbers replaced in each document's text;
+    with ``force``, in documents a run trained on too."""
+
+    force: bool = False
+
+    command = "redact"
+    verb = "redact"
+    writing = "redact"
+    mark = f"{PII}.v"
+
+    def key(self) -> int:
+        return PII_VERSION
+
+    def fields(self, text_field: str) -> dict[str, int]:
+        return {text_field: 1, "turns": 1, PII: 1, "form": 1}
+
+    def check(self, conn: Connection, names: Sequence[str]) -> None:
+        if self.force:
+            return
+        for name in names:
+            why = trained_prefix_at_risk(conn, name)
+            if why:
+                raise CorpusError(why)
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        updates = []
+        for doc in batch:
+            fields = redact_document(doc, text_field)
+            # A document without text still gets its mark, so that the pass does not select it again.
+            updates.append((doc["_id"], fields or {PII: {"v": PII_VERSION, **dict.fromkeys(KINDS, 0)}}))
+        return set_each(updates)
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionRedaction:
+        part = CollectionRedaction(name, redacted=done)
+        part.documents, part.found = pii_counts(conn, name)
+        write_meta(conn, name, {"redact": {"v": PII_VERSION, "at": time.time()}})
+        return part
+
+    def report(self, parts: list[Any]) -> RedactionReport:
+        return RedactionReport(parts)
+
+
 def redact_collections(
     conn: Connection,
     names: Sequence[str],
@@ -277,42 +320,8 @@ def redact_collections(
         CorpusError: a collection is missing, or (without ``force``) a run trained on documents that
             this pass would change.
     """
-    started = time.monotonic()
-    require_present(conn, names, "redact")
-    if not force:
-        for name in names:
-            why = trained_prefix_at_risk(conn, name)
-            if why:
-                raise CorpusError(why)
-    report = RedactionReport([CollectionRedaction(n) for n in names])
-    work = partial(redact_range, batch_size=batch_size, progress=progress and split.workers == 1)
-    for part in report.collections:
-        part.redacted = run_split(conn, part.name, work, split, "redact")
-        part.documents, part.found = pii_counts(conn, part.name)
-        write_meta(conn, part.name, {"redact": {"v": PII_VERSION, "at": time.time()}})
-    report.seconds = time.monotonic() - started
-    return report
-
-
-def redact_range(
-    conn: Connection, name: str, span: tuple[int, int] | None = None, *, batch_size: int = 1000,
-    progress: bool = False,
-) -> int:  # fmt: skip
-    """Redact the documents of ``name`` of idx in ``span`` not redacted by this version; returns how many."""
-    cfg = conn.config
-    todo = {"idx": {"$exists": True}, f"{PII}.v": {"$ne": PII_VERSION}}
-    wanted = {cfg.text_field: 1, "turns": 1, PII: 1, "form": 1}
-    done = 0
-    for batch in each_batch(conn, name, todo, wanted, batch_size, desc=f"redact {name}", progress=progress,
-                            span=span):  # fmt: skip
-        updates = []
-        for doc in batch:
-            fields = redact_document(doc, cfg.text_field)
-            # A document without text still gets its mark, so that the pass does not select it again.
-            updates.append((doc["_id"], fields or {PII: {"v": PII_VERSION, **dict.fromkeys(KINDS, 0)}}))
-        set_fields(conn, name, updates, "redact")
-        done += len(batch)
-    return done
+    step = Redaction(force=force)
+    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def pii_counts(conn: Connection, name: str) -> tuple[int, dict[str, int]]:
