@@ -30,6 +30,6 @@ def _ensure_environment() -> None:
 
 if __name__ == "__main__":
     _ensure_environment()
-    from dsgpt2.train.trainer import main
+    from dsgpt2.cli.main import run_trainer
 
-    raise SystemExit(main())
+    raise SystemExit(run_trainer(sys.argv[1:], prog="ds_trainer.py"))

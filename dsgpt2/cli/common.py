@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.errors import DsGpt2Error
-from dsgpt2.settings.options import MISSING, option
+from dsgpt2.settings.options import MISSING, add_options, option
 
 CONFIG_HELP = "connection config (MONGO_CONNECTION_STRING, MONGO_CONNECTION_DB, COLLECTIONS, ...)"
 
@@ -28,10 +30,71 @@ def no_progress_option(help: str = "no progress bar") -> Any:
     return option(False, help)
 
 
-def by_command(*builders: Callable[[Any, str], None]) -> dict[str, Callable[[Any, str], None]]:
-    """Each builder of a command's parser by the name of the command it builds: ``add_ingest`` builds
-    ``ingest`` (the names are those of runfile.COMMAND_TREE, which the parser is built from)."""
-    return {b.__name__.removeprefix("add_"): b for b in builders}
+@dataclass(frozen=True)
+class Flags:
+    """A settings class's fields as flags of a command: all of them, or ``only`` these (in that order),
+    in an argument ``group`` when it has a title, with this command's ``defaults`` and ``helps`` where
+    it reads a field in its own sense (see :func:`dsgpt2.settings.options.add_options`)."""
+
+    settings: type
+    only: Sequence[str] | None = None
+    group: str | None = None
+    defaults: Mapping[str, Any] | None = None
+    helps: Mapping[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class Command:
+    """One ``dsgpt2`` command, declared once: the parser, the experiment file's tables, the reference
+    pages and ``dsgpt2 --help`` are all made from the table of them (:data:`dsgpt2.cli.main.COMMANDS`).
+
+    Attributes:
+        name: the word typed after ``dsgpt2``.
+        help: its line in ``dsgpt2 --help``.
+        settings: its flags, in order: settings classes, or :class:`Flags` for a part of one.
+        handler: what runs it, given the parsed arguments; returns the exit code.
+        description: its ``--help`` text (default: ``help``).
+        epilog: examples under its ``--help`` (kept as written, line by line).
+        steps: the commands under it (``vocab download``); it then runs none of its own.
+        own_parser: a command whose arguments all go to a parser of its own (``train``, ``launch``):
+            given them, it runs and returns the exit code.
+        run_file: whether an experiment file may hold a table of its flags.
+    """
+
+    name: str
+    help: str
+    settings: tuple[type | Flags, ...] = ()
+    handler: Callable[[argparse.Namespace], int] | None = None
+    description: str | None = None
+    epilog: str | None = None
+    steps: tuple[Command, ...] = ()
+    own_parser: Callable[[list[str]], int] | None = None
+    run_file: bool = True
+
+    def add_to(self, sub: Any) -> None:
+        """This command's parser among the subparsers ``sub``."""
+        extra: dict[str, Any] = {}
+        if self.epilog:
+            extra = {"epilog": self.epilog, "formatter_class": argparse.RawDescriptionHelpFormatter}
+        p = sub.add_parser(self.name, help=self.help, add_help=self.own_parser is None,
+                           description=self.description, **extra)  # fmt: skip
+        if self.own_parser is not None:
+            return
+        for item in self.settings:
+            f = item if isinstance(item, Flags) else Flags(item)
+            target = p.add_argument_group(f.group) if f.group else p
+            add_options(target, f.settings, only=f.only, defaults=f.defaults, helps=f.helps)
+        if self.steps:
+            steps = p.add_subparsers(dest=f"{self.name}_command", metavar="STEP", required=True)
+            for step in self.steps:
+                step.add_to(steps)
+        else:
+            p.set_defaults(func=self.handler)
+
+
+def section_names(commands: Sequence[Command]) -> frozenset[str]:
+    """Every name an experiment file's table may have: the commands and their steps."""
+    return frozenset(n for c in commands if c.run_file for n in (c.name, *section_names(c.steps)))
 
 
 def load_connection(path: Any) -> Any:
@@ -39,6 +102,18 @@ def load_connection(path: Any) -> Any:
     from dsgpt2.db.config import load_config
 
     return load_config(path)
+
+
+def collection_names(given: Sequence[str] | None, config: Any, command: str) -> list[str]:
+    """--collection (repeatable), else the config's COLLECTIONS; a bad name is a usage error."""
+    from dsgpt2.db.config import collection_name_problem
+
+    names = list(given or config.collections)
+    for name in names:
+        problem = collection_name_problem(name)
+        if problem:
+            raise usage(command, f"--collection {name!r} is not a collection name: {problem}")
+    return names
 
 
 def usage(command: str, message: str) -> DsGpt2Error:

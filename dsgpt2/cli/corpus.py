@@ -9,21 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.cli.common import (
-    check_writable,
+    Command,
     config_option,
     load_connection,
     no_progress_option,
     usage,
     verbose_option,
 )
-from dsgpt2.curation.quality import RULES, THRESHOLDS
 from dsgpt2.db.config import collection_name_problem
-from dsgpt2.settings.argtypes import comma_list, part_of
+from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
-    NON_NEGATIVE_INT,
     POSITIVE_INT,
-    RATIO,
-    add_options,
     check_fields,
     from_namespace,
     option,
@@ -102,91 +98,6 @@ class IngestSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PassSettings:
-    """The options of a pass over the collections (dedup, curate)."""
-
-    collection: tuple[str, ...] | None = option(
-        None, "only these collections (repeatable; default: the config's)", repeat=True
-    )
-    batch_size: int = option(1000, "documents per read and bulk write", check=POSITIVE_INT)
-    workers: int = option(
-        1, "processes for the per-document work, each on its own idx range", check=POSITIVE_INT
-    )
-    part: tuple[int, int] | None = option(
-        None,
-        "only the R-th of M idx ranges of each collection: machine R of M runs its part",
-        type=part_of,
-        metavar="R/M",
-    )
-    no_progress: bool = no_progress_option()
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-    @property
-    def split(self) -> Any:
-        """The worker processes and the share of the idx ranges this run does."""
-        from dsgpt2.curation.passes import Split
-
-        part, parts = self.part or (1, 1)
-        return Split(workers=self.workers, part=part - 1, parts=parts)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DedupSettings:
-    """``dsgpt2 dedup``: which duplicates, and how near is near."""
-
-    config: str = config_option()
-    verbose: bool = verbose_option()
-    exact: bool = option(False, "exact duplicates, by text_hash")
-    near: bool = option(False, "near duplicates, by MinHash LSH")
-    threshold: float = option(
-        0.8,
-        "--near: the Jaccard similarity of word n-gram sets from which two texts are near duplicates",
-        check=RATIO,
-    )
-    ngram: int = option(5, "--near: words per shingle", check=POSITIVE_INT)
-    num_perm: int = option(
-        128,
-        "--near: MinHash permutations; the bands are chosen from them for --threshold",
-        check=POSITIVE_INT,
-    )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CurateSettings:
-    """``dsgpt2 curate``: the rule sets and thresholds, or the report of what every pass marked."""
-
-    action: str | None = option(
-        None,
-        "report: print and plot what dedup and curate marked per collection, with examples "
-        "(reads the marks; judges nothing)",
-        positional=True,
-        choices=["report"],
-    )
-    config: str = config_option()
-    verbose: bool = verbose_option()
-    rules: tuple[str, ...] = option(
-        RULES, f"rule sets (default: {','.join(RULES)})", type=comma_list, metavar="A,B"
-    )
-    threshold: tuple[str, ...] = option(
-        (),
-        "change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
-        repeat=True,
-        metavar="NAME=VALUE",
-    )
-    plot: str = option("runs/curation.png", "report: the PNG")
-    examples: int = option(2, "report: examples per reason", check=NON_NEGATIVE_INT)
-    json: bool = option(False, "report: print JSON instead of lines")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-
-
-@dataclass(frozen=True, kw_only=True)
 class IndexSettings:
     """``dsgpt2 index``: the collection to number in place."""
 
@@ -221,230 +132,6 @@ class InfoSettings:
     config: str = config_option()
     verbose: bool = verbose_option()
     json: bool = option(False, "print as JSON")
-
-
-def add_ingest(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="load text files or the built-in sample into a collection",
-        description=(
-            "Load documents into a collection: each record's text is kept as `form`, cleaned into "
-            "`filt_text` and numbered with `idx` after the collection's last one. Interrupted and "
-            "re-run with the same arguments, it resumes without duplicating or skipping records. "
-            "Text files may be gzipped. Parquet (FineWeb's layout: text, id, url, dump, ...), Arrow "
-            "files and `datasets` save_to_disk directories are read in record batches (bounded "
-            "memory); --keep_fields stores chosen columns on each document."
-        ),
-        epilog=(
-            "examples:\n"
-            "  dsgpt2 ingest --config c.json --sample stdlib\n"
-            "  dsgpt2 ingest --config c.json --collection news news.jsonl.gz --field body\n"
-            "  dsgpt2 ingest --config c.json --collection books --split paragraph books/*.txt\n"
-            "  dsgpt2 ingest --config c.json --collection fineweb \\\n"
-            "      --keep_fields id,url,dump,language_score fineweb/data/CC-MAIN-2024-10/*.parquet\n"
-            "  dsgpt2 ingest --config c.json --collection wiki wiki_saved/   # Dataset.save_to_disk\n"
-            "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, IngestSettings)
-    p.set_defaults(func=cmd_ingest)
-
-
-def add_dedup(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="mark duplicate and near-duplicate documents in place (dup_of, near_dup_of)",
-        description=(
-            "--exact: store text_hash (a hash of the text training reads) on every document without one "
-            "and index it, group the hashes with MongoDB's aggregation pipeline over the collections, "
-            "and mark every copy of a text but the first (the earliest collection in COLLECTIONS "
-            'order, then the smallest idx) with dup_of: "collection:idx".\n\n'
-            "--near: store lsh (MinHash LSH band values of the text's word n-grams) on every document "
-            "not signed under these settings and index it, group the band values with the aggregation "
-            "pipeline, confirm each candidate pair on the texts (Jaccard similarity of their n-gram "
-            "sets >= --threshold), cluster the confirmed pairs and mark every document of a cluster "
-            'but the first with near_dup_of: "collection:idx".\n\n'
-            "Nothing is deleted; select the rest with a FILTER. Killed and re-run, a pass ends as a "
-            "straight run. --workers splits hashing and signing by idx ranges across processes; "
-            "--part R/M does only this machine's share of them (then one run without --part marks)."
-        ),
-        epilog=(
-            "examples:\n  dsgpt2 dedup --config c.json --exact --near --threshold 0.8\n"
-            "  dsgpt2 dedup --config c.json --near --workers 4 --part 1/2   # machine 1 of 2, then:\n"
-            "  dsgpt2 dedup --config c.json --near"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, DedupSettings)
-    add_options(p, PassSettings)
-    p.set_defaults(func=cmd_dedup)
-
-
-def cmd_dedup(args: argparse.Namespace) -> int:
-    from dsgpt2.curation.dedup import dedup_exact
-    from dsgpt2.curation.minhash import LshParams
-    from dsgpt2.curation.neardup import dedup_near
-    from dsgpt2.db.mongo import connect
-
-    settings, passes = from_namespace(DedupSettings, args), from_namespace(PassSettings, args)
-    if not (settings.exact or settings.near):
-        raise usage("dedup", "say which duplicates: --exact, --near, or both")
-    try:
-        params = LshParams(threshold=settings.threshold, ngram=settings.ngram, num_perm=settings.num_perm)
-    except ValueError as exc:
-        raise usage("dedup", str(exc)) from None
-    config = load_connection(settings.config)
-    names = _collections(passes.collection, config, "dedup")
-    split, progress = passes.split, not passes.no_progress
-    conn = connect(config)
-    lines = []
-    if settings.exact:
-        lines += dedup_exact(conn, names, passes.batch_size, progress, split).lines()
-    if settings.near:
-        lines += dedup_near(conn, names, params, passes.batch_size, progress, split=split).lines()
-    if split.parts > 1:
-        lines.append(
-            f"part {split.part + 1}/{split.parts} done: once every part is, run once without --part to mark"
-        )
-    print("\n".join(lines))
-    return 0
-
-
-def add_curate(sub: Any, name: str) -> None:
-    listed = "; ".join(f"{name} ({rule}, default {default:g}): {what}" for name, (default, rule, what)
-                       in THRESHOLDS.items())  # fmt: skip
-    p = sub.add_parser(
-        name,
-        help="store quality signals and per-rule-set verdicts on each document (Gopher, C4, repetition)",
-        description=(
-            "Measure each document's text (words, mean word length, symbol, bullet and ellipsis ratios, "
-            "stop words, repeated lines, paragraphs and n-grams, C4's line filter) into `quality`, and "
-            "judge it by each rule set of --rules into `passes` (e.g. passes.gopher: true). Killed and "
-            "re-run, it continues; run with other thresholds, it judges every document again. "
-            f"Thresholds: {listed}."
-        ),
-        epilog=(
-            "examples:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30\n"
-            "  dsgpt2 curate report --config c.json --plot curation.png   # what every pass marked"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, CurateSettings)
-    add_options(p, PassSettings)
-    p.set_defaults(func=cmd_curate)
-
-
-def cmd_curate(args: argparse.Namespace) -> int:
-    from dsgpt2.curation.curate import curate
-    from dsgpt2.curation.quality import resolve_thresholds
-    from dsgpt2.db.mongo import connect
-
-    settings, passes = from_namespace(CurateSettings, args), from_namespace(PassSettings, args)
-    if settings.action == "report":
-        return _curation_report(settings, passes)
-    unknown = [r for r in settings.rules if r not in RULES]
-    if unknown:
-        raise usage("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {', '.join(RULES)}")
-    overrides = {}
-    for item in settings.threshold:
-        name, sep, value = item.partition("=")
-        try:
-            overrides[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep:
-            raise usage("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
-    try:
-        thresholds = resolve_thresholds(overrides)
-    except ValueError as exc:
-        raise usage("curate", f"--threshold: {exc}") from None
-    config = load_connection(settings.config)
-    names = _collections(passes.collection, config, "curate")
-    report = curate(
-        connect(config),
-        names,
-        list(settings.rules),
-        thresholds,
-        passes.batch_size,
-        progress=not passes.no_progress,
-        split=passes.split,
-    )
-    print("\n".join(report.lines()))
-    return 0
-
-
-def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
-    from dataclasses import asdict
-    from pathlib import Path
-
-    from dsgpt2.curation import report as curation_report
-    from dsgpt2.db.mongo import connect
-
-    config = load_connection(settings.config)
-    names = _collections(passes.collection, config, "curate")
-    plot = Path(settings.plot)
-    check_writable(plot, "--plot")
-    parts = curation_report.summarize(connect(config), names, settings.examples)
-    curation_report.plot(parts, plot)
-    if settings.json:
-        print(json.dumps({"collections": [asdict(p) for p in parts], "plot": str(plot)}, indent=2))
-    else:
-        print("\n".join([*curation_report.report_lines(parts), f"plot: {plot}"]))
-    return 0
-
-
-def _collections(given: tuple[str, ...] | None, config: Any, command: str) -> list[str]:
-    """--collection (repeatable), else the config's COLLECTIONS; a bad name is a usage error."""
-    names = list(given or config.collections)
-    for name in names:
-        problem = collection_name_problem(name)
-        if problem:
-            raise usage(command, f"--collection {name!r} is not a collection name: {problem}")
-    return names
-
-
-def add_index(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="number a collection already in MongoDB in place (idx, unique index, meta_info)",
-        description=(
-            "Make a collection that another application wrote into a training collection, without a "
-            "copy: each document without an idx gets the next number in _id order, the unique idx index "
-            "is built (sparse: documents without idx may still be inserted) and meta_info records the "
-            "count. Killed and re-run, it numbers every document exactly once; run again later, it "
-            "numbers the documents added since. Training reads the documents' --field through "
-            "TEXT_FIELD in the connection config."
-        ),
-        epilog="example:\n  dsgpt2 index --config c.json --collection articles --field body",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, IndexSettings)
-    p.set_defaults(func=cmd_index)
-
-
-def add_validate(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="check idx, indexes and counts of the collections",
-        description=(
-            "Check each collection for what training relies on: integer idx values 0..n-1, each once, "
-            "a unique index on idx, and a matching count in meta_info. Prints each problem with its "
-            "fix; exits 1 when there is one. --fix creates a missing index and records the count."
-        ),
-    )
-    add_options(p, ValidateSettings)
-    p.set_defaults(func=cmd_validate)
-
-
-def add_info(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="show the configured collections, their counts and ingest history",
-        description="Show what the config points at: hosts, database, collections and meta_info.",
-    )
-    add_options(p, InfoSettings)
-    p.set_defaults(func=cmd_info)
 
 
 def cmd_index(args: argparse.Namespace) -> int:
@@ -638,3 +325,60 @@ def _passing(wrapper: Any) -> dict[str, int]:
             lambda n=name, q=q: conn.db[n].count_documents(q), conn.config, f"counting {name}"
         )
     return out
+
+
+INGEST = Command(
+    "ingest",
+    help="load text files or the built-in sample into a collection",
+    description="Load documents into a collection: each record's text is kept as `form`, cleaned into "
+    "`filt_text` and numbered with `idx` after the collection's last one. Interrupted and "
+    "re-run with the same arguments, it resumes without duplicating or skipping records. "
+    "Text files may be gzipped. Parquet (FineWeb's layout: text, id, url, dump, ...), Arrow "
+    "files and `datasets` save_to_disk directories are read in record batches (bounded "
+    "memory); --keep_fields stores chosen columns on each document.",
+    epilog="examples:\n"
+    "  dsgpt2 ingest --config c.json --sample stdlib\n"
+    "  dsgpt2 ingest --config c.json --collection news news.jsonl.gz --field body\n"
+    "  dsgpt2 ingest --config c.json --collection books --split paragraph books/*.txt\n"
+    "  dsgpt2 ingest --config c.json --collection fineweb \\\n"
+    "      --keep_fields id,url,dump,language_score fineweb/data/CC-MAIN-2024-10/*.parquet\n"
+    "  dsgpt2 ingest --config c.json --collection wiki wiki_saved/   # Dataset.save_to_disk\n"
+    "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl",
+    settings=(IngestSettings,),
+    handler=cmd_ingest,
+)
+
+
+INDEX = Command(
+    "index",
+    help="number a collection already in MongoDB in place (idx, unique index, meta_info)",
+    description="Make a collection that another application wrote into a training collection, without a "
+    "copy: each document without an idx gets the next number in _id order, the unique idx index "
+    "is built (sparse: documents without idx may still be inserted) and meta_info records the "
+    "count. Killed and re-run, it numbers every document exactly once; run again later, it "
+    "numbers the documents added since. Training reads the documents' --field through "
+    "TEXT_FIELD in the connection config.",
+    epilog="example:\n  dsgpt2 index --config c.json --collection articles --field body",
+    settings=(IndexSettings,),
+    handler=cmd_index,
+)
+
+
+VALIDATE = Command(
+    "validate",
+    help="check idx, indexes and counts of the collections",
+    description="Check each collection for what training relies on: integer idx values 0..n-1, each once, "
+    "a unique index on idx, and a matching count in meta_info. Prints each problem with its "
+    "fix; exits 1 when there is one. --fix creates a missing index and records the count.",
+    settings=(ValidateSettings,),
+    handler=cmd_validate,
+)
+
+
+INFO = Command(
+    "info",
+    help="show the configured collections, their counts and ingest history",
+    description="Show what the config points at: hosts, database, collections and meta_info.",
+    settings=(InfoSettings,),
+    handler=cmd_info,
+)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.cli.common import config_option, load_connection, usage, verbose_option
-from dsgpt2.settings.options import add_options, check_fields, from_namespace, option
+from dsgpt2.cli.common import Command, config_option, load_connection, usage, verbose_option
+from dsgpt2.settings.options import check_fields, from_namespace, option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,20 +29,6 @@ class DbSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
-
-
-def add_db(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="show or stop the embedded database server of a local:// database",
-        description=(
-            "The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
-            "command needing it starts and that later commands share. `status` shows it, `stop` ends it "
-            "(the next command that needs it starts it again, on the same data)."
-        ),
-    )
-    add_options(p, DbSettings)
-    p.set_defaults(func=cmd_db)
 
 
 def _directory(settings: DbSettings) -> Path:
@@ -117,3 +103,14 @@ def _since(directory: Path) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+DB = Command(
+    "db",
+    help="show or stop the embedded database server of a local:// database",
+    description="The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
+    "command needing it starts and that later commands share. `status` shows it, `stop` ends it "
+    "(the next command that needs it starts it again, on the same data).",
+    settings=(DbSettings,),
+    handler=cmd_db,
+)

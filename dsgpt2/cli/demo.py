@@ -4,27 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
-from dsgpt2.cli.common import load_connection
+from dsgpt2.cli.common import Command, load_connection
 from dsgpt2.cli.pipeline import DemoSettings
-from dsgpt2.settings.options import add_options, from_namespace
+from dsgpt2.settings.options import from_namespace
 
 log = logging.getLogger("dsgpt2")
-
-
-def add_demo(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="run the whole pipeline on the built-in sample corpus, in process",
-        description=(
-            "Run every stage on the built-in sample corpus against the embedded database in OUT/db "
-            "(local://, started for the demo and stopped after it): no server to set up, no download. "
-            "Prints a summary and writes OUT/summary.json."
-        ),
-    )
-    add_options(p, DemoSettings)
-    p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -42,3 +27,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
     print("\n".join(summary_lines(summary, s.out)))
     return 0
+
+
+DEMO = Command(
+    "demo",
+    help="run the whole pipeline on the built-in sample corpus, in process",
+    description="Run every stage on the built-in sample corpus against the embedded database in OUT/db "
+    "(local://, started for the demo and stopped after it): no server to set up, no download. "
+    "Prints a summary and writes OUT/summary.json.",
+    settings=(DemoSettings,),
+    handler=cmd_demo,
+)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import (
+    Command,
+    Flags,
     check_writable,
     config_option,
     load_connection,
@@ -20,7 +22,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
-from dsgpt2.settings.options import PORT, add_options, check_fields, from_namespace, option
+from dsgpt2.settings.options import PORT, check_fields, from_namespace, option
 from dsgpt2.train.config import RunOptions
 
 log = logging.getLogger("dsgpt2")
@@ -118,101 +120,6 @@ class ServeSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
-
-
-def add_export(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="turn a training checkpoint into a Hugging Face model directory",
-        description=(
-            "Export a checkpoint (any ZeRO stage) as safetensors weights, config and tokenizer: the "
-            "directory loads with transformers' GPT2LMHeadModel.from_pretrained and "
-            "pipeline('text-generation'), without dsgpt2."
-        ),
-    )
-    add_options(p, ExportSettings)
-    p.set_defaults(func=cmd_export)
-
-
-def add_evaluate(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="loss and perplexity of a model on the validation split or any collection",
-        description=(
-            "Evaluate a checkpoint or an exported model: mean loss per token and perplexity over every "
-            "block of a split, made as in training. By default the validation split of the run that "
-            "trained the model (its collections, split seed and ratio, context and task). Writes a "
-            "JSON report and records the result in the eval_results collection of the database."
-        ),
-        epilog=(
-            "examples:\n"
-            "  dsgpt2 evaluate --model runs/model --config configs/mongo.json\n"
-            "  dsgpt2 evaluate --model runs/ckpt --config c.json --collection news --split all"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, ModelSource)
-    add_options(p, EvaluateSettings, only=["config"])
-    add_options(p, EvalRequest)
-    add_options(p, RunOptions, only=list(HELLASWAG), helps=HELLASWAG)
-    add_options(p, EvaluateSettings, only=["report", "no_record", "no_progress"])
-    p.set_defaults(func=cmd_evaluate)
-
-
-def add_generate(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="sample text from a checkpoint or an exported model",
-        description=(
-            "Continue each prompt (from the arguments, or one per line of --prompts_file) with "
-            "sampled text; generation stops at end-of-text or --max_new_tokens. The same seed, "
-            "prompt and model give the same text."
-        ),
-    )
-    add_options(p, ModelSource)
-    add_options(p, GenerateSettings)
-    add_options(p.add_argument_group("sampling"), SamplingParams, only=[*SAMPLING, "num_samples"])
-    p.set_defaults(func=cmd_generate)
-
-
-def add_chat(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="talk with a conversation-finetuned model (stdin, interactive or piped)",
-        description=(
-            "Read a line, answer it, keep the dialogue within the model's context (oldest turns go "
-            "first). /reset forgets the conversation, /quit ends it. Works from a pipe: one answer "
-            "per input line."
-        ),
-    )
-    add_options(p, ModelSource)
-    add_options(p, ChatSettings)
-    add_options(p.add_argument_group("sampling"), SamplingParams, only=SAMPLING)
-    p.set_defaults(func=cmd_chat)
-
-
-def add_serve(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="serve generation over HTTP: the OpenAI API (/v1/...) and GET/POST /generate",
-        description=(
-            "An HTTP server: the OpenAI API (POST /v1/completions, POST /v1/chat/completions, "
-            "GET /v1/models; streamed as server-sent events with stream: true), GET "
-            "/generate?sentence=TEXT and POST /generate with a JSON body "
-            '{"prompt": TEXT, "max_new_tokens": N, "temperature": T, ...}; GET /health. Concurrent '
-            "requests are decoded together in one batch. Bad parameters get 400 with the reason. "
-            "Bound to 127.0.0.1 unless --host says otherwise; --api_key (or $DSGPT2_API_KEY) makes "
-            "every request but /health carry 'Authorization: Bearer KEY'."
-        ),
-    )
-    add_options(p, ModelSource)
-    add_options(p, ServeSettings, only=["host", "port"])
-    add_options(p, ServeLimits, only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch"])
-    add_options(p, ServeSettings, only=["api_key"])
-    # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
-    sampling = p.add_argument_group("sampling")
-    add_options(sampling, SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None})
-    p.set_defaults(func=cmd_serve)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -357,3 +264,87 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
     serve(app, s.host, s.port, authenticated=api_key is not None)
     return 0
+
+
+EXPORT = Command(
+    "export",
+    help="turn a training checkpoint into a Hugging Face model directory",
+    description="Export a checkpoint (any ZeRO stage) as safetensors weights, config and tokenizer: the "
+    "directory loads with transformers' GPT2LMHeadModel.from_pretrained and "
+    "pipeline('text-generation'), without dsgpt2.",
+    settings=(ExportSettings,),
+    handler=cmd_export,
+)
+
+
+EVALUATE = Command(
+    "evaluate",
+    help="loss and perplexity of a model on the validation split or any collection",
+    description="Evaluate a checkpoint or an exported model: mean loss per token and perplexity over every "
+    "block of a split, made as in training. By default the validation split of the run that "
+    "trained the model (its collections, split seed and ratio, context and task). Writes a "
+    "JSON report and records the result in the eval_results collection of the database.",
+    epilog="examples:\n"
+    "  dsgpt2 evaluate --model runs/model --config configs/mongo.json\n"
+    "  dsgpt2 evaluate --model runs/ckpt --config c.json --collection news --split all",
+    settings=(
+        ModelSource,
+        Flags(EvaluateSettings, only=["config"]),
+        EvalRequest,
+        Flags(RunOptions, only=list(HELLASWAG), helps=HELLASWAG),
+        Flags(EvaluateSettings, only=["report", "no_record", "no_progress"]),
+    ),
+    handler=cmd_evaluate,
+)
+
+
+GENERATE = Command(
+    "generate",
+    help="sample text from a checkpoint or an exported model",
+    description="Continue each prompt (from the arguments, or one per line of --prompts_file) with "
+    "sampled text; generation stops at end-of-text or --max_new_tokens. The same seed, "
+    "prompt and model give the same text.",
+    settings=(
+        ModelSource,
+        GenerateSettings,
+        Flags(SamplingParams, only=[*SAMPLING, "num_samples"], group="sampling"),
+    ),
+    handler=cmd_generate,
+)
+
+
+CHAT = Command(
+    "chat",
+    help="talk with a conversation-finetuned model (stdin, interactive or piped)",
+    description="Read a line, answer it, keep the dialogue within the model's context (oldest turns go "
+    "first). /reset forgets the conversation, /quit ends it. Works from a pipe: one answer "
+    "per input line.",
+    settings=(
+        ModelSource,
+        ChatSettings,
+        Flags(SamplingParams, only=SAMPLING, group="sampling"),
+    ),
+    handler=cmd_chat,
+)
+
+
+SERVE = Command(
+    "serve",
+    help="serve generation over HTTP: the OpenAI API (/v1/...) and GET/POST /generate",
+    description="An HTTP server: the OpenAI API (POST /v1/completions, POST /v1/chat/completions, "
+    "GET /v1/models; streamed as server-sent events with stream: true), GET "
+    "/generate?sentence=TEXT and POST /generate with a JSON body "
+    '{"prompt": TEXT, "max_new_tokens": N, "temperature": T, ...}; GET /health. Concurrent '
+    "requests are decoded together in one batch. Bad parameters get 400 with the reason. "
+    "Bound to 127.0.0.1 unless --host says otherwise; --api_key (or $DSGPT2_API_KEY) makes "
+    "every request but /health carry 'Authorization: Bearer KEY'.",
+    settings=(
+        ModelSource,
+        Flags(ServeSettings, only=["host", "port"]),
+        Flags(ServeLimits, only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch"]),
+        Flags(ServeSettings, only=["api_key"]),
+        # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
+        Flags(SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None}, group="sampling"),
+    ),
+    handler=cmd_serve,
+)

@@ -1,21 +1,20 @@
-"""The ``dsgpt2`` command: parse, build, run. Each subcommand maps to one function in
-the modules of :mod:`dsgpt2.cli`."""
+"""The ``dsgpt2`` command: parse, build, run. The table of commands (:data:`COMMANDS`) gives each
+subcommand its flags and the function in the modules of :mod:`dsgpt2.cli` that runs it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from dsgpt2 import __version__
-from dsgpt2.cli import corpus, db, decontaminate, demo, infer, langid, redact, train, vocab
-from dsgpt2.cli.common import by_command
+from dsgpt2.cli import corpus, curation, db, demo, infer, train, vocab
+from dsgpt2.cli.common import Command, section_names
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.progress import interval_seconds
 from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
-from dsgpt2.settings.runfile import COMMAND_TREE
+from dsgpt2.settings.runfile import parse_args
 
 DESCRIPTION = """\
 Pretrain GPT-2 with DeepSpeed on a corpus stored in MongoDB.
@@ -40,38 +39,61 @@ Typical first steps:
 """
 
 
-def add_train(sub: Any, name: str) -> None:
-    sub.add_parser(
-        name,
-        help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
-        add_help=False,
-    )
+def run_trainer(argv: Sequence[str], prog: str = "dsgpt2 train") -> int:
+    """``dsgpt2 train`` and ``ds_trainer.py``: the trainer's own parser (it imports DeepSpeed, so only
+    when asked for), which knows the other commands' tables of an experiment file."""
+    from dsgpt2.train.trainer import main as train
+
+    return train(list(argv), prog=prog, sections=SECTIONS)
 
 
-# What builds each command of the table of commands (runfile.COMMAND_TREE, which gives their order).
-BUILDERS = by_command(
-    add_train,
-    corpus.add_ingest,
-    corpus.add_index,
-    corpus.add_dedup,
-    corpus.add_curate,
-    decontaminate.add_decontaminate,
-    corpus.add_validate,
-    corpus.add_info,
-    langid.add_langid,
-    redact.add_redact,
-    vocab.add_vocab,
-    train.add_tokenize,
-    train.add_plan,
-    train.add_lineage,
-    infer.add_export,
-    infer.add_evaluate,
-    infer.add_generate,
-    infer.add_chat,
-    infer.add_serve,
-    demo.add_demo,
-    db.add_db,
+def run_launcher(argv: Sequence[str]) -> int:
+    from dsgpt2.train.launch import main as launch
+
+    return launch(list(argv))
+
+
+TRAIN = Command(
+    "train",
+    help="train the model (the same trainer as ds_trainer.py; `dsgpt2 train --help` lists its flags)",
+    own_parser=run_trainer,
 )
+LAUNCH = Command(
+    "launch",
+    help="the deepspeed launcher, ended by Ctrl-C or SIGTERM as one process is: every rank saves, "
+    "exit 0 (`dsgpt2 launch --help`)",
+    own_parser=run_launcher,
+    # Every argument is the deepspeed launcher's (and its script's): the script it starts reads the file.
+    run_file=False,
+)
+
+# Every dsgpt2 command, in the order `dsgpt2 --help` lists them: the one list of them. The parser, the
+# tables an experiment file may hold and the reference pages are made from it.
+COMMANDS: tuple[Command, ...] = (
+    TRAIN,
+    corpus.INGEST,
+    corpus.INDEX,
+    curation.DEDUP,
+    curation.CURATE,
+    curation.DECONTAMINATE,
+    corpus.VALIDATE,
+    corpus.INFO,
+    curation.LANGID,
+    curation.REDACT,
+    vocab.VOCAB,
+    train.TOKENIZE,
+    train.PLAN,
+    train.LINEAGE,
+    infer.EXPORT,
+    infer.EVALUATE,
+    infer.GENERATE,
+    infer.CHAT,
+    infer.SERVE,
+    demo.DEMO,
+    db.DB,
+    LAUNCH,
+)
+SECTIONS = section_names(COMMANDS)
 
 
 def build_parser() -> OneLineErrorParser:
@@ -80,34 +102,18 @@ def build_parser() -> OneLineErrorParser:
     )
     parser.add_argument("--version", action="version", version=f"dsgpt2 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMAND_TREE:
-        BUILDERS[name](sub, name)
-    # Not a command of the table: every argument is the deepspeed launcher's (and its script's).
-    sub.add_parser(
-        "launch",
-        help="the deepspeed launcher, ended by Ctrl-C or SIGTERM as one process is: every rank saves, "
-        "exit 0 (`dsgpt2 launch --help`)",
-        add_help=False,
-    )
+    for command in COMMANDS:
+        command.add_to(sub)
     return accept_hyphen_spellings(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dsgpt2`` command; user errors print one line and return their exit code."""
     argv = _local_rank_last(list(sys.argv[1:] if argv is None else argv))
-    if argv[:1] == ["train"]:
-        # The trainer's own parser (it imports DeepSpeed, so only when asked for).
-        from dsgpt2.train.trainer import main as train
-
-        return train(argv[1:], prog="dsgpt2 train")
-    if argv[:1] == ["launch"]:
-        # Every argument is the deepspeed launcher's (and its script's).
-        from dsgpt2.train.launch import main as launch
-
-        return launch(argv[1:])
-    from dsgpt2.settings.runfile import parse_args
-
-    args = parse_args(build_parser(), argv)
+    own = {c.name: c.own_parser for c in COMMANDS if c.own_parser is not None}
+    if argv[:1] and argv[0] in own:
+        return own[argv[0]](argv[1:])
+    args = parse_args(build_parser(), argv, sections=SECTIONS)
     setup_logging(verbose=getattr(args, "verbose", False))
     func: Callable[[argparse.Namespace], int] = args.func
 

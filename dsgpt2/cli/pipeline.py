@@ -74,11 +74,11 @@ def demo_recipe() -> argparse.Namespace:
     """The pretraining recipe (configs/recipes/demo.yaml, as shipped) read as ``dsgpt2 train --config``
     reads it: every trainer flag, the file's values over the defaults. Its paths are the checkout's;
     the demo puts its own in their place."""
-    from dsgpt2.settings.runfile import COMMANDS, parse_args
+    from dsgpt2.settings.runfile import parse_args
     from dsgpt2.train.config import TRAIN_ALIASES, build_parser
 
     argv = ["--config", str(shipped_config(DEMO_RECIPE))]
-    return parse_args(build_parser(), argv, command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)
+    return parse_args(build_parser(), argv, command=["train"], sections=None, aliases=TRAIN_ALIASES)
 
 
 def run_demo(

@@ -7,14 +7,12 @@ import argparse
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
+from dsgpt2.cli.common import Command, Flags, config_option, no_progress_option, verbose_option
 from dsgpt2.settings.options import (
     MISSING,
     POSITIVE_INT,
     POSITIVE_NUMBER,
-    add_options,
     check_fields,
     from_namespace,
     option,
@@ -70,66 +68,6 @@ class LineageSettings:
     vocab_dir: Path | None = option(None, "the run's tokenizer (default: the one it recorded)")
     json: bool = option(False, "print JSON")
     verbose: bool = verbose_option()
-
-
-def add_tokenize(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="build the token cache that `ds_trainer.py --data_mode cached` reads",
-        description=(
-            "Tokenize every document into memory-mapped files, ahead of training. Use the data flags the "
-            "training run will use: the cache is fingerprinted by the collections, their counts, the "
-            "tokenizer, the context, the split, the seed, the reading order and the task (--task "
-            "conversation: reply-only labels), and a run with other settings rebuilds it. "
-            "Several nodes: a shared --cache_dir is built once; with node-local disks, run this on every "
-            "node with its own --cache_dir (a run builds what a node lacks, one builder per directory)."
-        ),
-    )
-    defaults = {"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}
-    add_options(p, DataOptions, only=CACHE_DATA, defaults=defaults)
-    add_options(p, ModelOptions, only=CACHE_MODEL)
-    add_options(p, TokenizeSettings)
-    p.set_defaults(func=cmd_tokenize)
-
-
-def add_plan(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="estimate GPU and CPU memory per ZeRO stage for a model preset",
-        description=(
-            "Estimate the memory the model states of a preset need under each ZeRO stage and offload "
-            "choice (DeepSpeed's estimators), to pick a DeepSpeed config before training. "
-            "Activations come on top."
-        ),
-    )
-    # The model's and the trainer's own flags among the plan's: a plan is of the run those flags make.
-    add_options(p, ModelOptions, only=["model_select"], defaults={"model_select": MISSING})
-    add_options(p, PlanSettings, only=["vocab_size", "num_gpus", "num_nodes", "micro_batch"])
-    add_options(p, ModelOptions, only=["context_length"])
-    add_options(p, ComputeOptions, only=["activation_checkpointing", "loss_chunk"])
-    add_options(p, PlanSettings, only=["gpu_memory", "verbose"])
-    p.set_defaults(func=cmd_plan)
-
-
-def add_lineage(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="the steps and checkpoints of a run that trained on a document",
-        description=(
-            "Which steps of a training run, and so which of its checkpoints, trained on a document: its "
-            "chunk and blocks, and each rank's reading replayed from the run's own record (launches, "
-            "ranks, growth, mixture stages, skipped micro-batches), checked against the data position "
-            "the checkpoint saved. Chunks are read and tokenized again; no model is built."
-        ),
-        epilog=(
-            "examples:\n"
-            "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234\n"
-            "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234 --doc wiki:7 --json"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_options(p, LineageSettings)
-    p.set_defaults(func=cmd_lineage)
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
@@ -193,3 +131,57 @@ def cmd_plan(args: argparse.Namespace) -> int:
     where = (s.num_gpus, s.num_nodes)
     print("\n".join(plan_lines(preset, total, rows, *where, act=act, shape=shape, gpu_memory=s.gpu_memory)))
     return 0
+
+
+PLAN = Command(
+    "plan",
+    help="estimate GPU and CPU memory per ZeRO stage for a model preset",
+    description="Estimate the memory the model states of a preset need under each ZeRO stage and offload "
+    "choice (DeepSpeed's estimators), to pick a DeepSpeed config before training. "
+    "Activations come on top.",
+    # The model's and the trainer's own flags among the plan's: a plan is of the run those flags make.
+    settings=(
+        Flags(ModelOptions, only=["model_select"], defaults={"model_select": MISSING}),
+        Flags(PlanSettings, only=["vocab_size", "num_gpus", "num_nodes", "micro_batch"]),
+        Flags(ModelOptions, only=["context_length"]),
+        Flags(ComputeOptions, only=["activation_checkpointing", "loss_chunk"]),
+        Flags(PlanSettings, only=["gpu_memory", "verbose"]),
+    ),
+    handler=cmd_plan,
+)
+
+
+LINEAGE = Command(
+    "lineage",
+    help="the steps and checkpoints of a run that trained on a document",
+    description="Which steps of a training run, and so which of its checkpoints, trained on a document: its "
+    "chunk and blocks, and each rank's reading replayed from the run's own record (launches, "
+    "ranks, growth, mixture stages, skipped micro-batches), checked against the data position "
+    "the checkpoint saved. Chunks are read and tokenized again; no model is built.",
+    epilog="examples:\n"
+    "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234\n"
+    "  dsgpt2 lineage --ckpt_dir runs/ckpt --doc news:1234 --doc wiki:7 --json",
+    settings=(LineageSettings,),
+    handler=cmd_lineage,
+)
+
+
+TOKENIZE = Command(
+    "tokenize",
+    help="build the token cache that `ds_trainer.py --data_mode cached` reads",
+    description=(
+        "Tokenize every document into memory-mapped files, ahead of training. Use the data flags the "
+        "training run will use: the cache is fingerprinted by the collections, their counts, the "
+        "tokenizer, the context, the split, the seed, the reading order and the task (--task "
+        "conversation: reply-only labels), and a run with other settings rebuilds it. "
+        "Several nodes: a shared --cache_dir is built once; with node-local disks, run this on every "
+        "node with its own --cache_dir (a run builds what a node lacks, one builder per directory)."
+    ),
+    settings=(
+        Flags(DataOptions, only=CACHE_DATA,
+              defaults={"vocab_dir": Path("runs/tokenizer"), "cache_dir": Path("runs/train/cache")}),
+        Flags(ModelOptions, only=CACHE_MODEL),
+        TokenizeSettings,
+    ),
+    handler=cmd_tokenize,
+)  # fmt: skip

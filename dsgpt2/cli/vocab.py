@@ -6,23 +6,23 @@ import argparse
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from dsgpt2.cli.common import (
-    by_command,
+    Command,
+    Flags,
     config_option,
     load_connection,
     no_progress_option,
     usage,
     verbose_option,
 )
-from dsgpt2.settings.options import OneOf, add_options, from_namespace, option
-from dsgpt2.settings.runfile import COMMAND_TREE
+from dsgpt2.settings.options import OneOf, from_namespace, option
 from dsgpt2.tokenizer.bpe import VocabSettings
 from dsgpt2.tokenizer.texts import DownloadSettings, Draw
 
 log = logging.getLogger("dsgpt2")
 SOURCE = OneOf(required=True)  # vocab train reads shards or the collections
+SOURCE_FLAGS = ["input", "from_mongo", "config", "verbose", "out", "overwrite"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,55 +52,6 @@ class VocabTrainSettings:
         False, "replace a tokenizer already at --out (runs trained with it will refuse the new one)"
     )
     no_progress: bool = no_progress_option()
-
-
-def add_vocab(sub: Any, name: str) -> None:
-    vocab = sub.add_parser(
-        name,
-        help="export the vocabulary corpus and train the BPE tokenizer",
-        description="Build the vocabulary: `vocab download` exports text shards, `vocab train` learns BPE.",
-    )
-    steps = vocab.add_subparsers(dest="vocab_command", metavar="STEP", required=True)
-    builders = by_command(add_download, add_train)
-    for step in COMMAND_TREE[name]:
-        builders[step](steps, step)
-
-
-def add_download(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="export (a sample of) the collections to local text shards",
-        description=(
-            "Export the configured collections, all documents or a seeded sample, to "
-            "OUT/shard-NNNNN.jsonl ({idx, text} per line) in parallel worker processes, each with its "
-            "own MongoDB client. Finished shards are recorded in OUT/manifest.json: a re-run (after a "
-            "crash, say) writes only the missing ones."
-        ),
-    )
-    add_options(p, VocabDownloadSettings, only=["config", "verbose", "out"])
-    add_options(p, Draw)
-    add_options(p, DownloadSettings)
-    add_options(p, VocabDownloadSettings, only=["no_progress"])
-    p.set_defaults(func=cmd_vocab_download)
-
-
-def add_train(sub: Any, name: str) -> None:
-    p = sub.add_parser(
-        name,
-        help="train the byte-level BPE tokenizer from shards or straight from MongoDB",
-        description=(
-            "Train a byte-level BPE tokenizer (GPT-2 style) on the shards of `vocab download` or, with "
-            "--from_mongo, on texts streamed from the collections. OUT then holds vocab.json, "
-            "merges.txt, tokenizer.json and tokenizer_config.json: "
-            "transformers.AutoTokenizer.from_pretrained(OUT) loads it. Special tokens take the first "
-            "ids: <|endoftext|> 0, <|pad|> 1, then <|SPEAKER|> per --speakers, then <unusedN>."
-        ),
-    )
-    add_options(p, VocabTrainSettings, only=["input", "from_mongo", "config", "verbose", "out", "overwrite"])
-    add_options(p, Draw)
-    add_options(p, VocabSettings)
-    add_options(p, VocabTrainSettings, only=["no_progress"])
-    p.set_defaults(func=cmd_vocab_train)
 
 
 def cmd_vocab_download(args: argparse.Namespace) -> int:
@@ -147,3 +98,49 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
     )
     print("\n".join(report.lines()))
     return 0
+
+
+VOCAB = Command(
+    "vocab",
+    help="export the vocabulary corpus and train the BPE tokenizer",
+    description="Build the vocabulary: `vocab download` exports text shards, `vocab train` learns BPE.",
+    steps=(
+        Command(
+            "download",
+            help="export (a sample of) the collections to local text shards",
+            description=(
+                "Export the configured collections, all documents or a seeded sample, to "
+                "OUT/shard-NNNNN.jsonl ({idx, text} per line) in parallel worker processes, each with its "
+                "own MongoDB client. Finished shards are recorded in OUT/manifest.json: a re-run (after a "
+                "crash, say) writes only the missing ones."
+            ),
+            settings=(
+                Flags(VocabDownloadSettings, only=["config", "verbose", "out"]),
+                Draw,
+                DownloadSettings,
+                Flags(VocabDownloadSettings, only=["no_progress"]),
+            ),
+            handler=cmd_vocab_download,
+        ),
+        Command(
+            "train",
+            help="train the byte-level BPE tokenizer from shards or straight from MongoDB",
+            description=(
+                "Train a byte-level BPE tokenizer (GPT-2 style) on the shards of `vocab download` or, with "
+                "--from_mongo, on texts streamed from the collections. OUT then holds vocab.json, "
+                "merges.txt, tokenizer.json and tokenizer_config.json: "
+                "transformers.AutoTokenizer.from_pretrained(OUT) loads it. Special tokens take the first "
+                "ids: <|endoftext|> 0, <|pad|> 1, then <|SPEAKER|> per --speakers, then <unusedN>."
+            ),
+            settings=(
+                Flags(
+                    VocabTrainSettings, only=["input", "from_mongo", "config", "verbose", "out", "overwrite"]
+                ),
+                Draw,
+                VocabSettings,
+                Flags(VocabTrainSettings, only=["no_progress"]),
+            ),
+            handler=cmd_vocab_train,
+        ),
+    ),
+)

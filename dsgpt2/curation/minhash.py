@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dsgpt2.errors import ConfigError
+
 VERSION = 1
 _WORD = re.compile(r"\w+")
 _M1 = np.uint64(0x9E3779B97F4A7C15)  # golden ratio: the polynomial over word hashes
@@ -42,15 +44,19 @@ class LshParams:
 
     def __post_init__(self) -> None:
         if not 0.0 < self.threshold <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
+            raise ConfigError(f"--threshold {self.threshold}: give a Jaccard similarity in (0, 1]")
         if self.ngram < 1 or self.num_perm < 2:
-            raise ValueError(f"ngram must be >= 1 and num_perm >= 2, got {self.ngram} and {self.num_perm}")
+            raise ConfigError(
+                f"--ngram {self.ngram}, --num_perm {self.num_perm}: give --ngram >= 1 and --num_perm >= 2"
+            )
         if not self.bands:
             bands, rows = optimal_bands(self.threshold, self.num_perm)
             object.__setattr__(self, "bands", bands)
             object.__setattr__(self, "rows", rows)
         if self.bands * self.rows > self.num_perm:
-            raise ValueError(f"bands x rows ({self.bands} x {self.rows}) exceeds num_perm {self.num_perm}")
+            raise ConfigError(
+                f"--num_perm {self.num_perm}: fewer than bands x rows ({self.bands} x {self.rows}); give more"
+            )
 
     @property
     def key(self) -> str:

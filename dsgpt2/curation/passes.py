@@ -319,8 +319,9 @@ def run_pass(
     return report
 
 
-def part_line(step: Pass, split: Split) -> list[str]:
-    """The report's last line on a run over part of the idx ranges: what is left to another run."""
-    if split.parts == 1 or step.part_note is None:
+def part_line(kind: type[Pass], split: Split) -> list[str]:
+    """The report's last line on a run of passes of ``kind`` over part of the idx ranges: what is left
+    to another run."""
+    if split.parts == 1 or kind.part_note is None:
         return []
-    return [f"part {split.part + 1}/{split.parts} done: {step.part_note}"]
+    return [f"part {split.part + 1}/{split.parts} done: {kind.part_note}"]

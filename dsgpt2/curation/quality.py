@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dsgpt2.errors import ConfigError
+
 SIGNALS_VERSION = 1
 RULES = ("gopher", "repetition", "c4")
 
@@ -189,8 +191,8 @@ def failed(measured: Mapping[str, Any], rule: str, thresholds: Mapping[str, floa
 
 
 def resolve_thresholds(overrides: Mapping[str, float]) -> dict[str, float]:
-    """The defaults with ``overrides``; an unknown name is a ValueError naming the known ones."""
+    """The defaults with ``overrides``; an unknown name is a ConfigError naming the known ones."""
     unknown = sorted(set(overrides) - set(THRESHOLDS))
     if unknown:
-        raise ValueError(f"unknown threshold {unknown[0]!r}; known: {', '.join(THRESHOLDS)}")
+        raise ConfigError(f"--threshold: unknown threshold {unknown[0]!r}; known: {', '.join(THRESHOLDS)}")
     return {name: float(overrides.get(name, default)) for name, (default, _, _) in THRESHOLDS.items()}

@@ -29,18 +29,6 @@ from dsgpt2.settings.options import is_switch, settable_actions, subcommands, ta
 SUFFIXES = (".yaml", ".yml", ".toml")
 YAML_WORDS = {False: "off", True: "on"}
 FLAG = "--config"
-# Every dsgpt2 command that reads an experiment file, in the order `dsgpt2 --help` lists them, with its
-# steps: the one list of them. The `dsgpt2` parser is built from it (dsgpt2.cli.main), and a table in
-# an experiment file is named by one of them (`dsgpt2 launch` hands its arguments to the deepspeed
-# launcher: the script it starts reads the file).
-COMMAND_TREE: dict[str, tuple[str, ...]] = {
-    "train": (), "ingest": (), "index": (), "dedup": (), "curate": (), "decontaminate": (), "validate": (),
-    "info": (), "langid": (),
-    "redact": (),
-    "vocab": ("download", "train"), "tokenize": (), "plan": (), "lineage": (), "export": (),
-    "evaluate": (), "generate": (), "chat": (), "serve": (), "demo": (), "db": (),
-}  # fmt: skip
-COMMANDS = frozenset(COMMAND_TREE).union(*COMMAND_TREE.values())
 
 
 def is_run_file(value: str) -> bool:
@@ -107,13 +95,15 @@ def read_run_file(path: Path) -> dict[str, Any]:
 
 
 def settings_for(
-    data: Mapping[str, Any], command: Sequence[str], sections: Collection[str], path: Path
+    data: Mapping[str, Any], command: Sequence[str], sections: Collection[str] | None, path: Path
 ) -> dict[str, Any]:
     """The keys that apply to ``command`` (e.g. ``("vocab", "train")``): the top-level ones, then its
-    table's. ``sections``: the names of every command (their tables are not keys)."""
+    table's. ``sections``: the names of every command (their tables are not keys); None: every table
+    is another command's (a parser used in code, without the table of commands)."""
 
     def own(table: Mapping[str, Any]) -> dict[str, Any]:
-        return {str(k): v for k, v in table.items() if not (k in sections and isinstance(v, dict))}
+        return {str(k): v for k, v in table.items()
+                if not (isinstance(v, dict) and (sections is None or k in sections))}  # fmt: skip
 
     out = own(data)
     table: Any = data
@@ -261,7 +251,8 @@ def parse_args(
     """``parser.parse_args(argv)`` with an experiment file named by ``--config`` applied first.
 
     ``command``: the command names the file's tables are looked up by (default: the subcommands
-    ``argv`` names); ``sections``: every command name (default: ``parser``'s subcommands);
+    ``argv`` names); ``sections``: every command name (``dsgpt2.cli.main.SECTIONS``; None: every table
+    is another command's);
     ``aliases``: flags that ``config`` stands for in this parser (``{"config": "config_train"}``:
     ``--config FILE.json`` and the file's ``config`` key then name the connection config).
     """
@@ -275,8 +266,7 @@ def parse_args(
             target, names = subparser_for(parser, rest)
             if command is not None:
                 target, names = parser, list(command)
-            known = COMMANDS if sections is None else sections
-            settings = settings_for(read_run_file(path), names, known, path)
+            settings = settings_for(read_run_file(path), names, sections, path)
             apply_run_file(target, settings, path, aliases)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")

@@ -8,7 +8,7 @@ construction with a message that names the flag, whether it came from the comman
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -435,7 +435,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     )
 
 
-def parse(argv: Sequence[str] | None = None, prog: str = "ds_trainer.py") -> TrainConfig:
+def parse(
+    argv: Sequence[str] | None = None, prog: str = "ds_trainer.py", sections: Collection[str] | None = None
+) -> TrainConfig:
     """Parse ``ds_trainer.py``'s flags (and an experiment file, ``--config run.yaml``) into a checked
     :class:`TrainConfig`.
 
@@ -444,10 +446,10 @@ def parse(argv: Sequence[str] | None = None, prog: str = "ds_trainer.py") -> Tra
     """
     import sys
 
-    from dsgpt2.settings.runfile import COMMANDS, parse_args
+    from dsgpt2.settings.runfile import parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(build_parser(prog), argv, command=["train"], sections=COMMANDS, aliases=TRAIN_ALIASES)
+    args = parse_args(build_parser(prog), argv, command=["train"], sections=sections, aliases=TRAIN_ALIASES)
     return config_from_args(args)
 
 

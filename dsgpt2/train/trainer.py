@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -487,15 +487,17 @@ def main(
     on_loss: LossHook | None = None,
     after_step: StepHook | None = None,
     prog: str = "ds_trainer.py",
+    sections: Collection[str] | None = None,
 ) -> int:
     """``ds_trainer.py`` and ``dsgpt2 train``: parse, build, train. User errors end with one line and
     their exit code.
 
-    ``on_loss``/``after_step``: see :class:`Hooks` (the test suite injects faults through them).
+    ``on_loss``/``after_step``: see :class:`Hooks` (the test suite injects faults through them);
+    ``sections``: the names of the commands whose tables an experiment file may hold.
     """
 
     def run() -> int:
-        cfg = parse(argv, prog)
+        cfg = parse(argv, prog, sections)
         trainer = None
         try:
             trainer = build(cfg, hooks=Hooks(on_loss, after_step))

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli, store_config
+from dsgpt2.cli.main import COMMANDS, SECTIONS
 from dsgpt2.cli.main import build_parser as cli_parser
 from dsgpt2.settings.options import command_names, subcommands
-from dsgpt2.settings.runfile import COMMAND_TREE, COMMANDS, find_run_file
+from dsgpt2.settings.runfile import find_run_file
 from dsgpt2.train.config import parse
 from zygote import run_python
 
@@ -131,23 +132,46 @@ def test_every_dsgpt2_command_reads_one(tmp_path: Path) -> None:
 
 
 def test_the_parser_is_built_from_the_table_of_commands() -> None:
-    """One list of the commands (runfile.COMMAND_TREE): the parser's commands and steps, in its order,
+    """One list of the commands (dsgpt2.cli.main.COMMANDS): the parser's commands and steps, in its order,
     and the names an experiment file's tables may have. `dsgpt2 launch` hands every argument to the
     deepspeed launcher: the script it starts reads the file."""
     parser = cli_parser()
     top = subcommands(parser)
-    assert list(top) == [*COMMAND_TREE, "launch"]
-    for name, steps in COMMAND_TREE.items():
-        assert tuple(subcommands(top[name])) == steps, name
-    assert command_names(parser) - {"launch"} == COMMANDS == set(COMMAND_TREE).union(*COMMAND_TREE.values())
+    assert list(top) == [c.name for c in COMMANDS]
+    for c in COMMANDS:
+        assert tuple(subcommands(top[c.name])) == tuple(s.name for s in c.steps), c.name
+    assert command_names(parser) - {"launch"} == SECTIONS
+    assert "launch" not in SECTIONS and {"vocab", "download", "train", "dedup"} <= SECTIONS
 
 
-def test_a_command_added_to_the_table_needs_its_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_command_added_to_the_table_is_a_command_everywhere(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A new entry of the table is all a command needs: its flags parse, an experiment file's table of it
+    applies, and its handler runs and gives the exit code."""
+    from dataclasses import dataclass
+
     from dsgpt2.cli import main as cli_main
+    from dsgpt2.cli.common import Command, section_names
+    from dsgpt2.settings.options import POSITIVE_INT, from_namespace, option
 
-    monkeypatch.setitem(COMMAND_TREE, "frobnicate", ())
-    with pytest.raises(KeyError, match="frobnicate"):
-        cli_main.build_parser()
+    @dataclass(frozen=True, kw_only=True)
+    class Frob:
+        times: int = option(1, "how often", check=POSITIVE_INT)
+
+    seen: list[int] = []
+
+    def handler(args):
+        seen.append(from_namespace(Frob, args).times)
+        return 7
+
+    table = (*cli_main.COMMANDS, Command("frobnicate", help="frob", settings=(Frob,), handler=handler))
+    monkeypatch.setattr(cli_main, "COMMANDS", table)
+    monkeypatch.setattr(cli_main, "SECTIONS", section_names(table))
+    assert "frobnicate" in subcommands(cli_main.build_parser())
+    run = write(tmp_path / "run.yaml", "frobnicate:\n  times: 3\ninfo:\n  json: true\n")
+    assert cli_main.main(["frobnicate", "--config", str(run)]) == 7
+    assert cli_main.main(["frobnicate", "--times", "5"]) == 7 and seen == [3, 5]
 
 
 def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path: Path) -> None:

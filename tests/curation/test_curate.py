@@ -12,10 +12,11 @@ from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
 from corpora import BAD, PROSE
-from dsgpt2.curation import curate as curate_mod
+from dsgpt2.curation import passes
 from dsgpt2.curation.curate import curate
 from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
 from dsgpt2.db.mongo import Connection
+from dsgpt2.errors import ConfigError
 
 
 def test_signals_on_texts_with_known_answers() -> None:
@@ -39,7 +40,7 @@ def test_signals_on_texts_with_known_answers() -> None:
     assert verdicts(good, RULES, defaults) == {"gopher": True, "repetition": True, "c4": True}
     assert failed(c4, "c4", defaults)[:1] == ["min_c4_sentences (1 < 5)"]
     assert set(defaults) == set(THRESHOLDS)
-    with pytest.raises(ValueError, match="unknown threshold 'min_wrds'"):
+    with pytest.raises(ConfigError, match="unknown threshold 'min_wrds'"):
         resolve_thresholds({"min_wrds": 3})
 
 
@@ -98,7 +99,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     killed = fresh("killed")
     calls = {"n": 0}
-    original = curate_mod.set_fields
+    original = passes.write_ops
 
     def crash(*args, **kwargs):
         calls["n"] += 1
@@ -106,7 +107,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
             raise Crash
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(curate_mod, "set_fields", crash)
+    monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
         curate(killed, ["docs"], RULES, thresholds, batch_size=20)
     monkeypatch.undo()

@@ -15,7 +15,7 @@ import pytest
 from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config, tiny_export
-from dsgpt2.curation import decontaminate as decont
+from dsgpt2.curation import passes
 from dsgpt2.curation.decontaminate import (
     CONTAMINATED,
     decontaminate,
@@ -177,7 +177,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
     straight = fresh("decont_straight")
     decontaminate(straight, ["docs"], [hs], batch_size=4)
     calls = {"n": 0}
-    original = decont._write
+    original = passes.write_ops
 
     def crash(*args, **kwargs):
         calls["n"] += 1
@@ -186,7 +186,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
         return original(*args, **kwargs)
 
     killed = fresh("decont_killed")
-    monkeypatch.setattr(decont, "_write", crash)
+    monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
         decontaminate(killed, ["docs"], [hs], batch_size=4)
     monkeypatch.undo()

@@ -13,7 +13,7 @@ from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
 from corpora import ingest_files, marks, planted, reference
-from dsgpt2.curation import dedup
+from dsgpt2.curation import dedup, passes
 from dsgpt2.db.mongo import Connection
 from dsgpt2.documents import hash_text
 
@@ -68,8 +68,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, w
     conn = Connection(make_config(["articles"], TEXT_FIELD="body"))
     conn.db["articles"].insert_many([{"_id": ObjectId(), "idx": i, "body": t} for i, t in enumerate(texts)])
     calls = {"n": 0}
-    target = {"hashing": "_set_hashes", "marking": "_Marker._write"}[where]
-    owner, attr = (dedup, target) if "." not in target else (dedup._Marker, target.split(".")[1])
+    owner, attr = (passes, "write_ops") if where == "hashing" else (dedup._Marker, "_write")
     original = getattr(owner, attr)
 
     def crash(*args, **kwargs):

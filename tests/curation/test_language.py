@@ -12,7 +12,7 @@ from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config, write_config
 from corpora import PROSE
-from dsgpt2.curation import language as language_mod
+from dsgpt2.curation import passes
 from dsgpt2.curation.language import identify, langid, model_codes, run_key, top_languages
 from dsgpt2.db.mongo import LANGUAGE_CODES, Connection, check_filter_languages
 from dsgpt2.errors import ConfigError
@@ -143,7 +143,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     killed = fresh("lang_killed")
     calls = {"n": 0}
-    original = language_mod.set_fields
+    original = passes.write_ops
 
     def crash(*args, **kwargs):
         calls["n"] += 1
@@ -151,7 +151,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
             raise Crash
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(language_mod, "set_fields", crash)
+    monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
         langid(killed, ["docs"], batch_size=10)
     monkeypatch.undo()

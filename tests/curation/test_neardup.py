@@ -33,6 +33,7 @@ from dsgpt2.curation.minhash import (
 )
 from dsgpt2.curation.passes import Split
 from dsgpt2.db.mongo import Connection
+from dsgpt2.errors import ConfigError
 
 
 def test_the_bands_catch_pairs_at_the_threshold_and_few_far_below() -> None:
@@ -44,7 +45,7 @@ def test_the_bands_catch_pairs_at_the_threshold_and_few_far_below() -> None:
     params = LshParams(threshold=0.8)
     assert (params.bands, params.rows) == optimal_bands(0.8, 128)
     assert LshParams(threshold=0.9).key != params.key  # other bands: signed again
-    with pytest.raises(ValueError, match="threshold"):
+    with pytest.raises(ConfigError, match="threshold"):
         LshParams(threshold=1.5)
 
 
@@ -147,7 +148,7 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
     params = LshParams(threshold=0.8)
     straight = set(cluster_texts(docs, params))
     calls = {"n": 0}
-    original = neardup.set_fields
+    original = passes.write_ops
 
     def crash(*args, **kwargs):
         calls["n"] += 1
@@ -156,7 +157,7 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
         return original(*args, **kwargs)
 
     if where == "signing":
-        monkeypatch.setattr(neardup, "set_fields", crash)
+        monkeypatch.setattr(passes, "write_ops", crash)
     else:  # killed after the first bulk write of marks
         monkeypatch.setattr(neardup, "_BULK", 10)
         real_retries = neardup.with_retries

@@ -12,7 +12,7 @@ import pytest
 from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
-from dsgpt2.curation import pii as pii_mod
+from dsgpt2.curation import passes
 from dsgpt2.curation.pii import KINDS, PII_VERSION, redact, redact_collections, redact_document
 from dsgpt2.db.mongo import Connection, write_meta
 from dsgpt2.errors import CorpusError
@@ -159,7 +159,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     killed = _fresh("killed", texts)
     calls = {"n": 0}
-    original = pii_mod.set_fields
+    original = passes.write_ops
 
     def crash(*args: Any, **kwargs: Any) -> None:
         calls["n"] += 1
@@ -167,7 +167,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
             raise Crash
         original(*args, **kwargs)
 
-    monkeypatch.setattr(pii_mod, "set_fields", crash)
+    monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
         redact_collections(killed, ["docs"], batch_size=20)
     monkeypatch.undo()
