@@ -70,7 +70,8 @@ def planted(
 
 
 def _ours(docs: list[str], items_file: Path) -> tuple[set[int], float]:
-    from dsgpt2.curation.decontaminate import CONTAMINATED, decontaminate, load_sets
+    from dsgpt2.curation.decontaminate import CONTAMINATED, Decontamination, load_sets
+    from dsgpt2.curation.passes import run_pass
     from dsgpt2.db.config import config_from_dict
     from dsgpt2.db.mongo import Connection
 
@@ -82,7 +83,7 @@ def _ours(docs: list[str], items_file: Path) -> tuple[set[int], float]:
     conn.db["d"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(docs)])
     start = time.perf_counter()
     sets = load_sets([items_file], [None], NGRAM)
-    decontaminate(conn, ["d"], sets, NGRAM, batch_size=1000)
+    run_pass(conn, ["d"], Decontamination(sets, NGRAM), batch_size=1000)
     seconds = time.perf_counter() - start
     marked = {d["idx"] for d in conn.db["d"].find({CONTAMINATED: {"$exists": True}}, {"idx": 1})}
     conn.close()

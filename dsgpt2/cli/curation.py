@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from dsgpt2.cli.common import (
     Command,
@@ -136,47 +134,42 @@ class RedactSettings:
         check_fields(self)
 
 
-def run_passes(command: str, config_path: str, passes: PassSettings, jobs: list[Callable[..., Any]],
-               kind: type[Pass]) -> int:  # fmt: skip
-    """Run each of ``jobs`` (``job(conn, names, batch_size=, progress=, split=)`` returning a report)
-    over the collections of ``config_path`` (or ``--collection``) and print the reports, then what a run
-    over part of the idx ranges leaves to another (the note of passes of ``kind``)."""
-    from dsgpt2.curation.passes import part_line
+def run_passes(command: str, config_path: str, passes: PassSettings, steps: list[Pass]) -> int:
+    """Run each of ``steps`` over the collections of ``config_path`` (or ``--collection``) and print the
+    reports, then what a run over part of the idx ranges leaves to another."""
+    from dsgpt2.curation.passes import part_line, run_pass
     from dsgpt2.db.mongo import connect
 
     config = load_connection(config_path)
     names = collection_names(passes.collection, config, command)
     conn, split = connect(config), passes.split
     lines: list[str] = []
-    for job in jobs:
-        report = job(conn, names, batch_size=passes.batch_size, progress=not passes.no_progress, split=split)
+    for step in steps:
+        report = run_pass(conn, names, step, batch_size=passes.batch_size, progress=not passes.no_progress,
+                          split=split)  # fmt: skip
         lines += report.lines()
-    lines += part_line(kind, split)
+    lines += part_line(steps[-1], split)
     print("\n".join(lines))
     return 0
 
 
 def cmd_dedup(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from dsgpt2.curation.dedup import Hashing, dedup_exact
+    from dsgpt2.curation.dedup import Hashing
     from dsgpt2.curation.minhash import LshParams
-    from dsgpt2.curation.neardup import dedup_near
+    from dsgpt2.curation.neardup import Signing
 
     settings, passes = from_namespace(DedupSettings, args), from_namespace(PassSettings, args)
     if not (settings.exact or settings.near):
         raise usage("dedup", "say which duplicates: --exact, --near, or both")
-    jobs: list[Callable[..., Any]] = [dedup_exact] if settings.exact else []
+    steps: list[Pass] = [Hashing()] if settings.exact else []
     if settings.near:
         params = LshParams(threshold=settings.threshold, ngram=settings.ngram, num_perm=settings.num_perm)
-        jobs.append(partial(dedup_near, params=params))
-    return run_passes("dedup", settings.config, passes, jobs, Hashing)
+        steps.append(Signing(params))
+    return run_passes("dedup", settings.config, passes, steps)
 
 
 def cmd_curate(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from dsgpt2.curation.curate import Curation, curate
+    from dsgpt2.curation.curate import Curation
     from dsgpt2.curation.quality import resolve_thresholds
 
     settings, passes = from_namespace(CurateSettings, args), from_namespace(PassSettings, args)
@@ -195,8 +188,7 @@ def cmd_curate(args: argparse.Namespace) -> int:
         if not sep:
             raise usage("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
     thresholds = resolve_thresholds(overrides)
-    job = partial(curate, rules=list(settings.rules), thresholds=thresholds)
-    return run_passes("curate", settings.config, passes, [job], Curation)
+    return run_passes("curate", settings.config, passes, [Curation(list(settings.rules), thresholds)])
 
 
 def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
@@ -219,9 +211,7 @@ def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
 
 
 def cmd_decontaminate(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from dsgpt2.curation.decontaminate import Decontamination, decontaminate, load_sets
+    from dsgpt2.curation.decontaminate import Decontamination, load_sets
 
     settings, passes = from_namespace(DecontaminateSettings, args), from_namespace(PassSettings, args)
     if not settings.against:
@@ -233,25 +223,21 @@ def cmd_decontaminate(args: argparse.Namespace) -> int:
             f"--name given {len(names)} times for {len(settings.against)} --against files: one per file",
         )
     sets = load_sets(settings.against, names, settings.ngram)
-    job = partial(decontaminate, sets=sets, ngram=settings.ngram)
-    return run_passes("decontaminate", settings.config, passes, [job], Decontamination)
+    return run_passes("decontaminate", settings.config, passes, [Decontamination(sets, settings.ngram)])
 
 
 def cmd_langid(args: argparse.Namespace) -> int:
-    from dsgpt2.curation.language import Labelling, langid
+    from dsgpt2.curation.language import Labelling
 
     settings, passes = from_namespace(ConnectionSettings, args), from_namespace(PassSettings, args)
-    return run_passes("langid", settings.config, passes, [langid], Labelling)
+    return run_passes("langid", settings.config, passes, [Labelling()])
 
 
 def cmd_redact(args: argparse.Namespace) -> int:
-    from functools import partial
-
-    from dsgpt2.curation.pii import Redaction, redact_collections
+    from dsgpt2.curation.pii import Redaction
 
     settings, passes = from_namespace(RedactSettings, args), from_namespace(PassSettings, args)
-    job = partial(redact_collections, force=settings.force)
-    return run_passes("redact", settings.config, passes, [job], Redaction)
+    return run_passes("redact", settings.config, passes, [Redaction(force=settings.force)])
 
 
 DEDUP = Command(

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
+from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
 from dsgpt2.db.mongo import Connection, with_retries, write_meta
 from dsgpt2.documents import document_text
@@ -98,26 +98,6 @@ class Curation(Pass):
 
     def report(self, parts: list[Any]) -> CurationReport:
         return CurationReport(list(self.rules), parts)
-
-
-def curate(
-    conn: Connection,
-    names: Sequence[str],
-    rules: Sequence[str],
-    thresholds: Mapping[str, float],
-    batch_size: int = 1000,
-    *,
-    progress: bool = False,
-    split: Split = WHOLE,
-) -> CurationReport:
-    """Measure and judge every document of ``names`` not judged by this run's key (see module doc),
-    over this machine's idx ranges of ``split``.
-
-    Raises:
-        CorpusError: a collection is missing.
-    """
-    step = Curation(list(rules), dict(thresholds))
-    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def _summarize(

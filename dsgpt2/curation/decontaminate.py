@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass
+from dsgpt2.curation.passes import Pass, Split
 from dsgpt2.db.mongo import Connection, UpdateMany, UpdateOne, with_retries, write_meta
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError
@@ -356,26 +356,6 @@ class Decontamination(Pass):
 
     def report(self, parts: list[Any]) -> DecontReport:
         return DecontReport(self.ngram, list(self.sets), parts)
-
-
-def decontaminate(
-    conn: Connection,
-    names: Sequence[str],
-    sets: Sequence[EvalSet],
-    ngram: int = DEFAULT_NGRAM,
-    batch_size: int = 1000,
-    *,
-    progress: bool = False,
-    split: Split = WHOLE,
-) -> DecontReport:
-    """Check every document of ``names`` not yet checked against each set under its key (see the
-    module doc), over this machine's idx ranges of ``split``.
-
-    Raises:
-        CorpusError: a collection is missing.
-    """
-    step = Decontamination(list(sets), ngram)
-    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

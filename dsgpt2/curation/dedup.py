@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.neardup import NearLookup
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, WHOLE, Pass, Split, ensure_index, run_pass, set_each
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
 from dsgpt2.db.mongo import Connection, UpdateMany, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_hash
 
@@ -81,50 +81,6 @@ class DedupReport:
         return out
 
 
-def dedup_exact(
-    conn: Connection,
-    names: Sequence[str],
-    batch_size: int = 1000,
-    progress: bool = False,
-    split: Split = WHOLE,
-) -> DedupReport:
-    """Hash what is unhashed, group the hashes, mark every copy but the first (see module doc). With
-    ``split.parts`` > 1, only hash this machine's part: one run without parts then marks.
-
-    Raises:
-        CorpusError: a collection is missing, or an index cannot be built.
-    """
-    started = time.monotonic()
-    cfg = conn.config
-    report = run_pass(conn, names, Hashing(), batch_size=batch_size, progress=progress, split=split)
-    if split.parts > 1:
-        report.seconds = time.monotonic() - started
-        return report
-    marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
-    writer = _Marker(conn, names, marked, unmarked)
-    for h, first, ranks in with_retries(lambda: list(exact_groups(conn, names)), cfg, "dedup: grouping"):
-        report.groups += 1
-        kept = (first // _SPAN, first % _SPAN)
-        writer.mark(h, kept, ranks)
-    writer.flush()
-    for part in report.collections:
-        coll = conn.db[part.name]
-        part.marked, part.unmarked = marked[part.name], unmarked[part.name]
-        part.documents = with_retries(
-            lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
-        )
-        part.duplicates = with_retries(
-            lambda c=coll: c.count_documents({DUP_OF: {"$exists": True}}), cfg, "count"
-        )
-        write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
-        if part.duplicates and len(report.examples) < 3:
-            doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
-            if doc is not None:
-                report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
-    report.seconds = time.monotonic() - started
-    return report
-
-
 @dataclass
 class Hashing(Pass):
     """``dedup --exact``'s first stage: ``text_hash`` stored on every document without one (on every
@@ -170,6 +126,34 @@ class Hashing(Pass):
 
     def report(self, parts: list[Any]) -> DedupReport:
         return DedupReport(parts)
+
+    def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
+        """Group the hashes and mark every copy but the first (see module doc); with ``split.parts`` >
+        1 only this machine's part was hashed: one run without parts then marks."""
+        if split.parts > 1:
+            return
+        cfg = conn.config
+        marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
+        writer = _Marker(conn, names, marked, unmarked)
+        for h, first, ranks in with_retries(lambda: list(exact_groups(conn, names)), cfg, "dedup: grouping"):
+            report.groups += 1
+            kept = (first // _SPAN, first % _SPAN)
+            writer.mark(h, kept, ranks)
+        writer.flush()
+        for part in report.collections:
+            coll = conn.db[part.name]
+            part.marked, part.unmarked = marked[part.name], unmarked[part.name]
+            part.documents = with_retries(
+                lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
+            )
+            part.duplicates = with_retries(
+                lambda c=coll: c.count_documents({DUP_OF: {"$exists": True}}), cfg, "count"
+            )
+            write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
+            if part.duplicates and len(report.examples) < 3:
+                doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
+                if doc is not None:
+                    report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
 
 
 def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:

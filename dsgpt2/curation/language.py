@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
+from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.db.mongo import LANGUAGE_FIELD, Connection, with_retries, write_meta
 from dsgpt2.documents import document_text
 
@@ -132,23 +131,6 @@ class Labelling(Pass):
 
     def report(self, parts: list[Any]) -> LanguageReport:
         return LanguageReport(self.key(), parts)
-
-
-def langid(
-    conn: Connection,
-    names: Sequence[str],
-    batch_size: int = 1000,
-    *,
-    progress: bool = False,
-    split: Split = WHOLE,
-) -> LanguageReport:
-    """Label every document of ``names`` not labelled by this run's key (see module doc), over this
-    machine's idx ranges of ``split``; then count the languages of each collection into meta_info.
-
-    Raises:
-        CorpusError: a collection is missing.
-    """
-    return run_pass(conn, names, Labelling(), batch_size=batch_size, progress=progress, split=split)
 
 
 def count_languages(conn: Connection, name: str) -> dict[str, int]:

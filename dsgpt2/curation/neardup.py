@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, WHOLE, Pass, Split, ensure_index, run_pass, set_each
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
 from dsgpt2.db.mongo import Connection, UpdateOne, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_text
 
@@ -91,6 +91,32 @@ class Signing(Pass):
 
     def report(self, parts: list[Any]) -> NearReport:
         return NearReport(self.params, parts)
+
+    def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
+        """Bucket, confirm, cluster and mark (see module doc); with ``split.parts`` > 1 only this
+        machine's part was signed: one run without parts then marks."""
+        if split.parts > 1:
+            return
+        cfg, params = conn.config, self.params
+        dups = _cluster(conn, names, params, report)
+        marks = {name: {} for name in names}
+        for key, root in dups.items():
+            marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
+        for part in report.collections:
+            part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
+            coll = conn.db[part.name]
+            part.documents = with_retries(
+                lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
+            )
+            part.duplicates = len(marks[part.name])
+            done = {
+                "duplicates": part.duplicates,
+                "key": params.key,
+                "threshold": params.threshold,
+                "params": asdict(params),
+                "at": time.time(),
+            }
+            write_meta(conn, part.name, {"dedup.near": done})
 
 
 @functools.lru_cache(maxsize=4)
@@ -199,50 +225,6 @@ class NearReport:
             f'"FILTER": {{"{NEAR_OF}": {{"$exists": false}}}}'
         )
         return out
-
-
-def dedup_near(
-    conn: Connection,
-    names: Sequence[str],
-    params: LshParams,
-    batch_size: int = 1000,
-    progress: bool = False,
-    *,
-    split: Split = WHOLE,
-) -> NearReport:
-    """Sign what is unsigned, bucket, confirm, cluster and mark (see module doc). With ``split.parts``
-    > 1, only sign this machine's part: one run without parts then marks.
-
-    Raises:
-        CorpusError: a collection is missing, or an index cannot be built.
-    """
-    started = time.monotonic()
-    cfg = conn.config
-    report = run_pass(conn, names, Signing(params), batch_size=batch_size, progress=progress, split=split)
-    if split.parts > 1:
-        report.seconds = time.monotonic() - started
-        return report
-    dups = _cluster(conn, names, params, report)
-    marks = {name: {} for name in names}
-    for key, root in dups.items():
-        marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
-    for part in report.collections:
-        part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
-        coll = conn.db[part.name]
-        part.documents = with_retries(
-            lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
-        )
-        part.duplicates = len(marks[part.name])
-        done = {
-            "duplicates": part.duplicates,
-            "key": params.key,
-            "threshold": params.threshold,
-            "params": asdict(params),
-            "at": time.time(),
-        }
-        write_meta(conn, part.name, {"dedup.near": done})
-    report.seconds = time.monotonic() - started
-    return report
 
 
 def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: NearReport) -> dict[int, int]:

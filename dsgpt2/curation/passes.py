@@ -270,6 +270,9 @@ class Pass:
         """The run's report (with ``seconds`` and ``lines()``) from the collections' entries."""
         raise NotImplementedError
 
+    def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
+        """A stage over every collection at once, once each is done (dedup's grouping and marking)."""
+
 
 def walk(
     conn: Connection,
@@ -315,13 +318,14 @@ def run_pass(
         work = partial(walk, step=here, batch_size=batch_size, progress=progress and split.workers == 1)
         parts.append(here.finish(conn, name, run_split(conn, name, work, split, step.verb), split))
     report = step.report(parts)
+    step.conclude(conn, names, report, split)
     report.seconds = time.monotonic() - started
     return report
 
 
-def part_line(kind: type[Pass], split: Split) -> list[str]:
-    """The report's last line on a run of passes of ``kind`` over part of the idx ranges: what is left
-    to another run."""
-    if split.parts == 1 or kind.part_note is None:
+def part_line(step: Pass, split: Split) -> list[str]:
+    """The report's last line on a run of ``step`` over part of the idx ranges: what is left to another
+    run."""
+    if split.parts == 1 or step.part_note is None:
         return []
-    return [f"part {split.part + 1}/{split.parts} done: {kind.part_note}"]
+    return [f"part {split.part + 1}/{split.parts} done: {step.part_note}"]

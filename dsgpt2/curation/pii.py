@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.dedup import HASH
-from dsgpt2.curation.passes import WHOLE, Pass, Split, run_pass, set_each
+from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.db.mongo import Connection, read_meta, with_retries, write_meta
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
@@ -302,26 +302,6 @@ class Redaction(Pass):
 
     def report(self, parts: list[Any]) -> RedactionReport:
         return RedactionReport(parts)
-
-
-def redact_collections(
-    conn: Connection,
-    names: Sequence[str],
-    batch_size: int = 1000,
-    *,
-    force: bool = False,
-    progress: bool = False,
-    split: Split = WHOLE,
-) -> RedactionReport:
-    """Redact every document of ``names`` not redacted by this version (see module doc), over this
-    machine's idx ranges of ``split``.
-
-    Raises:
-        CorpusError: a collection is missing, or (without ``force``) a run trained on documents that
-            this pass would change.
-    """
-    step = Redaction(force=force)
-    return run_pass(conn, names, step, batch_size=batch_size, progress=progress, split=split)
 
 
 def pii_counts(conn: Connection, name: str) -> tuple[int, dict[str, int]]:

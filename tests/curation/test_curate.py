@@ -13,7 +13,8 @@ from bson import ObjectId
 from conftest import db_for, make_config, run_cli, store_config
 from corpora import BAD, PROSE
 from dsgpt2.curation import passes
-from dsgpt2.curation.curate import curate
+from dsgpt2.curation.curate import Curation
+from dsgpt2.curation.passes import run_pass
 from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
 from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError
@@ -94,7 +95,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
         return conn
 
     straight = fresh("straight")
-    curate(straight, ["docs"], RULES, thresholds, batch_size=20)
+    run_pass(straight, ["docs"], Curation(list(RULES), thresholds), batch_size=20)
     expected = {d["idx"]: (d["quality"], d["passes"]) for d in straight.db["docs"].find()}
 
     killed = fresh("killed")
@@ -109,9 +110,9 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
-        curate(killed, ["docs"], RULES, thresholds, batch_size=20)
+        run_pass(killed, ["docs"], Curation(list(RULES), thresholds), batch_size=20)
     monkeypatch.undo()
-    report = curate(killed, ["docs"], RULES, thresholds, batch_size=20)
+    report = run_pass(killed, ["docs"], Curation(list(RULES), thresholds), batch_size=20)
     assert report.collections[0].judged == 90 - 40
     assert {d["idx"]: (d["quality"], d["passes"]) for d in killed.db["docs"].find()} == expected
     assert report.collections[0].failing["repetition"] == 30

@@ -18,13 +18,14 @@ from conftest import db_for, make_config, run_cli, store_config, tiny_export
 from dsgpt2.curation import passes
 from dsgpt2.curation.decontaminate import (
     CONTAMINATED,
-    decontaminate,
+    Decontamination,
     find,
     load_sets,
     ngrams,
     read_texts,
     words,
 )
+from dsgpt2.curation.passes import run_pass
 from dsgpt2.db.mongo import Connection
 
 VOCAB = [f"w{i}" for i in range(400)]
@@ -175,7 +176,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
         return {d["idx"]: (d.get(CONTAMINATED), d["decont"]) for d in conn.db["docs"].find()}
 
     straight = fresh("decont_straight")
-    decontaminate(straight, ["docs"], [hs], batch_size=4)
+    run_pass(straight, ["docs"], Decontamination([hs]), batch_size=4)
     calls = {"n": 0}
     original = passes.write_ops
 
@@ -188,21 +189,21 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
     killed = fresh("decont_killed")
     monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
-        decontaminate(killed, ["docs"], [hs], batch_size=4)
+        run_pass(killed, ["docs"], Decontamination([hs]), batch_size=4)
     monkeypatch.undo()
-    report = decontaminate(killed, ["docs"], [hs], batch_size=4)
+    report = run_pass(killed, ["docs"], Decontamination([hs]), batch_size=4)
     assert report.collections[0].checked == len(texts) - 8
     assert state(killed) == state(straight)
     assert {i: m["hs"] for i, (m, _) in state(killed).items() if m} == expected
     # Another n-gram size is another key: every document is checked again, and marks no longer
     # found are taken off (a 12-word overlap is one at 12).
     (hs12,) = load_sets([tmp_path / "hs.jsonl"], [None], 12)
-    again = decontaminate(killed, ["docs"], [hs12], ngram=12, batch_size=50)
+    again = run_pass(killed, ["docs"], Decontamination([hs12], 12), batch_size=50)
     assert again.collections[0].checked == len(texts) and again.collections[0].contaminated["hs"] == 2 * len(
         items
     )
     (back,) = load_sets([tmp_path / "hs.jsonl"], [None], 13)
-    decontaminate(killed, ["docs"], [back], batch_size=50)
+    run_pass(killed, ["docs"], Decontamination([back]), batch_size=50)
     assert {i: m["hs"] for i, (m, _) in state(killed).items() if m} == expected
 
 
@@ -353,7 +354,7 @@ def test_the_note_counts_below_the_checkpoints_marks_and_under_its_filter(
     fp = {"collections": ["web"], "tr_ratio": 0.6, "seed": 3, "filter": '{"keep": true}'}
     run = {"checkpoint": str(tmp_path / "ckpt" / "global_step3"), "fingerprint": fp}
     assert contamination(config, run, hs)["checked"] == []
-    decontaminate(conn, ["web"], load_sets([hs], [None], 13))
+    run_pass(conn, ["web"], Decontamination(load_sets([hs], [None], 13)))
     note = contamination(config, run, hs)
     kept = np.array([i for i in sorted(expected) if i < mark and i % 10 != 5])
     held = int(split_mask(kept, 0.6, 3, "web").sum())

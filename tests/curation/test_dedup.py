@@ -14,6 +14,7 @@ from bson import ObjectId
 from conftest import db_for, make_config, run_cli, store_config
 from corpora import ingest_files, marks, planted, reference
 from dsgpt2.curation import dedup, passes
+from dsgpt2.curation.passes import run_pass
 from dsgpt2.db.mongo import Connection
 from dsgpt2.documents import hash_text
 
@@ -80,9 +81,9 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, w
     monkeypatch.setattr(owner, attr, crash)
     monkeypatch.setattr(dedup, "_BULK", 20)
     with pytest.raises(Crash):
-        dedup.dedup_exact(conn, ["articles"], batch_size=50)
+        run_pass(conn, ["articles"], dedup.Hashing(), batch_size=50)
     monkeypatch.setattr(owner, attr, original)
-    report = dedup.dedup_exact(conn, ["articles"], batch_size=50)
+    report = run_pass(conn, ["articles"], dedup.Hashing(), batch_size=50)
     expected = reference({"articles": texts})
     assert marks(conn, ["articles"]) == expected
     (part,) = report.collections

@@ -13,7 +13,8 @@ from bson import ObjectId
 from conftest import db_for, make_config, run_cli, store_config, write_config
 from corpora import PROSE
 from dsgpt2.curation import passes
-from dsgpt2.curation.language import identify, langid, model_codes, run_key, top_languages
+from dsgpt2.curation.language import Labelling, identify, model_codes, run_key, top_languages
+from dsgpt2.curation.passes import run_pass
 from dsgpt2.db.mongo import LANGUAGE_CODES, Connection, check_filter_languages
 from dsgpt2.errors import ConfigError
 
@@ -137,7 +138,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
         return {d["idx"]: (d["lang"], d["lang_score"], d["lang_key"]) for d in conn.db["docs"].find()}
 
     straight = fresh("lang_straight")
-    langid(straight, ["docs"], batch_size=10)
+    run_pass(straight, ["docs"], Labelling(), batch_size=10)
     expected = labels(straight)
     assert expected[60] == (None, 0.0, run_key())
 
@@ -153,9 +154,9 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
-        langid(killed, ["docs"], batch_size=10)
+        run_pass(killed, ["docs"], Labelling(), batch_size=10)
     monkeypatch.undo()
-    report = langid(killed, ["docs"], batch_size=10)
+    report = run_pass(killed, ["docs"], Labelling(), batch_size=10)
     assert report.collections[0].labelled == 61 - 20
     assert labels(killed) == expected
     assert report.collections[0].counts == {"none": 1, **{c: 10 for c in PLANTED}}

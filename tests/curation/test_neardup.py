@@ -171,12 +171,12 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
 
         monkeypatch.setattr(neardup, "with_retries", retries)
     with pytest.raises(Crash):
-        neardup.dedup_near(conn, ["articles"], params, batch_size=40)
+        passes.run_pass(conn, ["articles"], neardup.Signing(params), batch_size=40)
     monkeypatch.undo()
     conn = Connection(conn.config)
     if where == "marking":  # some marks written, not all
         assert 0 < len(near_marks(conn, ["articles"])) < len(straight)
-    report = neardup.dedup_near(conn, ["articles"], params, batch_size=40)
+    report = passes.run_pass(conn, ["articles"], neardup.Signing(params), batch_size=40)
     assert {int(k.split(":")[1]) for k in near_marks(conn, ["articles"])} == straight
     (part,) = report.collections
     assert part.duplicates == len(straight)

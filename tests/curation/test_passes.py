@@ -1,16 +1,20 @@
 """Reads over the idx index that stay bounded at any corpus size: the edges of the index
-(:func:`idx_edge`) and the batches a curation pass walks (:func:`each_batch`)."""
+(:func:`idx_edge`) and the batches a curation pass walks (:func:`each_batch`); the one driver every
+pass runs under (:func:`run_pass`), shown on a pass made for the test."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from pymongo.collection import Collection
 
 from conftest import make_config
-from dsgpt2.curation.passes import each_batch, idx_bounds
+from dsgpt2.curation import passes
+from dsgpt2.curation.passes import Pass, Split, each_batch, idx_bounds, run_pass, set_each
 from dsgpt2.db.mongo import EDGE_WINDOW, Connection, idx_edge, max_idx
+from dsgpt2.errors import CorpusError
 
 
 @pytest.fixture
@@ -92,3 +96,94 @@ def test_idx_bounds_are_the_ends_of_the_numbered_documents() -> None:
     assert idx_bounds(conn, "a") == (5, 2999)
     conn.db["b"].insert_one({"text": "unnumbered"})
     assert idx_bounds(conn, "b") is None
+
+
+# ---------------------------------------------------------------- one pass kind, one driver
+
+
+@dataclass
+class _Report:
+    parts: list[tuple[str, int]]
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        return [f"{name}: {done} measured" for name, done in self.parts]
+
+
+@dataclass
+class Lengths(Pass):
+    """A new pass is one class: each document's text length, under a version key."""
+
+    version: int = 1
+
+    command = "lengths"
+    verb = "measure"
+    writing = "lengths"
+    mark = "len_key"
+
+    def key(self) -> int:
+        return self.version
+
+    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
+        return set_each(
+            [(d["_id"], {"len": len(d.get(text_field) or ""), "len_key": self.version}) for d in batch]
+        )
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> tuple[str, int]:
+        return name, done
+
+    def report(self, parts: list[Any]) -> _Report:
+        return _Report(parts)
+
+
+def _two_collections(label: str) -> Connection:
+    conn = Connection(make_config(["a", "b"], MONGO_CONNECTION_DB=f"lengths_{label}"))
+    for name, n in (("a", 130), ("b", 45)):
+        conn.db[name].drop()
+        conn.db[name].insert_many([{"idx": i, "filt_text": "x" * (i % 17)} for i in range(n)])
+    return conn
+
+
+def _lengths(conn: Connection) -> dict[tuple[str, int], tuple[int, int]]:
+    return {(n, d["idx"]): (d["len"], d["len_key"]) for n in ("a", "b") for d in conn.db[n].find()}
+
+
+def test_the_driver_runs_a_new_pass_resumes_it_and_splits_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What run_pass does for every pass: idx windows, the report, a key that selects what is left,
+    a killed run that ends as a straight one, and machine parts that together cover every document."""
+    straight = _two_collections("straight")
+    report = run_pass(straight, ["a", "b"], Lengths(), batch_size=20)
+    expected = {(n, i): (i % 17, 1) for n, c in (("a", 130), ("b", 45)) for i in range(c)}
+    assert _lengths(straight) == expected and report.parts == [("a", 130), ("b", 45)]
+    assert report.lines() == ["a: 130 measured", "b: 45 measured"] and report.seconds > 0
+    assert run_pass(straight, ["a", "b"], Lengths(), batch_size=20).parts == [("a", 0), ("b", 0)]
+    straight.db["b"].insert_one({"idx": 45, "filt_text": "new"})  # ingested since: the next run's
+    assert run_pass(straight, ["a", "b"], Lengths(), batch_size=20).parts == [("a", 0), ("b", 1)]
+    assert run_pass(straight, ["a"], Lengths(version=2), batch_size=20).parts == [("a", 130)]
+
+    killed, calls = _two_collections("killed"), {"n": 0}
+    original = passes.write_ops
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed")
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(passes, "write_ops", crash)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_pass(killed, ["a", "b"], Lengths(), batch_size=20)
+    monkeypatch.undo()
+    assert run_pass(killed, ["a", "b"], Lengths(), batch_size=20).parts == [("a", 130 - 40), ("b", 45)]
+    assert _lengths(killed) == expected
+
+    parted = _two_collections("parted")
+    done = [run_pass(parted, ["a", "b"], Lengths(), split=Split(part=p, parts=2)).parts for p in (0, 1)]
+    assert done == [[("a", 65), ("b", 22)], [("a", 65), ("b", 23)]] and _lengths(parted) == expected
+
+
+def test_a_pass_over_a_missing_collection_is_refused_before_any_work() -> None:
+    conn = _two_collections("missing")
+    with pytest.raises(CorpusError, match=r"collection\(s\) 'c' not found"):
+        run_pass(conn, ["a", "c"], Lengths())
+    assert conn.db["a"].count_documents({"len": {"$exists": True}}) == 0

@@ -13,7 +13,8 @@ from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
 from dsgpt2.curation import passes
-from dsgpt2.curation.pii import KINDS, PII_VERSION, redact, redact_collections, redact_document
+from dsgpt2.curation.passes import run_pass
+from dsgpt2.curation.pii import KINDS, PII_VERSION, Redaction, redact, redact_document
 from dsgpt2.db.mongo import Connection, write_meta
 from dsgpt2.errors import CorpusError
 
@@ -144,7 +145,7 @@ class Crash(Exception):
 def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -> None:
     texts = _texts(90)
     straight = _fresh("straight", texts)
-    report = redact_collections(straight, ["docs"], batch_size=20)
+    report = run_pass(straight, ["docs"], Redaction(), batch_size=20)
     expected = _state(straight)
     assert report.collections[0].redacted == 90
     assert report.collections[0].found == {"email": 30, "ip": 30, "phone": 30}
@@ -169,12 +170,12 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
-        redact_collections(killed, ["docs"], batch_size=20)
+        run_pass(killed, ["docs"], Redaction(), batch_size=20)
     monkeypatch.undo()
-    again = redact_collections(killed, ["docs"], batch_size=20)
+    again = run_pass(killed, ["docs"], Redaction(), batch_size=20)
     assert again.collections[0].redacted == 90 - 40
     assert _state(killed) == expected
-    assert redact_collections(killed, ["docs"], batch_size=20).collections[0].redacted == 0
+    assert run_pass(killed, ["docs"], Redaction(), batch_size=20).collections[0].redacted == 0
     assert _state(killed) == expected
 
 
@@ -225,12 +226,12 @@ def test_a_trained_prefix_is_redacted_only_with_force() -> None:
     conn = _fresh("trained", _texts(10))
     write_meta(conn, "docs", {"trained": {"mark": 6, "run": "runs/a", "at": 1.0}})
     with pytest.raises(CorpusError, match=r"run 'runs/a' trained on its first 6 documents.*--force"):
-        redact_collections(conn, ["docs"])
+        run_pass(conn, ["docs"], Redaction())
     assert conn.db["docs"].count_documents({"pii": {"$exists": True}}) == 0
-    assert redact_collections(conn, ["docs"], force=True).collections[0].redacted == 10
+    assert run_pass(conn, ["docs"], Redaction(force=True)).collections[0].redacted == 10
     # The trained prefix redacted: documents ingested later are redacted without --force.
     conn.db["docs"].insert_one({"idx": 10, "form": "x@gmail.com", "filt_text": "x@gmail.com"})
-    assert redact_collections(conn, ["docs"]).collections[0].redacted == 1
+    assert run_pass(conn, ["docs"], Redaction()).collections[0].redacted == 1
 
 
 def test_the_refusal_is_one_line_and_exit_2(tmp_path: Path) -> None:

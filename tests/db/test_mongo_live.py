@@ -307,7 +307,8 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     from corpora import marks, planted, reference
     from dsgpt2.corpus.ingest import ingest
     from dsgpt2.corpus.readers import Source
-    from dsgpt2.curation.dedup import dedup_exact
+    from dsgpt2.curation.dedup import Hashing
+    from dsgpt2.curation.passes import run_pass
 
     def memory_source(key: str, batch: list[str]) -> Source:
         return Source(key, key, "text", read=lambda: iter(batch))
@@ -316,11 +317,11 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     texts = {"news": planted(7, 60, 25), "web": planted(8, 40, 25)}
     for name, batch in texts.items():
         ingest(conn, name, [memory_source(name, batch)], batch_size=50)
-    first = dedup_exact(conn, ["news", "web"], batch_size=32)
+    first = run_pass(conn, ["news", "web"], Hashing(), batch_size=32)
     expected = reference(texts)
     assert marks(conn, ["news", "web"]) == expected
     assert sum(c.marked for c in first.collections) == len(expected)
-    assert sum(c.marked for c in dedup_exact(conn, ["news", "web"]).collections) == 0
+    assert sum(c.marked for c in run_pass(conn, ["news", "web"], Hashing()).collections) == 0
     more = planted(9, 30, 40)
     report = ingest(conn, "web", [memory_source("more", more)], batch_size=8, dedup=True)
     held = set(texts["news"]) | set(texts["web"])
@@ -337,10 +338,10 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     from dataclasses import replace
 
     from corpora import corpus, near_marks
-    from dsgpt2.curation.curate import curate
+    from dsgpt2.curation.curate import Curation
     from dsgpt2.curation.minhash import LshParams, cluster_texts
-    from dsgpt2.curation.neardup import dedup_near
-    from dsgpt2.curation.passes import Split
+    from dsgpt2.curation.neardup import Signing
+    from dsgpt2.curation.passes import Split, run_pass
     from dsgpt2.curation.quality import resolve_thresholds
 
     docs, _ = corpus(originals=25, seed=3)
@@ -350,7 +351,7 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
         conn.db[name].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(part)])
         conn.db[name].create_index("idx", unique=True)
     params = LshParams(threshold=0.8)
-    report = dedup_near(conn, ["news", "web"], params, batch_size=8, split=Split(workers=2))
+    report = run_pass(conn, ["news", "web"], Signing(params), batch_size=8, split=Split(workers=2))
     assert [c.signed for c in report.collections] == [half, len(docs) - half]
     labels = [f"news:{i}" for i in range(half)] + [f"web:{i}" for i in range(len(docs) - half)]
     straight = {labels[k]: labels[v] for k, v in cluster_texts(docs, params).items()}
@@ -364,7 +365,9 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     report = ingest(conn, "more", [Source("more", "more", "text", read=lambda: iter([copy]))], dedup=True)
     assert report.sources[0].near_duplicates == 1
     assert conn.db["more"].find_one({"idx": 0})["near_dup_of"] == straight.get("news:0", "news:0")
-    judged = curate(conn, ["news"], ["gopher"], resolve_thresholds({}), batch_size=8, split=Split(workers=2))
+    judged = run_pass(
+        conn, ["news"], Curation(["gopher"], resolve_thresholds({})), batch_size=8, split=Split(workers=2)
+    )
     assert judged.collections[0].judged == half
     assert conn.db["news"].count_documents({"passes.gopher": {"$exists": True}}) == half
     conn.close()
@@ -397,17 +400,19 @@ def test_filter_on_the_server_skips_counts_and_refuses_bad_operators(scratch: Co
 def test_curate_judges_in_place_on_the_server(scratch: Connection) -> None:
     """`curate` on a real server: bulk UpdateOne of signals and verdicts, counted by rule set."""
     from corpora import BAD, PROSE
-    from dsgpt2.curation.curate import curate
+    from dsgpt2.curation.curate import Curation
+    from dsgpt2.curation.passes import run_pass
     from dsgpt2.curation.quality import RULES, resolve_thresholds
     from dsgpt2.curation.report import summarize
 
     texts = [PROSE, *BAD.values()] * 3
     scratch.db["a"].insert_many([{"_id": i, "idx": i, "filt_text": t} for i, t in enumerate(texts)])
-    first = curate(scratch, ["a"], RULES, resolve_thresholds({}), batch_size=4)
+    first = run_pass(scratch, ["a"], Curation(list(RULES), resolve_thresholds({})), batch_size=4)
     (part,) = first.collections
     assert (part.documents, part.judged, part.passing_all) == (15, 15, 3)
     assert part.failing == {"gopher": 6, "repetition": 6, "c4": 9}  # bullets fail all three
-    assert curate(scratch, ["a"], RULES, resolve_thresholds({}), batch_size=4).collections[0].judged == 0
+    again = run_pass(scratch, ["a"], Curation(list(RULES), resolve_thresholds({})), batch_size=4)
+    assert again.collections[0].judged == 0
     (summary,) = summarize(scratch, ["a"])  # `curate report`: one $facet aggregation per collection
     assert summary.documents == 15 and summary.judged == 15
     assert {r: summary.removed[f"fails {r}"] for r in RULES} == part.failing
