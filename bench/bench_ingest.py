@@ -110,8 +110,8 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
         print(f"   (no server ingest line: {reason})")
         return []
     from dsgpt2.corpus.ingest import file_source, ingest
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import ENV_URI, load_config, redact_uri
-    from dsgpt2.db.mongo import Connection
 
     docs = _documents(texts, WIRE_DOCS)
     path = base / "wire.jsonl"

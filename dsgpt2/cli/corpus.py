@@ -285,7 +285,7 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     from dsgpt2.curation.dedup import dedup_exact
     from dsgpt2.curation.minhash import LshParams
     from dsgpt2.curation.neardup import dedup_near
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings, passes = from_namespace(DedupSettings, args), from_namespace(PassSettings, args)
     if not (settings.exact or settings.near):
@@ -338,7 +338,7 @@ def add_curate(sub: Any, name: str) -> None:
 def cmd_curate(args: argparse.Namespace) -> int:
     from dsgpt2.curation.curate import curate
     from dsgpt2.curation.quality import resolve_thresholds
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings, passes = from_namespace(CurateSettings, args), from_namespace(PassSettings, args)
     if settings.action == "report":
@@ -379,7 +379,7 @@ def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
     from pathlib import Path
 
     from dsgpt2.curation import report as curation_report
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     config = load_connection(settings.config)
     names = _collections(passes.collection, config, "curate")
@@ -449,7 +449,7 @@ def add_info(sub: Any, name: str) -> None:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.numbering import index_collection
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings = from_namespace(IndexSettings, args)
     config = load_connection(settings.config)
@@ -470,7 +470,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.ingest import builtin_source, file_source, ingest
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     s = from_namespace(IngestSettings, args)
     if not s.inputs and not s.sample:
@@ -514,7 +514,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
     from dsgpt2.db.validate import fix_collection, validate_corpus
     from dsgpt2.errors import CorpusValidationError
 
@@ -539,7 +539,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dsgpt2.db.mongo import MongoWrapper, connect, read_meta, require_collections
+    from dsgpt2.db.client import connect, require_collections
+    from dsgpt2.db.meta import read_meta
+    from dsgpt2.db.wrapper import MongoWrapper
 
     settings = from_namespace(InfoSettings, args)
     config = load_connection(settings.config)
@@ -625,7 +627,7 @@ def _last_run(trained: Any) -> dict[str, Any] | None:
 def _passing(wrapper: Any) -> dict[str, int]:
     """Per collection, how many of the documents below its high-water mark FILTER keeps (none without
     a FILTER)."""
-    from dsgpt2.db.mongo import with_retries
+    from dsgpt2.db.client import with_retries
 
     query = wrapper.config.filter_query
     if query is None:

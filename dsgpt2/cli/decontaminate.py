@@ -67,7 +67,7 @@ def add_decontaminate(sub: Any, name: str) -> None:
 
 def cmd_decontaminate(args: argparse.Namespace) -> int:
     from dsgpt2.curation.decontaminate import decontaminate, load_sets
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings, passes = from_namespace(DecontaminateSettings, args), from_namespace(PassSettings, args)
     if not settings.against:

@@ -47,7 +47,7 @@ def add_langid(sub: Any, name: str) -> None:
 
 def cmd_langid(args: argparse.Namespace) -> int:
     from dsgpt2.curation.language import langid
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings, passes = from_namespace(LangidSettings, args), from_namespace(PassSettings, args)
     config = load_connection(settings.config)

@@ -55,7 +55,7 @@ def add_redact(sub: Any, name: str) -> None:
 
 def cmd_redact(args: argparse.Namespace) -> int:
     from dsgpt2.curation.pii import redact_collections
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings, passes = from_namespace(RedactSettings, args), from_namespace(PassSettings, args)
     config = load_connection(settings.config)

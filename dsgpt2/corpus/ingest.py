@@ -50,16 +50,9 @@ from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, 
 from dsgpt2.corpus.columnar import detect as detect_columnar
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
 from dsgpt2.curation.pii import redact_document
-from dsgpt2.db.mongo import (
-    Connection,
-    DatabaseError,
-    database_errors,
-    ensure_idx_index,
-    insert_batch,
-    max_idx,
-    read_meta,
-    with_retries,
-)
+from dsgpt2.db.client import Connection, DatabaseError, database_errors, with_retries
+from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
+from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import SkipTally, document_hash, turns_text, utf8_encodable
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from dsgpt2.files import process_alive

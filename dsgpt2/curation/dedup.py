@@ -35,7 +35,8 @@ from dsgpt2.curation.passes import (
     run_split,
     set_fields,
 )
-from dsgpt2.db.mongo import Connection, UpdateMany, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, UpdateMany, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash
 
 log = logging.getLogger(__name__)

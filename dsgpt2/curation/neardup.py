@@ -39,7 +39,8 @@ from dsgpt2.curation.passes import (
     run_split,
     set_fields,
 )
-from dsgpt2.db.mongo import Connection, UpdateOne, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, UpdateOne, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_text
 
 log = logging.getLogger(__name__)

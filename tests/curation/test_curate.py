@@ -15,7 +15,7 @@ from corpora import BAD, PROSE
 from dsgpt2.curation import curate as curate_mod
 from dsgpt2.curation.curate import curate
 from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 
 
 def test_signals_on_texts_with_known_answers() -> None:

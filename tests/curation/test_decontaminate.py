@@ -25,7 +25,7 @@ from dsgpt2.curation.decontaminate import (
     read_texts,
     words,
 )
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 
 VOCAB = [f"w{i}" for i in range(400)]
 

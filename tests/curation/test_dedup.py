@@ -14,7 +14,7 @@ from bson import ObjectId
 from conftest import db_for, make_config, run_cli, store_config
 from corpora import ingest_files, marks, planted, reference
 from dsgpt2.curation import dedup
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.documents import hash_text
 
 

@@ -14,7 +14,8 @@ from conftest import db_for, make_config, run_cli, store_config, write_config
 from corpora import PROSE
 from dsgpt2.curation import language as language_mod
 from dsgpt2.curation.language import identify, langid, model_codes, run_key, top_languages
-from dsgpt2.db.mongo import LANGUAGE_CODES, Connection, check_filter_languages
+from dsgpt2.db.client import Connection
+from dsgpt2.db.filters import LANGUAGE_CODES, check_filter_languages
 from dsgpt2.errors import ConfigError
 
 # Texts a reader knows the language of, a few sentences each.

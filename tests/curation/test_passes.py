@@ -10,7 +10,8 @@ from pymongo.collection import Collection
 
 from conftest import make_config
 from dsgpt2.curation.passes import each_batch, idx_bounds
-from dsgpt2.db.mongo import EDGE_WINDOW, Connection, idx_edge, max_idx
+from dsgpt2.db.client import Connection
+from dsgpt2.db.idx import EDGE_WINDOW, idx_edge, max_idx
 
 
 @pytest.fixture

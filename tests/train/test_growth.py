@@ -17,8 +17,8 @@ from conftest import ROOT, check_lineage, clone_db, run_cli, store_config, write
 from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.ingest import builtin_source, ingest
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
