@@ -33,8 +33,8 @@ def _train_data(texts: list[str], results: Path) -> list:
     from dsgpt2.data.cache import prepare_cache
     from dsgpt2.data.sources import make_spec
     from dsgpt2.data.table import ChunkTable
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import Connection
 
     tokenizer = results / "vocab_bench_tok"
     if not (tokenizer / "tokenizer.json").exists():

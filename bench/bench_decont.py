@@ -72,8 +72,8 @@ def planted(
 def _ours(docs: list[str], items_file: Path) -> tuple[set[int], float]:
     from dsgpt2.curation.decontaminate import CONTAMINATED, Decontamination, load_sets
     from dsgpt2.curation.passes import run_pass
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import Connection
 
     where = {"MONGO_CONNECTION_STRING": database_uri(), "MONGO_CONNECTION_DB": "bench_decont"}
     config = config_from_dict({**where, "COLLECTIONS": ["d"]}, env={})

@@ -133,8 +133,8 @@ def _setup(texts: list[str], tokenizer_dir: Path) -> tuple[Any, Any, Any]:
     from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.data.table import ChunkTable
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import Connection
 
     config = config_from_dict(
         {"MONGO_CONNECTION_STRING": database_uri(), "MONGO_CONNECTION_DB": "bench_feed",

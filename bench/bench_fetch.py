@@ -18,8 +18,9 @@ import os
 import uuid
 
 from bench.common import Metric, database_uri, paired_times
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import config_from_dict
-from dsgpt2.db.mongo import Connection, MongoWrapper
+from dsgpt2.db.wrapper import MongoWrapper
 
 
 def _setup(uri: str, texts: list[str], collections: int) -> tuple[Connection, MongoWrapper]:

@@ -181,8 +181,8 @@ def _device_name() -> str:
 def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     """The sample corpus, repeated until it holds 1.25 × ``tokens`` (the training split included), in a
     database in ``work/db`` (``local://``); the config file naming it."""
+    from dsgpt2.db.client import connect
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import connect
     from dsgpt2.tokenizer.bpe import load_tokenizer
 
     have = sum(len(e.ids) + 1 for e in load_tokenizer(tokenizer).encode_batch(texts))

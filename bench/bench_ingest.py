@@ -111,8 +111,8 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
         return []
     from dsgpt2.corpus.ingest import ingest
     from dsgpt2.corpus.readers import file_source
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import ENV_URI, load_config, redact_uri
-    from dsgpt2.db.mongo import Connection
 
     docs = _documents(texts, WIRE_DOCS)
     path = base / "wire.jsonl"

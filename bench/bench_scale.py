@@ -126,7 +126,7 @@ def scale(results: Path) -> list[Metric]:
             busy = embedded.disk_bytes(directory)
             # WiredTiger drops its log files at a checkpoint (the server takes one a minute): the disk a
             # database keeps is measured after one, forced here with `fsync`.
-            checkpoint = "from dsgpt2.db.config import load_config\nfrom dsgpt2.db.mongo import connect\n"
+            checkpoint = "from dsgpt2.db.config import load_config\nfrom dsgpt2.db.client import connect\n"
             _run(["-c", f"{checkpoint}connect(load_config({str(config)!r})).client.admin.command('fsync')"])
             server[n] = (rss, embedded.disk_bytes(directory))
             print(f"   {n:>7} documents: server {rss / 1e6:.0f} MB resident, {server[n][1] / 1e6:.0f} MB "

@@ -150,8 +150,8 @@ def _train_and_evaluate(
 
 def perplexity_metrics(texts: list[str], results: Path) -> list[Metric]:
     from dsgpt2.db import embedded
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import Connection
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 
     work = results / "shuffle"

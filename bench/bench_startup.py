@@ -23,8 +23,9 @@ REPEATS = 3
 
 def _corpus(base: Path, uri: str, n: int) -> tuple[Path, dict[str, str]]:
     """The ``n``-document sample corpus on the server (ingested unless it already holds it)."""
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import ENV_URI, load_config, redact_uri
-    from dsgpt2.db.mongo import Connection, read_meta
+    from dsgpt2.db.meta import read_meta
 
     config = base / f"mongo-{n}.json"
     settings = {"MONGO_CONNECTION_STRING": redact_uri(uri), "MONGO_CONNECTION_DB": f"startup{n}"}

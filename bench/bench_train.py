@@ -203,8 +203,8 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     from dsgpt2.data.dealing import Schedule
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import StreamingChunks, make_spec
+    from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.db.mongo import Connection
     from dsgpt2.model.gpt2 import param_groups
     from dsgpt2.tokenizer.bpe import load_vocab_size
     from dsgpt2.train.trainer import ensure_distributed_env

@@ -88,7 +88,7 @@ def child(mode: str, store: str, texts_file: str, out: str) -> dict[str, Any]:
 
     from transformers import GPT2TokenizerFast  # noqa: F401  (lazy module: load it before the clock)
 
-    from dsgpt2.db.mongo import MongoWrapper
+    from dsgpt2.db.wrapper import MongoWrapper
     from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
     from dsgpt2.tokenizer.texts import mongo_texts
 
@@ -133,7 +133,7 @@ def _spawn(mode: str, store: Path, texts_file: Path, out: Path) -> dict[str, Any
 
 def run(texts: list[str], workdir: Path, repeats: int = 3, copies: int = 3) -> list[Metric]:
     """Both sides train on ``copies`` copies of ``texts``: long enough that start-up costs fade."""
-    from dsgpt2.db.mongo import Connection
+    from dsgpt2.db.client import Connection
 
     texts = texts * copies
     workdir.mkdir(parents=True, exist_ok=True)

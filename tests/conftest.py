@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig, config_from_dict
-from dsgpt2.db.mongo import Connection
 from wire_server import WireServer, shared_server, shared_started, unavailable_reason
 from zygote import run_python
 

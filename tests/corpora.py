@@ -16,8 +16,8 @@ from typing import Any
 from bench.bench_neardup import planted_corpus, vocabulary
 from conftest import ROOT, run_cli, store_config
 from dsgpt2.corpus.builtin import stdlib_documents
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import ENV_URI, MongoConfig, load_config, redact_uri
-from dsgpt2.db.mongo import Connection
 from pace import deadline
 
 # --- exact copies: `dedup --exact` ----------------------------------------------------------------

@@ -41,7 +41,7 @@ PRELOAD = {
         "dsgpt2.cli.main",
         "matplotlib.pyplot",
     ),
-    "corpus": ("dsgpt2.cli.main", "dsgpt2.db.mongo", "pymongo", "tokenizers"),
+    "corpus": ("dsgpt2.cli.main", "dsgpt2.db.wrapper", "dsgpt2.db.idx", "pymongo", "tokenizers"),
 }
 MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", "generate", "chat", "serve",
                   "demo"}  # fmt: skip

@@ -426,7 +426,7 @@ def _run_config(saved: dict[str, Any]) -> MongoConfig:
 def _check_prefix(mongo: MongoConfig, record: dict[str, Any]) -> None:
     """The run's trained prefix still holds (the check a resume makes), or no replay is the run's."""
     from dsgpt2.corpus.marks import prefix_problems, read_marks
-    from dsgpt2.db.mongo import Connection
+    from dsgpt2.db.client import Connection
 
     conn = Connection(mongo)
     try:

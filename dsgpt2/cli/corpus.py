@@ -136,7 +136,7 @@ class InfoSettings:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.numbering import index_collection
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     settings = from_namespace(IndexSettings, args)
     config = load_connection(settings.config)
@@ -158,7 +158,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.ingest import ingest
     from dsgpt2.corpus.readers import builtin_source, file_source
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     s = from_namespace(IngestSettings, args)
     if not s.inputs and not s.sample:
@@ -202,7 +202,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
     from dsgpt2.db.validate import fix_collection, validate_corpus
     from dsgpt2.errors import CorpusValidationError
 
@@ -227,7 +227,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from dsgpt2.db.mongo import MongoWrapper, connect, read_meta, require_collections
+    from dsgpt2.db.client import connect, require_collections
+    from dsgpt2.db.meta import read_meta
+    from dsgpt2.db.wrapper import MongoWrapper
 
     settings = from_namespace(InfoSettings, args)
     config = load_connection(settings.config)
@@ -313,7 +315,7 @@ def _last_run(trained: Any) -> dict[str, Any] | None:
 def _passing(wrapper: Any) -> dict[str, int]:
     """Per collection, how many of the documents below its high-water mark FILTER keeps (none without
     a FILTER)."""
-    from dsgpt2.db.mongo import with_retries
+    from dsgpt2.db.client import with_retries
 
     query = wrapper.config.filter_query
     if query is None:

@@ -138,7 +138,7 @@ def run_passes(command: str, config_path: str, passes: PassSettings, steps: list
     """Run each of ``steps`` over the collections of ``config_path`` (or ``--collection``) and print the
     reports, then what a run over part of the idx ranges leaves to another."""
     from dsgpt2.curation.passes import part_line, run_pass
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     config = load_connection(config_path)
     names = collection_names(passes.collection, config, command)
@@ -195,7 +195,7 @@ def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
     from dataclasses import asdict
 
     from dsgpt2.curation import report as curation_report
-    from dsgpt2.db.mongo import connect
+    from dsgpt2.db.client import connect
 
     config = load_connection(settings.config)
     names = collection_names(passes.collection, config, "curate")

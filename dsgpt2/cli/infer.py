@@ -178,7 +178,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print("\n".join(report_lines(report)))
     print(f"report: {path}")
     if not output.no_record:
-        from dsgpt2.db.mongo import EVAL_RESULTS, connect, record_eval
+        from dsgpt2.db.client import EVAL_RESULTS, connect
+        from dsgpt2.db.meta import record_eval
 
         record_eval(connect(config), report)
         print(f"recorded in {config.db}.{EVAL_RESULTS}")

@@ -22,9 +22,10 @@ from dsgpt2.cli.common import config_option, no_progress_option, verbose_option
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db import embedded
+from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, config_from_dict
-from dsgpt2.db.mongo import Connection, MongoWrapper, connect
 from dsgpt2.db.validate import require_valid
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.settings.options import POSITIVE_INT, check_fields, from_namespace, option
 from dsgpt2.settings.shipped import shipped_config
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
@@ -270,7 +271,7 @@ def _evaluate(
 def _evaluate_loaded(
     loaded: Any, config: Any, conn: Connection, progress: bool, task: str | None = None
 ) -> dict[str, Any]:
-    from dsgpt2.db.mongo import record_eval
+    from dsgpt2.db.meta import record_eval
     from dsgpt2.infer.evaluate import EvalRequest, evaluate
 
     report = evaluate(loaded, config, EvalRequest(task=task, workers=0), progress=progress)

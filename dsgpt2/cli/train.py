@@ -85,8 +85,8 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.data.cache import prepare_cache
+    from dsgpt2.db.client import connect, require_collections
     from dsgpt2.db.config import load_config
-    from dsgpt2.db.mongo import connect, require_collections
     from dsgpt2.train.config import data_spec
     from dsgpt2.train.engine import run_context
 

@@ -38,16 +38,9 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, describe, make_document
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
-from dsgpt2.db.mongo import (
-    Connection,
-    DatabaseError,
-    database_errors,
-    ensure_idx_index,
-    insert_batch,
-    max_idx,
-    read_meta,
-    with_retries,
-)
+from dsgpt2.db.client import Connection, DatabaseError, database_errors, with_retries
+from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
+from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import document_hash
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from dsgpt2.files import process_alive

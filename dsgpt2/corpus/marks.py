@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
-from dsgpt2.db.mongo import Connection, MongoWrapper, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.wrapper import MongoWrapper
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.curation.dedup import ensure_hash_index
-from dsgpt2.db.mongo import (
-    ASCENDING,
-    Connection,
-    DatabaseError,
-    OperationFailure,
-    UpdateOne,
-    idx_index_name,
-    max_idx,
-    read_meta,
-    with_retries,
-    write_meta,
-)
+from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, OperationFailure, UpdateOne, with_retries
+from dsgpt2.db.idx import idx_index_name, max_idx
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
-from dsgpt2.db.mongo import Connection, with_retries, write_meta
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
 
 

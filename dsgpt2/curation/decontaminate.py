@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split
-from dsgpt2.db.mongo import Connection, UpdateMany, UpdateOne, with_retries, write_meta
+from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
+from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from dsgpt2.curation.neardup import NearLookup
 from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
-from dsgpt2.db.mongo import Connection, UpdateMany, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, UpdateMany, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ Each document gets ``lang`` (an ISO 639 code, e.g. ``"en"``; null when it has no
 the text it reads). A pass selects the documents whose ``lang_key`` is not this run's, so it is resumable
 (killed, it continues with the documents not yet labelled), documents ingested later are labelled by the
 next run, and a new model labels every document again. ``{"lang": "en"}`` in FILTER trains on English;
-a code the model cannot emit is refused there (:data:`dsgpt2.db.mongo.LANGUAGE_CODES`). At the end of a
+a code the model cannot emit is refused there (:data:`dsgpt2.db.filters.LANGUAGE_CODES`). At the end of a
 pass the per-language counts of each collection go to its meta_info entry (``langid.counts``), which
 ``dsgpt2 info`` reads without a scan.
 
@@ -36,7 +36,9 @@ from importlib import metadata
 from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.db.mongo import LANGUAGE_FIELD, Connection, with_retries, write_meta
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.filters import LANGUAGE_FIELD
+from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
 
 MODEL = "py3langid"

@@ -31,7 +31,8 @@ import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
 from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
-from dsgpt2.db.mongo import Connection, UpdateOne, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, UpdateOne, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_text
 
 log = logging.getLogger(__name__)

@@ -27,15 +27,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from dsgpt2.db.mongo import (
-    ASCENDING,
-    Connection,
-    DatabaseError,
-    OperationFailure,
-    UpdateOne,
-    idx_edge,
-    with_retries,
-)
+from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, OperationFailure, UpdateOne, with_retries
+from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.argtypes import part_of

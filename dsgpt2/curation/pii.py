@@ -42,7 +42,8 @@ from typing import Any
 
 from dsgpt2.curation.dedup import HASH
 from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.db.mongo import Connection, read_meta, with_retries, write_meta
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
 

@@ -15,7 +15,7 @@ from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.passes import require_present
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
-from dsgpt2.db.mongo import Connection, with_retries
+from dsgpt2.db.client import Connection, with_retries
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
 

@@ -292,7 +292,7 @@ def prepare_cache(
     Returns:
         (the cache's meta, how many chunks were tokenized now: 0 when it was up to date).
     """
-    from dsgpt2.db.mongo import MongoWrapper
+    from dsgpt2.db.wrapper import MongoWrapper
     from dsgpt2.tokenizer.bpe import load_vocab_size
 
     if table is None:

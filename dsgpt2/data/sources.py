@@ -278,7 +278,7 @@ class StreamingChunks(Dataset):
 
     def _ready(self) -> None:
         if self._pid != os.getpid():
-            from dsgpt2.db.mongo import MongoWrapper
+            from dsgpt2.db.wrapper import MongoWrapper
 
             if torch.utils.data.get_worker_info() is not None:
                 # Each worker tokenizes one chunk at a time on one thread: several workers with a

@@ -1,4 +1,4 @@
-"""Check that collections satisfy what the :class:`~dsgpt2.db.mongo.MongoWrapper` relies on.
+"""Check that collections satisfy what the :class:`~dsgpt2.db.wrapper.MongoWrapper` relies on.
 
 A collection is valid when its documents carry integer ``idx`` values
 0..n-1, each once, under a unique index, and meta_info records n. Every
@@ -16,15 +16,9 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsgpt2.db.mongo import (
-    Connection,
-    ensure_idx_index,
-    idx_edge,
-    idx_index_name,
-    read_meta,
-    with_retries,
-    write_meta,
-)
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.idx import ensure_idx_index, idx_edge, idx_index_name
+from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
 
 log = logging.getLogger(__name__)

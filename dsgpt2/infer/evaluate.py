@@ -109,7 +109,7 @@ def check_collections(config: MongoConfig, request: EvalRequest) -> None:
     Raises:
         CorpusError: one line naming the missing collections and those the database holds.
     """
-    from dsgpt2.db.mongo import check_exist, connect
+    from dsgpt2.db.client import check_exist, connect
 
     fix = "fix COLLECTIONS in the connection config or give one with --collection"
     if request.collections:
@@ -123,7 +123,7 @@ def evaluate(
     """Evaluate ``loaded`` on the corpus of ``config``; return the report."""
     from dataclasses import replace
 
-    from dsgpt2.db.mongo import MongoWrapper
+    from dsgpt2.db.wrapper import MongoWrapper
 
     if request.collections:
         config = replace(config, collections=tuple(request.collections))
@@ -235,7 +235,8 @@ def contamination(config: MongoConfig, run: dict[str, Any], hellaswag: Path) -> 
 
     from dsgpt2.curation.decontaminate import META, iter_marked, set_name
     from dsgpt2.data.split import split_mask
-    from dsgpt2.db.mongo import connect, read_meta
+    from dsgpt2.db.client import connect
+    from dsgpt2.db.meta import read_meta
 
     name = set_name(Path(hellaswag))
     fp = run.get("fingerprint") or {}

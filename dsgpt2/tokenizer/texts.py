@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from dsgpt2.corpus.draws import select, shard_ranges
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.db.mongo import MongoWrapper, require_nonempty
+from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer

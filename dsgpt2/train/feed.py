@@ -21,8 +21,8 @@ from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take
 from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import DataOptions
@@ -36,8 +36,8 @@ def corpus_marks(
     """The documents of each collection a run may read, once the corpus passed its check (unless
     ``allow_problems``): the quick one (index and meta_info), or every document with
     ``full_check``. Read on rank 0, whose verdict and counts every rank takes."""
-    from dsgpt2.db.mongo import MongoWrapper
     from dsgpt2.db.validate import require_valid
+    from dsgpt2.db.wrapper import MongoWrapper
 
     if not allow_problems:
         require_valid(

@@ -109,7 +109,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         mongo: used instead of reading --config_train (the demo passes its in-process store).
         hooks: see :class:`Hooks`.
     """
-    from dsgpt2.db.mongo import Connection
+    from dsgpt2.db.client import Connection
 
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -18,8 +18,8 @@ import pytest
 
 from conftest import ROOT, run_cli, seed, store_config, tiny_export, write_config
 from dsgpt2.cli.main import build_parser
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.settings.options import flag_strings, subcommands
 
 # The deepspeed launcher's own flags (``deepspeed --num_gpus 2 ds_trainer.py ...``).

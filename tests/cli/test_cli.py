@@ -198,8 +198,8 @@ def test_info_on_a_missing_collection_names_it_and_the_fix(tmp_path: Path, cfg: 
 def test_the_product_never_imports_the_embedded_server_or_a_test_double() -> None:
     """SecantusDB (GPL) runs as a process of its own; mongomock is no part of the product."""
     code = (
-        "import sys, dsgpt2.cli.main, dsgpt2.db.mongo, dsgpt2.db.embedded, dsgpt2.train.trainer, "
-        "dsgpt2.infer.serve, dsgpt2.cli.pipeline\n"
+        "import sys, dsgpt2.cli.main, dsgpt2.db.wrapper, dsgpt2.db.idx, dsgpt2.db.embedded, "
+        "dsgpt2.train.trainer, dsgpt2.infer.serve, dsgpt2.cli.pipeline\n"
         "for m in ('corpus', 'db', 'vocab', 'train', 'infer', 'demo'):\n"
         "    __import__('dsgpt2.cli.' + m)\n"
         "print(any(m.split('.')[0] in ('mongomock', 'secantus') for m in sys.modules))"

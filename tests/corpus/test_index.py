@@ -13,8 +13,10 @@ from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
 from dsgpt2.corpus import numbering
-from dsgpt2.db.mongo import Connection, MongoWrapper, read_meta
+from dsgpt2.db.client import Connection
+from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import quick_check, validate_collection
+from dsgpt2.db.wrapper import MongoWrapper
 
 
 def articles(n: int, start: int = 0) -> list[dict]:

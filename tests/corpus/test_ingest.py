@@ -18,9 +18,11 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source, file_source, normalize_conversation
 from dsgpt2.db import embedded
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection, MongoWrapper, read_meta
+from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import validate_collection
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from pace import deadline, wait_for
 

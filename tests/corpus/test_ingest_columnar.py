@@ -23,7 +23,8 @@ from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import detect_format, file_source
-from dsgpt2.db.mongo import Connection, read_meta
+from dsgpt2.db.client import Connection
+from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import validate_collection
 from dsgpt2.errors import BadDocumentError, IngestError
 from pace import deadline, wait_for

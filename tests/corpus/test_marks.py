@@ -23,7 +23,8 @@ from dsgpt2.corpus.marks import (
     read_marks,
     record_trained,
 )
-from dsgpt2.db.mongo import Connection, read_meta, write_meta
+from dsgpt2.db.client import Connection
+from dsgpt2.db.meta import read_meta, write_meta
 
 
 def docs(n: int, start: int = 0) -> list[str]:

@@ -16,7 +16,7 @@ from dsgpt2.curation import passes
 from dsgpt2.curation.curate import Curation
 from dsgpt2.curation.passes import run_pass
 from dsgpt2.curation.quality import RULES, THRESHOLDS, failed, resolve_thresholds, signals, verdicts
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.errors import ConfigError
 
 

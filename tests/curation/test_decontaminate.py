@@ -26,7 +26,7 @@ from dsgpt2.curation.decontaminate import (
     words,
 )
 from dsgpt2.curation.passes import run_pass
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 
 VOCAB = [f"w{i}" for i in range(400)]
 

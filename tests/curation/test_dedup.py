@@ -15,7 +15,7 @@ from conftest import db_for, make_config, run_cli, store_config
 from corpora import ingest_files, marks, planted, reference
 from dsgpt2.curation import dedup, passes
 from dsgpt2.curation.passes import run_pass
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.documents import hash_text
 
 

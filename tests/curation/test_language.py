@@ -15,7 +15,8 @@ from corpora import PROSE
 from dsgpt2.curation import passes
 from dsgpt2.curation.language import Labelling, identify, model_codes, run_key, top_languages
 from dsgpt2.curation.passes import run_pass
-from dsgpt2.db.mongo import LANGUAGE_CODES, Connection, check_filter_languages
+from dsgpt2.db.client import Connection
+from dsgpt2.db.filters import LANGUAGE_CODES, check_filter_languages
 from dsgpt2.errors import ConfigError
 
 # Texts a reader knows the language of, a few sentences each.

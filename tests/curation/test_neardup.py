@@ -32,7 +32,7 @@ from dsgpt2.curation.minhash import (
     signature,
 )
 from dsgpt2.curation.passes import Split
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.errors import ConfigError
 
 
@@ -258,7 +258,7 @@ def test_ingest_dedup_after_a_near_pass_signs_and_marks_what_arrives(tmp_path: P
     assert again.returncode == 0 and "web: 4 documents, 0 signed by this run" in again.stdout
     conn = Connection(conn.config)
     assert near_marks(conn, ["web"]) == {"web:0": "news:3", "web:2": "web:1"}
-    from dsgpt2.db.mongo import MongoWrapper
+    from dsgpt2.db.wrapper import MongoWrapper
 
     keep = {"near_dup_of": {"$exists": False}}
     follow = MongoWrapper(make_config(["news", "web"], **db_for(store),

@@ -13,7 +13,8 @@ from pymongo.collection import Collection
 from conftest import make_config
 from dsgpt2.curation import passes
 from dsgpt2.curation.passes import Pass, Split, each_batch, idx_bounds, run_pass, set_each
-from dsgpt2.db.mongo import EDGE_WINDOW, Connection, idx_edge, max_idx
+from dsgpt2.db.client import Connection
+from dsgpt2.db.idx import EDGE_WINDOW, idx_edge, max_idx
 from dsgpt2.errors import CorpusError
 
 

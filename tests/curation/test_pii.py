@@ -15,7 +15,8 @@ from conftest import db_for, make_config, run_cli, store_config
 from dsgpt2.curation import passes
 from dsgpt2.curation.passes import run_pass
 from dsgpt2.curation.pii import KINDS, PII_VERSION, Redaction, redact, redact_document
-from dsgpt2.db.mongo import Connection, write_meta
+from dsgpt2.db.client import Connection
+from dsgpt2.db.meta import write_meta
 from dsgpt2.errors import CorpusError
 
 # Each a sentence with one item to replace, and its kind.

@@ -21,7 +21,8 @@ from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
-from dsgpt2.db.mongo import Connection, MongoWrapper
+from dsgpt2.db.client import Connection
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from pace import deadline, wait_for

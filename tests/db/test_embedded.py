@@ -14,8 +14,8 @@ import pytest
 
 from conftest import ROOT, run_cli, write_config
 from dsgpt2.db import embedded
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError
 from pace import alive, deadline, wait_for
 
@@ -90,7 +90,7 @@ def test_processes_starting_at_once_share_one_server(local: Any) -> None:
     cfg, _ = local
     code = (
         "import sys; from dsgpt2.db.config import load_config;"
-        "from dsgpt2.db.mongo import Connection;"
+        "from dsgpt2.db.client import Connection;"
         "c = Connection(load_config(sys.argv[1])); c.db['x'].insert_one({'n': 1}); print(c.client.address[1])"
     )
     procs = [

@@ -15,8 +15,9 @@ from conftest import db_for, make_config, run_cli, seed, tiny_export, write_conf
 from corpora import KEEP, left_out, mark, texts
 from dsgpt2.data.sources import StreamingChunks, fingerprint, make_spec
 from dsgpt2.data.split import split_mask
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import config_from_dict
-from dsgpt2.db.mongo import Connection, MongoWrapper
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.errors import BadDocumentError, ConfigError
 
 

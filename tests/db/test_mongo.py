@@ -11,8 +11,9 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from conftest import make_config, seed
+from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import config_from_dict
-from dsgpt2.db.mongo import Connection, MongoWrapper, connect
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.documents import Doc
 from dsgpt2.errors import BadDocumentError, MongoUnavailableError
 
@@ -250,7 +251,7 @@ def test_undecodable_utf8_from_a_server_is_one_bad_document() -> None:
     import bson
     from bson.raw_bson import RawBSONDocument
 
-    from dsgpt2.db.mongo import decode_document
+    from dsgpt2.db.wrapper import decode_document
     from dsgpt2.documents import text_problem
 
     good = bson.encode({"idx": 3, "filt_text": "ok ab"})
@@ -264,7 +265,8 @@ def test_undecodable_utf8_from_a_server_is_one_bad_document() -> None:
 def test_record_eval_stores_once_and_explains_a_refused_write(monkeypatch: pytest.MonkeyPatch) -> None:
     from pymongo.errors import OperationFailure
 
-    from dsgpt2.db.mongo import EVAL_RESULTS, record_eval
+    from dsgpt2.db.client import EVAL_RESULTS
+    from dsgpt2.db.meta import record_eval
 
     conn = Connection(make_config(["a"]))
     first = record_eval(conn, {"model": "m", "metrics": {"loss": 1.5}})
@@ -307,7 +309,7 @@ def test_the_test_store_refuses_what_pymongo_refuses_and_the_wrapper_sends_ints(
 def test_read_preference_reaches_the_training_reads() -> None:
     from pymongo.read_preferences import Primary, SecondaryPreferred
 
-    from dsgpt2.db.mongo import read_preference
+    from dsgpt2.db.client import read_preference
 
     config = make_config(READ_PREFERENCE="secondaryPreferred", READ_PREFERENCE_TAGS=[{"dc": "east"}, {}])
     pref = read_preference(config)

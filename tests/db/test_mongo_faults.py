@@ -24,8 +24,9 @@ import pytest
 from conftest import ROOT, make_config, run_wire_server
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import ENV_URI, MongoConfig
-from dsgpt2.db.mongo import Connection, MongoWrapper
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
@@ -256,7 +257,7 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("dsgpt2.db.mongo").addHandler(handler)
+    logging.getLogger("dsgpt2.db.client").addHandler(handler)
     up.pause()
     timer = threading.Timer(4.0, up.resume)
     timer.start()
@@ -264,7 +265,7 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     try:
         assert [d.text for d in wrapper.get_range(0, 20)] == [f"text {i}" for i in range(20)]
     finally:
-        logging.getLogger("dsgpt2.db.mongo").removeHandler(handler)
+        logging.getLogger("dsgpt2.db.client").removeHandler(handler)
         timer.join()
     assert time.monotonic() - started >= 3.5
     assert any("transient MongoDB error" in w for w in warnings), warnings

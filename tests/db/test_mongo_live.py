@@ -23,7 +23,8 @@ from pymongo import monitoring
 
 from conftest import logged_blocks, make_config, trained_on
 from corpora import Corpus, password_of
-from dsgpt2.db.mongo import Connection, MongoWrapper, connect
+from dsgpt2.db.client import Connection, connect
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.train.metrics import read_metrics
 
@@ -212,11 +213,11 @@ def test_reads_follow_read_preference_and_name_their_server(
     import dataclasses
     import logging
 
-    from dsgpt2.db import mongo
+    from dsgpt2.db import wrapper
 
     config = dataclasses.replace(corpus.mongo, read_preference="secondaryPreferred")
-    mongo._READER_LOGGED.clear()
-    caplog.set_level(logging.INFO, logger="dsgpt2.db.mongo")
+    wrapper._READER_LOGGED.clear()
+    caplog.set_level(logging.INFO, logger="dsgpt2.db.wrapper")
     conn = Connection(config)
     docs = MongoWrapper(config, connection=conn).get_range(0, 30)
     MongoWrapper(config, connection=conn).get_range(30, 60)
@@ -281,7 +282,7 @@ def test_index_numbers_a_foreign_collection_in_place_and_later_documents_next(sc
     from dataclasses import replace
 
     from dsgpt2.corpus.numbering import index_collection
-    from dsgpt2.db.mongo import read_meta
+    from dsgpt2.db.meta import read_meta
     from dsgpt2.db.validate import quick_check, validate_collection
 
     conn = Connection(replace(scratch.config, collections=("articles",), text_field="body"))
@@ -379,8 +380,10 @@ def test_filter_on_the_server_skips_counts_and_refuses_bad_operators(scratch: Co
     from dataclasses import replace
 
     from corpora import KEEP, left_out, mark, texts
+    from dsgpt2.db.client import check_filter
     from dsgpt2.db.config import canonical_filter
-    from dsgpt2.db.mongo import MongoWrapper, check_filter, write_meta
+    from dsgpt2.db.meta import write_meta
+    from dsgpt2.db.wrapper import MongoWrapper
 
     scratch.db["a"].insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts(40))])
     scratch.db["a"].create_index("idx", unique=True)

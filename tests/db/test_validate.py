@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_config, run_cli, seed, store_config
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.db.validate import fix_collection, require_valid, validate_collection
 from dsgpt2.errors import CorpusError
 

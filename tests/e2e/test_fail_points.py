@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from conftest import run_cli, store_config
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from wire_server import fail_point
 
 N = 600
@@ -116,7 +116,8 @@ def test_vocab_download_goes_on_through_transient_errors(corpus: Any, tmp_path: 
 def test_an_evaluation_record_is_written_once_through_transient_errors(
     corpus: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from dsgpt2.db.mongo import EVAL_RESULTS, record_eval
+    from dsgpt2.db.client import EVAL_RESULTS
+    from dsgpt2.db.meta import record_eval
 
     cfg, _, uri = corpus
     conn = Connection(load_config(cfg))

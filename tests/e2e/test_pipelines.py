@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, db_for, write_config
+from dsgpt2.db.client import EVAL_RESULTS, Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import EVAL_RESULTS, Connection
 from pace import deadline, wait_for
 
 pytestmark = pytest.mark.slow

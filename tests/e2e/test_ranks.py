@@ -17,8 +17,8 @@ import pytest
 from conftest import ROOT, check_lineage, run_cli, store_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.train.metrics import read_metrics
 from pace import deadline
 from training import (

@@ -18,8 +18,9 @@ from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.loader import iter_eval_batches
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import StreamingChunks, tokenizer_digest
+from dsgpt2.db.client import EVAL_RESULTS, Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import EVAL_RESULTS, Connection, MongoWrapper
+from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
 from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model

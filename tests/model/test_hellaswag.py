@@ -12,7 +12,7 @@ import torch
 
 from conftest import db_for, run_cli, store_config, tiny_export
 from corpora import examples
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.model.hellaswag import Example, read_examples, result, score
 from pace import deadline
 

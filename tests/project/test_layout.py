@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import os
 from pathlib import Path
@@ -195,6 +196,51 @@ def test_no_class_is_longer_than_300_lines() -> None:
         if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300
     ]
     assert long == []
+
+
+def test_no_module_is_longer_than_600_lines() -> None:
+    """A module holds one concern: past 600 lines it holds several (split it by concern)."""
+    long = [f"{path.relative_to(ROOT)} ({n} lines)" for path in _modules()
+            if (n := len(path.read_text().splitlines())) > 600]  # fmt: skip
+    assert long == []
+
+
+def test_a_command_is_declared_in_one_place() -> None:
+    """Every command is an entry of the table of commands (a `Command`): only `cli/common.py` makes
+    subparsers and binds handlers, so no command is declared beside the table."""
+    found = []
+    for path in _modules():
+        if path == PACKAGE / "cli" / "common.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "attr", "")
+            binds = name == "set_defaults" and any(k.arg == "func" for k in node.keywords)
+            if name == "add_parser" or binds:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}")
+    assert found == []
+
+
+BUILTIN_ERRORS = {
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+}
+
+
+def test_every_error_the_package_defines_derives_from_the_root() -> None:
+    """One exception root: a class deriving from a built-in exception is the root itself, every other
+    error derives from the root (through its subclasses), so a user error anywhere ends as one line and
+    its exit code."""
+    outside = []
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name != "DsGpt2Error":
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & BUILTIN_ERRORS:
+                    outside.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert outside == []
 
 
 # Signatures allowed more than five positional parameters ("module:Qual.name"), each with the reason

@@ -11,8 +11,8 @@ import pytest
 from conftest import ROOT, make_config, run_cli, seed, store_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer import texts as vocab_mod
 from dsgpt2.tokenizer.bpe import EOT, PAD, VocabSettings, train_vocab

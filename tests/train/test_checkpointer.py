@@ -19,7 +19,7 @@ from dsgpt2.corpus.marks import prefix_record, read_marks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.sources import LAYOUTS
 from dsgpt2.data.table import ChunkTable
-from dsgpt2.db.mongo import Connection
+from dsgpt2.db.client import Connection
 from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainingAborted, TrainState
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 

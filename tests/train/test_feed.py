@@ -15,7 +15,8 @@ from dsgpt2.data.cache import CachedChunks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.mixture import Stage
 from dsgpt2.data.sources import DataSpec, StreamingChunks, make_spec
-from dsgpt2.db.mongo import Connection, read_meta
+from dsgpt2.db.client import Connection
+from dsgpt2.db.meta import read_meta
 from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.train.config import DataOptions

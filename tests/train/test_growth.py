@@ -18,8 +18,8 @@ from dsgpt2.checkpoints.format import read_client_state
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from dsgpt2.db.mongo import Connection
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics

@@ -1,0 +1,310 @@
+"""The client of a MongoDB database: the per-process connection, retries of transient errors, one-line
+errors naming the host (never the password), the read preference, the server's parse of FILTER, and
+checks that collections exist.
+
+The corpus is read and written through the clients made here (:mod:`dsgpt2.db.embedded` starts the server
+of a ``local://`` database); the pymongo names the rooms above write with are given here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import pymongo
+from pymongo.errors import (
+    AutoReconnect,
+    ConfigurationError,
+    OperationFailure,
+    PyMongoError,
+)
+
+from dsgpt2.db import embedded
+from dsgpt2.db.config import ENV_URI, MongoConfig
+from dsgpt2.db.filters import check_filter_languages, filter_refusal
+from dsgpt2.errors import ConfigError, CorpusError, MongoUnavailableError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# What the rooms above write with (bulk updates, index keys, the errors they catch, ``OperationFailure``
+# among them), named here so that only this layer imports pymongo.
+ASCENDING = pymongo.ASCENDING
+UpdateOne = pymongo.UpdateOne
+UpdateMany = pymongo.UpdateMany
+DatabaseError = PyMongoError
+
+# AutoReconnect covers NetworkTimeout and ServerSelectionTimeoutError: a primary
+# stepping down, a dropped socket, a server restarting. Reads are idempotent,
+# so retrying them is safe.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (AutoReconnect,)
+MAX_BACKOFF_S = 30.0
+
+
+def unreachable_message(config: MongoConfig, exc: BaseException | None = None) -> str:
+    timeout = config.server_selection_timeout_ms
+    reason = f" ({config.scrub(first_line(exc))})" if exc is not None else ""
+    return (
+        f"cannot reach MongoDB at {config.hosts} within {timeout} ms{reason}; "
+        f"check that the server is running and reachable from here, and the host and port "
+        f"in MONGO_CONNECTION_STRING (config file or the {ENV_URI} environment variable)"
+    )
+
+
+def unavailable_error(config: MongoConfig, exc: BaseException) -> MongoUnavailableError:
+    """The error to show for a failed ping: unreachable, login refused, or other."""
+    if isinstance(exc, OperationFailure):
+        if exc.code in (18, 8000) or "auth" in str(exc).lower():
+            return MongoUnavailableError(
+                f"MongoDB at {config.hosts} refused the login: {config.scrub(first_line(exc))}; "
+                f"check the user and password in MONGO_CONNECTION_STRING "
+                f"(or the {ENV_URI} environment variable)"
+            )
+        return MongoUnavailableError(f"MongoDB at {config.hosts}: {config.scrub(first_line(exc))}")
+    return MongoUnavailableError(unreachable_message(config, exc))
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def with_retries(
+    fn: Callable[[], T],
+    config: MongoConfig,
+    what: str,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Run the read ``fn``, retrying transient errors with exponential backoff.
+
+    Raises:
+        MongoUnavailableError: still failing after ``config.retries`` retries.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except TRANSIENT_ERRORS as exc:
+            if attempt >= config.retries:
+                raise MongoUnavailableError(
+                    f"{what} failed {attempt + 1} times on MongoDB at {config.hosts}: "
+                    f"{config.scrub(first_line(exc))}; check the server and the network, "
+                    f"or raise RETRIES in the config"
+                ) from None
+            delay = min(MAX_BACKOFF_S, config.retry_backoff_s * 2**attempt)
+            delay *= 1 + random.random() * 0.1  # jitter, so that ranks do not retry in lockstep
+            log.warning(
+                "%s: transient MongoDB error (%s); retry %d/%d in %.1fs",
+                what, config.scrub(first_line(exc)), attempt + 1, config.retries, delay,
+            )  # fmt: skip
+            sleep(delay)
+            attempt += 1
+
+
+@contextlib.contextmanager
+def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[None]:
+    """Turn a pymongo error raised inside into one line naming the host (never the password).
+
+    Raises:
+        MongoUnavailableError: for any pymongo error (after whatever retries ran inside).
+    """
+    try:
+        yield
+    except PyMongoError as exc:
+        raise MongoUnavailableError(
+            f"{what} failed on MongoDB at {config.hosts}: {config.scrub(first_line(exc))}; {advice}"
+        ) from None
+
+
+class Connection:
+    """A lazily made client for the current process, and the database to use.
+
+    The client is created on first use in the process that uses it. After a
+    fork (DataLoader workers, launcher ranks) the child makes its own instead
+    of reusing the parent's, and a pickled connection carries no client.
+    """
+
+    def __init__(self, config: MongoConfig) -> None:
+        self.config = config
+        self._client: Any = None
+        self._pid: int | None = None
+        self._filter_checked = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "_client": None, "_pid": None}
+
+    def __repr__(self) -> str:
+        return f"Connection({self.config.display_uri!r}, db={self.config.db!r})"
+
+    @property
+    def client(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            self._client = self._make_client()
+            self._pid = os.getpid()
+        return self._client
+
+    @property
+    def client_pid(self) -> int | None:
+        """The process that made the current client (None before first use)."""
+        return self._pid
+
+    @property
+    def db(self) -> Any:
+        return self.client[self.config.db]
+
+    def _make_client(self) -> Any:
+        uri = self.config.uri
+        if embedded.is_local(uri):  # the embedded server: started here if none runs yet
+            uri = embedded.ensure(embedded.local_dir(uri))
+        try:
+            return pymongo.MongoClient(
+                uri,
+                serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
+                connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
+                socketTimeoutMS=self.config.socket_timeout_ms,
+                appname="dsgpt2",
+                connect=False,
+            )
+        except ConfigurationError as exc:
+            raise ConfigError(
+                f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: "
+                f"{self.config.scrub(first_line(exc))}"
+            ) from None
+
+    def ping(self) -> None:
+        """Check that the server answers; fail fast with a clear message if not.
+
+        Raises:
+            MongoUnavailableError: no server within the selection timeout, or login refused.
+        """
+        try:
+            self.client.admin.command("ping")
+        except PyMongoError as exc:
+            self.close()
+            raise unavailable_error(self.config, exc) from None
+        self.check_filter()  # every command that reads starts here: a bad FILTER stops it first
+
+    def check_filter(self) -> None:
+        """:func:`check_filter`, once per connection."""
+        if not self._filter_checked:
+            check_filter(self)
+            self._filter_checked = True
+
+    def close(self) -> None:
+        if self._client is not None and self._pid == os.getpid():
+            self._client.close()
+        self._client = None
+        self._pid = None
+
+
+def read_preference(config: MongoConfig) -> Any:
+    """pymongo's read preference for the training reads of ``config`` (READ_PREFERENCE, _TAGS)."""
+    from pymongo import read_preferences as rp
+
+    mode = {
+        "primary": rp.Primary,
+        "primaryPreferred": rp.PrimaryPreferred,
+        "secondary": rp.Secondary,
+        "secondaryPreferred": rp.SecondaryPreferred,
+        "nearest": rp.Nearest,
+    }[config.read_preference]
+    if mode is rp.Primary:
+        return rp.Primary()
+    return mode(tag_sets=[dict(t) for t in config.read_preference_tags] or None)
+
+
+# The collection evaluation results are recorded in, beside the corpus (:func:`dsgpt2.db.meta.record_eval`):
+# one of the toolkit's own collections, which :func:`check_exist` does not name as corpus.
+EVAL_RESULTS = "eval_results"
+
+
+def existing_collections(conn: Connection) -> list[str]:
+    """The names of the collections in the configured database (none if it does not exist)."""
+    return sorted(with_retries(conn.db.list_collection_names, conn.config, "list collections"))
+
+
+def require_collections(conn: Connection, config_path: str = "CONFIG") -> None:
+    """Raise when a configured collection does not exist in the database.
+
+    Raises:
+        CorpusError: naming the missing collections, those that exist, and the fix.
+    """
+    have = existing_collections(conn)
+    missing = [c for c in conn.config.collections if c not in have]
+    if not missing:
+        return
+    holds = f"it holds {', '.join(have)}" if have else "it holds no collection (empty or absent)"
+    raise CorpusError(
+        f"collection(s) {', '.join(missing)} not found in database {conn.config.db!r} at "
+        f"{conn.config.display_uri} ({holds}); ingest them first (dsgpt2 ingest --config {config_path} "
+        f"--collection {missing[0]} FILE...) or fix COLLECTIONS in {config_path}"
+    )
+
+
+def check_exist(conn: Connection, names: Sequence[str], fix: str) -> None:
+    """Raise when one of ``names`` is not a collection of the database, before any work reads it (an
+    absent collection reads as an empty one: an empty split, a count of 0, advice that cannot help).
+
+    Raises:
+        CorpusError: one line naming the missing ones, the corpus collections the database holds, and
+            ``fix`` (the command's way to name others).
+    """
+    have = existing_collections(conn)
+    missing = [n for n in names if n not in have]
+    if not missing:
+        return
+    # The toolkit's own collections are no corpus to name.
+    corpus = [c for c in have if c not in (conn.config.meta_collection, EVAL_RESULTS)]
+    corpus = [c for c in corpus if not c.startswith("system.")]
+    holds = f"it holds {', '.join(corpus)}" if corpus else "it holds no corpus collection"
+    what = "collection {} does" if len(missing) == 1 else "collections {} do"
+    raise CorpusError(
+        f"{what.format(', '.join(map(repr, missing)))} not exist in database {conn.config.db!r} "
+        f"({holds}); {fix}"
+    )
+
+
+def check_filter(conn: Connection) -> None:
+    """Ask the server to parse the config's FILTER once, on no document of the corpus, so that an
+    operator it refuses is one line before any work, not a failure in a worker hours later.
+
+    One empty document matched in the server has every operator parsed (``$documents``: MongoDB 5.1+
+    and the embedded server); older servers parse the whole query before they use the idx index that
+    rules out every document (``idx`` -1).
+
+    Raises:
+        ConfigError: the server refuses the query (the message names the key and the operator).
+    """
+    config = conn.config
+    query = config.filter_query
+    if query is None:
+        return
+    check_filter_languages(query, config.filter)
+
+    def ask() -> None:
+        try:
+            list(conn.db.aggregate([{"$documents": [{}]}, {"$match": query}]))
+        except OperationFailure as exc:
+            if exc.code not in (40324, 40602) and "$documents" not in str(exc):
+                raise
+            conn.db[config.collections[0]].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1})
+
+    try:
+        with_retries(ask, config, "checking FILTER")
+    except OperationFailure as exc:
+        reason = str((exc.details or {}).get("errmsg") or first_line(exc)).split(", full error")[0]
+        raise ConfigError(
+            f"FILTER {config.filter}: {filter_refusal(query, reason)}; fix FILTER in the config"
+        ) from None
+
+
+def connect(config: MongoConfig) -> Connection:
+    """Open a connection and check that the server answers."""
+    conn = Connection(config)
+    conn.ping()
+    return conn

@@ -1,0 +1,107 @@
+"""The checks of a config's FILTER that need no server: the language codes it may compare ``lang`` with,
+and the wording of the server's refusal (the key it names, the operator most like a typo).
+
+:func:`dsgpt2.db.client.check_filter` asks the server to parse FILTER and uses both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+
+# The field `dsgpt2 langid` labels, and every code its model (py3langid 0.4) can put there; a test of
+# dsgpt2/curation/language.py keeps the list equal to the model's. The list is curation's, but it lives
+# here, in db/: FILTER is checked where the query is made, below curation, before anything is read.
+LANGUAGE_FIELD = "lang"
+_CODES = """ace af am an ar ary arz as az ba bcl be bg bn br bs ca crh cs cy da de dz el en eo es et eu ext fa
+fi fo fr fuv fy ga gcf gcr gd gl gom grc gu gug guw ha hbo he hi hr ht hu hy id ig is it ja jv ka
+kab kik kk km kn ko ku ky la lb lg lij ln lo lt ltg lv mg mk ml mn mr ms mt my ne nl nn no nso oc om
+or pa pcm pl ps pt qu ro ru rw sa sdh se si sk sl sn so sq sr st sv sw ta te tg th tk tl tr tt ug uk
+ur uz uzs vec vi vo wa wuu xh yo yue zh zu zxx"""
+LANGUAGE_CODES = frozenset(_CODES.split())
+
+
+def check_filter_languages(query: Any, shown: str) -> None:
+    """Refuse a FILTER that compares ``lang`` with a code the language model never emits (it would
+    select nothing, or everything): ``{"lang": "xx"}``, ``{"lang": {"$in": ["en", "zz"]}}``, also
+    inside ``$and``, ``$or``, ``$nor`` and ``$not``.
+
+    Raises:
+        ConfigError: naming the code.
+    """
+    for code in _language_values(query):
+        if code not in LANGUAGE_CODES:
+            raise ConfigError(
+                f"FILTER {shown}: {LANGUAGE_FIELD!r} {code!r} is not a language code `dsgpt2 langid` "
+                f"labels (ISO 639, e.g. en, de, zh; {len(LANGUAGE_CODES)} codes); fix FILTER in the config"
+            )
+
+
+def _language_values(query: Any) -> Iterator[str]:
+    if isinstance(query, list):
+        for item in query:
+            yield from _language_values(item)
+    elif isinstance(query, dict):
+        for key, value in query.items():
+            if key in ("$and", "$or", "$nor"):
+                yield from _language_values(value)
+            elif key == LANGUAGE_FIELD:
+                yield from _compared_codes(value)
+
+
+def _compared_codes(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for op, operand in value.items():
+            if op in ("$eq", "$ne") and isinstance(operand, str):
+                yield operand
+            elif op in ("$in", "$nin") and isinstance(operand, list):
+                yield from (v for v in operand if isinstance(v, str))
+            elif op == "$not":
+                yield from _compared_codes(operand)
+
+
+# Query operators, to suggest one for a typo the server refuses.
+QUERY_OPERATORS = [
+    "$eq", "$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$and", "$or", "$nor", "$not",
+    "$exists", "$type", "$expr", "$jsonSchema", "$mod", "$regex", "$options", "$text", "$all",
+    "$elemMatch", "$size", "$bitsAllClear", "$bitsAllSet", "$bitsAnyClear", "$bitsAnySet", "$comment",
+]  # fmt: skip
+
+
+def filter_refusal(query: Any, reason: str) -> str:
+    """The server's ``reason`` for refusing ``query``, with the key of the operator it names and, for an
+    unknown one, the operator most like it."""
+    import difflib
+    import re
+
+    named = re.search(r"\$[A-Za-z]\w*", reason)
+    if named is None:
+        return f"the server refuses it ({reason})"
+    operator = named.group(0)
+    key = _key_of(query, operator)
+    where = f"key {key!r}, operator {operator}" if key else f"operator {operator}"
+    text = f"the server refuses {where} ({reason})"
+    if "unknown" in reason:
+        close = difflib.get_close_matches(operator, QUERY_OPERATORS, n=1)
+        if close:
+            text += f"; did you mean {close[0]}?"
+    return text
+
+
+def _key_of(query: Any, operator: str, key: str | None = None) -> str | None:
+    """The field whose condition holds ``operator`` (None: a top-level one or not found)."""
+    if isinstance(query, list):
+        return next((k for item in query if (k := _key_of(item, operator, key)) is not None), None)
+    if not isinstance(query, Mapping):
+        return None
+    for name, value in query.items():
+        if name == operator:
+            return key
+        found = _key_of(value, operator, key if name.startswith("$") else name)
+        if found is not None:
+            return found
+    return None
