@@ -35,7 +35,7 @@ NGRAM = Range(int, 5)  # dsgpt2.curation.decontaminate.MIN_NGRAM: shorter n-gram
 
 @dataclass(frozen=True, kw_only=True)
 class ConnectionSettings:
-    """The connection config and the log level: what every pass command reads besides its own flags."""
+    """The connection config and the log level: every pass command's first flags."""
 
     config: str = config_option()
     verbose: bool = verbose_option()
@@ -45,8 +45,6 @@ class ConnectionSettings:
 class DedupSettings:
     """``dsgpt2 dedup``: which duplicates, and how near is near."""
 
-    config: str = config_option()
-    verbose: bool = verbose_option()
     exact: bool = option(False, "exact duplicates, by text_hash")
     near: bool = option(False, "near duplicates, by MinHash LSH")
     threshold: float = option(
@@ -76,8 +74,6 @@ class CurateSettings:
         positional=True,
         choices=["report"],
     )
-    config: str = config_option()
-    verbose: bool = verbose_option()
     rules: tuple[str, ...] = option(
         RULES, f"rule sets (default: {','.join(RULES)})", type=comma_list, metavar="A,B"
     )
@@ -99,8 +95,6 @@ class CurateSettings:
 class DecontaminateSettings:
     """``dsgpt2 decontaminate``: the evaluation files, their set names and the n-gram size."""
 
-    config: str = config_option()
-    verbose: bool = verbose_option()
     against: tuple[Path, ...] = option(
         (),
         "evaluation files (JSON lines, optionally .gz): HellaSwag as `evaluate --hellaswag` reads it, "
@@ -123,8 +117,6 @@ class DecontaminateSettings:
 class RedactSettings:
     """``dsgpt2 redact``: the connection, and whether documents a run trained on may change."""
 
-    config: str = config_option()
-    verbose: bool = verbose_option()
     force: bool = option(
         False,
         "redact documents a run has trained on all the same (their texts change under its checkpoints)",
@@ -159,13 +151,14 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     from dsgpt2.curation.neardup import Signing
 
     settings, passes = from_namespace(DedupSettings, args), from_namespace(PassSettings, args)
+    config = from_namespace(ConnectionSettings, args).config
     if not (settings.exact or settings.near):
         raise usage("dedup", "say which duplicates: --exact, --near, or both")
     steps: list[Pass] = [Hashing()] if settings.exact else []
     if settings.near:
         params = LshParams(threshold=settings.threshold, ngram=settings.ngram, num_perm=settings.num_perm)
         steps.append(Signing(params))
-    return run_passes("dedup", settings.config, passes, steps)
+    return run_passes("dedup", config, passes, steps)
 
 
 def cmd_curate(args: argparse.Namespace) -> int:
@@ -173,8 +166,9 @@ def cmd_curate(args: argparse.Namespace) -> int:
     from dsgpt2.curation.quality import resolve_thresholds
 
     settings, passes = from_namespace(CurateSettings, args), from_namespace(PassSettings, args)
+    config = from_namespace(ConnectionSettings, args).config
     if settings.action == "report":
-        return _curation_report(settings, passes)
+        return _curation_report(config, settings, passes)
     unknown = [r for r in settings.rules if r not in RULES]
     if unknown:
         raise usage("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {', '.join(RULES)}")
@@ -188,16 +182,16 @@ def cmd_curate(args: argparse.Namespace) -> int:
         if not sep:
             raise usage("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
     thresholds = resolve_thresholds(overrides)
-    return run_passes("curate", settings.config, passes, [Curation(list(settings.rules), thresholds)])
+    return run_passes("curate", config, passes, [Curation(list(settings.rules), thresholds)])
 
 
-def _curation_report(settings: CurateSettings, passes: PassSettings) -> int:
+def _curation_report(config_path: str, settings: CurateSettings, passes: PassSettings) -> int:
     from dataclasses import asdict
 
     from dsgpt2.curation import report as curation_report
     from dsgpt2.db.client import connect
 
-    config = load_connection(settings.config)
+    config = load_connection(config_path)
     names = collection_names(passes.collection, config, "curate")
     plot = Path(settings.plot)
     check_writable(plot, "--plot")
@@ -214,6 +208,7 @@ def cmd_decontaminate(args: argparse.Namespace) -> int:
     from dsgpt2.curation.decontaminate import Decontamination, load_sets
 
     settings, passes = from_namespace(DecontaminateSettings, args), from_namespace(PassSettings, args)
+    config = from_namespace(ConnectionSettings, args).config
     if not settings.against:
         raise usage("decontaminate", "give the evaluation files: --against FILE...")
     names: list[str | None] = list(settings.name or [None] * len(settings.against))
@@ -223,21 +218,22 @@ def cmd_decontaminate(args: argparse.Namespace) -> int:
             f"--name given {len(names)} times for {len(settings.against)} --against files: one per file",
         )
     sets = load_sets(settings.against, names, settings.ngram)
-    return run_passes("decontaminate", settings.config, passes, [Decontamination(sets, settings.ngram)])
+    return run_passes("decontaminate", config, passes, [Decontamination(sets, settings.ngram)])
 
 
 def cmd_langid(args: argparse.Namespace) -> int:
     from dsgpt2.curation.language import Labelling
 
-    settings, passes = from_namespace(ConnectionSettings, args), from_namespace(PassSettings, args)
-    return run_passes("langid", settings.config, passes, [Labelling()])
+    config, passes = from_namespace(ConnectionSettings, args).config, from_namespace(PassSettings, args)
+    return run_passes("langid", config, passes, [Labelling()])
 
 
 def cmd_redact(args: argparse.Namespace) -> int:
     from dsgpt2.curation.pii import Redaction
 
     settings, passes = from_namespace(RedactSettings, args), from_namespace(PassSettings, args)
-    return run_passes("redact", settings.config, passes, [Redaction(force=settings.force)])
+    config = from_namespace(ConnectionSettings, args).config
+    return run_passes("redact", config, passes, [Redaction(force=settings.force)])
 
 
 DEDUP = Command(
@@ -262,7 +258,7 @@ DEDUP = Command(
         "  dsgpt2 dedup --config c.json --near --workers 4 --part 1/2   # machine 1 of 2, then:\n"
         "  dsgpt2 dedup --config c.json --near"
     ),
-    settings=(DedupSettings, PassSettings),
+    settings=(ConnectionSettings, DedupSettings, PassSettings),
     handler=cmd_dedup,
 )
 
@@ -282,7 +278,7 @@ CURATE = Command(
         "examples:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30\n"
         "  dsgpt2 curate report --config c.json --plot curation.png   # what every pass marked"
     ),
-    settings=(CurateSettings, PassSettings),
+    settings=(ConnectionSettings, CurateSettings, PassSettings),
     handler=cmd_curate,
 )
 
@@ -305,7 +301,7 @@ DECONTAMINATE = Command(
         "  dsgpt2 decontaminate --config c.json --against hellaswag_val.jsonl\n"
         "  dsgpt2 decontaminate --config c.json --against mmlu.jsonl.gz --name mmlu --ngram 8 --workers 4"
     ),
-    settings=(DecontaminateSettings, PassSettings),
+    settings=(ConnectionSettings, DecontaminateSettings, PassSettings),
     handler=cmd_decontaminate,
 )
 
@@ -347,6 +343,6 @@ REDACT = Command(
         "  dsgpt2 redact --config c.json --collection web --workers 4\n"
         "  dsgpt2 ingest --config c.json --pii web.jsonl   # redacted as it is ingested"
     ),
-    settings=(RedactSettings, PassSettings),
+    settings=(ConnectionSettings, RedactSettings, PassSettings),
     handler=cmd_redact,
 )

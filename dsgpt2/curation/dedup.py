@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.neardup import NearLookup
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, duplicates_line, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateMany, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash
@@ -64,15 +64,7 @@ class DedupReport:
     examples: list[tuple[str, str]] = field(default_factory=list)  # (copy, kept)
 
     def lines(self) -> list[str]:
-        out = []
-        for c in self.collections:
-            share = f" ({c.duplicates / c.documents:.1%})" if c.documents else ""
-            out.append(
-                f"{c.name}: {c.documents} documents, {c.hashed} hashed by this run; {c.duplicates} exact "
-                f"duplicate(s){share} marked {DUP_OF} ({c.marked} by this run"
-                + (f", {c.unmarked} unmarked" if c.unmarked else "")
-                + ")"
-            )
+        out = [duplicates_line(c, c.hashed, "hashed", "exact duplicate(s)", DUP_OF) for c in self.collections]
         out.append(f"{self.groups} text(s) held more than once ({self.seconds:.1f}s)")
         out.extend(f"e.g. {copy} repeats {kept}" for copy, kept in self.examples)
         out.append(

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, ensure_index, set_each
+from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, duplicates_line, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateOne, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_text
@@ -208,14 +208,9 @@ class NearReport:
         p = self.params
         out = [f"near duplicates at Jaccard >= {p.threshold} of word {p.ngram}-grams "
                f"({p.num_perm} permutations, {p.bands} bands of {p.rows} rows)"]  # fmt: skip
-        for c in self.collections:
-            share = f" ({c.duplicates / c.documents:.1%})" if c.documents else ""
-            out.append(
-                f"{c.name}: {c.documents} documents, {c.signed} signed by this run; {c.duplicates} near "
-                f"duplicate(s){share} marked {NEAR_OF} ({c.marked} by this run"
-                + (f", {c.unmarked} unmarked" if c.unmarked else "")
-                + ")"
-            )
+        out += [
+            duplicates_line(c, c.signed, "signed", "near duplicate(s)", NEAR_OF) for c in self.collections
+        ]
         out.append(
             f"{self.buckets} candidate bucket(s), {self.compared} pair(s) compared, {self.confirmed} "
             f"confirmed, {self.clusters} cluster(s) ({self.seconds:.1f}s)"

@@ -316,6 +316,16 @@ def run_pass(
     return report
 
 
+def duplicates_line(part: Any, done: int, verb: str, what: str, mark: str) -> str:
+    """A collection's line in a dedup stage's report: its documents, ``done`` of them ``verb`` by this
+    run, and the copies marked ``mark`` (``part``: its ``name``, ``documents``, ``duplicates``,
+    ``marked`` and ``unmarked`` by this run)."""
+    share = f" ({part.duplicates / part.documents:.1%})" if part.documents else ""
+    unmarked = f", {part.unmarked} unmarked" if part.unmarked else ""
+    return (f"{part.name}: {part.documents} documents, {done} {verb} by this run; {part.duplicates} {what}"
+            f"{share} marked {mark} ({part.marked} by this run{unmarked})")  # fmt: skip
+
+
 def part_line(step: Pass, split: Split) -> list[str]:
     """The report's last line on a run of ``step`` over part of the idx ranges: what is left to another
     run."""
