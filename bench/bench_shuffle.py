@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,12 +127,9 @@ def _train_and_evaluate(
     run.mkdir(parents=True)
     mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "shuffle",
                               "COLLECTIONS": [collection]}, env={})  # fmt: skip
-    (run / "mongo.json").write_text(json.dumps(mongo.to_dict()))
     recipe = demo_recipe()
     cfg = TrainConfig(
-        data=DataOptions(
-            config_train=run / "mongo.json", vocab_dir=tokenizer, tr_ratio=1.0, read_order=order, seed=seed
-        ),
+        data=DataOptions(config_train=None, vocab_dir=tokenizer, tr_ratio=1.0, read_order=order, seed=seed),
         model=ModelOptions(model_select="tiny"),
         run=RunOptions(train_iters=STEPS, eval_interval=10 * STEPS, workspace=run / "train", wandb="off"),
         ckpt=CheckpointOptions(ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),

@@ -145,15 +145,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     source, output = from_namespace(ModelSource, args), from_namespace(EvaluateSettings, args)
     request = from_namespace(EvalRequest, args)
-    # --hellaswag and --hellaswag_limit are the trainer's flags: its RunOptions checks the file.
+    # --hellaswag and --hellaswag_limit are the trainer's flags, read here as a run reads them.
     trainer = from_namespace(RunOptions, args)
-    config = load_connection(output.config)
     examples = None
     if trainer.hellaswag:
         from dsgpt2.model.hellaswag import read_examples
 
         examples = read_examples(trainer.hellaswag, trainer.hellaswag_limit)
-    else:
+    config = load_connection(output.config)
+    if examples is None:
         check_collections(config, request)
     loaded = source.load()
     split = "hellaswag" if examples else request.split

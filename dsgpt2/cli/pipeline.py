@@ -308,9 +308,7 @@ def _train(
     run.mkdir(parents=True, exist_ok=True)
     # Each demo trains afresh: the checkpoints of an earlier demo in this directory go.
     shutil.rmtree(run / "ckpt", ignore_errors=True)
-    (run / "mongo.json").write_text(json.dumps(config.to_dict()))
     cfg = train_config(run, steps, pretrain, **model)
-    # The config object, not the file: the file holds no password (to_dict redacts it).
     trainer = build_trainer(cfg, mongo=config)
     result = trainer.train()
     records = read_metrics(run / "train" / "metrics.jsonl")
@@ -328,10 +326,11 @@ def _train(
 
 
 def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) -> Any:
-    """A demo training run's configuration, in ``run`` (its connection config in ``run/mongo.json``):
-    the recipe's split, and its evaluations and checkpoints spread over ``steps``; ``pretrain``: the
-    recipe's model, schedule and DeepSpeed config (as shipped) too, else the shipped CPU config's.
-    ``model``: ModelOptions fields, and ``vocab_dir`` (default: the ``init_from`` model's)."""
+    """A demo training run's configuration, in ``run``: the recipe's split, and its evaluations and
+    checkpoints spread over ``steps``; ``pretrain``: the recipe's model, schedule and DeepSpeed config
+    (as shipped) too, else the shipped CPU config's. ``model``: ModelOptions fields, and ``vocab_dir``
+    (default: the ``init_from`` model's). No connection config file: the demo hands its connection
+    config to the trainer's build."""
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
@@ -355,7 +354,7 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
     evals, saves = recipe.train_iters // recipe.eval_interval, recipe.train_iters // recipe.save_interval
     every_eval, every_save = max(1, steps // evals), max(1, steps // saves)
     return TrainConfig(
-        data=from_namespace(DataOptions, recipe, config_train=run / "mongo.json", vocab_dir=vocab_dir),
+        data=from_namespace(DataOptions, recipe, config_train=None, vocab_dir=vocab_dir),
         model=model_options,
         run=from_namespace(
             RunOptions, recipe, train_iters=steps, eval_interval=every_eval, workspace=run / "train"

@@ -90,8 +90,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from dsgpt2.train.config import data_spec
     from dsgpt2.train.engine import run_context
 
-    data, model = from_namespace(DataOptions, args), from_namespace(ModelOptions, args)
-    settings = from_namespace(TokenizeSettings, args)
+    data = from_namespace(DataOptions, args)
+    data.check_files()
+    model, settings = from_namespace(ModelOptions, args), from_namespace(TokenizeSettings, args)
     context = run_context(model)
     spec = data_spec(data, model, context)
     config = load_config(data.config_train)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dsgpt2.documents import text_problem
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
@@ -69,7 +69,7 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = {"user": "user", "assistant": "bot"}
 
 
-class ApiError(Exception):
+class ApiError(DsGpt2Error):
     """A request answered with an OpenAI error object."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "") -> None:
@@ -77,6 +77,8 @@ class ApiError(Exception):
         self.param = param
         self.status = status
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        # The client's mistake (4xx) is a user's error; a 5xx one the server's, as GenerationFailed.
+        self.exit_code = 2 if status < 500 else 1
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}

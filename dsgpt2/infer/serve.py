@@ -37,7 +37,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, DsGpt2Error
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Engine, GenerationFailed
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
@@ -56,8 +56,10 @@ from dsgpt2.infer.settings import ServeLimits
 log = logging.getLogger(__name__)
 
 
-class BadRequest(Exception):
+class BadRequest(DsGpt2Error):
     """A request the server refuses with 400."""
+
+    exit_code = 2  # the client's mistake, as a bad flag is the user's
 
 
 def parse_request(

@@ -3,6 +3,8 @@
 Defaults live here and nowhere else; ``ds_trainer.py``'s parser (and ``dsgpt2 tokenize``'s data
 flags) are derived from these classes (:mod:`dsgpt2.settings.options`), and every value is checked on
 construction with a message that names the flag, whether it came from the command line or from code.
+The files the options name are read when a run is built (:meth:`TrainConfig.check_files`, called by
+the trainer's ``build``), so that a configuration is plain data until then.
 """
 
 from __future__ import annotations
@@ -18,21 +20,15 @@ from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
-from dsgpt2.settings.argtypes import (
-    OneLineErrorParser,
-    accept_hyphen_spellings,
-    non_negative_int,
-    positive_int,
-    ratio,
-)
+from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
 from dsgpt2.settings.options import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    RATIO,
+    Range,
     add_options,
     as_path,
-    check_choice,
-    check_non_negative,
-    check_number,
-    check_positive,
-    check_ratio,
+    check_fields,
     from_namespace,
     option,
 )
@@ -45,6 +41,11 @@ DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
 # The run's resolved configuration (flags, experiment file and defaults), in the run directory and in
 # every checkpoint: `ds_trainer.py --config` runs it again.
 RESOLVED = "config.yaml"
+# A learning rate, a device's peak throughput.
+ABOVE_ZERO = Range(float, 0, low_open=True)
+# A field declared with ``type=int`` or ``type=float`` beside its ``check=`` has a flag that takes any
+# number: an out-of-range one is refused by the check on construction, in the words a setting made in
+# code gets (these flags always answered so), not by the parser.
 
 
 @dataclass
@@ -54,7 +55,7 @@ class ModelOptions:
     model_select: str = option("112m", "model size preset", choices=list(PRESETS))
     model_config: Path | None = option(None, "a GPT-2 config JSON instead of a preset")
     loss_type: str = option("lm_loss", "training objective", choices=["lm_loss"])
-    context_length: int | None = option(None, "tokens per block (default: the preset's)", type=positive_int)
+    context_length: int | None = option(None, "tokens per block (default: the preset's)", check=POSITIVE_INT)
     init_from: Path | None = option(
         None,
         "start from these weights (an export or a checkpoint directory): finetuning; the model "
@@ -72,11 +73,14 @@ class ModelOptions:
 
     def __post_init__(self) -> None:
         self.model_config, self.init_from = as_path(self.model_config), as_path(self.init_from)
-        if self.model_select not in PRESETS:
-            raise ConfigError(
-                f"--model_select {self.model_select!r} is not a preset; choose one of {', '.join(PRESETS)}"
-            )
-        check_positive("--context_length", self.context_length)
+        check_fields(self)
+
+    def check_files(self) -> None:
+        """The model config file reads as one and the weights to start from are there.
+
+        Raises:
+            ConfigError: naming the flag.
+        """
         if self.model_config is not None:
             if not self.model_config.is_file():
                 raise ConfigError(f"--model_config {self.model_config}: file not found")
@@ -91,11 +95,12 @@ class ModelOptions:
 class DataOptions:
     """Where the documents come from and how they become blocks; the data fingerprint's inputs."""
 
-    config_train: Path = option(metavar="JSON", help="MongoDB connection config JSON")
+    # None: the connection config is handed to the trainer's build in code (the demo's).
+    config_train: Path | None = option(metavar="JSON", help="MongoDB connection config JSON")
     vocab_dir: Path | None = option(
         None, f"tokenizer directory (default: the --init_from model's, else {DEFAULT_VOCAB_DIR})"
     )
-    tr_ratio: float = option(DEFAULT_TR_RATIO, "share of documents that train", type=ratio)
+    tr_ratio: float = option(DEFAULT_TR_RATIO, "share of documents that train", check=RATIO)
     seed: int = option(DEFAULT_SEED, "seed of init, split and data order")
     data_mode: str = option(
         "streaming",
@@ -103,7 +108,7 @@ class DataOptions:
         choices=["streaming", "cached"],
     )
     cache_dir: Path | None = option(None, "token cache (default: WORKSPACE/cache)")
-    chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", type=positive_int)
+    chunk_docs: int = option(DEFAULT_CHUNK_DOCS, "documents per chunk", check=POSITIVE_INT)
     read_order: str = option(
         "spread",
         "which documents a training chunk holds: spread (each epoch, documents drawn from all over the "
@@ -111,7 +116,7 @@ class DataOptions:
         "documents, one range query: the order of runs saved before spread reading)",
         choices=list(ORDERS),
     )
-    num_workers: int = option(2, "DataLoader workers per rank", type=non_negative_int)
+    num_workers: int = option(2, "DataLoader workers per rank", check=NON_NEGATIVE_INT)
     allow_corpus_problems: bool = option(False, "train even if the corpus check finds problems")
     check_corpus: bool = option(
         False,
@@ -122,7 +127,7 @@ class DataOptions:
         0,
         "every N steps, take in the documents ingested since (whole chunks), at once; 0: a resumed "
         "run takes them in from its next epoch",
-        type=non_negative_int,
+        check=NON_NEGATIVE_INT,
         metavar="N",
     )
     mixture: str | None = option(
@@ -133,14 +138,18 @@ class DataOptions:
     )
 
     def __post_init__(self) -> None:
-        self.config_train, self.vocab_dir = Path(self.config_train), as_path(self.vocab_dir)
-        check_non_negative("--follow", self.follow)
+        self.config_train, self.vocab_dir = as_path(self.config_train), as_path(self.vocab_dir)
         self.cache_dir = as_path(self.cache_dir)
-        check_ratio("--tr_ratio", self.tr_ratio)
-        check_positive("--chunk_docs", self.chunk_docs)
-        check_choice("--read_order", self.read_order, ORDERS)
-        check_non_negative("--num_workers", self.num_workers)
-        if not self.config_train.is_file():
+        check_fields(self)
+
+    def check_files(self) -> None:
+        """The connection config and the tokenizer named are there (a tokenizer left to the run's
+        default is :meth:`TrainConfig.check_files`'s).
+
+        Raises:
+            ConfigError: naming the flag.
+        """
+        if self.config_train is not None and not self.config_train.is_file():
             raise ConfigError(f"--config_train {self.config_train}: file not found")
         if self.vocab_dir is not None and not (self.vocab_dir / "tokenizer.json").is_file():
             raise ConfigError(
@@ -152,16 +161,16 @@ class DataOptions:
 class RunOptions:
     """How long to train, and what to measure and log."""
 
-    train_iters: int = option(1000, "optimizer steps", type=positive_int)
+    train_iters: int = option(1000, "optimizer steps", check=POSITIVE_INT)
     workspace: Path = option(Path("runs/train"), "run directory: metrics, plot, wandb")
-    eval_interval: int = option(100, "validate every N steps", type=positive_int)
-    eval_iters: int = option(10, "validation batches per evaluation", type=positive_int)
+    eval_interval: int = option(100, "validate every N steps", check=POSITIVE_INT)
+    eval_iters: int = option(10, "validation batches per evaluation", check=POSITIVE_INT)
     eval_batch_size: int | None = option(
-        None, "validation micro-batch (default: training's)", type=positive_int
+        None, "validation micro-batch (default: training's)", check=POSITIVE_INT
     )
-    log_interval: int = option(10, "log metrics every N steps", type=positive_int)
+    log_interval: int = option(10, "log metrics every N steps", check=POSITIVE_INT)
     log_block_ids: bool = option(False, "record every batch's block ids in metrics")
-    max_nonfinite: int = option(5, "abort after this many non-finite losses in a row", type=positive_int)
+    max_nonfinite: int = option(5, "abort after this many non-finite losses in a row", check=POSITIVE_INT)
     wandb: str = option("offline", "wandb mode", choices=["offline", "online", "off"])
     wandb_dir: Path | None = option(None, "wandb directory (default: WORKSPACE)")
     early_stopping: bool = option(
@@ -169,11 +178,21 @@ class RunOptions:
         "stop after --patience evaluations without improvement of --monitor; the best checkpoint is "
         "saved when it is measured, tagged `best` (--ckpt_id best) and never pruned by --keep_last",
     )
-    patience: int = option(5, "evaluations without improvement before --early_stopping stops the run")
+    patience: int = option(
+        5,
+        "evaluations without improvement before --early_stopping stops the run",
+        type=int,
+        check=POSITIVE_INT,
+    )
     monitor: str = option(
         "val_loss", "what --early_stopping watches (lower is better)", choices=["val_loss", "val_ppl"]
     )
-    min_delta: float = option(0.0, "the least decrease of --monitor that counts as an improvement")
+    min_delta: float = option(
+        0.0,
+        "the least decrease of --monitor that counts as an improvement",
+        type=float,
+        check=Range(float, 0.0),
+    )
     hellaswag: Path | None = option(
         None,
         "also score HellaSwag at each evaluation (llm.c's hellaswag_val.jsonl layout: ctx, four endings, "
@@ -181,23 +200,24 @@ class RunOptions:
         metavar="FILE",
     )
     hellaswag_limit: int | None = option(
-        None, "only the first N HellaSwag examples at each evaluation", type=positive_int
+        None, "only the first N HellaSwag examples at each evaluation", check=POSITIVE_INT
     )
 
     def __post_init__(self) -> None:
         self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
         self.hellaswag = as_path(self.hellaswag)
-        check_positive("--hellaswag_limit", self.hellaswag_limit)
+        check_fields(self)
+
+    def check_files(self) -> None:
+        """The HellaSwag file reads as one: a bad file stops the run before it starts.
+
+        Raises:
+            ConfigError: naming the flag and the line.
+        """
         if self.hellaswag is not None:
             from dsgpt2.model.hellaswag import read_examples
 
-            read_examples(self.hellaswag, self.hellaswag_limit)  # a bad file stops the run before it starts
-        for name in ("train_iters", "eval_interval", "eval_iters", "eval_batch_size", "log_interval"):
-            check_positive(f"--{name}", getattr(self, name))
-        check_positive("--max_nonfinite", self.max_nonfinite)
-        check_positive("--patience", self.patience)
-        check_choice("--monitor", self.monitor, ["val_loss", "val_ppl"])
-        check_number("--min_delta", self.min_delta, 0.0)
+            read_examples(self.hellaswag, self.hellaswag_limit)
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
@@ -223,15 +243,17 @@ class ComputeOptions:
         DEFAULT_LOSS_CHUNK,
         "cross-entropy over the LM head in chunks of this many tokens, so the micro-batch's whole float32 "
         "logits never exist at once (0: transformers' loss over the whole logits)",
-        type=non_negative_int,
+        check=NON_NEGATIVE_INT,
     )
     peak_tflops: float | None = option(
-        None, "the device's peak TFLOP/s for MFU (default: known GPUs at the run's precision; none on CPU)"
+        None,
+        "the device's peak TFLOP/s for MFU (default: known GPUs at the run's precision; none on CPU)",
+        type=float,
+        check=ABOVE_ZERO,
     )
 
     def __post_init__(self) -> None:
-        check_choice("--attn_implementation", self.attn_implementation, ATTENTION)
-        check_number("--peak_tflops", self.peak_tflops, 0, low_open=True, optional=True)
+        check_fields(self)
 
 
 @dataclass
@@ -244,21 +266,24 @@ class ScheduleOptions:
         "wsd: warmup, stable, then a linear decay over the last --decay_fraction",
         choices=list(KINDS),
     )
-    lr: float | None = option(None, "peak learning rate (default: the DeepSpeed config's optimizer lr)")
+    lr: float | None = option(
+        None,
+        "peak learning rate (default: the DeepSpeed config's optimizer lr)",
+        type=float,
+        check=ABOVE_ZERO,
+    )
     warmup_iters: int | None = option(
         None,
         "warmup steps (default: the DeepSpeed config's, else 2%% of --train_iters)",
-        type=non_negative_int,
+        check=NON_NEGATIVE_INT,
     )
-    min_lr_ratio: float = option(0.1, "the learning rate at the end, as a share of the peak")
-    decay_fraction: float = option(0.2, "wsd: the share of --train_iters spent decaying", type=ratio)
+    min_lr_ratio: float = option(
+        0.1, "the learning rate at the end, as a share of the peak", type=float, check=Range(float, 0, 1)
+    )
+    decay_fraction: float = option(0.2, "wsd: the share of --train_iters spent decaying", check=RATIO)
 
     def __post_init__(self) -> None:
-        check_choice("--lr_schedule", self.lr_schedule, KINDS)
-        check_number("--lr", self.lr, 0, low_open=True, optional=True)
-        check_non_negative("--warmup_iters", self.warmup_iters)
-        check_number("--min_lr_ratio", self.min_lr_ratio, 0, 1)
-        check_ratio("--decay_fraction", self.decay_fraction)
+        check_fields(self)
 
 
 @dataclass
@@ -266,8 +291,8 @@ class CheckpointOptions:
     """Where checkpoints go, how many stay, and where a run resumes from."""
 
     ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")
-    save_interval: int = option(500, "save every N steps", type=positive_int)
-    keep_last: int = option(3, "keep the last K checkpoints (0: all)", type=non_negative_int)
+    save_interval: int = option(500, "save every N steps", check=POSITIVE_INT)
+    keep_last: int = option(3, "keep the last K checkpoints (0: all)", check=NON_NEGATIVE_INT)
     load_dir: Path | None = option(None, "resume from this directory (an error if it holds none)")
     ckpt_id: str | None = option(None, "resume from this tag instead of `latest`")
     no_resume: bool = option(
@@ -279,8 +304,7 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
-        check_positive("--save_interval", self.save_interval)
-        check_non_negative("--keep_last", self.keep_last)
+        check_fields(self)
         if self.ckpt_id and not self.load_dir:
             self.load_dir = self.ckpt_dir
         if self.no_resume and self.load_dir:
@@ -301,13 +325,13 @@ class EngineOptions:
         "seconds a rank waits for the others (start-up included) before it gives them up: a rank or "
         "node that died or froze ends every other rank within this time, with the last whole "
         "checkpoint kept. Longer than the longest single wait of the run (a checkpoint's writing)",
+        type=int,
+        check=POSITIVE_INT,
     )
 
     def __post_init__(self) -> None:
-        if not self.deepspeed_config:
-            raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
-        self.deepspeed_config = Path(self.deepspeed_config)
-        check_positive("--dist_timeout", self.dist_timeout)
+        self.deepspeed_config = as_path(self.deepspeed_config)
+        check_fields(self)
 
 
 def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
@@ -345,6 +369,21 @@ class TrainConfig:
             raise ConfigError(
                 f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
             )
+
+    def check_files(self) -> None:
+        """Check the files the options name, and fill in the tokenizer directory where none was given
+        (the ``--init_from`` model's, else ``runs/tokenizer``): what a run does before anything else.
+
+        Raises:
+            ConfigError: a file that is not there or does not read as what its flag takes, naming
+                the flag.
+        """
+        self.data.check_files()
+        self.model.check_files()
+        self.run.check_files()
+        # DeepSpeed's parser adds --deepspeed_config, as an optional flag: it is required here.
+        if not self.engine.deepspeed_config:
+            raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
         if self.data.vocab_dir is None:
             vocab = DEFAULT_VOCAB_DIR
             if self.model.init_from is not None:
@@ -439,7 +478,8 @@ def parse(
     argv: Sequence[str] | None = None, prog: str = "ds_trainer.py", sections: Collection[str] | None = None
 ) -> TrainConfig:
     """Parse ``ds_trainer.py``'s flags (and an experiment file, ``--config run.yaml``) into a checked
-    :class:`TrainConfig`.
+    :class:`TrainConfig`; the files it names are checked as the run is built
+    (:meth:`TrainConfig.check_files`).
 
     Raises:
         ConfigError: a value or a combination of flags that cannot work, naming the flags and the fix.

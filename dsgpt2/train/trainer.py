@@ -25,7 +25,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import MongoUnavailableError
+from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
@@ -100,17 +100,24 @@ class Hooks:
 
 
 def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hooks()) -> Trainer:
-    """Everything a run needs, in the order it needs it: the process group, the corpus marks, the
-    data feed, the checkpoint to resume (found before any model is built, so that one that cannot
-    be resumed fails in seconds), the engine, and the state restored into it.
+    """Everything a run needs, in the order it needs it: the files the configuration names, the
+    process group, the corpus marks, the data feed, the checkpoint to resume (found before any model
+    is built, so that one that cannot be resumed fails in seconds), the engine, and the state
+    restored into it.
 
     Args:
-        cfg: the run's configuration.
+        cfg: the run's configuration (its tokenizer directory filled in where it named none).
         mongo: used instead of reading --config_train (the demo passes its in-process store).
         hooks: see :class:`Hooks`.
+
+    Raises:
+        ConfigError: a file the configuration names is missing or malformed, or no connection config.
     """
     from dsgpt2.db.client import Connection
 
+    cfg.check_files()
+    if mongo is None and cfg.data.config_train is None:
+        raise ConfigError("--config_train is required: the MongoDB connection config JSON")
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)

@@ -126,6 +126,8 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     warned = [line for line in output if re.search(r"(?i)warn|deprecat", line)]
     assert not warned, warned
     summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
+    # Its training runs are told the connection config in memory: no file of it on disk.
+    assert list((tmp_path / "demo").rglob("mongo.json")) == []
     assert summary["ingest"]["documents"] == 1000
     assert summary["validate"] == "ok"
     assert summary["read"]["documents"] == 1000

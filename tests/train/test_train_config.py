@@ -15,6 +15,7 @@ from dsgpt2.train.config import (
     DEFAULT_TR_RATIO,
     CheckpointOptions,
     DataOptions,
+    EngineOptions,
     ModelOptions,
     RunOptions,
     TrainConfig,
@@ -55,8 +56,6 @@ def test_parsed_defaults_are_the_dataclass_defaults(files: dict[str, Path]) -> N
     [
         (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], tr_ratio=1.5), "--tr_ratio"),
         (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["tok"], chunk_docs=0), "--chunk_docs"),
-        (lambda f: DataOptions(config_train=f["mongo"].with_name("nope.json")), "--config_train"),
-        (lambda f: DataOptions(config_train=f["mongo"], vocab_dir=f["mongo"].parent), "--vocab_dir"),
         (lambda f: RunOptions(train_iters=-3), "--train_iters"),
         (lambda f: ModelOptions(model_select="huge"), "--model_select"),
         (lambda f: CheckpointOptions(no_resume=True, ckpt_id="global_step2"), "--no_resume"),
@@ -67,10 +66,61 @@ def test_config_made_in_code_is_checked_like_flags(files: dict[str, Path], make,
         make(files)
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (
+            lambda f: TrainConfig(DataOptions(config_train=f["mongo"].with_name("nope.json"))),
+            r"--config_train .*nope\.json: file not found",
+        ),
+        (
+            lambda f: TrainConfig(DataOptions(config_train=f["mongo"], vocab_dir=f["mongo"].parent)),
+            r"--vocab_dir .*: no tokenizer\.json",
+        ),
+        (
+            lambda f: TrainConfig(DataOptions(f["mongo"]), ModelOptions(model_config=f["tok"] / "m.json")),
+            r"--model_config .*m\.json: file not found",
+        ),
+        (
+            lambda f: TrainConfig(DataOptions(f["mongo"]), ModelOptions(init_from=f["tok"] / "model")),
+            r"--init_from .*model: not found",
+        ),
+        (
+            lambda f: TrainConfig(DataOptions(f["mongo"]), run=RunOptions(hellaswag=f["mongo"].parent / "h")),
+            r"--hellaswag .*h: file not found",
+        ),
+        (
+            lambda f: TrainConfig(DataOptions(f["mongo"], f["tok"]), engine=EngineOptions(None)),
+            r"--deepspeed_config is required",
+        ),
+    ],
+)
+def test_files_are_checked_as_the_run_is_built_not_as_the_config_is_made(
+    files: dict[str, Path], make, message: str
+) -> None:
+    cfg = make(files)
+    with pytest.raises(ConfigError, match=message):
+        cfg.check_files()
+
+
 def test_vocab_dir_default_is_checked(files: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(data=DataOptions(config_train=files["mongo"]))
     with pytest.raises(ConfigError, match=r"--vocab_dir runs/tokenizer: no tokenizer\.json"):
-        TrainConfig(data=DataOptions(config_train=files["mongo"]))
+        cfg.check_files()
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tokenizer").symlink_to(files["tok"])
+    cfg.check_files()
+    assert cfg.data.vocab_dir == Path("runs/tokenizer")
+
+
+def test_a_config_made_in_code_needs_no_connection_config_file(files: dict[str, Path]) -> None:
+    """The connection config can be handed to the trainer's build instead (the demo's)."""
+    cfg = TrainConfig(DataOptions(config_train=None, vocab_dir=files["tok"]))
+    cfg.check_files()
+    assert cfg.data.config_train is None and "config_train" not in cfg.resolved()
+    with pytest.raises(ConfigError, match="--config_train is required"):
+        trainer.build(cfg)
 
 
 @pytest.mark.parametrize(
