@@ -117,11 +117,6 @@ RATIO = Range(float, 0, 1, low_open=True, short="in (0, 1]")  # a share
 PORT = Range(int, 0, 65535)  # a TCP port; 0: any free one
 
 
-def check_int(name: str, value: Any, low: int, high: int | None = None, optional: bool = False) -> None:
-    """``value`` is an integer (not a bool) in ``[low, high]``."""
-    Range(int, low, high).check(name, value, optional)
-
-
 def check_number(
     name: str,
     value: Any,
@@ -135,14 +130,6 @@ def check_number(
     """``value`` is a finite number in ``[low, high]`` (``(low, high]`` with ``low_open``; no upper
     bound with ``high`` None); ``or_zero``: 0 is accepted too."""
     Range(float, low, high, low_open, or_zero).check(name, value, optional)
-
-
-def check_positive(name: str, value: int | None) -> None:
-    POSITIVE_INT.check(name, value, optional=True)
-
-
-def check_non_negative(name: str, value: int | None) -> None:
-    NON_NEGATIVE_INT.check(name, value, optional=True)
 
 
 def check_ratio(name: str, value: float | None) -> None:

@@ -37,10 +37,7 @@ from dsgpt2.settings.options import (
     add_options,
     check_choice,
     check_fields,
-    check_int,
-    check_non_negative,
     check_number,
-    check_positive,
     check_ratio,
     command_names,
     describe,
@@ -252,10 +249,10 @@ def test_check_fields_names_settings_as_given() -> None:
 @pytest.mark.parametrize(
     ("check", "value", "message"),
     [
-        (lambda v: check_int("n", v, 1), 0, "n must be an integer at least 1, got 0"),
-        (lambda v: check_int("n", v, 1), True, "n must be an integer at least 1, got True"),
-        (lambda v: check_int("n", v, 1), 2.5, "n must be an integer at least 1, got 2.5"),
-        (lambda v: check_int("n", v, 1, 16), 17, "n must be an integer between 1 and 16, got 17"),
+        (lambda v: Range(int, 1).check("n", v), 0, "n must be an integer at least 1, got 0"),
+        (lambda v: Range(int, 1).check("n", v), True, "n must be an integer at least 1, got True"),
+        (lambda v: Range(int, 1).check("n", v), 2.5, "n must be an integer at least 1, got 2.5"),
+        (lambda v: Range(int, 1, 16).check("n", v), 17, "n must be an integer between 1 and 16, got 17"),
         (
             lambda v: check_number("t", v, 0.01, 100.0, or_zero=True),
             -1,
@@ -268,8 +265,8 @@ def test_check_fields_names_settings_as_given() -> None:
         ),
         (lambda v: check_number("x", v, 0, low_open=True), math.nan, "x must be a number above 0, got nan"),
         (lambda v: check_number("x", v, 0), "3", "x must be a number at least 0, got '3'"),
-        (lambda v: check_positive("--n", v), 0, "--n must be a positive integer, got 0"),
-        (lambda v: check_non_negative("--n", v), -1, "--n must be an integer at least 0, got -1"),
+        (lambda v: POSITIVE_INT.check("--n", v), 0, "--n must be a positive integer, got 0"),
+        (lambda v: NON_NEGATIVE_INT.check("--n", v), -1, "--n must be an integer at least 0, got -1"),
         (lambda v: check_ratio("--f", v), 0, "--f must be in (0, 1], got 0"),
         (lambda v: check_ratio("--f", v), "x", "--f must be a number in (0, 1], got 'x'"),
         (lambda v: check_choice("--c", v, ["a", "b"]), "z", "--c 'z' is not one of a, b"),
@@ -282,16 +279,16 @@ def test_the_checks_say_one_line_naming_the_setting(check: object, value: object
 
 
 def test_the_checks_let_good_and_absent_values_through() -> None:
-    check_int("n", 1, 1)
-    check_int("n", None, 1, optional=True)
+    Range(int, 1).check("n", 1)
+    Range(int, 1).check("n", None, optional=True)
     check_number("t", 0, 0.01, 100.0, or_zero=True)
     check_number("x", 3, 0)  # an int is a number
-    check_positive("--n", None)
-    check_non_negative("--n", 0)
+    POSITIVE_INT.check("--n", None, optional=True)
+    NON_NEGATIVE_INT.check("--n", 0)
     check_ratio("--f", 1)
     check_choice("--c", None, ["a"])
     with pytest.raises(ConfigError):
-        check_int("n", None, 1)  # None only where it may be absent
+        Range(int, 1).check("n", None)  # None only where it may be absent
 
 
 def test_ranges_in_words() -> None:
