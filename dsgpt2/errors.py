@@ -22,6 +22,12 @@ class MongoUnavailableError(DsGpt2Error):
     """The MongoDB server cannot be reached or keeps failing."""
 
 
+class ServerLostError(MongoUnavailableError):
+    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
+
+    exit_code = 3
+
+
 class PeerLostError(DsGpt2Error):
     """Another rank of the run died or stopped answering: this one stops too (re-run to resume)."""
 

@@ -315,7 +315,7 @@ def _last_run(trained: Any) -> dict[str, Any] | None:
 def _passing(wrapper: Any) -> dict[str, int]:
     """Per collection, how many of the documents below its high-water mark FILTER keeps (none without
     a FILTER)."""
-    from dsgpt2.db.client import with_retries
+    from dsgpt2.db.client import patiently
 
     query = wrapper.config.filter_query
     if query is None:
@@ -323,9 +323,7 @@ def _passing(wrapper: Any) -> dict[str, int]:
     conn, out = wrapper.connection, {}
     for name, count in zip(wrapper.collections, wrapper.counts, strict=True):
         q = {"$and": [{"idx": {"$lt": count}}, query]}
-        out[name] = with_retries(
-            lambda n=name, q=q: conn.db[n].count_documents(q), conn.config, f"counting {name}"
-        )
+        out[name] = patiently(conn, lambda db, n=name, q=q: db[n].count_documents(q), f"counting {name}")
     return out
 
 

@@ -86,7 +86,7 @@ def ingest(
         with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
             with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
-            with_retries(lambda: ensure_hash_index(conn, collection), conn.config, f"indexing {collection}")
+            ensure_hash_index(conn, collection, f"indexing {collection}")
             seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
             reports = [
                 _ingest_source(

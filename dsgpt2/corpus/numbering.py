@@ -123,7 +123,7 @@ def index_collection(
         _ensure_sparse_index(conn, name)
         # As ingest builds it: `ingest --dedup` and `dedup --exact` ask text_hash of every batch (the
         # documents without a hash cost an index entry each, until `dedup --exact` gives them one).
-        run("text_hash index", lambda: ensure_hash_index(conn, name))
+        ensure_hash_index(conn, name, f"indexing {name}: text_hash index")
         _record(conn, name, field, next_idx, owner)
         no_text = [{field: {"$exists": False}}, {field: {"$not": {"$type": "string"}}}]
         bad = {"idx": {"$gte": next_idx - numbered}, "$or": no_text}

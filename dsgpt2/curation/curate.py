@@ -19,7 +19,7 @@ from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection, patiently
 from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
 
@@ -104,7 +104,6 @@ class Curation(Pass):
 def _summarize(
     conn: Connection, part: CollectionCuration, rules: Sequence[str], thresholds: Mapping[str, float]
 ) -> None:
-    coll = conn.db[part.name]
     # One pass over the collection for every count and example (a count per rule is a scan per rule).
     facets: dict[str, list[dict[str, Any]]] = {
         "documents": [{"$count": "n"}],
@@ -116,8 +115,8 @@ def _summarize(
         facets[f"example{i}"] = [{"$match": failing}, {"$sort": {"idx": 1}}, {"$limit": 1},
                                  {"$project": {"idx": 1, "quality": 1}}]  # fmt: skip
     pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
-    (row,) = with_retries(lambda: list(coll.aggregate(pipeline, allowDiskUse=True)), conn.config,
-                          f"curate: counting {part.name}")  # fmt: skip
+    (row,) = patiently(conn, lambda db: list(db[part.name].aggregate(pipeline, allowDiskUse=True)),
+                       f"curate: counting {part.name}")  # fmt: skip
 
     def count(facet: str) -> int:
         return int(row[facet][0]["n"]) if row[facet] else 0

@@ -25,8 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.neardup import NearLookup
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, duplicates_line, ensure_index, set_each
-from dsgpt2.db.client import Connection, UpdateMany, with_retries
+from dsgpt2.curation.passes import (
+    MARKED_AFTER_PARTS,
+    NUMBERED,
+    Pass,
+    Split,
+    duplicates_line,
+    ensure_index,
+    set_each,
+)
+from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash
 
@@ -40,8 +48,8 @@ _SPAN = 2**40
 _BULK = 1000
 
 
-def ensure_hash_index(conn: Connection, name: str) -> None:
-    ensure_index(conn, name, HASH)
+def ensure_hash_index(conn: Connection, name: str, what: str) -> None:
+    ensure_index(conn, name, HASH, what)
 
 
 @dataclass
@@ -100,7 +108,7 @@ class Hashing(Pass):
     def start(self, conn: Connection, name: str) -> Hashing:
         cfg = conn.config
         # Indexed before the hashes are written: the writes keep it, no long build at the end.
-        with_retries(lambda: ensure_hash_index(conn, name), cfg, f"dedup: indexing {name}")
+        ensure_hash_index(conn, name, f"dedup: indexing {name}")
         meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
         hashed_field = (meta.get("hashes") or {}).get("field")
         every = hashed_field is not None and hashed_field != cfg.text_field
@@ -125,10 +133,9 @@ class Hashing(Pass):
         1 only this machine's part was hashed: one run without parts then marks."""
         if split.parts > 1:
             return
-        cfg = conn.config
         marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
         writer = _Marker(conn, names, marked, unmarked)
-        for h, first, ranks in with_retries(lambda: list(exact_groups(conn, names)), cfg, "dedup: grouping"):
+        for h, first, ranks in patiently(conn, lambda db: list(exact_groups(db, names)), "dedup: grouping"):
             report.groups += 1
             kept = (first // _SPAN, first % _SPAN)
             writer.mark(h, kept, ranks)
@@ -136,11 +143,9 @@ class Hashing(Pass):
         for part in report.collections:
             coll = conn.db[part.name]
             part.marked, part.unmarked = marked[part.name], unmarked[part.name]
-            part.documents = with_retries(
-                lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
-            )
-            part.duplicates = with_retries(
-                lambda c=coll: c.count_documents({DUP_OF: {"$exists": True}}), cfg, "count"
+            part.documents = patiently(conn, lambda db, n=part.name: db[n].count_documents(NUMBERED), "count")
+            part.duplicates = patiently(
+                conn, lambda db, n=part.name: db[n].count_documents({DUP_OF: {"$exists": True}}), "count"
             )
             write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
             if part.duplicates and len(report.examples) < 3:
@@ -149,7 +154,7 @@ class Hashing(Pass):
                     report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
 
 
-def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:
+def exact_groups(db: Any, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:
     """``(hash, first, ranks)`` for every text held more than once across ``names``: ``first`` is
     ``rank * 2**40 + idx`` of its first copy, ``ranks`` the collections holding it."""
 
@@ -171,7 +176,7 @@ def exact_groups(conn: Connection, names: Sequence[str]) -> Iterator[tuple[str, 
     for rank, name in enumerate(names[1:], 1):
         pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
     pipeline += [group, {"$match": {"n": {"$gt": 1}}}]
-    for g in conn.db[names[0]].aggregate(pipeline, allowDiskUse=True):
+    for g in db[names[0]].aggregate(pipeline, allowDiskUse=True):
         yield g["_id"], int(g["first"]), sorted(g["ranks"])
 
 
@@ -241,7 +246,7 @@ class SeenTexts:
         present = set(with_retries(conn.db.list_collection_names, conn.config, "dedup: collections"))
         seen.names = [n for n in seen.names if n in present or n == seen.names[0]]
         for name in seen.names:
-            with_retries(lambda n=name: ensure_hash_index(conn, n), conn.config, f"indexing {name}")
+            ensure_hash_index(conn, name, f"indexing {name}")
             unhashed = conn.db[name].find_one(
                 {"idx": {"$exists": True}, HASH: {"$exists": False}}, {"_id": 1}
             )

@@ -36,7 +36,7 @@ from importlib import metadata
 from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection, patiently
 from dsgpt2.db.filters import LANGUAGE_FIELD
 from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
@@ -144,6 +144,6 @@ def count_languages(conn: Connection, name: str) -> dict[str, int]:
                                       {"$ifNull": [f"${LANGUAGE_FIELD}", "none"]}]},
                     "n": {"$sum": 1}}},
     ]  # fmt: skip
-    rows = with_retries(lambda: list(conn.db[name].aggregate(by_code, allowDiskUse=True)), conn.config,
+    rows = patiently(conn, lambda db: list(db[name].aggregate(by_code, allowDiskUse=True)),
                         f"langid: counting {name}")  # fmt: skip
     return {str(r["_id"]): int(r["n"]) for r in sorted(rows, key=lambda r: str(r["_id"]))}

@@ -30,8 +30,16 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import MARKED_AFTER_PARTS, Pass, Split, duplicates_line, ensure_index, set_each
-from dsgpt2.db.client import Connection, UpdateOne, with_retries
+from dsgpt2.curation.passes import (
+    MARKED_AFTER_PARTS,
+    NUMBERED,
+    Pass,
+    Split,
+    duplicates_line,
+    ensure_index,
+    set_each,
+)
+from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_text
 
@@ -52,8 +60,8 @@ def label(names: Sequence[str], key: int) -> str:
     return f"{names[key // _SPAN]}:{key % _SPAN}"
 
 
-def ensure_bands_index(conn: Connection, name: str) -> None:
-    ensure_index(conn, name, BANDS)
+def ensure_bands_index(conn: Connection, name: str, what: str) -> None:
+    ensure_index(conn, name, BANDS, what)
 
 
 @dataclass
@@ -76,7 +84,7 @@ class Signing(Pass):
         # Indexed before the values are written, so that each write keeps the index as it goes: one
         # build over every document at the end is a single long operation (minutes at 10^5 documents
         # on a small server, past a socket timeout).
-        with_retries(lambda: ensure_bands_index(conn, name), conn.config, f"dedup: indexing {name}")
+        ensure_bands_index(conn, name, f"dedup: indexing {name}")
         return self
 
     def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
@@ -98,17 +106,14 @@ class Signing(Pass):
         machine's part was signed: one run without parts then marks."""
         if split.parts > 1:
             return
-        cfg, params = conn.config, self.params
+        params = self.params
         dups = _cluster(conn, names, params, report)
         marks = {name: {} for name in names}
         for key, root in dups.items():
             marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
         for part in report.collections:
             part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
-            coll = conn.db[part.name]
-            part.documents = with_retries(
-                lambda c=coll: c.count_documents({"idx": {"$exists": True}}), cfg, "count"
-            )
+            part.documents = patiently(conn, lambda db, n=part.name: db[n].count_documents(NUMBERED), "count")
             part.duplicates = len(marks[part.name])
             done = {
                 "duplicates": part.duplicates,
@@ -126,7 +131,7 @@ def _signer(params: LshParams) -> Signer:
     return Signer(params)
 
 
-def band_buckets(conn: Connection, names: Sequence[str], key: str) -> Iterator[list[int]]:
+def band_buckets(db: Any, names: Sequence[str], key: str) -> Iterator[list[int]]:
     """The sorted document keys (``rank * 2**40 + idx``) sharing each band value held more than once."""
 
     def keyed(rank: int) -> list[dict[str, Any]]:
@@ -141,7 +146,7 @@ def band_buckets(conn: Connection, names: Sequence[str], key: str) -> Iterator[l
     for rank, name in enumerate(names[1:], 1):
         pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
     pipeline += [group, {"$match": {"n": {"$gt": 1}}}, {"$project": {"_id": 0, "keys": 1}}]
-    for g in conn.db[names[0]].aggregate(pipeline, allowDiskUse=True):
+    for g in db[names[0]].aggregate(pipeline, allowDiskUse=True):
         yield sorted(int(k) for k in g["keys"])
 
 
@@ -234,8 +239,8 @@ def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: 
             clusters.add_bucket(keys)
         pending.clear()
 
-    for keys in with_retries(lambda: list(band_buckets(conn, names, params.key)), conn.config,
-                             "dedup --near: grouping bands"):  # fmt: skip
+    for keys in patiently(conn, lambda db: list(band_buckets(db, names, params.key)),
+                          "dedup --near: grouping bands"):  # fmt: skip
         report.buckets += 1
         pending.append(keys)
         if len(pending) >= _BUCKETS_PER_ROUND:

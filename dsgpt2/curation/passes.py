@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, OperationFailure, UpdateOne, with_retries
+from dsgpt2.db.client import (
+    ASCENDING,
+    Connection,
+    DatabaseError,
+    OperationFailure,
+    UpdateOne,
+    patiently,
+    with_retries,
+)
 from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
@@ -35,6 +43,7 @@ from dsgpt2.settings.argtypes import part_of
 from dsgpt2.settings.options import POSITIVE_INT, check_fields, option
 
 log = logging.getLogger(__name__)
+NUMBERED = {"idx": {"$exists": True}}  # the documents of the corpus (a collection may hold others)
 
 
 def require_present(conn: Connection, names: Sequence[str], what: str) -> None:
@@ -47,10 +56,11 @@ def require_present(conn: Connection, names: Sequence[str], what: str) -> None:
         )
 
 
-def ensure_index(conn: Connection, name: str, field: str) -> None:
-    """An ascending index on ``field`` of ``name`` (named ``field_1``); a refusal is a CorpusError."""
+def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
+    """An ascending index on ``field`` of ``name`` (named ``field_1``), built however long it takes
+    (:func:`patiently`); a refusal is a CorpusError."""
     try:
-        conn.db[name].create_index([(field, ASCENDING)], name=f"{field}_1")
+        patiently(conn, lambda db: db[name].create_index([(field, ASCENDING)], name=f"{field}_1"), what)
     except (OperationFailure, DatabaseError) as exc:
         raise CorpusError(
             f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"

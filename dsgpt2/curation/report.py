@@ -15,7 +15,7 @@ from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.passes import require_present
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection, patiently, with_retries
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
 
@@ -58,8 +58,8 @@ def summarize(
     for name in names:
         coll = conn.db[name]
         pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
-        (row,) = with_retries(lambda c=coll, p=pipeline: list(c.aggregate(p, allowDiskUse=True)), cfg,
-                              f"curate report: counting {name}")  # fmt: skip
+        (row,) = patiently(conn, lambda db, n=name, p=pipeline: list(db[n].aggregate(p, allowDiskUse=True)),
+                           f"curate report: counting {name}")  # fmt: skip
         languages = {str(r["_id"]): int(r["n"]) for r in row.pop("languages")}
         redacted = pii_totals(row.pop("pii"))
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -27,7 +28,8 @@ from pymongo.errors import (
 from dsgpt2.db import embedded
 from dsgpt2.db.config import ENV_URI, MongoConfig
 from dsgpt2.db.filters import check_filter_languages, filter_refusal
-from dsgpt2.errors import ConfigError, CorpusError, MongoUnavailableError
+from dsgpt2.errors import ConfigError, CorpusError, MongoUnavailableError, ServerLostError
+from dsgpt2.progress import interval_seconds
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,6 +108,64 @@ def with_retries(
             attempt += 1
 
 
+def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
+    """``fn(db)``: a server command whose time grows with the collection (an index build, a
+    whole-collection aggregation or count), run to its end however long it takes.
+
+    It runs on a client without the socket timeout (``SOCKET_TIMEOUT_MS`` bounds one ordinary query; a
+    10^8-document index build or a loaded machine legitimately takes longer), in a thread of its own,
+    while this one asks the server every few seconds whether it still answers (a ping bounded by the
+    server selection timeout) and logs how long it has waited every ``DSGPT2_PROGRESS_SECONDS``.
+    Transient errors are retried as any read is.
+
+    Raises:
+        ServerLostError: the server stopped answering (what was done is kept; re-run to resume).
+        MongoUnavailableError: transient errors past the retries.
+    """
+    beat = min(5.0, max(0.2, conn.config.server_selection_timeout_ms / 2000))
+
+    def attempt() -> T:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = fn(conn.patient_db)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                box["error"] = exc
+
+        worker = threading.Thread(target=run, name=f"dsgpt2: {what}", daemon=True)
+        started = said = time.monotonic()
+        worker.start()
+        while True:
+            worker.join(beat)
+            if not worker.is_alive():
+                break
+            answering(conn, what, started)
+            if time.monotonic() - said >= interval_seconds():
+                said = time.monotonic()
+                log.info("%s: the server is still at it (%.0fs so far)", what, said - started)
+        if "error" in box:
+            if isinstance(box["error"], TRANSIENT_ERRORS):
+                answering(conn, what, started)  # a lost server ends it; a passing fault is retried
+            raise box["error"]
+        return box["value"]
+
+    return with_retries(attempt, conn.config, what)
+
+
+def answering(conn: Connection, what: str, since: float) -> None:
+    """Raises ServerLostError unless the server answers a ping within the server selection timeout."""
+    try:
+        with pymongo.timeout(conn.config.server_selection_timeout_ms / 1000):
+            conn.client.admin.command("ping")
+    except PyMongoError as exc:
+        raise ServerLostError(
+            f"{what}: MongoDB at {conn.config.hosts} stopped answering after {time.monotonic() - since:.0f}s "
+            f"({conn.config.scrub(first_line(exc))}); what was done is kept: run the same command again "
+            "once the server is back"
+        ) from None
+
+
 @contextlib.contextmanager
 def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[None]:
     """Turn a pymongo error raised inside into one line naming the host (never the password).
@@ -133,10 +193,11 @@ class Connection:
         self.config = config
         self._client: Any = None
         self._pid: int | None = None
+        self._patient: Any = None  # the client without a socket timeout, made on first use here
         self._filter_checked = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config, "_client": None, "_pid": None}
+        return {"config": self.config, "_client": None, "_pid": None, "_patient": None}
 
     def __repr__(self) -> str:
         return f"Connection({self.config.display_uri!r}, db={self.config.db!r})"
@@ -157,7 +218,15 @@ class Connection:
     def db(self) -> Any:
         return self.client[self.config.db]
 
-    def _make_client(self) -> Any:
+    @property
+    def patient_db(self) -> Any:
+        """The database through a client of this process without the socket timeout: for the commands
+        whose time grows with the collection (:func:`patiently` watches the server meanwhile)."""
+        if self._patient is None or self._patient[0] != os.getpid():
+            self._patient = (os.getpid(), self._make_client(patient=True))
+        return self._patient[1][self.config.db]
+
+    def _make_client(self, patient: bool = False) -> Any:
         uri = self.config.uri
         if embedded.is_local(uri):  # the embedded server: started here if none runs yet
             uri = embedded.ensure(embedded.local_dir(uri))
@@ -166,7 +235,7 @@ class Connection:
                 uri,
                 serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
                 connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
-                socketTimeoutMS=self.config.socket_timeout_ms,
+                socketTimeoutMS=None if patient else self.config.socket_timeout_ms,
                 appname="dsgpt2",
                 connect=False,
             )
@@ -198,8 +267,11 @@ class Connection:
     def close(self) -> None:
         if self._client is not None and self._pid == os.getpid():
             self._client.close()
+        if self._patient is not None and self._patient[0] == os.getpid():
+            self._patient[1].close()
         self._client = None
         self._pid = None
+        self._patient = None
 
 
 def read_preference(config: MongoConfig) -> Any:

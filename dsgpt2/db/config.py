@@ -38,7 +38,12 @@ _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
     "TEXT_FIELD": ("text_field", (str,), "document field holding the text"),
     "META_COLLECTION": ("meta_collection", (str,), "collection holding per-collection counts"),
     "SERVER_SELECTION_TIMEOUT_MS": ("server_selection_timeout_ms", (int,), "how long to look for a server"),
-    "SOCKET_TIMEOUT_MS": ("socket_timeout_ms", (int,), "how long one query may take"),
+    "SOCKET_TIMEOUT_MS": (
+        "socket_timeout_ms",
+        (int,),
+        "how long one query may take (index builds and "
+        "whole-collection counts run to their end, the server pinged meanwhile)",
+    ),
     "RETRIES": ("retries", (int,), "attempts after a transient error"),
     "RETRY_BACKOFF_S": ("retry_backoff_s", (int, float), "first backoff, doubled per retry"),
     "MAX_TEXT_CHARS": ("max_text_chars", (int,), "longer documents are skipped as bad"),
@@ -100,7 +105,8 @@ class MongoConfig:
         text_field: the field read as a document's text.
         meta_collection: per-collection counts and ingest progress.
         server_selection_timeout_ms: how long opening waits for a server before failing.
-        socket_timeout_ms: how long one query may run before it counts as a network error.
+        socket_timeout_ms: how long one query may run before it counts as a network error (not the
+            commands whose time grows with the collection: :func:`dsgpt2.db.client.patiently`).
         retries: attempts after a transient error before giving up.
         retry_backoff_s: first backoff; doubled after each failed attempt.
         max_text_chars: documents longer than this are skipped as bad.

@@ -284,3 +284,77 @@ def test_a_hung_server_is_retried_with_backoff_and_never_waits_forever(up: WireS
     up.resume()
     conn.client.drop_database(db)
     conn.close()
+
+
+# ---------------------------------------------------------------- server commands longer than a query
+
+
+def test_a_server_command_longer_than_the_socket_timeout_runs_to_its_end(
+    up: WireServer, tmp_path: Path
+) -> None:
+    """An index build the server takes 4 s over, past SOCKET_TIMEOUT_MS (1.5 s; a ``blockConnection`` fail
+    point): no network error, a line while it waits, and the pass ends as a straight one."""
+    _, db = seed_corpus(up, tmp_path, 300)
+    config = write_config(tmp_path / "mongo.json", db, up.port, ["stdlib"])
+    # Blocked more times than the retries: a socket timeout would end the command.
+    up.fail({"times": 3}, failCommands=["createIndexes"], blockConnection=True, blockTimeMS=4000)
+    command = [sys.executable, "-m", "dsgpt2", "dedup", "--config", str(config), "--exact", "--no_progress"]
+    env = {**env_for(up.uri()), "DSGPT2_PROGRESS_SECONDS": "1"}
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(120)
+        )
+    finally:
+        up.fail("off")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dedup: indexing stdlib: the server is still at it" in done.stderr
+    assert "transient MongoDB error" not in done.stderr
+    assert "stdlib: 300 documents, 0 hashed by this run; 2 exact duplicate(s)" in done.stdout
+
+
+def test_a_server_that_stops_answering_during_a_long_command_ends_it_with_exit_3(
+    up: WireServer, tmp_path: Path
+) -> None:
+    """The same wait, and the server hangs (SIGSTOP) meanwhile: the command ends within seconds with one
+    line and exit 3, what it did kept; run again once the server answers, it ends as a straight run."""
+    _, db = seed_corpus(up, tmp_path, 300)
+    config = write_config(tmp_path / "mongo.json", db, up.port, ["stdlib"])
+    up.fail({"times": 1}, failCommands=["aggregate"], blockConnection=True, blockTimeMS=60000)
+    err = tmp_path / "stderr.txt"
+    env = {**env_for(up.uri()), "DSGPT2_PROGRESS_SECONDS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "dsgpt2",
+        "curate",
+        "--config",
+        str(config),
+        "--rules",
+        "gopher",
+        "--no_progress",
+    ]
+    with err.open("w") as sink:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=sink, text=True)
+        try:
+            wait_for(lambda: "curate: counting stdlib: the server is still at it" in err.read_text(), 120,
+                     "the count under way", proc)  # fmt: skip
+            up.pause()
+            paused = time.monotonic()
+            proc.communicate(timeout=deadline(60))
+            waited = time.monotonic() - paused
+        finally:
+            up.resume()
+            up.fail("off")
+            if proc.poll() is None:
+                proc.kill()
+    result = subprocess.CompletedProcess(command, proc.returncode, "", err.read_text())
+    assert proc.returncode == 3, result.stderr[-3000:]
+    last = one_clear_line(result, f"127.0.0.1:{up.port}")
+    assert "stopped answering" in last and "run the same command again" in last
+    assert waited < 30
+    conn = Connection(make_config(["stdlib"], MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db))
+    assert conn.db["stdlib"].count_documents({"passes.gopher": {"$exists": True}}) == 300  # kept
+    again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(120))
+    assert again.returncode == 0 and "300 documents, 0 judged by this run" in again.stdout, again.stderr[
+        -3000:
+    ]
