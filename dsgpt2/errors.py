@@ -22,12 +22,6 @@ class MongoUnavailableError(DsGpt2Error):
     """The MongoDB server cannot be reached or keeps failing."""
 
 
-class ServerLostError(MongoUnavailableError):
-    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
-
-    exit_code = 3
-
-
 class PeerLostError(DsGpt2Error):
     """Another rank of the run died or stopped answering: this one stops too (re-run to resume)."""
 
@@ -50,3 +44,9 @@ class CorpusValidationError(CorpusError):
 
 class IngestError(DsGpt2Error):
     """An input file cannot be read or does not match the requested format."""
+
+
+class ServerLostError(MongoUnavailableError):
+    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
+
+    exit_code = 3

@@ -27,11 +27,13 @@ The records come from :mod:`dsgpt2.corpus.readers`; what a run did is told by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from dsgpt2.corpus.cleaning import CLEANER_VERSION
@@ -88,20 +90,12 @@ def ingest(
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
             ensure_hash_index(conn, collection, f"indexing {collection}")
             seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
-            reports = [
-                _ingest_source(
-                    conn,
-                    collection,
-                    source,
-                    batch_size,
-                    strict,
-                    progress=progress,
-                    seen=seen,
-                    skips=skips,
-                    pii=pii,
-                )
-                for source in sources
-            ]
+            reports = []
+            for source in sources:
+                with _held(conn, collection, source) as owner:
+                    report = _write_source(conn, collection, source, batch_size, strict, progress=progress,
+                                           seen=seen, skips=skips, owner=owner, pii=pii)  # fmt: skip
+                    reports.append(report)
             top = max_idx(coll)
     finally:
         skips.close()
@@ -109,33 +103,12 @@ def ingest(
     return IngestReport(collection, reports, count, time.monotonic() - started)
 
 
-def _ingest_source(
-    conn: Connection,
-    collection: str,
-    source: Source,
-    batch_size: int,
-    strict: bool,
-    *,
-    progress: bool,
-    seen: SeenTexts | None = None,
-    skips: SkipLog | None = None,
-    pii: bool = False,
-) -> SourceReport:
-    """Ingest one source, holding it (see module doc) while this process writes it."""
+@contextlib.contextmanager
+def _held(conn: Connection, collection: str, source: Source) -> Iterator[str]:
+    """One source held (see module doc) while this process writes it: the owner's name."""
     owner = _claim(conn, collection, source)
     try:
-        return _write_source(
-            conn,
-            collection,
-            source,
-            batch_size,
-            strict,
-            progress=progress,
-            seen=seen,
-            skips=skips or SkipLog(),
-            owner=owner,
-            pii=pii,
-        )
+        yield owner
     finally:
         _release(conn, collection, source, owner)
 

@@ -24,16 +24,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsgpt2.curation.neardup import NearLookup
-from dsgpt2.curation.passes import (
-    MARKED_AFTER_PARTS,
-    NUMBERED,
-    Pass,
-    Split,
-    duplicates_line,
-    ensure_index,
-    set_each,
-)
+from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, NearLookup, duplicates_line
+from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_hash

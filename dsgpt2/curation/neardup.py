@@ -30,15 +30,7 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import (
-    MARKED_AFTER_PARTS,
-    NUMBERED,
-    Pass,
-    Split,
-    duplicates_line,
-    ensure_index,
-    set_each,
-)
+from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.documents import document_text
@@ -53,6 +45,21 @@ _SPAN = 2**40  # a document's key over all collections: rank * 2**40 + idx
 _BUCKETS_PER_ROUND = 2000
 _CACHE = 50_000  # shingle sets held while confirming
 _BULK = 1000
+
+
+# The note of both dedup stages: marking groups every part's hashes or signatures, so one run without
+# parts marks.
+MARKED_AFTER_PARTS = "once every part is, run once without --part to mark"
+
+
+def duplicates_line(part: Any, done: int, verb: str, what: str, mark: str) -> str:
+    """A collection's line in a dedup stage's report: its documents, ``done`` of them ``verb`` by this
+    run, and the copies marked ``mark`` (``part``: its ``name``, ``documents``, ``duplicates``,
+    ``marked`` and ``unmarked`` by this run)."""
+    share = f" ({part.duplicates / part.documents:.1%})" if part.documents else ""
+    unmarked = f", {part.unmarked} unmarked" if part.unmarked else ""
+    return (f"{part.name}: {part.documents} documents, {done} {verb} by this run; {part.duplicates} {what}"
+            f"{share} marked {mark} ({part.marked} by this run{unmarked})")  # fmt: skip
 
 
 def label(names: Sequence[str], key: int) -> str:

@@ -219,10 +219,6 @@ class PassSettings:
         return Split(workers=self.workers, part=part - 1, parts=parts)
 
 
-# The dedup stages' note: marking groups every part's hashes or signatures, so one run without parts marks.
-MARKED_AFTER_PARTS = "once every part is, run once without --part to mark"
-
-
 class Pass:
     """One kind of pass: what it reads of a document, what it writes back, what it counts after.
 
@@ -324,16 +320,6 @@ def run_pass(
     step.conclude(conn, names, report, split)
     report.seconds = time.monotonic() - started
     return report
-
-
-def duplicates_line(part: Any, done: int, verb: str, what: str, mark: str) -> str:
-    """A collection's line in a dedup stage's report: its documents, ``done`` of them ``verb`` by this
-    run, and the copies marked ``mark`` (``part``: its ``name``, ``documents``, ``duplicates``,
-    ``marked`` and ``unmarked`` by this run)."""
-    share = f" ({part.duplicates / part.documents:.1%})" if part.documents else ""
-    unmarked = f", {part.unmarked} unmarked" if part.unmarked else ""
-    return (f"{part.name}: {part.documents} documents, {done} {verb} by this run; {part.duplicates} {what}"
-            f"{share} marked {mark} ({part.marked} by this run{unmarked})")  # fmt: skip
 
 
 def part_line(step: Pass, split: Split) -> list[str]:
