@@ -40,7 +40,7 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, describe, make_document
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
-from dsgpt2.db.client import Connection, DatabaseError, database_errors, with_retries
+from dsgpt2.db.client import Connection, DatabaseError, database_errors, patiently
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import document_hash
@@ -86,7 +86,7 @@ def ingest(
     skips = SkipLog(report_file)
     try:
         with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
-            with_retries(lambda: ensure_idx_index(coll), conn.config, f"indexing {collection}")
+            patiently(conn, lambda db: ensure_idx_index(db[collection]), f"indexing {collection}")
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
             ensure_hash_index(conn, collection, f"indexing {collection}")
             seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None

@@ -26,7 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.curation.dedup import ensure_hash_index
-from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, OperationFailure, UpdateOne, with_retries
+from dsgpt2.db.client import (
+    ASCENDING,
+    Connection,
+    DatabaseError,
+    OperationFailure,
+    UpdateOne,
+    patiently,
+    with_retries,
+)
 from dsgpt2.db.idx import idx_index_name, max_idx
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
@@ -144,13 +152,14 @@ def _number(conn: Connection, coll: Any, ids: list[Any], first: int) -> int:
 def _check_numbers(conn: Connection, name: str) -> None:
     """The numbered documents must hold 0..k-1 as integers: the next numbers follow them."""
     coll = conn.db[name]
-    bad = coll.count_documents({"idx": {"$exists": True, "$not": {"$type": "number"}}})
+    not_numbers = {"idx": {"$exists": True, "$not": {"$type": "number"}}}
+    bad = patiently(conn, lambda db: db[name].count_documents(not_numbers), f"indexing {name}: idx types")
     if bad:
         raise CorpusError(
             f"{bad} document(s) of {name!r} have an idx that is not an integer; run `dsgpt2 validate "
             f"--collection {name}` and fix them before numbering"
         )
-    numbered = coll.count_documents(NUMBERED)
+    numbered = patiently(conn, lambda db: db[name].count_documents(NUMBERED), f"indexing {name}: count")
     top = max_idx(coll, guess=numbered - 1)
     if numbered and (top != numbered - 1 or coll.find_one({"idx": {"$lt": 0}}) is not None):
         raise CorpusError(
@@ -164,7 +173,8 @@ def _ensure_sparse_index(conn: Connection, name: str) -> None:
     if idx_index_name(coll) is not None:
         return
     try:
-        coll.create_index([("idx", ASCENDING)], unique=True, sparse=True, name="idx_unique")
+        build = {"keys": [("idx", ASCENDING)], "unique": True, "sparse": True, "name": "idx_unique"}
+        patiently(conn, lambda db: db[name].create_index(**build), f"indexing {name}")
     except (OperationFailure, DatabaseError) as exc:
         raise CorpusError(f"cannot create the unique idx index on {name!r}: {exc}") from None
 

@@ -16,7 +16,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, idx_edge, idx_index_name
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
@@ -70,10 +70,11 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
     coll = db[name]
 
     def run(what: str, fn: Any) -> Any:
-        return with_retries(fn, conn.config, f"validating {name}: {what}")
+        # Whole-collection counts and groupings: run to their end (the server watched meanwhile).
+        return patiently(conn, lambda db: fn(db[name]), f"validating {name}: {what}")
 
-    documents = run("count", lambda: coll.count_documents({}))
-    meta = run("meta", lambda: read_meta(conn, [name])).get(name)
+    documents = run("count", lambda c: c.count_documents({}))
+    meta = with_retries(lambda: read_meta(conn, [name]), conn.config, f"validating {name}: meta").get(name)
     meta_count = meta.get("count") if meta else None
     report = CollectionReport(name, documents, meta_count)
     problems = report.problems
@@ -87,12 +88,12 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
         )
         return report
 
-    not_int = run("idx types", lambda: coll.count_documents(NOT_INT_IDX))
+    not_int = run("idx types", lambda c: c.count_documents(NOT_INT_IDX))
     unnumbered, waiting = _unnumbered(coll, meta, run)
     problems += waiting
     not_int -= unnumbered
     if not_int:
-        examples = run("idx examples", lambda: list(coll.find(NOT_INT_IDX, {"idx": 1}).limit(_EXAMPLES)))
+        examples = run("idx examples", lambda c: list(c.find(NOT_INT_IDX, {"idx": 1}).limit(_EXAMPLES)))
         shown = ", ".join(f"{d.get('idx', '<missing>')!r} ({type(d.get('idx')).__name__})" for d in examples)
         problems.append(
             Problem(
@@ -104,8 +105,8 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         )
 
-    index_name = run("indexes", lambda: idx_index_name(coll))
-    duplicates = run("duplicates", lambda: _duplicates(coll)) if index_name is None else (0, [])
+    index_name = run("indexes", lambda c: idx_index_name(c))
+    duplicates = run("duplicates", lambda c: _duplicates(c)) if index_name is None else (0, [])
     if duplicates[0]:
         n, values = duplicates
         problems.append(
@@ -125,10 +126,10 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         )
 
-    stats = run("idx range", lambda: _int_stats(coll))
+    stats = run("idx range", lambda c: _int_stats(c))
     if stats is not None:
         lo, hi, n_int = stats
-        distinct = n_int - (run("copies", lambda: _extra_copies(coll)) if duplicates[0] else 0)
+        distinct = n_int - (run("copies", lambda c: _extra_copies(c)) if duplicates[0] else 0)
         if lo < 0:
             problems.append(
                 Problem(
@@ -139,7 +140,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         missing = hi + 1 - distinct if lo >= 0 else 0
         if missing > 0:
-            first = run("first gap", lambda: _first_gap(coll, hi)) if not duplicates[0] else None
+            first = run("first gap", lambda c: _first_gap(c, hi)) if not duplicates[0] else None
             at = f"; the first missing idx is {first}" if first is not None else ""
             problems.append(
                 Problem(
@@ -158,7 +159,7 @@ def _unnumbered(coll: Any, meta: dict[str, Any] | None, run: Any) -> tuple[int, 
     """In a collection numbered in place, the documents its application added since the last
     `dsgpt2 index`: not an error, they wait for their numbers."""
     numbered = (meta or {}).get("numbered_in_place")
-    n = run("unnumbered", lambda: coll.count_documents({"idx": {"$exists": False}})) if numbered else 0
+    n = run("unnumbered", lambda c: c.count_documents({"idx": {"$exists": False}})) if numbered else 0
     if not n:
         return 0, []
     message = (
@@ -375,9 +376,8 @@ def fix_collection(conn: Connection, name: str) -> list[str]:
     done: list[str] = []
     report = validate_collection(conn, name)
     kinds = {p.kind for p in report.problems}
-    coll = conn.db[name]
     if "missing_idx_index" in kinds and "duplicate_idx" not in kinds:
-        ensure_idx_index(coll)
+        patiently(conn, lambda db: ensure_idx_index(db[name]), f"indexing {name}")
         done.append(f"{name}: fixed: created the unique index on idx")
     blocking = kinds & {"non_integer_idx", "duplicate_idx", "gaps", "negative_idx", "empty"}
     if kinds & {"no_meta_count", "meta_count_mismatch"} and not blocking:
