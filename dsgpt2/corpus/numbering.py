@@ -26,15 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.curation.dedup import ensure_hash_index
-from dsgpt2.db.client import (
-    ASCENDING,
-    Connection,
-    DatabaseError,
-    OperationFailure,
-    UpdateOne,
-    patiently,
-    with_retries,
-)
+from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, UpdateOne, patiently, with_retries
 from dsgpt2.db.idx import idx_index_name, max_idx
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
@@ -175,7 +167,7 @@ def _ensure_sparse_index(conn: Connection, name: str) -> None:
     try:
         build = {"keys": [("idx", ASCENDING)], "unique": True, "sparse": True, "name": "idx_unique"}
         patiently(conn, lambda db: db[name].create_index(**build), f"indexing {name}")
-    except (OperationFailure, DatabaseError) as exc:
+    except DatabaseError as exc:  # OperationFailure among them
         raise CorpusError(f"cannot create the unique idx index on {name!r}: {exc}") from None
 
 

@@ -27,15 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from dsgpt2.db.client import (
-    ASCENDING,
-    Connection,
-    DatabaseError,
-    OperationFailure,
-    UpdateOne,
-    patiently,
-    with_retries,
-)
+from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, UpdateOne, patiently, with_retries
 from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
@@ -61,7 +53,7 @@ def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
     (:func:`patiently`); a refusal is a CorpusError."""
     try:
         patiently(conn, lambda db: db[name].create_index([(field, ASCENDING)], name=f"{field}_1"), what)
-    except (OperationFailure, DatabaseError) as exc:
+    except DatabaseError as exc:  # OperationFailure among them
         raise CorpusError(
             f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"
         ) from None

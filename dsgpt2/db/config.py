@@ -38,12 +38,7 @@ _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
     "TEXT_FIELD": ("text_field", (str,), "document field holding the text"),
     "META_COLLECTION": ("meta_collection", (str,), "collection holding per-collection counts"),
     "SERVER_SELECTION_TIMEOUT_MS": ("server_selection_timeout_ms", (int,), "how long to look for a server"),
-    "SOCKET_TIMEOUT_MS": (
-        "socket_timeout_ms",
-        (int,),
-        "how long one query may take (index builds and "
-        "whole-collection counts run to their end, the server pinged meanwhile)",
-    ),
+    "SOCKET_TIMEOUT_MS": ("socket_timeout_ms", (int,), "one query's limit (index builds, counts: none)"),
     "RETRIES": ("retries", (int,), "attempts after a transient error"),
     "RETRY_BACKOFF_S": ("retry_backoff_s", (int, float), "first backoff, doubled per retry"),
     "MAX_TEXT_CHARS": ("max_text_chars", (int,), "longer documents are skipped as bad"),
