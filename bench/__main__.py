@@ -16,6 +16,7 @@ from bench import (
     bench_langid,
     bench_neardup,
     bench_pii,
+    bench_reads,
     bench_scale,
     bench_serve,
     bench_shuffle,
@@ -81,6 +82,7 @@ def main() -> int:
         "langid": bench_langid.langid,
         "pii": bench_pii.pii,
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
+        "reads": lambda: bench_reads.read_cost(texts),
         "scale": lambda: bench_scale.scale(results),
     }
     chosen = sys.argv[1:] or list(suites)

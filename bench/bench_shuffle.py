@@ -196,7 +196,4 @@ def shuffle(texts: list[str], results: Path) -> list[Metric]:
     tokens_per_doc = 0.3 * np.mean([len(t) for t in texts])  # about 3.3 characters a token on this text
     docs_per_step = max(1, round(16 * 128 / tokens_per_doc))
     table = ChunkTable.initial(["stdlib"], [len(texts)], DEFAULT_CHUNK_DOCS)
-    from bench import bench_reads
-
-    metrics = spread_metrics(table, docs_per_step) + bench_reads.read_cost(texts)
-    return metrics + perplexity_metrics(texts, results)
+    return spread_metrics(table, docs_per_step) + perplexity_metrics(texts, results)

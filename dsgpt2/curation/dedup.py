@@ -263,12 +263,13 @@ class SeenTexts:
         held: set[str] = set()
         for name in self.names:
             coll = self.conn.db[name]
-            found = with_retries(
-                lambda c=coll: [d[HASH] for d in c.find({HASH: {"$in": hashes}}, {"_id": 0, HASH: 1})],
-                self.conn.config,
-                f"ingest --dedup: looking up {name}",
-            )
-            held.update(found)
+            for part in self.conn.in_lists(hashes):
+                found = with_retries(
+                    lambda c=coll, q={HASH: {"$in": part}}: [d[HASH] for d in c.find(q, {"_id": 0, HASH: 1})],
+                    self.conn.config,
+                    f"ingest --dedup: looking up {name}",
+                )
+                held.update(found)
         out = []
         for doc in docs:
             h = doc.get(HASH)

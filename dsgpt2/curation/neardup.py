@@ -178,8 +178,7 @@ class ShingleCache:
         wanted = {"idx": 1, cfg.text_field: 1, "turns": 1}
         for rank, idxs in by_rank.items():
             coll = self.conn.db[self.names[rank]]
-            for start in range(0, len(idxs), _BULK):
-                part = idxs[start : start + _BULK]
+            for part in self.conn.in_lists(idxs, _BULK):
                 q = {"idx": {"$in": part}}
                 docs = with_retries(lambda c=coll, q=q: list(c.find(q, wanted)), cfg,
                                     "dedup --near: reading candidates")  # fmt: skip
@@ -283,8 +282,8 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
     held = with_retries(lambda: [d["idx"] for d in coll.find({NEAR_OF: {"$exists": True}}, {"idx": 1})],
                         cfg, f"dedup --near: reading marks of {name}")  # fmt: skip
     stale = sorted(i for i in held if i not in marks)
-    for start in range(0, len(stale), _BULK):
-        q = {"idx": {"$in": stale[start : start + _BULK]}}
+    for part in conn.in_lists(stale, _BULK):
+        q = {"idx": {"$in": part}}
         unmarked += with_retries(lambda q=q: coll.update_many(q, {"$unset": {NEAR_OF: ""}}).modified_count,
                                  cfg, f"dedup --near: unmarking {name}")  # fmt: skip
     return marked, unmarked
@@ -326,11 +325,14 @@ class NearLookup:
             if not wanted:
                 break
             coll = self.conn.db[other]
-            q = {BANDS: {"$in": wanted}, BANDS_KEY: p.key}
             fields = {"idx": 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, "turns": 1}
-            found = with_retries(lambda c=coll, q=q, f=fields: list(c.find(q, f)), cfg,
-                                 f"ingest --dedup: near copies in {other}")  # fmt: skip
-            for c in found:
+            found: dict[Any, dict[str, Any]] = {}
+            for part in self.conn.in_lists(wanted):  # a document holding bands of two lists comes twice
+                q = {BANDS: {"$in": part}, BANDS_KEY: p.key}
+                for c in with_retries(lambda c=coll, q=q, f=fields: list(c.find(q, f)), cfg,
+                                      f"ingest --dedup: near copies in {other}"):  # fmt: skip
+                    found.setdefault(c["_id"], c)
+            for c in found.values():
                 text = document_text(c, cfg.text_field) or ""
                 root = c.get(NEAR_OF) or f"{other}:{c['idx']}"
                 held.append(((rank, c["idx"]), root, set(c[BANDS]), shingles(text, p.ngram)))

@@ -17,7 +17,7 @@ from bson.codec_options import CodecOptions
 from bson.errors import InvalidBSON
 from bson.raw_bson import RawBSONDocument
 
-from dsgpt2.db.client import Connection, read_preference, with_retries
+from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, read_preference, with_retries
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
@@ -137,9 +137,11 @@ class MongoWrapper:
     def get_many(self, indices: Iterable[int]) -> list[Doc]:
         """The usable documents among ``indices``, in the order asked.
 
-        One query per collection touched: a range query when that collection's
-        indices are consecutive, ``$in`` otherwise. Bad documents are left out
-        and counted in ``skipped`` (or raise in strict mode).
+        One query per collection touched on mongod: a range query when that collection's indices are
+        consecutive, ``$in`` otherwise. On the embedded engine, whose ``$in`` costs the square of its
+        length, a long list is cut into short ones (:meth:`Connection.in_lists`), or read as the range
+        holding it when that range is at most twice as long. Bad documents are left out and counted in
+        ``skipped`` (or raise in strict mode).
         """
         # operator.index: numpy integers become ints, which pymongo can encode.
         wanted = [self._normalize(operator.index(i)) for i in indices]
@@ -150,13 +152,7 @@ class MongoWrapper:
         fetched: dict[int, dict[int, dict[str, Any]]] = {}
         left_out: dict[int, set[int]] = {}
         for pos, locals_ in sorted(by_coll.items()):
-            lo, hi = min(locals_), max(locals_)
-            if hi - lo + 1 == len(locals_):
-                filt: dict[str, Any] = {"idx": {"$gte": lo, "$lt": hi + 1}}
-            else:
-                filt = {"idx": {"$in": sorted(locals_)}}
-            fetched[pos] = self._query(pos, filt, batch=len(locals_))
-            left_out[pos] = self._left_out(pos, filt, fetched[pos], len(locals_))
+            fetched[pos], left_out[pos] = self._read_set(pos, sorted(locals_))
         out = []
         for i in wanted:
             pos, local = self.locate(i)
@@ -164,6 +160,24 @@ class MongoWrapper:
             if text is not None:
                 out.append(Doc(i, text))
         return out
+
+    def _read_set(self, pos: int, asked: list[int]) -> tuple[dict[int, dict[str, Any]], set[int]]:
+        """The documents of collection ``pos`` with idx in ``asked`` (sorted, distinct), by idx, and
+        the idx FILTER left out of them (the answer may hold more of the range it read)."""
+        lo, hi = asked[0], asked[-1]
+        span = hi - lo + 1
+        long_list = len(asked) > EMBEDDED_IN_LIST
+        if span == len(asked) or (long_list and span <= 2 * len(asked) and self._conn.in_list_max):
+            filt: dict[str, Any] = {"idx": {"$gte": lo, "$lt": hi + 1}}
+            found = self._query(pos, filt, batch=span)
+            return found, self._left_out(pos, filt, found, span)
+        found, left_out = {}, set()
+        for part in self._conn.in_lists(asked):
+            filt = {"idx": {"$in": part}}
+            got = self._query(pos, filt, batch=len(part))
+            found.update(got)
+            left_out |= self._left_out(pos, filt, got, len(part))
+        return found, left_out
 
     def get_range(self, start: int, stop: int) -> list[Doc]:
         """The usable documents with global index in ``[start, stop)``, in order."""

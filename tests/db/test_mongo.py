@@ -11,7 +11,7 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from conftest import make_config, seed
-from dsgpt2.db.client import Connection, connect
+from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, connect
 from dsgpt2.db.config import config_from_dict
 from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.documents import Doc
@@ -94,6 +94,61 @@ def test_range_vs_in_query_filters(monkeypatch: pytest.MonkeyPatch, corpus: Mong
     corpus.get_many([1, 2, 3])
     corpus.get_many([0, 4])
     assert seen == [{"idx": {"$gte": 1, "$lt": 4}}, {"idx": {"$in": [0, 4]}}]
+
+
+def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The embedded engine tests every document it finds against the whole ``$in`` list (k values cost
+    O(k^2)): a chunk's list goes as lists of at most EMBEDDED_IN_LIST idx, a dense one as the range
+    holding it; mongod's answer to one list is linear, so there it stays one query."""
+    cfg = make_config(["a"], FILTER={"keep": True})
+    conn = Connection(cfg)
+    seed(conn, "a", [f"t{i}" for i in range(400)])
+    conn.db["a"].update_many({"idx": {"$mod": [7, 0]}}, {"$set": {"keep": False}})
+    conn.db["a"].update_many({"keep": {"$exists": False}}, {"$set": {"keep": True}})
+    seen: list[dict] = []
+    original = pymongo.collection.Collection.find
+
+    def spy(self, filt=None, *a, **k):
+        seen.append(filt)
+        return original(self, filt, *a, **k)
+
+    monkeypatch.setattr(pymongo.collection.Collection, "find", spy)
+    wrapper = MongoWrapper(cfg, connection=conn)
+    assert conn.in_list_max == EMBEDDED_IN_LIST  # the shared test server is SecantusDB
+    sparse = [i * 3 for i in range(133)][::-1]  # 133 idx over 397: sparse, asked in reverse
+    expected = [Doc(i, f"t{i}") for i in sparse if i % 7]
+    for engine, lists in ((EMBEDDED_IN_LIST, 5), (None, 1)):  # None: what mongod answers
+        conn._in_list = (os.getpid(), engine)
+        seen.clear()
+        before = wrapper.skipped["filtered"]
+        assert wrapper.get_many(sparse) == expected
+        assert wrapper.skipped["filtered"] - before == sum(1 for i in sparse if i % 7 == 0)
+        asked = [f["$and"][0]["idx"]["$in"] for f in seen if "$nor" not in str(f)]
+        assert len(asked) == lists and sorted(i for part in asked for i in part) == sorted(sparse)
+        assert max(map(len, asked)) == (EMBEDDED_IN_LIST if engine else len(sparse))
+    # Dense (the range holding them at most twice as long): one range on the embedded engine.
+    conn._in_list = (os.getpid(), EMBEDDED_IN_LIST)
+    seen.clear()
+    dense = [i for i in range(100, 200) if i % 3]
+    assert [d.index for d in wrapper.get_many(dense)] == [i for i in dense if i % 7]
+    assert seen[0] == {"$and": [{"idx": {"$gte": 100, "$lt": 200}}, {"keep": True}]}
+
+
+def test_a_short_list_asks_the_server_nothing_about_its_engine(corpus: MongoWrapper) -> None:
+    conn = corpus.connection
+    assert conn.in_lists(list(range(EMBEDDED_IN_LIST))) == [list(range(EMBEDDED_IN_LIST))]
+    assert conn._in_list is None  # no buildInfo for a list that needs no cut
+    assert conn.in_lists([]) == []
+    assert conn.in_lists(list(range(70)), longest=50) == [
+        list(range(32)),
+        list(range(32, 64)),
+        [64, 65, 66, 67, 68, 69],
+    ]
+    conn._in_list = (os.getpid(), None)
+    assert conn.in_lists(list(range(70)), longest=50) == [list(range(50)), list(range(50, 70))]
+    assert pickle.loads(pickle.dumps(conn))._in_list is None
 
 
 def _bad_corpus(strict: bool = False) -> MongoWrapper:
