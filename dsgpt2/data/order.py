@@ -11,7 +11,8 @@ pool has chunks. The permutation is computed, never stored (a Feistel network on
 power of two under twice the pool; a chunk takes the pool's documents among the images of its range
 of positions), so a chunk costs O(its documents) in time and memory at any corpus size, and any
 process finds any document's chunk (the network run backwards) without a list.
-Reading a chunk is one ``$in`` query per collection it touches. Its documents are packed in the
+Reading a chunk is one ``$in`` query per collection it touches (on the embedded engine, short lists:
+:meth:`~dsgpt2.db.wrapper.MongoWrapper.get_many`). Its documents are packed in the
 permuted order (not idx order, which would put neighbours side by side again), and its blocks are
 handed out in a shuffled order of (seed, epoch, chunk), so that a long document's blocks do not fill
 a micro-batch. Every document of a pool is in exactly one chunk per epoch: each epoch reads every

@@ -310,7 +310,7 @@ class StreamingChunks(Dataset):
         if len(wanted) == 0:
             docs = []
         elif self.chunks.spread(key):
-            docs = self._wrapper.get_many(wanted.tolist())  # one $in per collection, in this order
+            docs = self._wrapper.get_many(wanted.tolist())  # $in per collection, in this order
         else:
             _, lo, hi = self.table.locate(self.chunks.chunk_id(key))
             lo, hi = lo + int(offsets[colls[0]]), hi + int(offsets[colls[0]])
