@@ -17,6 +17,7 @@ of the same collection, and an unfinished ``ingest`` into it is refused too.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -90,25 +91,44 @@ def index_collection(
     owner = _take_lease(conn, name)
     try:
         _check_numbers(conn, name)
+        # Before the numbering: its checks and the next run's start read idx ranges through it.
+        _ensure_sparse_index(conn, name)
         top = run("largest idx", lambda: max_idx(coll))
         next_idx = 0 if top is None else top + 1
         numbered = 0
-        # Documents are taken in _id order, resuming after the last _id this run numbered: a range on
-        # the _id index, so each batch costs its own documents, not a scan from the start.
+        # Documents are taken in _id order from one cursor, its batches as long as ours: one sorted
+        # read for the whole run (a query per batch would read the collection from the start each
+        # time on the embedded engine, whose _id ranges and sorts scan). A transient error ends the
+        # cursor; the retry opens one after the last _id this run numbered.
         last_id: Any = None
+        cursor: Any = None
+
+        def next_ids() -> list[Any]:
+            nonlocal cursor
+            if cursor is None:
+                query = dict(UNNUMBERED) if last_id is None else {**UNNUMBERED, "_id": {"$gt": last_id}}
+                cursor = coll.find(query, {"_id": 1}).sort("_id", 1).batch_size(batch_size)
+            try:
+                return [d["_id"] for d in itertools.islice(cursor, batch_size)]
+            except BaseException:
+                cursor.close()
+                cursor = None
+                raise
+
         bar = progress_display(f"index {name}", "doc", enabled=progress)
         try:
             while True:
-                query = dict(UNNUMBERED) if last_id is None else {**UNNUMBERED, "_id": {"$gt": last_id}}
-                ids = run("next batch", lambda q=query: [d["_id"] for d in coll.find(q, {"_id": 1})
-                                                         .sort("_id", 1).limit(batch_size)])  # fmt: skip
+                ids = run("next batch", next_ids)
                 if not ids:
                     break
                 # A retried batch gives each document the same number (its place in the batch), and
                 # the documents it already numbered keep theirs.
                 run("numbering", lambda i=ids, n=next_idx: _number(conn, coll, i, n))
-                mine = {"_id": {"$in": ids}, "idx": {"$gte": next_idx, "$lt": next_idx + len(ids)}}
-                if run("check", lambda q=mine: coll.count_documents(q)) != len(ids):
+                # The batch's numbers must be on its documents: the range read by idx, compared here
+                # (an $in of the batch's _ids costs the square of its length on the embedded engine).
+                window = {"idx": {"$gte": next_idx, "$lt": next_idx + len(ids)}}
+                held = run("check", lambda q=window: [d["_id"] for d in coll.find(q, {"_id": 1})])
+                if sorted(map(str, held)) != sorted(map(str, ids)):
                     raise CorpusError(
                         f"another process numbered documents of {name!r} during this run; run "
                         "`dsgpt2 validate` and then `dsgpt2 index` again"
@@ -120,7 +140,8 @@ def index_collection(
                 _record(conn, name, field, next_idx, owner)
         finally:
             bar.close()
-        _ensure_sparse_index(conn, name)
+            if cursor is not None:
+                cursor.close()
         # As ingest builds it: `ingest --dedup` and `dedup --exact` ask text_hash of every batch (the
         # documents without a hash cost an index entry each, until `dedup --exact` gives them one).
         ensure_hash_index(conn, name, f"indexing {name}: text_hash index")

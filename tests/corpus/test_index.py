@@ -127,6 +127,29 @@ def test_a_killed_pass_finishes_exactly_once(monkeypatch: pytest.MonkeyPatch, wh
     assert [by_id[i] for i in straight] == list(range(500))
 
 
+@pytest.mark.parametrize("code", [189, 11600])
+def test_the_pass_reads_one_cursor_and_reopens_it_after_a_transient_error(tmp_path: Path, code: int) -> None:
+    """The documents come from one sorted cursor (a query per batch would read the collection from the
+    start each time on the embedded engine); a getMore that fails is retried on a new cursor after the
+    last _id numbered, and the numbers are the straight run's."""
+    from wire_server import fail_point
+
+    cfg, store = _file_store(tmp_path, articles(300))
+    uri = json.loads(cfg.read_text())["MONGO_CONNECTION_STRING"]
+    try:
+        fail_point(uri, {"skip": 1, "times": 2}, failCommands=["getMore"], errorCode=code)
+        done = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body",
+                       "--batch_size", "40", "--no_progress")  # fmt: skip
+    finally:
+        fail_point(uri, "off")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("transient MongoDB error") == 2, done.stderr
+    conn = _open(store)
+    assert [idx for idx, _ in _in_id_order(conn)] == list(range(300))
+    assert validate_collection(conn, "articles").problems == []
+    conn.close()
+
+
 def test_refusals_are_one_line(tmp_path: Path) -> None:
     cfg, store = _file_store(tmp_path, articles(20))
     conn = _open(store)
