@@ -208,7 +208,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     settings = from_namespace(ValidateSettings, args)
     config = load_connection(settings.config)
-    conn = connect(config)
+    conn = connect(config, create=False)
     names = list(settings.collection or config.collections)
     if settings.fix:
         for name in names:
@@ -233,7 +233,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     settings = from_namespace(InfoSettings, args)
     config = load_connection(settings.config)
-    require_collections(connect(config), settings.config)
+    require_collections(connect(config, create=False), settings.config)
     wrapper = MongoWrapper(config)
     meta = read_meta(wrapper.connection, list(config.collections))
     total = max(len(wrapper), 1)

@@ -195,7 +195,7 @@ def _curation_report(config_path: str, settings: CurateSettings, passes: PassSet
     names = collection_names(passes.collection, config, "curate")
     plot = Path(settings.plot)
     check_writable(plot, "--plot")
-    parts = curation_report.summarize(connect(config), names, settings.examples)
+    parts = curation_report.summarize(connect(config, create=False), names, settings.examples)
     curation_report.plot(parts, plot)
     if settings.json:
         print(json.dumps({"collections": [asdict(p) for p in parts], "plot": str(plot)}, indent=2))

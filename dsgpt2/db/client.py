@@ -192,8 +192,11 @@ class Connection:
     of reusing the parent's, and a pickled connection carries no client.
     """
 
-    def __init__(self, config: MongoConfig) -> None:
+    def __init__(self, config: MongoConfig, create: bool = True) -> None:
         self.config = config
+        # False for a command that only reads: a local:// directory without a database is refused
+        # instead of made (a typo in the path would otherwise start an empty server).
+        self.create = create
         self._client: Any = None
         self._pid: int | None = None
         self._patient: Any = None  # the client without a socket timeout, made on first use here
@@ -229,7 +232,7 @@ class Connection:
         return [values[i : i + size] for i in range(0, len(values), size)]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config, "_client": None, "_pid": None, "_patient": None,
+        return {"config": self.config, "create": self.create, "_client": None, "_pid": None, "_patient": None,
                 "_filter_checked": False, "_in_list": None}  # fmt: skip
 
     def __repr__(self) -> str:
@@ -262,7 +265,7 @@ class Connection:
     def _make_client(self, patient: bool = False) -> Any:
         uri = self.config.uri
         if embedded.is_local(uri):  # the embedded server: started here if none runs yet
-            uri = embedded.ensure(embedded.local_dir(uri))
+            uri = embedded.ensure(embedded.local_dir(uri), create=self.create)
         try:
             return pymongo.MongoClient(
                 uri,
@@ -409,8 +412,8 @@ def check_filter(conn: Connection) -> None:
         ) from None
 
 
-def connect(config: MongoConfig) -> Connection:
-    """Open a connection and check that the server answers."""
-    conn = Connection(config)
+def connect(config: MongoConfig, create: bool = True) -> Connection:
+    """Open a connection and check that the server answers (``create``: see :class:`Connection`)."""
+    conn = Connection(config, create=create)
     conn.ping()
     return conn

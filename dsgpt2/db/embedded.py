@@ -89,13 +89,22 @@ def uri_of(directory: Path, state: ServerState) -> str:
     return f"mongodb://{USER}:{password}@{state.host}:{state.port}/?authSource=admin"
 
 
-def ensure(directory: Path) -> str:
-    """The connection string of the server on ``directory``, started if none is running.
+def ensure(directory: Path, create: bool = True) -> str:
+    """The connection string of the server on ``directory``, started if none is running; with
+    ``create`` False (a command that only reads), only where a database already is.
 
     Raises:
-        ConfigError: the directory cannot hold a database (not writable, another engine's files)
-            or the server cannot be started (package missing, start-up failed).
+        ConfigError: the directory cannot hold a database (not writable, another engine's files),
+            holds none and ``create`` is False, or the server cannot be started (package missing,
+            start-up failed).
     """
+    if not create and not (directory / MARKER).exists():
+        held = "does not exist" if not directory.exists() else "holds no dsgpt2 database"
+        raise ConfigError(
+            f"{PREFIX}{directory}: no database there (the directory {held}); check "
+            "MONGO_CONNECTION_STRING (a relative local:// path starts at the working directory, "
+            f"{os.getcwd()}), or make the database with dsgpt2 ingest"
+        )
     _check_directory(directory)
     state = running(directory)
     if state is not None:

@@ -114,7 +114,7 @@ def check_collections(config: MongoConfig, request: EvalRequest) -> None:
     fix = "fix COLLECTIONS in the connection config or give one with --collection"
     if request.collections:
         fix = "give one of those with --collection"
-    check_exist(connect(config), request.collections or config.collections, fix)
+    check_exist(connect(config, create=False), request.collections or config.collections, fix)
 
 
 def evaluate(

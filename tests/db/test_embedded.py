@@ -118,11 +118,39 @@ def test_a_directory_that_cannot_hold_the_database_is_one_line(tmp_path: Path) -
     for name, says in cases.items():
         cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{tmp_path / name}",
                            MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
-        done = run_cli("info", "--config", str(cfg))
+        done = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "5", "--no_progress")
         assert done.returncode == 2, (name, done.stderr)
         assert says in done.stderr and "Traceback" not in done.stderr, (name, done.stderr)
         assert len(done.stderr.strip().splitlines()) == 1
     assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"  # nothing touched
+
+
+def test_a_command_that_only_reads_refuses_a_directory_without_a_database(tmp_path: Path) -> None:
+    """A typo in the path (``local://tmp/x`` is relative) must not make an empty database and leave a
+    server running: info, validate, curate report and evaluate say so in one line naming the absolute
+    directory; ingest, which writes, makes it."""
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="local://typo/db",
+                       MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    for args in (("info",), ("validate",), ("curate", "report"), ("evaluate", "--model", str(tmp_path))):
+        done = run_cli(*args, "--config", str(cfg), cwd=tmp_path)
+        assert done.returncode == 2, (args, done.stderr)
+        (line,) = done.stderr.strip().splitlines()
+        assert f"local://{tmp_path / 'typo' / 'db'}: no database there (the directory does not exist)" in line
+        assert str(tmp_path) in line.split("working directory, ")[1] and "Traceback" not in line
+    assert not (tmp_path / "typo").exists()
+    cfg.write_text(cfg.read_text().replace("local://typo/db", f"local://{tmp_path / 'empty'}"))
+    done = run_cli("info", "--config", str(cfg))
+    assert done.returncode == 2 and "(the directory holds no dsgpt2 database)" in done.stderr, done.stderr
+    assert list((tmp_path / "empty").iterdir()) == []
+    cfg.write_text(cfg.read_text().replace(str(tmp_path / "empty"), str(tmp_path / "made")))
+    try:
+        done = run_cli("ingest", "--config", str(cfg), "--collection", "a", "--sample", "stdlib",
+                       "--limit", "3", "--no_progress")  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert run_cli("info", "--config", str(cfg)).returncode == 0
+    finally:
+        embedded.stop(tmp_path / "made")
 
 
 def test_without_the_server_package_the_extra_to_install_is_named(tmp_path: Path, monkeypatch: Any) -> None:
@@ -163,7 +191,8 @@ def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local: A
     directory.mkdir()
     # A starter killed while holding the lock leaves the file (the kernel released the lock itself), and a
     # server file naming a dead process.
-    assert run_cli("info", "--config", str(cfg)).returncode == 2  # no collection yet: but the server runs
+    # No collection to number yet: but the server runs.
+    assert run_cli("index", "--config", str(cfg), "--collection", "stdlib").returncode == 2
     pid = _pid(directory)
     os.kill(pid, signal.SIGKILL)
     (directory / "server.json").write_text(json.dumps({"pid": 999_999, "port": 1}))
