@@ -57,6 +57,15 @@ def cmd_db(args: argparse.Namespace) -> int:
     from dsgpt2.db import embedded
 
     settings = from_namespace(DbSettings, args)
+    if settings.action == "status" and not (settings.database or settings.config):
+        found = [_status(directory) for directory in embedded.servers()]
+        if settings.json:
+            print(json.dumps(found))
+        for info in [] if settings.json else found:
+            print(_status_line(info))
+        if not found and not settings.json:
+            print("no embedded database server runs for this user; dsgpt2 db status local://DIR shows one")
+        return 0
     directory = _directory(settings)
     where = f"{embedded.PREFIX}{directory}"
     if not (directory / embedded.MARKER).exists():
@@ -68,9 +77,17 @@ def cmd_db(args: argparse.Namespace) -> int:
         else:
             print(f"{where}: stopped (pid {stopped.pid}); the next command that needs it starts it again")
         return 0
+    info = _status(directory)
+    print(json.dumps(info) if settings.json else _status_line(info))
+    return 0
+
+
+def _status(directory: Path) -> dict[str, Any]:
+    from dsgpt2.db import embedded
+
     state = embedded.running(directory)
     info: dict[str, Any] = {
-        "database": where,
+        "database": f"{embedded.PREFIX}{directory}",
         "running": state is not None,
         "disk_bytes": embedded.disk_bytes(directory),
     }
@@ -81,16 +98,16 @@ def cmd_db(args: argparse.Namespace) -> int:
             "rss_bytes": embedded.rss_bytes(state.pid),
             "since": _since(directory),
         }
-    if settings.json:
-        print(json.dumps(info))
-        return 0
+    return info
+
+
+def _status_line(info: dict[str, Any]) -> str:
     disk = f"{info['disk_bytes'] / 1e6:.1f} MB on disk"
-    if state is None:
-        print(f"{where}: not running ({disk}); the next command that needs it starts it")
-    else:
-        rss = f", {info['rss_bytes'] / 1e6:.0f} MB resident" if info["rss_bytes"] else ""
-        print(f"{where}: running (pid {state.pid}, {info['address']}, up {info['since']}{rss}, {disk})")
-    return 0
+    if not info["running"]:
+        return f"{info['database']}: not running ({disk}); the next command that needs it starts it"
+    rss = f", {info['rss_bytes'] / 1e6:.0f} MB resident" if info["rss_bytes"] else ""
+    up = f"pid {info['pid']}, {info['address']}, up {info['since']}{rss}, {disk}"
+    return f"{info['database']}: running ({up})"
 
 
 def _since(directory: Path) -> str:
@@ -109,8 +126,9 @@ DB = Command(
     "db",
     help="show or stop the embedded database server of a local:// database",
     description="The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
-    "command needing it starts and that later commands share. `status` shows it, `stop` ends it "
-    "(the next command that needs it starts it again, on the same data).",
+    "command needing it starts and that later commands share. `status` shows it (with no database "
+    "named: every one this user runs), `stop` ends it (the next command that needs it starts it "
+    "again, on the same data).",
     settings=(DbSettings,),
     handler=cmd_db,
 )

@@ -145,6 +145,29 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
         return state
 
 
+def servers() -> list[Path]:
+    """The database directories whose servers this user runs now, read from /proc (none elsewhere)."""
+    found: set[Path] = set()
+    proc = Path("/proc")
+    for entry in proc.iterdir() if proc.is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = any(os.path.basename(a) == EXECUTABLE.encode() for a in args)
+        if not ours or b"--storage-path" not in args[:-1]:
+            continue
+        data = Path(os.fsdecode(args[args.index(b"--storage-path") + 1]))
+        database = data.parent
+        if data.name == "data" and (database / MARKER).exists() and _is_server(int(entry.name), database):
+            found.add(database)
+    return sorted(found)
+
+
 def disk_bytes(directory: Path) -> int:
     """Bytes the database's files take on disk."""
     total = 0

@@ -60,11 +60,17 @@ def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(
         assert secret not in out.stdout + out.stderr
     as_json = json.loads(run_cli("db", "status", f"local://{directory}", "--json").stdout)
     assert as_json["running"] and as_json["pid"] == pid and as_json["disk_bytes"] > 0
+    # No database named: every server this user runs (the tests' own servers hold no database marker).
+    listed = run_cli("db", "status")
+    assert listed.returncode == 0 and f"local://{directory}: running (pid {pid}," in listed.stdout
+    assert [d["pid"] for d in json.loads(run_cli("db", "status", "--json").stdout)
+            if d["database"] == f"local://{directory}"] == [pid]  # fmt: skip
     stopped = run_cli("db", "stop", "--config", str(cfg))
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert embedded.running(directory) is None
     again = run_cli("db", "stop", str(directory))  # a second stop: nothing to do, no traceback
     assert again.returncode == 0 and "not running" in again.stdout
+    assert f"local://{directory}" not in run_cli("db", "status").stdout
     # The next command starts it again, on the same data.
     info = run_cli("info", "--config", str(cfg), "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["documents"] == 300
@@ -180,7 +186,7 @@ def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
         (("db", "status", "--config", str(cfg)), "not an embedded database"),
         (("db", "stop", str(tmp_path)), "is not a dsgpt2 database"),
         (("db", "status", "mongodb://h:1"), "only local://DIR"),
-        (("db", "status"), "name the database"),
+        (("db", "stop"), "name the database"),
     ]:
         done = run_cli(*args)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
