@@ -40,7 +40,7 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, describe, make_document
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
-from dsgpt2.db.client import Connection, DatabaseError, database_errors, patiently
+from dsgpt2.db.client import Connection, DatabaseError, database_errors, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import document_hash
@@ -331,7 +331,9 @@ def _held_update(
         CorpusError: another ingest took the source over (this one was silent past the lease).
     """
     held = {"collection": collection, f"sources.{source.key}.owner": owner}
-    if _meta(conn).update_one(held, update).matched_count == 0:
+    # $set and $max of the same values: a retried update lands once.
+    updated = with_retries(lambda: _meta(conn).update_one(held, update), conn.config, "recording progress")
+    if updated.matched_count == 0:
         raise CorpusError(
             f"{source.label}: another dsgpt2 ingest took over writing it into {collection!r} (this one "
             f"gave no sign of life for {LEASE_SECONDS:.0f}s); this run stops, the other goes on"

@@ -14,6 +14,7 @@ import os
 import random
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -76,7 +77,23 @@ def unavailable_error(config: MongoConfig, exc: BaseException) -> MongoUnavailab
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    if not text:
+        return type(exc).__name__
+    # pymongo's server selection errors end in a dump of the topology: the reason comes before it.
+    line = text[0].split(", Timeout: ")[0] if "Topology Description" in text[0] else text[0]
+    return line[:300]
+
+
+def revive(config: MongoConfig) -> bool:
+    """After a transient error: an embedded server that died is started again (see
+    :func:`dsgpt2.db.embedded.revive`); one that cannot start leaves the retries to end the command.
+    Returns whether a server was started."""
+    embedded.count_error()
+    try:
+        return embedded.revive(config.uri) is not None
+    except (ConfigError, MongoUnavailableError, OSError) as exc:
+        log.warning("%s: could not start its server again: %s", config.display_uri, first_line(exc))
+        return False
 
 
 def with_retries(
@@ -101,6 +118,7 @@ def with_retries(
                     f"{config.scrub(first_line(exc))}; check the server and the network, "
                     f"or raise RETRIES in the config"
                 ) from None
+            revive(config)
             delay = min(MAX_BACKOFF_S, config.retry_backoff_s * 2**attempt)
             delay *= 1 + random.random() * 0.1  # jitter, so that ranks do not retry in lockstep
             log.warning(
@@ -162,6 +180,8 @@ def answering(conn: Connection, what: str, since: float) -> None:
         with pymongo.timeout(conn.config.server_selection_timeout_ms / 1000):
             conn.client.admin.command("ping")
     except PyMongoError as exc:
+        if revive(conn.config):  # a killed embedded server, started again: the command's retries go on
+            return
         raise ServerLostError(
             f"{what}: MongoDB at {conn.config.hosts} stopped answering after {time.monotonic() - since:.0f}s "
             f"({conn.config.scrub(first_line(exc))}); what was done is kept: run the same command again "
@@ -202,6 +222,8 @@ class Connection:
         self._patient: Any = None  # the client without a socket timeout, made on first use here
         self._filter_checked = False
         self._in_list: tuple[int, int | None] | None = None  # (pid, the engine's $in length), once asked
+        self._port: int | None = None  # the embedded server's port when the clients were made
+        self._errors_seen = 0
 
     @property
     def in_list_max(self) -> int | None:
@@ -233,17 +255,32 @@ class Connection:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"config": self.config, "create": self.create, "_client": None, "_pid": None, "_patient": None,
-                "_filter_checked": False, "_in_list": None}  # fmt: skip
+                "_filter_checked": False, "_in_list": None, "_port": None, "_errors_seen": 0}  # fmt: skip
 
     def __repr__(self) -> str:
         return f"Connection({self.config.display_uri!r}, db={self.config.db!r})"
 
     @property
     def client(self) -> Any:
-        if self._client is None or self._pid != os.getpid():
+        if self._server_moved() or self._client is None or self._pid != os.getpid():
             self._client = self._make_client()
             self._pid = os.getpid()
         return self._client
+
+    def _server_moved(self) -> bool:
+        """Whether, since a transient error of this process, the embedded server listens elsewhere (one
+        started again after it died, on another port): the clients made for the old one are dropped.
+        Asked only after such an error (:func:`revive` counts them), so a query pays nothing for it."""
+        if self._errors_seen == embedded.errors_seen() or not embedded.is_local(self.config.uri):
+            return False
+        self._errors_seen = embedded.errors_seen()
+        state = embedded.running(embedded.local_dir(self.config.uri))
+        if state is None or state.port == self._port:
+            return False
+        log.info("%s: its server now listens on port %d; reconnecting", self.config.display_uri, state.port)
+        # Dropped, not closed: closing would ask the dead server to end its sessions first.
+        self._client, self._pid, self._patient = None, None, None
+        return True
 
     @property
     def client_pid(self) -> int | None:
@@ -258,7 +295,7 @@ class Connection:
     def patient_db(self) -> Any:
         """The database through a client of this process without the socket timeout: for the commands
         whose time grows with the collection (:func:`patiently` watches the server meanwhile)."""
-        if self._patient is None or self._patient[0] != os.getpid():
+        if self._server_moved() or self._patient is None or self._patient[0] != os.getpid():
             self._patient = (os.getpid(), self._make_client(patient=True))
         return self._patient[1][self.config.db]
 
@@ -266,6 +303,8 @@ class Connection:
         uri = self.config.uri
         if embedded.is_local(uri):  # the embedded server: started here if none runs yet
             uri = embedded.ensure(embedded.local_dir(uri), create=self.create)
+            self._port = urllib.parse.urlsplit(uri).port
+            self._errors_seen = embedded.errors_seen()
         try:
             return pymongo.MongoClient(
                 uri,

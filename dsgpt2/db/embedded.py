@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -38,6 +39,8 @@ from pathlib import Path
 
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.files import atomic_write_text
+
+log = logging.getLogger(__name__)
 
 PREFIX = "local://"
 EXTRA = "pip install 'dsgpt2[local]'"
@@ -114,6 +117,36 @@ def ensure(directory: Path, create: bool = True) -> str:
         if state is None:
             state = _start(directory)
     return uri_of(directory, state)
+
+
+_ERRORS = [0]  # transient errors this process met on an embedded server (Connection._server_moved)
+
+
+def count_error() -> None:
+    _ERRORS[0] += 1
+
+
+def errors_seen() -> int:
+    return _ERRORS[0]
+
+
+def revive(uri: str) -> ServerState | None:
+    """After a transient error on ``uri``: when it names an embedded database whose server is gone
+    (killed, out of memory), start it again on the same data and, if that port is free, the same port,
+    so that the clients of the running command reconnect by themselves. Returns the server started,
+    or None (not local://, still running, or no database there)."""
+    if not is_local(uri):
+        return None
+    directory = local_dir(uri)
+    if not (directory / MARKER).exists() or running(directory) is not None:
+        return None
+    with _locked(directory):
+        if running(directory) is not None:  # another process started it meanwhile
+            return None
+        state = _start(directory)
+    log.warning("%s%s: its server had stopped; started it again (pid %d, port %d) on the same data",
+                PREFIX, directory, state.pid, state.port)  # fmt: skip
+    return state
 
 
 def running(directory: Path) -> ServerState | None:
@@ -421,7 +454,10 @@ def _log_tail(log_path: Path, start: int) -> str:
 
 
 def _port_free(port: int) -> bool:
+    """Whether the server could listen on ``port``: bound as it binds (SO_REUSEADDR), so that the
+    connections of a server just killed, in TIME_WAIT, do not keep its successor off its port."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

@@ -11,7 +11,7 @@ from typing import Any
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
 
-from dsgpt2.db.client import MAX_BACKOFF_S, TRANSIENT_ERRORS, Connection, first_line
+from dsgpt2.db.client import MAX_BACKOFF_S, TRANSIENT_ERRORS, Connection, first_line, revive
 from dsgpt2.errors import CorpusError, MongoUnavailableError
 
 log = logging.getLogger(__name__)
@@ -143,6 +143,7 @@ def insert_batch(
             log.warning("insert into %s: transient MongoDB error (%s); retry %d/%d in %.1fs",
                         coll.name, conn.config.scrub(first_line(exc)), attempt + 1, conn.config.retries,
                         delay)  # fmt: skip
+            revive(conn.config)
             sleep(delay)
             attempt += 1
             unsure = True

@@ -92,6 +92,41 @@ def test_a_killed_server_is_started_again_with_everything_committed(local: Any) 
     assert "running" in status.stdout
 
 
+def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local: Any, tmp_path: Path) -> None:
+    """SIGKILL of the embedded server mid-ingest: the ingest starts it again on the same data and port,
+    says so in one line, and ends with every record once (no retries exhausted, no topology dump)."""
+    cfg, directory = local
+    first = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "10", "--no_progress")
+    assert first.returncode == 0, first.stderr
+    conn = Connection(load_config(cfg))
+    err = tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), "--collection", "later",
+               "--sample", "stdlib", "--limit", "3000", "--batch_size", "20", "--no_progress"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
+    with err.open("w") as sink:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=sink, text=True)
+        try:
+            wait_for(
+                lambda: conn.db["later"].estimated_document_count() >= 200, 120, "the ingest under way", proc
+            )
+            pid = _pid(directory)
+            os.kill(pid, signal.SIGKILL)
+            proc.communicate(timeout=deadline(180))
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    said = err.read_text()
+    assert proc.returncode == 0, said[-3000:]
+    assert "its server had stopped; started it again" in said and _pid(directory) != pid
+    assert "Topology Description" not in said
+    later = Connection(load_config(cfg)).db["later"]
+    idx = sorted(d["idx"] for d in later.find({}, {"idx": 1}))
+    assert (
+        idx == list(range(3000)) and len({d["source_pos"] for d in later.find({}, {"source_pos": 1})}) == 3000
+    )
+    conn.close()
+
+
 def test_processes_starting_at_once_share_one_server(local: Any) -> None:
     cfg, _ = local
     code = (
