@@ -16,6 +16,15 @@ LATEST_VENV ?= .venv-latest
 # Two workers on two cores: the DeepSpeed runs compute while the other tests wait on processes and sockets.
 PYTEST_WORKERS ?= 2
 
+# DeepSpeed compiles its CPU communication op at its first initialize on a machine: done here, with the
+# install, rather than inside the first run (or test) that needs it. Nothing to do where CUDA is the device.
+define BUILD_DEEPSPEED_OPS
+from deepspeed.accelerator import get_accelerator
+if get_accelerator().device_name() == "cpu":
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+endef
+export BUILD_DEEPSPEED_OPS
+
 .PHONY: venv test test-fast test-latest latest lock demo bench lint docs clean
 
 # pip and setuptools first, at their locked versions: setuptools is also the build backend, held by
@@ -26,6 +35,8 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -q -c $(VENV)/constraints.txt pip setuptools
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -c $(VENV)/constraints.txt --build-constraint $(VENV)/constraints.txt -e ".[dev]"
+	@echo "building DeepSpeed's CPU communication op (once per machine, 1-4 minutes; cached in ~/.cache/torch_extensions)"
+	$(PY) -c "$$BUILD_DEEPSPEED_OPS" > $(VENV)/deepspeed-ops.log 2>&1 || echo "not built now ($(VENV)/deepspeed-ops.log); the first DeepSpeed run builds it"
 	touch $(STAMP)
 
 venv: $(STAMP)
