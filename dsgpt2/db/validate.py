@@ -274,7 +274,9 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
     def run(what: str, fn: Any) -> Any:
         return with_retries(fn, conn.config, f"checking {name}: {what}")
 
-    documents = run("count", coll.estimated_document_count)
+    # The collection's count: metadata on mongod, a walk of every record on the embedded engine (which
+    # keeps no count); patiently, so that a large one is never cut off by the socket timeout.
+    documents = patiently(conn, lambda db: db[name].estimated_document_count(), f"checking {name}: count")
     meta_count = meta.get("count") if meta else None
     report = CollectionReport(name, documents, meta_count)
     problems = report.problems

@@ -312,6 +312,28 @@ def test_a_server_command_longer_than_the_socket_timeout_runs_to_its_end(
     assert "stdlib: 300 documents, 0 hashed by this run; 2 exact duplicate(s)" in done.stdout
 
 
+def test_the_start_up_count_and_the_wrappers_count_run_past_the_socket_timeout(
+    up: WireServer, tmp_path: Path
+) -> None:
+    """The quick check's collection count (a walk of every record on the embedded engine) and the
+    wrapper's count where meta_info has none, each blocked past SOCKET_TIMEOUT_MS every time it is
+    asked: both answer the count."""
+    from dsgpt2.db.validate import require_valid
+
+    cfg, _ = seed_corpus(up, tmp_path, 120)
+    conn = Connection(cfg)
+    try:
+        up.fail({"times": 10}, failCommands=["count"], blockConnection=True, blockTimeMS=2500)
+        (report,) = require_valid(conn, full=False)
+        assert report.documents == 120 and report.ok
+        conn.db["meta_info"].update_one({"collection": "stdlib"}, {"$unset": {"count": ""}})
+        up.fail({"times": 10}, failCommands=["aggregate"], blockConnection=True, blockTimeMS=2500)
+        assert len(MongoWrapper(cfg, connection=conn)) == 120
+    finally:
+        up.fail("off")
+        conn.close()
+
+
 def test_a_server_that_stops_answering_during_a_long_command_ends_it_with_exit_3(
     up: WireServer, tmp_path: Path
 ) -> None:
