@@ -191,13 +191,18 @@ def answering(conn: Connection, what: str, since: float) -> None:
 
 @contextlib.contextmanager
 def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[None]:
-    """Turn a pymongo error raised inside into one line naming the host (never the password).
+    """Turn a pymongo error raised inside into one line naming the host (never the password); the
+    retries' own error keeps its line and gains ``advice``.
 
     Raises:
         MongoUnavailableError: for any pymongo error (after whatever retries ran inside).
     """
     try:
         yield
+    except MongoUnavailableError as exc:
+        if advice in str(exc):
+            raise
+        raise type(exc)(f"{exc}; {advice}") from None
     except PyMongoError as exc:
         raise MongoUnavailableError(
             f"{what} failed on MongoDB at {config.hosts}: {config.scrub(first_line(exc))}; {advice}"

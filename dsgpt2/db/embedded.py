@@ -191,7 +191,7 @@ def servers() -> list[Path]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ours = any(os.path.basename(a) == EXECUTABLE.encode() for a in args)
+        ours = any(os.path.basename(a) in (EXECUTABLE.encode(), SHIM.name.encode()) for a in args)
         if not ours or b"--storage-path" not in args[:-1]:
             continue
         data = Path(os.fsdecode(args[args.index(b"--storage-path") + 1]))
@@ -243,6 +243,26 @@ def executable() -> list[str]:
         f"{PREFIX} needs the embedded database server, which is not installed here: {EXTRA} "
         f"(or name a MongoDB server with mongodb://)"
     )
+
+
+# ``secantusd.py`` beside this module, run by the server's own Python without importing dsgpt2 there.
+SHIM = Path(__file__).with_name("secantusd.py")
+_RUN_SHIM = "import runpy, sys; sys.argv.pop(0); runpy.run_path(sys.argv[0], run_name='__main__')"
+
+
+def server_command() -> list[str]:
+    """The command that runs the server: the shim (``secantusd.py``) under the Python of SecantusDB's
+    script, or the executable itself where it is not a Python script."""
+    found = executable()
+    try:
+        with open(found[0], "rb") as f:
+            first = f.readline(256)
+    except OSError:
+        return found
+    words = first[2:].decode(errors="replace").split() if first.startswith(b"#!") else []
+    if not words or not os.path.basename(words[-1]).startswith("python"):
+        return found
+    return [*words, "-c", _RUN_SHIM, str(SHIM)]
 
 
 def _check_directory(directory: Path) -> None:
@@ -347,7 +367,7 @@ def _secret(directory: Path) -> str:
 
 def _start(directory: Path) -> ServerState:
     """Start a server on ``directory`` (the lock held); its user is made on the first start."""
-    command = executable()
+    command = server_command()
     previous = _read_state(directory)
     if not (directory / "secret").exists():
         _provision(directory, command)

@@ -11,7 +11,7 @@ import pytest
 from pymongo.errors import AutoReconnect, NetworkTimeout
 
 from conftest import make_config, seed
-from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, connect
+from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, connect, database_errors, with_retries
 from dsgpt2.db.config import config_from_dict
 from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.documents import Doc
@@ -374,3 +374,19 @@ def test_read_preference_reaches_the_training_reads() -> None:
     conn = Connection(config)
     seed(conn, "a", ["x", "y", "z"])
     assert [d.text for d in MongoWrapper(config, connection=conn).get_range(0, 3)] == ["x", "y", "z"]
+
+
+def test_a_write_that_runs_out_of_retries_inside_a_command_ends_with_the_commands_advice() -> None:
+    """Every way a command's database work fails ends with what to do: here the retries' own error."""
+    config = make_config(["a"], RETRIES=1, RETRY_BACKOFF_S=0.0)
+
+    def lost() -> None:
+        raise AutoReconnect("connection refused")
+
+    with pytest.raises(MongoUnavailableError) as caught:
+        with database_errors(config, "ingest into 'a'", "re-run the same command to resume"):
+            with_retries(lost, config, "recording progress")
+    message = str(caught.value)
+    assert message.startswith("recording progress failed 2 times") and message.endswith(
+        "; re-run the same command to resume"
+    ), message
