@@ -6,13 +6,19 @@ near copies of earlier documents, so that both dedup passes have work). Each siz
 directory of its own; each command runs as a user types it, in a process of its own, timed from
 start to exit:
 
-- ``ingest`` (a JSONL file), ``validate``, ``dedup --exact``, ``dedup --near``, ``curate``: seconds per
-  document at 10x the documents ÷ at the size before (target ≤ 1.5: close to linear);
+- ``ingest`` (a JSONL file), ``validate``, ``dedup --exact``, ``dedup --near``, ``curate``, ``langid``,
+  ``redact``, ``decontaminate`` (against 50 of the documents) and one epoch of the training feed (streaming,
+  2 DataLoader workers, no model): seconds per document at 10x the documents ÷ at the size before (target
+  ≤ 1.5: close to linear);
 - launch to the first training step (``ds_trainer.py --train_iters 1``, tiny preset) and ``info``: seconds
   and MongoDB commands before the first step at the largest size ÷ the smallest (target ≤ 1.3, the same
   commands), which read what indexes and meta_info answer, never the corpus;
-- the server's resident memory and its files on disk after the passes, per document (information; the
-  README extrapolates them to 10⁸ documents).
+- the server's resident memory, sampled while every command runs: its peak at the largest size (target
+  ≤ 1.5 GB at 200,000 documents), and over ``BENCH_SCALE_REPEATS`` (10) identical ``curate`` passes and as
+  many feed epochs at the second size, the last ÷ the first (target ≤ 1.1: flat);
+- its files on disk after a checkpoint, per document (information).
+
+``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores).
 
 A server on this machine is not a MongoDB deployment: the figures are ratios and growth, not MongoDB's.
 """
@@ -28,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +49,13 @@ PASSES = {
     "dedup --exact": ["dedup", "--exact"],
     "dedup --near": ["dedup", "--near"],
     "curate": ["curate"],
+    "langid": ["langid"],
+    "redact": ["redact"],
+    "decontaminate": ["decontaminate", "--name", "planted"],
+    "feed": [],  # one epoch of streaming reads: _feed_epoch
 }
+REPEATS = int(os.environ.get("BENCH_SCALE_REPEATS", "10"))
+PEAK_TARGET = 1.5e9  # bytes of server memory at 200,000 documents
 WORDS_PER_DOC = 280  # about 1.7 KB
 
 
@@ -72,14 +85,126 @@ def _documents(n: int, path: Path) -> None:
             f.write(json.dumps({"text": text}) + "\n")
 
 
+class _Sampler:
+    """The embedded server's resident memory, read every 0.2 s in a thread while a command runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.peak, self._stop = directory, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from dsgpt2.db import embedded
+
+        while not self._stop.wait(0.2):
+            state = embedded.running(self.directory)
+            if state is not None:
+                self.peak = max(self.peak, embedded.rss_bytes(state.pid) or 0)
+
+    def __enter__(self) -> _Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _rss(directory: Path) -> int:
+    from dsgpt2.db import embedded
+
+    state = embedded.running(directory)
+    return (embedded.rss_bytes(state.pid) or 0) if state else 0
+
+
+def _feed_epoch(config: Path, tokenizer: Path, epochs: int = 1) -> None:
+    """Read ``epochs`` epochs of the training split as the trainer's feed does (streaming, 2 DataLoader
+    workers, micro-batches of 32 × 256 tokens), no model; after each epoch a line: the server's memory."""
+    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.loader import BlockStream
+    from dsgpt2.data.sources import StreamingChunks, make_spec
+    from dsgpt2.data.table import ChunkTable
+    from dsgpt2.db import embedded
+    from dsgpt2.db.client import Connection
+    from dsgpt2.db.config import load_config
+    from dsgpt2.db.wrapper import MongoWrapper
+
+    config, tokenizer = Path(config), Path(tokenizer)
+    mongo = load_config(config)
+    counts = list(MongoWrapper(mongo, connection=Connection(mongo)).counts)
+    spec = make_spec(tokenizer, context=256, chunk_docs=250, tr_ratio=0.99, seed=0)
+    table = ChunkTable.initial(mongo.collections, counts, spec.chunk_docs)
+    source = StreamingChunks(mongo, table, tokenizer, spec, "train")
+    stream = BlockStream(source, Schedule(table, [(0,)], seed=0), rank=0, world=1, micro_batch=32, workers=2)
+    directory = embedded.local_dir(mongo.uri)
+    epoch = 0
+    try:
+        for batch in stream:
+            if batch.block_ids[-1][0] != epoch:
+                print(f"epoch {epoch} server {_rss(directory)}", flush=True)
+                epoch = batch.block_ids[-1][0]
+                if epoch == epochs:
+                    break
+    finally:
+        stream.close()
+
+
 def _run(argv: list[str]) -> float:
+    return _run_out(argv)[0]
+
+
+def _run_out(argv: list[str]) -> tuple[float, str]:
     start = time.monotonic()
     done = subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=3600, check=False
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=6 * 3600, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:3])} failed: {(done.stdout + done.stderr)[-2000:]}")
-    return time.monotonic() - start
+    return time.monotonic() - start, done.stdout
+
+
+def _stage(name: str, config: Path, data: Path, against: Path, tok: Path) -> list[str]:
+    """The command line of one stage."""
+    if name == "feed":
+        code = f"from bench.bench_scale import _feed_epoch; _feed_epoch({str(config)!r}, {str(tok)!r})"
+        return ["-c", code]
+    extra = {"ingest": [str(data)], "decontaminate": ["--against", str(against)]}.get(name, [])
+    quiet = [] if name == "validate" else ["--no_progress"]
+    return ["-m", "dsgpt2", *PASSES[name], "--config", str(config), *extra, *quiet]
+
+
+def _against(data: Path, path: Path) -> None:
+    """50 of the documents as an evaluation set: the documents holding one of them are contaminated."""
+    lines = data.read_text(encoding="utf-8").splitlines()
+    path.write_text("".join(lines[i] + "\n" for i in range(0, len(lines), max(1, len(lines) // 50))))
+
+
+def _repeats(config: Path, directory: Path, tok: Path) -> dict[str, list[int]]:
+    """The server's memory after each of ``REPEATS`` identical passes (``curate`` rewriting every mark:
+    its settings alternate) and after each of as many feed epochs."""
+    passes = []
+    for k in range(REPEATS):
+        _run(["-m", "dsgpt2", "curate", "--config", str(config), "--no_progress",
+              "--threshold", f"min_words={40 + k % 2}"])  # fmt: skip
+        passes.append(_rss(directory))
+    code = f"from bench.bench_scale import _feed_epoch; _feed_epoch({str(config)!r}, {str(tok)!r}, {REPEATS})"
+    out = _run_out(["-c", code])[1]
+    epochs = [int(line.split()[-1]) for line in out.splitlines() if line.startswith("epoch ")]
+    return {"passes": passes, "epochs": epochs}
+
+
+def _launches(config: Path, tok: Path, runs: Path) -> list[audit.Audit]:
+    """Launch to the first step, three times (a few seconds of imports and DeepSpeed: the median)."""
+    out = []
+    for repeat in range(3):
+        run = runs / str(repeat)
+        out.append(audit.run(
+            ["train", "--deepspeed_config", "configs/ds_config_cpu.json", "--config_train", str(config),
+             "--vocab_dir", str(tok), "--model_select", "tiny", "--context_length", "64",
+             "--chunk_docs", "20", "--num_workers", "1", "--eval_interval", "1000", "--wandb", "off",
+             "--train_iters", "1", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws")],
+            run / "audit.jsonl",
+        ))  # fmt: skip
+    return out
 
 
 def scale(results: Path) -> list[Metric]:
@@ -89,61 +214,63 @@ def scale(results: Path) -> list[Metric]:
     seconds: dict[tuple[str, int], float] = {}
     launches: dict[int, list[audit.Audit]] = {}
     server: dict[int, tuple[int, int]] = {}
+    peaks: dict[int, int] = {}
+    repeated: dict[str, list[int]] = {}
     tok = work / "tok"
     try:
         for n in SIZES:
-            data = work / f"docs-{n}.jsonl"
+            data, against = work / f"docs-{n}.jsonl", work / f"against-{n}.jsonl"
             _documents(n, data)
+            _against(data, against)
             config = work / f"c-{n}.json"
-            uri = f"local://{work / f'db-{n}'}"
+            directory = work / f"db-{n}"
+            uri = f"local://{directory}"
             config.write_text(json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "scale",
                                           "COLLECTIONS": ["docs"]}))  # fmt: skip
-            for name, argv in PASSES.items():
-                extra = [str(data)] if name == "ingest" else []
-                seconds[name, n] = _run(["-m", "dsgpt2", *argv, "--config", str(config), *extra,
-                                         *(["--no_progress"] if name != "validate" else [])])  # fmt: skip
-                print(f"   {n:>7} documents: {name} {seconds[name, n]:.1f} s", flush=True)
-            if not (tok / "tokenizer.json").exists():
-                _run(["-m", "dsgpt2", "vocab", "train", "--from_mongo", "--config", str(config),
-                      "--out", str(tok), "--vocab_size", "512", "--no_progress"])  # fmt: skip
-            launches[n] = []
-            for repeat in range(3):  # a launch is a few seconds of imports and DeepSpeed: the median of 3
-                run = work / f"run-{n}-{repeat}"
-                launches[n].append(audit.run(
-                    ["train", "--deepspeed_config", "configs/ds_config_cpu.json",
-                     "--config_train", str(config), "--vocab_dir", str(tok), "--model_select", "tiny",
-                     "--context_length", "64",
-                     "--chunk_docs", "20", "--num_workers", "1", "--eval_interval", "1000", "--wandb", "off",
-                     "--train_iters", "1", "--ckpt_dir", str(run / "ckpt"), "--workspace", str(run / "ws")],
-                    run / "audit.jsonl",
-                ))  # fmt: skip
-            seconds["info", n] = statistics.median(
-                _run(["-m", "dsgpt2", "info", "--config", str(config)]) for _ in range(3)
-            )
-            directory = work / f"db-{n}"
-            state = embedded.running(directory)
-            rss = (embedded.rss_bytes(state.pid) or 0) if state else 0
+            with _Sampler(directory) as sampler:
+                for name in PASSES:
+                    if name == "feed" and not (tok / "tokenizer.json").exists():
+                        _run(["-m", "dsgpt2", "vocab", "train", "--from_mongo", "--config", str(config),
+                              "--out", str(tok), "--vocab_size", "512", "--no_progress"])  # fmt: skip
+                    seconds[name, n] = _run(_stage(name, config, data, against, tok))
+                    mb = _rss(directory) / 1e6
+                    print(f"   {n:>7} documents: {name} {seconds[name, n]:.1f} s, server {mb:.0f} MB "
+                          f"(peak {sampler.peak / 1e6:.0f})", flush=True)  # fmt: skip
+                launches[n] = _launches(config, tok, work / f"run-{n}")
+                seconds["info", n] = statistics.median(
+                    _run(["-m", "dsgpt2", "info", "--config", str(config)]) for _ in range(3)
+                )
+                if n == SIZES[min(1, len(SIZES) - 1)] and REPEATS > 1:
+                    repeated = _repeats(config, directory, tok)
+                    print(f"   {n:>7} documents: server MB after each curate pass "
+                          f"{[round(r / 1e6) for r in repeated['passes']]}, after each feed epoch "
+                          f"{[round(r / 1e6) for r in repeated['epochs']]}", flush=True)  # fmt: skip
+            peaks[n] = sampler.peak
             busy = embedded.disk_bytes(directory)
             # WiredTiger drops its log files at a checkpoint (the server takes one a minute): the disk a
             # database keeps is measured after one, forced here with `fsync`.
             checkpoint = "from dsgpt2.db.config import load_config\nfrom dsgpt2.db.client import connect\n"
             _run(["-c", f"{checkpoint}connect(load_config({str(config)!r})).client.admin.command('fsync')"])
-            server[n] = (rss, embedded.disk_bytes(directory))
-            print(f"   {n:>7} documents: server {rss / 1e6:.0f} MB resident, {server[n][1] / 1e6:.0f} MB "
-                  f"on disk after a checkpoint ({busy / 1e6:.0f} MB before it)", flush=True)  # fmt: skip
+            server[n] = (_rss(directory), embedded.disk_bytes(directory))
+            rss, disk = server[n]
+            print(f"   {n:>7} documents: server {rss / 1e6:.0f} MB resident (peak {peaks[n] / 1e6:.0f}), "
+                  f"{disk / 1e6:.0f} MB on disk after a checkpoint ({busy / 1e6:.0f} MB before)",
+                  flush=True)  # fmt: skip
             embedded.stop(directory)
             shutil.rmtree(directory, ignore_errors=True)
     finally:
         for n in SIZES:
             embedded.stop(work / f"db-{n}")
         shutil.rmtree(work, ignore_errors=True)
-    return _metrics(seconds, launches, server)
+    return _metrics(seconds, launches, server, peaks, repeated)
 
 
 def _metrics(
     seconds: dict[tuple[str, int], float],
     launches: dict[int, audit.Audit],
     server: dict[int, tuple[int, int]],
+    peaks: dict[int, int],
+    repeated: dict[str, list[int]],
 ) -> list[Metric]:
     metrics = []
     for name in PASSES:
@@ -164,18 +291,16 @@ def _metrics(
     info = seconds["info", large], seconds["info", small]
     metrics.append(Metric(f"scale info: s at {large} ÷ {small}", *info, "s", "<= 1.3",
                           info[0] <= 1.3 * info[1], "median of 3"))  # fmt: skip
-    (rss, disk), (rss_small, disk_small) = server[large], server[small]
-    metrics.append(
-        Metric(
-            f"scale server memory per document at {large}",
-            rss / large,
-            rss_small / small,
-            "B/doc",
-            "info",
-            True,
-            f"{rss / 1e6:.0f} MB resident after the passes",
-        )
-    )
+    (_, disk), (_, disk_small) = server[large], server[small]
+    at_200k = large >= 200_000
+    metrics.append(Metric(f"scale server memory peak at {large}", peaks[large], peaks[small], "B",
+                          f"<= {PEAK_TARGET / 1e9:.1f} GB" if at_200k else "info",
+                          peaks[large] <= PEAK_TARGET or not at_200k,
+                          f"{peaks[large] / 1e6:.0f} MB; sampled while every command ran"))  # fmt: skip
+    for what, values in repeated.items():
+        metrics.append(Metric(f"scale server memory over {len(values)} {what}: last ÷ first", values[-1],
+                              values[0], "B", "<= 1.1", values[-1] <= 1.1 * values[0],
+                              f"MB: {[round(v / 1e6) for v in values]}"))  # fmt: skip
     metrics.append(Metric(f"scale disk per document at {large}", disk / large, disk_small / small, "B/doc",
                           "info", True, f"{disk / 1e6:.0f} MB after a checkpoint"))  # fmt: skip
     return metrics

@@ -423,7 +423,7 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
         try:
             proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True, cwd=directory,
+                start_new_session=True, close_fds=True, cwd=directory, env=_server_environment(),
             )  # fmt: skip
         except OSError as exc:
             raise ConfigError(
@@ -451,6 +451,13 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
 
 
 _STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def _server_environment() -> dict[str, str]:
+    """The server's environment: glibc's malloc with two arenas, not one per thread. Each connection is
+    a thread of the server, and memory freed in a thread's arena stays with the process: after every
+    pass of the scale benchmark at 2,000 documents, 172 MB resident instead of 250."""
+    return {**os.environ, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
 
 
 def _listening_port(log_path: Path, start: int) -> int | None:

@@ -120,7 +120,7 @@ def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
     sparse = [i * 3 for i in range(133)][::-1]  # 133 idx over 397: sparse, asked in reverse
     expected = [Doc(i, f"t{i}") for i in sparse if i % 7]
     for engine, lists in ((EMBEDDED_IN_LIST, 5), (None, 1)):  # None: what mongod answers
-        conn._in_list = (os.getpid(), engine)
+        conn._engine = (os.getpid(), engine is not None)
         seen.clear()
         before = wrapper.skipped["filtered"]
         assert wrapper.get_many(sparse) == expected
@@ -129,7 +129,7 @@ def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
         assert len(asked) == lists and sorted(i for part in asked for i in part) == sorted(sparse)
         assert max(map(len, asked)) == (EMBEDDED_IN_LIST if engine else len(sparse))
     # Dense (the range holding them at most twice as long): one range on the embedded engine.
-    conn._in_list = (os.getpid(), EMBEDDED_IN_LIST)
+    conn._engine = (os.getpid(), True)
     seen.clear()
     dense = [i for i in range(100, 200) if i % 3]
     assert [d.index for d in wrapper.get_many(dense)] == [i for i in dense if i % 7]
@@ -139,16 +139,16 @@ def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
 def test_a_short_list_asks_the_server_nothing_about_its_engine(corpus: MongoWrapper) -> None:
     conn = corpus.connection
     assert conn.in_lists(list(range(EMBEDDED_IN_LIST))) == [list(range(EMBEDDED_IN_LIST))]
-    assert conn._in_list is None  # no buildInfo for a list that needs no cut
+    assert conn._engine is None  # no buildInfo for a list that needs no cut
     assert conn.in_lists([]) == []
     assert conn.in_lists(list(range(70)), longest=50) == [
         list(range(32)),
         list(range(32, 64)),
         [64, 65, 66, 67, 68, 69],
     ]
-    conn._in_list = (os.getpid(), None)
+    conn._engine = (os.getpid(), False)
     assert conn.in_lists(list(range(70)), longest=50) == [list(range(50)), list(range(50, 70))]
-    assert pickle.loads(pickle.dumps(conn))._in_list is None
+    assert pickle.loads(pickle.dumps(conn))._engine is None
 
 
 def _bad_corpus(strict: bool = False) -> MongoWrapper:
