@@ -231,7 +231,7 @@ class Connection:
         self._errors_seen = 0
 
     def _embedded_engine(self) -> bool:
-        """Whether the server is the embedded engine (SecantusDB), by its buildInfo: asked once per process."""
+        """Whether the server is the embedded engine (SecantusDB), by its buildInfo (once per process)."""
         if self._engine is None or self._engine[0] != os.getpid():
             info = with_retries(lambda: self.client.admin.command("buildInfo"), self.config, "buildInfo")
             self._engine = (os.getpid(), "secantusVersion" in info)

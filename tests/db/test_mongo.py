@@ -383,9 +383,9 @@ def test_a_write_that_runs_out_of_retries_inside_a_command_ends_with_the_command
     def lost() -> None:
         raise AutoReconnect("connection refused")
 
-    with pytest.raises(MongoUnavailableError) as caught:
-        with database_errors(config, "ingest into 'a'", "re-run the same command to resume"):
-            with_retries(lost, config, "recording progress")
+    advice = "re-run the same command to resume"
+    with pytest.raises(MongoUnavailableError) as caught, database_errors(config, "ingest into 'a'", advice):
+        with_retries(lost, config, "recording progress")
     message = str(caught.value)
     assert message.startswith("recording progress failed 2 times") and message.endswith(
         "; re-run the same command to resume"
