@@ -51,6 +51,10 @@ USER = "dsgpt2"
 MARKER = "dsgpt2-db.json"
 ENGINE = "secantusdb"
 START_TIMEOUT_S = 60.0
+# A server with no client for this long stops itself (the next command starts it again): a database
+# left behind does not hold its memory for ever. $DSGPT2_DB_IDLE_STOP sets it, in seconds; 0: never.
+ENV_IDLE_STOP = "DSGPT2_DB_IDLE_STOP"
+IDLE_STOP_S = 3600.0
 STOP_TIMEOUT_S = 30.0
 # Change streams are not used: a short oplog bounds the disk it takes. Every commit reaches the disk
 # before it is acknowledged (without it a killed server loses its last writes; batched inserts cost
@@ -453,11 +457,34 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
 _STARTED: list[subprocess.Popen[bytes]] = []
 
 
+def idle_stop_s() -> float:
+    """Seconds without a client after which a server started now stops itself ($DSGPT2_DB_IDLE_STOP;
+    0: never).
+
+    Raises:
+        ConfigError: the variable is not a number of seconds.
+    """
+    value = os.environ.get(ENV_IDLE_STOP, "").strip()
+    if not value:
+        return IDLE_STOP_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise ConfigError(f"{ENV_IDLE_STOP}={value!r} must be a number of seconds (0: never stop)")
+    return seconds
+
+
 def _server_environment() -> dict[str, str]:
-    """The server's environment: glibc's malloc with two arenas, not one per thread. Each connection is
-    a thread of the server, and memory freed in a thread's arena stays with the process: after every
-    pass of the scale benchmark at 2,000 documents, 172 MB resident instead of 250."""
-    return {**os.environ, "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
+    """The server's environment: when it stops itself, and glibc's malloc with two arenas, not one per
+    thread. Each connection is a thread of the server, and memory freed in a thread's arena stays with
+    the process: after every pass of the scale benchmark at 2,000 documents, 172 MB resident, not 250."""
+    return {
+        **os.environ,
+        "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
+        ENV_IDLE_STOP: f"{idle_stop_s():g}",
+    }
 
 
 def _listening_port(log_path: Path, start: int) -> int | None:

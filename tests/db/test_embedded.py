@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,28 @@ def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
     assert embedded.servers().count(directory) == 1  # the server runs under the shim, and is listed
     # Two malloc arenas, not one per connection thread (each keeps what its thread freed).
     assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{_pid(directory)}/environ").read_bytes().split(b"\0")
+
+
+def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
+    local: Any, monkeypatch: Any
+) -> None:
+    cfg, directory = local
+    monkeypatch.setenv(embedded.ENV_IDLE_STOP, "2")
+    conn = Connection(load_config(cfg))
+    conn.db["stdlib"].insert_one({"idx": 0, "filt_text": "kept"})
+    pid = _pid(directory)
+    time.sleep(5)
+    assert alive(pid)  # a client is connected: the server stays
+    conn.close()
+    wait_for(lambda: not alive(pid), 30, "the server to stop once its last client left")
+    assert "no client for 2 s: the server stops" in (directory / "server.log").read_text()
+    assert embedded.running(directory) is None
+    assert run_cli("info", "--config", str(cfg)).returncode in (0, 1)  # started again, on the same data
+    again = _pid(directory)
+    assert again != pid
+    wait_for(lambda: not alive(again), 30, "the server started by info to stop once info ended")
+    assert Connection(load_config(cfg)).db["stdlib"].find_one({}, {"_id": 0}) == {"idx": 0, "filt_text": "kept"}
+    monkeypatch.setenv(embedded.ENV_IDLE_STOP, "soon")
+    embedded.stop(directory)
+    refused = run_cli("info", "--config", str(cfg))
+    assert refused.returncode == 2 and "DSGPT2_DB_IDLE_STOP='soon' must be a number" in refused.stderr
