@@ -312,7 +312,8 @@ def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
     again = _pid(directory)
     assert again != pid
     wait_for(lambda: not alive(again), 30, "the server started by info to stop once info ended")
-    assert Connection(load_config(cfg)).db["stdlib"].find_one({}, {"_id": 0}) == {"idx": 0, "filt_text": "kept"}
+    kept = Connection(load_config(cfg)).db["stdlib"].find_one({}, {"_id": 0})
+    assert kept == {"idx": 0, "filt_text": "kept"}
     monkeypatch.setenv(embedded.ENV_IDLE_STOP, "soon")
     embedded.stop(directory)
     refused = run_cli("info", "--config", str(cfg))
