@@ -46,6 +46,10 @@ class IngestError(DsGpt2Error):
     """An input file cannot be read or does not match the requested format."""
 
 
+class DiskFullError(MongoUnavailableError):
+    """The disk holding an embedded database is full: what was written before is kept (free space, re-run)."""
+
+
 class ServerLostError(MongoUnavailableError):
     """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
 

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import random
+import shutil
 import threading
 import time
 import urllib.parse
@@ -29,7 +30,7 @@ from pymongo.errors import (
 from dsgpt2.db import embedded
 from dsgpt2.db.config import ENV_URI, MongoConfig
 from dsgpt2.db.filters import check_filter_languages, filter_refusal
-from dsgpt2.errors import ConfigError, CorpusError, MongoUnavailableError, ServerLostError
+from dsgpt2.errors import ConfigError, CorpusError, DiskFullError, MongoUnavailableError, ServerLostError
 from dsgpt2.progress import interval_seconds
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,35 @@ def unavailable_error(config: MongoConfig, exc: BaseException) -> MongoUnavailab
             )
         return MongoUnavailableError(f"MongoDB at {config.hosts}: {config.scrub(first_line(exc))}")
     return MongoUnavailableError(unreachable_message(config, exc))
+
+
+# Less free space than this on the disk of an embedded database, when a command fails: a full disk.
+# WiredTiger writes its log in files of 10 MB and stops (a panic) when it cannot.
+FULL_DISK_BYTES = 32 * 2**20
+
+
+def disk_full_error(config: MongoConfig) -> DiskFullError | None:
+    """For a command that failed on an embedded database: the error to show when its disk is full, else
+    None. The server, which stops answering once WiredTiger cannot write, is stopped: the next command
+    starts it again from its journal, with every write acknowledged before kept."""
+    if not embedded.is_local(config.uri):
+        return None
+    directory = embedded.local_dir(config.uri)
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return None
+    if free >= FULL_DISK_BYTES:
+        return None
+    held = embedded.disk_bytes(directory)
+    with contextlib.suppress(ConfigError, OSError):
+        embedded.stop(directory, timeout_s=10)
+    return DiskFullError(
+        f"{config.display_uri}: the disk holding the database is full ({free / 2**20:.0f} MB free; the "
+        f"database takes {held / 2**20:.0f} MB); free at least {max(256, 2 * held / 2**20):.0f} MB there "
+        "(room for the database to grow by its size) or move it to a larger disk, then re-run the same "
+        "command to resume: everything written before is kept"
+    )
 
 
 def first_line(exc: BaseException) -> str:
@@ -199,11 +229,15 @@ def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[Non
     """
     try:
         yield
+    except DiskFullError:
+        raise
     except MongoUnavailableError as exc:
-        if advice in str(exc):
-            raise
-        raise type(exc)(f"{exc}; {advice}") from None
+        advised = exc if advice in str(exc) else type(exc)(f"{exc}; {advice}")
+        raise disk_full_error(config) or advised from None
     except PyMongoError as exc:
+        full = disk_full_error(config)
+        if full is not None:
+            raise full from None
         raise MongoUnavailableError(
             f"{what} failed on MongoDB at {config.hosts}: {config.scrub(first_line(exc))}; {advice}"
         ) from None

@@ -318,3 +318,70 @@ def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
     embedded.stop(directory)
     refused = run_cli("info", "--config", str(cfg))
     assert refused.returncode == 2 and "DSGPT2_DB_IDLE_STOP='soon' must be a number" in refused.stderr
+
+
+def _small_disk(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True, check=False)  # fmt: skip
+    return made.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small disk (tmpfs) needs root")
+def test_an_ingest_that_fills_the_disk_is_one_line_and_resumes_once_there_is_room(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    if not _small_disk(disk, "24m"):
+        pytest.skip("this machine does not let root mount a tmpfs")
+    directory = disk / "db"
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}",
+                       MONGO_CONNECTION_DB="corpus", COLLECTIONS=["web"])  # fmt: skip
+    source = tmp_path / "big.jsonl"
+    n = 12_000
+    source.write_text(
+        "".join(json.dumps({"text": f"record {i} " + "lorem ipsum " * 120}) + "\n" for i in range(n))
+    )
+    args = ["ingest", "--config", str(cfg), "--collection", "web", "--batch_size", "500", "--no_progress",
+            str(source)]  # fmt: skip
+    try:
+        full = run_cli(*args)
+        assert full.returncode == 2, full.stderr
+        line = full.stderr.strip().splitlines()[-1]
+        assert f"local://{directory}: the disk holding the database is full" in line, line
+        assert "free at least" in line and "re-run the same command to resume" in line
+        assert embedded.running(directory) is None  # stopped: WiredTiger stops answering on a full disk
+        subprocess.run(["mount", "-o", "remount,size=400m", str(disk)], check=True)
+        again = run_cli(*args)
+        assert again.returncode == 0, again.stderr
+        docs = Connection(load_config(cfg)).db["web"].find({}, {"_id": 0, "idx": 1, "filt_text": 1})
+        texts = {d["idx"]: d["filt_text"].split(" ")[1] for d in docs}
+        assert sorted(texts) == list(range(n)) and sorted(map(int, texts.values())) == list(range(n))
+    finally:
+        embedded.stop(directory)
+        subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(
+    local: Any, monkeypatch: Any
+) -> None:
+    """The same without a small disk to fill: the disk reports 1 MB free when a write fails."""
+    import shutil
+    from collections import namedtuple
+
+    from pymongo.errors import OperationFailure
+
+    from dsgpt2.db import client
+    from dsgpt2.errors import DiskFullError
+
+    cfg, directory = local
+    config = load_config(cfg)
+    Connection(config).db["web"].insert_one({"idx": 0, "filt_text": "kept"})
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(2**30, 2**30 - 2**20, 2**20))
+    with pytest.raises(DiskFullError) as caught, client.database_errors(config, "ingest", "re-run it"):
+        raise OperationFailure("internal server error", 1)
+    message = str(caught.value)
+    assert message.startswith(f"local://{directory}: the disk holding the database is full (1 MB free")
+    assert "free at least 256 MB there" in message and "everything written before is kept" in message
+    assert embedded.running(directory) is None
+    monkeypatch.undo()
+    assert Connection(config).db["web"].find_one({}, {"_id": 0}) == {"idx": 0, "filt_text": "kept"}
