@@ -18,7 +18,8 @@ start to exit:
   many feed epochs at the second size, the last ÷ the first (target ≤ 1.1: flat);
 - its files on disk after a checkpoint, per document (information).
 
-``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores).
+``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores); ``BENCH_SCALE_STAGES`` names the
+stages to run (``ingest,validate,feed``); ``BENCH_SCALE_REPEATS=0`` leaves out the repeated passes.
 
 A server on this machine is not a MongoDB deployment: the figures are ratios and growth, not MongoDB's.
 """
@@ -55,6 +56,10 @@ PASSES = {
     "feed": [],  # one epoch of streaming reads: _feed_epoch
 }
 REPEATS = int(os.environ.get("BENCH_SCALE_REPEATS", "10"))
+# BENCH_SCALE_STAGES=ingest,validate,feed: only these (ingest always runs); launch and info always do.
+STAGES = [s for s in PASSES if s in os.environ.get("BENCH_SCALE_STAGES", ",".join(PASSES)).split(",")]
+if "ingest" not in STAGES:
+    STAGES.insert(0, "ingest")
 PEAK_TARGET = 1.5e9  # bytes of server memory at 200,000 documents
 WORDS_PER_DOC = 280  # about 1.7 KB
 
@@ -228,7 +233,7 @@ def scale(results: Path) -> list[Metric]:
             config.write_text(json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "scale",
                                           "COLLECTIONS": ["docs"]}))  # fmt: skip
             with _Sampler(directory) as sampler:
-                for name in PASSES:
+                for name in STAGES:
                     if name == "feed" and not (tok / "tokenizer.json").exists():
                         _run(["-m", "dsgpt2", "vocab", "train", "--from_mongo", "--config", str(config),
                               "--out", str(tok), "--vocab_size", "512", "--no_progress"])  # fmt: skip
@@ -273,7 +278,7 @@ def _metrics(
     repeated: dict[str, list[int]],
 ) -> list[Metric]:
     metrics = []
-    for name in PASSES:
+    for name in STAGES:
         for small, large in itertools.pairwise(SIZES):
             per_large, per_small = seconds[name, large] / large, seconds[name, small] / small
             note = f"{seconds[name, large]:.1f} s and {seconds[name, small]:.1f} s; local://"

@@ -19,8 +19,9 @@ from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
 from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
-from dsgpt2.db.client import Connection, patiently
+from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import write_meta
+from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 
 
@@ -115,8 +116,7 @@ def _summarize(
         facets[f"example{i}"] = [{"$match": failing}, {"$sort": {"idx": 1}}, {"$limit": 1},
                                  {"$project": {"idx": 1, "quality": 1}}]  # fmt: skip
     pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
-    (row,) = patiently(conn, lambda db: list(db[part.name].aggregate(pipeline, allowDiskUse=True)),
-                       f"curate: counting {part.name}")  # fmt: skip
+    (row,) = aggregate_summary(conn, part.name, pipeline, f"curate: counting {part.name}")
 
     def count(facet: str) -> int:
         return int(row[facet][0]["n"]) if row[facet] else 0

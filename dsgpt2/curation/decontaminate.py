@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split
-from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, patiently, with_retries
+from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
 from dsgpt2.db.meta import write_meta
+from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError
 
@@ -378,8 +379,7 @@ def _summarize(conn: Connection, part: CollectionDecont, sets: Sequence[str]) ->
         facets[f"example{i}"] = [{"$match": marked}, {"$sort": {"idx": 1}}, {"$limit": 1},
                                  {"$project": {"idx": 1, CONTAMINATED: 1}}]  # fmt: skip
     pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
-    (row,) = patiently(conn, lambda db: list(db[part.name].aggregate(pipeline, allowDiskUse=True)),
-                       f"decontaminate: counting {part.name}")  # fmt: skip
+    (row,) = aggregate_summary(conn, part.name, pipeline, f"decontaminate: counting {part.name}")
     part.documents = int(row["documents"][0]["n"]) if row["documents"] else 0
     for i, s in enumerate(sets):
         part.contaminated[s] = int(row[f"set{i}"][0]["n"]) if row[f"set{i}"] else 0
@@ -395,8 +395,7 @@ def contaminated_counts(conn: Connection, name: str) -> dict[str, int]:
         {"$unwind": "$sets"},
         {"$group": {"_id": "$sets.k", "n": {"$sum": 1}}},
     ]
-    rows = patiently(conn, lambda db: list(db[name].aggregate(pipeline, allowDiskUse=True)),
-                     f"counting the contaminated documents of {name}")  # fmt: skip
+    rows = aggregate_summary(conn, name, pipeline, f"counting the contaminated documents of {name}")
     return {r["_id"]: int(r["n"]) for r in sorted(rows, key=lambda r: r["_id"])}
 
 

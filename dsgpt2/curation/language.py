@@ -36,9 +36,10 @@ from importlib import metadata
 from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.db.client import Connection, patiently
+from dsgpt2.db.client import Connection
 from dsgpt2.db.filters import LANGUAGE_FIELD
 from dsgpt2.db.meta import write_meta
+from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 
 MODEL = "py3langid"
@@ -144,6 +145,5 @@ def count_languages(conn: Connection, name: str) -> dict[str, int]:
                                       {"$ifNull": [f"${LANGUAGE_FIELD}", "none"]}]},
                     "n": {"$sum": 1}}},
     ]  # fmt: skip
-    rows = patiently(conn, lambda db: list(db[name].aggregate(by_code, allowDiskUse=True)),
-                        f"langid: counting {name}")  # fmt: skip
+    rows = aggregate_summary(conn, name, by_code, f"langid: counting {name}")
     return {str(r["_id"]): int(r["n"]) for r in sorted(rows, key=lambda r: str(r["_id"]))}

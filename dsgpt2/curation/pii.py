@@ -42,8 +42,9 @@ from typing import Any
 
 from dsgpt2.curation.dedup import HASH
 from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.db.client import Connection, patiently, with_retries
+from dsgpt2.db.client import Connection, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
 
@@ -310,8 +311,7 @@ def pii_counts(conn: Connection, name: str) -> tuple[int, dict[str, int]]:
     group: dict[str, Any] = {"_id": None, "documents": {"$sum": 1}}
     group.update({k: {"$sum": {"$ifNull": [f"${PII}.{k}", 0]}} for k in KINDS})
     pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$group": group}]
-    rows = patiently(conn, lambda db: list(db[name].aggregate(pipeline, allowDiskUse=True)),
-                        f"redact: counting {name}")  # fmt: skip
+    rows = aggregate_summary(conn, name, pipeline, f"redact: counting {name}")
     if not rows:
         return 0, dict.fromkeys(KINDS, 0)
     return int(rows[0]["documents"]), {k: int(rows[0][k]) for k in KINDS}

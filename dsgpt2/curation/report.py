@@ -15,7 +15,8 @@ from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.passes import require_present
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
-from dsgpt2.db.client import Connection, patiently, with_retries
+from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
 
@@ -58,8 +59,7 @@ def summarize(
     for name in names:
         coll = conn.db[name]
         pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
-        (row,) = patiently(conn, lambda db, n=name, p=pipeline: list(db[n].aggregate(p, allowDiskUse=True)),
-                           f"curate report: counting {name}")  # fmt: skip
+        (row,) = aggregate_summary(conn, name, pipeline, f"curate report: counting {name}")
         languages = {str(r["_id"]): int(r["n"]) for r in row.pop("languages")}
         redacted = pii_totals(row.pop("pii"))
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
