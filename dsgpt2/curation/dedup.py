@@ -28,6 +28,7 @@ from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, NearLookup, duplicates_l
 from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.summaries import read_windows
 from dsgpt2.documents import document_hash
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class Hashing(Pass):
             return
         marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
         writer = _Marker(conn, names, marked, unmarked)
-        for h, first, ranks in patiently(conn, lambda db: list(exact_groups(db, names)), "dedup: grouping"):
+        for h, first, ranks in _groups(conn, names):
             report.groups += 1
             kept = (first // _SPAN, first % _SPAN)
             writer.mark(h, kept, ranks)
@@ -144,6 +145,27 @@ class Hashing(Pass):
                 doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
                 if doc is not None:
                     report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
+
+
+def _groups(conn: Connection, names: Sequence[str]) -> list[tuple[str, int, list[int]]]:
+    """:func:`exact_groups`, asked of the server as one aggregation; on the embedded engine, which would
+    hold every document of the collections in its memory for it, grouped here from windows of
+    (hash, idx) pairs (about 150 bytes a distinct text)."""
+    if not conn.counts_walk:
+        return patiently(conn, lambda db: list(exact_groups(db, names)), "dedup: grouping")
+    seen: dict[str, list[Any]] = {}  # hash -> [first key, copies, ranks]
+    for rank, name in enumerate(names):
+        query = {HASH: {"$type": "string"}}
+        for docs in read_windows(conn, name, query, {"_id": 0, HASH: 1, "idx": 1}, "dedup: grouping"):
+            for d in docs:
+                k = rank * _SPAN + int(d["idx"])
+                held = seen.get(d[HASH])
+                if held is None:
+                    seen[d[HASH]] = [k, 1, {rank}]
+                else:
+                    held[0], held[1] = min(held[0], k), held[1] + 1
+                    held[2].add(rank)
+    return [(h, first, sorted(ranks)) for h, (first, n, ranks) in seen.items() if n > 1]
 
 
 def exact_groups(db: Any, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:

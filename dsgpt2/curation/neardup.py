@@ -33,6 +33,7 @@ from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, ja
 from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
 from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.summaries import read_windows
 from dsgpt2.documents import document_text
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,31 @@ class Signing(Pass):
 def _signer(params: LshParams) -> Signer:
     """The permutations of ``params``, drawn once per process rather than once per batch."""
     return Signer(params)
+
+
+def _buckets(conn: Connection, names: Sequence[str], key: str) -> list[list[int]]:
+    """:func:`band_buckets`, asked of the server as one aggregation; on the embedded engine, which would
+    hold every document of the collections in its memory for it, grouped here: windows of (band value,
+    key) pairs into two arrays of int64, sorted by value (16 bytes a band, 300 MB at a million
+    documents of 20 bands)."""
+    if not conn.counts_walk:
+        return patiently(conn, lambda db: list(band_buckets(db, names, key)), "dedup --near: grouping bands")
+    values, keys = [], []
+    for rank, name in enumerate(names):
+        query = {BANDS_KEY: key}
+        for docs in read_windows(conn, name, query, {"_id": 0, BANDS: 1, "idx": 1}, "dedup --near: bands"):
+            for d in docs:
+                values.append(np.asarray(d[BANDS], dtype=np.int64))
+                keys.append(np.full(len(d[BANDS]), rank * _SPAN + int(d["idx"]), dtype=np.int64))
+    if not values:
+        return []
+    value, owner = np.concatenate(values), np.concatenate(keys)
+    del values, keys
+    order = np.lexsort((owner, value))
+    value, owner = value[order], owner[order]
+    starts = np.flatnonzero(np.r_[True, value[1:] != value[:-1]])
+    ends = np.r_[starts[1:], len(value)]
+    return [owner[a:b].tolist() for a, b in zip(starts, ends, strict=True) if b - a > 1]
 
 
 def band_buckets(db: Any, names: Sequence[str], key: str) -> Iterator[list[int]]:
@@ -245,8 +271,7 @@ def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: 
             clusters.add_bucket(keys)
         pending.clear()
 
-    for keys in patiently(conn, lambda db: list(band_buckets(db, names, params.key)),
-                          "dedup --near: grouping bands"):  # fmt: skip
+    for keys in _buckets(conn, names, params.key):
         report.buckets += 1
         pending.append(keys)
         if len(pending) >= _BUCKETS_PER_ROUND:

@@ -10,10 +10,10 @@ which gives the same rows: sums add up, and the first examples in idx order are 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dsgpt2.db.client import Connection, patiently
+from dsgpt2.db.client import Connection, patiently, with_retries
 from dsgpt2.db.idx import max_idx
 from dsgpt2.db.meta import read_meta
 
@@ -28,12 +28,9 @@ def aggregate_summary(
     first, *rest = pipeline
     if not conn.counts_walk:
         return patiently(conn, lambda db: list(db[name].aggregate(list(pipeline), allowDiskUse=True)), what)
-    count = read_meta(conn, [name]).get(name, {}).get("count")
-    guess = count - 1 if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
-    top = max_idx(conn.db[name], guess=guess)
     rows: list[Any] = []
-    for lo in range(0, -1 if top is None else top + 1, WINDOW):
-        window = {"$and": [first["$match"], {"idx": {"$gte": lo, "$lt": lo + WINDOW}}]}
+    for lo, hi in windows(conn, name):
+        window = {"$and": [first["$match"], {"idx": {"$gte": lo, "$lt": hi}}]}
         part = [{"$match": window}, *rest]
         got = patiently(conn, lambda db, p=part: list(db[name].aggregate(p, allowDiskUse=True)), what)
         rows = _merge(rest[-1], rows, got) if rows else got
@@ -73,3 +70,24 @@ def _merge_stages(stages: Sequence[dict[str, Any]], a: list[Any], b: list[Any]) 
                     merged[key][k] += row[k]
         return list(merged.values())
     raise ValueError(f"a windowed summary cannot merge a pipeline ending in {last}")
+
+
+def windows(conn: Connection, name: str) -> Iterator[tuple[int, int]]:
+    """``[lo, hi)`` idx windows of ``WINDOW`` values from 0 to the largest idx of ``name`` (found from
+    meta_info's count, in a few bounded reads)."""
+    count = read_meta(conn, [name]).get(name, {}).get("count")
+    guess = count - 1 if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+    top = with_retries(lambda: max_idx(conn.db[name], guess=guess), conn.config, f"reading {name}: last idx")
+    for lo in range(0, -1 if top is None else top + 1, WINDOW):
+        yield lo, lo + WINDOW
+
+
+def read_windows(
+    conn: Connection, name: str, query: dict[str, Any], projection: dict[str, Any], what: str
+) -> Iterator[list[dict[str, Any]]]:
+    """The documents of ``name`` matching ``query``, ``projection``'s fields, a window at a time: what an
+    aggregation over them would read, in bounded server memory on the embedded engine."""
+    coll = conn.db[name]
+    for lo, hi in windows(conn, name):
+        q = {"$and": [query, {"idx": {"$gte": lo, "$lt": hi}}]}
+        yield with_retries(lambda q=q: list(coll.find(q, projection)), conn.config, what)

@@ -9,6 +9,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -134,6 +135,28 @@ def test_dedup_near_from_the_cli_marks_planted_copies_across_collections(tmp_pat
     conn = Connection(conn.config)
     fewer = near_marks(conn, ["news", "web"])
     assert set(fewer) < set(got) and "unmarked" in stricter.stdout
+
+
+def test_groupings_read_in_windows_equal_the_servers_aggregation(tmp_path: Path, monkeypatch: Any) -> None:
+    """On the embedded engine the bands and the hashes are grouped here from windows of the collections
+    (the engine would hold every document in memory for one aggregation): the same buckets and groups."""
+    from dsgpt2.curation import dedup, neardup
+    from dsgpt2.db import summaries
+
+    docs, _ = corpus()
+    half = len(docs) // 2
+    cfg, store = ingest_files(tmp_path, {"news": docs[:half], "web": docs[half:] + docs[:5]})
+    for how in ("--near", "--exact"):
+        assert run_cli("dedup", "--config", str(cfg), how, "--no_progress").returncode == 0
+    conn = Connection(make_config(["news", "web"], **db_for(store)))
+    assert conn.counts_walk
+    monkeypatch.setattr(summaries, "WINDOW", 7)
+    names = ["news", "web"]
+    key = conn.db["news"].find_one({}, {neardup.BANDS_KEY: 1})[neardup.BANDS_KEY]
+    buckets = neardup._buckets(conn, names, key)
+    assert len(buckets) > 5 and sorted(buckets) == sorted(neardup.band_buckets(conn.db, names, key))
+    groups = dedup._groups(conn, names)
+    assert len(groups) >= 5 and sorted(groups) == sorted(dedup.exact_groups(conn.db, names))
 
 
 class Crash(Exception):
