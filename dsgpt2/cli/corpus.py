@@ -16,6 +16,7 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.db.client import count_in
 from dsgpt2.db.config import collection_name_problem
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
@@ -323,7 +324,7 @@ def _passing(wrapper: Any) -> dict[str, int]:
     conn, out = wrapper.connection, {}
     for name, count in zip(wrapper.collections, wrapper.counts, strict=True):
         q = {"$and": [{"idx": {"$lt": count}}, query]}
-        out[name] = patiently(conn, lambda db, n=name, q=q: db[n].count_documents(q), f"counting {name}")
+        out[name] = patiently(conn, lambda db, n=name, q=q: count_in(db[n], q), f"counting {name}")
     return out
 
 

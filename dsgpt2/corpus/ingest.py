@@ -40,7 +40,7 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, describe, make_document
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
-from dsgpt2.db.client import Connection, DatabaseError, database_errors, patiently, with_retries
+from dsgpt2.db.client import Connection, DatabaseError, count_in, database_errors, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import document_hash
@@ -243,8 +243,8 @@ def _starting_point(
     report.skipped.update(state.get("skipped", {}))
     report.inserted = int(state.get("inserted", 0))
     if lag is not None:
-        report.inserted += coll.count_documents(
-            {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
+        report.inserted += count_in(
+            coll, {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
         )
     log.info("%s: resuming after record %d", source.label, start)
     return start

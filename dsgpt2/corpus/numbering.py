@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.curation.dedup import ensure_hash_index
-from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, UpdateOne, patiently, with_retries
+from dsgpt2.db.client import (
+    ASCENDING,
+    Connection,
+    DatabaseError,
+    UpdateOne,
+    count_in,
+    patiently,
+    with_retries,
+)
 from dsgpt2.db.idx import idx_index_name, max_idx
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
@@ -148,7 +156,7 @@ def index_collection(
         _record(conn, name, field, next_idx, owner)
         no_text = [{field: {"$exists": False}}, {field: {"$not": {"$type": "string"}}}]
         bad = {"idx": {"$gte": next_idx - numbered}, "$or": no_text}
-        without = run("texts", lambda: coll.count_documents(bad)) if numbered else 0
+        without = run("texts", lambda: count_in(coll, bad)) if numbered else 0
     finally:
         _release_lease(conn, name, owner)
     log.info("%s: %d numbered, %d in all", name, numbered, next_idx)
@@ -166,13 +174,13 @@ def _check_numbers(conn: Connection, name: str) -> None:
     """The numbered documents must hold 0..k-1 as integers: the next numbers follow them."""
     coll = conn.db[name]
     not_numbers = {"idx": {"$exists": True, "$not": {"$type": "number"}}}
-    bad = patiently(conn, lambda db: db[name].count_documents(not_numbers), f"indexing {name}: idx types")
+    bad = patiently(conn, lambda db: count_in(db[name], not_numbers), f"indexing {name}: idx types")
     if bad:
         raise CorpusError(
             f"{bad} document(s) of {name!r} have an idx that is not an integer; run `dsgpt2 validate "
             f"--collection {name}` and fix them before numbering"
         )
-    numbered = patiently(conn, lambda db: db[name].count_documents(NUMBERED), f"indexing {name}: count")
+    numbered = patiently(conn, lambda db: count_in(db[name], NUMBERED), f"indexing {name}: count")
     top = max_idx(coll, guess=numbered - 1)
     if numbered and (top != numbered - 1 or coll.find_one({"idx": {"$lt": 0}}) is not None):
         raise CorpusError(

@@ -26,7 +26,7 @@ from typing import Any
 
 from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, NearLookup, duplicates_line
 from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
-from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
+from dsgpt2.db.client import Connection, UpdateMany, count_in, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import read_windows
 from dsgpt2.documents import document_hash
@@ -136,9 +136,9 @@ class Hashing(Pass):
         for part in report.collections:
             coll = conn.db[part.name]
             part.marked, part.unmarked = marked[part.name], unmarked[part.name]
-            part.documents = patiently(conn, lambda db, n=part.name: db[n].count_documents(NUMBERED), "count")
+            part.documents = patiently(conn, lambda db, n=part.name: count_in(db[n], NUMBERED), "count")
             part.duplicates = patiently(
-                conn, lambda db, n=part.name: db[n].count_documents({DUP_OF: {"$exists": True}}), "count"
+                conn, lambda db, n=part.name: count_in(db[n], {DUP_OF: {"$exists": True}}), "count"
             )
             write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
             if part.duplicates and len(report.examples) < 3:

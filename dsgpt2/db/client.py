@@ -105,6 +105,23 @@ def disk_full_error(config: MongoConfig) -> DiskFullError | None:
     )
 
 
+_EMBEDDED_CLIENTS: dict[int, bool] = {}  # id(MongoClient) -> whether it speaks to the embedded engine
+
+
+def count_in(coll: Any, query: dict[str, Any]) -> int:
+    """``coll.count_documents(query)``. On the embedded engine as its ``count`` command, which counts
+    while it reads: the aggregation ``count_documents`` sends is held whole in its memory there (every
+    matching document, texts and all)."""
+    client = coll.database.client
+    embedded_engine = _EMBEDDED_CLIENTS.get(id(client))
+    if embedded_engine is None:
+        embedded_engine = "secantusVersion" in client.admin.command("buildInfo")
+        _EMBEDDED_CLIENTS[id(client)] = embedded_engine
+    if embedded_engine:
+        return int(coll.database.command({"count": coll.name, "query": query})["n"])
+    return int(coll.count_documents(query))
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     if not text:

@@ -16,7 +16,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dsgpt2.db.client import Connection, patiently, with_retries
+from dsgpt2.db.client import Connection, count_in, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, idx_edge, idx_index_name
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.errors import CorpusError
@@ -73,7 +73,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
         # Whole-collection counts and groupings: run to their end (the server watched meanwhile).
         return patiently(conn, lambda db: fn(db[name]), f"validating {name}: {what}")
 
-    documents = run("count", lambda c: c.count_documents({}))
+    documents = run("count", lambda c: count_in(c, {}))
     meta = with_retries(lambda: read_meta(conn, [name]), conn.config, f"validating {name}: meta").get(name)
     meta_count = meta.get("count") if meta else None
     report = CollectionReport(name, documents, meta_count)
@@ -88,7 +88,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
         )
         return report
 
-    not_int = run("idx types", lambda c: c.count_documents(NOT_INT_IDX))
+    not_int = run("idx types", lambda c: count_in(c, NOT_INT_IDX))
     unnumbered, waiting = _unnumbered(coll, meta, run)
     problems += waiting
     not_int -= unnumbered
@@ -159,7 +159,7 @@ def _unnumbered(coll: Any, meta: dict[str, Any] | None, run: Any) -> tuple[int, 
     """In a collection numbered in place, the documents its application added since the last
     `dsgpt2 index`: not an error, they wait for their numbers."""
     numbered = (meta or {}).get("numbered_in_place")
-    n = run("unnumbered", lambda c: c.count_documents({"idx": {"$exists": False}})) if numbered else 0
+    n = run("unnumbered", lambda c: count_in(c, {"idx": {"$exists": False}})) if numbered else 0
     if not n:
         return 0, []
     message = (
@@ -243,17 +243,17 @@ def _int_stats(coll: Any) -> tuple[int, int, int] | None:
     if lo is None:
         return None
     hi = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", -1)])
-    return int(lo["idx"]), int(hi["idx"]), coll.count_documents(INT_IDX)
+    return int(lo["idx"]), int(hi["idx"]), count_in(coll, INT_IDX)
 
 
 def _first_gap(coll: Any, hi: int) -> int | None:
     """The smallest missing idx in 0..hi, by binary search on indexed counts (no duplicates)."""
     lo_, hi_ = 0, hi + 1  # invariant: count(idx < lo_) == lo_
-    if coll.count_documents({"idx": {"$gte": 0, "$lt": hi_}}) == hi_:
+    if count_in(coll, {"idx": {"$gte": 0, "$lt": hi_}}) == hi_:
         return None
     while hi_ - lo_ > 1:
         mid = (lo_ + hi_) // 2
-        if coll.count_documents({"idx": {"$gte": 0, "$lt": mid}}) == mid:
+        if count_in(coll, {"idx": {"$gte": 0, "$lt": mid}}) == mid:
             lo_ = mid
         else:
             hi_ = mid

@@ -17,7 +17,7 @@ from bson.codec_options import CodecOptions
 from bson.errors import InvalidBSON
 from bson.raw_bson import RawBSONDocument
 
-from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, patiently, read_preference, with_retries
+from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, count_in, patiently, read_preference, with_retries
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
@@ -99,9 +99,7 @@ class MongoWrapper:
         for name in self.collections:
             count = meta.get(name, {}).get("count")
             if not isinstance(count, int) or isinstance(count, bool):
-                count = patiently(
-                    self._conn, lambda db, n=name: db[n].count_documents({}), f"counting {name}"
-                )
+                count = patiently(self._conn, lambda db, n=name: count_in(db[n], {}), f"counting {name}")
                 self.queries[name] += 1
                 # validate --fix records a count; for no document (or no collection) it cannot help.
                 fix = " (run `dsgpt2 validate --fix` to record it)" if count else ""

@@ -75,3 +75,21 @@ def test_mongod_is_asked_once(conn: Connection, monkeypatch: Any) -> None:
     assert _sorted(aggregate_summary(conn, "s", GROUP, "test")) == _sorted(
         list(conn.db["s"].aggregate(GROUP))
     )
+
+
+def test_counts_on_the_embedded_engine_are_its_count_command_not_an_aggregation(
+    conn: Connection, monkeypatch: Any
+) -> None:
+    """``count_documents`` is an aggregation, which the embedded engine holds whole in memory."""
+    from dsgpt2.db import client
+
+    coll = conn.db["s"]
+
+    def no_aggregation(self: Any, *a: Any, **k: Any) -> Any:
+        raise AssertionError("an aggregation was sent")
+
+    monkeypatch.setattr(type(coll), "count_documents", no_aggregation)
+    assert client.count_in(coll, {"odd": True}) == 11 and client.count_in(coll, {}) == 23
+    monkeypatch.setitem(client._EMBEDDED_CLIENTS, id(coll.database.client), False)  # what mongod answers
+    with pytest.raises(AssertionError, match="an aggregation was sent"):
+        client.count_in(coll, {"odd": True})
