@@ -239,11 +239,17 @@ def _extra_copies(coll: Any) -> int:
 
 
 def _int_stats(coll: Any) -> tuple[int, int, int] | None:
-    lo = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", 1)])
-    if lo is None:
+    """The lowest and highest integer idx and how many there are, or None when there is none."""
+    n = count_in(coll, INT_IDX)
+    if n == 0:
         return None
-    hi = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", -1)])
-    return int(lo["idx"]), int(hi["idx"]), count_in(coll, INT_IDX)
+    # The numeric ends in bounded idx windows; a sorted find over the type test would read (and on the
+    # embedded engine hold) the whole collection, and is asked only when an end is not an integer.
+    ends = [idx_edge(coll, 1), idx_edge(coll, -1, guess=n - 1)]
+    for k, direction in enumerate((1, -1)):
+        if not isinstance(ends[k], int) or isinstance(ends[k], bool):
+            ends[k] = coll.find_one(INT_IDX, {"_id": 0, "idx": 1}, sort=[("idx", direction)])["idx"]
+    return int(ends[0]), int(ends[1]), n
 
 
 def _first_gap(coll: Any, hi: int) -> int | None:
