@@ -16,8 +16,8 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
-from dsgpt2.db.client import count_in
 from dsgpt2.db.config import collection_name_problem
+from dsgpt2.db.summaries import count_numbered
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
     POSITIVE_INT,
@@ -316,7 +316,6 @@ def _last_run(trained: Any) -> dict[str, Any] | None:
 def _passing(wrapper: Any) -> dict[str, int]:
     """Per collection, how many of the documents below its high-water mark FILTER keeps (none without
     a FILTER)."""
-    from dsgpt2.db.client import patiently
 
     query = wrapper.config.filter_query
     if query is None:
@@ -324,7 +323,7 @@ def _passing(wrapper: Any) -> dict[str, int]:
     conn, out = wrapper.connection, {}
     for name, count in zip(wrapper.collections, wrapper.counts, strict=True):
         q = {"$and": [{"idx": {"$lt": count}}, query]}
-        out[name] = patiently(conn, lambda db, n=name, q=q: count_in(db[n], q), f"counting {name}")
+        out[name] = count_numbered(conn, name, q, f"counting {name}")
     return out
 
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, NearLookup, duplicates_line
 from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
-from dsgpt2.db.client import Connection, UpdateMany, count_in, patiently, with_retries
+from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
-from dsgpt2.db.summaries import read_windows
+from dsgpt2.db.summaries import count_numbered, first_numbered, read_windows
 from dsgpt2.documents import document_hash
 
 log = logging.getLogger(__name__)
@@ -134,15 +134,15 @@ class Hashing(Pass):
             writer.mark(h, kept, ranks)
         writer.flush()
         for part in report.collections:
-            coll = conn.db[part.name]
             part.marked, part.unmarked = marked[part.name], unmarked[part.name]
-            part.documents = patiently(conn, lambda db, n=part.name: count_in(db[n], NUMBERED), "count")
-            part.duplicates = patiently(
-                conn, lambda db, n=part.name: count_in(db[n], {DUP_OF: {"$exists": True}}), "count"
-            )
+            part.documents = count_numbered(conn, part.name, NUMBERED, "dedup: counting")
+            marks = {DUP_OF: {"$exists": True}}
+            part.duplicates = count_numbered(conn, part.name, marks, "dedup: counting")
             write_meta(conn, part.name, {"dedup.exact": {"duplicates": part.duplicates, "at": time.time()}})
             if part.duplicates and len(report.examples) < 3:
-                doc = coll.find_one({DUP_OF: {"$exists": True}}, {"idx": 1, DUP_OF: 1}, sort=[("idx", 1)])
+                doc = first_numbered(
+                    conn, part.name, marks, {"_id": 0, "idx": 1, DUP_OF: 1}, "dedup: example"
+                )
                 if doc is not None:
                     report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
 

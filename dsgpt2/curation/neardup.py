@@ -31,9 +31,9 @@ import numpy as np
 
 from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
 from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
-from dsgpt2.db.client import Connection, UpdateOne, count_in, patiently, with_retries
+from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
-from dsgpt2.db.summaries import read_windows
+from dsgpt2.db.summaries import count_numbered, read_windows
 from dsgpt2.documents import document_text
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class Signing(Pass):
             marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
         for part in report.collections:
             part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
-            part.documents = patiently(conn, lambda db, n=part.name: count_in(db[n], NUMBERED), "count")
+            part.documents = count_numbered(conn, part.name, NUMBERED, "dedup --near: counting")
             part.duplicates = len(marks[part.name])
             done = {
                 "duplicates": part.duplicates,

@@ -76,6 +76,9 @@ def unavailable_error(config: MongoConfig, exc: BaseException) -> MongoUnavailab
     return MongoUnavailableError(unreachable_message(config, exc))
 
 
+# patiently(): a server that has not answered a ping for this long (or three server selection timeouts)
+# is lost.
+LOST_AFTER_S = 15.0
 # Less free space than this on the disk of an embedded database, when a command fails: a full disk.
 # WiredTiger writes its log in files of 10 MB and stops (a panic) when it cannot.
 FULL_DISK_BYTES = 32 * 2**20
@@ -191,6 +194,9 @@ def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
         MongoUnavailableError: transient errors past the retries.
     """
     beat = min(5.0, max(0.2, conn.config.server_selection_timeout_ms / 2000))
+    # A server at work on a big command may be slow to answer a ping (the embedded one serves every
+    # connection from one process; a loaded machine slows any): lost only after this long without one.
+    grace = max(LOST_AFTER_S, 3 * conn.config.server_selection_timeout_ms / 1000)
 
     def attempt() -> T:
         box: dict[str, Any] = {}
@@ -204,11 +210,12 @@ def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
         worker = threading.Thread(target=run, name=f"dsgpt2: {what}", daemon=True)
         started = said = time.monotonic()
         worker.start()
+        silent: float | None = None  # since when the server has not answered
         while True:
             worker.join(beat)
             if not worker.is_alive():
                 break
-            answering(conn, what, started)
+            silent = answering(conn, what, started, silent, grace)
             if time.monotonic() - said >= interval_seconds():
                 said = time.monotonic()
                 log.info("%s: the server is still at it (%.0fs so far)", what, said - started)
@@ -221,14 +228,27 @@ def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
     return with_retries(attempt, conn.config, what)
 
 
-def answering(conn: Connection, what: str, since: float) -> None:
-    """Raises ServerLostError unless the server answers a ping within the server selection timeout."""
+def answering(
+    conn: Connection, what: str, since: float, silent: float | None = None, grace: float = 0.0
+) -> float | None:
+    """Whether the server answers a ping within the server selection timeout: None if it does (or, for
+    an embedded server, if its process is at work), else since when it has not (``silent``, or now).
+
+    Raises:
+        ServerLostError: it has not answered for ``grace`` seconds.
+    """
     try:
         with pymongo.timeout(conn.config.server_selection_timeout_ms / 1000):
             conn.client.admin.command("ping")
+        return None
     except PyMongoError as exc:
+        if embedded.is_local(conn.config.uri) and embedded.working(embedded.local_dir(conn.config.uri)):
+            return None
         if revive(conn.config):  # a killed embedded server, started again: the command's retries go on
-            return
+            return None
+        silent = time.monotonic() if silent is None else silent
+        if time.monotonic() - silent < grace:
+            return silent
         raise ServerLostError(
             f"{what}: MongoDB at {conn.config.hosts} stopped answering after {time.monotonic() - since:.0f}s "
             f"({conn.config.scrub(first_line(exc))}); what was done is kept: run the same command again "

@@ -165,6 +165,18 @@ def running(directory: Path) -> ServerState | None:
         return None
 
 
+def working(directory: Path) -> bool:
+    """Whether the server of ``directory`` runs and is not stopped (SIGSTOP): it may be too busy to
+    answer at once (one process serves every connection), but it is at work."""
+    state = _read_state(directory)
+    if state is None or not _is_server(state.pid, directory):
+        return False
+    try:
+        return Path(f"/proc/{state.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX"
+    except (OSError, IndexError):
+        return False
+
+
 def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | None:
     """Stop the server of ``directory`` (SIGTERM, then SIGKILL after ``timeout_s``); the one stopped,
     or None when none was running. A stale server file is removed."""

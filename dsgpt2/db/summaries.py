@@ -91,3 +91,37 @@ def read_windows(
     for lo, hi in windows(conn, name):
         q = {"$and": [query, {"idx": {"$gte": lo, "$lt": hi}}]}
         yield with_retries(lambda q=q: list(coll.find(q, projection)), conn.config, what)
+
+
+def count_numbered(conn: Connection, name: str, query: dict[str, Any], what: str) -> int:
+    """The documents of ``name`` that ``query`` matches, among those with an idx (0 to the largest).
+
+    mongod counts from its index. The embedded engine tests every document of the collection for a
+    count with a condition, after building the whole list of them in its memory (2.5 GB at 200,000
+    documents of 1.7 KB): there the windows' ``_id`` are read and counted here."""
+    if not conn.counts_walk:
+        numbered = {"$and": [{"idx": {"$exists": True}}, query]}
+        return int(patiently(conn, lambda db: db[name].count_documents(numbered), what))
+    return sum(len(docs) for docs in read_windows(conn, name, query, {"_id": 1}, what))
+
+
+def integer_idx(conn: Connection, name: str, what: str) -> Iterator[list[int]]:
+    """The integer idx values of ``name``, a window at a time (in bounded server memory)."""
+    for docs in read_windows(conn, name, {}, {"_id": 0, "idx": 1}, what):
+        yield [d["idx"] for d in docs if isinstance(d.get("idx"), int) and not isinstance(d["idx"], bool)]
+
+
+def first_numbered(
+    conn: Connection, name: str, query: dict[str, Any], projection: dict[str, Any], what: str
+) -> dict[str, Any] | None:
+    """The document of ``name`` with the smallest idx that ``query`` matches (``projection``'s fields),
+    or None; on the embedded engine from the first window holding one."""
+    if not conn.counts_walk:
+        q = {"$and": [{"idx": {"$exists": True}}, query]}
+        return with_retries(
+            lambda: conn.db[name].find_one(q, projection, sort=[("idx", 1)]), conn.config, what
+        )
+    for docs in read_windows(conn, name, query, {**projection, "idx": 1}, what):
+        if docs:
+            return min(docs, key=lambda d: d["idx"])
+    return None

@@ -19,6 +19,7 @@ from typing import Any
 from dsgpt2.db.client import Connection, count_in, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, idx_edge, idx_index_name
 from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.summaries import integer_idx
 from dsgpt2.errors import CorpusError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,8 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
         )
         return report
 
-    not_int = run("idx types", lambda c: count_in(c, NOT_INT_IDX))
+    scan = _IntScan(conn, name) if conn.counts_walk else None
+    not_int = documents - scan.count if scan else run("idx types", lambda c: count_in(c, NOT_INT_IDX))
     unnumbered, waiting = _unnumbered(coll, meta, run)
     problems += waiting
     not_int -= unnumbered
@@ -126,7 +128,7 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         )
 
-    stats = run("idx range", lambda c: _int_stats(c))
+    stats = scan.stats() if scan else run("idx range", lambda c: _int_stats(c))
     if stats is not None:
         lo, hi, n_int = stats
         distinct = n_int - (run("copies", lambda c: _extra_copies(c)) if duplicates[0] else 0)
@@ -140,7 +142,9 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             )
         missing = hi + 1 - distinct if lo >= 0 else 0
         if missing > 0:
-            first = run("first gap", lambda c: _first_gap(c, hi)) if not duplicates[0] else None
+            first = None
+            if not duplicates[0]:
+                first = scan.first_gap if scan else run("first gap", lambda c: _first_gap(c, hi))
             at = f"; the first missing idx is {first}" if first is not None else ""
             problems.append(
                 Problem(
@@ -236,6 +240,37 @@ def _extra_copies(coll: Any) -> int:
     ]
     out = list(coll.aggregate(pipeline, allowDiskUse=True))
     return int(out[0]["extra"]) if out else 0
+
+
+class _IntScan:
+    """The integer idx values of a collection read in idx windows (bounded server memory on the
+    embedded engine, whose counts with a condition hold every document): how many, the ends, the
+    first missing one."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        what = f"validating {name}: idx values"
+        coll = conn.db[name]
+        below = with_retries(
+            lambda: list(coll.find({"idx": {"$lt": 0}}, {"_id": 0, "idx": 1})), conn.config, what
+        )
+        ints = [d["idx"] for d in below if isinstance(d["idx"], int) and not isinstance(d["idx"], bool)]
+        self.count, self.lo, self.hi = len(ints), min(ints, default=None), max(ints, default=None)
+        self.first_gap: int | None = None
+        expected = 0
+        for window in integer_idx(conn, name, what):
+            for idx in sorted(set(window)):
+                if idx != expected and self.first_gap is None:
+                    self.first_gap = expected
+                expected = idx + 1
+            self.count += len(window)
+            if window:
+                self.lo = min(window) if self.lo is None else self.lo
+                self.hi = max(window)
+
+    def stats(self) -> tuple[int, int, int] | None:
+        return (
+            None if self.count == 0 or self.lo is None or self.hi is None else (self.lo, self.hi, self.count)
+        )
 
 
 def _int_stats(coll: Any) -> tuple[int, int, int] | None:

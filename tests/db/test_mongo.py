@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import pickle
 import time
+from pathlib import Path
 
 import pymongo
 import pytest
@@ -390,3 +391,32 @@ def test_a_write_that_runs_out_of_retries_inside_a_command_ends_with_the_command
     assert message.startswith("recording progress failed 2 times") and message.endswith(
         "; re-run the same command to resume"
     ), message
+
+
+def test_a_server_slow_to_answer_a_ping_is_lost_only_after_the_grace(monkeypatch: Any) -> None:
+    """patiently()'s watch: a server at work on a big command may not answer a ping in time. An embedded
+    server whose process is at work is never lost for it; another, only after ``grace`` seconds."""
+    from dsgpt2.db import client, embedded
+    from dsgpt2.errors import ServerLostError
+
+    conn = Connection(make_config(["a"]))
+    conn.client.admin.command("ping")
+
+    def no_answer(*a: Any, **k: Any) -> Any:
+        raise NetworkTimeout("timed out")
+
+    monkeypatch.setattr(type(conn.client.admin), "command", no_answer)
+    monkeypatch.setattr(client, "revive", lambda config: False)
+    try:
+        monkeypatch.setattr(embedded, "is_local", lambda uri: True)
+        monkeypatch.setattr(embedded, "local_dir", lambda uri: Path("/nowhere"))
+        monkeypatch.setattr(embedded, "working", lambda directory: True)
+        assert client.answering(conn, "test", time.monotonic()) is None  # its process is at work
+        monkeypatch.setattr(embedded, "is_local", lambda uri: False)  # a deployment
+        silent = client.answering(conn, "test", time.monotonic(), None, grace=60)
+        assert silent is not None
+        assert client.answering(conn, "test", time.monotonic(), silent, grace=60) == silent
+        with pytest.raises(ServerLostError, match="stopped answering"):
+            client.answering(conn, "test", time.monotonic(), silent - 61, grace=60)
+    finally:
+        monkeypatch.undo()
