@@ -6,6 +6,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import pymongo
 import pytest
