@@ -250,9 +250,12 @@ class _IntScan:
     def __init__(self, conn: Connection, name: str) -> None:
         what = f"validating {name}: idx values"
         coll = conn.db[name]
-        below = with_retries(
-            lambda: list(coll.find({"idx": {"$lt": 0}}, {"_id": 0, "idx": 1})), conn.config, what
-        )
+        # Negative idx values, where the index's lowest end is one (an open range is a collection scan).
+        lowest = with_retries(lambda: idx_edge(coll, 1), conn.config, what)
+        below = []
+        if isinstance(lowest, int | float) and not isinstance(lowest, bool) and lowest < 0:
+            negative = {"idx": {"$gte": lowest, "$lt": 0}}
+            below = with_retries(lambda: list(coll.find(negative, {"_id": 0, "idx": 1})), conn.config, what)
         ints = [d["idx"] for d in below if isinstance(d["idx"], int) and not isinstance(d["idx"], bool)]
         self.count, self.lo, self.hi = len(ints), min(ints, default=None), max(ints, default=None)
         self.first_gap: int | None = None
