@@ -17,6 +17,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.db.config import collection_name_problem
+from dsgpt2.db.filters import conjoin
 from dsgpt2.db.summaries import count_numbered
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
@@ -322,7 +323,7 @@ def _passing(wrapper: Any) -> dict[str, int]:
         return {}
     conn, out = wrapper.connection, {}
     for name, count in zip(wrapper.collections, wrapper.counts, strict=True):
-        q = {"$and": [{"idx": {"$lt": count}}, query]}
+        q = conjoin({"idx": {"$lt": count}}, query)
         out[name] = count_numbered(conn, name, q, f"counting {name}")
     return out
 

@@ -38,6 +38,7 @@ from dsgpt2.db.client import (
 )
 from dsgpt2.db.idx import idx_index_name, max_idx
 from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.summaries import count_numbered
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 
@@ -154,9 +155,8 @@ def index_collection(
         # documents without a hash cost an index entry each, until `dedup --exact` gives them one).
         ensure_hash_index(conn, name, f"indexing {name}: text_hash index")
         _record(conn, name, field, next_idx, owner)
-        no_text = [{field: {"$exists": False}}, {field: {"$not": {"$type": "string"}}}]
-        bad = {"idx": {"$gte": next_idx - numbered}, "$or": no_text}
-        without = run("texts", lambda: count_in(coll, bad)) if numbered else 0
+        no_text = {"idx": {"$gte": next_idx - numbered}, field: {"$not": {"$type": "string"}}}  # or none
+        without = count_numbered(conn, name, no_text, f"indexing {name}: texts") if numbered else 0
     finally:
         _release_lease(conn, name, owner)
     log.info("%s: %d numbered, %d in all", name, numbered, next_idx)
@@ -180,7 +180,7 @@ def _check_numbers(conn: Connection, name: str) -> None:
             f"{bad} document(s) of {name!r} have an idx that is not an integer; run `dsgpt2 validate "
             f"--collection {name}` and fix them before numbering"
         )
-    numbered = patiently(conn, lambda db: count_in(db[name], NUMBERED), f"indexing {name}: count")
+    numbered = count_numbered(conn, name, NUMBERED, f"indexing {name}: count")
     top = max_idx(coll, guess=numbered - 1)
     if numbered and (top != numbered - 1 or coll.find_one({"idx": {"$lt": 0}}) is not None):
         raise CorpusError(

@@ -27,6 +27,7 @@ from typing import Any
 
 from dsgpt2.curation.passes import Pass, Split
 from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
+from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
@@ -311,10 +312,18 @@ class Decontamination(Pass):
         return self.keys
 
     def todo(self) -> dict[str, Any]:
-        return {
-            "idx": {"$exists": True},
-            "$or": [{f"{CHECKED}.{s}": {"$ne": k}} for s, k in self.key().items()],
-        }
+        # A document not yet checked against one of several sets is picked by `pending`: as an `$or`
+        # here, each batch would be a scan of the collection on the embedded engine.
+        keys = self.key()
+        if len(keys) == 1:
+            ((name, key),) = keys.items()
+            return {"idx": {"$exists": True}, f"{CHECKED}.{name}": {"$ne": key}}
+        return {"idx": {"$exists": True}}
+
+    def pending(self, doc: dict[str, Any]) -> bool:
+        checked = doc.get(CHECKED)
+        checked = checked if isinstance(checked, dict) else {}
+        return any(checked.get(name) != key for name, key in self.key().items())
 
     def fields(self, text_field: str) -> dict[str, int]:
         return {text_field: 1, "turns": 1, CONTAMINATED: 1, CHECKED: 1}
@@ -403,9 +412,7 @@ def iter_marked(
     conn: Connection, name: str, set_name_: str, query: dict[str, Any] | None = None
 ) -> Iterable[int]:
     """The idx of the documents of ``name`` marked with ``set_name_`` (and matching ``query``)."""
-    q: dict[str, Any] = {f"{CONTAMINATED}.{set_name_}": {"$exists": True}, "idx": {"$exists": True}}
-    if query:
-        q = {"$and": [q, query]}
+    q = conjoin({f"{CONTAMINATED}.{set_name_}": {"$exists": True}, "idx": {"$exists": True}}, query or {})
     docs = with_retries(lambda: list(conn.db[name].find(q, {"idx": 1, "_id": 0})), conn.config,
                         f"reading the contaminated documents of {name}")  # fmt: skip
     return [int(d["idx"]) for d in docs]

@@ -28,6 +28,7 @@ from functools import partial
 from typing import Any, ClassVar
 
 from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, UpdateOne, patiently, with_retries
+from dsgpt2.db.filters import conjoin
 from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
@@ -87,7 +88,7 @@ def each_batch(
     try:
         while lo < stop:
             end = min(lo + batch_size, stop)
-            q = {**query, "idx": {"$gte": lo, "$lt": end}}
+            q = conjoin({"idx": {"$gte": lo, "$lt": end}}, query)
             batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1)),
                                  conn.config, f"{desc}: reading {name}")  # fmt: skip
             lo = end
@@ -241,6 +242,11 @@ class Pass:
         """The fields a batch is read with (besides ``_id`` and ``idx``)."""
         return {text_field: 1, "turns": 1}
 
+    def pending(self, doc: dict[str, Any]) -> bool:
+        """Whether a document ``todo`` read is still to process: for a condition ``todo`` leaves out
+        because the embedded engine answers it with a scan (an ``$or``; see :func:`conjoin`)."""
+        return True
+
     def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
         """The bulk writes that process ``batch`` (documents in idx order)."""
         raise NotImplementedError
@@ -280,9 +286,10 @@ def walk(
     done = 0
     batches = each_batch(conn, name, step.todo(), step.fields(text_field), batch_size,
                          desc=f"{step.verb} {name}", progress=progress, span=span)  # fmt: skip
-    for batch in batches:
-        write_ops(conn, name, step.process(batch, text_field), step.writing)
-        done += len(batch)
+    for read in batches:
+        if batch := [d for d in read if step.pending(d)]:
+            write_ops(conn, name, step.process(batch, text_field), step.writing)
+            done += len(batch)
     return done
 
 

@@ -29,7 +29,7 @@ from pymongo.errors import (
 
 from dsgpt2.db import embedded
 from dsgpt2.db.config import ENV_URI, MongoConfig
-from dsgpt2.db.filters import check_filter_languages, filter_refusal
+from dsgpt2.db.filters import check_filter_languages, conjoin, filter_refusal
 from dsgpt2.errors import ConfigError, CorpusError, DiskFullError, MongoUnavailableError, ServerLostError
 from dsgpt2.progress import interval_seconds
 
@@ -525,7 +525,7 @@ def check_filter(conn: Connection) -> None:
         except OperationFailure as exc:
             if exc.code not in (40324, 40602) and "$documents" not in str(exc):
                 raise
-            conn.db[config.collections[0]].find_one({"$and": [{"idx": -1}, query]}, {"_id": 1})
+            conn.db[config.collections[0]].find_one(conjoin({"idx": -1}, query), {"_id": 1})
 
     try:
         with_retries(ask, config, "checking FILTER")

@@ -1,5 +1,6 @@
 """The checks of a config's FILTER that need no server: the language codes it may compare ``lang`` with,
-and the wording of the server's refusal (the key it names, the operator most like a typo).
+and the wording of the server's refusal (the key it names, the operator most like a typo); and
+:func:`conjoin`, which joins FILTER (or any condition) to an idx bound in the shape an index serves.
 
 :func:`dsgpt2.db.client.check_filter` asks the server to parse FILTER and uses both.
 """
@@ -62,6 +63,86 @@ def _compared_codes(value: Any) -> Iterator[str]:
                 yield from (v for v in operand if isinstance(v, str))
             elif op == "$not":
                 yield from _compared_codes(operand)
+
+
+# Comparisons with a value that no missing field equals: a field they bound exists.
+_BOUNDS = ("$eq", "$gt", "$gte", "$lt", "$lte")
+_LOWER, _UPPER = ("$gt", "$gte"), ("$lt", "$lte")
+
+
+def conjoin(*queries: Mapping[str, Any]) -> dict[str, Any]:
+    """The query matching what every one of ``queries`` matches, as one document of field conditions
+    where it can be: ``{"idx": {"$gte": 0, "$lt": 10}, "lang": "en"}``, not ``{"$and": [...]}``.
+
+    The same query to mongod, but not to the embedded engine, which plans an index only for a query
+    without top-level operators: there, ``{"$and": [{"idx": <range>}, q]}`` reads every document of
+    the collection (each window of a windowed pass, each chunk a FILTER reads, the whole collection
+    again). Fields keep the order of their first appearance, so an index on the first query's field is
+    the one picked. ``$and`` lists are flattened; conditions on one field are merged when their
+    operators differ (``$exists: true`` is dropped beside a bound that implies it); only what cannot
+    be merged stays in an ``$and`` (an ``$or`` of one condition is that condition; two bounds of one
+    kind, ``$gte`` and ``$gte``, are the tighter).
+    """
+    fields: dict[str, Any] = {}
+    rest: list[dict[str, Any]] = []
+
+    def add(query: Mapping[str, Any]) -> None:
+        for key, value in query.items():
+            one_of = key == "$or" and isinstance(value, list) and len(value) == 1
+            if (
+                (key == "$and" or one_of)
+                and isinstance(value, list)
+                and all(isinstance(q, Mapping) for q in value)
+            ):
+                for q in value:
+                    add(q)
+            elif key not in fields:
+                fields[key] = value
+            elif key.startswith("$") or (merged := _merged(fields[key], value)) is None:
+                rest.append({key: value})
+            else:
+                fields[key] = merged
+
+    for query in queries:
+        add(query)
+    if rest:
+        fields["$and"] = rest
+    return fields
+
+
+def _operators(condition: Any) -> dict[str, Any] | None:
+    """``condition`` as its operators (None: an equality, or a document of fields)."""
+    if isinstance(condition, Mapping) and condition and all(str(k).startswith("$") for k in condition):
+        return dict(condition)
+    return None
+
+
+def _implies_exists(ops: Mapping[str, Any]) -> bool:
+    listed = ops.get("$in")
+    return any(ops.get(op) is not None for op in _BOUNDS) or (
+        isinstance(listed, list) and all(v is not None for v in listed)
+    )
+
+
+def _merged(a: Any, b: Any) -> dict[str, Any] | None:
+    """One field's two conditions as one, or None where they cannot be written as one."""
+    ops_a, ops_b = _operators(a), _operators(b)
+    if ops_a is None or ops_b is None:
+        return None
+    for ops, other in ((ops_a, ops_b), (ops_b, ops_a)):
+        if ops == {"$exists": True} and _implies_exists(other):
+            return other
+    both = ops_a.keys() & ops_b.keys()
+    if not both <= {*_LOWER, *_UPPER} or not all(_number(ops_a[op]) and _number(ops_b[op]) for op in both):
+        return None
+    merged = {**ops_a, **ops_b}
+    for op in both:  # two bounds of one kind: the tighter
+        merged[op] = (max if op in _LOWER else min)(ops_a[op], ops_b[op])
+    return merged
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 # Query operators, to suggest one for a typo the server refuses.

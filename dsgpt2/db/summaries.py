@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dsgpt2.db.client import Connection, patiently, with_retries
+from dsgpt2.db.filters import conjoin
 from dsgpt2.db.idx import max_idx
 from dsgpt2.db.meta import read_meta
 
@@ -30,8 +31,7 @@ def aggregate_summary(
         return patiently(conn, lambda db: list(db[name].aggregate(list(pipeline), allowDiskUse=True)), what)
     rows: list[Any] = []
     for lo, hi in windows(conn, name):
-        window = {"$and": [first["$match"], {"idx": {"$gte": lo, "$lt": hi}}]}
-        part = [{"$match": window}, *rest]
+        part = [{"$match": conjoin({"idx": {"$gte": lo, "$lt": hi}}, first["$match"])}, *rest]
         got = patiently(conn, lambda db, p=part: list(db[name].aggregate(p, allowDiskUse=True)), what)
         rows = _merge(rest[-1], rows, got) if rows else got
     if not rows and "$facet" in rest[-1]:
@@ -89,7 +89,7 @@ def read_windows(
     aggregation over them would read, in bounded server memory on the embedded engine."""
     coll = conn.db[name]
     for lo, hi in windows(conn, name):
-        q = {"$and": [query, {"idx": {"$gte": lo, "$lt": hi}}]}
+        q = conjoin({"idx": {"$gte": lo, "$lt": hi}}, query)
         yield with_retries(lambda q=q: list(coll.find(q, projection)), conn.config, what)
 
 
@@ -100,7 +100,7 @@ def count_numbered(conn: Connection, name: str, query: dict[str, Any], what: str
     count with a condition, after building the whole list of them in its memory (2.5 GB at 200,000
     documents of 1.7 KB): there the windows' ``_id`` are read and counted here."""
     if not conn.counts_walk:
-        numbered = {"$and": [{"idx": {"$exists": True}}, query]}
+        numbered = conjoin({"idx": {"$exists": True}}, query)
         return int(patiently(conn, lambda db: db[name].count_documents(numbered), what))
     return sum(len(docs) for docs in read_windows(conn, name, query, {"_id": 1}, what))
 
@@ -117,7 +117,7 @@ def first_numbered(
     """The document of ``name`` with the smallest idx that ``query`` matches (``projection``'s fields),
     or None; on the embedded engine from the first window holding one."""
     if not conn.counts_walk:
-        q = {"$and": [{"idx": {"$exists": True}}, query]}
+        q = conjoin({"idx": {"$exists": True}}, query)
         return with_retries(
             lambda: conn.db[name].find_one(q, projection, sort=[("idx", 1)]), conn.config, what
         )

@@ -19,6 +19,7 @@ from bson.raw_bson import RawBSONDocument
 
 from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, count_in, patiently, read_preference, with_retries
 from dsgpt2.db.config import MongoConfig
+from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import read_meta
 from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError
@@ -209,13 +210,11 @@ class MongoWrapper:
 
     def _left_out(self, pos: int, filt: dict[str, Any], fetched: dict[int, Any], asked: int) -> set[int]:
         """The idx of the documents of ``filt`` that FILTER left out of ``fetched``: asked of the server
-        only when some asked for did not come (one query, idx only)."""
+        only when some asked for did not come (one query, idx only: those of ``filt`` without FILTER,
+        a query every engine answers from the idx index, less those fetched)."""
         if self.filter is None or len(fetched) >= asked:
             return set()
-        out = self._query(
-            pos, {"$and": [filt, {"$nor": [self.filter]}]}, asked - len(fetched), unfiltered=True
-        )
-        return set(out)
+        return set(self._query(pos, filt, asked, unfiltered=True)) - fetched.keys()
 
     def _query(
         self, pos: int, filt: dict[str, Any], batch: int = 1, unfiltered: bool = False
@@ -229,7 +228,7 @@ class MongoWrapper:
         )
         projection = {"_id": 0, "idx": 1} if unfiltered else {"_id": 0, "idx": 1, self.field: 1}
         if self.filter is not None and not unfiltered:
-            filt = {"$and": [filt, self.filter]}
+            filt = conjoin(filt, self.filter)
 
         def run() -> list[Any]:
             # One batch for the whole answer: no getMore round trip under 16 MB. One more than the answer

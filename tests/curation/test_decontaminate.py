@@ -158,10 +158,15 @@ class Crash(Exception):
     pass
 
 
-def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sets", [1, 2])
+def test_a_killed_pass_ends_as_a_straight_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sets: int
+) -> None:
+    """Against one set, and against two (a document checked against one of them only is checked again)."""
     items = eval_items(3, 6)
     texts, expected = planted(items, 4)
     (hs,) = load_sets([write_jsonl(tmp_path / "hs.jsonl", items)], [None], 13)
+    against = [hs, *load_sets([write_jsonl(tmp_path / "other.jsonl", eval_items(9, 4))], [None], 13)][:sets]
 
     def fresh(db: str) -> Connection:
         conn = Connection(make_config(["docs"], MONGO_CONNECTION_DB=db))
@@ -175,8 +180,8 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
     def state(conn: Connection) -> dict:
         return {d["idx"]: (d.get(CONTAMINATED), d["decont"]) for d in conn.db["docs"].find()}
 
-    straight = fresh("decont_straight")
-    run_pass(straight, ["docs"], Decontamination([hs]), batch_size=4)
+    straight = fresh(f"decont_straight{sets}")
+    run_pass(straight, ["docs"], Decontamination(against), batch_size=4)
     calls = {"n": 0}
     original = passes.write_ops
 
@@ -186,15 +191,19 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, t
             raise Crash
         return original(*args, **kwargs)
 
-    killed = fresh("decont_killed")
+    killed = fresh(f"decont_killed{sets}")
     monkeypatch.setattr(passes, "write_ops", crash)
     with pytest.raises(Crash):
-        run_pass(killed, ["docs"], Decontamination([hs]), batch_size=4)
+        run_pass(killed, ["docs"], Decontamination(against), batch_size=4)
     monkeypatch.undo()
-    report = run_pass(killed, ["docs"], Decontamination([hs]), batch_size=4)
-    assert report.collections[0].checked == len(texts) - 8
+    if sets == 2:  # one set of a document's checks taken off: it alone is checked again
+        killed.db["docs"].update_one({"idx": 1}, {"$unset": {"decont.other": ""}})
+    report = run_pass(killed, ["docs"], Decontamination(against), batch_size=4)
+    assert report.collections[0].checked == len(texts) - 8 + (sets == 2)
     assert state(killed) == state(straight)
     assert {i: m["hs"] for i, (m, _) in state(killed).items() if m} == expected
+    if sets == 2:
+        return
     # Another n-gram size is another key: every document is checked again, and marks no longer
     # found are taken off (a 12-word overlap is one at 12).
     (hs12,) = load_sets([tmp_path / "hs.jsonl"], [None], 12)
