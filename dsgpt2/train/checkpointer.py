@@ -124,6 +124,7 @@ class Checkpointer:
         saved = read_client_state(load_dir, tag)
         # First, and whatever --ignore_fingerprint says: weights of another shape cannot be loaded.
         self._check_model(saved, load_dir / tag)
+        self._check_optimizer(saved, load_dir / tag)
         self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         self._check_data(saved, load_dir / tag)
         ranks = len(saved["data"]["ranks"])
@@ -157,6 +158,18 @@ class Checkpointer:
             f"{where} holds another model than this run builds ({values}): resume it with {flags}, "
             "or train this model in another --ckpt_dir"
         )
+
+    def _check_optimizer(self, saved: dict[str, Any], where: Path) -> None:
+        """Refuse a checkpoint of another optimizer: its state (AdamW's moments, Muon's momentum) is not
+        this run's optimizer's."""
+        theirs = (saved.get("args") or {}).get("optimizer") or "adamw"  # saved before Muon: AdamW
+        ours = self.settings.args.get("optimizer") or "adamw"
+        if theirs != ours:
+            raise CheckpointError(
+                f"{where} was trained with --optimizer {theirs} and this run asks for --optimizer {ours}: "
+                f"resume it with --optimizer {theirs}, or train with {ours} in another --ckpt_dir "
+                f"(--init_from the exported model starts {ours} from its weights)"
+            )
 
     def _check_data(self, saved: dict[str, Any], where: Path) -> None:
         problems = check_saved_data(self.conn, saved, self.marks, where)

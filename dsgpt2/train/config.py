@@ -32,6 +32,7 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
+from dsgpt2.train.optim import MUON_LR, MUON_MOMENTUM, OPTIMIZERS
 from dsgpt2.train.schedule import KINDS
 
 if TYPE_CHECKING:
@@ -287,6 +288,43 @@ class ScheduleOptions:
 
 
 @dataclass
+class OptimizerOptions:
+    """Which optimizer trains the weights (see dsgpt2.train.optim)."""
+
+    optimizer: str = option(
+        "adamw",
+        "adamw: the DeepSpeed config's AdamW on every weight; muon: Muon on the blocks' 2-D weights "
+        "(attention and MLP), AdamW (the DeepSpeed config's settings, --lr) on embeddings, biases and norms. "
+        "Muon needs --lr_schedule cosine or wsd",
+        choices=list(OPTIMIZERS),
+    )
+    muon_lr: float | None = option(
+        None,
+        f"muon: the peak learning rate of the Muon weights (default {MUON_LR}, the modded-nanogpt speedrun's "
+        "and DeepSpeed's); --lr stays AdamW's",
+        type=float,
+        check=ABOVE_ZERO,
+    )
+    muon_momentum: float | None = option(
+        None,
+        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
+        type=float,
+        check=Range(float, 0, 1, short="in [0, 1)"),
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        given = [f"--{k}" for k in ("muon_lr", "muon_momentum") if getattr(self, k) is not None]
+        if self.optimizer != "muon" and given:
+            raise ConfigError(
+                f"{' and '.join(given)} set the Muon optimizer, and this run trains with --optimizer "
+                f"{self.optimizer}: add --optimizer muon, or drop {' and '.join(given)}"
+            )
+        if self.muon_momentum is not None and self.muon_momentum >= 1:
+            raise ConfigError(f"--muon_momentum {self.muon_momentum}: must be in [0, 1)")
+
+
+@dataclass
 class CheckpointOptions:
     """Where checkpoints go, how many stay, and where a run resumes from."""
 
@@ -361,6 +399,7 @@ class TrainConfig:
     ckpt: CheckpointOptions = field(default_factory=CheckpointOptions)
     compute: ComputeOptions = field(default_factory=ComputeOptions)
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
+    optim: OptimizerOptions = field(default_factory=OptimizerOptions)
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(Path("configs/ds_config.json")))
 
     def __post_init__(self) -> None:
@@ -368,6 +407,11 @@ class TrainConfig:
         if s.lr_schedule != "deepspeed" and s.warmup_iters and s.warmup_iters >= self.run.train_iters:
             raise ConfigError(
                 f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
+            )
+        if self.optim.optimizer == "muon" and s.lr_schedule == "deepspeed":
+            raise ConfigError(
+                "--optimizer muon: add --lr_schedule wsd (or cosine); the DeepSpeed config's scheduler "
+                "gives every weight one learning rate, and Muon's weights take their own (--muon_lr)"
             )
 
     def check_files(self) -> None:
@@ -409,7 +453,8 @@ class TrainConfig:
         from dataclasses import asdict
 
         out: dict[str, object] = {}
-        for part in (self.model, self.data, self.run, self.ckpt, self.compute, self.schedule, self.engine):
+        for part in (self.model, self.data, self.run, self.ckpt, self.compute, self.schedule, self.optim,
+                     self.engine):  # fmt: skip
             for k, v in asdict(part).items():
                 out[k] = str(v) if isinstance(v, Path) else v
         return out
@@ -430,6 +475,7 @@ GROUPS = (
     ("checkpoints", CheckpointOptions),
     ("compute", ComputeOptions),
     ("learning-rate schedule", ScheduleOptions),
+    ("optimizer", OptimizerOptions),
 )
 
 
@@ -470,6 +516,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         ckpt=from_namespace(CheckpointOptions, args),
         compute=from_namespace(ComputeOptions, args),
         schedule=from_namespace(ScheduleOptions, args),
+        optim=from_namespace(OptimizerOptions, args),
         engine=from_namespace(EngineOptions, args),
     )
 

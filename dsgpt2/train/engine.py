@@ -7,7 +7,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,10 @@ from dsgpt2.model.gpt2 import (
     read_model_config,
 )
 from dsgpt2.model.loss import with_chunked_loss
-from dsgpt2.train.config import ComputeOptions, ModelOptions
+from dsgpt2.train.config import ComputeOptions, ModelOptions, OptimizerOptions
 from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
 from dsgpt2.train.metrics import peak_flops
+from dsgpt2.train.optim import build_muon
 from dsgpt2.train.schedule import ScheduledLR
 
 log = logging.getLogger("dsgpt2.train.trainer")
@@ -95,6 +96,7 @@ class EngineSettings:
     model: ModelOptions
     compute: ComputeOptions
     seed: int
+    optim: OptimizerOptions = field(default_factory=OptimizerOptions)
 
 
 @dataclass
@@ -141,14 +143,18 @@ def build_engine(
     model = with_chunked_loss(model, c.loss_chunk)
     if c.activation_checkpointing:
         checkpoint_activations(model)
-    groups = param_groups(model, optimizer_weight_decay(ds_config))
     scheduler = None
     if lr_schedule is not None:
         scheduler = lambda optimizer: ScheduledLR(optimizer, lr_schedule)  # noqa: E731
+    o = settings.optim
+    if o.optimizer == "muon":
+        # lr_schedule is dsgpt2's whenever Muon trains (TrainConfig refuses the DeepSpeed scheduler).
+        optimizer = build_muon(model, ds_config, lr_schedule.peak, o.muon_lr, o.muon_momentum)
+        given = {"optimizer": optimizer}
+    else:
+        given = {"model_parameters": param_groups(model, optimizer_weight_decay(ds_config))}
     with _quiet_scheduler_start():
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=groups, config=ds_config, lr_scheduler=scheduler
-        )
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler, **given)
     if c.compile:
         # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
         engine.compile()

@@ -88,8 +88,7 @@ class ScheduledLR:
         self._apply()
 
     def _apply(self) -> None:
-        lr = lr_at(self.schedule, self.last_step)
-        for group in self.optimizer.param_groups:
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
 
     def step(self, *args: Any, **kwargs: Any) -> None:
@@ -97,7 +96,10 @@ class ScheduledLR:
         self._apply()
 
     def get_lr(self) -> list[float]:
-        return [lr_at(self.schedule, self.last_step)] * len(self.optimizer.param_groups)
+        """Each group's rate: the curve's, times the group's ``lr_scale`` where it has one (Muon's
+        weights, whose peak is their own: :mod:`dsgpt2.train.optim`)."""
+        lr = lr_at(self.schedule, self.last_step)
+        return [lr * group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
 
     def get_last_lr(self) -> list[float]:
         return self.get_lr()

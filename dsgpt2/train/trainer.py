@@ -59,6 +59,7 @@ from dsgpt2.train.engine import (
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.microloop import MicroLoop
+from dsgpt2.train.optim import check_optimizer
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
@@ -129,6 +130,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     ds_config = load_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device, own_schedule)
     check_attention(cfg.compute.attn_implementation, device, ds_config)
     lr_schedule = apply_schedule(ds_config, cfg.schedule, cfg.run.train_iters)
+    check_optimizer(cfg.optim.optimizer, ds_config)
     prepare_deepspeed_environment()
     import deepspeed
 
@@ -158,7 +160,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model)
     found = on_rank0(checkpointer.find)
     feed.start(marks, found[2] if found else None)
-    engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed)
+    engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed, optim=cfg.optim)
     engine = build_engine(engine_settings, ds_config, spec, vocab_size, lr_schedule=lr_schedule, init=init,
                           device=device, world=world)  # fmt: skip
     state = checkpointer.restore(

@@ -52,4 +52,4 @@ def test_architecture_names_every_section_of_the_run_config() -> None:
     sections = [
         f.type if isinstance(f.type, str) else f.type.__name__ for f in dataclasses.fields(TrainConfig)
     ]
-    assert len(sections) == 7 and [s for s in sections if f"`{s}`" not in text] == []
+    assert len(sections) == 8 and [s for s in sections if f"`{s}`" not in text] == []
