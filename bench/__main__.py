@@ -17,6 +17,7 @@ from bench import (
     bench_neardup,
     bench_pii,
     bench_reads,
+    bench_recipe,
     bench_scale,
     bench_serve,
     bench_shuffle,
@@ -84,6 +85,7 @@ def main() -> int:
         "shuffle": lambda: bench_shuffle.shuffle(texts, results),
         "reads": lambda: bench_reads.read_cost(texts),
         "scale": lambda: bench_scale.scale(results),
+        "recipe": lambda: bench_recipe.recipe(texts, results),
     }
     chosen = sys.argv[1:] or list(suites)
     unknown = set(chosen) - set(suites)

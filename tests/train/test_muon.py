@@ -165,3 +165,44 @@ def test_a_muon_run_of_two_ranks_resumes_on_one(corpus: dict[str, Path], tmp_pat
     assert sorted(steps(tmp_path)) == list(range(1, 7)) and all(
         math.isfinite(r["loss"]) for r in steps(tmp_path).values()
     )
+
+
+PLAIN = """
+import json, sys
+from transformers import GPT2LMHeadModel, pipeline
+model = GPT2LMHeadModel.from_pretrained(sys.argv[1])
+generate = pipeline("text-generation", model=sys.argv[1])
+text = generate("def", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+print(json.dumps({"dsgpt2": "dsgpt2" in sys.modules, "text": text, "class": type(model).__name__}))
+"""
+
+
+@pytest.mark.slow
+def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_cli
+    from dsgpt2.db.config import load_config
+    from dsgpt2.infer.evaluate import evaluate
+    from dsgpt2.infer.loading import load_model
+    from dsgpt2.infer.settings import EvalRequest
+    from dsgpt2.train.metrics import read_metrics
+
+    recipe = ROOT / "configs" / "recipes" / "fast.yaml"
+    done = train(corpus, tmp_path, "--config", str(recipe), "--train_iters", "8", "--eval_interval", "8",
+                 "--eval_iters", "4", "--save_interval", "8", "--warmup_iters", "2")  # fmt: skip
+    assert "optimizer: Muon (lr 0.02, momentum 0.95)" in done.stderr
+    last = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"][-1]
+    assert last["step"] == 8
+    out = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
+    assert out.returncode == 0, out.stderr
+    plain = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path / "hf")], capture_output=True,
+                           text=True, check=True)  # fmt: skip
+    got = json.loads(plain.stdout.strip().splitlines()[-1])
+    assert got["class"] == "GPT2LMHeadModel" and not got["dsgpt2"] and got["text"].startswith("def")
+    request = EvalRequest(batch_size=4, max_batches=4, workers=0)
+    report = evaluate(load_model(tmp_path / "hf"), load_config(corpus["config"]), request, progress=False)
+    assert report["metrics"]["perplexity"] == pytest.approx(last["val_ppl"], rel=1e-5)

@@ -1,0 +1,223 @@
+"""Recipe: does the fast recipe (``configs/recipes/fast.yaml``: Muon) train a better model than the AdamW
+one (``configs/recipes/demo.yaml``) for the same compute?
+
+Both recipes as shipped (their optimizer, schedule and rates), on the same documents, tokenizer, batch,
+tokens and seeds; the held-out documents are the validation split (never trained on), validated every
+``STEPS / 20`` steps on the same batches. Per corpus and shape:
+
+- held-out perplexity at equal steps, fast ÷ AdamW (geometric mean over the seeds; target <= 0.9);
+- the steps the fast recipe needs to reach AdamW's final held-out loss ÷ AdamW's steps (per seed, linear
+  between two validations, the mean; where it never does: above 1, and the line says so; target <= 0.7);
+- wall time per step, fast ÷ AdamW (median tokens/s of the logged steps; Newton–Schulz costs compute).
+
+Two corpora of real text: the built-in sample (the standard library's docstrings and code) and reference
+prose built from files every Python installation has (the language reference of ``pydoc_data``; the
+licences of ``/usr/share/common-licenses`` where the machine has them). Two shapes: the tiny preset and
+a wider one (4 layers of 128) that still trains on two cores in minutes.
+
+``BENCH_RECIPE_STEPS`` (1,000), ``BENCH_RECIPE_SEEDS`` (1,2,3), ``BENCH_RECIPE_SHAPES`` (tiny,wide) and
+``BENCH_RECIPE_CORPORA`` (stdlib,prose) choose a shorter run: the whole is 24 trainings (about an hour
+and a half on two cores).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.common import Metric
+
+STEPS = int(os.environ.get("BENCH_RECIPE_STEPS", "1000"))
+SEEDS = tuple(int(s) for s in os.environ.get("BENCH_RECIPE_SEEDS", "1,2,3").split(","))
+SHAPES = tuple(os.environ.get("BENCH_RECIPE_SHAPES", "tiny,wide").split(","))
+CORPORA = tuple(os.environ.get("BENCH_RECIPE_CORPORA", "stdlib,prose").split(","))
+RECIPES = {"adamw": "demo.yaml", "fast": "fast.yaml"}
+WIDE = {
+    "n_layer": 4,
+    "n_embd": 128,
+    "n_head": 4,
+    "n_positions": 128,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+    "attn_pdrop": 0.0,
+}
+EVALS = 20
+
+
+def prose_texts(limit: int = 4000) -> list[str]:
+    """Documents of prose from files on this machine: paragraphs of Python's language reference
+    (``pydoc_data.topics``), of the descriptions (READMEs) of the installed packages and of the licences
+    in /usr/share/common-licenses, joined into documents of about 1,500 characters (code blocks and
+    lines shorter than a sentence left out)."""
+    import importlib.metadata
+    import pydoc_data.topics
+
+    sources = list(pydoc_data.topics.topics.values())
+    described = {
+        d.metadata["Name"]: d.metadata.get_payload() or "" for d in importlib.metadata.distributions()
+    }
+    sources += [re.sub(r"```.*?```", "", described[name], flags=re.S) for name in sorted(described)]
+    licences = Path("/usr/share/common-licenses")
+    if licences.is_dir():
+        sources += [p.read_text(errors="replace") for p in sorted(licences.iterdir()) if p.is_file()]
+    docs: list[str] = []
+    for text in sources:
+        current: list[str] = []
+        for para in re.split(r"\n\s*\n", text):
+            para = " ".join(para.split())
+            if len(para) < 40:
+                continue
+            current.append(para)
+            if sum(map(len, current)) >= 1500:
+                docs.append("\n\n".join(current))
+                current = []
+        if current:
+            docs.append("\n\n".join(current))
+    return docs[:limit]
+
+
+def _recipe(name: str) -> Any:
+    from dsgpt2.settings.runfile import parse_args
+    from dsgpt2.settings.shipped import shipped_config
+    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
+
+    path = Path(shipped_config(f"recipes/{RECIPES[name]}"))
+    return parse_args(build_parser(), ["--config", str(path)], command=["train"], sections=None,
+                      aliases=TRAIN_ALIASES)  # fmt: skip
+
+
+def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run: Path) -> dict[str, Any]:
+    """One training of ``recipe`` (as shipped, for STEPS steps): its validation losses by step and its
+    median tokens/s."""
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.settings.options import from_namespace
+    from dsgpt2.settings.shipped import shipped_config
+    from dsgpt2.train.config import (
+        CheckpointOptions,
+        DataOptions,
+        EngineOptions,
+        ModelOptions,
+        OptimizerOptions,
+        RunOptions,
+        ScheduleOptions,
+        TrainConfig,
+    )
+    from dsgpt2.train.metrics import read_metrics
+    from dsgpt2.train.trainer import build
+
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "recipe",
+                              "COLLECTIONS": ["docs"]}, env={})  # fmt: skip
+    r = _recipe(recipe)
+    model: dict[str, Any] = {"model_select": "tiny"}
+    if shape == "wide":
+        (run / "model.json").write_text(json.dumps({"model_type": "gpt2", **WIDE}))
+        model = {"model_config": run / "model.json"}
+    warmup = min(r.warmup_iters, STEPS // 4) if r.warmup_iters is not None else None
+    cfg = TrainConfig(
+        data=from_namespace(DataOptions, r, config_train=None, vocab_dir=tokenizer, seed=seed),
+        model=from_namespace(ModelOptions, r, **model),
+        run=from_namespace(
+            RunOptions,
+            r,
+            train_iters=STEPS,
+            eval_interval=max(1, STEPS // EVALS),
+            eval_iters=16,
+            log_interval=10,
+            workspace=run / "train",
+            wandb="off",
+        ),
+        ckpt=from_namespace(CheckpointOptions, r, ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),
+        schedule=from_namespace(ScheduleOptions, r, warmup_iters=warmup),
+        optim=from_namespace(OptimizerOptions, r),
+        engine=EngineOptions(deepspeed_config=shipped_config(Path(r.deepspeed_config).name)),
+    )
+    build(cfg, mongo=mongo).train()
+    records = read_metrics(run / "train" / "metrics.jsonl")
+    evals = {r["step"]: r["val_loss"] for r in records if r.get("event") == "eval" and r.get("val_loss")}
+    rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > 10]
+    return {"evals": evals, "tokens_per_s": statistics.median(rates)}
+
+
+def steps_to_reach(evals: dict[int, float], target: float) -> float:
+    """The first step at which ``evals`` (validation loss by step) reaches ``target``, linear between two
+    validations; inf where it never does."""
+    points = sorted(evals.items())
+    for (s0, l0), (s1, l1) in zip([(0, float("inf")), *points], points, strict=False):
+        if l1 <= target:
+            if not np.isfinite(l0):
+                return float(s1)
+            return s0 + (l0 - target) / (l0 - l1) * (s1 - s0)
+    return float("inf")
+
+
+def _store(conn: Any, texts: list[str]) -> None:
+    coll = conn.db["docs"]
+    if coll.estimated_document_count() == len(texts):
+        return
+    coll.drop()
+    coll.insert_many([{"idx": i, "filt_text": t} for i, t in enumerate(texts)])
+    coll.create_index("idx", unique=True)
+    conn.db["meta_info"].update_one({"collection": "docs"}, {"$set": {"count": len(texts)}}, upsert=True)
+
+
+def recipe(texts: list[str], results: Path) -> list[Metric]:
+    from dsgpt2.db import embedded
+    from dsgpt2.db.client import Connection
+    from dsgpt2.db.config import config_from_dict
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+
+    metrics: list[Metric] = []
+    corpora = {"stdlib": texts, "prose": prose_texts()}
+    for corpus in CORPORA:
+        docs = corpora[corpus]
+        work = results / "recipe" / corpus
+        work.mkdir(parents=True, exist_ok=True)
+        store = f"local://{work / 'db'}"
+        conn = Connection(config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "recipe",
+                                            "COLLECTIONS": ["docs"]}, env={}))  # fmt: skip
+        _store(conn, docs)
+        tokenizer = work / "tok"
+        if not (tokenizer / "tokenizer.json").exists():
+            train_vocab(docs, tokenizer, VocabSettings(vocab_size=8192), "recipe", progress=False)
+        for shape in SHAPES:
+            runs: dict[str, list[dict[str, Any]]] = {"adamw": [], "fast": []}
+            for seed in SEEDS:
+                for name in ("adamw", "fast"):
+                    got = _train(store, name, shape, seed, tokenizer, work / f"{shape}-{name}-{seed}")
+                    runs[name].append(got)
+                    final = got["evals"][max(got["evals"])]
+                    rate = got["tokens_per_s"]
+                    print(f"   recipe {corpus} {shape} seed {seed} {name}: held-out ppl {np.exp(final):.2f} "
+                          f"at step {max(got['evals'])}, {rate:,.0f} tokens/s", flush=True)  # fmt: skip
+            metrics += _metrics(corpus, shape, len(docs), runs)
+        embedded.stop(work / "db")
+    return metrics
+
+
+def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[str, Any]]]) -> list[Metric]:
+    final = {name: [r["evals"][max(r["evals"])] for r in rs] for name, rs in runs.items()}
+    ppl = {name: float(np.exp(np.mean(losses))) for name, losses in final.items()}  # geometric mean
+    reach = [steps_to_reach(f["evals"], target) / max(a["evals"])
+             for f, a, target in zip(runs["fast"], runs["adamw"], final["adamw"], strict=True)]  # fmt: skip
+    rate = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    where = (f"{corpus}, {shape} ({'2 x 64' if shape == 'tiny' else '4 x 128'}), {documents} documents, "
+             f"{STEPS} steps of 16 x 128 tokens, seeds {', '.join(map(str, SEEDS))}")  # fmt: skip
+    mean_reach = float(np.mean(reach))
+    reach_note = ", ".join("never" if not np.isfinite(x) else f"{x:.2f}" for x in reach)
+    return [
+        Metric(f"recipe: held-out ppl, fast ÷ AdamW ({corpus}, {shape})", ppl["fast"], ppl["adamw"], "ppl",
+               "<= 0.9", ppl["fast"] <= 0.9 * ppl["adamw"], where),
+        Metric(f"recipe: steps to AdamW's final loss ({corpus}, {shape})", mean_reach * STEPS, STEPS, "steps",
+               "<= 0.7", mean_reach <= 0.7, f"per seed: {reach_note}"),
+        Metric(f"recipe: seconds per token, fast ÷ AdamW ({corpus}, {shape})", 1 / rate["fast"],
+               1 / rate["adamw"], "s/token", "info", True, "median tokens/s of the logged steps"),
+    ]  # fmt: skip
