@@ -60,7 +60,8 @@ class IngestSettings:
     field: str = option("text", "jsonl, parquet, arrow, dataset: the field holding the text")
     keep_fields: tuple[str, ...] = option(
         (),
-        "also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score",
+        "also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score; "
+        "COLUMN:NAME stores one under another name (source:src: `source` is a field of every document)",
         type=comma_list,
         metavar="A,B,...",
     )
@@ -200,6 +201,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     for line in report.lines():
         print(line)
+    if collection not in config.collections:
+        print(f"note: {collection!r} is not in the COLLECTIONS of {s.config}; add it there to train on it")
+    empty = [r.label for r in report.sources if r.read == 0 and not (r.already_done or r.resumed_at)]
+    if empty:
+        raise usage("ingest", f"{', '.join(empty)}: no record in it; nothing was read (check the file, "
+                              "--format and --field)")  # fmt: skip
     return 0
 
 

@@ -64,14 +64,29 @@ def _head(path: Path, n: int) -> bytes:
         return b""
 
 
+def kept_as(keep: Sequence[str]) -> list[tuple[str, str]]:
+    """``--keep_fields``' entries as (column, the field it is stored as): ``url`` keeps ``url`` as
+    ``url``, ``source:src`` keeps the column ``source`` as ``src``."""
+    return [(k.partition(":")[0], k.partition(":")[2] if ":" in k else k) for k in keep]
+
+
 def check_keep_fields(keep: Sequence[str]) -> None:
-    """Refuse kept fields that would overwrite a document's own."""
-    clash = [k for k in keep if k in RESERVED or k.startswith("$") or "." in k or not k]
-    if clash:
-        raise IngestError(
-            f"--keep_fields {','.join(clash)}: a document's own fields ({', '.join(RESERVED)}), names "
-            "with '.' or starting with '$' cannot be kept; rename the column"
-        )
+    """Refuse kept fields that would overwrite a document's own, naming them and the rename that
+    keeps the column."""
+    for entry, (column, name) in zip(keep, kept_as(keep), strict=True):
+        if not column or not name:
+            raise IngestError(f"--keep_fields {entry!r}: give COLUMN or COLUMN:NAME (e.g. source:src)")
+        safe = {"source": "src"}.get(name, name.strip("$").replace(".", "_") + "_kept")
+        if name in RESERVED:
+            raise IngestError(
+                f"--keep_fields {entry}: {name!r} is a field of every document ({', '.join(RESERVED)}: "
+                f"see the document schema); keep the column under another name: --keep_fields {column}:{safe}"
+            )
+        if name.startswith("$") or "." in name:
+            raise IngestError(
+                f"--keep_fields {entry}: a field name cannot start with '$' or hold '.'; keep the column "
+                f"under another name: --keep_fields {column}:{safe}"
+            )
 
 
 def dataset_files(path: Path) -> list[Path]:
@@ -114,7 +129,7 @@ class Table:
         except (pa.ArrowException, OSError) as exc:
             raise IngestError(f"{path}: not a readable {kind} input ({_first_line(exc)})") from None
         names = schemas[0].names if schemas else []
-        wanted = [field, *self.keep]
+        wanted = [field, *(column for column, _ in kept_as(self.keep))]
         absent = [c for c in wanted if c not in names]
         if absent:
             which = "--field" if field in absent else "--keep_fields"
@@ -231,7 +246,7 @@ class Table:
 
     def _rows(self, batch: Any) -> Iterator[Row]:
         texts = batch.column(self.field).to_pylist()
-        kept = [(name, batch.column(name).to_pylist()) for name in self.keep]
+        kept = [(name, batch.column(column).to_pylist()) for column, name in kept_as(self.keep)]
         for i, text in enumerate(texts):
             yield Row(text, {name: storable(values[i]) for name, values in kept})
 

@@ -25,7 +25,7 @@ from typing import Any, TextIO
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
-from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, sniff_binary, storable
+from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, kept_as, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
 from dsgpt2.curation.pii import redact_document
 from dsgpt2.documents import turns_text, utf8_encodable
@@ -304,7 +304,7 @@ def _read_jsonl(
         elif field_name not in obj:
             yield BadRecord("no_field", {str(k): isinstance(v, str) for k, v in obj.items()})
         elif keep:
-            yield Row(obj[field_name], {k: storable(obj.get(k)) for k in keep})
+            yield Row(obj[field_name], {name: storable(obj.get(column)) for column, name in kept_as(keep)})
         else:
             yield obj[field_name]
 
@@ -319,7 +319,7 @@ def _check_csv_header(
 ) -> None:
     with open_text(path, DecodeTally(tally.encoding) if tally else None) as f:
         header = _csv_reader(f).fieldnames or []
-    for name, flag in [(column, "--column"), *((k, "--keep_fields") for k in keep)]:
+    for name, flag in [(column, "--column"), *((k, "--keep_fields") for k, _ in kept_as(keep))]:
         if name not in header:
             raise IngestError(
                 f"{path.name} has no column {name!r}; its columns are {header}; pick one with {flag}"
@@ -350,7 +350,7 @@ def _read_csv(
             if value is None:
                 yield BadRecord("no_field")
             else:
-                yield Row(value, {k: row.get(k) for k in keep}) if keep else value
+                yield Row(value, {name: row.get(c) for c, name in kept_as(keep)}) if keep else value
 
 
 def _read_conversations(

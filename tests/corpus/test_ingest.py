@@ -371,6 +371,25 @@ def test_a_field_no_record_has_exits_2_naming_the_fields_the_records_have(tmp_pa
     assert run_cli("validate", "--config", str(cfg)).returncode == 0
 
 
+def test_an_empty_file_exits_2_and_a_collection_training_ignores_is_named(tmp_path: Path) -> None:
+    cfg, store = store_config(tmp_path, ["news"])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    done = run_cli("ingest", "--config", str(cfg), "--no_progress", str(empty))
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert "empty.jsonl (jsonl: text): no record in it; nothing was read" in line
+    assert "Traceback" not in done.stderr
+    # Into a collection the config does not train on: stored, and a line says how to train on it.
+    f = tmp_path / "k.jsonl"
+    f.write_text("".join(json.dumps({"text": f"story {i}"}) + "\n" for i in range(5)))
+    done = run_cli("ingest", "--config", str(cfg), "--collection", "k", "--no_progress", str(f))
+    assert done.returncode == 0, done.stderr
+    assert f"note: 'k' is not in the COLLECTIONS of {cfg}; add it there to train on it" in done.stdout
+    assert "COLLECTIONS" not in run_cli("ingest", "--config", str(cfg), "--no_progress", str(f)).stdout
+    assert _texts(Connection(make_config(["k"], **db_for(store))), "k") == [f"story {i}" for i in range(5)]
+
+
 def test_each_skipped_record_is_located_in_the_report_and_the_first_in_the_log(tmp_path: Path) -> None:
     j = tmp_path / "m.jsonl"
     lines = [json.dumps({"text": f"good {i}"}) for i in range(30)]

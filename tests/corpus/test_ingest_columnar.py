@@ -4,6 +4,7 @@ binary files refused instead of stored as text."""
 
 from __future__ import annotations
 
+import csv
 import datetime
 import decimal
 import json
@@ -223,6 +224,29 @@ def test_columns_become_what_mongodb_stores(tmp_path: Path) -> None:
     assert first["tags"] == ["x", "y"] and second["meta"] == {"k": 2}
 
 
+def test_a_kept_column_is_stored_under_the_name_given(tmp_path: Path) -> None:
+    """``--keep_fields source:src,url``: a column named like a document's own field kept under
+    another name, in every format that keeps columns."""
+    rows = fineweb_rows(30)
+    table = pa.table({"text": rows["text"], "source": [f"s{i}" for i in range(30)], "url": rows["url"]})
+    pq.write_table(table, tmp_path / "x.parquet")
+    lines = [
+        {"text": t, "source": f"s{i}", "url": u}
+        for i, (t, u) in enumerate(zip(rows["text"], rows["url"], strict=True))
+    ]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    with open(tmp_path / "x.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, ["text", "source", "url"])
+        w.writeheader()
+        w.writerows(lines)
+    for i, name in enumerate(("x.parquet", "x.jsonl", "x.csv")):
+        conn = Connection(make_config([f"k{i}"]))
+        ingest(conn, f"k{i}", [file_source(tmp_path / name, keep_fields=("source:src", "url"))])
+        docs = _docs(conn, f"k{i}")
+        assert [d["src"] for d in docs] == [f"s{j}" for j in range(30)] and docs[4]["url"] == rows["url"][4]
+        assert docs[0]["source"] != "s0"  # a document's own field, as ingest writes it
+
+
 def test_bad_columnar_input_is_one_line(tmp_path: Path) -> None:
     path = write_parquet(tmp_path / "x.parquet", 10)
     cfg, _ = store_config(tmp_path)
@@ -233,7 +257,16 @@ def test_bad_columnar_input_is_one_line(tmp_path: Path) -> None:
         ),
         (["--field", "body", str(path)], "name the text column with --field, e.g. --field text"),
         (["--keep_fields", "id,nope", str(path)], "no column 'nope' (--keep_fields)"),
-        (["--keep_fields", "idx", str(path)], "--keep_fields idx: a document's own fields"),
+        (
+            ["--keep_fields", "idx", str(path)],
+            "--keep_fields idx: 'idx' is a field of every document (_id, idx,",
+        ),
+        (
+            ["--keep_fields", "id,source", str(path)],
+            "keep the column under another name: --keep_fields source:src",
+        ),
+        (["--keep_fields", "id:", str(path)], "give COLUMN or COLUMN:NAME (e.g. source:src)"),
+        (["--keep_fields", "id:a.b", str(path)], "--keep_fields id:a_b_kept"),
         (["--field", "token_count", str(path)], "column 'token_count' holds int64, not text"),
     ]
     truncated = tmp_path / "cut.parquet"
