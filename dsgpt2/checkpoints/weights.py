@@ -70,6 +70,8 @@ def run_info(client: dict[str, Any], where: Path) -> dict[str, Any]:
         "vocab_dir": str(client["vocab_dir"]),
         # Trained with attention inside documents: evaluation does the same by default.
         "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
+        # What it learned: text (lm) or conversations; chat refuses a model that never saw one.
+        "task": client.get("args", {}).get("task"),
     }
 
 

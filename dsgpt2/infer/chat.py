@@ -27,6 +27,14 @@ class ChatSession:
     ) -> None:
         self.generator = generator
         self.params = params
+        task = generator.loaded.run.get("task")
+        if task is not None and task != "conversation":
+            # Its tokenizer may hold the speaker tokens (`vocab train` adds them), never learned.
+            raise ConfigError(
+                f"{generator.loaded.name} was trained on text (--task {task}), not on conversations: it "
+                "continues text, it does not answer; finetune it first (dsgpt2 train --task conversation "
+                f"--init_from {generator.loaded.name} ...)"
+            )
         self.speakers = speaker_ids(generator.tokenizer)
         for name in (user, bot):
             if name not in self.speakers:

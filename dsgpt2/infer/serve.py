@@ -289,11 +289,13 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
     try:
         session = ChatSession(generator, api.params)
     except ConfigError:
-        raise ApiError(
-            f"{generator.loaded.name} has no <|user|> and <|bot|> speaker tokens: it was not finetuned "
-            "on conversations; use /v1/completions",
-            "messages",
-        ) from None
+        task = generator.loaded.run.get("task")
+        why = (
+            f"was trained on text (task {task}), not finetuned on conversations"
+            if task not in (None, "conversation")
+            else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
+        )
+        raise ApiError(f"{generator.loaded.name} {why}; use /v1/completions", "messages") from None
     ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]

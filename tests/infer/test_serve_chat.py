@@ -4,8 +4,10 @@ when their client leaves."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -141,3 +143,35 @@ def test_a_client_leaving_before_its_whole_answer_stops_it_too(chat_server: str)
         assert time.monotonic() < end_by, h
         time.sleep(0.05)
     assert h["tokens_generated"] - before < 8 * 1000
+
+
+def test_chat_on_a_model_pretrained_on_text_is_refused_though_its_tokenizer_has_speakers(
+    tmp_path: Path, sample_texts: list[str]
+) -> None:
+    """`vocab train` gives every tokenizer the speaker tokens: what decides is what the model was
+    trained on, recorded in its run file (`dsgpt2 export` writes it)."""
+    from conftest import run_cli
+    from dsgpt2.checkpoints.weights import RUN_INFO
+
+    model = tiny_export(tmp_path, sample_texts[:400], context=256)
+    (model / RUN_INFO).write_text(
+        json.dumps({"step": 10, "checkpoint": "runs/ckpt/global_step10", "task": "lm"})
+    )
+    gen = iter(start_server(tmp_path, model))
+    url = next(gen)
+    try:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                       timeout=deadline(30))  # fmt: skip
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages" and "was trained on text (task lm)" in error["message"]
+        assert error["message"].endswith("use /v1/completions")
+        done = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 3}, timeout=deadline(30)
+        )
+        assert done.status_code == 200
+    finally:
+        next(gen, None)
+    chat = run_cli("chat", "--model", str(model))
+    assert chat.returncode == 2 and "Traceback" not in chat.stderr
+    assert "was trained on text (--task lm), not on conversations" in chat.stderr.strip().splitlines()[-1]

@@ -185,6 +185,7 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     import sys
 
     from conftest import ROOT, run_cli
+    from dsgpt2.checkpoints.weights import RUN_INFO
     from dsgpt2.db.config import load_config
     from dsgpt2.infer.evaluate import evaluate
     from dsgpt2.infer.loading import load_model
@@ -199,6 +200,7 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     assert last["step"] == 8
     out = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
     assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "hf" / RUN_INFO).read_text())["task"] == "lm"  # chat refuses it
     plain = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path / "hf")], capture_output=True,
                            text=True, check=True)  # fmt: skip
     got = json.loads(plain.stdout.strip().splitlines()[-1])
