@@ -19,6 +19,9 @@ PYTEST_WORKERS ?= 2
 # DeepSpeed compiles its CPU communication op at its first initialize on a machine: done here, with the
 # install, rather than inside the first run (or test) that needs it. Nothing to do where CUDA is the device.
 define BUILD_DEEPSPEED_OPS
+from dsgpt2.accelerator import prepare_deepspeed_environment, extensions_dir
+prepare_deepspeed_environment()
+print("into", extensions_dir())
 from deepspeed.accelerator import get_accelerator
 if get_accelerator().device_name() == "cpu":
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
@@ -35,7 +38,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PIP) install -q -c $(VENV)/constraints.txt pip setuptools
 	$(PIP) install -q $(TORCH_SPEC)
 	$(PIP) install -q -c $(VENV)/constraints.txt --build-constraint $(VENV)/constraints.txt -e ".[dev]"
-	@echo "building DeepSpeed's CPU communication op (once per machine, 1-4 minutes; cached in ~/.cache/torch_extensions)"
+	@echo "building DeepSpeed's CPU communication op (once per environment, 1-4 minutes; cached in ~/.cache/torch_extensions)"
 	$(PY) -c "$$BUILD_DEEPSPEED_OPS" > $(VENV)/deepspeed-ops.log 2>&1 || echo "not built now ($(VENV)/deepspeed-ops.log); the first DeepSpeed run builds it"
 	touch $(STAMP)
 

@@ -6,6 +6,8 @@ or `serve` leave the environment as they found it.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 import sys
@@ -28,6 +30,39 @@ def prepare_deepspeed_environment() -> None:
     if plain != value:
         os.environ["TORCH_CUDA_ARCH_LIST"] = plain
     use_own_ninja()
+    use_own_extensions_dir()
+
+
+def extensions_dir() -> str:
+    """Where this environment's DeepSpeed JIT ops are built and cached: ``TORCH_EXTENSIONS_DIR`` where
+    the user set it, else a directory of this environment's own under ~/.cache/torch_extensions.
+
+    torch's default (``py311_cpu``) is shared by every environment of one Python: each one's build
+    files name its own torch's headers, so two environments read each other's op as stale and compile
+    it again (1-3 minutes) at every switch."""
+    if "TORCH_EXTENSIONS_DIR" in os.environ:
+        return os.environ["TORCH_EXTENSIONS_DIR"]
+    key = hashlib.sha1(os.path.realpath(sys.prefix).encode()).hexdigest()[:10]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    name = f"py{sys.version_info.major}{sys.version_info.minor}-{os.path.basename(sys.prefix)}-{key}"
+    return os.path.join(cache, "torch_extensions", name)
+
+
+def use_own_extensions_dir() -> None:
+    os.environ["TORCH_EXTENSIONS_DIR"] = extensions_dir()
+
+
+def announce_cpu_op_build() -> None:
+    """One line before DeepSpeed compiles its CPU communication op (the first CPU run of an
+    environment), which is otherwise minutes of silence."""
+    if os.environ.get("DS_ACCELERATOR") != "cpu":
+        return
+    built = os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
+    if not os.path.exists(built):
+        logging.getLogger("dsgpt2").info(
+            "compiling DeepSpeed's CPU communication op (once per environment, 1-3 min; cached in %s)",
+            os.path.dirname(built),
+        )
 
 
 def use_own_ninja() -> None:

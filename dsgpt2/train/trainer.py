@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.accelerator import announce_cpu_op_build, prepare_deepspeed_environment
 from dsgpt2.checkpoints.format import tag_for
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
@@ -135,6 +135,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     import deepspeed
 
     # First: the barriers and broadcasts below need the process group.
+    if rank == 0:
+        announce_cpu_op_build()
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
     deepspeed.init_distributed(
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)

@@ -212,3 +212,35 @@ def test_deepspeed_builds_its_ops_with_the_environments_own_ninja(tmp_path: Path
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     before, after = out.stdout.split()
     assert before == str(other / "ninja") and after == str(own) and shutil.which("ninja") is not None
+
+
+def test_each_environment_builds_deepspeeds_op_in_its_own_cache_and_says_so_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two environments of one Python shared torch's ~/.cache/torch_extensions/py311_cpu and rebuilt
+    each other's op; a user's TORCH_EXTENSIONS_DIR is kept; the first run names the build before it."""
+    import logging
+    import sys
+
+    from dsgpt2 import accelerator
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "envs" / "a"))
+    a = accelerator.extensions_dir()
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "envs" / "b"))
+    b = accelerator.extensions_dir()
+    assert a != b and Path(a).parent == Path(b).parent == tmp_path / "cache" / "torch_extensions"
+    assert Path(b).name.startswith(f"py{sys.version_info.major}{sys.version_info.minor}-b-")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    assert accelerator.extensions_dir() == str(tmp_path / "mine")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    with caplog.at_level(logging.INFO, logger="dsgpt2"):
+        accelerator.announce_cpu_op_build()
+    assert "compiling DeepSpeed's CPU communication op (once per environment, 1-3 min" in caplog.text
+    (tmp_path / "mine" / "deepspeed_shm_comm").mkdir(parents=True)
+    (tmp_path / "mine" / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsgpt2"):
+        accelerator.announce_cpu_op_build()
+    assert caplog.text == ""
