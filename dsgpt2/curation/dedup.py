@@ -261,9 +261,7 @@ class SeenTexts:
         seen.names = [n for n in seen.names if n in present or n == seen.names[0]]
         for name in seen.names:
             ensure_hash_index(conn, name, f"indexing {name}")
-            unhashed = conn.db[name].find_one(
-                {"idx": {"$exists": True}, HASH: {"$exists": False}}, {"_id": 1}
-            )
+            unhashed = first_numbered(conn, name, {HASH: {"$exists": False}}, {"_id": 1}, f"indexing {name}")
             if unhashed is not None:
                 log.warning(
                     "%s holds documents without %s (ingested before hashes, or numbered in place): "

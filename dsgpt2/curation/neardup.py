@@ -304,8 +304,11 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
             return coll.bulk_write(ops, ordered=False).modified_count
 
         marked += with_retries(write, cfg, f"dedup --near: marking {name}")
-    held = with_retries(lambda: [d["idx"] for d in coll.find({NEAR_OF: {"$exists": True}}, {"idx": 1})],
-                        cfg, f"dedup --near: reading marks of {name}")  # fmt: skip
+    # In idx windows: a query on the mark alone has no index to ride, and the embedded engine would hold
+    # every document of the collection for it.
+    marked_now = read_windows(conn, name, {NEAR_OF: {"$exists": True}}, {"_id": 0, "idx": 1},
+                              f"dedup --near: reading marks of {name}")  # fmt: skip
+    held = [d["idx"] for docs in marked_now for d in docs]
     stale = sorted(i for i in held if i not in marks)
     for part in conn.in_lists(stale, _BULK):
         q = {"idx": {"$in": part}}

@@ -297,6 +297,7 @@ class Connection:
         self._pid: int | None = None
         self._patient: Any = None  # the client without a socket timeout, made on first use here
         self._filter_checked = False
+        self.filter_sampled = False  # FILTER tried on the first documents (the reader, once)
         self._engine: tuple[int, bool] | None = None  # (pid, whether the server is the embedded engine)
         self._port: int | None = None  # the embedded server's port when the clients were made
         self._errors_seen = 0

@@ -7,7 +7,7 @@ and the wording of the server's refusal (the key it names, the operator most lik
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from dsgpt2.errors import ConfigError
@@ -143,6 +143,43 @@ def _merged(a: Any, b: Any) -> dict[str, Any] | None:
 
 def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# The fields dsgpt2 writes on a document: ingest's, and the passes' (a FILTER may name one no document has
+# yet: a corpus without duplicates has no dup_of). A test keeps the list equal to the modules' names.
+DOCUMENT_FIELDS = ("_id", "idx", "form", "filt_text", "source", "source_pos", "turns")
+PASS_FIELDS = ("text_hash", "dup_of", "lsh", "lsh_key", "near_dup_of", "quality", "passes", LANGUAGE_FIELD,
+               "lang_score", "lang_key", "contaminated", "decont", "pii")  # fmt: skip
+
+
+def filter_fields(query: Any) -> list[str]:
+    """The field paths a FILTER names, in order, once each (inside ``$and``, ``$or`` and ``$nor`` too)."""
+    out: list[str] = []
+    if isinstance(query, list):
+        for item in query:
+            out += [f for f in filter_fields(item) if f not in out]
+    elif isinstance(query, Mapping):
+        for key, value in query.items():
+            if key in ("$and", "$or", "$nor"):
+                out += [f for f in filter_fields(value) if f not in out]
+            elif not str(key).startswith("$") and key not in out:
+                out.append(str(key))
+    return out
+
+
+def unknown_fields(query: Any, present: set[str], extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
+    """The fields ``query`` names whose first part is no field of the documents seen (``present``), of
+    dsgpt2's, or of ``extra`` (the config's TEXT_FIELD): each with the known name most like it."""
+    import difflib
+
+    known = {*present, *DOCUMENT_FIELDS, *PASS_FIELDS, *extra}
+    out = []
+    for path in filter_fields(query):
+        head = path.split(".")[0]
+        if head not in known:
+            close = difflib.get_close_matches(head, sorted(known), n=1, cutoff=0.6)
+            out.append((path, close[0] if close else None))
+    return out
 
 
 # Query operators, to suggest one for a typo the server refuses.

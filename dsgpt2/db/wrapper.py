@@ -19,8 +19,9 @@ from bson.raw_bson import RawBSONDocument
 
 from dsgpt2.db.client import EMBEDDED_IN_LIST, Connection, count_in, patiently, read_preference, with_retries
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.db.filters import conjoin
+from dsgpt2.db.filters import conjoin, unknown_fields
 from dsgpt2.db.meta import read_meta
+from dsgpt2.db.summaries import count_numbered
 from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError
 
@@ -38,6 +39,48 @@ def _log_reader(config: MongoConfig, address: tuple[str, int] | None) -> None:
         "process %d reads from %s:%d (READ_PREFERENCE %s)", os.getpid(), address[0], address[1],
         config.read_preference,
     )  # fmt: skip
+
+
+# FILTER is tried on the first documents of each collection (an idx range on the index, never a scan).
+FILTER_SAMPLE = 1000
+
+
+def check_filter_keeps(conn: Connection, names: Sequence[str], counts: Sequence[int]) -> None:
+    """Tell a FILTER that selects nothing before any work: a field it names that neither the first
+    documents nor dsgpt2 have (a warning: a typo); none of those documents kept (then counted exactly,
+    in idx windows) and none of any collection kept (refused).
+
+    Raises:
+        ConfigError: FILTER keeps no document.
+    """
+    config = conn.config
+    query = config.filter_query
+    kept, present = 0, set()
+    light = {"form": 0, config.text_field: 0, "turns": 0}
+    for name, count in zip(names, counts, strict=True):
+        if not count:
+            continue
+        coll = conn.db[name]
+        first = {"idx": {"$gte": 0, "$lt": min(count, FILTER_SAMPLE)}}
+        docs = with_retries(
+            lambda c=coll, q=first: list(c.find(q, light).limit(20)), config, "checking FILTER"
+        )
+        present |= {k for d in docs for k in d}
+        q = conjoin(first, query)
+        kept += len(with_retries(lambda c=coll, q=q: list(c.find(q, {"_id": 1}).limit(1)), config,
+                                 "checking FILTER"))  # fmt: skip
+    for path, close in unknown_fields(query, present, (config.text_field,)):
+        hint = f"; did you mean {close!r}?" if close else ""
+        log.warning("FILTER names %r, a field none of the first documents has and dsgpt2 never writes: a "
+                    "typo?%s (it selects as if the field were absent)", path, hint)  # fmt: skip
+    if kept or not any(counts):
+        return
+    total = sum(count_numbered(conn, n, query, "counting what FILTER keeps") for n in names)
+    if total == 0:
+        raise ConfigError(
+            f"FILTER {config.filter} keeps 0 of the {sum(counts)} documents of {', '.join(names)}: every "
+            "command would read nothing; fix FILTER in the config"
+        )
 
 
 class MongoWrapper:
@@ -84,6 +127,9 @@ class MongoWrapper:
         self.filter = config.filter_query
         if self.filter is not None and counts is None:
             connection.check_filter()
+            if not connection.filter_sampled:
+                check_filter_keeps(connection, self.collections, self.counts)
+                connection.filter_sampled = True
 
     def __repr__(self) -> str:
         counts = dict(zip(self.collections, self.counts, strict=True))

@@ -126,6 +126,52 @@ def test_info_download_and_evaluate_honour_the_filter(tmp_path: Path) -> None:
     assert result["filter"] == KEEP and result["data_fingerprint"]["filter"]
 
 
+def test_a_filter_that_keeps_nothing_is_refused_and_a_field_no_document_has_is_named(tmp_path: Path) -> None:
+    """``"passes.gopher": "true"`` (a string, not true) keeps nothing: every command that reads says so
+    in one line; ``dup_off`` (for dup_of) keeps everything, with a warning naming the field."""
+    store = tmp_path / "db.mongo"
+    conn = Connection(make_config(["a"], **db_for(store)))
+    seed(conn, "a", texts(40))
+    conn.db["a"].update_many({}, {"$set": {"passes": {"gopher": True}}})
+    none = write_config(tmp_path / "none.json", **db_for(store), COLLECTIONS=["a"],
+                        FILTER={"passes.gopher": "true"})  # fmt: skip
+    for args in (["info"], ["vocab", "download", "--out", str(tmp_path / "shards"), "--no_progress"]):
+        done = run_cli(*args, "--config", str(none))
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert 'FILTER {"passes.gopher":"true"} keeps 0 of the 40 documents of a' in line
+    assert not list((tmp_path / "shards").glob("shard-*"))
+    typo = write_config(tmp_path / "typo.json", **db_for(store), COLLECTIONS=["a"],
+                        FILTER={"dup_off": {"$exists": False}})  # fmt: skip
+    info = run_cli("info", "--config", str(typo))
+    assert info.returncode == 0, info.stderr
+    assert "FILTER names 'dup_off', a field none of the first documents has" in info.stderr
+    assert "did you mean 'dup_of'?" in info.stderr and "FILTER keeps 40" in info.stdout
+    # A field dsgpt2 writes that no document has yet (no duplicates found) is no typo.
+    clean = write_config(tmp_path / "clean.json", **db_for(store), COLLECTIONS=["a"],
+                         FILTER={"dup_of": {"$exists": False}, "passes.gopher": True})  # fmt: skip
+    info = run_cli("info", "--config", str(clean))
+    assert info.returncode == 0 and "FILTER names" not in info.stderr, info.stderr
+
+
+def test_the_fields_a_filter_may_name_are_those_dsgpt2_writes() -> None:
+    from dsgpt2.corpus.columnar import RESERVED
+    from dsgpt2.curation import decontaminate, dedup, language, neardup, pii
+    from dsgpt2.db.filters import DOCUMENT_FIELDS, PASS_FIELDS, filter_fields
+
+    written = {dedup.HASH, dedup.DUP_OF, neardup.BANDS, neardup.BANDS_KEY, neardup.NEAR_OF, "quality",
+               "passes", language.LANGUAGE_FIELD, language.SCORE, language.KEY, decontaminate.CONTAMINATED,
+               decontaminate.CHECKED, pii.PII}  # fmt: skip
+    assert set(PASS_FIELDS) == written and set(DOCUMENT_FIELDS) == set(RESERVED)
+    query = {
+        "a": 1,
+        "$or": [{"b.c": 2}, {"a": 3}],
+        "$nor": [{"d": {"$exists": True}}],
+        "$expr": {"$eq": [1, 1]},
+    }
+    assert filter_fields(query) == ["a", "b.c", "d"]
+
+
 def test_a_query_the_server_refuses_or_a_bad_filter_is_one_line(tmp_path: Path) -> None:
     cfg = write_config(
         tmp_path / "c.json", **db_for(tmp_path), COLLECTIONS=["a"], FILTER={"$where": "sleep(1000)"}
