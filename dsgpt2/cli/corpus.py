@@ -285,8 +285,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         share = f"{c['natural_share']:.1%} of the documents"
         if c["weight"] is not None:
             share += f", weight {c['weight']:.1%} of the tokens"
-        print(f"  {c['name']}: {c['count']} documents, high-water mark {c['count']} ({share}; "
-              f"cleaner {c['cleaner_version'] or '-'})")  # fmt: skip
+        span = f"idx 0-{c['count'] - 1}" if c["count"] else "no idx yet"
+        cleaned = f"text cleaner v{c['cleaner_version']}" if c["cleaner_version"] else "text cleaner unknown"
+        print(f"  {c['name']}: {c['count']} documents ({span}), {share}; {cleaned}")
         if c["passing_filter"] is not None:
             print(f"    FILTER keeps {c['passing_filter']} ({c['passing_filter'] / max(c['count'], 1):.1%})")
         if c["last_run"]:

@@ -78,6 +78,7 @@ class EvaluateSettings:
     config: str = config_option("connection config of the corpus")
     report: Path | None = option(None, "JSON report path (default: runs/eval/<model>-<split>.json)")
     no_record: bool = option(False, "do not write the result to eval_results")
+    json: bool = option(False, "print the report (the --report file's JSON) instead of lines")
     no_progress: bool = no_progress_option()
 
 
@@ -123,6 +124,11 @@ class ServeSettings:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    # It reads DeepSpeed's checkpoints, and transformers imports DeepSpeed where it is installed: named
+    # first, the CPU accelerator is no warning on a machine without a GPU.
+    prepare_deepspeed_environment()
     from dsgpt2.infer.export import export
 
     s = from_namespace(ExportSettings, args)
@@ -175,14 +181,18 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     else:
         report = evaluate(loaded, config, request, progress=not output.no_progress)
     write_report(report, path)
-    print("\n".join(report_lines(report)))
-    print(f"report: {path}")
+    if output.json:
+        print(json.dumps(report, ensure_ascii=False, default=str))
+    else:
+        print("\n".join(report_lines(report)))
+        print(f"report: {path}")
     if not output.no_record:
         from dsgpt2.db.client import EVAL_RESULTS, connect
         from dsgpt2.db.meta import record_eval
 
         record_eval(connect(config), report)
-        print(f"recorded in {config.db}.{EVAL_RESULTS}")
+        if not output.json:
+            print(f"recorded in {config.db}.{EVAL_RESULTS}")
     return 0
 
 
@@ -293,7 +303,7 @@ EVALUATE = Command(
         Flags(EvaluateSettings, only=["config"]),
         EvalRequest,
         Flags(RunOptions, only=list(HELLASWAG), helps=HELLASWAG),
-        Flags(EvaluateSettings, only=["report", "no_record", "no_progress"]),
+        Flags(EvaluateSettings, only=["report", "no_record", "json", "no_progress"]),
     ),
     handler=cmd_evaluate,
 )

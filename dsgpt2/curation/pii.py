@@ -318,16 +318,18 @@ def pii_counts(conn: Connection, name: str) -> tuple[int, dict[str, int]]:
 
 
 # What `dsgpt2 curate report` counts: a ``$facet`` of its aggregation, and its row made into the totals.
+_REPLACED = {"$add": [{"$ifNull": [f"${PII}.{k}", 0]} for k in KINDS]}
 PII_FACET: list[dict[str, Any]] = [
     {"$match": {f"{PII}.v": {"$exists": True}}},
     {"$group": {"_id": None, "documents": {"$sum": 1},
+                "changed": {"$sum": {"$cond": [{"$gt": [_REPLACED, 0]}, 1, 0]}},
                 **{k: {"$sum": {"$ifNull": [f"${PII}.{k}", 0]}} for k in KINDS}}},
 ]  # fmt: skip
 
 
 def pii_totals(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """``{"documents": redacted documents, "email": n, "ip": n, "phone": n}`` from :data:`PII_FACET`'s
-    rows; empty when no document was redacted."""
+    """``{"documents": documents checked, "changed": those with something replaced, "email": n, "ip": n,
+    "phone": n}`` from :data:`PII_FACET`'s rows; empty when no document was checked."""
     if not rows:
         return {}
-    return {k: int(rows[0].get(k) or 0) for k in ("documents", *KINDS)}
+    return {k: int(rows[0].get(k) or 0) for k in ("documents", "changed", *KINDS)}

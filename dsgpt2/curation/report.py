@@ -104,8 +104,11 @@ def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
             more = f", {len(p.languages) - 10} more" if len(p.languages) > 10 else ""
             lines.append(f"  languages ({sum(p.languages.values())} labelled): {shown}{more}")
         if p.pii:
-            n, kinds = p.pii["documents"], ", ".join(f"{k} {p.pii[k]}" for k in KINDS)
-            lines.append(f"  {'pii redacted':<16} {n:>9}  {n / total:6.1%}  (replaced: {kinds})")
+            n, kinds = p.pii["changed"], ", ".join(f"{k} {p.pii[k]}" for k in KINDS)
+            checked = p.pii["documents"]
+            lines.append(
+                f"  {'pii redacted':<16} {n:>9}  {n / total:6.1%}  (of {checked} checked; replaced: {kinds})"
+            )
     return lines
 
 

@@ -221,7 +221,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"({m['blocks']} blocks, {m['documents']} documents) in {m['seconds']:.1f}s",
     ]
     if m["skipped"]:
-        lines.append(f"skipped documents: {m['skipped']}")
+        from dsgpt2.documents import SKIP_REASONS
+
+        why = "; ".join(f"{n} {SKIP_REASONS.get(r, r)}" for r, n in sorted(m["skipped"].items()))
+        lines.append(f"documents not read: {why}")
     return lines
 
 

@@ -9,12 +9,15 @@ conversation speaker, then ``<unused0>``... reserved for later use.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import re
+import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +125,23 @@ class VocabReport:
         ]
 
 
+@contextlib.contextmanager
+def _native_stdout_closed() -> Iterator[None]:
+    """The trainer of ``tokenizers`` prints an empty line to the process's stdout after each of its
+    stages, progress shown or not (three blank lines in a command's output): its stdout is /dev/null
+    while it trains (its progress bars draw on stderr; Python's own writes are flushed first)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def check_vocab_out(out: Path, overwrite: bool) -> None:
     """Refuse an ``--out`` that holds something: a tokenizer (runs may have trained with it) unless
     ``overwrite``, anything else always.
@@ -164,13 +184,14 @@ def train_vocab(
     started = time.monotonic()
     stream = TextStream(texts)
     bpe = ByteLevelBPETokenizer(add_prefix_space=False, lowercase=settings.lowercase)
-    bpe.train_from_iterator(
-        stream,
-        vocab_size=settings.vocab_size,
-        min_frequency=settings.min_frequency,
-        special_tokens=settings.specials,
-        show_progress=progress,
-    )
+    with _native_stdout_closed():
+        bpe.train_from_iterator(
+            stream,
+            vocab_size=settings.vocab_size,
+            min_frequency=settings.min_frequency,
+            special_tokens=settings.specials,
+            show_progress=progress,
+        )
     if stream.documents == 0:
         raise ConfigError(f"no usable text in {source}; nothing to learn a vocabulary from")
     report = VocabReport(

@@ -207,7 +207,10 @@ def test_redact_in_place_counts_per_kind_and_takes_in_later_documents(tmp_path: 
     conn.close()
     report = run_cli("curate", "report", "--config", str(cfg), "--plot", str(tmp_path / "p.png"))
     assert report.returncode == 0, report.stderr
-    assert "pii redacted            12  100.0%  (replaced: email 4, ip 4, phone 4)" in report.stdout
+    assert (
+        "pii redacted             8   66.7%  (of 12 checked; replaced: email 4, ip 4, phone 4)"
+        in report.stdout
+    )
 
     # ingest --pii stores what ingest and then redact store.
     (tmp_path / "two").mkdir()
@@ -275,3 +278,16 @@ def test_redact_goes_on_through_transient_errors(tmp_path: Path, code: int) -> N
     docs = sorted(conn.db["docs"].find({}, {"idx": 1, "filt_text": 1}), key=lambda d: d["idx"])
     conn.close()
     assert [d["filt_text"] for d in docs] == [redact(t)[0] for t in texts]  # as a run without faults
+
+
+def test_the_report_counts_the_documents_redaction_changed_among_those_it_checked() -> None:
+    from conftest import seed
+    from dsgpt2.curation.report import report_lines, summarize
+
+    conn = Connection(make_config(["p"]))
+    seed(conn, "p", [f"text {i}" for i in range(10)])
+    for i in range(10):
+        found = {"email": 1, "ip": 0, "phone": 2} if i in (2, 7) else dict.fromkeys(KINDS, 0)
+        conn.db["p"].update_one({"idx": i}, {"$set": {"pii": {"v": PII_VERSION, **found}}})
+    lines = report_lines(summarize(conn, ["p"], examples=0))
+    assert "  pii redacted             2   20.0%  (of 10 checked; replaced: email 2, ip 0, phone 4)" in lines

@@ -105,6 +105,7 @@ def test_info_download_and_evaluate_honour_the_filter(tmp_path: Path) -> None:
     info = run_cli("info", "--config", str(cfg))
     assert info.returncode == 0, info.stderr
     assert f"FILTER keeps {len(kept)}" in info.stdout and "FILTER {" in info.stdout
+    assert f"  a: {n} documents (idx 0-{n - 1}), 100.0% of the documents; text cleaner unknown" in info.stdout
     down = run_cli("vocab", "download", "--config", str(cfg), "--out", str(tmp_path / "shards"),
                    "--workers", "1", "--no_progress")  # fmt: skip
     assert down.returncode == 0, down.stderr
@@ -120,6 +121,7 @@ def test_info_download_and_evaluate_honour_the_filter(tmp_path: Path) -> None:
                    "--context_length", "32", "--num_workers", "0", "--report", str(report), "--no_record",
                    "--no_progress")  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert f"documents not read: {n - len(kept)} left out by the config's FILTER" in done.stdout
     result = json.loads(report.read_text())
     assert result["metrics"]["documents"] == len(kept)
     assert result["metrics"]["skipped"] == {"filtered": n - len(kept)}

@@ -166,6 +166,12 @@ def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tm
     assert stored[0]["metrics"] == report["metrics"]
     assert stored[0]["data_fingerprint"] == report["data_fingerprint"]
     assert stored[0]["step"] == 100
+    # --json: the report alone on stdout, for a machine.
+    out = run_cli("evaluate", "--model", str(models["lm"]), "--config", str(models["lm_config"]),
+                  "--max_batches", "3", "--report", str(tmp_path / "j.json"), "--no_progress", "--no_record",
+                  "--json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["metrics"] == json.loads((tmp_path / "j.json").read_text())["metrics"]
 
 
 def _error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

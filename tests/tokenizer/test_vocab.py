@@ -239,10 +239,13 @@ def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "800 documents" in result.stdout and "vocabulary: 600 tokens" in result.stdout
+    # Plain lines only: the trainer of `tokenizers` prints blank ones to stdout.
+    assert all(line.strip() for line in result.stdout.splitlines()), result.stdout
     meta = json.loads((tmp_path / "tok" / "dsgpt2_vocab.json").read_text())
     assert meta["special_tokens"] == {EOT: 0, PAD: 1, "<|user|>": 2, "<|bot|>": 3}
     bad = run_cli("vocab", "train", "--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "t2"))
     assert bad.returncode == 2 and "no shard-*.jsonl files" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.stdout == ""
     bad = run_cli("vocab", "train", "--from_mongo", "--out", str(tmp_path / "t3"))
     assert bad.returncode == 2 and "--from_mongo needs --config" in bad.stderr
     bad = run_cli(

@@ -181,10 +181,11 @@ print(json.dumps({"dsgpt2": "dsgpt2" in sys.modules, "text": text, "class": type
 def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
+    import os
     import subprocess
     import sys
 
-    from conftest import ROOT, run_cli
+    from conftest import ROOT
     from dsgpt2.checkpoints.weights import RUN_INFO
     from dsgpt2.db.config import load_config
     from dsgpt2.infer.evaluate import evaluate
@@ -198,8 +199,13 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     assert "optimizer: Muon (lr 0.02, momentum 0.95)" in done.stderr
     last = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"][-1]
     assert last["step"] == 8
-    out = run_cli("export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"))
+    # As a user's shell runs it: no DS_ACCELERATOR (the test process may have set one).
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "MONGO_CONNECTION_STRING")}
+    export = [sys.executable, "-m", "dsgpt2", "export", "--ckpt_dir", str(tmp_path / "ckpt"), "--out",
+              str(tmp_path / "hf")]  # fmt: skip
+    out = subprocess.run(export, capture_output=True, text=True, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+    assert out.stderr == "" and out.stdout.startswith("exported "), out.stderr  # no DeepSpeed warning
     assert json.loads((tmp_path / "hf" / RUN_INFO).read_text())["task"] == "lm"  # chat refuses it
     plain = subprocess.run([sys.executable, "-c", PLAIN, str(tmp_path / "hf")], capture_output=True,
                            text=True, check=True)  # fmt: skip
