@@ -118,6 +118,18 @@ def test_the_site_builds_in_strict_mode_with_the_generated_reference(site: Path)
         assert (site / "reference" / name / "index.html").is_file()
 
 
+def test_commands_wrap_and_are_highlighted_as_commands(site: Path) -> None:
+    """A long command wraps at the page's width (not sideways under the copy button), and `make test`
+    is no `test` builtin in the home page's and Getting started's first block."""
+    css = (site / "stylesheets" / "extra.css").read_text(encoding="utf-8")
+    assert "white-space: pre-wrap" in css and "padding-right" in css
+    for page in ("index.html", "getting-started/index.html"):
+        text = (site / page).read_text(encoding="utf-8")
+        assert "stylesheets/extra.css" in text, page
+        assert "make test" in re.sub(r"<[^>]+>", "", text), page
+        assert '<span class="nb">test</span>' not in text, page
+
+
 def test_reference_pages_are_not_stored() -> None:
     """The reference is made at build time only: a stored copy could drift from the code."""
     for path in gen_reference().PAGES:
