@@ -197,6 +197,13 @@ def _repeats(config: Path, directory: Path, tok: Path) -> dict[str, list[int]]:
     return {"passes": passes, "epochs": epochs}
 
 
+def _vocabulary(config: Path, tok: Path) -> None:
+    """The small vocabulary the feed and the launches read, trained once from the first corpus."""
+    if not (tok / "tokenizer.json").exists():
+        _run(["-m", "dsgpt2", "vocab", "train", "--from_mongo", "--config", str(config),
+              "--out", str(tok), "--vocab_size", "512", "--no_progress"])  # fmt: skip
+
+
 def _launches(config: Path, tok: Path, runs: Path) -> list[audit.Audit]:
     """Launch to the first step, three times (a few seconds of imports and DeepSpeed: the median)."""
     out = []
@@ -234,13 +241,13 @@ def scale(results: Path) -> list[Metric]:
                                           "COLLECTIONS": ["docs"]}))  # fmt: skip
             with _Sampler(directory) as sampler:
                 for name in STAGES:
-                    if name == "feed" and not (tok / "tokenizer.json").exists():
-                        _run(["-m", "dsgpt2", "vocab", "train", "--from_mongo", "--config", str(config),
-                              "--out", str(tok), "--vocab_size", "512", "--no_progress"])  # fmt: skip
+                    if name == "feed":
+                        _vocabulary(config, tok)
                     seconds[name, n] = _run(_stage(name, config, data, against, tok))
                     mb = _rss(directory) / 1e6
                     print(f"   {n:>7} documents: {name} {seconds[name, n]:.1f} s, server {mb:.0f} MB "
                           f"(peak {sampler.peak / 1e6:.0f})", flush=True)  # fmt: skip
+                _vocabulary(config, tok)  # launch needs one, whatever stages ran
                 launches[n] = _launches(config, tok, work / f"run-{n}")
                 seconds["info", n] = statistics.median(
                     _run(["-m", "dsgpt2", "info", "--config", str(config)]) for _ in range(3)
