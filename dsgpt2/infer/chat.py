@@ -31,7 +31,7 @@ class ChatSession:
         if task is not None and task != "conversation":
             # Its tokenizer may hold the speaker tokens (`vocab train` adds them), never learned.
             raise ConfigError(
-                f"{generator.loaded.name} was trained on text (--task {task}), not on conversations: it "
+                f"{generator.loaded.name} was trained on text (its task: {task}), not on conversations: it "
                 "continues text, it does not answer; finetune it first (dsgpt2 train --task conversation "
                 f"--init_from {generator.loaded.name} ...)"
             )

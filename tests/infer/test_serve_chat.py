@@ -174,4 +174,4 @@ def test_chat_on_a_model_pretrained_on_text_is_refused_though_its_tokenizer_has_
         next(gen, None)
     chat = run_cli("chat", "--model", str(model))
     assert chat.returncode == 2 and "Traceback" not in chat.stderr
-    assert "was trained on text (--task lm), not on conversations" in chat.stderr.strip().splitlines()[-1]
+    assert "was trained on text (its task: lm), not on conversations" in chat.stderr.strip().splitlines()[-1]
