@@ -232,14 +232,13 @@ class _Marker:
         ops, self.ops[name] = self.ops[name], []
         if not ops:
             return
-        coll = self.conn.db[name]
 
         def write() -> None:
             for kind in ("unmark", "mark"):
                 batch = [(q, u) for k, q, u in ops if k == kind]
                 if not batch:
                     continue
-                n = coll.bulk_write([UpdateMany(q, u) for q, u in batch], ordered=False).modified_count
+                n = self.conn.bulk_write(name, [UpdateMany(q, u) for q, u in batch])
                 (self.marked if kind == "mark" else self.unmarked)[name] += n
 
         with_retries(write, self.conn.config, f"dedup: marking {name}")

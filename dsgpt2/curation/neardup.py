@@ -301,7 +301,7 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
         def write(part: list[tuple[int, str]] = part) -> int:
             ops = [UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
                    for i, label in part]  # fmt: skip
-            return coll.bulk_write(ops, ordered=False).modified_count
+            return conn.bulk_write(name, ops)
 
         marked += with_retries(write, cfg, f"dedup --near: marking {name}")
     # In idx windows: a query on the mark alone has no index to ride, and the embedded engine would hold

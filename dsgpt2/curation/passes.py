@@ -102,11 +102,11 @@ def each_batch(
 
 
 def write_ops(conn: Connection, name: str, ops: list[Any], what: str) -> None:
-    """``ops`` (pymongo write operations) on ``name``: one unordered bulk write, retried as a whole (each
-    operation sets values, so a retry after a partial write ends where one write would)."""
-    coll = conn.db[name]
+    """``ops`` (pymongo write operations) on ``name``: one unordered bulk write (one transaction on the
+    embedded engine: :meth:`Connection.bulk_write`), retried as a whole (each operation sets values, so
+    a retry after a partial write ends where one write would)."""
     if ops:
-        with_retries(lambda: coll.bulk_write(ops, ordered=False), conn.config, f"{what}: writing {name}")
+        with_retries(lambda: conn.bulk_write(name, ops), conn.config, f"{what}: writing {name}")
 
 
 def set_each(updates: Sequence[tuple[Any, dict[str, Any]]]) -> list[Any]:

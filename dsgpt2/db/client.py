@@ -327,6 +327,27 @@ class Connection:
         no count (about 9 µs a document, 9 s at a million); mongod answers from its metadata."""
         return self._embedded_engine()
 
+    def bulk_write(self, name: str, ops: Sequence[Any], *, ordered: bool = False) -> int:
+        """``ops`` (pymongo write operations) on collection ``name`` as one bulk write; returns how many
+        documents it modified.
+
+        On the embedded engine the bulk runs in one transaction: it commits every statement of a bulk
+        write on its own, a durable commit each (measured at 20,000 documents: 3.4 ms an updated
+        document one by one, 0.6 ms in one transaction of 1,000). A transaction is all or nothing, so
+        a retry after a failure rewrites the whole bulk. mongod applies a bulk write as a batch already
+        (and runs transactions only on a replica set): there it is a plain bulk write.
+        """
+        if not ops:
+            return 0
+        coll = self.db[name]
+        if not self._embedded_engine():
+            return int(coll.bulk_write(list(ops), ordered=ordered).modified_count)
+        with self.client.start_session() as session:
+            result = session.with_transaction(
+                lambda s: coll.bulk_write(list(ops), ordered=ordered, session=s)
+            )
+        return int(result.modified_count)
+
     def in_lists(self, values: Sequence[Any], longest: int | None = None) -> list[list[Any]]:
         """``values`` cut into the lists of ``$in`` queries this server answers in linear time, in
         order, none longer than ``longest`` (if given): one list on mongod, lists of

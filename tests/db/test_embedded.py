@@ -357,7 +357,7 @@ def test_an_ingest_that_fills_the_disk_is_one_line_and_resumes_once_there_is_roo
         assert sorted(texts) == list(range(n)) and sorted(map(int, texts.values())) == list(range(n))
     finally:
         embedded.stop(directory)
-        subprocess.run(["umount", str(disk)], check=False)
+        subprocess.run(["umount", "--lazy", str(disk)], check=False)
 
 
 def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(

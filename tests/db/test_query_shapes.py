@@ -6,6 +6,7 @@ a read per window of the whole collection, quadratic in its size)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,10 @@ import pytest
 from pymongo import monitoring
 
 from conftest import make_config, seed
+from dsgpt2.curation.curate import Curation
 from dsgpt2.curation.decontaminate import Decontamination, load_sets
 from dsgpt2.curation.passes import run_pass
+from dsgpt2.curation.quality import RULES, resolve_thresholds
 from dsgpt2.db import summaries
 from dsgpt2.db.client import Connection
 from dsgpt2.db.filters import conjoin
@@ -89,9 +92,8 @@ class Queries(monitoring.CommandListener):
         pass
 
 
-@pytest.fixture
-def queries(monkeypatch: pytest.MonkeyPatch) -> Iterator[Queries]:
-    listener = Queries()
+def listen(monkeypatch: pytest.MonkeyPatch, listener: monitoring.CommandListener) -> None:
+    """``listener`` on every client made from now on in this test."""
     original = pymongo.MongoClient.__init__
 
     def with_listener(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -99,6 +101,12 @@ def queries(monkeypatch: pytest.MonkeyPatch) -> Iterator[Queries]:
         original(self, *args, **kwargs)
 
     monkeypatch.setattr(pymongo.MongoClient, "__init__", with_listener)
+
+
+@pytest.fixture
+def queries(monkeypatch: pytest.MonkeyPatch) -> Iterator[Queries]:
+    listener = Queries()
+    listen(monkeypatch, listener)
     yield listener
 
 
@@ -139,3 +147,46 @@ def test_every_read_bounded_by_idx_is_served_by_the_idx_index(
     assert len(bounded) >= 15, queries.filters
     served = [(cmd, q) for cmd, q in bounded if not any(k.startswith("$") for k in q)]
     assert served == bounded
+
+
+class Writes(monitoring.CommandListener):
+    """The updates of collection ``s`` and the commitTransaction commands sent, each with whether it ran in
+    a transaction and how many statements it carried."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bool, int]] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        cmd = event.command
+        if cmd.get("update") == "s" or event.command_name == "commitTransaction":
+            in_txn = cmd.get("autocommit") is False
+            self.sent.append((event.command_name, in_txn, len(cmd.get("updates", []))))
+
+    def succeeded(self, event: monitoring.CommandSucceededEvent) -> None:
+        pass
+
+    def failed(self, event: monitoring.CommandFailedEvent) -> None:
+        pass
+
+
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "mongod"])
+def test_a_pass_writes_each_batch_in_one_transaction_on_the_embedded_engine(
+    embedded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded engine commits each statement of a bulk write on its own (a durable commit each, the
+    larger part of a pass's time): one transaction per batch commits once. mongod batches a bulk write
+    itself and runs transactions only on a replica set: plain bulk writes there."""
+    listener = Writes()
+    listen(monkeypatch, listener)
+    conn = Connection(make_config(["s"]))
+    seed(conn, "s", [f"text number {i} of the corpus" for i in range(30)])
+    conn._engine = (os.getpid(), embedded)  # what buildInfo answers: as mongod would, on the second run
+    listener.sent.clear()
+    run_pass(conn, ["s"], Curation(list(RULES), resolve_thresholds({})), batch_size=7)
+
+    updates = [(txn, n) for name, txn, n in listener.sent if name == "update"]
+    commits = [s for s in listener.sent if s[0] == "commitTransaction"]
+    assert sum(n for _, n in updates) == 30 and len(updates) == 5, listener.sent  # batches of 7, 7, 7, 7, 2
+    assert all(txn == embedded for txn, _ in updates)
+    assert len(commits) == (5 if embedded else 0)
+    assert conn.db["s"].count_documents({"passes.gopher": {"$exists": True}}) == 30
