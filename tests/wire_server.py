@@ -67,7 +67,7 @@ def _spawn(args: list[str], log_path: Path) -> tuple[subprocess.Popen[Any], int]
     start = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [*embedded.executable(), *args],
+            [*embedded.server_command(), *args],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,0 +1,114 @@
+"""The embedded server's entry point (``dsgpt2/db/secantusd.py``): an update rewrites only the index entries
+that change, and every index still answers as a read of every document does."""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from typing import Any
+
+import pymongo
+import pytest
+from pymongo.errors import BulkWriteError, DuplicateKeyError
+from secantus import storage as engine
+
+from conftest import make_config
+from dsgpt2.db import secantusd
+from dsgpt2.db.client import Connection
+
+INDEXES = {"idx": {"unique": True}, "lsh": {}, "h": {}, "q": {"partialFilterExpression": {"keep": True}},
+           "sub.a": {"sparse": True}}  # fmt: skip
+
+
+def test_an_update_rewrites_only_the_index_entries_that_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the server's process (here, this one): which indexes each write removes and writes entries of."""
+    for name in ("_delete_index_entries", "_write_index_entries", "_delete_doc_row"):
+        monkeypatch.setattr(engine.Storage, name, getattr(engine.Storage, name))  # put back afterwards
+    written: list[list[str]] = []
+    removed: list[list[str]] = []
+    write, delete = secantusd._write_entries, secantusd._delete_entries
+
+    def writing(self: Any, db: str, coll: str, doc: Any, indexes: Any, *args: Any, **kw: Any) -> None:
+        written.append(sorted(i[0] for i in indexes))
+        write(self, db, coll, doc, indexes, *args, **kw)
+
+    def removing(self: Any, db: str, coll: str, doc: Any, indexes: Any, *args: Any, **kw: Any) -> None:
+        removed.append(sorted(i[0] for i in indexes))
+        delete(self, db, coll, doc, indexes, *args, **kw)
+
+    monkeypatch.setattr(secantusd, "_write_entries", writing)
+    monkeypatch.setattr(secantusd, "_delete_entries", removing)
+    secantusd.keep_unchanged_index_entries()
+    store = engine.Storage(tempfile.mkdtemp())
+    for field, options in INDEXES.items():
+        store.create_index("d", "c", f"{field}_1", {field: 1}, options)
+    store.insert("d", "c", [{"idx": i, "lsh": [i, 100 + i], "h": i, "q": 1, "keep": True, "sub": {"a": 1},
+                             "s": 0} for i in range(6)])  # fmt: skip
+    everything = sorted(f"{f}_1" for f in INDEXES)
+    assert written == [everything] * 6 and removed == []
+
+    def after(filter: dict[str, Any], update: dict[str, Any]) -> tuple[list[str], list[str]]:
+        written.clear()
+        removed.clear()
+        assert store.update_matching("d", "c", filter, update)["modified"] == 1
+        assert written == removed[-1:] and len(written) == 1
+        return written[0], removed[0]
+
+    assert after({"idx": 0}, {"$set": {"s": 1, "passes": {"gopher": True}}}) == ([], [])
+    assert after({"idx": 1}, {"$set": {"lsh.1": 7}}) == (["lsh_1"], ["lsh_1"])
+    assert after({"idx": 2}, {"$set": {"h": 2.0}}) == (["h_1"], ["h_1"])  # 2 and 2.0: another BSON type
+    assert after({"idx": 3}, {"$set": {"keep": False}}) == (["q_1"], ["q_1"])  # out of the partial index
+    assert after({"idx": 4}, {"$unset": {"sub": ""}}) == (["sub.a_1"], ["sub.a_1"])
+    removed.clear()
+    store.delete_matching("d", "c", {"idx": 5})
+    assert removed == [everything]
+
+
+def test_every_index_answers_as_a_scan_after_updates_of_every_kind() -> None:
+    """Through the server (the shim's process): indexed fields changed, kept, retyped, removed, moved in
+    and out of a partial index, by updates one by one, in transactions and many at once; deletes; a
+    duplicate idx refused. Each index then finds what reading every document finds."""
+    conn = Connection(make_config(["c"]))
+    coll = conn.db["c"]
+    for field, options in INDEXES.items():
+        coll.create_index(field, **options)
+    rnd = random.Random(5)
+
+    def doc(i: int) -> dict[str, Any]:
+        return {"idx": i, "lsh": [rnd.randrange(30) for _ in range(4)], "h": rnd.randrange(10),
+                "q": rnd.randrange(4), "keep": rnd.random() < 0.5,
+                "sub": {"a": rnd.randrange(3)}}  # fmt: skip
+
+    coll.insert_many([doc(i) for i in range(200)])
+    updates = [
+        lambda i: {"$set": {"s": rnd.random()}},
+        lambda i: {"$set": {"lsh": [rnd.randrange(30) for _ in range(3)]}},
+        lambda i: {"$set": {"h": rnd.choice([1, 1.0, True, "1", None])}},
+        lambda i: {"$set": {"keep": not rnd.random() < 0.5, "q": rnd.randrange(4)}},
+        lambda i: {"$unset": {"sub": ""}} if rnd.random() < 0.5 else {"$set": {"sub.a": rnd.randrange(3)}},
+        lambda i: {"$push": {"lsh": rnd.randrange(30)}},
+    ]
+    for rounds in range(3):
+        ops = [pymongo.UpdateOne({"idx": i}, rnd.choice(updates)(i)) for i in range(200)]
+        if rounds == 0:
+            for op in ops[:50]:
+                coll.bulk_write([op])
+        assert conn.bulk_write("c", ops) >= 0  # one transaction
+        coll.update_many({"idx": {"$gte": 150}}, {"$inc": {"q": 1}, "$set": {"h": rounds}})
+    coll.delete_many({"idx": {"$in": [3, 33, 133]}})
+    with pytest.raises(DuplicateKeyError):
+        coll.update_one({"idx": 4}, {"$set": {"idx": 5, "h": 99}})
+    with pytest.raises(BulkWriteError):  # the transaction rolled back: idx 6 keeps its entries
+        conn.bulk_write("c", [pymongo.UpdateOne({"idx": 6}, {"$set": {"h": 98}}),
+                              pymongo.UpdateOne({"idx": 7}, {"$set": {"idx": 8}})])  # fmt: skip
+
+    def ids(query: dict[str, Any], scan: bool = False) -> list[Any]:
+        found = coll.find(query, {"_id": 1})
+        return sorted(d["_id"] for d in (found.hint([("$natural", 1)]) if scan else found))
+
+    queries = [{"idx": i} for i in range(0, 200, 7)] + [{"lsh": v} for v in range(30)]
+    queries += [{"h": v} for v in (0, 1, 1.0, True, "1", None, 2, 98, 99)]
+    queries += [{"q": v, "keep": True} for v in range(6)] + [{"sub.a": v} for v in range(3)]
+    for query in queries:
+        assert ids(query) == ids(query, scan=True), query
+    assert coll.count_documents({}) == 197 and ids({"h": 98}) == []
