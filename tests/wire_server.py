@@ -169,7 +169,7 @@ def shared_server() -> str:
         log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"dsgpt2-test-server-{os.getpid()}.log"
         proc, port = _spawn(
             ["--host", "127.0.0.1", "--port", "0", "--storage-path", ":memory:", "--enable-test-commands",
-             "--cache-size", "256M", "--oplog-max-entries", "1000"],
+             "--cache-size", "256M"],
             log_path,
         )  # fmt: skip
         _SHARED.update(proc=proc, uri=f"mongodb://127.0.0.1:{port}/?{CLIENT_OPTIONS}")

@@ -56,10 +56,9 @@ START_TIMEOUT_S = 60.0
 ENV_IDLE_STOP = "DSGPT2_DB_IDLE_STOP"
 IDLE_STOP_S = 3600.0
 STOP_TIMEOUT_S = 30.0
-# Change streams are not used: a short oplog bounds the disk it takes. Every commit reaches the disk
-# before it is acknowledged (without it a killed server loses its last writes; batched inserts cost
-# about the same either way).
-SERVER_FLAGS = ("--oplog-max-entries", "10000", "--cache-size", "512M", "--sync-on-commit")
+# Every commit reaches the disk before it is acknowledged (without it a killed server loses its last
+# writes; batched inserts cost about the same either way). The entry point writes no oplog.
+SERVER_FLAGS = ("--cache-size", "512M", "--sync-on-commit")
 # Files that say a directory already belongs to a database engine.
 _FOREIGN = {
     "mongod.lock": "a mongod data directory",

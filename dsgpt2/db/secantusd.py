@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: GPL-2.0-only
 # This file alone is under the GPL-2.0 (SecantusDB's licence): it extends SecantusDB's server, and is a
 # program of its own that dsgpt2 runs in the server's process and never imports.
-"""The embedded server's entry point: SecantusDB's own ``secantusd-py``, less two held read snapshots.
+"""The embedded server's entry point: SecantusDB's own ``secantusd-py``, less two held read snapshots and
+the oplog.
 
 Run as a script by the Python that has SecantusDB installed (``embedded.server_command``), in the
 server's process; it imports nothing of dsgpt2, so it also runs in an environment of its own.
@@ -135,6 +136,11 @@ class Server(SecantusDBServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["ttl_sweep_seconds"] = 0
         super().__init__(*args, **kwargs)
+        # The oplog serves change streams, which dsgpt2 does not open. The server still says it is a
+        # replica set's primary (drivers run transactions only on one), and writes no oplog: each commit
+        # of the stock server also pruned its oldest entries, a walk over the deleted ones that WiredTiger
+        # had not yet cleared, which grew with the writes since its last checkpoint.
+        self.storage.enable_oplog = False
 
     def start(self) -> None:
         super().start()

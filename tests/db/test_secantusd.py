@@ -112,3 +112,17 @@ def test_every_index_answers_as_a_scan_after_updates_of_every_kind() -> None:
     for query in queries:
         assert ids(query) == ids(query, scan=True), query
     assert coll.count_documents({}) == 197 and ids({"h": 98}) == []
+
+
+def test_the_server_writes_no_oplog() -> None:
+    """dsgpt2 opens no change stream: the oplog is not written (the stock server pruned its oldest entries
+    at every commit, a walk that grew with the writes since WiredTiger's last checkpoint). Transactions
+    still run: the server still says it is a replica set's primary."""
+    conn = Connection(make_config(["c"]))
+    oplog = conn.client.local["oplog.rs"]
+    before = oplog.count_documents({})
+    conn.db["c"].insert_many([{"idx": i} for i in range(20)])
+    assert conn.bulk_write("c", [pymongo.UpdateOne({"idx": i}, {"$set": {"s": i}}) for i in range(20)]) == 20
+    conn.db["c"].delete_one({"idx": 3})
+    assert oplog.count_documents({}) == before
+    assert conn.client.admin.command("hello").get("setName")
