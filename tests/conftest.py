@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pymongo
 import pytest
 
 from dsgpt2.db.client import Connection
@@ -329,3 +330,14 @@ def check_lineage(ckpt_dir: Path, workspace: Path, config: Path, docs: dict[str,
         seen += bool(want)
     assert seen, "no document was trained on: nothing compared"
     return result
+
+
+def listen(monkeypatch: pytest.MonkeyPatch, listener: pymongo.monitoring.CommandListener) -> None:
+    """``listener`` on every client made from now on in this test."""
+    original = pymongo.MongoClient.__init__
+
+    def with_listener(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["event_listeners"] = [*kwargs.get("event_listeners", []), listener]
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pymongo.MongoClient, "__init__", with_listener)

@@ -89,10 +89,14 @@ class Signing(Pass):
         return self.params.key
 
     def start(self, conn: Connection, name: str) -> Signing:
-        # Indexed before the values are written, so that each write keeps the index as it goes: one
-        # build over every document at the end is a single long operation (minutes at 10^5 documents
-        # on a small server, past a socket timeout).
-        ensure_bands_index(conn, name, f"dedup: indexing {name}")
+        # The index is built once the bands are written (in ``conclude``), as a bulk load is: the
+        # server sorts the keys and writes them in order. Kept while signing, each document's 18 random
+        # keys land on pages of their own once the index outgrows the server's cache. Under other
+        # settings every document is signed again, so an index of the old bands is dropped first.
+        meta = with_retries(lambda: read_meta(conn, [name]), conn.config, "dedup --near: meta")
+        last = ((meta.get(name) or {}).get("dedup") or {}).get("near", {}).get("key")
+        if last is not None and last != self.key():
+            patiently(conn, lambda db: _drop_bands_index(db, name), f"dedup --near: unindexing {name}")
         return self
 
     def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
@@ -115,6 +119,8 @@ class Signing(Pass):
         if split.parts > 1:
             return
         params = self.params
+        for name in names:  # what ``ingest --dedup`` asks of the corpus
+            ensure_bands_index(conn, name, f"dedup --near: indexing {name}")
         dups = _cluster(conn, names, params, report)
         marks = {name: {} for name in names}
         for key, root in dups.items():
@@ -131,6 +137,11 @@ class Signing(Pass):
                 "at": time.time(),
             }
             write_meta(conn, part.name, {"dedup.near": done})
+
+
+def _drop_bands_index(db: Any, name: str) -> None:
+    if any(i["name"] == BANDS_INDEX for i in db[name].list_indexes()):
+        db[name].drop_index(BANDS_INDEX)
 
 
 @functools.lru_cache(maxsize=4)

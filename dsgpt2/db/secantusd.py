@@ -17,7 +17,8 @@ server hold a snapshot while they wait:
   beside a 29 MB collection, and the server's memory grew with it;
 - the TTL sweeper, between its sweeps (a minute). dsgpt2 makes no TTL index, so it does not run.
 
-An update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`).
+An update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`), and an index
+built over existing documents is written in key order (:func:`build_indexes_in_key_order`).
 
 With ``DSGPT2_DB_IDLE_STOP`` seconds in its environment (``embedded`` passes it on), the server stops
 itself, as ``dsgpt2 db stop`` would, once no client has been connected for that long: every process
@@ -26,13 +27,19 @@ of the machine that uses the database holds a connection while it runs.
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import os
 import signal
+import struct
 import sys
+import tempfile
 import threading
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
+import bson
 from secantus import cli
 from secantus import storage as engine
 from secantus.query import matches
@@ -41,6 +48,7 @@ from secantus.server import SecantusDBServer
 _delete_entries = engine.Storage._delete_index_entries
 _write_entries = engine.Storage._write_index_entries
 _delete_row = engine.Storage._delete_doc_row
+_create_index = engine.Storage.create_index
 # The entries the first half of a statement (an update's or a delete's) left to remove, by thread:
 # (storage, db, collection, record id, document, indexes, partial filters).
 _held = threading.local()
@@ -130,6 +138,127 @@ def keep_unchanged_index_entries() -> None:
     engine.Storage._delete_doc_row = _delete_row_and_entries
 
 
+# An index build sorts this many entries in memory at a time (about 60 MB of short keys); a longer build
+# spills each sorted run to a file beside the database and merges them.
+_RUN = 1 << 20
+_TXN = 10_000  # entries a transaction: one durable commit each, never one a key
+
+
+def _plain(key_spec: Any, options: dict[str, Any]) -> bool:
+    """An ascending/descending index that no unique claim, collation, geo or wildcard key complicates."""
+    return (
+        not options.get("unique")
+        and options.get("collation") is None
+        and bool(key_spec)
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in key_spec.values())
+        and not any(f.startswith("$") or "$**" in f for f in key_spec)
+    )
+
+
+def _spill(run: list[bytes], f: IO[bytes]) -> IO[bytes]:
+    run.sort()
+    for entry in run:
+        f.write(struct.pack(">I", len(entry)))
+        f.write(entry)
+    f.seek(0)
+    run.clear()
+    return f
+
+
+def _read_run(f: IO[bytes]) -> Iterator[bytes]:
+    while head := f.read(4):
+        yield f.read(struct.unpack(">I", head)[0])
+
+
+def _write_in_key_order(self: Any, db: str, coll: str, name: str, entries: Iterator[bytes]) -> None:
+    """Every entry of ``name`` that a killed build left is removed, then ``entries`` written, ``_TXN`` a
+    transaction."""
+    while True:
+        with self._batch_transaction():
+            c = self._cursor(engine._IDX_ENTRIES_TABLE)
+            c.set_key(db, coll, name, b"")
+            end, removed = engine.wt.WT_NOTFOUND, 0
+            found = c.search_near()
+            if found < 0:
+                found = c.next()
+            while found != end and removed < _TXN and tuple(c.get_key()[:3]) == (db, coll, name):
+                c.remove()
+                removed += 1
+                found = c.next()
+        if removed < _TXN:
+            break
+    done = False
+    while not done:
+        with self._batch_transaction():
+            c = self._cursor(engine._IDX_ENTRIES_TABLE)
+            for _ in range(_TXN):
+                entry = next(entries, None)
+                if entry is None:
+                    done = True
+                    break
+                c[db, coll, name, entry] = b""
+
+
+def _create_index_in_key_order(self: Any, db: str, coll: str, name: str, key_spec: Any,
+                               options: Any = None) -> bool:  # fmt: skip
+    options = dict(options or {})
+    if name == engine._ID_INDEX_NAME or not _plain(key_spec, options):
+        return bool(_create_index(self, db, coll, name, key_spec, options))
+    with self._coll_lock(db, coll), self._lock:
+        self._refresh_read_snapshot()
+        catalog = self._cursor(engine._IDX_TABLE)
+        catalog.set_key(db, coll, name)
+        if catalog.search() == 0:  # it exists: the stock checks of a second request
+            return bool(_create_index(self, db, coll, name, key_spec, options))
+        self._ensure_collection(db, coll)
+        key_spec = dict(key_spec)
+        sparse = bool(options.get("sparse"))
+        partial = options.get("partialFilterExpression")
+        partial = partial if isinstance(partial, dict) and partial else None
+        multikey, run, spilled = False, [], []
+        with contextlib.ExitStack() as files:
+            for recordid, _id_key, blob in self._scan_docs(db, coll):
+                engine._deadline.check()  # a createIndexes' maxTimeMS
+                doc = bson.decode(blob)
+                if partial is not None and not matches(doc, partial):
+                    continue
+                multikey = multikey or engine._doc_makes_multikey(doc, key_spec)
+                for kb in engine._index_key_variants(doc, key_spec, sparse=sparse):
+                    run.append(engine._pack_entry(kb, recordid))
+                if len(run) >= _RUN:
+                    f = files.enter_context(tempfile.TemporaryFile(dir=self.home_path, prefix="index-build-"))
+                    spilled.append(_spill(run, f))
+            run.sort()
+            entries = heapq.merge(run, *map(_read_run, spilled)) if spilled else iter(run)
+            # The entries first, the catalog row last: a build killed half-way leaves no index that
+            # answers for part of the documents, and the next build removes what it wrote.
+            _write_in_key_order(self, db, coll, name, entries)
+        if multikey:
+            options["multikey"] = True
+        options["entryFormat"] = engine._ENTRY_FORMAT
+        catalog.reset()
+        catalog[db, coll, name] = bson.encode({"key": key_spec, "options": options})
+        ui = self._collection_uuid(db, coll)
+        self._emit_oplog([{
+            "op": "c", "ns": f"{db}.$cmd", "ui": bson.Binary(ui.bytes, subtype=4),
+            "o": {"createIndexes": coll, "indexes": [{"v": 2, "key": key_spec, "name": name, **options}]},
+        }])  # fmt: skip
+        return True
+
+
+def build_indexes_in_key_order() -> None:
+    """Make an index built over existing documents write its entries sorted, as mongod's builds do.
+
+    The stock build collects every entry in memory and writes them in the documents' order, each its own
+    durable commit: the ``lsh`` index of 200,000 documents is 3.6 M keys spread over the whole index,
+    so every write lands on a page of its own once the index outgrows the cache. Here the entries are
+    sorted (runs beyond ``_RUN`` spilled to files and merged), written ``_TXN`` a transaction, and the
+    index enters the catalog only once they all are. Unique, collated, geo and wildcard indexes keep
+    the stock build.
+    """
+    engine.Storage.create_index = _create_index_in_key_order
+
+
 class Server(SecantusDBServer):
     """SecantusDB's server whose building thread keeps no read snapshot."""
 
@@ -166,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the server with ``secantusd-py``'s flags."""
     cli.SecantusDBServer = Server
     keep_unchanged_index_entries()
+    build_indexes_in_key_order()
     return int(cli.main(argv))
 
 

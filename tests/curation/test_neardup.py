@@ -14,9 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 from bson import ObjectId
+from pymongo import monitoring
 
 from bench.bench_neardup import expected_duplicates, precision_recall
-from conftest import db_for, make_config, run_cli, store_config
+from conftest import db_for, listen, make_config, run_cli, store_config
 from corpora import corpus, ingest_files, near_copy, near_marks
 from dsgpt2.curation import neardup, passes
 from dsgpt2.curation.minhash import (
@@ -205,6 +206,45 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
     assert part.duplicates == len(straight)
     if where == "signing":
         assert part.signed == len(docs) - 80  # two batches of 40 were signed before the crash
+
+
+class Commands(monitoring.CommandListener):
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def started(self, event: monitoring.CommandStartedEvent) -> None:
+        if event.command_name == "createIndexes":
+            self.names.append(f"createIndexes {event.command['indexes'][0]['name']}")
+        elif event.command_name == "dropIndexes":
+            self.names.append(f"dropIndexes {event.command['index']}")
+        elif event.command_name == "update" and any("lsh" in json.dumps(u["u"], default=str)
+                                                     for u in event.command.get("updates", [])):  # fmt: skip
+            self.names.append("sign")
+
+    def succeeded(self, event: Any) -> None:
+        pass
+
+    def failed(self, event: Any) -> None:
+        pass
+
+
+def test_the_bands_index_is_built_once_the_bands_are_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bulk load: the server sorts the keys of one build instead of placing each document's random keys
+    as it is signed; signing again under other settings drops the old bands' index first."""
+    docs, _ = corpus()
+    seen = Commands()
+    listen(monkeypatch, seen)
+    conn = Connection(make_config(["articles"], TEXT_FIELD="body"))
+    conn.db["articles"].insert_many([{"idx": i, "body": t} for i, t in enumerate(docs)])
+    for threshold, signs, drops in [(0.8, True, False), (0.8, False, False), (0.9, True, True)]:
+        seen.names.clear()
+        passes.run_pass(conn, ["articles"], neardup.Signing(LshParams(threshold=threshold)), batch_size=40)
+        assert seen.names.count("createIndexes lsh_1") == 1, seen.names
+        built = seen.names.index("createIndexes lsh_1")
+        assert ("sign" in seen.names[:built]) == signs and "sign" not in seen.names[built:]
+        assert ("dropIndexes lsh_1" in seen.names) == drops
+        assert not drops or seen.names.index("dropIndexes lsh_1") < seen.names.index("sign")
+    assert "lsh_1" in {i["name"] for i in conn.db["articles"].list_indexes()}
 
 
 def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path) -> None:

@@ -11,11 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pymongo
 import pytest
 from pymongo import monitoring
 
-from conftest import make_config, seed
+from conftest import listen, make_config, seed
 from dsgpt2.curation.curate import Curation
 from dsgpt2.curation.decontaminate import Decontamination, load_sets
 from dsgpt2.curation.passes import run_pass
@@ -90,17 +89,6 @@ class Queries(monitoring.CommandListener):
 
     def failed(self, event: monitoring.CommandFailedEvent) -> None:
         pass
-
-
-def listen(monkeypatch: pytest.MonkeyPatch, listener: monitoring.CommandListener) -> None:
-    """``listener`` on every client made from now on in this test."""
-    original = pymongo.MongoClient.__init__
-
-    def with_listener(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs["event_listeners"] = [*kwargs.get("event_listeners", []), listener]
-        original(self, *args, **kwargs)
-
-    monkeypatch.setattr(pymongo.MongoClient, "__init__", with_listener)
 
 
 @pytest.fixture
