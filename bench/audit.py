@@ -126,11 +126,17 @@ def read(path: str) -> Audit:
     return Audit(commands, events)
 
 
-def run(argv: list[str], out: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Audit:
-    """``python -m bench.audit OUT ARGV...`` in a process of its own; its audit (it must succeed)."""
+def run(argv: list[str], out: Path, env: dict[str, str] | None = None, cwd: Path | None = None,
+        runner: Any = None) -> Audit:  # fmt: skip
+    """``python -m bench.audit OUT ARGV...`` in a process of its own; its audit (it must succeed).
+    ``runner(args, cwd=, env=)``: how to start ``python ARGS`` (the tests fork a pre-imported one)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = subprocess.run([sys.executable, "-m", "bench.audit", str(out), *argv], env=env, cwd=cwd or ROOT,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    args = ["-m", "bench.audit", str(out), *argv]
+    if runner is None:
+        result = subprocess.run([sys.executable, *args], env=env, cwd=cwd or ROOT, capture_output=True,
+                                text=True, timeout=600)  # fmt: skip
+    else:
+        result = runner(args, cwd=cwd or ROOT, env=env)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(argv[:2])} failed: {(result.stdout + result.stderr)[-3000:]}")
     return read(str(out))

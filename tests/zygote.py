@@ -170,7 +170,8 @@ def run_python(
     """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` through the
     server (each kind started on first use, once per test worker); ``timeout``: by default 300 s at
     the suite's pace (tests/pace.py)."""
-    model = args[0] != "-m" or (len(args) > 2 and args[2] in MODEL_COMMANDS)
+    # ``-m dsgpt2 COMMAND`` or ``-m bench.audit OUT train|dsgpt2 COMMAND``
+    model = args[0] != "-m" or bool(MODEL_COMMANDS.intersection(args[2:5]))
     kind = "model" if model else "corpus"
     if kind not in _zygotes:
         import atexit

@@ -302,11 +302,11 @@ def test_a_pass_killed_with_sigkill_ends_as_a_straight_one(tmp_path: Path) -> No
     cfg, store, hs, marked = _corpus(tmp_path, 30)
     conn = Connection(make_config(["web"], **db_for(store)))
     args = [sys.executable, "-m", "dsgpt2", "decontaminate", "--config", str(cfg), "--against", str(hs),
-            "--batch_size", "5", "--no_progress"]  # fmt: skip
+            "--batch_size", "10", "--no_progress"]  # fmt: skip
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checked = {"decont.hellaswag_val": {"$exists": True}}
     wait_for(
-        lambda: conn.db["web"].count_documents(checked) >= 100, 120, "100 documents checked", proc, every=0.02
+        lambda: conn.db["web"].count_documents(checked) >= 100, 120, "100 documents checked", proc, every=0.2
     )
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -11,6 +11,7 @@ import pytest
 
 from bench import audit
 from corpora import Corpus
+from zygote import run_python
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 SIZES = (200, 1000)
@@ -51,7 +52,10 @@ def _audits(corpus: Corpus, tok: Path, work: Path, full_check: bool) -> dict[str
     }  # fmt: skip
     if full_check:
         commands["launch, full check"] = ["train", *run, "--train_iters", "3", "--check_corpus"]
-    return {name: audit.run(argv, work / f"{name}.jsonl", env=env) for name, argv in commands.items()}
+    return {
+        name: audit.run(argv, work / f"{name}.jsonl", env=env, runner=run_python)
+        for name, argv in commands.items()
+    }
 
 
 def test_startup_asks_the_same_bounded_commands_at_two_corpus_sizes(
