@@ -18,7 +18,8 @@ server hold a snapshot while they wait:
 - the TTL sweeper, between its sweeps (a minute). dsgpt2 makes no TTL index, so it does not run.
 
 An update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`), and an index
-built over existing documents is written in key order (:func:`build_indexes_in_key_order`).
+built over existing documents is written in key order (:func:`build_indexes_in_key_order`), and a
+transaction idle for :data:`TRANSACTION_IDLE_S` is aborted.
 
 With ``DSGPT2_DB_IDLE_STOP`` seconds in its environment (``embedded`` passes it on), the server stops
 itself, as ``dsgpt2 db stop`` would, once no client has been connected for that long: every process
@@ -259,11 +260,20 @@ def build_indexes_in_key_order() -> None:
     engine.Storage.create_index = _create_index_in_key_order
 
 
+TRANSACTION_IDLE_S = 10.0
+
+
 class Server(SecantusDBServer):
     """SecantusDB's server whose building thread keeps no read snapshot."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["ttl_sweep_seconds"] = 0
+        # A transaction idle this long is aborted. Its client is gone: dsgpt2 sends a batch's statements
+        # and its commit back to back, and a transaction aborted under a slow one is retried whole by
+        # the driver. A pass killed mid-batch leaves its transaction open (a session outlives its
+        # connections), and the re-run's writes to the same documents wait until it is aborted: a
+        # minute with mongod's 60 s.
+        kwargs["transaction_lifetime_seconds"] = TRANSACTION_IDLE_S
         super().__init__(*args, **kwargs)
         # The oplog serves change streams, which dsgpt2 does not open. The server still says it is a
         # replica set's primary (drivers run transactions only on one), and writes no oplog: each commit

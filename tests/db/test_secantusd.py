@@ -215,3 +215,37 @@ def test_indexes_built_over_documents_answer_as_a_scan_through_the_server() -> N
     assert sum(len(ids({"lsh": v})) for v in range(30)) > 300
     with pytest.raises(pymongo.errors.OperationFailure):  # a unique index over duplicates: refused
         coll.create_index("h", unique=True, name="h_unique")
+
+
+_ABANDON = """
+import sys, pymongo
+client = pymongo.MongoClient(sys.argv[1])
+coll = client[sys.argv[2]]["c"]
+session = client.start_session()
+session.start_transaction()
+coll.update_one({"idx": 1}, {"$set": {"h": -1}}, session=session)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_transaction_its_client_abandoned_stops_holding_its_documents_within_seconds() -> None:
+    """A pass killed mid-batch leaves its transaction open on the server (a session outlives its
+    connections). Run again, the pass writes the same documents: it waits for that transaction to be
+    reaped as idle, 10 s here (mongod's 60 s stalled every re-run of a killed pass for a minute)."""
+    import subprocess
+    import sys
+    import time
+
+    conn = Connection(make_config(["c"]))
+    conn.db["c"].insert_many([{"idx": i, "h": 0} for i in range(3)])
+    with subprocess.Popen([sys.executable, "-c", _ABANDON, conn.config.uri, conn.config.db],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as killed:  # fmt: skip
+        try:
+            assert killed.stdout is not None and killed.stdout.readline().strip() == "ready"
+        finally:
+            killed.kill()
+    start = time.monotonic()
+    assert conn.bulk_write("c", [pymongo.UpdateOne({"idx": i}, {"$set": {"h": 2}}) for i in range(3)]) == 3
+    assert time.monotonic() - start < 30
+    assert [d["h"] for d in conn.db["c"].find({}, {"h": 1}).sort("idx", 1)] == [2, 2, 2]
