@@ -188,6 +188,27 @@ def test_an_index_built_over_documents_holds_the_stock_builds_entries(
     with pytest.raises(engine.IndexConflict):  # unique builds keep the stock checks
         ours.create_index("d", "c", "h_u", {"h": 1}, {"unique": True})
 
+    class Killed(Exception):
+        pass
+
+    def killed_after_two_transactions(self: Any, db: str, coll: str, name: str, entries: Any) -> None:
+        def some() -> Any:
+            for n, entry in enumerate(entries):
+                if n == 2 * secantusd._TXN:
+                    raise Killed
+                yield entry
+
+        write(self, db, coll, name, some())
+
+    monkeypatch.setattr(secantusd, "_write_in_key_order", killed_after_two_transactions)
+    with pytest.raises(Killed):
+        ours.create_index("d", "c", "lsh_2", {"lsh": 1}, {})
+    assert "lsh_2" not in {i["name"] for i in ours.list_indexes("d", "c")}  # no index for part of them
+    assert len(_entries(ours, "lsh_2")) == 2 * secantusd._TXN  # what the two transactions committed
+    monkeypatch.setattr(secantusd, "_write_in_key_order", write)
+    assert ours.create_index("d", "c", "lsh_2", {"lsh": 1}, {}) is True
+    assert _entries(ours, "lsh_2") == _entries(stock, "lsh_1")
+
 
 def test_indexes_built_over_documents_answer_as_a_scan_through_the_server() -> None:
     """Through the server: indexes made after the documents find what reading every document finds, and
