@@ -20,6 +20,9 @@ start to exit:
 
 ``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores); ``BENCH_SCALE_STAGES`` names the
 stages to run (``ingest,validate,feed``); ``BENCH_SCALE_REPEATS=0`` leaves out the repeated passes.
+``BENCH_SCALE_KEEP=DIR`` keeps the documents, the databases and each stage's time in ``DIR``
+(``seconds.json``): run again, it runs only the stages not timed yet, on the databases as the last run
+left them, and reports every size timed there, so that the million runs a few stages at a time.
 
 A server on this machine is not a MongoDB deployment: the figures are ratios and growth, not MongoDB's.
 """
@@ -60,11 +63,20 @@ REPEATS = int(os.environ.get("BENCH_SCALE_REPEATS", "10"))
 STAGES = [s for s in PASSES if s in os.environ.get("BENCH_SCALE_STAGES", ",".join(PASSES)).split(",")]
 if "ingest" not in STAGES:
     STAGES.insert(0, "ingest")
+KEEP = os.environ.get("BENCH_SCALE_KEEP")
 PEAK_TARGET = 1.5e9  # bytes of server memory at 200,000 documents
 WORDS_PER_DOC = 280  # about 1.7 KB
 
 
 def _documents(n: int, path: Path) -> None:
+    if path.exists():  # kept from an earlier run (written under another name, then renamed)
+        return
+    partial = path.with_suffix(".partial")
+    _write_documents(n, partial)
+    partial.rename(path)
+
+
+def _write_documents(n: int, path: Path) -> None:
     rng = random.Random(n)
     vocabulary = [
         "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
@@ -219,14 +231,36 @@ def _launches(config: Path, tok: Path, runs: Path) -> list[audit.Audit]:
     return out
 
 
+class _Record:
+    """Each stage's seconds and each size's memory peak, kept in ``seconds.json`` of a kept directory."""
+
+    def __init__(self, work: Path | None) -> None:
+        self.path = None if work is None else work / "seconds.json"
+        kept = json.loads(self.path.read_text()) if self.path and self.path.exists() else {}
+        self.seconds = {
+            (k.rsplit("@", 1)[0], int(k.rsplit("@", 1)[1])): v for k, v in kept.get("seconds", {}).items()
+        }
+        self.peaks = {int(n): v for n, v in kept.get("peaks", {}).items()}
+
+    def save(self) -> None:
+        if self.path is not None:
+            seconds = {f"{name}@{n}": v for (name, n), v in self.seconds.items()}
+            peaks = {str(n): v for n, v in self.peaks.items()}
+            self.path.write_text(json.dumps({"seconds": seconds, "peaks": peaks}, indent=1))
+
+
 def scale(results: Path) -> list[Metric]:
     from dsgpt2.db import embedded
 
-    work = Path(tempfile.mkdtemp(prefix="dsgpt2-scale-", dir=results if results.exists() else None))
-    seconds: dict[tuple[str, int], float] = {}
+    if KEEP:
+        work = Path(KEEP).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="dsgpt2-scale-", dir=results if results.exists() else None))
+    record = _Record(work if KEEP else None)
+    seconds, peaks = record.seconds, record.peaks
     launches: dict[int, list[audit.Audit]] = {}
     server: dict[int, tuple[int, int]] = {}
-    peaks: dict[int, int] = {}
     repeated: dict[str, list[int]] = {}
     tok = work / "tok"
     try:
@@ -241,9 +275,14 @@ def scale(results: Path) -> list[Metric]:
                                           "COLLECTIONS": ["docs"]}))  # fmt: skip
             with _Sampler(directory) as sampler:
                 for name in STAGES:
+                    if (name, n) in seconds:
+                        print(f"   {n:>7} documents: {name} {seconds[name, n]:.1f} s (kept)", flush=True)
+                        continue
                     if name == "feed":
                         _vocabulary(config, tok)
                     seconds[name, n] = _run(_stage(name, config, data, against, tok))
+                    peaks[n] = max(peaks.get(n, 0), sampler.peak)
+                    record.save()
                     mb = _rss(directory) / 1e6
                     print(f"   {n:>7} documents: {name} {seconds[name, n]:.1f} s, server {mb:.0f} MB "
                           f"(peak {sampler.peak / 1e6:.0f})", flush=True)  # fmt: skip
@@ -257,7 +296,8 @@ def scale(results: Path) -> list[Metric]:
                     print(f"   {n:>7} documents: server MB after each curate pass "
                           f"{[round(r / 1e6) for r in repeated['passes']]}, after each feed epoch "
                           f"{[round(r / 1e6) for r in repeated['epochs']]}", flush=True)  # fmt: skip
-            peaks[n] = sampler.peak
+            peaks[n] = max(peaks.get(n, 0), sampler.peak)
+            record.save()
             busy = embedded.disk_bytes(directory)
             # WiredTiger drops its log files at a checkpoint (the server takes one a minute): the disk a
             # database keeps is measured after one, forced here with `fsync`.
@@ -269,11 +309,13 @@ def scale(results: Path) -> list[Metric]:
                   f"{disk / 1e6:.0f} MB on disk after a checkpoint ({busy / 1e6:.0f} MB before)",
                   flush=True)  # fmt: skip
             embedded.stop(directory)
-            shutil.rmtree(directory, ignore_errors=True)
+            if not KEEP:
+                shutil.rmtree(directory, ignore_errors=True)
     finally:
         for n in SIZES:
             embedded.stop(work / f"db-{n}")
-        shutil.rmtree(work, ignore_errors=True)
+        if not KEEP:
+            shutil.rmtree(work, ignore_errors=True)
     return _metrics(seconds, launches, server, peaks, repeated)
 
 
@@ -286,12 +328,15 @@ def _metrics(
 ) -> list[Metric]:
     metrics = []
     for name in STAGES:
-        for small, large in itertools.pairwise(SIZES):
+        timed = sorted(n for stage, n in seconds if stage == name)  # this run's sizes and those kept
+        for small, large in itertools.pairwise(timed):
             per_large, per_small = seconds[name, large] / large, seconds[name, small] / small
             note = f"{seconds[name, large]:.1f} s and {seconds[name, small]:.1f} s; local://"
             metrics.append(Metric(f"scale {name}: s/doc at {large} ÷ {small}", per_large, per_small, "s/doc",
                                   "<= 1.5", per_large <= 1.5 * per_small, note))  # fmt: skip
     small, large = SIZES[0], SIZES[-1]
+    if small == large:  # one size: its memory and disk, nothing to compare start-up with
+        return [*metrics, *_server_metrics(large, large, server, peaks, repeated)]
     at = {n: launches[n][0] for n in (small, large)}
     same = [audit.shape(c) for c in at[small].startup()] == [audit.shape(c) for c in at[large].startup()]
     counts = [len(at[n].startup()) for n in (large, small)]
@@ -303,6 +348,17 @@ def _metrics(
     info = seconds["info", large], seconds["info", small]
     metrics.append(Metric(f"scale info: s at {large} ÷ {small}", *info, "s", "<= 1.3",
                           info[0] <= 1.3 * info[1], "median of 3"))  # fmt: skip
+    return [*metrics, *_server_metrics(small, large, server, peaks, repeated)]
+
+
+def _server_metrics(
+    small: int,
+    large: int,
+    server: dict[int, tuple[int, int]],
+    peaks: dict[int, int],
+    repeated: dict[str, list[int]],
+) -> list[Metric]:
+    metrics = []
     (_, disk), (_, disk_small) = server[large], server[small]
     at_200k = large >= 200_000
     metrics.append(Metric(f"scale server memory peak at {large}", peaks[large], peaks[small], "B",
