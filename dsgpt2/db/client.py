@@ -48,9 +48,11 @@ DatabaseError = PyMongoError
 # so retrying them is safe.
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (AutoReconnect,)
 MAX_BACKOFF_S = 30.0
-# The longest $in list one query to the embedded engine carries (Connection.in_list_max): where its
+# The longest $in list one query to stock SecantusDB carries (Connection.in_list_max): where its
 # cost, quadratic in the list, meets the cost of one more query.
 EMBEDDED_IN_LIST = 32
+# What the buildInfo of the server dsgpt2 starts holds (db/secantusd.py): its $in costs a set lookup.
+IN_LISTS_BY_SET = "dsgpt2InListsBySet"
 
 
 def unreachable_message(config: MongoConfig, exc: BaseException | None = None) -> str:
@@ -298,28 +300,35 @@ class Connection:
         self._patient: Any = None  # the client without a socket timeout, made on first use here
         self._filter_checked = False
         self.filter_sampled = False  # FILTER tried on the first documents (the reader, once)
-        self._engine: tuple[int, bool] | None = None  # (pid, whether the server is the embedded engine)
+        # (pid, whether the server is the embedded engine, whether it matches an $in by set lookups)
+        self._engine: tuple[int, bool, bool] | None = None
         self._port: int | None = None  # the embedded server's port when the clients were made
         self._errors_seen = 0
 
-    def _embedded_engine(self) -> bool:
-        """Whether the server is the embedded engine (SecantusDB), by its buildInfo (once per process)."""
+    def _engine_info(self) -> tuple[int, bool, bool]:
+        """(pid, whether the server is the embedded engine (SecantusDB), whether it matches an ``$in`` by
+        set lookups), by its buildInfo, once per process."""
         if self._engine is None or self._engine[0] != os.getpid():
             info = with_retries(lambda: self.client.admin.command("buildInfo"), self.config, "buildInfo")
-            self._engine = (os.getpid(), "secantusVersion" in info)
-        return self._engine[1]
+            self._engine = (os.getpid(), "secantusVersion" in info, bool(info.get(IN_LISTS_BY_SET)))
+        return self._engine
+
+    def _embedded_engine(self) -> bool:
+        return self._engine_info()[1]
 
     @property
     def in_list_max(self) -> int | None:
         """The longest ``$in`` list a query of this server should carry (None: any length).
 
         mongod looks each value of an ``$in`` up in the index and answers a list of thousands in time
-        linear in it. The embedded engine (SecantusDB) looks the values up as well, then tests every
+        linear in it, and so does the embedded server dsgpt2 starts (its buildInfo says
+        :data:`IN_LISTS_BY_SET`). Stock SecantusDB looks the values up as well, then tests every
         document it found against the whole list again: k values cost O(k^2) (measured: 1,000 values
         as one list 13x the time of the range holding them, as lists of 25 to 50 about 2x, as single
         values 11x: a query costs about as much as testing 200 values).
         """
-        return EMBEDDED_IN_LIST if self._embedded_engine() else None
+        _, embedded_engine, by_set = self._engine_info()
+        return EMBEDDED_IN_LIST if embedded_engine and not by_set else None
 
     @property
     def counts_walk(self) -> bool:

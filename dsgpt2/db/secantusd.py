@@ -18,8 +18,9 @@ server hold a snapshot while they wait:
 - the TTL sweeper, between its sweeps (a minute). dsgpt2 makes no TTL index, so it does not run.
 
 An update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`), and an index
-built over existing documents is written in key order (:func:`build_indexes_in_key_order`), and a
-transaction idle for :data:`TRANSACTION_IDLE_S` is aborted.
+built over existing documents is written in key order (:func:`build_indexes_in_key_order`), an ``$in``
+of ints or strings is matched by set lookups (:func:`match_in_lists_by_set`), and a transaction idle for
+:data:`TRANSACTION_IDLE_S` is aborted.
 
 With ``DSGPT2_DB_IDLE_STOP`` seconds in its environment (``embedded`` passes it on), the server stops
 itself, as ``dsgpt2 db stop`` would, once no client has been connected for that long: every process
@@ -41,7 +42,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import bson
-from secantus import cli
+from secantus import cli, commands, query
 from secantus import storage as engine
 from secantus.query import matches
 from secantus.server import SecantusDBServer
@@ -260,6 +261,75 @@ def build_indexes_in_key_order() -> None:
     engine.Storage.create_index = _create_index_in_key_order
 
 
+_op_matches = query._op_matches
+IN_LISTS_BY_SET = "dsgpt2InListsBySet"  # in buildInfo: an $in costs a set lookup a value here
+# The last `$in` list of one type matched, by thread: (list, its type, its values as a set). The list is
+# held, so no other list can take its identity while it is cached.
+_in_sets = threading.local()
+_NO_SET = (None, None, None)
+
+
+def _value_set(values: list[Any]) -> tuple[Any, type | None, frozenset[Any] | None]:
+    """``values``' type and set, where they are all ints (a bool is not), all strings or all ObjectIds;
+    else Nones."""
+    cached = getattr(_in_sets, "last", _NO_SET)
+    if cached[0] is values:
+        return cached
+    kind = type(values[0]) if values else None
+    if kind not in (int, str, bson.ObjectId) or not all(type(v) is kind for v in values):
+        return _NO_SET
+    _in_sets.last = (values, kind, frozenset(values))
+    return _in_sets.last
+
+
+def _in_by_set(values: list[Any], kind: type, wanted: frozenset[Any], descend: bool) -> bool | None:
+    """Whether one of the field's ``values`` (or an element of an array among them) is in ``wanted``;
+    None where one is of another type than ``kind``, which the stock operator then compares."""
+    for v in values:
+        if type(v) is kind:
+            if v in wanted:
+                return True
+        elif type(v) is list and descend:
+            for e in v:
+                if type(e) is not kind:
+                    return None
+                if e in wanted:
+                    return True
+        elif v is not query.MISSING:
+            return None
+    return False
+
+
+def _op_matches_in_by_set(values: list[Any], op: str, arg: Any, collation: Any = None, **kwargs: Any) -> bool:
+    """``_op_matches`` with an ``$in`` of ints, strings or ObjectIds answered by set lookups where the field's
+    values are of the list's type: the stock operator compares each value with every value of the list
+    in turn, so a query of k values costs k^2 comparisons."""
+    if op == "$in" and type(arg) is list:
+        _, kind, wanted = _value_set(arg)
+        if wanted is not None and (kind is not str or collation is None):
+            found = _in_by_set(values, kind, wanted, kwargs.get("descend", True))
+            if found is not None:
+                return found
+    return bool(_op_matches(values, op, arg, collation, **kwargs))
+
+
+def match_in_lists_by_set() -> None:
+    """Make an ``$in`` of ints, strings or ObjectIds cost a set lookup a value, as on mongod (which looks each
+    value up in a set built once), instead of a comparison with each value of the list: the training
+    feed reads a spread chunk by its ``idx`` values, the passes look up hashes and bands by theirs. A
+    list of other or mixed types, a value of another type (a float, a document), a collated string
+    keep the stock operator. The server's buildInfo says so (:data:`IN_LISTS_BY_SET`), and dsgpt2 then
+    sends a chunk's list whole, as to mongod."""
+    query._op_matches = _op_matches_in_by_set
+    build_info = commands._HANDLERS["buildInfo"]
+
+    def build_info_by_set(doc: Any, ctx: Any) -> dict[str, Any]:
+        return {**build_info(doc, ctx), IN_LISTS_BY_SET: True}
+
+    for name in ("buildInfo", "buildinfo"):
+        commands._HANDLERS[name] = build_info_by_set
+
+
 TRANSACTION_IDLE_S = 10.0
 
 
@@ -306,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.SecantusDBServer = Server
     keep_unchanged_index_entries()
     build_indexes_in_key_order()
+    match_in_lists_by_set()
     return int(cli.main(argv))
 
 

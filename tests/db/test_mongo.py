@@ -98,12 +98,13 @@ def test_range_vs_in_query_filters(monkeypatch: pytest.MonkeyPatch, corpus: Mong
     assert seen == [{"idx": {"$gte": 1, "$lt": 4}}, {"idx": {"$in": [0, 4]}}]
 
 
-def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
+def test_long_in_lists_are_cut_for_stock_secantusdb_and_whole_for_mongod_and_the_embedded_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The embedded engine tests every document it finds against the whole ``$in`` list (k values cost
+    """Stock SecantusDB tests every document it finds against the whole ``$in`` list (k values cost
     O(k^2)): a chunk's list goes as lists of at most EMBEDDED_IN_LIST idx, a dense one as the range
-    holding it; mongod's answer to one list is linear, so there it stays one query."""
+    holding it; mongod's answer to one list is linear, and so is the server dsgpt2 starts (it says so
+    in its buildInfo): there it stays one query."""
     cfg = make_config(["a"], FILTER={"keep": True})
     conn = Connection(cfg)
     seed(conn, "a", [f"t{i}" for i in range(400)])
@@ -118,20 +119,22 @@ def test_long_in_lists_are_cut_for_the_embedded_engine_and_whole_for_mongod(
 
     monkeypatch.setattr(pymongo.collection.Collection, "find", spy)
     wrapper = MongoWrapper(cfg, connection=conn)
-    assert conn.in_list_max == EMBEDDED_IN_LIST  # the shared test server is SecantusDB
+    assert conn.in_list_max is None  # the shared test server is the one dsgpt2 starts
+    assert conn._engine == (os.getpid(), True, True)
     sparse = [i * 3 for i in range(133)][::-1]  # 133 idx over 397: sparse, asked in reverse
     expected = [Doc(i, f"t{i}") for i in sparse if i % 7]
-    for engine, lists in ((EMBEDDED_IN_LIST, 5), (None, 1)):  # None: what mongod answers
-        conn._engine = (os.getpid(), engine is not None)
+    # What stock SecantusDB's buildInfo says, then mongod's, then the embedded server's.
+    for engine, lists in (((True, False), 5), ((False, False), 1), ((True, True), 1)):
+        conn._engine = (os.getpid(), *engine)
         seen.clear()
         before = wrapper.skipped["filtered"]
         assert wrapper.get_many(sparse) == expected
         assert wrapper.skipped["filtered"] - before == sum(1 for i in sparse if i % 7 == 0)
         asked = [f["idx"]["$in"] for f in seen if "keep" in f]  # the others: the idx FILTER left out
         assert len(asked) == lists and sorted(i for part in asked for i in part) == sorted(sparse)
-        assert max(map(len, asked)) == (EMBEDDED_IN_LIST if engine else len(sparse))
-    # Dense (the range holding them at most twice as long): one range on the embedded engine.
-    conn._engine = (os.getpid(), True)
+        assert max(map(len, asked)) == (EMBEDDED_IN_LIST if lists > 1 else len(sparse))
+    # Dense (the range holding them at most twice as long): one range on stock SecantusDB.
+    conn._engine = (os.getpid(), True, False)
     seen.clear()
     dense = [i for i in range(100, 200) if i % 3]
     assert [d.index for d in wrapper.get_many(dense)] == [i for i in dense if i % 7]
@@ -143,12 +146,13 @@ def test_a_short_list_asks_the_server_nothing_about_its_engine(corpus: MongoWrap
     assert conn.in_lists(list(range(EMBEDDED_IN_LIST))) == [list(range(EMBEDDED_IN_LIST))]
     assert conn._engine is None  # no buildInfo for a list that needs no cut
     assert conn.in_lists([]) == []
+    conn._engine = (os.getpid(), True, False)  # stock SecantusDB
     assert conn.in_lists(list(range(70)), longest=50) == [
         list(range(32)),
         list(range(32, 64)),
         [64, 65, 66, 67, 68, 69],
     ]
-    conn._engine = (os.getpid(), False)
+    conn._engine = (os.getpid(), True, True)
     assert conn.in_lists(list(range(70)), longest=50) == [list(range(50)), list(range(50, 70))]
     assert pickle.loads(pickle.dumps(conn))._engine is None
 

@@ -168,7 +168,7 @@ def test_a_pass_writes_each_batch_in_one_transaction_on_the_embedded_engine(
     listen(monkeypatch, listener)
     conn = Connection(make_config(["s"]))
     seed(conn, "s", [f"text number {i} of the corpus" for i in range(30)])
-    conn._engine = (os.getpid(), embedded)  # what buildInfo answers: as mongod would, on the second run
+    conn._engine = (os.getpid(), embedded, embedded)  # what buildInfo answers (mongod: the second run)
     listener.sent.clear()
     run_pass(conn, ["s"], Curation(list(RULES), resolve_thresholds({})), batch_size=7)
 

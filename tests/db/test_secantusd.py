@@ -238,6 +238,60 @@ def test_indexes_built_over_documents_answer_as_a_scan_through_the_server() -> N
         coll.create_index("h", unique=True, name="h_unique")
 
 
+def test_an_in_list_matches_as_the_stock_operator_with_one_set_lookup_a_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In the server's process (here, this one): an ``$in`` matches the documents the stock operator
+    matches, for lists and values of every type; a list of ints or of strings against values of its type
+    costs no comparison with the list's values (the stock operator: one each, k^2 for a query of k)."""
+    from bson import Decimal128, Int64, ObjectId, Regex
+    from secantus import query
+    from secantus.collation import parse
+
+    from dsgpt2.db.client import IN_LISTS_BY_SET
+
+    assert secantusd.IN_LISTS_BY_SET == IN_LISTS_BY_SET
+    ids = [ObjectId(), ObjectId()]
+    values = [ids[0], [ids[1]], 7, 7.0, True, 1, 0, "7", "a", "A", None, Int64(7), Decimal128("7"), [7, 8],
+              [["a"]], ["a", 3], [], {"x": 7}, float("nan"), 2**40]  # fmt: skip
+    docs = [{"v": v} for v in values] + [
+        {},
+        {"v": {"w": 7}},
+        {"v": [{"w": 7}]},
+        {"v": [[7], 9]},
+        {"v": [["a"]]},
+    ]
+    lists = [ids, ids[:1], [ids[0], 7], [7], [7, 8, 2**40], [1], [True], ["7"], ["a", "b"], [7, "a"], [None],
+             [7.0], [], [[7, 8]], [Regex("^a")], ["A"], [Int64(7)], [0, 1], [{"x": 7}],
+             [float("nan")]]  # fmt: skip
+    questions = [{"v": {"$in": k}} for k in lists] + [
+        {"v.w": {"$in": [7, 8]}},
+        {"v": {"$elemMatch": {"$in": [7]}}},
+    ]
+    questions += [{"v": {"$not": {"$in": [7, "a"]}}}, {"v": {"$nin": [7]}}, {"$or": [{"v": {"$in": ["a"]}}]}]
+    questions += [{"v": {"$elemMatch": {"$in": ["a"]}}}]
+    # Strings compared under a collation keep the stock operator ("a" is "A" at strength 2).
+    collations = [None, parse({"locale": "en", "strength": 2})]
+    stock = [[query.matches(d, q, collation=c) for d in docs] for q in questions for c in collations]
+    monkeypatch.setattr(query, "_op_matches", query._op_matches)  # put back afterwards
+    secantusd.match_in_lists_by_set()
+    assert [[query.matches(d, q, collation=c) for d in docs] for q in questions for c in collations] == stock
+    assert query.matches({"v": "A"}, {"v": {"$in": ["a", "b"]}}, collation=collations[1])
+
+    compared = []
+    equal = query._eq_numeric_aware
+    monkeypatch.setattr(query, "_eq_numeric_aware", lambda a, b, c=None: compared.append(1) or equal(a, b, c))
+    ints, names = list(range(0, 2000, 2)), [f"h{i}" for i in range(1000)]
+    for v in range(200):
+        assert query.matches(
+            {"v": v, "h": [f"h{v}", f"x{v}"]}, {"v": {"$in": ints}, "h": {"$in": names}}
+        ) == (v % 2 == 0)
+    assert compared == []
+    monkeypatch.setattr(query, "_op_matches", secantusd._op_matches)
+    assert query.matches({"v": 1999}, {"v": {"$in": ints}}) is False
+    assert len(compared) == len(ints)  # the stock operator: every value of the list
+
+
 _ABANDON = """
 import sys, pymongo
 client = pymongo.MongoClient(sys.argv[1])

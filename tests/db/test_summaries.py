@@ -70,7 +70,7 @@ def test_windows_give_the_rows_of_one_aggregation(conn: Connection, monkeypatch:
 
 
 def test_mongod_is_asked_once(conn: Connection, monkeypatch: Any) -> None:
-    conn._engine = (__import__("os").getpid(), False)  # what mongod answers
+    conn._engine = (__import__("os").getpid(), False, False)  # what mongod answers
     monkeypatch.setattr(summaries, "WINDOW", 4)
     assert _sorted(aggregate_summary(conn, "s", GROUP, "test")) == _sorted(
         list(conn.db["s"].aggregate(GROUP))
