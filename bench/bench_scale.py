@@ -16,7 +16,7 @@ start to exit:
 - the server's resident memory, sampled while every command runs: its peak at the largest size (target
   ≤ 1.5 GB at 200,000 documents), and over ``BENCH_SCALE_REPEATS`` (10) identical ``curate`` passes and as
   many feed epochs at the second size, the last ÷ the first (target ≤ 1.1: flat);
-- its files on disk after a checkpoint, per document (information).
+- its files on disk after a checkpoint, per document, and after ``dsgpt2 db compact`` (information).
 
 ``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores); ``BENCH_SCALE_STAGES`` names the
 stages to run (``ingest,validate,feed``); ``BENCH_SCALE_REPEATS=0`` leaves out the repeated passes.
@@ -260,7 +260,7 @@ def scale(results: Path) -> list[Metric]:
     record = _Record(work if KEEP else None)
     seconds, peaks = record.seconds, record.peaks
     launches: dict[int, list[audit.Audit]] = {}
-    server: dict[int, tuple[int, int]] = {}
+    server: dict[int, tuple[int, int, int]] = {}  # RSS, disk after a checkpoint, disk after compact
     repeated: dict[str, list[int]] = {}
     tok = work / "tok"
     try:
@@ -303,10 +303,12 @@ def scale(results: Path) -> list[Metric]:
             # database keeps is measured after one, forced here with `fsync`.
             checkpoint = "from dsgpt2.db.config import load_config\nfrom dsgpt2.db.client import connect\n"
             _run(["-c", f"{checkpoint}connect(load_config({str(config)!r})).client.admin.command('fsync')"])
-            server[n] = (_rss(directory), embedded.disk_bytes(directory))
-            rss, disk = server[n]
+            rss, disk = _rss(directory), embedded.disk_bytes(directory)
+            compacting = _run(["-m", "dsgpt2", "db", "compact", f"local://{directory}"])
+            server[n] = (rss, disk, embedded.disk_bytes(directory))
             print(f"   {n:>7} documents: server {rss / 1e6:.0f} MB resident (peak {peaks[n] / 1e6:.0f}), "
-                  f"{disk / 1e6:.0f} MB on disk after a checkpoint ({busy / 1e6:.0f} MB before)",
+                  f"{disk / 1e6:.0f} MB on disk after a checkpoint ({busy / 1e6:.0f} MB before), "
+                  f"{server[n][2] / 1e6:.0f} MB after `db compact` ({compacting:.1f} s)",
                   flush=True)  # fmt: skip
             embedded.stop(directory)
             if not KEEP:
@@ -322,7 +324,7 @@ def scale(results: Path) -> list[Metric]:
 def _metrics(
     seconds: dict[tuple[str, int], float],
     launches: dict[int, audit.Audit],
-    server: dict[int, tuple[int, int]],
+    server: dict[int, tuple[int, int, int]],
     peaks: dict[int, int],
     repeated: dict[str, list[int]],
 ) -> list[Metric]:
@@ -354,12 +356,12 @@ def _metrics(
 def _server_metrics(
     small: int,
     large: int,
-    server: dict[int, tuple[int, int]],
+    server: dict[int, tuple[int, int, int]],
     peaks: dict[int, int],
     repeated: dict[str, list[int]],
 ) -> list[Metric]:
     metrics = []
-    (_, disk), (_, disk_small) = server[large], server[small]
+    (_, disk, compacted), (_, disk_small, compacted_small) = server[large], server[small]
     at_200k = large >= 200_000
     metrics.append(Metric(f"scale server memory peak at {large}", peaks[large], peaks[small], "B",
                           f"<= {PEAK_TARGET / 1e9:.1f} GB" if at_200k else "info",
@@ -371,4 +373,7 @@ def _server_metrics(
                               f"MB: {[round(v / 1e6) for v in values]}"))  # fmt: skip
     metrics.append(Metric(f"scale disk per document at {large}", disk / large, disk_small / small, "B/doc",
                           "info", True, f"{disk / 1e6:.0f} MB after a checkpoint"))  # fmt: skip
+    metrics.append(Metric(f"scale disk per document at {large} after db compact", compacted / large,
+                          compacted_small / small, "B/doc", "info", True,
+                          f"{compacted / 1e6:.0f} MB; {disk / 1e6:.0f} MB before"))  # fmt: skip
     return metrics

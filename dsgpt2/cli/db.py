@@ -1,4 +1,4 @@
-"""``dsgpt2 db status|stop``: the embedded database server of a ``local://DIR`` database."""
+"""``dsgpt2 db status|stop|compact``: the embedded database server of a ``local://DIR`` database."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dsgpt2.settings.options import check_fields, from_namespace, option
 class DbSettings:
     """``dsgpt2 db``: what to do, to which embedded database."""
 
-    action: str = option(help="what to do", positional=True, choices=("status", "stop"))
+    action: str = option(help="what to do", positional=True, choices=("status", "stop", "compact"))
     database: str | None = option(
         None, "the database (local://DIR or DIR); or give --config", positional=True, metavar="local://DIR"
     )
@@ -70,6 +70,9 @@ def cmd_db(args: argparse.Namespace) -> int:
     where = f"{embedded.PREFIX}{directory}"
     if not (directory / embedded.MARKER).exists():
         raise usage("db", f"{where} is not a dsgpt2 database (no {embedded.MARKER} there)")
+    if settings.action == "compact":
+        print(_compact(directory))
+        return 0
     if settings.action == "stop":
         stopped = embedded.stop(directory)
         if stopped is None:
@@ -80,6 +83,25 @@ def cmd_db(args: argparse.Namespace) -> int:
     info = _status(directory)
     print(json.dumps(info) if settings.json else _status_line(info))
     return 0
+
+
+def _compact(directory: Path) -> str:
+    """Compact the database on ``directory`` (its server started if none runs); a line of what it did."""
+    from dsgpt2.db import embedded
+    from dsgpt2.db.client import Connection, compact
+    from dsgpt2.db.config import config_from_dict
+
+    uri = f"{embedded.PREFIX}{directory}"
+    # The server alone: the command names no corpus (a collection is required of a config, and unread).
+    config = config_from_dict({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "admin",
+                               "COLLECTIONS": ["compact"]}, env={})  # fmt: skip
+    before = embedded.disk_bytes(directory)
+    compact(Connection(config, create=False))
+    after = embedded.disk_bytes(directory)
+    return (
+        f"{uri}: {before / 1e6:,.1f} MB on disk before, {after / 1e6:,.1f} MB after "
+        f"({max(0, before - after) / 1e6:,.1f} MB given back)"
+    )
 
 
 def _status(directory: Path) -> dict[str, Any]:
@@ -124,11 +146,13 @@ def _since(directory: Path) -> str:
 
 DB = Command(
     "db",
-    help="show or stop the embedded database server of a local:// database",
+    help="show, stop or compact the embedded database server of a local:// database",
     description="The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
     "command needing it starts and that later commands share. `status` shows it (with no database "
     "named: every one this user runs), `stop` ends it (the next command that needs it starts it "
-    "again, on the same data).",
+    "again, on the same data), `compact` gives the space of rewritten documents back to the file system "
+    "(curation passes rewrite every document they mark; WiredTiger reuses that space but keeps it; "
+    "other commands may run meanwhile).",
     settings=(DbSettings,),
     handler=cmd_db,
 )

@@ -230,6 +230,14 @@ def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
     return with_retries(attempt, conn.config, what)
 
 
+def compact(conn: Connection) -> int:
+    """Have the embedded server give the space of rewritten records back to the file system (its
+    ``compact`` command, over the whole store: readers and writers go on meanwhile); returns the bytes
+    its files shrank by. Waits however long it takes (:func:`patiently`)."""
+    reply = patiently(conn, lambda db: db.client.admin.command("compact", "*"), "compacting the database")
+    return int(reply.get("bytesFreed", 0))
+
+
 def answering(
     conn: Connection, what: str, since: float, silent: float | None = None, grace: float = 0.0
 ) -> float | None:

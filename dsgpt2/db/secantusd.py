@@ -17,10 +17,11 @@ server hold a snapshot while they wait:
   beside a 29 MB collection, and the server's memory grew with it;
 - the TTL sweeper, between its sweeps (a minute). dsgpt2 makes no TTL index, so it does not run.
 
-An update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`), and an index
-built over existing documents is written in key order (:func:`build_indexes_in_key_order`), an ``$in``
-of ints or strings is matched by set lookups (:func:`match_in_lists_by_set`), and a transaction idle for
-:data:`TRANSACTION_IDLE_S` is aborted.
+Besides: an update rewrites only the index entries that change (:func:`keep_unchanged_index_entries`); an
+index built over existing documents is written in key order (:func:`build_indexes_in_key_order`); an
+``$in`` of ints, strings or ObjectIds is matched by set lookups (:func:`match_in_lists_by_set`); a
+transaction idle for :data:`TRANSACTION_IDLE_S` is aborted; ``compact`` gives the space of rewritten
+records back to the file system (:func:`serve_compact`).
 
 With ``DSGPT2_DB_IDLE_STOP`` seconds in its environment (``embedded`` passes it on), the server stops
 itself, as ``dsgpt2 db stop`` would, once no client has been connected for that long: every process
@@ -42,6 +43,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import bson
+import wiredtiger
 from secantus import cli, commands, query
 from secantus import storage as engine
 from secantus.query import matches
@@ -330,6 +332,48 @@ def match_in_lists_by_set() -> None:
         commands._HANDLERS[name] = build_info_by_set
 
 
+COMPACT_TRIES = 30  # WiredTiger refuses a compact while a checkpoint runs: tried again a second later
+
+
+def _data_bytes(home: str) -> int:
+    return sum(entry.stat().st_size for entry in os.scandir(home) if entry.name.endswith(".wt"))
+
+
+def _compact(doc: Any, ctx: Any) -> dict[str, Any]:
+    """mongod's ``compact``, for the whole store: the collections share their tables here. WiredTiger
+    reuses the space of rewritten records but never gives it back to the file system by itself; a
+    compaction moves the blocks at the end of each file into that space and cuts the files short.
+    Readers and writers go on meanwhile."""
+    storage = ctx.storage
+    before = _data_bytes(storage.home_path)
+    storage.checkpoint()  # what was rewritten since the last one becomes space a compaction can fill
+    session = storage._conn.open_session()
+    try:
+        cursor = session.open_cursor("metadata:", None, None)
+        tables = [key for key, _ in cursor if key.startswith("table:")]
+        cursor.close()
+        for uri in tables:
+            for attempt in range(COMPACT_TRIES):
+                try:
+                    session.compact(uri, "timeout=0")
+                    break
+                except wiredtiger.WiredTigerError as exc:
+                    if "busy" not in str(exc).lower() or attempt == COMPACT_TRIES - 1:
+                        raise
+                    time.sleep(1.0)
+    finally:
+        session.close()
+    storage.checkpoint()
+    return {"bytesFreed": max(0, before - _data_bytes(storage.home_path)), "ok": 1.0}
+
+
+def serve_compact() -> None:
+    """Answer mongod's ``compact`` command (any collection name: the store is compacted whole), which
+    ``dsgpt2 db compact`` sends; with authentication on it takes ``fsync``'s cluster-wide privilege."""
+    commands._HANDLERS["compact"] = _compact
+    commands._COMMAND_ACTIONS["compact"] = commands._COMMAND_ACTIONS["fsync"]
+
+
 TRANSACTION_IDLE_S = 10.0
 
 
@@ -377,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     keep_unchanged_index_entries()
     build_indexes_in_key_order()
     match_in_lists_by_set()
+    serve_compact()
     return int(cli.main(argv))
 
 

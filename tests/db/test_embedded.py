@@ -223,6 +223,7 @@ def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
         (("db", "stop", str(tmp_path)), "is not a dsgpt2 database"),
         (("db", "status", "mongodb://h:1"), "only local://DIR"),
         (("db", "stop"), "name the database"),
+        (("db", "compact", str(tmp_path / "nothing")), "is not a dsgpt2 database"),
     ]:
         done = run_cli(*args)
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -292,6 +293,53 @@ def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
     assert embedded.servers().count(directory) == 1  # the server runs under the shim, and is listed
     # Two malloc arenas, not one per connection thread (each keeps what its thread freed).
     assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{_pid(directory)}/environ").read_bytes().split(b"\0")
+
+
+def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes_on(local: Any) -> None:
+    """Documents rewritten longer, as the passes' marks do: their old space stays in the files until
+    ``dsgpt2 db compact``, which shrinks them while another client writes; nothing is lost."""
+    import threading
+
+    cfg, directory = local
+    conn = Connection(load_config(cfg))
+    web = conn.db["web"]
+    web.insert_many([{"idx": i, "filt_text": f"document {i} " + "word " * 300} for i in range(3000)])
+    web.create_index("idx", unique=True)
+    for k in range(3):
+        for start in range(0, 3000, 500):
+            window = {"idx": {"$gte": start, "$lt": start + 500}}
+            web.update_many(window, {"$set": {"mark": "x" * 400 * (k + 1)}})
+        conn.client.admin.command("fsync")  # a checkpoint, as the server takes a minute into a long pass
+    web.update_many({}, {"$unset": {"mark": ""}})
+    conn.client.admin.command("fsync")
+    stop, written = threading.Event(), []
+
+    def writer() -> None:
+        other = Connection(load_config(cfg)).db["other"]
+        while not stop.is_set():
+            other.insert_one({"n": len(written)})
+            written.append(1)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    def tables() -> int:  # the log files come and go with the checkpoints
+        return sum(f.stat().st_size for f in (directory / "data").glob("*.wt"))
+
+    before = tables()
+    try:
+        done = run_cli("db", "compact", "--config", str(cfg))
+    finally:
+        stop.set()
+        thread.join()
+    assert done.returncode == 0, done.stderr
+    after = tables()
+    assert after < 0.6 * before, (before, after)
+    assert f"local://{directory}: " in done.stdout and "MB given back" in done.stdout
+    assert web.count_documents({}) == 3000 and web.count_documents({"mark": {"$exists": True}}) == 0
+    assert web.find_one({"idx": 2999})["filt_text"] == "document 2999 " + "word " * 300
+    assert conn.db["other"].count_documents({}) == len(written) > 0
+    again = run_cli("db", "compact", str(directory))  # nothing more to give back: still one line
+    assert again.returncode == 0 and again.stdout.count("\n") == 1, again.stdout
 
 
 def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
