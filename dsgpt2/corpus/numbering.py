@@ -134,7 +134,7 @@ def index_collection(
                 # the documents it already numbered keep theirs.
                 run("numbering", lambda i=ids, n=next_idx: _number(conn, coll, i, n))
                 # The batch's numbers must be on its documents: the range read by idx, compared here
-                # (an $in of the batch's _ids costs the square of its length on the embedded engine).
+                # (an $in of the batch's _ids costs the square of its length on stock SecantusDB).
                 window = {"idx": {"$gte": next_idx, "$lt": next_idx + len(ids)}}
                 held = run("check", lambda q=window: [d["_id"] for d in coll.find(q, {"_id": 1})])
                 if sorted(map(str, held)) != sorted(map(str, ids)):

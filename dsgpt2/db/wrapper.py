@@ -183,10 +183,11 @@ class MongoWrapper:
     def get_many(self, indices: Iterable[int]) -> list[Doc]:
         """The usable documents among ``indices``, in the order asked.
 
-        One query per collection touched on mongod: a range query when that collection's indices are
-        consecutive, ``$in`` otherwise. On the embedded engine, whose ``$in`` costs the square of its
-        length, a long list is cut into short ones (:meth:`Connection.in_lists`), or read as the range
-        holding it when that range is at most twice as long. Bad documents are left out and counted in
+        One query per collection touched (on mongod and the embedded server dsgpt2 starts): a range
+        query when that collection's indices are consecutive, ``$in`` otherwise. On stock SecantusDB,
+        whose ``$in`` costs the square of its length, a long list is cut into short ones
+        (:meth:`Connection.in_lists`), or read as the range holding it when that range is at most twice
+        as long. Bad documents are left out and counted in
         ``skipped`` (or raise in strict mode).
         """
         # operator.index: numpy integers become ints, which pymongo can encode.

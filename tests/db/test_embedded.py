@@ -322,6 +322,7 @@ def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes
 
     thread = threading.Thread(target=writer)
     thread.start()
+
     def tables() -> int:  # the log files come and go with the checkpoints
         return sum(f.stat().st_size for f in (directory / "data").glob("*.wt"))
 

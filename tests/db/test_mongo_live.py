@@ -104,7 +104,7 @@ def test_reads_take_numpy_indices_and_one_query_per_collection(corpus: Corpus) -
     picked = wrapper.get_many(np.arange(0, DOCS, 7))
     assert [d.index for d in picked] == list(range(0, DOCS, 7))
     # More documents than a server's default first batch (101), still one find and no getMore; on the
-    # embedded engine, whose $in costs the square of its length, one find per EMBEDDED_IN_LIST idx.
+    # stock SecantusDB, whose $in costs the square of its length, one find per EMBEDDED_IN_LIST idx.
     lists = 1 if conn.in_list_max is None else -(-len(range(0, DOCS, 7)) // EMBEDDED_IN_LIST)
     assert listener.commands == ["find"] * (1 + lists), listener.commands
     assert wrapper[np.int64(10)] == docs[0].text
