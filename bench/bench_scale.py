@@ -19,7 +19,8 @@ start to exit:
 - its files on disk after a checkpoint, per document, and after ``dsgpt2 db compact`` (information).
 
 ``BENCH_SCALE_SIZES=1000000`` runs the million (hours on two cores); ``BENCH_SCALE_STAGES`` names the
-stages to run (``ingest,validate,feed``); ``BENCH_SCALE_REPEATS=0`` leaves out the repeated passes.
+stages to run, in their order (``ingest,validate,feed``); ``BENCH_SCALE_REPEATS=0`` leaves out the
+repeated passes.
 ``BENCH_SCALE_KEEP=DIR`` keeps the documents, the databases and each stage's time in ``DIR``
 (``seconds.json``): run again, it runs only the stages not timed yet, on the databases as the last run
 left them, and reports every size timed there, so that the million runs a few stages at a time.
@@ -59,10 +60,10 @@ PASSES = {
     "feed": [],  # one epoch of streaming reads: _feed_epoch
 }
 REPEATS = int(os.environ.get("BENCH_SCALE_REPEATS", "10"))
-# BENCH_SCALE_STAGES=ingest,validate,feed: only these (ingest always runs); launch and info always do.
-STAGES = [s for s in PASSES if s in os.environ.get("BENCH_SCALE_STAGES", ",".join(PASSES)).split(",")]
-if "ingest" not in STAGES:
-    STAGES.insert(0, "ingest")
+# BENCH_SCALE_STAGES=ingest,validate,feed: only these, in that order (ingest always runs, first); launch
+# and info always do.
+STAGES = [s for s in os.environ.get("BENCH_SCALE_STAGES", ",".join(PASSES)).split(",") if s in PASSES]
+STAGES = ["ingest", *(s for s in dict.fromkeys(STAGES) if s != "ingest")]
 KEEP = os.environ.get("BENCH_SCALE_KEEP")
 PEAK_TARGET = 1.5e9  # bytes of server memory at 200,000 documents
 WORDS_PER_DOC = 280  # about 1.7 KB
