@@ -292,6 +292,9 @@ def scale(results: Path) -> list[Metric]:
                 seconds["info", n] = statistics.median(
                     _run(["-m", "dsgpt2", "info", "--config", str(config)]) for _ in range(3)
                 )
+                print(f"   {n:>7} documents: launch to the first step "
+                      f"{[round(a.seconds, 2) for a in launches[n]]} s, info {seconds['info', n]:.2f} s "
+                      "(median of 3)", flush=True)  # fmt: skip
                 if n == SIZES[min(1, len(SIZES) - 1)] and REPEATS > 1:
                     repeated = _repeats(config, directory, tok)
                     print(f"   {n:>7} documents: server MB after each curate pass "
