@@ -327,15 +327,16 @@ def _train(
 
 def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) -> Any:
     """A demo training run's configuration, in ``run``: the recipe's split, and its evaluations and
-    checkpoints spread over ``steps``; ``pretrain``: the recipe's model, schedule and DeepSpeed config
-    (as shipped) too, else the shipped CPU config's. ``model``: ModelOptions fields, and ``vocab_dir``
-    (default: the ``init_from`` model's). No connection config file: the demo hands its connection
-    config to the trainer's build."""
+    checkpoints spread over ``steps``; ``pretrain``: the recipe's model, schedule, optimizer and DeepSpeed
+    config (as shipped) too, else the shipped CPU config's and AdamW. ``model``: ModelOptions fields, and
+    ``vocab_dir`` (default: the ``init_from`` model's). No connection config file: the demo hands its
+    connection config to the trainer's build."""
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
         EngineOptions,
         ModelOptions,
+        OptimizerOptions,
         RunOptions,
         ScheduleOptions,
         TrainConfig,
@@ -344,12 +345,13 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
     vocab_dir = model.pop("vocab_dir", None)
     recipe = demo_recipe()
     ds_config = shipped_config("ds_config_cpu.json")
-    model_options, schedule = ModelOptions(**model), ScheduleOptions()
+    model_options, schedule, optim = ModelOptions(**model), ScheduleOptions(), OptimizerOptions()
     if pretrain:
         ds_config = shipped_config(Path(recipe.deepspeed_config).name)
         model_options = from_namespace(ModelOptions, recipe, **model)
         warmup = recipe.warmup_iters if recipe.warmup_iters is None else min(recipe.warmup_iters, steps // 4)
         schedule = from_namespace(ScheduleOptions, recipe, warmup_iters=warmup)
+        optim = from_namespace(OptimizerOptions, recipe)
     # As many evaluations and checkpoints as the recipe makes, over this run's steps.
     evals, saves = recipe.train_iters // recipe.eval_interval, recipe.train_iters // recipe.save_interval
     every_eval, every_save = max(1, steps // evals), max(1, steps // saves)
@@ -363,6 +365,7 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
             CheckpointOptions, recipe, ckpt_dir=run / "ckpt", save_interval=every_save, no_resume=True
         ),
         schedule=schedule,
+        optim=optim,
         engine=EngineOptions(deepspeed_config=ds_config),
     )
 

@@ -197,6 +197,7 @@ def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path:
     cfg = train_config(tmp_path, steps, pretrain=True, vocab_dir=files["tok"])
     assert cfg.engine.deepspeed_config == shipped_config(recipe.engine.deepspeed_config.name)
     assert cfg.model == recipe.model and cfg.schedule == recipe.schedule and cfg.compute == recipe.compute
+    assert cfg.optim == recipe.optim
     assert cfg.data.tr_ratio == recipe.data.tr_ratio and cfg.data.config_train is None
     same = ("train_iters", "eval_interval", "eval_iters", "wandb", "hellaswag")
     assert [getattr(cfg.run, k) for k in same] == [getattr(recipe.run, k) for k in same]
@@ -210,6 +211,29 @@ def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path:
     chat = train_config(tmp_path, 6, init_from=files["tok"], task="conversation", vocab_dir=files["tok"])
     assert chat.data.tr_ratio == recipe.data.tr_ratio and chat.schedule.lr_schedule == "deepspeed"
     assert chat.engine.deepspeed_config.name == "ds_config_cpu.json" and chat.model.task == "conversation"
+
+
+def test_the_demo_trains_with_the_optimizer_its_recipe_names(
+    files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A demo recipe naming Muon (the fast recipe's keys) pretrains with Muon, its rate and schedule."""
+    from dsgpt2.cli import pipeline
+
+    monkeypatch.setattr(pipeline, "DEMO_RECIPE", "recipes/fast.yaml")
+    pipeline.demo_recipe.cache_clear()
+    try:
+        fast = parse(
+            ["--config", str(ROOT / "configs" / "recipes" / "fast.yaml"), "--vocab_dir", str(files["tok"])]
+        )
+        assert fast.optim.optimizer == "muon"
+        cfg = pipeline.train_config(tmp_path, 40, pretrain=True, vocab_dir=files["tok"])
+        assert cfg.optim == fast.optim and cfg.schedule.lr_schedule == "wsd"
+        chat = pipeline.train_config(
+            tmp_path, 6, init_from=files["tok"], task="conversation", vocab_dir=files["tok"]
+        )
+        assert chat.optim.optimizer == "adamw"
+    finally:
+        pipeline.demo_recipe.cache_clear()
 
 
 def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dict[str, Path]) -> None:
