@@ -66,7 +66,19 @@ def gpu_settings() -> Settings:
 
     ds = json.loads(shipped_config("ds_config.json").read_text())
     micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
-    return Settings("cuda", "112m", 1024, micro, accum, 10, 40, "ds_config.json", 4, (1, 2, 4, 8))
+    warmup, steps = (int(n) for n in os.environ.get("BENCH_GPU_STEPS", "10,40").split(","))
+    return Settings("cuda", "112m", 1024, micro, accum, warmup, steps, "ds_config.json", 4, (1, 2, 4, 8))
+
+
+# The shipped GPU config before it moved to ZeRO 0 under torch autocast: DeepSpeed's bf16 optimizer at
+# ZeRO 1, whose gradients pass through its own hooks and the micro-step guard's (``ours compiled zero1``).
+ZERO1_BF16 = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
+
+
+def _wanted(name: str) -> bool:
+    """Whether run ``name`` is one ``BENCH_GPU_RUNS`` (comma-separated names; default: all) asks for."""
+    runs = os.environ.get("BENCH_GPU_RUNS")
+    return runs is None or name in [r.strip() for r in runs.split(",")]
 
 
 def train_gpu(texts: list[str], results: Path) -> list[Metric]:
@@ -84,17 +96,28 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
     runs: dict[str, dict[str, Any]] = {}
     for compiled in (False, True):
         tag = "compiled" if compiled else "eager"
-        runs[f"plain {tag}"] = _plain(s, tokenizer, compiled)
-        runs[f"ours {tag}"] = _ours(s, tokenizer, store_config, work / f"ours_{tag}", s.workers, compiled)
+        if _wanted(f"plain {tag}"):
+            runs[f"plain {tag}"] = _report(f"plain {tag}", _plain(s, tokenizer, compiled))
+        if _wanted(f"ours {tag}"):
+            runs[f"ours {tag}"] = _report(
+                f"ours {tag}", _ours(s, tokenizer, store_config, work / f"ours_{tag}", s.workers, compiled)
+            )
+    if s.device == "cuda" and _wanted("ours compiled zero1"):
+        runs["ours compiled zero1"] = _report("ours compiled zero1", _ours(
+            s, tokenizer, store_config, work / "ours_zero1", s.workers, True, ZERO1_BF16))  # fmt: skip
     for w in s.sweep:
-        if w != s.workers:
-            runs[f"ours {w} workers"] = _ours(s, tokenizer, store_config, work / f"ours_w{w}", w, False)
+        if w != s.workers and _wanted(f"ours {w} workers"):
+            runs[f"ours {w} workers"] = _report(
+                f"ours {w} workers", _ours(s, tokenizer, store_config, work / f"ours_w{w}", w, False)
+            )
     former = replace(s, micro=FORMER_GPU_SHAPE[0], accum=FORMER_GPU_SHAPE[1])
     if s.device == "cuda" and (former.micro, former.accum) != (s.micro, s.accum):
-        runs["plain compiled 16x2"] = _plain(former, tokenizer, True)
-        runs["ours compiled 16x2"] = _ours(
-            former, tokenizer, store_config, work / "ours_16x2", s.workers, True
-        )
+        if _wanted("plain compiled 16x2"):
+            runs["plain compiled 16x2"] = _report("plain compiled 16x2", _plain(former, tokenizer, True))
+        if _wanted("ours compiled 16x2"):
+            runs["ours compiled 16x2"] = _report("ours compiled 16x2", _ours(
+                former, tokenizer, store_config, work / "ours_16x2", s.workers, True))  # fmt: skip
+    print("--", where, flush=True)
     for name, r in runs.items():
         mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
         print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}", flush=True)
@@ -102,6 +125,8 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
     metrics = []
     shape = f"{s.micro} × {s.accum}, {s.tokens_per_step:,} tokens per step"
     for tag in ("eager", "compiled"):
+        if f"ours {tag}" not in runs or f"plain {tag}" not in runs:
+            continue
         ours, plain = runs[f"ours {tag}"], runs[f"plain {tag}"]
         metrics.append(
             Metric(
@@ -127,7 +152,19 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                     "TFLOP/s",
                 )
             )
-    if "ours compiled 16x2" in runs:
+    if "ours compiled zero1" in runs and "plain compiled" in runs:
+        metrics.append(
+            Metric(
+                "former config (ZeRO 1, DeepSpeed bf16) ÷ plain loop (compiled)",
+                runs["ours compiled zero1"]["tokens_per_s"],
+                runs["plain compiled"]["tokens_per_s"],
+                "tokens/s",
+                "info",
+                True,
+                f"{where}, {shape}",
+            )
+        )
+    if "ours compiled 16x2" in runs and "plain compiled 16x2" in runs:
         metrics.append(
             Metric(
                 "trainer ÷ plain loop (compiled, former 16 × 2)",
@@ -139,8 +176,9 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 f"{where}, {former.tokens_per_step:,} tokens per step: DeepSpeed's cost per step unamortized",
             )
         )
-    if s.device == "cuda":
-        best = max(runs["ours eager"]["tokens_per_s"], runs["ours compiled"]["tokens_per_s"])
+    ours_runs = [runs[k]["tokens_per_s"] for k in ("ours eager", "ours compiled") if k in runs]
+    if s.device == "cuda" and ours_runs:
+        best = max(ours_runs)
         h100 = "H100" in _device_name()
         metrics.append(
             Metric(
@@ -153,8 +191,10 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 _device_name(),
             )
         )
-    sweep = {w: (runs["ours eager"] if w == s.workers else runs[f"ours {w} workers"])["tokens_per_s"]
-             for w in s.sweep}  # fmt: skip
+    names = {w: "ours eager" if w == s.workers else f"ours {w} workers" for w in s.sweep}
+    sweep = {w: runs[name]["tokens_per_s"] for w, name in names.items() if name in runs}
+    if not sweep:
+        return metrics
     fastest = max(sweep.values())
     needed = min(w for w, tps in sweep.items() if tps >= 0.95 * fastest)
     metrics.append(
@@ -202,14 +242,33 @@ def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     return path
 
 
-def _ours(s: Settings, tokenizer: Path, store_config: Path, run: Path, workers: int, compiled: bool) -> dict:
-    """``ds_trainer.py`` for warmup + steps; tokens/s and MFU over the measured steps."""
+def _report(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    """``r``, its line printed as soon as it is measured."""
+    mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+    print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}", flush=True)
+    return r
+
+
+def _ours(
+    s: Settings,
+    tokenizer: Path,
+    store_config: Path,
+    run: Path,
+    workers: int,
+    compiled: bool,
+    ds_changes: dict[str, Any] | None = None,
+) -> dict:
+    """``ds_trainer.py`` for warmup + steps; tokens/s and MFU over the measured steps. ``ds_changes``:
+    sections that replace the shipped config's, its torch_autocast section dropped (the former config)."""
     from dsgpt2.settings.shipped import shipped_config
     from dsgpt2.train.metrics import read_metrics
 
     run.mkdir(parents=True, exist_ok=True)
     ds = json.loads(shipped_config(s.ds_config).read_text())
     ds.update(train_micro_batch_size_per_gpu=s.micro, gradient_accumulation_steps=s.accum)
+    if ds_changes:
+        ds.pop("torch_autocast", None)
+        ds.update(ds_changes)
     (run / "ds.json").write_text(json.dumps(ds))
     total = s.warmup + s.steps
     args = ["--deepspeed_config", run / "ds.json", "--config_train", store_config, "--vocab_dir", tokenizer,

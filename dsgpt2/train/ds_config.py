@@ -74,9 +74,15 @@ def load_ds_config(
     bf16 = bool(cfg.get("bf16", {}).get("enabled"))
     if fp16 and bf16:
         raise ConfigError(f"{FLAG} {p}: fp16 and bf16 are both enabled; enable one")
-    if device == "cpu" and (fp16 or bf16):
+    autocast = autocast_precision(cfg)
+    if autocast is not None and (fp16 or bf16):
         raise ConfigError(
-            f"{FLAG} {p}: {'fp16' if fp16 else 'bf16'} needs a GPU and none is visible; "
+            f"{FLAG} {p}: torch_autocast and {'fp16' if fp16 else 'bf16'} are both enabled; enable one"
+        )
+    lower = "fp16" if fp16 else "bf16" if bf16 else autocast
+    if device == "cpu" and lower is not None:
+        raise ConfigError(
+            f"{FLAG} {p}: {lower} needs a GPU and none is visible; "
             "use configs/ds_config_cpu.json (fp32) on a CPU"
         )
     sched = cfg.get("scheduler")
@@ -99,12 +105,30 @@ def zero_stage(cfg: dict[str, Any]) -> int:
     return int(cfg.get("zero_optimization", {}).get("stage", 0))
 
 
+AUTOCAST_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+
+
+def autocast_precision(cfg: dict[str, Any]) -> str | None:
+    """``bf16`` or ``fp16`` where the config's ``torch_autocast`` section is enabled (fp32 weights and
+    gradients, the matmuls in the lower precision); None without it."""
+    section = cfg.get("torch_autocast") or {}
+    if not section.get("enabled"):
+        return None
+    dtype = str(section.get("dtype", "bfloat16")).removeprefix("torch.")
+    if dtype not in AUTOCAST_DTYPES:
+        raise ConfigError(
+            f"{FLAG}: torch_autocast dtype {dtype!r} is not a lower precision; use bfloat16 or float16"
+        )
+    return AUTOCAST_DTYPES[dtype]
+
+
 def precision(cfg: dict[str, Any]) -> str:
-    """``bf16``, ``fp16`` or ``fp32``: what the config trains in."""
+    """``bf16``, ``fp16`` or ``fp32``: what the config's matmuls run in (DeepSpeed's fp16/bf16 or
+    torch autocast)."""
     for name in ("bf16", "fp16"):
         if cfg.get(name, {}).get("enabled"):
             return name
-    return "fp32"
+    return autocast_precision(cfg) or "fp32"
 
 
 def apply_schedule(cfg: dict[str, Any], opts: Any, train_iters: int) -> Schedule | None:

@@ -1,14 +1,24 @@
 """One optimizer step's micro-batches, with one wait on the device per step.
 
-A non-finite loss must not reach the step: its gradients would join the accumulated ones, and no ZeRO
-stage lets them be taken back out. Checking each loss before its backward costs a wait on the device
-per micro-batch (~4 % on an H100). Here the micro-batches before the step's last go backward without
-waiting: whether a loss was finite on every rank stays a flag on the device, and :class:`SkipGuard`'s
-hooks turn a non-finite micro-batch's gradients into exact zeros before they are accumulated (whatever
-NaN or inf the backward met on the way). The step's one wait reads the flags before the backward that
-closes the step; a non-finite micro-batch found then is recorded as skipped, in order, and another is
-drawn in its place, as a check before each backward would have done: the same micro-batches make the
-step, their gradients summed in the same order (adding an exact zero changes no float).
+A non-finite loss must not reach the step: its gradients would join the accumulated ones. Checking each
+loss before its backward costs a wait on the device per micro-batch (~4 % on an H100). Here the
+micro-batches before the step's last go backward without waiting, and the step's one wait reads, before
+the backward that closes the step, whether each of its losses was finite on every rank. A non-finite
+micro-batch found then is recorded as skipped, in order, and another is drawn in its place, as a check
+before each backward would have done: the same micro-batches make the step, their gradients summed in
+the same order. What happened to the non-finite one's gradients depends on where the engine keeps
+what it has accumulated:
+
+- in the parameters' ``.grad`` (ZeRO 0 without DeepSpeed's fp16/bf16 optimizer: fp32, or torch
+  autocast): nothing is done per micro-batch. On the rare step that met a non-finite loss the
+  accumulated gradients are dropped and the step's finite micro-batches, kept on the host, go forward
+  and backward again (there is no dropout, so they give the same gradients). The common step's host
+  work is the plain loop's: a non-finite loss costs a step's recomputation, a guard costs every step.
+- in DeepSpeed's own buffers (ZeRO 1-3, its fp16/bf16 optimizers: they reduce or copy each gradient as
+  it arrives, where it cannot be taken back out): :class:`SkipGuard`'s hooks turn a non-finite
+  micro-batch's gradients into exact zeros before they are accumulated, from a flag that stays on the
+  device until the step's wait (adding an exact zero changes no float). Those engines run their own
+  hooks per parameter per micro-batch already.
 """
 
 from __future__ import annotations
@@ -18,6 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+def gradients_in_params(engine: Any) -> bool:
+    """Whether everything ``engine`` accumulates between optimizer steps is in the parameters' ``.grad``:
+    ZeRO 0 and neither DeepSpeed's fp16 nor its bf16 optimizer (fp32, or the ``torch_autocast`` section)."""
+    stage = engine.zero_optimization_stage()
+    return stage == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
 
 
 class SkipGuard:
@@ -35,11 +52,12 @@ class SkipGuard:
         return torch.where(self.finite > 0, grad, 0.0)
 
 
-def finite_on_every_rank(loss: torch.Tensor) -> torch.Tensor:
-    """1.0 where ``loss`` is finite on every rank, else 0.0: a (1,) flag on the device, no wait."""
+def finite_on_every_rank(losses: torch.Tensor) -> torch.Tensor:
+    """Per loss of ``losses`` (a scalar or a vector), 1.0 where it is finite on every rank, else 0.0:
+    (k,) flags on the device, no wait."""
     import torch.distributed as dist
 
-    flag = torch.isfinite(loss.detach()).all().reshape(1).to(torch.float32)
+    flag = torch.isfinite(losses.detach().reshape(-1)).to(torch.float32)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return flag
@@ -48,25 +66,28 @@ def finite_on_every_rank(loss: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Micro:
     """A micro-batch that went backward: its number in the run, its batch, its loss (detached, still on
-    the device), and its finiteness flag until the step's wait has read it."""
+    the device), its finiteness flag (guarded engines only) and whether the step's wait has read it."""
 
     number: int
     batch: Any
     loss: torch.Tensor
-    flag: torch.Tensor | None
+    flag: torch.Tensor | None = None
+    read: bool = False
 
 
 class MicroLoop:
     """Runs the micro-batches of one optimizer step on a DeepSpeed engine (see the module doc).
 
     ``host_reads`` counts the waits on the device (reads of the flags): one per step, one more for each
-    non-finite micro-batch found.
+    non-finite micro-batch found. ``recomputed`` counts the micro-batches that went forward and backward
+    again after a non-finite one (unguarded engines only).
     """
 
     def __init__(self, engine: Any, grad_accum: int) -> None:
         self.engine, self.grad_accum = engine, grad_accum
-        self.guard = SkipGuard(engine.module)
+        self.guard = None if gradients_in_params(engine) else SkipGuard(engine.module)
         self.host_reads = 0
+        self.recomputed = 0
 
     def step(
         self,
@@ -74,54 +95,77 @@ class MicroLoop:
         skipped: Callable[[int], None],
         kept: Callable[[], None],
         before_update: Callable[[], None] = lambda: None,
+        forward: Callable[[Any], torch.Tensor] | None = None,
     ) -> list[Micro]:
         """Draw micro-batches until ``grad_accum`` finite ones have gone backward, then step.
 
         ``draw()``: the next micro-batch's number, batch and loss. ``skipped(number)``/``kept()``: called
         in micro-batch order as each loss is known to be non-finite/finite. ``before_update()``: after
-        the last backward, before the optimizer's update. Returns the step's micro-batches.
+        the last backward, before the optimizer's update. ``forward(batch)``: a kept micro-batch's loss
+        again (unguarded engines recompute with it after a non-finite loss). Returns the step's
+        micro-batches.
         """
         done: list[Micro] = []
         while True:
             number, batch, loss = draw()
-            flag = finite_on_every_rank(loss)
             if len(done) < self.grad_accum - 1:
+                flag = None if self.guard is None else finite_on_every_rank(loss)
                 self._backward(loss, flag, boundary=False)
                 self.engine.step()
                 done.append(Micro(number, batch, loss.detach(), flag))
                 continue
             # The step's wait: the flags not read yet, in order, this micro-batch's last.
-            waiting = [m for m in done if m.flag is not None]
-            *earlier, finite = self._read([m.flag for m in waiting if m.flag is not None] + [flag])
+            waiting = [m for m in done if not m.read]
+            *earlier, finite = self._read(waiting, loss)
             dropped = set()
             for m, ok in zip(waiting, earlier, strict=True):
-                m.flag = None
+                m.read, m.flag = True, None
                 if ok:
                     kept()
                 else:
                     skipped(m.number)
                     dropped.add(m.number)
             done = [m for m in done if m.number not in dropped]
+            if dropped and self.guard is None:
+                self._recompute(done, forward)
             if not finite:
                 skipped(number)
                 continue
             kept()
             last = len(done) == self.grad_accum - 1
             self._backward(loss, None, boundary=last)
-            done.append(Micro(number, batch, loss.detach(), None))
+            done.append(Micro(number, batch, loss.detach(), read=True))
             if last:
                 before_update()
                 self.engine.step()
                 return done
             self.engine.step()
 
-    def _read(self, flags: list[torch.Tensor]) -> list[bool]:
+    def _read(self, waiting: list[Micro], loss: torch.Tensor) -> list[bool]:
         self.host_reads += 1
-        return [v > 0 for v in torch.cat(flags).tolist()]
+        if self.guard is None:
+            flags = finite_on_every_rank(torch.stack([m.loss for m in waiting] + [loss.detach()]))
+        else:
+            flags = torch.cat([m.flag for m in waiting if m.flag is not None] + [finite_on_every_rank(loss)])
+        return [v > 0 for v in flags.tolist()]
+
+    def _recompute(self, kept: list[Micro], forward: Callable[[Any], torch.Tensor] | None) -> None:
+        """Drop what the step has accumulated, then the kept micro-batches forward and backward again,
+        in order: the gradients they alone give."""
+        if forward is None:
+            raise ValueError("an unguarded engine needs forward= to recompute after a non-finite loss")
+        self.engine.zero_grad()
+        for m in kept:
+            self._backward(forward(m.batch), None, boundary=False)
+            self.engine.step()
+            self.recomputed += 1
 
     def _backward(self, loss: torch.Tensor, flag: torch.Tensor | None, boundary: bool) -> None:
         """Backward under the boundary DeepSpeed is told; with ``flag``, through the guard."""
         self.engine.set_gradient_accumulation_boundary(boundary)
+        if self.guard is None:
+            self.engine.backward(loss)
+            return
         self.guard.finite = flag
         try:
             self.engine.backward(loss)

@@ -298,7 +298,7 @@ class Trainer:
                 self._hand_norm = _grad_norm(self.engine.module)
 
         micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
-                                      before_update)  # fmt: skip
+                                      before_update, forward=self._forward)  # fmt: skip
         ids: list[Any] = []
         for m in micros:
             state.tokens += m.batch.tokens * self.world

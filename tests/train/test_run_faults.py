@@ -101,6 +101,32 @@ def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path
     assert sorted(p.name for p in (tmp_path / "run" / "ckpt").iterdir() if p.is_dir())[-1] == "global_step2"
 
 
+def test_a_nonfinite_loss_trains_the_same_model_recomputed_or_guarded(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """ZeRO 0 keeps no hook: the step that met the NaN drops its gradients and recomputes the micro-batches
+    before it; ZeRO 1 zeroes the NaN's gradients in its hooks. The same model either way."""
+    runs = {}
+    for stage in (0, 1):
+        ds = json.loads(corpus["ds"].read_text())
+        ds["gradient_accumulation_steps"] = 4
+        ds["zero_optimization"] = {"stage": stage}
+        where = tmp_path / f"zero{stage}"
+        where.mkdir()
+        (where / "ds.json").write_text(json.dumps(ds))
+        done = train(dict(corpus, ds=where / "ds.json"), where, "--train_iters", "3",
+                     "--save_interval", "100", faults=("--nonfinite_at", "3"))  # fmt: skip
+        assert "non-finite losses skipped: 1" in done.stdout
+        runs[stage] = steps(where)
+    assert sorted(runs[0]) == sorted(runs[1]) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = runs[0][step], runs[1][step]
+        assert a["block_ids"] == b["block_ids"], step
+        for x, y in zip(a["losses"], b["losses"], strict=True):
+            assert abs(x - y) <= 1e-5, (step, x, y)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"]), step
+
+
 def test_missing_or_corrupt_checkpoints_are_clear_errors(corpus: dict[str, Path], tmp_path: Path) -> None:
     from conftest import run_cli
 

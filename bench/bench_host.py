@@ -1,0 +1,198 @@
+"""Host work per optimizer step (``host``): our trainer ÷ a plain compiled loop, counted on the CPU.
+
+On a GPU every op the host dispatches outside the compiled graph costs launch time whether or not the
+device is busy; when the host's share of a step grows past the device's, the GPU waits. On the CPU the
+device *is* the host and the time hides this, but the count does not: the profiler sees every aten op a
+step dispatches, and which of them ran inside a compiled graph.
+
+The model is 112m-shaped and narrow: 12 layers and 12 heads (the same parameter tensors as 112m) at width
+96 and context 128, at the shipped GPU config's micro-batch × accumulation. Both sides are compiled:
+
+- ours: ``ds_trainer.py``'s ``main`` in process with the shipped ``ds_config.json`` (ZeRO 1, its
+  micro-batch and accumulation; fp32 and torch's AdamW, as a CPU needs), streaming the sample corpus
+  from ``local://``;
+- anchor: the plain loop of :mod:`bench.bench_gpu` (fp32 on the CPU, fused AdamW, clipping) on the same
+  model.
+
+Per optimizer step, over steady steps: top-level aten ops outside compiled graphs (the profiler's count;
+an op called by another op, or by a compiled graph, is not counted again) and host time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.bench_gpu import Settings, _config, _corpus
+from bench.common import Metric
+
+ROOT = Path(__file__).resolve().parent.parent
+RATIO_TARGET = 1.3
+WIDTH = 96
+PROFILED = 3  # steps inside the profiler
+COMPILED_SCOPES = ("CompiledFunction", "Torch-Compiled Region", "## Call CompiledFxGraph")
+
+
+def host_settings() -> Settings:
+    from dsgpt2.settings.shipped import shipped_config
+
+    ds = json.loads(shipped_config("ds_config.json").read_text())
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    return Settings("cpu", "112m", 128, micro, accum, 4, 6, "ds_config.json", 1, (1,))
+
+
+def host(texts: list[str], results: Path) -> list[Metric]:
+    s = host_settings()
+    work = results / "host"
+    tokenizer = results / "vocab_bench_tok"
+    if not (tokenizer / "tokenizer.json").exists():
+        from bench import bench_vocab
+
+        bench_vocab.run(texts, results, repeats=1)
+    store_config = _corpus(texts, work, tokenizer, (s.warmup + s.steps + PROFILED) * s.tokens_per_step)
+    model_config = work / "narrow.json"
+    model_config.write_text(json.dumps({"n_layer": 12, "n_head": 12, "n_embd": WIDTH}))
+    spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config),
+            "model_config": str(model_config), "work": str(work)}  # fmt: skip
+    ours, plain = _spawn("ours", spec), _spawn("plain", spec)
+    for name, r in (("ours", ours), ("plain", plain)):
+        top = ", ".join(f"{op} {n:.0f}" for op, n in r["top"][:6])
+        print(f"   {name:<6} {r['ops']:>8,.0f} ops/step outside compiled graphs, "
+              f"{r['host_ms']:>7.1f} ms/step; most: {top}", flush=True)  # fmt: skip
+    shape = f"12 layers × width {WIDTH}, context {s.context}, {s.micro} × {s.accum}, compiled"
+    return [
+        Metric("host: aten ops per step outside compiled graphs", ours["ops"], plain["ops"], "ops",
+               f"<= {RATIO_TARGET}", ours["ops"] <= RATIO_TARGET * plain["ops"], shape),
+        Metric("host: time per step (CPU)", ours["host_ms"], plain["host_ms"], "ms", "info", True, shape),
+    ]  # fmt: skip
+
+
+def _spawn(side: str, spec: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "bench.bench_host", side, json.dumps(spec)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=3600)  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"{side} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def outside_compiled(events: Any) -> Counter:
+    """Top-level aten ops not run by a compiled graph, by name (``events``: the profiler's)."""
+    counts: Counter = Counter()
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent, inside = e.cpu_parent, False
+        while parent is not None and not inside:
+            inside = parent.name.startswith("aten::") or parent.name.startswith(COMPILED_SCOPES)
+            parent = parent.cpu_parent
+        if not inside:
+            counts[e.name] += 1
+    return counts
+
+
+class _Window:
+    """Steps ``warmup``+1 .. ``warmup``+``steps`` timed; the next ``PROFILED`` steps under the profiler."""
+
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
+        self.times: list[float] = []
+        self.prof: Any = None
+        self.counts: Counter = Counter()
+
+    def after_step(self, step: int) -> None:
+        import torch
+
+        if self.warmup <= step <= self.warmup + self.steps:
+            self.times.append(time.perf_counter())
+        if step == self.warmup + self.steps:
+            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.prof.__enter__()
+        elif step == self.warmup + self.steps + PROFILED and self.prof is not None:
+            self.prof.__exit__(None, None, None)
+            self.counts = outside_compiled(self.prof.events())
+            self.prof = None
+
+    def result(self) -> dict[str, Any]:
+        host_ms = 1000 * (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+        per_step = {op: n / PROFILED for op, n in self.counts.items()}
+        return {"ops": sum(per_step.values()), "host_ms": host_ms,
+                "top": sorted(per_step.items(), key=lambda kv: -kv[1])}  # fmt: skip
+
+
+def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
+    from dsgpt2.train.trainer import main
+
+    work = Path(spec["work"]) / "ours"
+    shutil.rmtree(work, ignore_errors=True)
+    window = _Window(s.warmup, s.steps)
+    total = s.warmup + s.steps + PROFILED
+    argv = ["--deepspeed_config", spec_ds_config(s, work), "--config_train", spec["store"],
+            "--vocab_dir", spec["tokenizer"], "--model_config", spec["model_config"],
+            "--context_length", s.context, "--train_iters", total, "--log_interval", 10 * total,
+            "--eval_interval", 10 * total, "--save_interval", 10 * total, "--workspace", work / "ws",
+            "--ckpt_dir", work / "ckpt", "--no_resume", "--wandb", "off", "--num_workers", 1,
+            "--data_mode", "streaming", "--compile"]  # fmt: skip
+    code = main([str(a) for a in argv], after_step=window.after_step)
+    if code != 0:
+        raise RuntimeError(f"ds_trainer.py exited {code}")
+    return window.result()
+
+
+def spec_ds_config(s: Settings, work: Path) -> Path:
+    from dsgpt2.settings.shipped import shipped_config
+
+    work.mkdir(parents=True, exist_ok=True)
+    ds = json.loads(shipped_config(s.ds_config).read_text())
+    # On a CPU: fp32 (the trainer refuses bf16 without a GPU) and torch's AdamW (DeepSpeed's fused one
+    # is CUDA's); the ZeRO stage, micro-batch and accumulation stay the shipped config's.
+    ds.pop("bf16", None)
+    ds["optimizer"]["params"]["torch_adam"] = True
+    if os.environ.get("HOST_ZERO"):
+        ds["zero_optimization"]["stage"] = int(os.environ["HOST_ZERO"])
+    path = work / "ds.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def _plain(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
+    """The plain loop of :mod:`bench.bench_gpu` on the narrow model (fp32 on the CPU), profiled."""
+    import torch
+
+    from dsgpt2.model.gpt2 import build_model, param_groups
+
+    config = _config(replace(s, preset="112m"), Path(spec["tokenizer"]))
+    config.update(json.loads(Path(spec["model_config"]).read_text()))
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = build_model(config).train()
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    forward = torch.compile(model)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, config.vocab_size, (s.micro, s.context), generator=gen) for _ in range(8)]
+    window = _Window(s.warmup, s.steps)
+    for i in range(s.warmup + s.steps + PROFILED):
+        for k in range(s.accum):
+            x = batches[(i * s.accum + k) % len(batches)]
+            loss = forward(input_ids=x, labels=x, use_cache=False).loss / s.accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        window.after_step(i + 1)
+    return window.result()
+
+
+if __name__ == "__main__" and sys.argv[1:2] in (["ours"], ["plain"]):
+    spec = json.loads(sys.argv[2])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = Settings(**{**spec["settings"], "sweep": tuple(spec["settings"]["sweep"])})
+    result = (_ours if sys.argv[1] == "ours" else _plain)(settings, spec)
+    print(json.dumps(result))
