@@ -8,9 +8,9 @@ step dispatches, and which of them ran inside a compiled graph.
 The model is 112m-shaped and narrow: 12 layers and 12 heads (the same parameter tensors as 112m) at width
 96 and context 128, at the shipped GPU config's micro-batch × accumulation. Both sides are compiled:
 
-- ours: ``ds_trainer.py``'s ``main`` in process with the shipped ``ds_config.json`` (ZeRO 1, its
-  micro-batch and accumulation; fp32 and torch's AdamW, as a CPU needs), streaming the sample corpus
-  from ``local://``;
+- ours: ``ds_trainer.py``'s ``main`` in process with the shipped ``ds_config.json`` (its ZeRO stage,
+  micro-batch and accumulation; fp32 and torch's fused AdamW, as a CPU needs), streaming the sample
+  corpus from ``local://``;
 - anchor: the plain loop of :mod:`bench.bench_gpu` (fp32 on the CPU, fused AdamW, clipping) on the same
   model.
 
@@ -133,7 +133,7 @@ def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
     work = Path(spec["work"]) / "ours"
     shutil.rmtree(work, ignore_errors=True)
     window = _Window(s.warmup, s.steps)
-    total = s.warmup + s.steps + PROFILED
+    total = s.warmup + s.steps + PROFILED + 1  # the last step's validation and save: past the window
     argv = ["--deepspeed_config", spec_ds_config(s, work), "--config_train", spec["store"],
             "--vocab_dir", spec["tokenizer"], "--model_config", spec["model_config"],
             "--context_length", s.context, "--train_iters", total, "--log_interval", 10 * total,
@@ -151,12 +151,12 @@ def spec_ds_config(s: Settings, work: Path) -> Path:
 
     work.mkdir(parents=True, exist_ok=True)
     ds = json.loads(shipped_config(s.ds_config).read_text())
-    # On a CPU: fp32 (the trainer refuses bf16 without a GPU) and torch's AdamW (DeepSpeed's fused one
-    # is CUDA's); the ZeRO stage, micro-batch and accumulation stay the shipped config's.
+    # On a CPU: fp32 (the trainer refuses bf16 without a GPU) and torch's fused AdamW, as the plain
+    # loop's (DeepSpeed's fused one is CUDA's); the ZeRO stage, micro-batch and accumulation stay the
+    # shipped config's.
     ds.pop("bf16", None)
-    ds["optimizer"]["params"]["torch_adam"] = True
-    if os.environ.get("HOST_ZERO"):
-        ds["zero_optimization"]["stage"] = int(os.environ["HOST_ZERO"])
+    ds.pop("torch_autocast", None)
+    ds["optimizer"]["params"].update(torch_adam=True, fused=True)
     path = work / "ds.json"
     path.write_text(json.dumps(ds))
     return path

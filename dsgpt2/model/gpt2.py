@@ -189,12 +189,17 @@ def batch_inputs(batch: Any, device: Any, doc_mask_eot: int | None = None) -> di
     ``doc_mask_eot``: no attention mask and positions that restart per document, so the model attends
     within documents only (padding, after the last end-of-text, is a document of its own): how a
     run with --doc_mask trains and is evaluated.
+
+    A batch without padding (every packed block but a stream's last) gets no attention mask either:
+    transformers then runs its causal attention as such (SDPA's ``is_causal``, flash kernels), where a
+    mask of ones would be materialized as a (B, 1, T, T) bias under ``torch.compile``, which cannot look
+    at its values, and attention would run the masked kernels (on a CPU: the unfused matmuls).
     """
     input_ids = to_device(batch.input_ids, device)
     inputs = {"input_ids": input_ids, "use_cache": False}
     if doc_mask_eot is not None:
         inputs["position_ids"] = doc_position_ids(input_ids, doc_mask_eot)
-    else:
+    elif not bool(batch.attention_mask.all()):
         inputs["attention_mask"] = to_device(batch.attention_mask, device)
     return inputs
 

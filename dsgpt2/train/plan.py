@@ -104,8 +104,8 @@ def plan_lines(
             "allocator; torch.compile keeps fewer activations than eager"
         )
     out.append(
-        "  configs: ds_config.json (stage 1, bf16), ds_config_fp16.json, ds_config_zero2_offload.json, "
-        "ds_config_zero3_offload.json, ds_config_cpu.json (CPU, fp32)"
+        "  configs: ds_config.json (stage 0, bf16 autocast), ds_config_fp16.json, "
+        "ds_config_zero2_offload.json, ds_config_zero3_offload.json, ds_config_cpu.json (CPU, fp32)"
     )
     return out
 

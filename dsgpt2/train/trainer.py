@@ -230,7 +230,9 @@ class Trainer:
         self.started = state.step
         # ZeRO 1-3 report the gradient norm; without ZeRO the engine computes none to report.
         self._norm_by_hand = zero_stage(run_config["deepspeed"]) == 0
-        self._hand_norm: float | None = None
+        self._hand_norm: torch.Tensor | float | None = None
+        self._clip = engine.clip
+        self._trained = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.last_val: float | None = None
         self.last_hellaswag: dict[str, Any] = {}
         self.run_of_bad = 0
@@ -294,7 +296,10 @@ class Trainer:
             self.run_of_bad = 0
 
         def before_update() -> None:
-            if norm_due:
+            if self._clip:
+                # One multi-tensor pass: the clip, and the norm left on the device until a log reads it.
+                self._hand_norm = torch.nn.utils.clip_grad_norm_(self._trained, self._clip, foreach=True)
+            elif norm_due:
                 self._hand_norm = _grad_norm(self.engine.module)
 
         micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
