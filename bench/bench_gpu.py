@@ -276,7 +276,7 @@ def _ours(
             "--log_interval", 5, "--eval_interval", 10 * total, "--eval_iters", 1,
             "--save_interval", 10 * total, "--workspace", run / "ws", "--ckpt_dir", run / "ckpt",
             "--no_resume", "--wandb", "off", "--num_workers", workers, "--data_mode", "streaming",
-            *(["--compile"] if compiled else [])]  # fmt: skip
+            "--compile" if compiled else "--no_compile"]  # fmt: skip
     (run / "ws" / "metrics.jsonl").unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip

@@ -59,7 +59,9 @@ def host(texts: list[str], results: Path) -> list[Metric]:
         bench_vocab.run(texts, results, repeats=1)
     store_config = _corpus(texts, work, tokenizer, (s.warmup + s.steps + PROFILED) * s.tokens_per_step)
     model_config = work / "narrow.json"
-    model_config.write_text(json.dumps({"n_layer": 12, "n_head": 12, "n_embd": WIDTH}))
+    # No dropout, as the presets (a config file's missing keys would take GPT2Config's 0.1).
+    model_config.write_text(json.dumps({"n_layer": 12, "n_head": 12, "n_embd": WIDTH, "resid_pdrop": 0.0,
+                                        "embd_pdrop": 0.0, "attn_pdrop": 0.0}))  # fmt: skip
     spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config),
             "model_config": str(model_config), "work": str(work)}  # fmt: skip
     ours, plain = _spawn("ours", spec), _spawn("plain", spec)

@@ -11,7 +11,10 @@ chunk's logits are the same matmul in the model's dtype, upcast before the softm
 
 :func:`with_chunked_loss` gives a ``GPT2LMHeadModel`` this loss for calls with ``labels`` (the
 trainer's, ``dsgpt2 evaluate``'s and validation's), leaving the class, its weights and its state dict
-as they are; a call without labels (generation, HellaSwag) is transformers' own forward.
+as they are; a call without labels (generation, HellaSwag) is transformers' own forward. Under
+``torch.compile`` (``compiled=True``) the chunks are traced into the model's graph: one compiled region
+per micro-batch instead of a graph break and a few dozen eager dispatches per chunk, and, the chunks
+unrolled in order, the same memory (only a chunk's logits at a time) as eager.
 """
 
 from __future__ import annotations
@@ -90,13 +93,15 @@ def _chunked_forward(self: Any, *args: Any, labels: Any = None, nll_sum: bool = 
 
     kwargs.pop("logits_to_keep", None)
     hidden = self.transformer(*args, **kwargs).last_hidden_state
-    nll, n = _EAGER_NLL[0](hidden, self.lm_head.weight, labels, self.loss_chunk)
+    nll_of = lm_head_nll if self.loss_in_graph else _EAGER_NLL[0]
+    nll, n = nll_of(hidden, self.lm_head.weight, labels, self.loss_chunk)
     return CausalLMOutputWithCrossAttentions(loss=nll if nll_sum else nll / n.clamp(min=1))
 
 
-def with_chunked_loss(model: Any, chunk: int) -> Any:
+def with_chunked_loss(model: Any, chunk: int, compiled: bool = False) -> Any:
     """``model`` (a ``GPT2LMHeadModel``) computing its labelled loss in chunks of ``chunk`` tokens;
-    0 leaves it as it is (transformers' loss over the whole logits)."""
+    0 leaves it as it is (transformers' loss over the whole logits). ``compiled``: the model will run
+    under ``torch.compile``, which then traces the loss too (else it stays eager)."""
     if chunk > 0:
         if not _EAGER_NLL:
             # Left out of torch.compile: eager chunks, as transformers' loss is. Wrapped here, not
@@ -104,6 +109,7 @@ def with_chunked_loss(model: Any, chunk: int) -> Any:
             # variable (TORCHINDUCTOR_CACHE_DIR) that importing dsgpt2 must leave alone.
             _EAGER_NLL.append(torch.compiler.disable(lm_head_nll))
         model.loss_chunk = chunk
+        model.loss_in_graph = compiled
         model.forward = types.MethodType(_chunked_forward, model)
     return model
 

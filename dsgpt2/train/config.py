@@ -231,7 +231,11 @@ class ComputeOptions:
     attn_implementation: str = option(
         "sdpa", "attention kernel (flash_attention_2: the flash-attn package and a GPU)", choices=ATTENTION
     )
-    compile: bool = option(False, "torch.compile the model (the first steps compile it)")
+    compile: bool | None = option(
+        None,
+        "torch.compile the model (the first steps compile it); default: on where CUDA is the device "
+        "(--no_compile turns it off), off on a CPU",
+    )
     activation_checkpointing: bool = option(
         False, "recompute each layer's activations in the backward pass: less memory, ~a third more compute"
     )

@@ -244,3 +244,14 @@ def test_each_environment_builds_deepspeeds_op_in_its_own_cache_and_says_so_firs
     with caplog.at_level(logging.INFO, logger="dsgpt2"):
         accelerator.announce_cpu_op_build()
     assert caplog.text == ""
+
+
+def test_compile_is_on_where_cuda_is_unless_turned_off(files: dict[str, Path]) -> None:
+    from dsgpt2.train.engine import compiles
+
+    assert parse(argv(files)).compute.compile is None
+    assert parse(argv(files, "--compile")).compute.compile is True
+    assert parse(argv(files, "--no_compile")).compute.compile is False
+    assert parse(argv(files, "--no-compile")).compute.compile is False
+    assert compiles(None, "cuda") and not compiles(None, "cpu")
+    assert not compiles(False, "cuda") and compiles(True, "cpu")
