@@ -143,7 +143,8 @@ def build_engine(
         log.info("initialised from %s", m.init_from)
     # ZeRO 3 gathers the head's weight around its own forward, which the loss never calls: there
     # the loss stays eager, outside the graph.
-    model = with_chunked_loss(model, c.loss_chunk, compiled=bool(c.compile) and zero_stage(ds_config) != 3)
+    compiled = compiles(c.compile, device)
+    model = with_chunked_loss(model, c.loss_chunk, compiled=compiled and zero_stage(ds_config) != 3)
     if c.activation_checkpointing:
         checkpoint_activations(model)
     scheduler = None
@@ -167,7 +168,7 @@ def build_engine(
         # One rank has nothing to all-reduce: DeepSpeed would still flatten every gradient into a buffer
         # and copy it back, parameter by parameter, at each step.
         engine.enable_backward_allreduce = False
-    if c.compile:
+    if compiled:
         # In place (nn.Module.compile): parameter names and checkpoints stay as they were.
         engine.compile()
     built = Engine(

@@ -52,7 +52,6 @@ from dsgpt2.train.engine import (
     Engine,
     EngineSettings,
     build_engine,
-    compiles,
     init_context,
     init_weights,
     model_config_for,
@@ -124,7 +123,6 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = replace(cfg, compute=replace(cfg.compute, compile=compiles(cfg.compute.compile, device)))
     mongo = mongo or load_config(cfg.data.config_train)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
     check_attention(cfg.compute.attn_implementation, device)

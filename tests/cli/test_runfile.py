@@ -237,6 +237,8 @@ def test_the_demo_trains_with_the_optimizer_its_recipe_names(
 
 
 def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dict[str, Path]) -> None:
+    from dsgpt2.train.ds_config import precision
+
     cfg = parse(
         ["--config", str(ROOT / "configs" / "recipes" / "112m_8gpu.toml"), "--vocab_dir", str(files["tok"])]
     )
@@ -247,7 +249,7 @@ def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dic
         * 8
         * cfg.model.context_length
     )
-    assert cfg.model.model_select == "112m" and ds["bf16"]["enabled"] and tokens == 1_048_576
+    assert cfg.model.model_select == "112m" and precision(ds) == "bf16" and tokens == 1_048_576
     assert cfg.schedule.lr_schedule == "cosine" and cfg.run.train_iters * tokens > 9.9e9
     # llm.c's GPT-2 warmup, 700 steps of ~0.5 M tokens, over the same tokens at twice the batch.
     assert cfg.schedule.warmup_iters * tokens == 700 * 524_288
