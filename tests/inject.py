@@ -1,9 +1,10 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
-    python tests/inject.py [--nonfinite_at N ...] [--exit_after STEP] [--after STEP=COMMAND ...]
-        [--kill_group_after STEP] -- DS_TRAINER_FLAGS...
+    python tests/inject.py [--nonfinite_at N ...] [--nonfinite_rank R] [--exit_after STEP]
+        [--after STEP=COMMAND ...] [--kill_group_after STEP] -- DS_TRAINER_FLAGS...
 
---nonfinite_at: the loss of these micro-batches becomes NaN; --exit_after: die like a killed job
+--nonfinite_at: the loss of these micro-batches becomes NaN (--nonfinite_rank: on that rank only, else
+on every rank); --exit_after: die like a killed job
 right after that step (no cleanup, no final checkpoint), exit code 17; --after: run the shell
 COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it;
 --kill_group_after: SIGKILL this process's whole process group after that step (a node lost at once:
@@ -27,6 +28,7 @@ from dsgpt2.train import trainer
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--nonfinite_at", type=int, nargs="*", default=[])
+    p.add_argument("--nonfinite_rank", type=int)
     p.add_argument("--exit_after", type=int)
     p.add_argument("--after", action="append", default=[])
     p.add_argument("--kill_group_after", type=int)
@@ -35,8 +37,10 @@ def main() -> int:
     # The deepspeed launcher puts --local_rank=N first: it is the trainer's.
     faults, launcher_args = p.parse_known_args(argv[:cut])
 
+    here = faults.nonfinite_rank is None or faults.nonfinite_rank == int(os.environ.get("RANK", "0"))
+
     def on_loss(micro: int, loss: torch.Tensor) -> torch.Tensor:
-        return loss * float("nan") if micro in faults.nonfinite_at else loss
+        return loss * float("nan") if here and micro in faults.nonfinite_at else loss
 
     commands = {int(k): v for k, v in (a.split("=", 1) for a in faults.after)}
 

@@ -120,8 +120,11 @@ def wait_for_steps(run: Path, count: int, proc: subprocess.Popen, after: int = 0
     wait_for(done, 240, f"{count} training step(s)", proc)
 
 
-def launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
-    """``ranks`` CPU ranks training into ``run`` under the `deepspeed` launcher, run to the end (exit 0)."""
+def launch(
+    corpus: dict[str, Path], run: Path, ranks: int, *extra: str, faults: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``ranks`` CPU ranks training into ``run`` under the `deepspeed` launcher, run to the end (exit 0);
+    with ``faults``, through tests/inject.py's hooks."""
     import socket
 
     with socket.socket() as s:
@@ -134,7 +137,8 @@ def launch(corpus: dict[str, Path], run: Path, ranks: int, *extra: str) -> subpr
         "--master_port",
         str(port),
     ]
-    result = subprocess.run([*launcher, str(ROOT / "ds_trainer.py"), *trainer_args(corpus, run, *extra)],
+    script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
+    result = subprocess.run([*launcher, *script, *trainer_args(corpus, run, *extra)],
                             cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     # DeepSpeed's CPU allreduce buffers (66 MB a rank) are not left in /dev/shm after the run.

@@ -5,6 +5,7 @@ an experiment file under the launcher, HellaSwag scored across ZeRO-3 ranks."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -57,6 +58,35 @@ def test_two_ranks_under_the_deepspeed_launcher_share_one_cache(
     assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
     assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
+
+
+def test_a_nan_on_one_rank_of_two_is_skipped_by_both_and_trains_the_same_model_at_zero_0_and_1(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Micro-batch 3 of 4 is NaN on rank 1 only. Both ranks skip it, in order, and draw another; at ZeRO 0
+    the step drops its gradients and recomputes micro-batches 1 and 2 (no hook), at ZeRO 1 the guard's
+    hooks zero it: the same losses, nothing non-finite in the weights."""
+    runs = {}
+    for stage in (0, 1):
+        ds = json.loads(corpus["ds"].read_text())
+        ds["gradient_accumulation_steps"] = 4
+        ds["zero_optimization"] = {"stage": stage}
+        where = tmp_path / f"zero{stage}"
+        where.mkdir()
+        (where / "ds.json").write_text(json.dumps(ds))
+        nan = ("--nonfinite_at", "3", "--nonfinite_rank", "1")
+        done = launch(dict(corpus, ds=where / "ds.json"), where, 2, "--train_iters", "3",
+                      "--save_interval", "100", "--num_workers", "1", faults=nan)  # fmt: skip
+        assert "non-finite losses skipped: 1" in done.stdout
+        records = read_metrics(where / "ws" / "metrics.jsonl")
+        assert [(r["step"], r["micro"]) for r in records if r["event"] == "nonfinite"] == [(0, 3)]
+        runs[stage] = steps(where)
+    assert sorted(runs[0]) == sorted(runs[1]) == [1, 2, 3]
+    for step in (1, 2, 3):
+        a, b = runs[0][step], runs[1][step]
+        assert a["block_ids"] == b["block_ids"], step
+        for x, y in zip(a["losses"], b["losses"], strict=True):
+            assert math.isfinite(x) and abs(x - y) <= 1e-5, (step, x, y)
 
 
 def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_one_process_then_resumes(
