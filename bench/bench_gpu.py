@@ -36,6 +36,7 @@ from bench.common import Metric
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_TOKENS_PER_S = 0.45e6  # 112m on one H100
 RATIO_TARGET = 0.95
+BUSY_TARGET = 0.95
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,9 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
         if _wanted("ours compiled 16x2"):
             runs["ours compiled 16x2"] = _report("ours compiled 16x2", _ours(
                 former, tokenizer, store_config, work / "ours_16x2", s.workers, True))  # fmt: skip
+    if s.device == "cuda" and _wanted("busy"):
+        busy_run = _busy(s, tokenizer, store_config, work / "busy")
+        runs["ours compiled busy"] = _report("ours compiled busy", busy_run)
     print("--", where, flush=True)
     for name, r in runs.items():
         mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
@@ -176,6 +180,12 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 f"{where}, {former.tokens_per_step:,} tokens per step: DeepSpeed's cost per step unamortized",
             )
         )
+    if "ours compiled busy" in runs:
+        busy = runs["ours compiled busy"]["busy"]
+        metrics.append(
+            Metric("GPU busy (kernel time ÷ wall, ours compiled)", busy, BUSY_TARGET, "share",
+                   f">= {BUSY_TARGET}", busy >= BUSY_TARGET, f"{where}, {shape}, steady steps profiled")
+        )  # fmt: skip
     ours_runs = [runs[k]["tokens_per_s"] for k in ("ours eager", "ours compiled") if k in runs]
     if s.device == "cuda" and ours_runs:
         best = max(ours_runs)
@@ -242,10 +252,27 @@ def _corpus(texts: list[str], work: Path, tokenizer: Path, tokens: int) -> Path:
     return path
 
 
+def _busy(s: Settings, tokenizer: Path, store_config: Path, run: Path) -> dict[str, Any]:
+    """Our trainer, compiled, in process under the profiler (:mod:`bench.bench_host`): the share of the
+    wall time of ``PROFILED`` steady steps in which a kernel ran, and tokens/s over the timed steps."""
+    from bench.bench_host import spawn
+    from dsgpt2.settings.shipped import shipped_config
+
+    run.mkdir(parents=True, exist_ok=True)
+    ds = json.loads(shipped_config(s.ds_config).read_text())
+    ds.update(train_micro_batch_size_per_gpu=s.micro, gradient_accumulation_steps=s.accum)
+    (run / "ds.json").write_text(json.dumps(ds))
+    spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config), "work": str(run),
+            "ds_config": str(run / "ds.json"), "model_config": ""}  # fmt: skip
+    r = spawn("ours", spec)
+    return {"tokens_per_s": s.tokens_per_step / (r["host_ms"] / 1000), "busy": r["busy"]}
+
+
 def _report(name: str, r: dict[str, Any]) -> dict[str, Any]:
     """``r``, its line printed as soon as it is measured."""
     mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-    print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}", flush=True)
+    busy = f", GPU busy {r['busy']:.1%}" if r.get("busy") is not None else ""
+    print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}{busy}", flush=True)
     return r
 
 

@@ -64,7 +64,7 @@ def host(texts: list[str], results: Path) -> list[Metric]:
                                         "embd_pdrop": 0.0, "attn_pdrop": 0.0}))  # fmt: skip
     spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config),
             "model_config": str(model_config), "work": str(work)}  # fmt: skip
-    ours, plain = _spawn("ours", spec), _spawn("plain", spec)
+    ours, plain = spawn("ours", spec), spawn("plain", spec)
     for name, r in (("ours", ours), ("plain", plain)):
         top = ", ".join(f"{op} {n:.0f}" for op, n in r["top"][:6])
         print(f"   {name:<6} {r['ops']:>8,.0f} ops/step outside compiled graphs, "
@@ -77,7 +77,8 @@ def host(texts: list[str], results: Path) -> list[Metric]:
     ]  # fmt: skip
 
 
-def _spawn(side: str, spec: dict[str, Any]) -> dict[str, Any]:
+def spawn(side: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """``python -m bench.bench_host SIDE SPEC`` in a fresh process: its result."""
     proc = subprocess.run([sys.executable, "-m", "bench.bench_host", side, json.dumps(spec)], cwd=ROOT,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip
     if proc.returncode != 0:
@@ -100,48 +101,85 @@ def outside_compiled(events: Any) -> Counter:
     return counts
 
 
+def covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` ((start, end) pairs): time the device was busy, kernels
+    on several streams counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 class _Window:
-    """Steps ``warmup``+1 .. ``warmup``+``steps`` timed; the next ``PROFILED`` steps under the profiler."""
+    """Steps ``warmup``+1 .. ``warmup``+``steps`` timed; the next ``PROFILED`` steps under the profiler.
+    Where CUDA exists the profiler also records the kernels: ``busy`` is the share of the window's wall
+    time in which one ran."""
 
     def __init__(self, warmup: int, steps: int) -> None:
         self.warmup, self.steps = warmup, steps
         self.times: list[float] = []
         self.prof: Any = None
         self.counts: Counter = Counter()
+        self.busy: float | None = None
+        self.opened = 0.0
 
     def after_step(self, step: int) -> None:
         import torch
 
+        cuda = torch.cuda.is_available()
         if self.warmup <= step <= self.warmup + self.steps:
             self.times.append(time.perf_counter())
         if step == self.warmup + self.steps:
-            self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
+            self.opened = time.perf_counter()
         elif step == self.warmup + self.steps + PROFILED and self.prof is not None:
+            if cuda:
+                torch.cuda.synchronize()
+            wall_us = 1e6 * (time.perf_counter() - self.opened)
             self.prof.__exit__(None, None, None)
-            self.counts = outside_compiled(self.prof.events())
+            events = self.prof.events()
+            self.counts = outside_compiled(events)
+            if cuda:
+                kernels = [(e.time_range.start, e.time_range.end) for e in events
+                           if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
+                self.busy = covered(kernels) / wall_us
             self.prof = None
 
     def result(self) -> dict[str, Any]:
         host_ms = 1000 * (self.times[-1] - self.times[0]) / (len(self.times) - 1)
         per_step = {op: n / PROFILED for op, n in self.counts.items()}
-        return {"ops": sum(per_step.values()), "host_ms": host_ms,
+        return {"ops": sum(per_step.values()), "host_ms": host_ms, "busy": self.busy,
                 "top": sorted(per_step.items(), key=lambda kv: -kv[1])}  # fmt: skip
 
 
 def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
+    """The trainer in process, profiled. On a GPU (``bench train_gpu``'s ``busy`` run) the preset and
+    the shipped config as they are; on a CPU the narrow model and the CPU's config."""
+    import torch
+
     from dsgpt2.train.trainer import main
 
     work = Path(spec["work"]) / "ours"
     shutil.rmtree(work, ignore_errors=True)
     window = _Window(s.warmup, s.steps)
     total = s.warmup + s.steps + PROFILED + 1  # the last step's validation and save: past the window
-    argv = ["--deepspeed_config", spec_ds_config(s, work), "--config_train", spec["store"],
-            "--vocab_dir", spec["tokenizer"], "--model_config", spec["model_config"],
+    if torch.cuda.is_available():
+        ds, model = spec["ds_config"], ["--model_select", s.preset]
+    else:
+        ds, model = spec_ds_config(s, work), ["--model_config", spec["model_config"]]
+    argv = ["--deepspeed_config", ds, "--config_train", spec["store"],
+            "--vocab_dir", spec["tokenizer"], *model,
             "--context_length", s.context, "--train_iters", total, "--log_interval", 10 * total,
             "--eval_interval", 10 * total, "--save_interval", 10 * total, "--workspace", work / "ws",
-            "--ckpt_dir", work / "ckpt", "--no_resume", "--wandb", "off", "--num_workers", 1,
-            "--data_mode", "streaming", "--compile"]  # fmt: skip
+            "--ckpt_dir", work / "ckpt", "--no_resume", "--wandb", "off",
+            "--data_mode", "streaming", "--num_workers", s.workers, "--compile"]  # fmt: skip
     code = main([str(a) for a in argv], after_step=window.after_step)
     if code != 0:
         raise RuntimeError(f"ds_trainer.py exited {code}")
