@@ -71,7 +71,8 @@ def load_ds_config(
     cfg["train_batch_size"] = micro * gas * world_size
 
     fp16 = bool(cfg.get("fp16", {}).get("enabled"))
-    bf16 = bool(cfg.get("bf16", {}).get("enabled"))
+    # "bfloat16": DeepSpeed's former name of the section, which it still reads.
+    bf16 = any(cfg.get(k, {}).get("enabled") for k in ("bf16", "bfloat16"))
     if fp16 and bf16:
         raise ConfigError(f"{FLAG} {p}: fp16 and bf16 are both enabled; enable one")
     autocast = autocast_precision(cfg)
@@ -114,7 +115,10 @@ def autocast_precision(cfg: dict[str, Any]) -> str | None:
     section = cfg.get("torch_autocast") or {}
     if not section.get("enabled"):
         return None
-    dtype = str(section.get("dtype", "bfloat16")).removeprefix("torch.")
+    if "dtype" not in section:
+        # DeepSpeed would leave it to torch.autocast (float16 on CUDA) without a loss scaler.
+        raise ConfigError(f'{FLAG}: torch_autocast needs a "dtype": "bfloat16" (or "float16")')
+    dtype = str(section["dtype"]).removeprefix("torch.")
     if dtype not in AUTOCAST_DTYPES:
         raise ConfigError(
             f"{FLAG}: torch_autocast dtype {dtype!r} is not a lower precision; use bfloat16 or float16"
@@ -125,8 +129,8 @@ def autocast_precision(cfg: dict[str, Any]) -> str | None:
 def precision(cfg: dict[str, Any]) -> str:
     """``bf16``, ``fp16`` or ``fp32``: what the config's matmuls run in (DeepSpeed's fp16/bf16 or
     torch autocast)."""
-    for name in ("bf16", "fp16"):
-        if cfg.get(name, {}).get("enabled"):
+    for name, section in (("bf16", "bf16"), ("bf16", "bfloat16"), ("fp16", "fp16")):
+        if cfg.get(section, {}).get("enabled"):
             return name
     return autocast_precision(cfg) or "fp32"
 

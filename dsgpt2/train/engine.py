@@ -29,8 +29,9 @@ from dsgpt2.model.gpt2 import (
 )
 from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.train.config import ComputeOptions, ModelOptions, OptimizerOptions
-from dsgpt2.train.ds_config import autocast_precision, optimizer_weight_decay, zero_stage
+from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
 from dsgpt2.train.metrics import peak_flops
+from dsgpt2.train.microloop import gradients_in_params
 from dsgpt2.train.optim import build_muon
 from dsgpt2.train.schedule import ScheduledLR
 
@@ -157,13 +158,13 @@ def build_engine(
         given = {"optimizer": optimizer}
     else:
         given = {"model_parameters": param_groups(model, optimizer_weight_decay(ds_config))}
-    clip = trainer_clips(ds_config, o.optimizer)
-    # The config as the run records it keeps its clipping; DeepSpeed is handed it without.
-    engine_config = {**ds_config, "gradient_clipping": 0.0} if clip else ds_config
     with _quiet_scheduler_start():
-        engine, _, _, _ = deepspeed.initialize(
-            model=model, config=engine_config, lr_scheduler=scheduler, **given
-        )
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler, **given)
+    clip = trainer_clips(engine, o.optimizer)
+    if clip:
+        # At ZeRO 0 DeepSpeed reads its clipping at every step: the trainer's takes its place. (The
+        # config as the run records it keeps the value.)
+        engine._config.gradient_clipping = 0.0
     if world == 1 and zero_stage(ds_config) == 0:
         # One rank has nothing to all-reduce: DeepSpeed would still flatten every gradient into a buffer
         # and copy it back, parameter by parameter, at each step.
@@ -203,22 +204,21 @@ def compiles(option: bool | None, device: str) -> bool:
     return option if option is not None else device == "cuda"
 
 
-def trainer_clips(ds_config: dict[str, Any], optimizer: str) -> float:
-    """The gradient clipping the trainer takes over from DeepSpeed (0.0: none, or DeepSpeed's own).
+def trainer_clips(engine: Any, optimizer: str) -> float:
+    """The gradient clipping the trainer takes over from DeepSpeed's ``engine`` (0.0: none, or
+    DeepSpeed's own).
 
     At ZeRO 0 without DeepSpeed's fp16/bf16 optimizers the gradients are the parameters' own, and
     DeepSpeed clips them parameter by parameter (a norm, a cast and a multiply each: ~600 dispatches a
     step at 148 tensors); ``torch.nn.utils.clip_grad_norm_`` does the same arithmetic (the global 2-norm,
     ``max_norm / (norm + 1e-6)`` capped at 1) in a few multi-tensor ops, and its norm is the step's
-    ``grad_norm``. Muon runs without clipping; fp16 autocast clips after its scaler unscales, in
-    DeepSpeed."""
-    if optimizer == "muon" or zero_stage(ds_config) != 0:
+    ``grad_norm``. Muon runs without clipping; fp16 autocast's gradients are scaled until its scaler
+    unscales them, in DeepSpeed's step, which clips them there."""
+    if optimizer == "muon" or not gradients_in_params(engine):
         return 0.0
-    if any(ds_config.get(k, {}).get("enabled") for k in ("fp16", "bf16")):
+    if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         return 0.0
-    if autocast_precision(ds_config) == "fp16":
-        return 0.0
-    return float(ds_config.get("gradient_clipping") or 0.0)
+    return float(engine.gradient_clipping() or 0.0)
 
 
 def _seed_all(seed: int) -> None:

@@ -37,6 +37,14 @@ def gradients_in_params(engine: Any) -> bool:
     return stage == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
 
 
+def recomputable(engine: Any) -> bool:
+    """Whether a step that met a non-finite loss can be recomputed instead of guarded: the gradients are
+    the parameters' own (:func:`gradients_in_params`) and no dropout draws other masks the second time
+    (the presets have none; a ``--model_config`` or ``--init_from`` config may)."""
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in engine.module.modules())
+    return gradients_in_params(engine) and not dropout
+
+
 class SkipGuard:
     """A hook on each trainable parameter's incoming gradient: while :attr:`finite` holds a device flag
     (shape (1,), 1.0 or 0.0), the gradient passes only where it is 1.0, else exact zeros take its place
@@ -85,7 +93,7 @@ class MicroLoop:
 
     def __init__(self, engine: Any, grad_accum: int) -> None:
         self.engine, self.grad_accum = engine, grad_accum
-        self.guard = None if gradients_in_params(engine) else SkipGuard(engine.module)
+        self.guard = None if recomputable(engine) else SkipGuard(engine.module)
         self.host_reads = 0
         self.recomputed = 0
 
@@ -127,7 +135,12 @@ class MicroLoop:
                     dropped.add(m.number)
             done = [m for m in done if m.number not in dropped]
             if dropped and self.guard is None:
+                # This micro-batch's graph is let go first (the recomputation would hold two sets of
+                # activations at once), and its forward run again after the kept ones.
+                loss = loss.detach()
                 self._recompute(done, forward)
+                if finite:
+                    loss = self._forward_again(batch, forward)
             if not finite:
                 skipped(number)
                 continue
@@ -152,13 +165,16 @@ class MicroLoop:
     def _recompute(self, kept: list[Micro], forward: Callable[[Any], torch.Tensor] | None) -> None:
         """Drop what the step has accumulated, then the kept micro-batches forward and backward again,
         in order: the gradients they alone give."""
-        if forward is None:
-            raise ValueError("an unguarded engine needs forward= to recompute after a non-finite loss")
         self.engine.zero_grad()
         for m in kept:
-            self._backward(forward(m.batch), None, boundary=False)
+            self._backward(self._forward_again(m.batch, forward), None, boundary=False)
             self.engine.step()
-            self.recomputed += 1
+
+    def _forward_again(self, batch: Any, forward: Callable[[Any], torch.Tensor] | None) -> torch.Tensor:
+        if forward is None:
+            raise ValueError("an unguarded engine needs forward= to recompute after a non-finite loss")
+        self.recomputed += 1
+        return forward(batch)
 
     def _backward(self, loss: torch.Tensor, flag: torch.Tensor | None, boundary: bool) -> None:
         """Backward under the boundary DeepSpeed is told; with ``flag``, through the guard."""

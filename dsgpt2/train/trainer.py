@@ -300,7 +300,10 @@ class Trainer:
                 # One multi-tensor pass: the clip, and the norm left on the device until a log reads it.
                 self._hand_norm = torch.nn.utils.clip_grad_norm_(self._trained, self._clip, foreach=True)
             elif norm_due:
-                self._hand_norm = _grad_norm(self.engine.module)
+                # fp16 autocast's gradients are still scaled here: its scaler unscales them in the step.
+                scaler = getattr(self.engine, "torch_autocast_z0_gradscaler", None)
+                scale = scaler.get_scale() if scaler is not None else 1.0
+                self._hand_norm = _grad_norm(self.engine.module) / scale
 
         micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
                                       before_update, forward=self._forward)  # fmt: skip

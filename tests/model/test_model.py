@@ -132,3 +132,19 @@ def test_plan_prints_activations_and_the_largest_micro_batch_that_fits(tmp_path:
     assert all(int(b) > int(a) for a, b in zip(small, large, strict=True))
     bad = run_cli("plan", "--model_select", "tiny", "--gpu_memory", "0", cwd=tmp_path)
     assert bad.returncode == 2 and "--gpu_memory: must be a positive number, got '0'" in bad.stderr
+
+
+def test_torch_autocast_is_a_precision_and_names_its_dtype(tmp_path: Path) -> None:
+    from dsgpt2.train.ds_config import precision
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    bf16 = {**base, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    assert precision(bf16) == "bf16" and precision(base) == "fp32"
+    assert precision({**base, "bfloat16": {"enabled": True}}) == "bf16"  # DeepSpeed's former name
+    assert precision({**base, "torch_autocast": {"enabled": True, "dtype": "torch.float16"}}) == "fp16"
+    with pytest.raises(ConfigError, match=r"bf16 needs a GPU.*ds_config_cpu\.json"):
+        load_ds_config(_write(tmp_path, bf16), 1, 10, "cpu")
+    with pytest.raises(ConfigError, match='torch_autocast needs a "dtype"'):
+        load_ds_config(_write(tmp_path, {**base, "torch_autocast": {"enabled": True}}), 1, 10, "cuda")
+    with pytest.raises(ConfigError, match="both enabled"):
+        load_ds_config(_write(tmp_path, {**bf16, "bf16": {"enabled": True}}), 1, 10, "cuda")

@@ -142,9 +142,10 @@ def test_without_the_guard_a_non_finite_micro_batch_would_poison_the_step() -> N
 def test_at_zero_0_no_hook_runs_and_only_a_step_that_met_a_non_finite_loss_recomputes() -> None:
     clean = _run(accum=4, bad=set(), steps=3, stage=0)
     assert clean["hooks"] == 0 and clean["recomputed"] == 0
-    # Micro-batch 3 found at the first step's wait: 1 and 2 went backward before it, and again after.
+    # Micro-batch 3 found at the first step's wait (micro-batch 4's): 1 and 2 went backward before it,
+    # and again after; 4's graph was let go, its forward run again after theirs.
     bad = _run(accum=4, bad={3}, steps=3, stage=0)
-    assert bad["hooks"] == 0 and bad["recomputed"] == 2
+    assert bad["hooks"] == 0 and bad["recomputed"] == 3
     # The closing micro-batch itself: nothing accumulated is dropped, nothing recomputed.
     last = _run(accum=4, bad={4}, steps=3, stage=0)
     assert last["recomputed"] == 0
@@ -154,3 +155,11 @@ def test_at_zero_0_no_hook_runs_and_only_a_step_that_met_a_non_finite_loss_recom
 def test_one_micro_batch_per_step_reads_once_per_micro_batch(stage: int) -> None:
     run = _run(accum=1, bad={2}, steps=2, stage=stage)
     assert run["kept"] == [[1], [3]] and run["reads"] == [1, 2]
+
+
+def test_a_model_with_dropout_is_guarded_even_at_zero_0() -> None:
+    """Recomputing would draw other dropout masks: the same micro-batches, other gradients."""
+    module = torch.nn.Sequential(torch.nn.Linear(4, 1, bias=False), torch.nn.Dropout(0.1))
+    assert MicroLoop(FakeEngine(module, 4, stage=0), 4).guard is not None
+    module[1].p = 0.0
+    assert MicroLoop(FakeEngine(module, 4, stage=0), 4).guard is None
