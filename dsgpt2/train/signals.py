@@ -1,8 +1,10 @@
 """How a run is asked to stop: SIGTERM (a scheduler, ``docker stop``) or Ctrl-C finishes the current
 step, saves a checkpoint and exits; a second Ctrl-C stops at once.
 
-Under the ``deepspeed`` launcher a Ctrl-C reaches each rank twice: the terminal's SIGINT, then the
-SIGTERM the launcher sends its ranks when it gets the SIGINT itself. The first signal names the stop.
+Under the ``deepspeed`` launcher a Ctrl-C reaches each rank twice: the terminal's SIGINT and the
+SIGTERM the launcher sends its ranks when it gets the SIGINT itself, in either order on a loaded
+machine. A SIGINT that follows a SIGTERM within ``PAIRED`` seconds is that pair: the stop is named
+SIGINT (a SIGTERM's announcement waits that long for it) and goes on; later, it stops at once.
 The ranks decide together (:meth:`StopRequest.agreed`): one that got no signal, or got it a moment
 after the others looked, stops at the same step as they do.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
+import time
 from typing import Any
 
 from dsgpt2.train.collective import all_sum
@@ -19,6 +23,7 @@ from dsgpt2.train.collective import all_sum
 log = logging.getLogger("dsgpt2.train.trainer")
 
 _NAMES = ("SIGINT", "SIGTERM")
+PAIRED = 1.0
 
 
 class StopRequest:
@@ -27,6 +32,10 @@ class StopRequest:
     def __init__(self) -> None:
         self.name: str | None = None
         self._pid = os.getpid()
+        self._at = 0.0
+        self._told = False
+        self._lock = threading.RLock()
+        self._timer: threading.Timer | None = None
 
     def install(self) -> None:
         """Handle SIGTERM and SIGINT in this process from now on."""
@@ -41,14 +50,35 @@ class StopRequest:
             # signal, and it must not announce a stop of its own.
             return
         name = signal.Signals(signum).name
+        now = time.monotonic()
         if self.name is None:
-            log.warning("%s: saving a checkpoint after the current step, then exiting", name)
-            self.name = name
+            self.name, self._at = name, now
+            if signum == signal.SIGINT:
+                self._announce()
+            else:
+                self._timer = threading.Timer(PAIRED, self._announce)
+                self._timer.daemon = True
+                self._timer.start()
+        elif signum == signal.SIGINT and self.name == "SIGTERM" and now - self._at < PAIRED:
+            # The launcher's SIGTERM came before the terminal's SIGINT of the same Ctrl-C.
+            with self._lock:
+                if not self._told:
+                    self.name = "SIGINT"
+            self._announce()
         elif signum == signal.SIGINT:
             raise KeyboardInterrupt
         else:
             # The launcher passing on a signal this rank already got: the stop is under way.
             log.debug("%s after %s: already stopping", name, self.name)
+
+    def _announce(self) -> None:
+        with self._lock:
+            if self._told:
+                return
+            self._told = True
+        if self._timer is not None:
+            self._timer.cancel()
+        log.warning("%s: saving a checkpoint after the current step, then exiting", self.name)
 
     def agreed(self, device: Any) -> bool:
         """Whether any rank was asked to stop; every rank calls it at the same step (a collective). A rank
@@ -58,6 +88,10 @@ class StopRequest:
         seen = all_sum([int(self.name == n) for n in _NAMES], device)
         if not any(seen):
             return False
+        if self.name is not None and not self._told:
+            # A SIGTERM's announcement, due before the save: the rest of its wait for a paired SIGINT.
+            time.sleep(max(0.0, self._at + PAIRED - time.monotonic()))
+            self._announce()
         if self.name is None:
             self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
             log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)

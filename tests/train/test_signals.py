@@ -63,3 +63,42 @@ def test_a_process_forked_from_the_rank_ignores_the_inherited_handler(
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_a_ctrl_c_whose_relayed_sigterm_comes_first_is_named_sigint_and_not_a_second_ctrl_c(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under the deepspeed launcher a Ctrl-C reaches a rank as the terminal's SIGINT and the launcher's
+    SIGTERM, in either order on a loaded machine: one stop, named SIGINT, announced once."""
+    monkeypatch.setattr(signals, "all_sum", lambda values, device: values)
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    stop = StopRequest()
+    stop._stop(signal.SIGTERM, None)
+    assert "saving a checkpoint" not in caplog.text  # waits for a SIGINT of the same Ctrl-C
+    stop._stop(signal.SIGINT, None)  # no KeyboardInterrupt: the pair, not a second Ctrl-C
+    assert stop.name == "SIGINT" and stop.agreed("cpu") is True
+    assert caplog.text.count("saving a checkpoint") == 1 and "SIGINT: saving a checkpoint" in caplog.text
+
+    # A Ctrl-C well after a SIGTERM is the user's second one: it stops at once.
+    caplog.clear()
+    stop = StopRequest()
+    stop._stop(signal.SIGTERM, None)
+    stop._at -= signals.PAIRED
+    assert stop.agreed("cpu") is True and "SIGTERM: saving a checkpoint" in caplog.text
+    with pytest.raises(KeyboardInterrupt):
+        stop._stop(signal.SIGINT, None)
+
+
+def test_a_sigterm_alone_is_announced_without_waiting_for_the_step(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    monkeypatch.setattr(signals, "PAIRED", 0.05)
+    stop = StopRequest()
+    stop._stop(signal.SIGTERM, None)
+    deadline = time.monotonic() + 10
+    while "SIGTERM: saving a checkpoint" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert caplog.text.count("SIGTERM: saving a checkpoint") == 1 and stop.name == "SIGTERM"
