@@ -94,8 +94,8 @@ def _recipe(name: str) -> Any:
 
 
 def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run: Path) -> dict[str, Any]:
-    """One training of ``recipe`` (as shipped, for STEPS steps): its validation losses by step and its
-    median tokens/s."""
+    """One training of ``recipe`` (as shipped, for STEPS steps): its validation losses by step, its final
+    validation bits per byte and its median tokens/s."""
     from dsgpt2.db.config import config_from_dict
     from dsgpt2.settings.options import from_namespace
     from dsgpt2.settings.shipped import shipped_config
@@ -142,9 +142,10 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     )
     build(cfg, mongo=mongo).train()
     records = read_metrics(run / "train" / "metrics.jsonl")
-    evals = {r["step"]: r["val_loss"] for r in records if r.get("event") == "eval" and r.get("val_loss")}
+    validations = [r for r in records if r.get("event") == "eval" and r.get("val_loss")]
+    evals = {r["step"]: r["val_loss"] for r in validations}
     rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > 10]
-    return {"evals": evals, "tokens_per_s": statistics.median(rates)}
+    return {"evals": evals, "bpb": validations[-1]["val_bpb"], "tokens_per_s": statistics.median(rates)}
 
 
 def steps_to_reach(evals: dict[int, float], target: float) -> float:
@@ -209,6 +210,7 @@ def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[
     reach = [steps_to_reach(f["evals"], target) / max(a["evals"])
              for f, a, target in zip(runs["fast"], runs["adamw"], final["adamw"], strict=True)]  # fmt: skip
     rate = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    bpb = {name: float(np.mean([r["bpb"] for r in rs])) for name, rs in runs.items()}
     where = (f"{corpus}, {shape} ({'2 x 64' if shape == 'tiny' else '4 x 128'}), {documents} documents, "
              f"{STEPS} steps of 16 x 128 tokens, seeds {', '.join(map(str, SEEDS))}")  # fmt: skip
     mean_reach = float(np.mean(reach))
@@ -216,6 +218,8 @@ def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[
     return [
         Metric(f"recipe: held-out ppl, fast ÷ AdamW ({corpus}, {shape})", ppl["fast"], ppl["adamw"], "ppl",
                "<= 0.9", ppl["fast"] <= 0.9 * ppl["adamw"], where),
+        Metric(f"recipe: held-out bpb, fast ÷ AdamW ({corpus}, {shape})", bpb["fast"], bpb["adamw"], "bpb",
+               "info", True, "final validation bits per byte, mean over the seeds"),
         Metric(f"recipe: steps to AdamW's final loss ({corpus}, {shape})", mean_reach * STEPS, STEPS, "steps",
                "<= 0.7", mean_reach <= 0.7, f"per seed: {reach_note}"),
         Metric(f"recipe: seconds per token, fast ÷ AdamW ({corpus}, {shape})", 1 / rate["fast"],

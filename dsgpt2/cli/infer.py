@@ -290,11 +290,12 @@ EXPORT = Command(
 
 EVALUATE = Command(
     "evaluate",
-    help="loss and perplexity of a model on the validation split or any collection",
-    description="Evaluate a checkpoint or an exported model: mean loss per token and perplexity over every "
-    "block of a split, made as in training. By default the validation split of the run that "
-    "trained the model (its collections, split seed and ratio, context and task). Writes a "
-    "JSON report and records the result in the eval_results collection of the database.",
+    help="loss, perplexity and bits per byte of a model on the validation split or any collection",
+    description="Evaluate a checkpoint or an exported model: mean loss per token, perplexity and bits per "
+    "byte (comparable across tokenizers) over every block of a split, made as in training. By default "
+    "the validation split of the run that trained the model (its collections, split seed and ratio, "
+    "context and task). Writes a JSON report and records the result in the eval_results collection of "
+    "the database.",
     epilog="examples:\n"
     "  dsgpt2 evaluate --model runs/model --config configs/mongo.json\n"
     "  dsgpt2 evaluate --model runs/ckpt --config c.json --collection news --split all",

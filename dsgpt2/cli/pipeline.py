@@ -277,7 +277,13 @@ def _evaluate_loaded(
     report = evaluate(loaded, config, EvalRequest(task=task, workers=0), progress=progress)
     record_eval(conn, report)
     m = report["metrics"]
-    return {"loss": round(m["loss"], 4), "perplexity": round(m["perplexity"], 1), "tokens": m["tokens"]}
+    bpb = round(m["bpb"], 3) if m["bpb"] is not None else None
+    return {
+        "loss": round(m["loss"], 4),
+        "perplexity": round(m["perplexity"], 1),
+        "bpb": bpb,
+        "tokens": m["tokens"],
+    }
 
 
 def _sample(model: Path) -> dict[str, Any]:
@@ -320,6 +326,7 @@ def _train(
         "val_ppl_first": round(evals[0]["val_ppl"], 1) if evals else None,
         "val_ppl_first_step": evals[0]["step"] if evals else None,
         "val_ppl": round(result["val_ppl"], 1) if result["val_ppl"] else None,
+        "val_bpb": round(result["val_bpb"], 3) if result["val_bpb"] else None,
         "plot": result.get("plot"),
         "checkpoint": result["checkpoint"],
     }
@@ -345,7 +352,9 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
     vocab_dir = model.pop("vocab_dir", None)
     recipe = demo_recipe()
     ds_config = shipped_config("ds_config_cpu.json")
-    model_options, schedule, optim = ModelOptions(**model), ScheduleOptions(), OptimizerOptions()
+    # Finetuning on conversations: AdamW under the CPU config's scheduler, as the demo has always done.
+    model_options, schedule = ModelOptions(**model), ScheduleOptions(lr_schedule="deepspeed")
+    optim = OptimizerOptions(optimizer="adamw")
     if pretrain:
         ds_config = shipped_config(Path(recipe.deepspeed_config).name)
         model_options = from_namespace(ModelOptions, recipe, **model)
@@ -400,6 +409,8 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"{train['tokens_per_s']:,} tokens/s ({train['preset']} preset, DeepSpeed on the CPU)",
         f"  validation    perplexity {before['perplexity']:,} untrained → {after['perplexity']:,} after "
         f"{train['steps']} steps ({after['tokens']:,} tokens; uniform guess: {vocab['vocab_size']:,})",
+        f"                bits per byte {before['bpb']} untrained → {after['bpb']} (unlike perplexity, "
+        "comparable across tokenizers)",
         f"  sample        {summary['sample']['prompt']}{summary['sample']['text']!r}",
         f"  loss plot     {train['plot']}",
         f"  model         {summary['export']['dir']} (loads with transformers' from_pretrained)",

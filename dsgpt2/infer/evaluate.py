@@ -1,10 +1,12 @@
-"""``dsgpt2 evaluate``: loss and perplexity of a model on a split of the corpus.
+"""``dsgpt2 evaluate``: loss, perplexity and bits per byte of a model on a split of the corpus.
 
 The blocks are made exactly as in training (same chunks, split, packing and,
 for conversations, reply-only labels): by default the validation split of the
 run that trained the model, read back from the run's data fingerprint. The
 loss is the mean negative log-likelihood per predicted token over every
-block, summed in float64; perplexity is its exponential. No dropout, a fixed
+block, summed in float64; perplexity is its exponential. Bits per byte divides
+the summed loss (in bits) by the UTF-8 bytes the predicted tokens stand for: unlike
+perplexity it compares models of different tokenizers. No dropout, a fixed
 order: the same model and data give the same figures.
 """
 
@@ -29,9 +31,11 @@ from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import EvalRequest
-from dsgpt2.model.gpt2 import batch_nll, perplexity
+from dsgpt2.model.gpt2 import batch_nll, bits_per_byte, perplexity
 from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.progress import progress as progress_display
+from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.tokenizer.token_bytes import token_bytes
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,8 @@ class EvalMetrics:
     perplexity: float
     tokens: int  # predicted tokens
     blocks: int
+    bpb: float | None = None  # bits per UTF-8 byte of the text (None: a tokenizer not byte-level)
+    bytes: int = 0  # the UTF-8 bytes the predicted tokens stand for
     documents: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
@@ -55,19 +61,25 @@ def evaluate_batches(
     stats: dict[str, Any] | None = None,
     *,
     doc_mask_eot: int | None = None,
+    bytes_of: torch.Tensor | None = None,
 ) -> EvalMetrics:
-    """Loss and perplexity of ``model`` over ``batches`` (``stats``: what the batches skipped)."""
+    """Loss, perplexity and bits per byte of ``model`` over ``batches`` (``stats``: what the batches
+    skipped; ``bytes_of`` (V,): each token id's bytes, on the model's device; without it no bits per
+    byte)."""
     device = str(next(model.parameters()).device)
     model.eval()
     total, tokens, blocks = 0.0, 0, 0
+    total_bytes = torch.zeros((), dtype=torch.int64, device=device)  # read once, at the end
     started = time.monotonic()
     bar = progress_display("evaluate", "batch", total=max_batches, enabled=progress)
     with torch.no_grad():
         for i, batch in enumerate(batches):
             if max_batches is not None and i >= max_batches:
                 break
-            nll, n = batch_nll(model, batch, device, doc_mask_eot)
+            nll, n, n_bytes = batch_nll(model, batch, device, doc_mask_eot, token_bytes=bytes_of)
             total += float(nll)
+            if n_bytes is not None:
+                total_bytes += n_bytes
             tokens += n
             blocks += len(batch.input_ids)
             bar.update(1)
@@ -81,8 +93,10 @@ def evaluate_batches(
             "nothing to evaluate: the selected split holds no tokens with a label (an empty split, "
             f"or --tr_ratio 1 leaves no validation documents: try --split all){why}"
         )
-    loss = total / tokens
-    return EvalMetrics(loss, perplexity(loss), tokens, blocks, seconds=time.monotonic() - started)
+    loss, n_bytes = total / tokens, int(total_bytes)
+    bpb = bits_per_byte(total, n_bytes) if bytes_of is not None else None
+    seconds = time.monotonic() - started
+    return EvalMetrics(loss, perplexity(loss), tokens, blocks, bpb, n_bytes, seconds=seconds)
 
 
 def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
@@ -153,7 +167,10 @@ def evaluate(
     batches = iter_eval_batches(dataset, 0, 1, request.batch_size, request.workers, stats=stats)
     doc_mask = request.doc_mask if request.doc_mask is not None else bool(loaded.run.get("doc_mask"))
     eot = spec.eot if doc_mask else None
-    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, doc_mask_eot=eot)
+    ids = token_bytes(load_tokenizer(loaded.tokenizer_dir))
+    bytes_of = None if ids is None else torch.tensor(ids, dtype=torch.int64, device=device)
+    metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, doc_mask_eot=eot,
+                               bytes_of=bytes_of)  # fmt: skip
     metrics.documents = stats.get("documents", 0)
     metrics.skipped = stats.get("skipped", {})
     return {
@@ -214,10 +231,11 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             f"{describe(m)} in {m['seconds']:.1f}s",
             *(contamination_lines(report["contamination"]) if "contamination" in report else []),
         ]
+    bpb = f", bpb {m['bpb']:.3f}" if m.get("bpb") is not None else ""
     lines = [
         f"{report['model']} (step {report['step']}) on the {report['split']} split of "
         f"{report['db']}.{','.join(report['collections'])} [{report['task']}]",
-        f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f} over {m['tokens']:,} tokens "
+        f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} over {m['tokens']:,} tokens "
         f"({m['blocks']} blocks, {m['documents']} documents) in {m['seconds']:.1f}s",
     ]
     if m["skipped"]:

@@ -132,6 +132,13 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
 
+def bits_per_byte(nll: float, n_bytes: float) -> float | None:
+    """Bits per byte of text: a split's summed token loss ``nll`` (nats) over the UTF-8 bytes its
+    predicted tokens stand for. Unlike perplexity it compares models of different tokenizers: a larger
+    vocabulary predicts fewer, longer tokens. None where the tokens stand for no bytes."""
+    return nll / math.log(2) / n_bytes if n_bytes > 0 else None
+
+
 def causal_lm_loss(model: Any) -> Any:
     """Name the loss transformers would pick anyway: left unset, it warns on every run."""
     model.loss_type = "ForCausalLM"
@@ -209,9 +216,22 @@ def predicted_tokens(labels: Any) -> int:
     return int((labels[:, 1:] != IGNORE).sum())
 
 
-def batch_nll(forward: Any, batch: Any, device: Any, doc_mask_eot: int | None = None) -> tuple[Any, int]:
-    """Summed next-token negative log-likelihood of ``batch`` (a float64 scalar on ``device``) and
-    how many tokens it covers: the one held-out measure of validation and ``dsgpt2 evaluate``.
+def predicted_bytes(token_bytes: Any, labels: Any) -> Any:
+    """The UTF-8 bytes that the tokens ``labels`` (B, T) predict stand for, those the loss counts: an
+    int64 scalar on the device, one gather and a sum (read with the loss, no wait of its own).
+    ``token_bytes`` (V,): each id's bytes (:func:`dsgpt2.tokenizer.token_bytes.token_bytes`)."""
+    import torch
+
+    targets = labels[:, 1:]  # position t predicts token t + 1
+    return torch.where(targets != IGNORE, token_bytes[targets.clamp(min=0)], 0).sum()
+
+
+def batch_nll(
+    forward: Any, batch: Any, device: Any, doc_mask_eot: int | None = None, *, token_bytes: Any = None
+) -> tuple[Any, int, Any]:
+    """Summed next-token negative log-likelihood of ``batch`` (a float64 scalar on ``device``), how
+    many tokens it covers, and the bytes they stand for (:func:`predicted_bytes`; None without
+    ``token_bytes``): the one held-out measure of validation and ``dsgpt2 evaluate``.
 
     ``forward``: the model, or the engine wrapping it (ZeRO-3 gathers its weights in the engine's
     forward). Logits are upcast to float32 before the softmax, as training's loss does; a model with
@@ -221,17 +241,17 @@ def batch_nll(forward: Any, batch: Any, device: Any, doc_mask_eot: int | None = 
 
     from dsgpt2.model.loss import chunked
 
-    if chunked(forward):
-        labels = to_device(batch.labels, device)
-        nll = forward(**batch_inputs(batch, device, doc_mask_eot), labels=labels, nll_sum=True).loss
-        return nll.double(), predicted_tokens(batch.labels)
-    logits = forward(**batch_inputs(batch, device, doc_mask_eot)).logits  # (B, T, V)
     labels = to_device(batch.labels, device)
+    n_bytes = None if token_bytes is None else predicted_bytes(token_bytes, labels)
+    if chunked(forward):
+        nll = forward(**batch_inputs(batch, device, doc_mask_eot), labels=labels, nll_sum=True).loss
+        return nll.double(), predicted_tokens(batch.labels), n_bytes
+    logits = forward(**batch_inputs(batch, device, doc_mask_eot)).logits  # (B, T, V)
     # Position t predicts token t + 1.
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[:, 1:].reshape(-1)
     nll = torch.nn.functional.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE, reduction="sum")
-    return nll.double(), predicted_tokens(batch.labels)
+    return nll.double(), predicted_tokens(batch.labels), n_bytes
 
 
 def span_nll(logits: Any, targets: Any) -> Any:

@@ -108,7 +108,8 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def plot_losses(metrics_path: Path, out: Path) -> Path | None:
-    """Plot training and validation loss against step into ``out`` (PNG)."""
+    """Plot training and validation loss against step into ``out`` (PNG); the validation curve's
+    label carries its last bits per byte (the figure that compares runs of different tokenizers)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -118,14 +119,17 @@ def plot_losses(metrics_path: Path, out: Path) -> Path | None:
     train = [
         (r["step"], r["loss"]) for r in records if r.get("event") == "train" and math.isfinite(r["loss"])
     ]
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("event") == "eval" and "val_loss" in r]
+    evals = [r for r in records if r.get("event") == "eval" and "val_loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in evals]
     if not train and not val:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train, strict=True), label="train loss")
     if val:
-        ax.plot(*zip(*val, strict=True), marker="o", label="validation loss")
+        bpb = evals[-1].get("val_bpb")
+        last = f" (step {evals[-1]['step']}: {bpb:.3f} bits per byte)" if bpb is not None else ""
+        ax.plot(*zip(*val, strict=True), marker="o", label=f"validation loss{last}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)

@@ -136,10 +136,12 @@ class RunLog:
         self.write(record)
 
     def log_eval(self, record: dict[str, Any]) -> None:
-        """An ``eval`` record; without a terminal also a line with its validation loss and perplexity."""
+        """An ``eval`` record; without a terminal also a line with its validation loss, perplexity and
+        bits per byte."""
         if self.lines and record.get("val_loss") is not None:
-            log.info("step %d: validation loss %.4f, perplexity %.2f", record["step"], record["val_loss"],
-                     record["val_ppl"])  # fmt: skip
+            bpb = f", bpb {record['val_bpb']:.3f}" if record.get("val_bpb") is not None else ""
+            log.info("step %d: validation loss %.4f, perplexity %.2f%s", record["step"], record["val_loss"],
+                     record["val_ppl"], bpb)  # fmt: skip
         self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:

@@ -234,6 +234,7 @@ class Trainer:
         self._clip = engine.clip
         self._trained = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.last_val: float | None = None
+        self.last_bpb: float | None = None
         self.last_hellaswag: dict[str, Any] = {}
         self.run_of_bad = 0
         self._step_lr = 0.0  # the rate the current step trains at
@@ -374,11 +375,12 @@ class Trainer:
     def maybe_evaluate(self, state: TrainState) -> None:
         if not self.validator.should_validate(state.step):
             return
-        self.last_val = self.validator.validate(self.engine)
+        measured = self.validator.validate(self.engine)
+        self.last_val, self.last_bpb = measured if measured is not None else (None, None)
         hellaswag = self.validator.hellaswag(self.engine)
         record: dict[str, Any] = {"event": "eval", "step": state.step}
         if self.last_val is not None:
-            record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val))
+            record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val), val_bpb=self.last_bpb)
         if hellaswag is not None:
             self.last_hellaswag = hellaswag
             record.update(hellaswag)
@@ -459,6 +461,7 @@ class Trainer:
             "tokens_per_s": self.runlog.tokens_per_s(state.tokens),
             "val_loss": last_val,
             "val_ppl": perplexity(last_val) if last_val is not None else None,
+            "val_bpb": self.last_bpb,
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
             "stopped": self.stop.name or ("early" if self.stopped_early else "done"),
@@ -488,7 +491,8 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"({summary['tokens_per_s']:,.0f} tokens/s)",
     ]
     if summary.get("val_loss") is not None:
-        lines.append(f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}")
+        bpb = f", bpb {summary['val_bpb']:.3f}" if summary.get("val_bpb") is not None else ""
+        lines.append(f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}{bpb}")
     if summary.get("hellaswag_examples"):
         lines.append(f"HellaSwag: {describe(summary)}")
     lines.append(f"checkpoint: {summary['checkpoint']}")

@@ -1,5 +1,5 @@
 """Validation during training: this rank's held-out batches, read once, and their mean token loss
-under no_grad, summed over every rank: the measure ``dsgpt2 evaluate`` takes
+and bits per byte under no_grad, summed over every rank: the measure ``dsgpt2 evaluate`` takes
 (:func:`~dsgpt2.model.gpt2.batch_nll`). With ``--hellaswag``, HellaSwag's accuracies as ``dsgpt2
 evaluate --hellaswag`` takes them, each rank scoring an equal share of the examples."""
 
@@ -12,7 +12,9 @@ import torch
 
 from dsgpt2.data.loader import eval_batches
 from dsgpt2.errors import ConfigError
-from dsgpt2.model.gpt2 import batch_nll
+from dsgpt2.model.gpt2 import batch_nll, bits_per_byte
+from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.tokenizer.token_bytes import token_bytes
 from dsgpt2.train.config import RunOptions
 
 
@@ -23,7 +25,8 @@ class Validator:
         run: the run options (``--eval_interval``, ``--eval_iters``, ``--eval_batch_size``,
             ``--train_iters``, ``--hellaswag``, ``--hellaswag_limit``).
         val_data: the validation split's chunks (the documents known at the run's start).
-        vocab_dir: the run's tokenizer (HellaSwag's texts are encoded with it).
+        vocab_dir: the run's tokenizer (HellaSwag's texts are encoded with it; the bytes of its tokens
+            give bits per byte, none without it or for a tokenizer not byte-level).
         rank, world: this rank among the run's ranks.
         micro_batch: the training micro-batch, the default evaluation batch.
         doc_mask_eot: the end-of-text id when the run attends within documents (--doc_mask).
@@ -52,33 +55,43 @@ class Validator:
         self._batches: list[Any] | None = None
         self._hellaswag: list[Any] = self._hellaswag_share() if run.hellaswag else []
         self._encode: Any = None
+        self._token_bytes: torch.Tensor | None = None
 
     def should_validate(self, step: int) -> bool:
         return step % self.run.eval_interval == 0 or step == self.run.train_iters
 
-    def validate(self, engine: Any) -> float | None:
-        """Mean token loss over the validation batches, on every rank, under no_grad. None when the
-        batches hold no token to predict."""
+    def validate(self, engine: Any) -> tuple[float, float | None] | None:
+        """Mean token loss and bits per byte over the validation batches, on every rank, under
+        no_grad (bits per byte None without a byte-level tokenizer). None when the batches hold no
+        token to predict."""
         import torch.distributed as dist
 
         if self._batches is None:
             self._batches = eval_batches(
                 self.val_data, self.rank, self.world, self.batch, self.run.eval_iters
             )
+            ids = token_bytes(load_tokenizer(self.vocab_dir)) if self.vocab_dir is not None else None
+            if ids is not None:
+                self._token_bytes = torch.tensor(ids, dtype=torch.int64, device=engine.device)
         engine.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=engine.device)
+        total = torch.zeros(3, dtype=torch.float64, device=engine.device)  # nats, tokens, bytes
         with torch.no_grad():
             # Every rank runs every forward, even of a batch with no token to predict: under ZeRO-3
             # each forward gathers the weights from all ranks.
             for batch in self._batches:
-                nll, n = batch_nll(engine, batch, engine.device, self.doc_mask_eot)
+                nll, n, n_bytes = batch_nll(engine, batch, engine.device, self.doc_mask_eot,
+                                            token_bytes=self._token_bytes)  # fmt: skip
                 total[0] += nll
                 total[1] += n
+                if n_bytes is not None:
+                    total[2] += n_bytes
         if dist.is_initialized() and self.world > 1:
             dist.all_reduce(total)
-        total = total.cpu()
+        nats, tokens, n_bytes = total.cpu().tolist()
         engine.train()
-        return float(total[0] / total[1]) if total[1] > 0 else None
+        if tokens == 0:
+            return None
+        return nats / tokens, bits_per_byte(nats, n_bytes)
 
     def hellaswag(self, engine: Any) -> dict[str, float | int] | None:
         """HellaSwag's accuracies, every rank's share scored and the counts summed (None without

@@ -151,6 +151,8 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
     before, after = summary["eval_before"], summary["eval_after"]
     assert before["tokens"] == after["tokens"] > 0
     assert after["perplexity"] < before["perplexity"]
+    assert 0 < after["bpb"] < before["bpb"] and summary["train"]["val_bpb"] > 0
+    assert f"bits per byte {before['bpb']} untrained → {after['bpb']}" in result.stdout
     assert 0.7 * summary["vocab"]["vocab_size"] < before["perplexity"] < 1.5 * summary["vocab"]["vocab_size"]
     assert summary["sample"]["prompt"] and 0 < summary["sample"]["tokens"] <= 40
     chat = summary["chat"]

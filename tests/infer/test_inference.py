@@ -139,6 +139,9 @@ def test_training_validation_and_evaluate_measure_alike(models: dict[str, Path])
     assert report["step"] == 100 and report["metrics"]["blocks"] == 40
     assert report["metrics"]["loss"] == pytest.approx(last["val_loss"], rel=1e-6)
     assert report["metrics"]["perplexity"] == pytest.approx(last["val_ppl"], rel=1e-5)
+    m = report["metrics"]
+    assert m["bpb"] == pytest.approx(last["val_bpb"], rel=1e-6)
+    assert m["bpb"] == pytest.approx(m["loss"] * m["tokens"] / math.log(2) / m["bytes"], rel=1e-9)
 
 
 def test_untrained_model_is_near_uniform_and_training_lowers_perplexity(models: dict[str, Path]) -> None:
@@ -160,6 +163,7 @@ def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tm
     db = json.loads(models["lm_config"].read_text())["MONGO_CONNECTION_DB"]
     assert "perplexity" in out.stdout and f"recorded in {db}.{EVAL_RESULTS}" in out.stdout
     report = json.loads(report_path.read_text())
+    assert f"bpb {report['metrics']['bpb']:.3f}" in out.stdout and report["metrics"]["bytes"] > 0
     conn = Connection(load_config(models["lm_config"]))
     stored = list(conn.db[EVAL_RESULTS].find({"model": report["model"], "time": report["time"]}))
     assert len(stored) == 1

@@ -125,13 +125,19 @@ def test_held_out_nll_is_the_same_chunked_or_whole() -> None:
     batch = SimpleNamespace(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids))
     plain = _model().eval()
     ours = with_chunked_loss(copy.deepcopy(plain), 5)
+    token_bytes = torch.arange(VOCAB) % 5  # any bytes per id
     with torch.no_grad():
-        whole, n = batch_nll(plain, batch, "cpu")
-        parts, m = batch_nll(ours, batch, "cpu")
+        whole, n, whole_bytes = batch_nll(plain, batch, "cpu", token_bytes=token_bytes)
+        parts, m, parts_bytes = batch_nll(ours, batch, "cpu", token_bytes=token_bytes)
         nll, counted = lm_head_nll(
             plain.transformer(input_ids=ids).last_hidden_state, plain.lm_head.weight, labels, 5
         )
     assert n == m == int(counted)
+    # The bytes of the tokens the loss counts: each position's next token, unlabelled ones left out.
+    predicted = [int(t) for t in labels[:, 1:].flatten() if t != IGNORE]
+    assert len(predicted) == n
+    assert int(whole_bytes) == int(parts_bytes) == sum(int(token_bytes[t]) for t in predicted)
+    assert batch_nll(plain, batch, "cpu")[2] is None
     torch.testing.assert_close(parts, whole, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(nll.double(), whole, rtol=1e-6, atol=1e-5)
 

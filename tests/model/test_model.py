@@ -102,6 +102,16 @@ def test_perplexity_is_exp_of_the_loss_and_stays_finite() -> None:
     assert math.isfinite(perplexity(1e6)) and perplexity(1e6) == perplexity(700.0)
 
 
+def test_bits_per_byte_is_the_summed_loss_in_bits_over_the_bytes() -> None:
+    import math
+
+    from dsgpt2.model.gpt2 import bits_per_byte
+
+    # 100 tokens of 4 bytes at a mean loss of ln 16 nats (4 bits) each: 1 bit per byte.
+    assert bits_per_byte(100 * math.log(16), 400) == pytest.approx(1.0)
+    assert bits_per_byte(5.0, 0) is None  # tokens that stand for no text (special tokens only)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("chunk", [0, 4096])
 def test_plan_activations_match_what_autograd_keeps_at_full_depth(checkpointing: bool, chunk: int) -> None:

@@ -35,8 +35,13 @@ def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path
     assert first["loss"] > math.log(512) - 0.5  # a fresh model is near uniform over the vocabulary
     assert evals[-1]["val_loss"] < first["loss"] - 0.5
     assert math.isclose(evals[-1]["val_ppl"], math.exp(evals[-1]["val_loss"]), rel_tol=1e-9)
+    # Bits per byte: the same summed loss in bits over the held-out bytes (a 512-token vocabulary's
+    # tokens hold between one and a few bytes, so it lies between loss / ln 2 and a fraction of it).
+    bits_per_token = evals[-1]["val_loss"] / math.log(2)
+    assert bits_per_token / 6 < evals[-1]["val_bpb"] < bits_per_token
     assert (tmp_path / "ws" / "loss.png").stat().st_size > 1000
     assert "validation: loss" in result.stdout and "perplexity" in result.stdout
+    assert f"bpb {evals[-1]['val_bpb']:.3f}" in result.stdout
     # Neither DeepSpeed's accelerator guess nor transformers' loss_type notice on every run.
     assert "Setting accelerator" not in result.stderr and "loss_type" not in result.stderr
     # Validation and training blocks never overlap: the split is decided per document.
@@ -60,7 +65,9 @@ def test_a_run_logging_to_a_file_shows_each_log_step_and_evaluation(
     assert train_lines == expected and len(expected) == 4, result.stderr[-3000:]
     evals = [r for r in records if r["event"] == "eval"]
     assert [m for m in logged if "validation" in m] == [
-        f"step {r['step']}: validation loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}" for r in evals
+        f"step {r['step']}: validation loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, "
+        f"bpb {r['val_bpb']:.3f}"
+        for r in evals
     ] and [r["step"] for r in evals] == [2, 4]
     assert "\r" not in result.stderr and "step/s" not in result.stderr  # no bar redrawn into the file
 
