@@ -116,6 +116,23 @@ def has_checkpoints(ckpt_dir: Path) -> bool:
     return (ckpt_dir / LATEST).exists() or bool(complete_tags(ckpt_dir))
 
 
+def peek_tag(load_dir: Path, ckpt_id: str | None) -> str | None:
+    """The tag :func:`resolve` picks where the checkpoints are sound, found without reading checksums or
+    warning: for reading a checkpoint's options before it is verified. None: no complete checkpoint."""
+    if ckpt_id == BEST:
+        return best_tag(load_dir)
+    if ckpt_id:
+        return ckpt_id
+    try:
+        tag = (load_dir / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        tag = ""
+    if _TAG.match(tag) and is_complete(load_dir, tag):
+        return tag
+    tags = complete_tags(load_dir)
+    return tags[-1] if tags else None
+
+
 def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
     """The tag to resume from: ``ckpt_id``, or the one ``latest`` names; checked against its marker.
 

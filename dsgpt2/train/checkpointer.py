@@ -16,6 +16,7 @@ from dsgpt2.checkpoints.format import (
     CheckpointError,
     has_checkpoints,
     is_partitioned,
+    peek_tag,
     read_client_state,
     resolve,
 )
@@ -63,6 +64,22 @@ class CheckpointSettings:
     vocab_dir: Path  # the run's tokenizer
     args: dict[str, Any]  # every option by flag name (TrainConfig.to_dict())
     resolved: str  # the resolved configuration, saved beside each checkpoint (config.yaml)
+
+
+def resumed_options(c: CheckpointOptions) -> dict[str, Any] | None:
+    """The options the checkpoint this run resumes was trained with (``--flag`` names), read before it is
+    verified: :meth:`Checkpointer.find` verifies it, and refuses what cannot be resumed. None: a fresh
+    start, or no checkpoint whose options read."""
+    load_dir = c.load_dir
+    if load_dir is None and has_checkpoints(c.ckpt_dir) and not c.no_resume:
+        load_dir = c.ckpt_dir
+    tag = None if load_dir is None else peek_tag(load_dir, c.ckpt_id)
+    if load_dir is None or tag is None:
+        return None
+    try:
+        return dict(read_client_state(load_dir, tag).get("args") or {})
+    except Exception:  # a damaged checkpoint: find() names the problem in one line
+        return None
 
 
 class Checkpointer:
@@ -162,13 +179,23 @@ class Checkpointer:
     def _check_optimizer(self, saved: dict[str, Any], where: Path) -> None:
         """Refuse a checkpoint of another optimizer: its state (AdamW's moments, Muon's momentum) is not
         this run's optimizer's."""
-        theirs = (saved.get("args") or {}).get("optimizer") or "adamw"  # saved before Muon: AdamW
+        args = saved.get("args") or {}
+        theirs = args.get("optimizer") or "adamw"  # saved before Muon: AdamW
         ours = self.settings.args.get("optimizer") or "adamw"
         if theirs != ours:
             raise CheckpointError(
                 f"{where} was trained with --optimizer {theirs} and this run asks for --optimizer {ours}: "
-                f"resume it with --optimizer {theirs}, or train with {ours} in another --ckpt_dir "
-                f"(--init_from the exported model starts {ours} from its weights)"
+                f"resume it with --optimizer {theirs} (or without --optimizer), or train with {ours} in "
+                f"another --ckpt_dir (--init_from the exported model starts {ours} from its weights)"
+            )
+        theirs = args.get("muon_scale") or "storage"  # saved before the choice: DeepSpeed's rule
+        ours = self.settings.args.get("muon_scale")
+        if ours and ours != theirs:
+            # Muon's weights are grouped by update size: the saved groups are not this run's.
+            raise CheckpointError(
+                f"{where} was trained with --muon_scale {theirs} and this run asks for --muon_scale {ours}: "
+                f"resume it with --muon_scale {theirs} (or without it), or train with {ours} in another "
+                "--ckpt_dir"
             )
 
     def _check_data(self, saved: dict[str, Any], where: Path) -> None:

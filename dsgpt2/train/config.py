@@ -32,7 +32,7 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
-from dsgpt2.train.optim import MUON_LR, MUON_MOMENTUM, OPTIMIZERS
+from dsgpt2.train.optim import MUON_KEYS, MUON_SCALE, OptimizerOptions
 from dsgpt2.train.schedule import KINDS
 
 if TYPE_CHECKING:
@@ -265,10 +265,11 @@ class ComputeOptions:
 class ScheduleOptions:
     """The learning-rate schedule (see dsgpt2.train.schedule)."""
 
-    lr_schedule: str = option(
-        "deepspeed",
+    lr_schedule: str | None = option(
+        None,
         "deepspeed: the DeepSpeed config's scheduler; cosine: warmup then cosine decay to --min_lr_ratio; "
-        "wsd: warmup, stable, then a linear decay over the last --decay_fraction",
+        "wsd: warmup, stable, then a linear decay over the last --decay_fraction (default: wsd under Muon, "
+        "deepspeed under AdamW; a resumed run keeps its own)",
         choices=list(KINDS),
     )
     lr: float | None = option(
@@ -289,43 +290,6 @@ class ScheduleOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
-
-
-@dataclass
-class OptimizerOptions:
-    """Which optimizer trains the weights (see dsgpt2.train.optim)."""
-
-    optimizer: str = option(
-        "adamw",
-        "adamw: the DeepSpeed config's AdamW on every weight; muon: Muon on the blocks' 2-D weights "
-        "(attention and MLP), AdamW (the DeepSpeed config's settings, --lr) on embeddings, biases and norms. "
-        "Muon needs --lr_schedule cosine or wsd",
-        choices=list(OPTIMIZERS),
-    )
-    muon_lr: float | None = option(
-        None,
-        f"muon: the peak learning rate of the Muon weights (default {MUON_LR}, the modded-nanogpt speedrun's "
-        "and DeepSpeed's); --lr stays AdamW's",
-        type=float,
-        check=ABOVE_ZERO,
-    )
-    muon_momentum: float | None = option(
-        None,
-        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
-        type=float,
-        check=Range(float, 0, 1, short="in [0, 1)"),
-    )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        given = [f"--{k}" for k in ("muon_lr", "muon_momentum") if getattr(self, k) is not None]
-        if self.optimizer != "muon" and given:
-            raise ConfigError(
-                f"{' and '.join(given)} set the Muon optimizer, and this run trains with --optimizer "
-                f"{self.optimizer}: add --optimizer muon, or drop {' and '.join(given)}"
-            )
-        if self.muon_momentum is not None and self.muon_momentum >= 1:
-            raise ConfigError(f"--muon_momentum {self.muon_momentum}: must be in [0, 1)")
 
 
 @dataclass
@@ -407,15 +371,25 @@ class TrainConfig:
     engine: EngineOptions = field(default_factory=lambda: EngineOptions(Path("configs/ds_config.json")))
 
     def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse options that cannot train together (again once :meth:`settle` has filled them in).
+
+        Raises:
+            ConfigError: naming the flags and the fix.
+        """
         s = self.schedule
-        if s.lr_schedule != "deepspeed" and s.warmup_iters and s.warmup_iters >= self.run.train_iters:
+        own = s.lr_schedule not in (None, "deepspeed")
+        if own and s.warmup_iters and s.warmup_iters >= self.run.train_iters:
             raise ConfigError(
                 f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
             )
         if self.optim.optimizer == "muon" and s.lr_schedule == "deepspeed":
             raise ConfigError(
-                "--optimizer muon: add --lr_schedule wsd (or cosine); the DeepSpeed config's scheduler "
-                "gives every weight one learning rate, and Muon's weights take their own (--muon_lr)"
+                "--lr_schedule deepspeed gives every weight one learning rate, and this run trains with "
+                "Muon (--optimizer muon, the default for a new run), whose weights take their own "
+                "(--muon_lr): use --lr_schedule wsd (or cosine), or --optimizer adamw"
             )
 
     def check_files(self) -> None:
@@ -443,6 +417,36 @@ class TrainConfig:
                     f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)"
                 )
             self.data.vocab_dir = vocab
+
+    def settle(self, saved: dict[str, object] | None, muon_unfit: str | None = None) -> list[str]:
+        """Decide what the options leave to the run: with ``saved`` (the options of the checkpoint this
+        run resumes), its optimizer and Muon settings where none are given, and its schedule; a new run
+        trains with Muon under WSD, or AdamW under the DeepSpeed config's scheduler where Muon cannot
+        train (``muon_unfit``: why). Returns what was decided, as lines for the log.
+
+        Raises:
+            ConfigError: the options so filled cannot train together.
+        """
+        o, s = self.optim, self.schedule
+        taken = o.take_resumed(saved) if saved is not None else []
+        if saved is not None and s.lr_schedule is None and saved.get("lr_schedule"):
+            s.lr_schedule = str(saved["lr_schedule"])
+            taken.append(f"--lr_schedule {s.lr_schedule}")
+        said = [
+            f"the checkpoint to resume was trained with {', '.join(taken)}: this run continues with it"
+        ] * bool(taken)
+        if o.optimizer is None:
+            given = [f"--{k}" for k in MUON_KEYS if getattr(o, k) is not None]
+            o.optimizer = "adamw" if muon_unfit and not given else "muon"
+            if o.optimizer == "adamw":
+                said.append(f"optimizer: AdamW, not Muon, under this DeepSpeed config: {muon_unfit}")
+        if o.optimizer == "muon" and o.muon_scale is None:
+            o.muon_scale = MUON_SCALE
+        if s.lr_schedule is None:
+            s.lr_schedule = "wsd" if o.optimizer == "muon" else "deepspeed"
+        o.check_muon_flags()
+        self.check()
+        return said
 
     def data_spec(self, context: int) -> DataSpec:
         """The blocks this run reads (the data fingerprint's settings), for a model of ``context``."""

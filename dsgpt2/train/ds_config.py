@@ -18,6 +18,26 @@ log = logging.getLogger(__name__)
 FLAG = "--deepspeed_config"
 
 
+def read_ds_config(path: str | Path) -> dict[str, Any]:
+    """A DeepSpeed config as its file holds it.
+
+    Raises:
+        ConfigError: missing or malformed file.
+    """
+    p = Path(path)
+    try:
+        cfg = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{FLAG} {p}: file not found; the shipped ones are configs/ds_config*.json"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{FLAG} {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{FLAG} {p}: expected a JSON object")
+    return cfg
+
+
 def load_ds_config(
     path: str | Path, world_size: int, train_iters: int, device: str, own_schedule: bool = False
 ) -> dict[str, Any]:
@@ -33,16 +53,7 @@ def load_ds_config(
             this device cannot run.
     """
     p = Path(path)
-    try:
-        cfg = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(
-            f"{FLAG} {p}: file not found; the shipped ones are configs/ds_config*.json"
-        ) from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{FLAG} {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError(f"{FLAG} {p}: expected a JSON object")
+    cfg = read_ds_config(p)
     micro = cfg.get("train_micro_batch_size_per_gpu")
     gas = cfg.get("gradient_accumulation_steps")
     total = cfg.get("train_batch_size")

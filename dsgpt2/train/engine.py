@@ -154,7 +154,7 @@ def build_engine(
     o = settings.optim
     if o.optimizer == "muon":
         # lr_schedule is dsgpt2's whenever Muon trains (TrainConfig refuses the DeepSpeed scheduler).
-        optimizer = build_muon(model, ds_config, lr_schedule.peak, o.muon_lr, o.muon_momentum)
+        optimizer = build_muon(model, ds_config, lr_schedule.peak, o)
         given = {"optimizer": optimizer}
     else:
         given = {"model_parameters": param_groups(model, optimizer_weight_decay(ds_config))}

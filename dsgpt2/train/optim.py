@@ -10,15 +10,28 @@ the engine like AdamW's. It is built here, from the DeepSpeed config's AdamW set
 an ``optimizer`` block of type Muon: DeepSpeed's own choice of the Muon weights takes every matrix
 whose name lacks "embed", which puts GPT-2's token and position embeddings (``wte``, ``wpe``) under
 Muon.
+
+Each orthogonalised update is sized for its layer by ``--muon_scale``. DeepSpeed's ``muon_update``
+multiplies it by ``sqrt(max(1, rows / cols))`` of the weight *as stored*, a rule written for
+``nn.Linear``'s (out, in) layout; GPT-2's ``Conv1D`` stores (in, out), so that rule would give the MLP's
+expanding ``c_fc`` ×1 and its contracting ``c_proj`` ×2, the reverse of the layer's. The rule here is
+computed from the layer's (fan-out, fan-in) and applied as a per-group factor on the learning rate
+(each group's ``lr_scale``) divided by what DeepSpeed multiplies in: it holds at ZeRO 0, 1 and 2, where
+DeepSpeed orthogonalises, and needs nothing of its internals. The weight decay is divided by the same
+factor, so every matrix decays by the same ``lr × weight decay`` (decoupled: on the weights, not the
+gradient, as AdamW and the Muon authors apply it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import param_groups
+from dsgpt2.settings.options import POSITIVE_NUMBER, Range, check_fields, option
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +40,142 @@ OPTIMIZERS = ("adamw", "muon")
 # DeepSpeed's MuonWithAuxAdam, the momentum of the Muon paper (Nesterov, as both apply it).
 MUON_LR = 0.02
 MUON_MOMENTUM = 0.95
+# How large each matrix's update is (see muon_scale); "storage" is DeepSpeed's rule on the weight as
+# stored, what runs trained before the choice existed used (their checkpoints resume with it).
+SCALES = ("spectral", "rms", "storage")
+MUON_SCALE = "spectral"
+MUON_WEIGHT_DECAY = 0.0
+
+
+@dataclass
+class OptimizerOptions:
+    """Which optimizer trains the weights (see dsgpt2.train.optim)."""
+
+    optimizer: str | None = option(
+        None,
+        "muon (the default for a new run): Muon on the blocks' 2-D weights (attention and MLP), AdamW (the "
+        "DeepSpeed config's settings, --lr) on embeddings, biases and norms; adamw: the DeepSpeed config's "
+        "AdamW on every weight. A resumed run without it continues with its checkpoint's",
+        choices=list(OPTIMIZERS),
+    )
+    muon_lr: float | None = option(
+        None,
+        f"muon: the peak learning rate of the Muon weights (default {MUON_LR} under --muon_scale spectral, "
+        "--lr under rms); --lr stays AdamW's",
+        type=float,
+        check=POSITIVE_NUMBER,
+    )
+    muon_momentum: float | None = option(
+        None,
+        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
+        type=float,
+        check=Range(float, 0, 1, short="in [0, 1)"),
+    )
+    muon_weight_decay: float | None = option(
+        None,
+        "muon: decoupled weight decay of the Muon weights, p ← p·(1 − lr·decay) (default "
+        f"{MUON_WEIGHT_DECAY} under spectral, the DeepSpeed config's AdamW decay under rms)",
+        type=float,
+        check=Range(float, 0),
+    )
+    muon_scale: str | None = option(
+        None,
+        f"muon: each matrix's update size: spectral (default {MUON_SCALE!r} is it), sqrt(max(1, fan-out / "
+        "fan-in)) of the layer, the speedrun's; rms: 0.2·sqrt(max(fan-out, fan-in)), Moonlight's, where "
+        "AdamW's --lr and decay carry over; storage: DeepSpeed's rule on the weight as stored (runs before "
+        "this choice existed)",
+        choices=list(SCALES),
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.check_muon_flags()
+        if self.muon_momentum is not None and self.muon_momentum >= 1:
+            raise ConfigError(f"--muon_momentum {self.muon_momentum}: must be in [0, 1)")
+
+    def check_muon_flags(self) -> None:
+        """Refuse Muon's settings for a run that trains with AdamW.
+
+        Raises:
+            ConfigError: a Muon flag given, and the optimizer is AdamW.
+        """
+        given = [f"--{k}" for k in MUON_KEYS if getattr(self, k) is not None]
+        if self.optimizer == "adamw" and given:
+            raise ConfigError(
+                f"{' and '.join(given)} set the Muon optimizer, and this run trains with --optimizer "
+                f"adamw: add --optimizer muon, or drop {' and '.join(given)}"
+            )
+
+    def take_resumed(self, saved: dict[str, object]) -> list[str]:
+        """Fill what this run left unset from the options of the checkpoint it resumes (``saved``): the
+        optimizer, and Muon's settings where the checkpoint's optimizer is this run's (a checkpoint
+        saved before a setting existed: the value it trained with). Returns the flags taken."""
+        taken = []
+        theirs = str(saved.get("optimizer") or "adamw")  # saved before Muon: AdamW
+        if self.optimizer is None:
+            self.optimizer = theirs
+            taken.append(f"--optimizer {theirs}")
+        if self.optimizer == theirs == "muon":
+            for key, before in (("muon_scale", "storage"), ("muon_weight_decay", 0.0)):
+                if getattr(self, key) is None:
+                    value = saved.get(key, before)
+                    setattr(self, key, value)
+                    if value is not None:
+                        taken.append(f"--{key} {value}")
+        return taken
+
+
+MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_scale")
+
+
+def layer_shape(module: Any) -> tuple[int, int] | None:
+    """The (fan-out, fan-in) of a linear layer, whatever the layout of its weight: ``nn.Linear`` stores
+    (out, in), GPT-2's ``Conv1D`` (in, out). None for any other module."""
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D):
+        fan_in, fan_out = module.weight.shape
+        return fan_out, fan_in
+    if isinstance(module, torch.nn.Linear):
+        fan_out, fan_in = module.weight.shape
+        return fan_out, fan_in
+    return None
+
+
+def muon_scale(rule: str, fan_out: int, fan_in: int) -> float:
+    """The factor on an orthogonalised update of a (fan-out × fan-in) layer under ``rule``:
+
+    - ``spectral``: ``sqrt(max(1, fan_out / fan_in))`` (Keller Jordan's Muon, the speedrun): the update's
+      spectral norm fits the layer's input-to-output scale;
+    - ``rms``: ``0.2 · sqrt(max(fan_out, fan_in))`` (Moonlight, Liu et al., 2025): the update's RMS is
+      AdamW's typical 0.2, so AdamW's learning rate and weight decay carry over.
+    """
+    if rule == "spectral":
+        return math.sqrt(max(1.0, fan_out / fan_in))
+    if rule == "rms":
+        return 0.2 * math.sqrt(max(fan_out, fan_in))
+    raise ValueError(f"no Muon scale {rule!r}")
+
+
+def _deepspeed_scale(stored: tuple[int, ...]) -> float:
+    """What DeepSpeed's ``muon_update`` multiplies an update by: its rule on the stored shape."""
+    rows, cols = stored[-2], stored[-1]
+    return math.sqrt(rows / cols) if rows > cols else 1.0
+
+
+def scale_factors(model: Any, params: list[Any], rule: str) -> list[float]:
+    """Per weight of ``params``: the factor its learning rate takes so that DeepSpeed's update, times it,
+    is sized by ``rule`` for the weight's layer (1.0 everywhere under ``storage``)."""
+    if rule == "storage":
+        return [1.0] * len(params)
+    shapes = {id(m.weight): shape for m in model.modules() if (shape := layer_shape(m)) is not None}
+    factors = []
+    for p in params:
+        if id(p) not in shapes:
+            raise ValueError(f"a Muon weight of shape {tuple(p.shape)} is not a linear layer's")
+        factors.append(muon_scale(rule, *shapes[id(p)]) / _deepspeed_scale(tuple(p.shape)))
+    return factors
 
 
 def is_hidden_matrix(name: str, param: Any) -> bool:
@@ -36,11 +185,19 @@ def is_hidden_matrix(name: str, param: Any) -> bool:
 
 
 def muon_param_groups(
-    model: Any, adamw: dict[str, Any], lr: float, muon_lr: float, momentum: float
+    model: Any,
+    adamw: dict[str, Any],
+    lr: float,
+    *,
+    muon_lr: float,
+    momentum: float,
+    weight_decay: float = MUON_WEIGHT_DECAY,
+    scale: str = MUON_SCALE,
 ) -> list[dict[str, Any]]:
-    """``MuonWithAuxAdam``'s groups: the hidden matrices under Muon (``muon_lr``, ``momentum``, no weight
-    decay, as in the speedrun), every other weight under AdamW (``adamw``: the DeepSpeed config's
-    ``optimizer.params``; ``lr``: its peak; decay on the embeddings only, as :func:`param_groups`).
+    """``MuonWithAuxAdam``'s groups: every other weight under AdamW (``adamw``: the DeepSpeed config's
+    ``optimizer.params``; ``lr``: its peak; decay on the embeddings only, as :func:`param_groups`), then
+    the hidden matrices under Muon (``muon_lr``, ``momentum``, ``weight_decay``), one group per update
+    factor of ``scale`` (:func:`scale_factors`), in the order of the model's first weight of each.
     Each group's ``lr_scale`` is its peak ÷ ``lr``: the schedule sets ``lr × curve × lr_scale``.
     Tied weights appear once."""
     hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p)}
@@ -54,13 +211,31 @@ def muon_param_groups(
                            "weight_decay": group["weight_decay"], "lr_scale": 1.0})  # fmt: skip
     # Last: the first group's rate is the run's logged one (--lr's curve).
     muon = [p for p in model.parameters() if id(p) in hidden]
-    groups.append({"params": muon, "use_muon": True, "lr": muon_lr, "momentum": momentum,
-                   "weight_decay": 0.0, "lr_scale": muon_lr / lr})  # fmt: skip
+    by_factor: dict[float, list[Any]] = {}
+    for p, factor in zip(muon, scale_factors(model, muon, scale), strict=True):
+        by_factor.setdefault(round(factor, 12), []).append(p)
+    for factor, params in by_factor.items():
+        # The decay divided by the factor: p ← p·(1 − lr·wd) decays each matrix at muon_lr × wd.
+        groups.append({"params": params, "use_muon": True, "lr": muon_lr * factor, "momentum": momentum,
+                       "weight_decay": weight_decay / factor, "lr_scale": muon_lr * factor / lr,
+                       "muon_factor": factor})  # fmt: skip
     # ZeRO 1 and 2 ask each parameter, not its group, whether Muon steps it.
     for group in groups:
         for p in group["params"]:
             p.use_muon = group["use_muon"]
     return groups
+
+
+def muon_unfit(ds_config: dict[str, Any]) -> str | None:
+    """Why Muon cannot train under ``ds_config``; None where it can."""
+    from dsgpt2.train.ds_config import zero_stage
+
+    if zero_stage(ds_config) == 3:
+        return "ZeRO stage 3 shards each matrix across the ranks, and Muon orthogonalises whole ones"
+    kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
+    if kind.lower() not in ("adamw", "adam"):
+        return f"its optimizer is {kind}, and Muon takes its AdamW settings from an AdamW one"
+    return None
 
 
 def check_optimizer(optimizer: str, ds_config: dict[str, Any]) -> None:
@@ -69,37 +244,86 @@ def check_optimizer(optimizer: str, ds_config: dict[str, Any]) -> None:
     Raises:
         ConfigError: Muon under ZeRO stage 3, or with a DeepSpeed config whose optimizer is not AdamW.
     """
-    from dsgpt2.train.ds_config import zero_stage
-
-    if optimizer != "muon":
-        return
-    if zero_stage(ds_config) == 3:
+    if optimizer == "muon" and (why := muon_unfit(ds_config)):
         raise ConfigError(
-            "--optimizer muon trains under ZeRO stage 0, 1 or 2: ZeRO 3 shards each matrix across the "
-            "ranks, and Muon orthogonalises whole ones. Use a stage 2 config (configs/ds_config.json) "
-            "or --optimizer adamw"
-        )
-    kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
-    if kind.lower() not in ("adamw", "adam"):
-        raise ConfigError(
-            f"--optimizer muon takes its AdamW settings from the DeepSpeed config's optimizer, which is "
-            f"{kind}: set its type to AdamW"
+            f"--optimizer muon cannot train under this DeepSpeed config: {why}. Use a ZeRO 0-2 config "
+            "with AdamW as its optimizer (configs/ds_config.json), or --optimizer adamw"
         )
 
 
-def build_muon(
-    model: Any, ds_config: dict[str, Any], lr: float, muon_lr: float | None, momentum: float | None
-) -> Any:
-    """The Muon optimizer of ``model`` (AdamW's part from ``ds_config``'s optimizer, ``lr`` its peak),
-    and ``ds_config`` made to suit it (in place): its ``optimizer`` block dropped (the engine is handed
-    this one), and gradient clipping off.
+def batched_muon_class() -> type:
+    """DeepSpeed's ``MuonWithAuxAdam`` whose step orthogonalises the whole matrices of one shape together:
+    one batched Newton–Schulz per shape and group (GPT-2's 48 hidden matrices at 112m in 4 calls rather
+    than 48), and their decay and update applied by multi-tensor ops. DeepSpeed's iteration takes a batch
+    as it is (``zeropower_via_*`` orthogonalise each matrix of it), and scales by each matrix's own
+    shape. Under ZeRO 1 and 2 DeepSpeed has orthogonalised each gradient before the step and hands it
+    flat: those take DeepSpeed's own path."""
+    import warnings
+    from collections import defaultdict
+
+    import torch
+
+    # Inductor lowers DeepSpeed's compiled Newton–Schulz through a torch helper that warns of its own
+    # deprecation, once per run on the user's screen: not the user's to act on.
+    warnings.filterwarnings("ignore", r"`torch\._prims_common\.check` is deprecated", FutureWarning)
+    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    class BatchedMuon(MuonWithAuxAdam):  # type: ignore[misc]
+        @torch.no_grad()
+        def step(self, closure: Any = None, step_id: Any = None) -> Any:
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            muon = [g for g in self.param_groups if g["use_muon"]]
+            for group in muon:
+                shapes: dict[tuple[int, ...], list[Any]] = defaultdict(list)
+                for p in group["params"]:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                    if p.dim() < 2:  # a flat ZeRO partition: its gradient holds the update already
+                        p.mul_(1 - group["lr"] * group["weight_decay"])
+                        p.add_(p.grad.reshape(p.shape), alpha=-group["lr"])
+                    else:
+                        shapes[tuple(p.shape)].append(p)
+                for params in shapes.values():
+                    buffers = []
+                    for p in params:
+                        state = self.state[p]
+                        if "momentum_buffer" not in state:
+                            state["momentum_buffer"] = torch.zeros_like(p)
+                        buffers.append(state["momentum_buffer"])
+                    momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
+                    grads = torch.stack([p.grad for p in params])
+                    update = original_muon.muon_update(
+                        grads, momentum, beta=group["momentum"], ns_method=method
+                    )
+                    torch._foreach_copy_(buffers, list(momentum.unbind(0)))
+                    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
+                    torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"])
+            # AdamW's part as DeepSpeed steps it, shown only its own groups.
+            every = self.param_groups
+            self.param_groups = [g for g in every if not g["use_muon"]]
+            try:
+                super().step(step_id=step_id)
+            finally:
+                self.param_groups = every
+            return loss
+
+    return BatchedMuon
+
+
+def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: OptimizerOptions) -> Any:
+    """The Muon optimizer of ``model`` (AdamW's part from ``ds_config``'s optimizer, ``lr`` its peak;
+    Muon's from ``options``, their defaults where unset), and ``ds_config`` made to suit it (in place):
+    its ``optimizer`` block dropped (the engine is handed this one), and gradient clipping off.
 
     Gradient clipping is off because ZeRO 1 and 2 clip after the Muon update is made (the global norm
     of orthogonalised updates, about 27 times the raw gradients' at the first step of the tiny
     model), which would scale every Muon step down by that factor and make ZeRO 0 and ZeRO 2 train
     different models; Muon's update has a fixed size whatever the gradient's.
     """
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from torch.optim import AdamW
 
     from dsgpt2.train.ds_config import zero_stage
@@ -109,15 +333,25 @@ def build_muon(
     if clip := ds_config.get("gradient_clipping"):
         log.info("Muon: gradient clipping (%s in the DeepSpeed config) is off", clip)
     ds_config["gradient_clipping"] = 0.0
-    muon_lr = MUON_LR if muon_lr is None else muon_lr
-    momentum = MUON_MOMENTUM if momentum is None else momentum
-    groups = muon_param_groups(model, block.get("params") or {}, lr, muon_lr, momentum)
-    optimizer = MuonWithAuxAdam(groups, adam_optimizer=AdamW)
-    n_muon = sum(p.numel() for p in groups[-1]["params"])
+    scale = options.muon_scale or MUON_SCALE
+    adamw = block.get("params") or {}
+    # Under Moonlight's rule the update's RMS is AdamW's: AdamW's rate and decay are the defaults.
+    weight_decay = options.muon_weight_decay
+    if weight_decay is None:
+        weight_decay = float(adamw.get("weight_decay", 0.0)) if scale == "rms" else MUON_WEIGHT_DECAY
+    muon_lr = options.muon_lr if options.muon_lr is not None else lr if scale == "rms" else MUON_LR
+    momentum = MUON_MOMENTUM if options.muon_momentum is None else options.muon_momentum
+    groups = muon_param_groups(
+        model, adamw, lr, muon_lr=muon_lr, momentum=momentum, weight_decay=weight_decay, scale=scale
+    )
+    optimizer = batched_muon_class()(groups, adam_optimizer=AdamW)
+    n_muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
     n_all = sum(p.numel() for g in groups for p in g["params"])
+    factors = ", ".join(f"{g['muon_factor']:.3g}" for g in groups if g["use_muon"])
     log.info(
-        "optimizer: Muon (lr %g, momentum %g) on %.1fM weights of the blocks' matrices, AdamW (lr %g) on "
-        "the other %.1fM; ZeRO stage %d",
-        muon_lr, momentum, n_muon / 1e6, lr, (n_all - n_muon) / 1e6, zero_stage(ds_config),
+        "optimizer: Muon (lr %g, momentum %g, weight decay %g, %s scale: ×%s) on %.1fM weights of the "
+        "blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
+        muon_lr, momentum, weight_decay, scale, factors, n_muon / 1e6, lr, (n_all - n_muon) / 1e6,
+        zero_stage(ds_config),
     )  # fmt: skip
     return optimizer

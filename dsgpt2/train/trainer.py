@@ -32,7 +32,13 @@ from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import describe
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
-from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainingAborted, TrainState
+from dsgpt2.train.checkpointer import (
+    Checkpointer,
+    CheckpointSettings,
+    TrainingAborted,
+    TrainState,
+    resumed_options,
+)
 from dsgpt2.train.collective import (
     all_sum,
     gather,
@@ -46,6 +52,7 @@ from dsgpt2.train.ds_config import (
     apply_schedule,
     check_attention,
     load_ds_config,
+    read_ds_config,
     zero_stage,
 )
 from dsgpt2.train.engine import (
@@ -59,7 +66,7 @@ from dsgpt2.train.engine import (
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.microloop import MicroLoop
-from dsgpt2.train.optim import check_optimizer
+from dsgpt2.train.optim import check_optimizer, muon_unfit
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
@@ -117,11 +124,14 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     from dsgpt2.db.client import Connection
 
     cfg.check_files()
+    decided = cfg.settle(resumed_options(cfg.ckpt), muon_unfit(read_ds_config(cfg.engine.deepspeed_config)))
     if mongo is None and cfg.data.config_train is None:
         raise ConfigError("--config_train is required: the MongoDB connection config JSON")
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
+    for line in decided:
+        log.info("%s", line)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mongo = mongo or load_config(cfg.data.config_train)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()

@@ -29,14 +29,23 @@ def tiny_model() -> Any:
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest() -> None:
     model = tiny_model()
-    groups = muon_param_groups(model, {"weight_decay": 0.1, "betas": [0.9, 0.95]}, 1e-3, 0.02, 0.9)
+    adamw = {"weight_decay": 0.1, "betas": [0.9, 0.95]}
+    groups = muon_param_groups(model, adamw, 1e-3, muon_lr=0.02, momentum=0.9, weight_decay=0.05)
     names = {id(p): n for n, p in model.named_parameters()}
     by_group = [sorted(names[id(p)] for p in g["params"]) for g in groups]
-    muon = by_group[-1]
+    muon = sorted(n for g, ns in zip(groups, by_group, strict=True) if g["use_muon"] for n in ns)
     assert muon == sorted(f"transformer.h.{i}.{m}.weight" for i in range(2)
                           for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))  # fmt: skip
-    assert groups[-1]["use_muon"] and groups[-1]["lr"] == 0.02 and groups[-1]["momentum"] == 0.9
-    assert groups[-1]["lr_scale"] == pytest.approx(20.0) and groups[-1]["weight_decay"] == 0
+    # One Muon group per update size, each layer's spectral factor over DeepSpeed's (Conv1D: (in, out)).
+    factors = {}
+    for g, ns in zip(groups, by_group, strict=True):
+        if g["use_muon"]:
+            assert g["momentum"] == 0.9 and g["lr_scale"] == pytest.approx(20.0 * g["muon_factor"])
+            assert g["lr"] == pytest.approx(0.02 * g["muon_factor"])
+            assert g["lr"] * g["weight_decay"] == pytest.approx(0.02 * 0.05)  # the same decay per step
+            factors.update({n.split(".", 3)[3]: g["muon_factor"] for n in ns})
+    assert factors == pytest.approx({"attn.c_attn.weight": 3**0.5, "attn.c_proj.weight": 1.0,
+                                     "mlp.c_fc.weight": 2.0, "mlp.c_proj.weight": 0.5})  # fmt: skip
     decayed, plain = by_group[:2]
     assert decayed == ["transformer.wpe.weight", "transformer.wte.weight"]  # the head is tied to wte
     assert all(".ln_" in n or n.endswith(".bias") or n.startswith("transformer.ln_f") for n in plain)
@@ -44,6 +53,83 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest() -> None:
     assert all(not g["use_muon"] and g["betas"] == (0.9, 0.95) and g["lr"] == 1e-3 for g in groups[:2])
     assert sum(len(g) for g in by_group) == len(list(model.parameters()))  # each weight once
     assert all(p.use_muon == g["use_muon"] for g in groups for p in g["params"])
+    # DeepSpeed's rule on the stored shape (runs before --muon_scale): one group, as they saved.
+    legacy = muon_param_groups(model, {}, 1e-3, muon_lr=0.02, momentum=0.9, scale="storage")
+    assert [g["muon_factor"] for g in legacy if g["use_muon"]] == [1.0]
+
+
+class _Block:
+    """The three linear layers of a GPT-2 block whose shapes differ, as ``Conv1D`` (GPT-2's (in, out)
+    storage) or ``nn.Linear`` ((out, in)), named as the model names them."""
+
+    @staticmethod
+    def build(linear: bool, width: int = 16) -> Any:
+        import torch
+        from transformers.pytorch_utils import Conv1D
+
+        def layer(fan_in: int, fan_out: int) -> Any:
+            return torch.nn.Linear(fan_in, fan_out) if linear else Conv1D(fan_out, fan_in)
+
+        block = torch.nn.Module()
+        block.attn, block.mlp = torch.nn.Module(), torch.nn.Module()
+        block.attn.c_attn = layer(width, 3 * width)
+        block.mlp.c_fc, block.mlp.c_proj = layer(width, 4 * width), layer(4 * width, width)
+        model = torch.nn.Module()
+        model.transformer = torch.nn.Module()
+        model.transformer.h = torch.nn.ModuleList([block])
+        return model
+
+
+# DeepSpeed's import and its compiled Newton–Schulz warn about torch APIs it calls (not ours).
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning")
+@pytest.mark.parametrize("scale", ["spectral", "rms"])
+def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_same_step(scale: str) -> None:
+    """The update is sized by the layer's (fan-out, fan-in), not by how its weight is stored."""
+    import torch
+
+    from dsgpt2.train.optim import build_muon
+
+    torch.manual_seed(0)
+    conv, linear = _Block.build(linear=False), _Block.build(linear=True)
+    pairs = [
+        (c, lin) for c, lin in zip(conv.modules(), linear.modules(), strict=True) if hasattr(c, "weight")
+    ]
+    for c, lin in pairs:
+        with torch.no_grad():
+            lin.weight.copy_(c.weight.T)
+            lin.bias.copy_(c.bias)
+        c.weight.grad = torch.randn_like(c.weight)
+        lin.weight.grad = c.weight.grad.T.clone()
+        c.bias.grad = lin.bias.grad = torch.zeros_like(c.bias)
+
+    def step(model: Any, how: str) -> None:
+        ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
+        settings = OptimizerOptions("muon", muon_lr=0.02, muon_weight_decay=0.1, muon_scale=how)
+        build_muon(model, ds, 1e-3, settings).step()
+
+    before = {id(c): c.weight.detach().clone() for c, _ in pairs}
+    step(conv, scale)
+    step(linear, scale)
+    for c, lin in pairs:
+        assert torch.allclose(c.weight, lin.weight.T, atol=1e-6), type(c).__name__
+        moved = (c.weight - before[id(c)]).norm()
+        assert moved > 1e-3
+    # DeepSpeed's own rule reads the stored shape: the MLP's layers take each other's step size.
+    conv, linear = _Block.build(linear=False), _Block.build(linear=True)
+    for c, lin in ((conv.transformer.h[0].mlp.c_fc, linear.transformer.h[0].mlp.c_fc),):
+        with torch.no_grad():
+            lin.weight.copy_(c.weight.T)
+        c.weight.grad = torch.randn_like(c.weight)
+        lin.weight.grad = c.weight.grad.T.clone()
+    for model in (conv, linear):
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    step(conv, "storage")
+    step(linear, "storage")
+    c, lin = conv.transformer.h[0].mlp.c_fc, linear.transformer.h[0].mlp.c_fc
+    assert not torch.allclose(c.weight, lin.weight.T, atol=1e-4)
 
 
 def test_the_schedule_scales_each_groups_rate() -> None:
@@ -62,31 +148,79 @@ def test_the_schedule_scales_each_groups_rate() -> None:
     ("options", "said"),
     [
         ({"optimizer": "sgd"}, "--optimizer"),
-        ({"muon_lr": 0.01}, "--muon_lr set the Muon optimizer, and this run trains with --optimizer adamw"),
-        ({"muon_momentum": 0.9}, "add --optimizer muon, or drop --muon_momentum"),
+        ({"optimizer": "adamw", "muon_lr": 0.01},
+         "--muon_lr set the Muon optimizer, and this run trains with --optimizer adamw"),
+        ({"optimizer": "adamw", "muon_momentum": 0.9}, "add --optimizer muon, or drop --muon_momentum"),
+        ({"optimizer": "adamw", "muon_weight_decay": 0.1}, "drop --muon_weight_decay"),
+        ({"optimizer": "adamw", "muon_scale": "rms"}, "drop --muon_scale"),
         ({"optimizer": "muon", "muon_lr": -0.1}, "--muon_lr"),
         ({"optimizer": "muon", "muon_lr": 0.0}, "--muon_lr"),
         ({"optimizer": "muon", "muon_momentum": -0.5}, "--muon_momentum"),
         ({"optimizer": "muon", "muon_momentum": 1.0}, "--muon_momentum 1.0: must be in [0, 1)"),
+        ({"muon_weight_decay": -1.0}, "--muon_weight_decay"),
+        ({"muon_scale": "foo"}, "--muon_scale"),
     ],
-)
+)  # fmt: skip
 def test_bad_optimizer_options_are_one_line(options: dict, said: str) -> None:
     with pytest.raises(ConfigError, match=None) as err:
         OptimizerOptions(**options)
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
-def test_muon_needs_its_own_schedule(tmp_path: Path) -> None:
+def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpoints_optimizer() -> None:
     from dsgpt2.train.config import DataOptions
 
-    with pytest.raises(ConfigError, match="--optimizer muon: add --lr_schedule wsd"):
-        TrainConfig(DataOptions(None), optim=OptimizerOptions(optimizer="muon"))
-    muon = TrainConfig(
-        DataOptions(None),
-        schedule=ScheduleOptions(lr_schedule="wsd"),
-        optim=OptimizerOptions(optimizer="muon"),
+    def settled(saved: dict | None = None, unfit: str | None = None, **given: Any) -> TrainConfig:
+        schedule = {k: given.pop(k) for k in ("lr_schedule",) if k in given}
+        cfg = TrainConfig(
+            DataOptions(None), schedule=ScheduleOptions(**schedule), optim=OptimizerOptions(**given)
+        )
+        cfg.settle(saved, unfit)
+        return cfg
+
+    new = settled()
+    assert (new.optim.optimizer, new.schedule.lr_schedule, new.optim.muon_scale) == (
+        "muon",
+        "wsd",
+        "spectral",
     )
-    assert muon.to_dict()["optimizer"] == "muon" and MUON_LR == 0.02 and MUON_MOMENTUM == 0.95
+    assert new.to_dict()["optimizer"] == "muon" and MUON_LR == 0.02 and MUON_MOMENTUM == 0.95
+    # Where Muon cannot train (ZeRO 3), a new run takes AdamW, and says why.
+    cfg = TrainConfig(DataOptions(None))
+    said = cfg.settle(None, "ZeRO stage 3 shards each matrix")
+    assert cfg.optim.optimizer == "adamw" and cfg.schedule.lr_schedule == "deepspeed"
+    assert said == [
+        "optimizer: AdamW, not Muon, under this DeepSpeed config: ZeRO stage 3 shards each matrix"
+    ]
+    # A resume takes what its checkpoint trained with, and says so.
+    adamw = TrainConfig(DataOptions(None))
+    said = adamw.settle({"optimizer": "adamw", "lr_schedule": "cosine"})
+    assert (adamw.optim.optimizer, adamw.schedule.lr_schedule) == ("adamw", "cosine")
+    assert said == ["the checkpoint to resume was trained with --optimizer adamw, --lr_schedule cosine: "
+                    "this run continues with it"]  # fmt: skip
+    # A Muon checkpoint saved before --muon_scale and --muon_weight_decay: DeepSpeed's rule, no decay.
+    legacy = settled({"optimizer": "muon", "lr_schedule": "wsd", "muon_lr": 0.03})
+    assert (legacy.optim.optimizer, legacy.optim.muon_scale, legacy.optim.muon_weight_decay) == (
+        "muon", "storage", 0.0)  # fmt: skip
+    assert settled({"optimizer": "muon", "muon_scale": "rms"}, optimizer="muon").optim.muon_scale == "rms"
+    assert settled({"optimizer": "muon"}, muon_scale="spectral").optim.muon_scale == "spectral"
+    # A checkpoint of AdamW with Muon's flags typed: AdamW was asked for by the checkpoint, in one line.
+    with pytest.raises(ConfigError, match="--muon_lr set the Muon optimizer"):
+        settled({"optimizer": "adamw"}, muon_lr=0.01)
+
+
+def test_muon_needs_its_own_schedule() -> None:
+    from dsgpt2.train.config import DataOptions
+
+    for optim in (OptimizerOptions(optimizer="muon"), OptimizerOptions()):
+        with pytest.raises(ConfigError, match="--lr_schedule deepspeed gives every weight one learning rate"):
+            cfg = TrainConfig(
+                DataOptions(None), schedule=ScheduleOptions(lr_schedule="deepspeed"), optim=optim
+            )
+            cfg.settle(None)
+    adamw = TrainConfig(DataOptions(None), optim=OptimizerOptions(optimizer="adamw"))
+    adamw.settle(None)
+    assert adamw.schedule.lr_schedule == "deepspeed"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +241,7 @@ def straight(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     """Six Muon steps at ZeRO 0 without a stop."""
     run = tmp_path_factory.mktemp("muon_straight")
     done = train(_staged(corpus, run, 0), run, *MUON, *RUN)
-    assert "optimizer: Muon (lr 0.03, momentum 0.95)" in done.stderr
+    assert "optimizer: Muon (lr 0.03, momentum 0.95, weight decay 0, spectral scale" in done.stderr
     assert "gradient clipping (1.0 in the DeepSpeed config) is off" in done.stderr
     return run
 
@@ -133,11 +267,20 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
 
     if stage == 1:
         return
+    # Without --optimizer, the resume continues with Muon, and says so.
+    again = train(staged, tmp_path, "--train_iters", "7", "--save_interval", "3")
+    assert "the checkpoint to resume was trained with --optimizer muon, --lr_schedule wsd" in again.stderr
+    assert "optimizer: Muon (lr 0.03," in again.stderr and sorted(steps(tmp_path)) == list(range(1, 8))
     # The checkpoint holds Muon's state: AdamW cannot resume it, in one line.
-    other = train(staged, tmp_path, "--lr_schedule", "wsd", *RUN, check=False)
+    other = train(staged, tmp_path, "--optimizer", "adamw", "--lr_schedule", "wsd", *RUN, check=False)
     assert other.returncode == 2, other.stderr[-2000:]
     (line,) = other.stderr.strip().splitlines()
     assert "was trained with --optimizer muon and this run asks for --optimizer adamw" in line
+    # Its Muon weights are grouped by update size: another --muon_scale cannot resume it either.
+    other = train(staged, tmp_path, *MUON, "--muon_scale", "rms", *RUN, check=False)
+    assert other.returncode == 2, other.stderr[-2000:]
+    (line,) = other.stderr.strip().splitlines()
+    assert "was trained with --muon_scale spectral and this run asks for --muon_scale rms" in line
 
 
 @pytest.mark.slow
@@ -146,9 +289,10 @@ def test_muon_under_zero_3_or_with_bad_flags_is_refused_before_the_model_is_buil
 ) -> None:
     staged = _staged(corpus, tmp_path, 3)
     for extra, said in (
-        (MUON, "--optimizer muon trains under ZeRO stage 0, 1 or 2"),
+        (MUON, "--optimizer muon cannot train under this DeepSpeed config: ZeRO stage 3"),
+        (("--muon_lr", "0.01"), "--optimizer muon cannot train under this DeepSpeed config: ZeRO stage 3"),
         (("--optimizer", "sgd"), "--optimizer"),
-        (("--muon_lr", "0.01"), "--muon_lr set the Muon optimizer"),
+        (("--optimizer", "adamw", "--muon_lr", "0.01"), "--muon_lr set the Muon optimizer"),
         (("--optimizer", "muon", "--lr_schedule", "wsd", "--muon_momentum", "-1"), "--muon_momentum"),
     ):
         out = train(staged, tmp_path / "run", *extra, "--train_iters", "2", check=False)
@@ -198,7 +342,7 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     recipe = ROOT / "configs" / "recipes" / "fast.yaml"
     done = train(corpus, tmp_path, "--config", str(recipe), "--train_iters", "8", "--eval_interval", "8",
                  "--eval_iters", "4", "--save_interval", "8", "--warmup_iters", "2")  # fmt: skip
-    assert "optimizer: Muon (lr 0.02, momentum 0.95)" in done.stderr
+    assert "optimizer: Muon (lr 0.02, momentum 0.95," in done.stderr
     last = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"][-1]
     assert last["step"] == 8
     # As a user's shell runs it: no DS_ACCELERATOR (the test process may have set one).
@@ -216,3 +360,54 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     request = EvalRequest(batch_size=4, max_batches=4, workers=0)
     report = evaluate(load_model(tmp_path / "hf"), load_config(corpus["config"]), request, progress=False)
     assert report["metrics"]["perplexity"] == pytest.approx(last["val_ppl"], rel=1e-5)
+
+
+@pytest.mark.slow  # compiles the Newton–Schulz iteration for each shape
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning")
+def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One Newton–Schulz call per shape and group, not per matrix: the same weights and momentum as
+    DeepSpeed's step, matrix by matrix, over a few steps."""
+    import copy
+
+    import torch
+    from deepspeed.runtime.zero.muon import original_muon
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    from dsgpt2.train.optim import batched_muon_class
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    twin = copy.deepcopy(model)
+    settings: dict[str, Any] = {"muon_lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+    ours = batched_muon_class()(
+        muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
+    )
+    theirs = MuonWithAuxAdam(muon_param_groups(twin, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW)
+    calls: list[tuple[int, ...]] = []
+    real = original_muon.muon_update
+
+    def counted(grad: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(tuple(grad.shape))
+        return real(grad, *args, **kwargs)
+
+    for step in range(3):
+        grads = [torch.randn_like(p) for p in model.parameters()]
+        for m, opt in ((model, ours), (twin, theirs)):
+            for p, g in zip(m.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            if opt is ours:
+                monkeypatch.setattr(original_muon, "muon_update", counted)
+            opt.step()
+            monkeypatch.setattr(original_muon, "muon_update", real)
+        for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.allclose(a, b, atol=1e-6), step
+    # 8 matrices of 4 shapes (each its own group here): 4 calls a step, each on a batch of 2.
+    assert len(calls) == 3 * 4 and all(len(shape) == 3 and shape[0] == 2 for shape in calls)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        if p.dim() == 2 and p.use_muon:
+            assert torch.allclose(
+                ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"], atol=1e-6
+            )

@@ -102,7 +102,7 @@ def test_apply_schedule_replaces_deepspeeds_scheduler_or_keeps_it() -> None:
     short = apply_schedule(_ds(), ScheduleOptions(lr_schedule="wsd"), train_iters=100)
     assert short is not None and short.warmup == 10 and short.peak == 6e-4  # a tenth at most
     kept = _ds()
-    assert apply_schedule(kept, ScheduleOptions(lr=2e-3), train_iters=100) is None
+    assert apply_schedule(kept, ScheduleOptions(lr_schedule="deepspeed", lr=2e-3), train_iters=100) is None
     assert kept["scheduler"]["params"]["warmup_max_lr"] == 2e-3
     no_lr = {"optimizer": {"type": "AdamW", "params": {}}}
     with pytest.raises(ConfigError, match="set --lr"):
