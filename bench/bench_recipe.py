@@ -1,5 +1,5 @@
-"""Recipe: does the fast recipe (``configs/recipes/fast.yaml``: Muon) train a better model than the AdamW
-one (``configs/recipes/demo.yaml``) for the same compute?
+"""Recipe: does the fast recipe (``configs/recipes/fast.yaml``: Muon, the default optimizer) train a better
+model than the AdamW one (``configs/recipes/adamw.yaml``) for the same compute?
 
 Both recipes as shipped (their optimizer, schedule and rates), on the same documents, tokenizer, batch,
 tokens and seeds; the held-out documents are the validation split (never trained on), validated every
@@ -38,7 +38,7 @@ STEPS = int(os.environ.get("BENCH_RECIPE_STEPS", "1000"))
 SEEDS = tuple(int(s) for s in os.environ.get("BENCH_RECIPE_SEEDS", "1,2,3").split(","))
 SHAPES = tuple(os.environ.get("BENCH_RECIPE_SHAPES", "tiny,wide").split(","))
 CORPORA = tuple(os.environ.get("BENCH_RECIPE_CORPORA", "stdlib,prose").split(","))
-RECIPES = {"adamw": "demo.yaml", "fast": "fast.yaml"}
+RECIPES = {"adamw": "adamw.yaml", "fast": "fast.yaml"}
 WIDE = {
     "n_layer": 4,
     "n_embd": 128,

@@ -32,7 +32,7 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
-from dsgpt2.train.optim import MUON_KEYS, MUON_SCALE, OptimizerOptions
+from dsgpt2.train.optim import MUON_KEYS, MUON_SCALE, MUON_WEIGHT_DECAY, OptimizerOptions
 from dsgpt2.train.schedule import KINDS
 
 if TYPE_CHECKING:
@@ -442,6 +442,8 @@ class TrainConfig:
                 said.append(f"optimizer: AdamW, not Muon, under this DeepSpeed config: {muon_unfit}")
         if o.optimizer == "muon" and o.muon_scale is None:
             o.muon_scale = MUON_SCALE
+        if o.optimizer == "muon" and o.muon_weight_decay is None and o.muon_scale != "rms":
+            o.muon_weight_decay = MUON_WEIGHT_DECAY  # recorded: a resume keeps it whatever the default
         if s.lr_schedule is None:
             s.lr_schedule = "wsd" if o.optimizer == "muon" else "deepspeed"
         o.check_muon_flags()

@@ -116,7 +116,8 @@ class OptimizerOptions:
             self.optimizer = theirs
             taken.append(f"--optimizer {theirs}")
         if self.optimizer == theirs == "muon":
-            for key, before in (("muon_scale", "storage"), ("muon_weight_decay", 0.0)):
+            legacy = {"muon_scale": "storage", "muon_weight_decay": 0.0}  # saved before these existed
+            for key, before in ((k, legacy.get(k)) for k in MUON_KEYS):
                 if getattr(self, key) is None:
                     value = saved.get(key, before)
                     setattr(self, key, value)
@@ -324,6 +325,7 @@ def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: Optimi
     model), which would scale every Muon step down by that factor and make ZeRO 0 and ZeRO 2 train
     different models; Muon's update has a fixed size whatever the gradient's.
     """
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from torch.optim import AdamW
 
     from dsgpt2.train.ds_config import zero_stage
@@ -344,7 +346,9 @@ def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: Optimi
     groups = muon_param_groups(
         model, adamw, lr, muon_lr=muon_lr, momentum=momentum, weight_decay=weight_decay, scale=scale
     )
-    optimizer = batched_muon_class()(groups, adam_optimizer=AdamW)
+    # ZeRO 1 and 2 orthogonalise each gradient themselves, and accept Muon by its exact class.
+    muon = batched_muon_class() if zero_stage(ds_config) == 0 else MuonWithAuxAdam
+    optimizer = muon(groups, adam_optimizer=AdamW)
     n_muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
     n_all = sum(p.numel() for g in groups for p in g["params"])
     factors = ", ".join(f"{g['muon_factor']:.3g}" for g in groups if g["use_muon"])

@@ -130,8 +130,6 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
-    for line in decided:
-        log.info("%s", line)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mongo = mongo or load_config(cfg.data.config_train)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
@@ -171,6 +169,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model)
     found = on_rank0(checkpointer.find)
+    for line in decided:  # once the checkpoint they come from is known good
+        log.info("%s", line)
     feed.start(marks, found[2] if found else None)
     engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed, optim=cfg.optim)
     engine = build_engine(engine_settings, ds_config, spec, vocab_size, lr_schedule=lr_schedule, init=init,

@@ -269,7 +269,8 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
         return
     # Without --optimizer, the resume continues with Muon, and says so.
     again = train(staged, tmp_path, "--train_iters", "7", "--save_interval", "3")
-    assert "the checkpoint to resume was trained with --optimizer muon, --lr_schedule wsd" in again.stderr
+    said = "trained with --optimizer muon, --muon_lr 0.03, --muon_weight_decay 0.0, --muon_scale spectral"
+    assert said in again.stderr and "--lr_schedule wsd: this run continues with it" in again.stderr
     assert "optimizer: Muon (lr 0.03," in again.stderr and sorted(steps(tmp_path)) == list(range(1, 8))
     # The checkpoint holds Muon's state: AdamW cannot resume it, in one line.
     other = train(staged, tmp_path, "--optimizer", "adamw", "--lr_schedule", "wsd", *RUN, check=False)
@@ -279,7 +280,9 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
     # Its Muon weights are grouped by update size: another --muon_scale cannot resume it either.
     other = train(staged, tmp_path, *MUON, "--muon_scale", "rms", *RUN, check=False)
     assert other.returncode == 2, other.stderr[-2000:]
-    (line,) = other.stderr.strip().splitlines()
+    lines = other.stderr.strip().splitlines()
+    assert len(lines) == 1, other.stderr[-3000:]
+    line = lines[0]
     assert "was trained with --muon_scale spectral and this run asks for --muon_scale rms" in line
 
 
