@@ -17,6 +17,9 @@
 #   LAUNCHER      "deepspeed" (via dsgpt2 launch) or "python"     deepspeed
 #   NUM_GPUS      GPUs per node for the deepspeed launcher        (all visible)
 #   HOSTFILE      DeepSpeed hostfile for several nodes            (single node)
+#
+# A new run trains with Muon (the blocks' matrices; AdamW on the rest) under a WSD schedule; a resumed
+# one with its checkpoint's optimizer. AdamW alone: add --optimizer adamw.
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"

@@ -138,12 +138,13 @@ def test_demo_runs_every_stage(tmp_path: Path) -> None:
 
     assert len(AutoTokenizer.from_pretrained(summary["vocab"]["dir"])) == summary["vocab"]["vocab_size"]
     assert summary["train"]["steps"] == 12 and summary["train"]["val_ppl"] < summary["vocab"]["vocab_size"]
-    # The demo's pretraining recipe: micro-batches of 16, a model without dropout.
+    # The demo's pretraining recipe: micro-batches of 16, Muon under WSD, a model without dropout.
     import yaml
 
     resolved = yaml.safe_load((tmp_path / "demo" / "train" / "config.yaml").read_text())
     ds = json.loads(Path(resolved["deepspeed_config"]).read_text())
-    assert ds["train_micro_batch_size_per_gpu"] == 16 and resolved["lr_schedule"] == "cosine"
+    assert ds["train_micro_batch_size_per_gpu"] == 16 and resolved["lr_schedule"] == "wsd"
+    assert resolved["optimizer"] == "muon"  # the default for a new run, and the demo's
     model_config = json.loads((Path(summary["export"]["dir"]) / "config.json").read_text())
     assert model_config["resid_pdrop"] == model_config["embd_pdrop"] == model_config["attn_pdrop"] == 0
     assert Path(summary["train"]["plot"]).exists()
