@@ -30,7 +30,9 @@ def tiny_model() -> Any:
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest() -> None:
     model = tiny_model()
     adamw = {"weight_decay": 0.1, "betas": [0.9, 0.95]}
-    groups = muon_param_groups(model, adamw, 1e-3, muon_lr=0.02, momentum=0.9, weight_decay=0.05)
+    groups = muon_param_groups(
+        model, adamw, 1e-3, muon_lr=0.02, momentum=0.9, weight_decay=0.05, scale="spectral"
+    )
     names = {id(p): n for n, p in model.named_parameters()}
     by_group = [sorted(names[id(p)] for p in g["params"]) for g in groups]
     muon = sorted(n for g, ns in zip(groups, by_group, strict=True) if g["use_muon"] for n in ns)
@@ -179,10 +181,12 @@ def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpo
         return cfg
 
     new = settled()
-    assert (new.optim.optimizer, new.schedule.lr_schedule, new.optim.muon_scale) == (
+    o = new.optim
+    assert (o.optimizer, new.schedule.lr_schedule, o.muon_scale, o.muon_weight_decay) == (
         "muon",
         "wsd",
-        "spectral",
+        "rms",
+        None,
     )
     assert new.to_dict()["optimizer"] == "muon" and MUON_LR == 0.02 and MUON_MOMENTUM == 0.95
     # Where Muon cannot train (ZeRO 3), a new run takes AdamW, and says why.
@@ -204,6 +208,7 @@ def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpo
         "muon", "storage", 0.0)  # fmt: skip
     assert settled({"optimizer": "muon", "muon_scale": "rms"}, optimizer="muon").optim.muon_scale == "rms"
     assert settled({"optimizer": "muon"}, muon_scale="spectral").optim.muon_scale == "spectral"
+    assert settled(muon_scale="spectral").optim.muon_weight_decay == 0.0  # recorded, whatever the default
     # A checkpoint of AdamW with Muon's flags typed: AdamW was asked for by the checkpoint, in one line.
     with pytest.raises(ConfigError, match="--muon_lr set the Muon optimizer"):
         settled({"optimizer": "adamw"}, muon_lr=0.01)
@@ -241,7 +246,7 @@ def straight(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     """Six Muon steps at ZeRO 0 without a stop."""
     run = tmp_path_factory.mktemp("muon_straight")
     done = train(_staged(corpus, run, 0), run, *MUON, *RUN)
-    assert "optimizer: Muon (lr 0.03, momentum 0.95, weight decay 0, spectral scale" in done.stderr
+    assert "optimizer: Muon (lr 0.03, momentum 0.95, weight decay 0.1, rms scale" in done.stderr
     assert "gradient clipping (1.0 in the DeepSpeed config) is off" in done.stderr
     return run
 
@@ -269,7 +274,7 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
         return
     # Without --optimizer, the resume continues with Muon, and says so.
     again = train(staged, tmp_path, "--train_iters", "7", "--save_interval", "3")
-    said = "trained with --optimizer muon, --muon_lr 0.03, --muon_weight_decay 0.0, --muon_scale spectral"
+    said = "trained with --optimizer muon, --muon_lr 0.03, --muon_scale rms"
     assert said in again.stderr and "--lr_schedule wsd: this run continues with it" in again.stderr
     assert "optimizer: Muon (lr 0.03," in again.stderr and sorted(steps(tmp_path)) == list(range(1, 8))
     # The checkpoint holds Muon's state: AdamW cannot resume it, in one line.
@@ -278,12 +283,12 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
     (line,) = other.stderr.strip().splitlines()
     assert "was trained with --optimizer muon and this run asks for --optimizer adamw" in line
     # Its Muon weights are grouped by update size: another --muon_scale cannot resume it either.
-    other = train(staged, tmp_path, *MUON, "--muon_scale", "rms", *RUN, check=False)
+    other = train(staged, tmp_path, *MUON, "--muon_scale", "spectral", *RUN, check=False)
     assert other.returncode == 2, other.stderr[-2000:]
     lines = other.stderr.strip().splitlines()
     assert len(lines) == 1, other.stderr[-3000:]
     line = lines[0]
-    assert "was trained with --muon_scale spectral and this run asks for --muon_scale rms" in line
+    assert "was trained with --muon_scale rms and this run asks for --muon_scale spectral" in line
 
 
 @pytest.mark.slow
@@ -345,7 +350,7 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     recipe = ROOT / "configs" / "recipes" / "fast.yaml"
     done = train(corpus, tmp_path, "--config", str(recipe), "--train_iters", "8", "--eval_interval", "8",
                  "--eval_iters", "4", "--save_interval", "8", "--warmup_iters", "2")  # fmt: skip
-    assert "optimizer: Muon (lr 0.02, momentum 0.95," in done.stderr
+    assert "optimizer: Muon (lr 0.003, momentum 0.95, weight decay 0.1, rms scale" in done.stderr
     last = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"][-1]
     assert last["step"] == 8
     # As a user's shell runs it: no DS_ACCELERATOR (the test process may have set one).
