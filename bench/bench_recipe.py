@@ -201,7 +201,7 @@ def recipe(texts: list[str], results: Path) -> list[Metric]:
                           f"at step {max(got['evals'])}, {rate:,.0f} tokens/s", flush=True)  # fmt: skip
             metrics += _metrics(corpus, shape, len(docs), runs)
         embedded.stop(work / "db")
-    return metrics
+    return metrics + muon_step_cost()
 
 
 def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[str, Any]]]) -> list[Metric]:
@@ -225,3 +225,56 @@ def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[
         Metric(f"recipe: seconds per token, fast ÷ AdamW ({corpus}, {shape})", 1 / rate["fast"],
                1 / rate["adamw"], "s/token", "info", True, "median tokens/s of the logged steps"),
     ]  # fmt: skip
+
+
+def muon_step_cost(repeats: int = 30) -> list[Metric]:
+    """The optimizer step alone, on random gradients, at the tiny preset and at 4 x 128: Muon as the
+    trainer builds it at ZeRO 0 (one batched Newton–Schulz per shape) and DeepSpeed's own, matrix by
+    matrix, each ÷ AdamW (torch's, as the CPU configs run it). Median of ``repeats`` steps after three
+    warm-up steps (the Newton–Schulz compile)."""
+    import time
+
+    import torch
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dsgpt2.model.gpt2 import param_groups
+    from dsgpt2.train.optim import batched_muon_class, muon_param_groups
+
+    def median_step(optimizer: Any, params: list[Any]) -> float:
+        for p in params:
+            p.grad = torch.randn_like(p)
+        times = []
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            optimizer.step()
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    metrics = []
+    shapes = {
+        "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2},
+        "wide": {"n_layer": 4, "n_embd": 128, "n_head": 4},
+    }
+    for shape, dims in shapes.items():
+        torch._dynamo.reset()  # each shape's Newton–Schulz compiled afresh, as in a run
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=128, **dims))
+        params = list(model.parameters())
+        adamw = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
+        settings: dict[str, Any] = {"muon_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1, "scale": "rms"}
+        batched = batched_muon_class()(
+            muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
+        )
+        each = MuonWithAuxAdam(
+            muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
+        )
+        anchor = median_step(adamw, params)
+        ours, theirs = median_step(batched, params), median_step(each, params)
+        where = f"{shape} ({dims['n_layer']} x {dims['n_embd']}), vocabulary 8,192, median of {repeats} steps"
+        metrics += [
+            Metric(f"recipe: Muon step ÷ AdamW step ({shape}, {how})", took, anchor, "s", "info", True, where)
+            for how, took in (("batched per shape", ours), ("DeepSpeed's, matrix by matrix", theirs))
+        ]  # fmt: skip
+    return metrics
