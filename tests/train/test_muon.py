@@ -83,6 +83,7 @@ class _Block:
 
 
 # DeepSpeed's import and its compiled Newton–Schulz warn about torch APIs it calls (not ours).
+@pytest.mark.slow  # compiles the Newton–Schulz iteration for each shape
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning")
 @pytest.mark.parametrize("scale", ["spectral", "rms"])
