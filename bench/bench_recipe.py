@@ -98,7 +98,7 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     validation bits per byte and its median tokens/s."""
     from dsgpt2.db.config import config_from_dict
     from dsgpt2.settings.options import from_namespace
-    from dsgpt2.settings.shipped import shipped_config
+    from dsgpt2.settings.shipped import shipped_config_named
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
@@ -138,7 +138,7 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
         ckpt=from_namespace(CheckpointOptions, r, ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),
         schedule=from_namespace(ScheduleOptions, r, warmup_iters=warmup),
         optim=from_namespace(OptimizerOptions, r),
-        engine=EngineOptions(deepspeed_config=shipped_config(Path(r.deepspeed_config).name)),
+        engine=EngineOptions(deepspeed_config=shipped_config_named(r.deepspeed_config)),
     )
     build(cfg, mongo=mongo).train()
     records = read_metrics(run / "train" / "metrics.jsonl")

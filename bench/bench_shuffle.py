@@ -111,7 +111,7 @@ def _train_and_evaluate(
     from dsgpt2.infer.evaluate import evaluate
     from dsgpt2.infer.loading import load_model
     from dsgpt2.infer.settings import EvalRequest
-    from dsgpt2.settings.shipped import shipped_config
+    from dsgpt2.settings.shipped import shipped_config_named
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
@@ -136,7 +136,7 @@ def _train_and_evaluate(
         schedule=ScheduleOptions(
             lr_schedule="cosine", lr=recipe.lr, warmup_iters=min(recipe.warmup_iters, STEPS // 4)
         ),
-        engine=EngineOptions(deepspeed_config=shipped_config(Path(recipe.deepspeed_config).name)),
+        engine=EngineOptions(deepspeed_config=shipped_config_named(recipe.deepspeed_config)),
     )
     build(cfg, mongo=mongo).train()
     request = EvalRequest(split="all", collections=("heldout",), workers=0)

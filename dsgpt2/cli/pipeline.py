@@ -27,7 +27,7 @@ from dsgpt2.db.config import MongoConfig, config_from_dict
 from dsgpt2.db.validate import require_valid
 from dsgpt2.db.wrapper import MongoWrapper
 from dsgpt2.settings.options import POSITIVE_INT, check_fields, from_namespace, option
-from dsgpt2.settings.shipped import shipped_config
+from dsgpt2.settings.shipped import shipped_config, shipped_config_named
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import download, shard_texts
 
@@ -356,7 +356,7 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
     model_options, schedule = ModelOptions(**model), ScheduleOptions(lr_schedule="deepspeed")
     optim = OptimizerOptions(optimizer="adamw")
     if pretrain:
-        ds_config = shipped_config(Path(recipe.deepspeed_config).name)
+        ds_config = shipped_config_named(recipe.deepspeed_config)
         model_options = from_namespace(ModelOptions, recipe, **model)
         warmup = recipe.warmup_iters if recipe.warmup_iters is None else min(recipe.warmup_iters, steps // 4)
         schedule = from_namespace(ScheduleOptions, recipe, warmup_iters=warmup)

@@ -172,6 +172,7 @@ def option(
     positional: bool = False,
     short: str | None = None,
     one_of: OneOf | None = None,
+    serves: tuple[str, str] | None = None,
 ) -> Any:
     """A dataclass field that is also a command-line option.
 
@@ -191,6 +192,9 @@ def option(
             with a default may be left out).
         short: a one-letter alias (``-v``).
         one_of: the group of options this one excludes the others of.
+        serves: ``(option, value)``: this option only matters when that other option has that value
+            (``("optimizer", "muon")``); an experiment file's key for it is dropped, with one line, where
+            the other option typed on the command line chooses otherwise.
 
     A ``bool`` field is a switch (``--name``); a ``bool | None`` field a pair, ``--name`` and
     ``--no_name``, left None when neither is given (the caller's default applies).
@@ -207,6 +211,7 @@ def option(
         "positional": positional,
         "short": short,
         "one_of": one_of,
+        "serves": serves,
     }
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=default.copy, metadata=meta)
@@ -307,7 +312,9 @@ def _add_field(
         appended = kwargs.get("action") == "append" and default is not None
         kwargs["default"] = list(default) if appended else default
     names = [meta["short"]] if meta.get("short") else []
-    parser.add_argument(*names, f"--{dest}", dest=dest, **kwargs)
+    action = parser.add_argument(*names, f"--{dest}", dest=dest, **kwargs)
+    if meta.get("serves"):
+        action.serves = meta["serves"]  # type: ignore[attr-defined]  # read by the experiment file's reader
 
 
 def _shown(default: Any) -> bool:

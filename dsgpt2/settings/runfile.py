@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import logging
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.log import process_rank
 from dsgpt2.settings.options import is_switch, settable_actions, subcommands, takes_many
+
+log = logging.getLogger(__name__)
 
 SUFFIXES = (".yaml", ".yml", ".toml")
 YAML_WORDS = {False: "off", True: "on"}
@@ -123,11 +127,13 @@ def apply_run_file(
     settings: Mapping[str, Any],
     path: Path,
     aliases: Mapping[str, str] | None = None,
-) -> None:
+) -> dict[str, tuple[str, Any]]:
     """Make ``settings`` the defaults of ``parser`` (command-line flags still override them).
 
     ``aliases``: keys that stand for another flag (the trainer's ``config`` is ``config_train``).
+    Returns, by destination, the key that set it and the default it replaced.
     """
+    applied: dict[str, tuple[str, Any]] = {}
     by_name: dict[str, argparse.Action] = {}
     for action in settable_actions(parser):
         for flag in action.option_strings:
@@ -150,6 +156,7 @@ def apply_run_file(
         if value is None:
             continue
         converted = _convert(action, key, value, path)
+        applied.setdefault(action.dest, (key, action.default))
         if is_switch(action):
             # A switch: true sets what the flag sets; false the opposite (or leaves the default).
             if not converted:
@@ -165,6 +172,41 @@ def apply_run_file(
             action.default = converted
         action.required = False
         parser.set_defaults(**{action.dest: converted})
+    return applied
+
+
+def typed_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    """The destinations of the options of ``parser`` that ``argv`` types."""
+    known = parser._option_string_actions
+    return {known[t.split("=", 1)[0]].dest for t in argv if t.startswith("-") and t.split("=", 1)[0] in known}
+
+
+def drop_unserved(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    applied: Mapping[str, tuple[str, Any]],
+    typed: set[str],
+    path: Path,
+) -> list[str]:
+    """Put back the default of each option the experiment file set that serves a choice the command
+    line made otherwise (the file's ``muon_momentum`` under a typed ``--optimizer adamw``: the file
+    chose Muon, the flag typed after it switches that, and the file's Muon keys go with it). Returns
+    the notes for the log: one per choice, naming the file and the keys dropped."""
+    dropped: dict[tuple[str, str, Any], list[str]] = {}
+    serving = {a.dest: a.serves for a in settable_actions(parser) if getattr(a, "serves", None)}
+    for dest, (key, before) in applied.items():  # in the file's order
+        if dest not in serving or dest in typed:
+            continue
+        choice, wanted = serving[dest]
+        chosen = getattr(args, choice, None)
+        if choice in typed and chosen != wanted:
+            setattr(args, dest, before)
+            dropped.setdefault((choice, wanted, chosen), []).append(key)
+    return [
+        f"{path}: {', '.join(keys)} dropped: {'it serves' if len(keys) == 1 else 'they serve'} "
+        f"--{choice} {wanted}, and the command line chose --{choice} {chosen}"
+        for (choice, wanted, chosen), keys in dropped.items()
+    ]
 
 
 def _convert(action: argparse.Action, key: str, value: Any, path: Path) -> Any:
@@ -256,6 +298,8 @@ def parse_args(
     ``aliases``: flags that ``config`` stands for in this parser (``{"config": "config_train"}``:
     ``--config FILE.json`` and the file's ``config`` key then name the connection config).
     """
+    applied: dict[str, tuple[str, Any]] = {}
+    target: argparse.ArgumentParser = parser
     try:
         rest, path = find_run_file(argv)
         if aliases and "config" in aliases:
@@ -267,7 +311,12 @@ def parse_args(
             if command is not None:
                 target, names = parser, list(command)
             settings = settings_for(read_run_file(path), names, sections, path)
-            apply_run_file(target, settings, path, aliases)
+            applied = apply_run_file(target, settings, path, aliases)
     except ConfigError as exc:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
-    return parser.parse_args(rest)
+    args = parser.parse_args(rest)
+    if path is not None:
+        for note in drop_unserved(target, args, applied, typed_dests(target, rest), path):
+            if process_rank() == 0:  # before logging is set up: the ranks of a launch all parse
+                log.warning(note)
+    return args

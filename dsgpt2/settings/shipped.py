@@ -20,6 +20,12 @@ def shipped_config(name: str) -> Path:
     return path
 
 
+def shipped_config_named(path: str | Path) -> Path:
+    """The shipped config that ``path`` names as a checkout spells it (a recipe's
+    ``configs/recipes/ds_muon.json``), wherever dsgpt2 is installed."""
+    return shipped_config(Path(path).relative_to("configs").as_posix())
+
+
 def shipped_names() -> list[str]:
     return sorted(
         p.name for p in resources.files("dsgpt2").joinpath("configs").iterdir() if p.name.endswith(".json")

@@ -286,7 +286,9 @@ class ScheduleOptions:
     min_lr_ratio: float = option(
         0.1, "the learning rate at the end, as a share of the peak", type=float, check=Range(float, 0, 1)
     )
-    decay_fraction: float = option(0.2, "wsd: the share of --train_iters spent decaying", check=RATIO)
+    decay_fraction: float = option(
+        0.2, "wsd: the share of --train_iters spent decaying", check=RATIO, serves=("lr_schedule", "wsd")
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

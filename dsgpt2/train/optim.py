@@ -47,6 +47,7 @@ SCALES = ("spectral", "rms", "storage")
 # both corpora at 4 x 128 (held-out perplexity 94.6 and 43.1 against spectral's 99.5 and 47.3).
 MUON_SCALE = "rms"
 MUON_WEIGHT_DECAY = 0.0
+MUON = ("optimizer", "muon")  # what Muon's own options serve
 
 
 @dataclass
@@ -66,12 +67,14 @@ class OptimizerOptions:
         "under spectral or storage); --lr stays AdamW's",
         type=float,
         check=POSITIVE_NUMBER,
+        serves=MUON,
     )
     muon_momentum: float | None = option(
         None,
         f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
         type=float,
         check=Range(float, 0, 1, short="in [0, 1)"),
+        serves=MUON,
     )
     muon_weight_decay: float | None = option(
         None,
@@ -79,6 +82,7 @@ class OptimizerOptions:
         f"config's AdamW decay under --muon_scale rms, {MUON_WEIGHT_DECAY} under spectral or storage)",
         type=float,
         check=Range(float, 0),
+        serves=MUON,
     )
     muon_scale: str | None = option(
         None,
@@ -87,6 +91,7 @@ class OptimizerOptions:
         "fan-in)), the speedrun's; storage: DeepSpeed's rule on the weight as stored (runs before this "
         "choice existed)",
         choices=list(SCALES),
+        serves=MUON,
     )
 
     def __post_init__(self) -> None:

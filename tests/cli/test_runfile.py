@@ -195,7 +195,8 @@ def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path:
 
     steps = recipe.run.train_iters
     cfg = train_config(tmp_path, steps, pretrain=True, vocab_dir=files["tok"])
-    assert cfg.engine.deepspeed_config == shipped_config(recipe.engine.deepspeed_config.name)
+    assert cfg.engine.deepspeed_config == shipped_config("recipes/ds_muon.json")
+    assert recipe.engine.deepspeed_config == Path("configs/recipes/ds_muon.json")
     assert cfg.model == recipe.model and cfg.schedule == recipe.schedule and cfg.compute == recipe.compute
     assert cfg.optim == recipe.optim
     assert cfg.data.tr_ratio == recipe.data.tr_ratio and cfg.data.config_train is None
@@ -253,3 +254,38 @@ def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dic
     assert cfg.schedule.lr_schedule == "cosine" and cfg.run.train_iters * tokens > 9.9e9
     # llm.c's GPT-2 warmup, 700 steps of ~0.5 M tokens, over the same tokens at twice the batch.
     assert cfg.schedule.warmup_iters * tokens == 700 * 524_288
+
+
+def test_a_flag_typed_after_the_file_switches_its_choice_and_drops_the_keys_serving_the_other(
+    tmp_path: Path, files: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A recipe's Muon keys serve its `optimizer: muon`: a typed `--optimizer adamw` switches the choice
+    and drops them with one line naming the file; a Muon flag typed beside it is still refused."""
+    run = yaml_run(
+        tmp_path,
+        files,
+        "optimizer: muon\nmuon_scale: rms\nmuon_momentum: 0.9\nlr_schedule: wsd\ndecay_fraction: 0.3\n",
+    )
+    with caplog.at_level("WARNING", logger="dsgpt2"):
+        cfg = parse(["--config", str(run), "--optimizer", "adamw"])
+    assert cfg.optim.optimizer == "adamw" and cfg.optim.muon_scale is None and cfg.optim.muon_momentum is None
+    assert cfg.schedule.lr_schedule == "wsd" and cfg.schedule.decay_fraction == 0.3  # they serve both
+    notes = [r.getMessage() for r in caplog.records]
+    assert notes == [f"{run}: muon_scale, muon_momentum dropped: they serve --optimizer muon, and the "
+                     "command line chose --optimizer adamw"]  # fmt: skip
+    # The file alone, or the same choice typed: nothing dropped.
+    caplog.clear()
+    assert parse(["--config", str(run), "--optimizer", "muon"]).optim.muon_momentum == 0.9
+    assert parse(["--config", str(run)]).optim.muon_scale == "rms" and not caplog.records
+    # The schedule's own key follows its choice the same way.
+    assert parse(["--config", str(run), "--lr_schedule", "cosine"]).schedule.decay_fraction == 0.2
+    # What the user typed is never dropped: a Muon flag beside --optimizer adamw is one line, exit 2.
+    with pytest.raises(Exception, match="--muon_scale set the Muon optimizer"):
+        parse(["--config", str(run), "--optimizer", "adamw", "--muon_scale", "rms"])
+
+
+def test_the_shipped_fast_recipe_trains_with_adamw_by_one_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dsgpt2 train --config configs/recipes/fast.yaml --optimizer adamw`, parsed as the command does."""
+    monkeypatch.chdir(ROOT)
+    cfg = parse(["--config", "configs/recipes/fast.yaml", "--optimizer", "adamw"])
+    assert cfg.optim.optimizer == "adamw" and cfg.optim.muon_scale is None and cfg.optim.muon_momentum is None

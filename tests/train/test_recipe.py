@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import ROOT
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import build_model, count_parameters, doc_position_ids, flops_per_token, gpt2_config
 from dsgpt2.train.config import ScheduleOptions
@@ -94,9 +97,15 @@ def _ds(**extra: object) -> dict:
     }
 
 
-def test_apply_schedule_replaces_deepspeeds_scheduler_or_keeps_it() -> None:
+def test_apply_schedule_replaces_deepspeeds_scheduler_or_keeps_it(caplog: pytest.LogCaptureFixture) -> None:
     cfg = _ds()
-    s = apply_schedule(cfg, ScheduleOptions(lr_schedule="cosine", lr=1e-3), train_iters=1000)
+    with caplog.at_level("INFO", logger="dsgpt2"):
+        s = apply_schedule(cfg, ScheduleOptions(lr_schedule="cosine", lr=1e-3), train_iters=1000)
+    # The replaced scheduler is said, as the replaced clipping is.
+    assert [r.getMessage() for r in caplog.records] == [
+        "learning rate: --lr_schedule cosine (peak 0.001, 40 warm-up steps) in place of the DeepSpeed "
+        "config's scheduler (WarmupDecayLR)"
+    ]
     assert s == Schedule("cosine", 1e-3, 1000, 40, 0.1, 0.2)
     assert "scheduler" not in cfg and cfg["optimizer"]["params"]["lr"] == 1e-3
     short = apply_schedule(_ds(), ScheduleOptions(lr_schedule="wsd"), train_iters=100)
@@ -185,3 +194,24 @@ def test_a_train_record_on_a_gpu_carries_the_allocator_peak(monkeypatch: pytest.
     log.log_train(1, 64, [torch.tensor(2.0).as_subclass(OnGpu)], [], 1e-3)
     log.log_train(2, 128, [torch.tensor(2.0)], [], 1e-3)
     assert written[0]["peak_memory_gb"] == 3.0 and "peak_memory_gb" not in written[1]
+
+
+RECIPES = sorted(p for p in (ROOT / "configs" / "recipes").iterdir() if p.suffix in (".yaml", ".toml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_a_recipe_names_a_deepspeed_config_holding_nothing_it_replaces(recipe: Path) -> None:
+    """A recipe sets its schedule, so its DeepSpeed config holds no scheduler; a Muon recipe (Muon trains
+    unclipped) no clipping: one source for each setting. The config loads as every shipped one does."""
+    from dsgpt2.settings.runfile import read_run_file
+    from dsgpt2.train.ds_config import load_ds_config
+
+    keys = read_run_file(recipe)
+    path = ROOT / keys["deepspeed_config"]
+    ds = json.loads(path.read_text(encoding="utf-8"))
+    assert "scheduler" not in ds and keys["lr_schedule"] in ("cosine", "wsd")
+    if keys.get("optimizer", "muon") == "muon":
+        assert not ds.get("gradient_clipping"), path
+    assert ds["optimizer"]["params"]["lr"] == keys["lr"]  # the one rate, said twice alike
+    device = "cuda" if "torch_autocast" in ds else "cpu"
+    assert load_ds_config(path, world_size=2, train_iters=100, device=device)["train_batch_size"] > 0
