@@ -211,7 +211,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from dsgpt2.db.client import connect
+    from dsgpt2.db.client import connect, require_collections
     from dsgpt2.db.validate import fix_collection, validate_corpus
     from dsgpt2.errors import CorpusValidationError
 
@@ -219,6 +219,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     config = load_connection(settings.config)
     conn = connect(config, create=False)
     names = list(settings.collection or config.collections)
+    require_collections(conn, names)
     if settings.fix:
         for name in names:
             for line in fix_collection(conn, name):
@@ -242,7 +243,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     settings = from_namespace(InfoSettings, args)
     config = load_connection(settings.config)
-    require_collections(connect(config, create=False), settings.config)
+    require_collections(connect(config, create=False))
     wrapper = MongoWrapper(config)
     meta = read_meta(wrapper.connection, list(config.collections))
     total = max(len(wrapper), 1)

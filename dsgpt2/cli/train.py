@@ -97,7 +97,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     spec = data_spec(data, model, context)
     config = load_config(data.config_train)
     # An absent collection reads as an empty one: a cache of nothing, "already up to date".
-    require_collections(connect(config), str(data.config_train))
+    require_collections(connect(config))
     meta, added = prepare_cache(
         config,
         data.vocab_dir,

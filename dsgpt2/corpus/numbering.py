@@ -34,6 +34,7 @@ from dsgpt2.db.client import (
     UpdateOne,
     count_in,
     patiently,
+    require_collections,
     with_retries,
 )
 from dsgpt2.db.idx import idx_index_name, max_idx
@@ -88,8 +89,7 @@ def index_collection(
     def run(what: str, fn: Any) -> Any:
         return with_retries(fn, cfg, f"indexing {name}: {what}")
 
-    if name not in run("collections", conn.db.list_collection_names):
-        raise CorpusError(f"collection {name!r} not found in database {cfg.db!r}; nothing to number")
+    run("collections", lambda: require_collections(conn, [name]))
     meta = run("meta", lambda: read_meta(conn, [name])).get(name) or {}
     sources = meta.get("sources") or {}
     if any(isinstance(v, dict) and not v.get("complete") for v in sources.values()):

@@ -27,7 +27,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
-from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, UpdateOne, patiently, with_retries
+from dsgpt2.db.client import (
+    ASCENDING,
+    Connection,
+    DatabaseError,
+    UpdateOne,
+    patiently,
+    require_collections,
+    with_retries,
+)
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
@@ -37,16 +45,6 @@ from dsgpt2.settings.options import POSITIVE_INT, check_fields, option
 
 log = logging.getLogger(__name__)
 NUMBERED = {"idx": {"$exists": True}}  # the documents of the corpus (a collection may hold others)
-
-
-def require_present(conn: Connection, names: Sequence[str], what: str) -> None:
-    """Raises CorpusError naming those of ``names`` the database does not hold."""
-    present = with_retries(conn.db.list_collection_names, conn.config, f"{what}: collections")
-    missing = [n for n in names if n not in present]
-    if missing:
-        raise CorpusError(
-            f"collection(s) {', '.join(map(repr, missing))} not found in database {conn.config.db!r}"
-        )
 
 
 def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
@@ -308,7 +306,7 @@ def run_pass(
         CorpusError: a collection is missing, or the pass refuses (:meth:`Pass.check`).
     """
     started = time.monotonic()
-    require_present(conn, names, step.command)
+    require_collections(conn, names)
     step.check(conn, names)
     parts = []
     for name in names:

@@ -12,10 +12,9 @@ from typing import Any
 from dsgpt2.curation.decontaminate import CONTAMINATED, contaminated_counts
 from dsgpt2.curation.dedup import DUP_OF
 from dsgpt2.curation.neardup import NEAR_OF
-from dsgpt2.curation.passes import require_present
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection, require_collections, with_retries
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
@@ -46,7 +45,7 @@ def summarize(
     conn: Connection, names: Sequence[str], examples: int = 2, chars: int = 80
 ) -> list[CollectionSummary]:
     """Per collection: documents, each reason's count, the documents no reason selects, examples."""
-    require_present(conn, names, "curate report")
+    require_collections(conn, names)
     cfg = conn.config
     facets = {reason: [{"$match": q}, {"$count": "n"}] for reason, q in REASONS.items()}
     facets["documents"] = [{"$count": "n"}]

@@ -9,6 +9,7 @@ of a ``local://`` database); the pymongo names the rooms above write with are gi
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import random
@@ -491,7 +492,7 @@ def read_preference(config: MongoConfig) -> Any:
 
 
 # The collection evaluation results are recorded in, beside the corpus (:func:`dsgpt2.db.meta.record_eval`):
-# one of the toolkit's own collections, which :func:`check_exist` does not name as corpus.
+# one of the toolkit's own collections, which :func:`require_collections` does not name as corpus.
 EVAL_RESULTS = "eval_results"
 
 
@@ -500,32 +501,18 @@ def existing_collections(conn: Connection) -> list[str]:
     return sorted(with_retries(conn.db.list_collection_names, conn.config, "list collections"))
 
 
-def require_collections(conn: Connection, config_path: str = "CONFIG") -> None:
-    """Raise when a configured collection does not exist in the database.
+def require_collections(conn: Connection, names: Sequence[str] | None = None) -> None:
+    """Raise, before any work reads them, when one of ``names`` (default: the config's COLLECTIONS) is
+    not a collection of the database: an absent collection reads as an empty one (an empty split, a
+    count of 0, advice that cannot help). Every command that reads a corpus asks this, so a missing
+    collection gets one answer wherever it is named.
 
     Raises:
-        CorpusError: naming the missing collections, those that exist, and the fix.
+        CorpusError: one line naming the missing ones, the corpus collections the database holds and
+            the closest of them, and the fixes: the name where it was given (COLLECTIONS in the user's
+            config, or ``--collection``), or an ingest into it with the user's ``--config``.
     """
-    have = existing_collections(conn)
-    missing = [c for c in conn.config.collections if c not in have]
-    if not missing:
-        return
-    holds = f"it holds {', '.join(have)}" if have else "it holds no collection (empty or absent)"
-    raise CorpusError(
-        f"collection(s) {', '.join(missing)} not found in database {conn.config.db!r} at "
-        f"{conn.config.display_uri} ({holds}); ingest them first (dsgpt2 ingest --config {config_path} "
-        f"--collection {missing[0]} FILE...) or fix COLLECTIONS in {config_path}"
-    )
-
-
-def check_exist(conn: Connection, names: Sequence[str], fix: str) -> None:
-    """Raise when one of ``names`` is not a collection of the database, before any work reads it (an
-    absent collection reads as an empty one: an empty split, a count of 0, advice that cannot help).
-
-    Raises:
-        CorpusError: one line naming the missing ones, the corpus collections the database holds, and
-            ``fix`` (the command's way to name others).
-    """
+    names = list(conn.config.collections if names is None else names)
     have = existing_collections(conn)
     missing = [n for n in names if n not in have]
     if not missing:
@@ -534,10 +521,16 @@ def check_exist(conn: Connection, names: Sequence[str], fix: str) -> None:
     corpus = [c for c in have if c not in (conn.config.meta_collection, EVAL_RESULTS)]
     corpus = [c for c in corpus if not c.startswith("system.")]
     holds = f"it holds {', '.join(corpus)}" if corpus else "it holds no corpus collection"
+    close = difflib.get_close_matches(missing[0], corpus, n=1)
+    if close:
+        holds += f"; did you mean {close[0]!r}?"
     what = "collection {} does" if len(missing) == 1 else "collections {} do"
+    source = conn.config.source or "CONFIG"
+    where = f"COLLECTIONS in {source}" if set(missing) <= set(conn.config.collections) else "--collection"
     raise CorpusError(
-        f"{what.format(', '.join(map(repr, missing)))} not exist in database {conn.config.db!r} "
-        f"({holds}); {fix}"
+        f"{what.format(', '.join(map(repr, missing)))} not exist in database {conn.config.db!r} at "
+        f"{conn.config.display_uri} ({holds}); fix {where}, or ingest into it first: dsgpt2 ingest "
+        f"--config {source} --collection {missing[0]} FILE..."
     )
 
 

@@ -16,7 +16,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,8 @@ class MongoConfig:
     read_preference_tags: tuple[dict[str, str], ...] = ()
     filter: str = ""
     weights: tuple[float, ...] = ()
+    # The file the config was read from ("" when made in code): messages name it as the user's --config.
+    source: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
@@ -379,7 +381,7 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
         raise ConfigError(
             f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
-    return config_from_dict(data, env=env, source=str(p))
+    return replace(config_from_dict(data, env=env, source=str(p)), source=str(p))
 
 
 def redact_uri(uri: str) -> str:

@@ -84,7 +84,8 @@ def validate_collection(conn: Connection, name: str) -> CollectionReport:
             Problem(
                 "empty",
                 f"collection {name!r} holds no document (or does not exist)",
-                f"ingest documents: dsgpt2 ingest --collection {name} FILE...",
+                f"ingest documents: dsgpt2 ingest --config {conn.config.source or 'CONFIG'} --collection "
+                f"{name} FILE...",
             )
         )
         return report
@@ -332,7 +333,8 @@ def quick_check(conn: Connection, name: str, meta: dict[str, Any] | None) -> Col
     problems = report.problems
     if documents == 0:
         problems.append(Problem("empty", f"collection {name!r} holds no document (or does not exist)",
-                                f"ingest documents: dsgpt2 ingest --collection {name} FILE..."))  # fmt: skip
+                                f"ingest documents: dsgpt2 ingest --config {conn.config.source or 'CONFIG'} "
+                                f"--collection {name} FILE..."))  # fmt: skip
         return report
     if run("indexes", lambda: idx_index_name(coll)) is None:
         problems.append(

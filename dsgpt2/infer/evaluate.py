@@ -123,12 +123,9 @@ def check_collections(config: MongoConfig, request: EvalRequest) -> None:
     Raises:
         CorpusError: one line naming the missing collections and those the database holds.
     """
-    from dsgpt2.db.client import check_exist, connect
+    from dsgpt2.db.client import connect, require_collections
 
-    fix = "fix COLLECTIONS in the connection config or give one with --collection"
-    if request.collections:
-        fix = "give one of those with --collection"
-    check_exist(connect(config, create=False), request.collections or config.collections, fix)
+    require_collections(connect(config, create=False), request.collections or config.collections)
 
 
 def evaluate(

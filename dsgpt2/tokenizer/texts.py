@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dsgpt2.corpus.draws import select, shard_ranges
+from dsgpt2.db.client import require_collections
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
@@ -146,6 +147,7 @@ def download(
     _check_out_dir(out)
     started = time.monotonic()
     wrapper = MongoWrapper(config)
+    require_collections(wrapper.connection)
     require_nonempty(wrapper)
     total = len(wrapper)
     p = draw.probability(total)
@@ -408,6 +410,7 @@ def mongo_texts(
     """
     draw = Draw(fraction, count, seed)
     wrapper = MongoWrapper(config)
+    require_collections(wrapper.connection)
     require_nonempty(wrapper)
     p = draw.probability(len(wrapper))
 

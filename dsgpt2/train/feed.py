@@ -36,9 +36,11 @@ def corpus_marks(
     """The documents of each collection a run may read, once the corpus passed its check (unless
     ``allow_problems``): the quick one (index and meta_info), or every document with
     ``full_check``. Read on rank 0, whose verdict and counts every rank takes."""
+    from dsgpt2.db.client import require_collections
     from dsgpt2.db.validate import require_valid
     from dsgpt2.db.wrapper import MongoWrapper
 
+    require_collections(conn)  # absent is no problem to train past: nothing would be read
     if not allow_problems:
         require_valid(
             conn,

@@ -196,6 +196,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> 
     seed(conn, "b", sample_texts[:50], meta=False, index=False)  # no count, no idx index
     nope = write_config(base / "nope.json", **json.loads(cfg.read_text()) | {"COLLECTIONS": ["nope"]})
     unindexed = write_config(base / "b.json", **json.loads(cfg.read_text()) | {"COLLECTIONS": ["b"]})
+    typo = write_config(base / "typo.json", **json.loads(cfg.read_text()) | {"COLLECTIONS": ["a_"]})
     model = tiny_export(base / "chat", sample_texts[:200])
     plain = tiny_export(base / "plain", sample_texts[:200], speakers=())
     (base / "empty").mkdir()
@@ -208,7 +209,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> 
     marker = {"step": 5, "files": {"mp_rank_00_model_states.pt": {"size": 3, "sha256": "0" * 64}}}
     (damaged / "dsgpt2_complete.json").write_text(json.dumps(marker))
     return {
-        "CFG": str(cfg), "NOPE": str(nope), "UNINDEXED": str(unindexed), "MODEL": str(model),
+        "CFG": str(cfg), "NOPE": str(nope), "TYPO": str(typo), "UNINDEXED": str(unindexed), "MODEL": str(model),
         "PLAIN": str(plain), "TOK": str(base / "chat" / "tok"), "EMPTY": str(base / "empty"),
         "FILE": str(base / "file.txt"), "MISSING": str(base / "missing"), "LATEST_BAD": str(latest),
         "DAMAGED": str(damaged.parent), "OUT": str(base / "out"),
@@ -220,20 +221,15 @@ def test_evaluate_on_a_collection_that_does_not_exist_says_so(world: dict[str, s
     """One line naming it and the collections there are, before the model loads; not an empty split
     and advice to run `validate --fix`."""
     for flags, fix in (
-        (
-            ["--config", world["CFG"], "--collection", "a", "--collection", "nope"],
-            "give one of those with --collection",
-        ),
-        (
-            ["--config", world["NOPE"]],
-            "fix COLLECTIONS in the connection config or give one with --collection",
-        ),
+        (["--config", world["CFG"], "--collection", "a", "--collection", "nope"], "fix --collection"),
+        (["--config", world["NOPE"]], f"fix COLLECTIONS in {re.escape(world['NOPE'])}"),
     ):
         result = run_cli("evaluate", "--model", world["MODEL"], *flags)
         assert result.returncode == 2, result.stderr
         (line,) = result.stderr.strip().splitlines()
         assert re.fullmatch(
-            rf"dsgpt2: error: collection 'nope' does not exist in database '\w+' \(it holds a, b\); {fix}",
+            rf"dsgpt2: error: collection 'nope' does not exist in database '\w+' at \S+ \(it holds a, "
+            rf"b\); {fix}, or ingest into it first: dsgpt2 ingest --config \S+ --collection nope FILE\.\.\.",
             line,
         ), line
 
@@ -505,3 +501,35 @@ def test_every_flag_a_library_message_suggests_exists_for_the_commands_that_prin
         for printer in printers:
             problems += [f"{path}:{line}: {p}" for p in bad_advice(text, printer)]
     assert problems == []
+
+
+TYPO_COMMANDS = [
+    ("info", ["--config", "TYPO"]),
+    ("validate", ["--config", "TYPO"]),
+    ("index", ["--config", "TYPO", "--collection", "a_"]),
+    ("dedup", ["--config", "TYPO", "--exact"]),
+    ("curate", ["--config", "TYPO", "report"]),
+    ("langid", ["--config", "TYPO"]),
+    ("vocab download", ["--config", "TYPO", "--out", "OUT"]),
+    ("evaluate", ["--model", "MODEL", "--config", "TYPO"]),
+    ("tokenize", ["--config_train", "TYPO", "--vocab_dir", "TOK", "--cache_dir", "OUT"]),
+    ("train", [*T, "--config_train", "TYPO", "--ckpt_dir", "OUT"]),
+]
+
+
+@pytest.mark.parametrize(("command", "args"), TYPO_COMMANDS, ids=[c for c, _ in TYPO_COMMANDS])
+def test_a_missing_collection_gets_one_answer_from_every_command(
+    world: dict[str, str], command: str, args: list[str]
+) -> None:
+    """A misspelt collection: what the database holds, the closest name, and the fixes with the user's
+    own --config, in the same line from every command that reads the corpus (not "empty", not a bare
+    "not found")."""
+    result = run_cli(*command.split(), *_argv(args, world, 0), cwd=Path(world["BASE"]))
+    assert result.returncode == 2, (result.stdout[-2000:], result.stderr[-2000:])
+    line = result.stderr.strip().splitlines()[-1]
+    typo = world["TYPO"]
+    assert line.split(": error: ", 1)[1] == (
+        f"collection 'a_' does not exist in database '{line.split(chr(39))[3]}' at "
+        f"{line.split(' at ', 1)[1].split(' ')[0]} (it holds a, b; did you mean 'a'?); fix COLLECTIONS in "
+        f"{typo}, or ingest into it first: dsgpt2 ingest --config {typo} --collection a_ FILE..."
+    ), line

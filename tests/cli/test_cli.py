@@ -191,8 +191,8 @@ def test_info_on_a_missing_collection_names_it_and_the_fix(tmp_path: Path, cfg: 
     result = run_cli("info", "--config", str(cfg))
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "not found in database" in line and "no collection (empty or absent)" in line
-    assert "dsgpt2 ingest --config" in line
+    assert "does not exist in database" in line and "it holds no corpus collection" in line
+    assert f"dsgpt2 ingest --config {cfg} --collection" in line
     txt = tmp_path / "t.txt"
     txt.write_text("one\n")
     assert run_cli("ingest", "--config", str(cfg), "--collection", "other", str(txt)).returncode == 0

@@ -173,7 +173,7 @@ def test_refusals_are_one_line(tmp_path: Path) -> None:
     conn.db["articles"].update_many({}, {"$unset": {"idx": ""}})
     conn.db["articles"].drop_indexes()
     missing = run_cli("index", "--config", str(cfg), "--collection", "nope", "--field", "body")
-    assert missing.returncode == 2 and "collection 'nope' not found" in missing.stderr
+    assert missing.returncode == 2 and "collection 'nope' does not exist" in missing.stderr
     conn.db["meta_info"].update_one({"collection": "articles"}, {"$unset": {"sources": ""}})
     conn.db["articles"].update_one({}, {"$set": {"idx": "7"}})
     broken = run_cli("index", "--config", str(cfg), "--collection", "articles", "--field", "body")

@@ -185,6 +185,6 @@ def test_the_driver_runs_a_new_pass_resumes_it_and_splits_it(monkeypatch: pytest
 
 def test_a_pass_over_a_missing_collection_is_refused_before_any_work() -> None:
     conn = _two_collections("missing")
-    with pytest.raises(CorpusError, match=r"collection\(s\) 'c' not found"):
+    with pytest.raises(CorpusError, match=r"collection 'c' does not exist in database"):
         run_pass(conn, ["a", "c"], Lengths())
     assert conn.db["a"].count_documents({"len": {"$exists": True}}) == 0
