@@ -209,8 +209,9 @@ def world(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> 
     marker = {"step": 5, "files": {"mp_rank_00_model_states.pt": {"size": 3, "sha256": "0" * 64}}}
     (damaged / "dsgpt2_complete.json").write_text(json.dumps(marker))
     return {
-        "CFG": str(cfg), "NOPE": str(nope), "TYPO": str(typo), "UNINDEXED": str(unindexed), "MODEL": str(model),
-        "PLAIN": str(plain), "TOK": str(base / "chat" / "tok"), "EMPTY": str(base / "empty"),
+        "CFG": str(cfg), "NOPE": str(nope), "TYPO": str(typo), "UNINDEXED": str(unindexed),
+        "MODEL": str(model), "PLAIN": str(plain), "TOK": str(base / "chat" / "tok"),
+        "EMPTY": str(base / "empty"),
         "FILE": str(base / "file.txt"), "MISSING": str(base / "missing"), "LATEST_BAD": str(latest),
         "DAMAGED": str(damaged.parent), "OUT": str(base / "out"),
         "BASE": str(base), "DS": str(ROOT / "configs" / "ds_config_cpu.json"),
