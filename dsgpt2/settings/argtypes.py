@@ -5,8 +5,14 @@ spellings, and the argparse type converters (the numeric ones built from the ran
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
+import sys
+from typing import Any
 
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, RATIO, subcommands
+
+UNRECOGNIZED = "unrecognized arguments: "
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -17,8 +23,39 @@ class OneLineErrorParser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        # Kept for error(): a flag the command does not have is looked up among the flags of the
+        # subcommand these arguments reach.
+        self._argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        hint, help_of = self._did_you_mean(message)
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see `{help_of.prog} --help`)\n")
+
+    def _did_you_mean(self, message: str) -> tuple[str, argparse.ArgumentParser]:
+        """``; did you mean --train_iters?`` for a misspelt flag or command (else ``""``), and the
+        (sub)command whose help lists the right ones."""
+        target: argparse.ArgumentParser = self
+        for token in getattr(self, "_argv", []):  # the (sub)command the arguments reach
+            subs = subcommands(target)
+            if not token.startswith("-") and token in subs:
+                target = subs[token]
+        if message.startswith(UNRECOGNIZED):
+            flags = [f for f in target._option_string_actions if f.startswith("--")]
+            for token in message[len(UNRECOGNIZED) :].split():
+                name = token.split("=", 1)[0]
+                if name.startswith("--") and name not in flags:
+                    close = difflib.get_close_matches(name, [f for f in flags if "-" not in f[2:]], n=1)
+                    if close:
+                        return f"; did you mean {close[0]}?", target
+            return "", target
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:
+            close = difflib.get_close_matches(choice[1], re.findall(r"'([^']*)'", choice[2]), n=1)
+            if close:
+                return f"; did you mean {close[0]!r}?", self
+        return "", self
 
 
 def accept_hyphen_spellings(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import build_parser, main
 from dsgpt2.settings.options import subcommands
+from dsgpt2.train.config import build_parser as train_parser
 
 
 def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:
@@ -282,3 +285,43 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) ->
     for args, needles in cases:
         _one_line_error(run_cli(*args), *needles)
     assert not (tmp_path / "shards").exists()
+
+
+def _leaves(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    subs = subcommands(parser)
+    if not subs:
+        return [(path, parser)]
+    return [leaf for name, sub in subs.items() for leaf in _leaves(sub, (*path, name))]
+
+
+def test_a_misspelt_flag_or_command_gets_a_suggestion_from_every_command(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--train_iter 300` is answered with the flag meant, by every command (its own flags, not the
+    top level's), as an experiment file's misspelt key is; a misspelt command too."""
+    parser = build_parser()
+    leaves = _leaves(parser)
+    for _, leaf in leaves:  # nothing required: the misspelt flag is the one error
+        for action in leaf._actions:
+            action.required = False
+        for group in leaf._mutually_exclusive_groups:
+            group.required = False
+    assert len(leaves) > 20
+    for path, leaf in leaves:
+        if path in (("train",), ("launch",)):  # their flags are the trainer's (below) and the launcher's
+            continue
+        flag = [f for a in leaf._actions for f in a.option_strings if f.startswith("--") and len(f) > 5][-1]
+        with pytest.raises(SystemExit) as exited:
+            parser.parse_args([*path, flag[:-1]])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"unrecognized arguments: {flag[:-1]}; did you mean {flag}? "
+                            f"(see `dsgpt2 {' '.join(path)} --help`)"), err  # fmt: skip
+    for typo, meant in (["trian"], "train"), (["vocab", "donwload"], "download"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(typo)
+        assert f"; did you mean {meant!r}?" in capsys.readouterr().err
+    # ds_trainer.py's parser too.
+    with pytest.raises(SystemExit):
+        train_parser().parse_args(["--config_train", "c.json", "--train_iter", "300"])
+    assert "unrecognized arguments: --train_iter 300; did you mean --train_iters?" in capsys.readouterr().err
