@@ -44,7 +44,11 @@ def _directory(settings: DbSettings) -> Path:
             )
         return embedded.local_dir(config.uri)
     if not settings.database:
-        raise usage("db", "name the database: dsgpt2 db status local://runs/db (or --config FILE)")
+        running = [f"{embedded.PREFIX}{d}" for d in embedded.servers()]
+        now = f"; running now: {', '.join(running)}" if running else "; none runs now"
+        raise usage(
+            "db", f"name the database: dsgpt2 db {settings.action} local://runs/db (or --config FILE){now}"
+        )
     name = settings.database
     if "://" in name and not embedded.is_local(name):
         raise usage(

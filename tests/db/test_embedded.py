@@ -222,7 +222,8 @@ def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
         (("db", "status", "--config", str(cfg)), "not an embedded database"),
         (("db", "stop", str(tmp_path)), "is not a dsgpt2 database"),
         (("db", "status", "mongodb://h:1"), "only local://DIR"),
-        (("db", "stop"), "name the database"),
+        (("db", "stop"), "name the database: dsgpt2 db stop local://runs/db (or --config FILE); "),
+        (("db", "compact"), "name the database: dsgpt2 db compact local://runs/db"),
         (("db", "compact", str(tmp_path / "nothing")), "is not a dsgpt2 database"),
     ]:
         done = run_cli(*args)
