@@ -408,7 +408,8 @@ def summary_lines(summary: dict[str, Any], out: Path) -> list[str]:
         f"  training      {train['steps']} steps, {train['tokens']:,} tokens, "
         f"{train['tokens_per_s']:,} tokens/s ({train['preset']} preset, DeepSpeed on the CPU)",
         f"  validation    perplexity {before['perplexity']:,} untrained → {after['perplexity']:,} after "
-        f"{train['steps']} steps ({after['tokens']:,} tokens; uniform guess: {vocab['vocab_size']:,})",
+        f"{train['steps']} steps ({after['tokens']:,} tokens, the whole validation split; uniform guess: "
+        f"{vocab['vocab_size']:,})",
         f"                bits per byte {before['bpb']} untrained → {after['bpb']} (unlike perplexity, "
         "comparable across tokenizers)",
         f"  sample        {summary['sample']['prompt']}{summary['sample']['text']!r}",

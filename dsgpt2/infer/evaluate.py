@@ -229,11 +229,19 @@ def report_lines(report: dict[str, Any]) -> list[str]:
             *(contamination_lines(report["contamination"]) if "contamination" in report else []),
         ]
     bpb = f", bpb {m['bpb']:.3f}" if m.get("bpb") is not None else ""
+    window = report.get("window")
+    if report.get("max_batches") is not None:
+        covers = f"its first {report['max_batches']} batches (--max_batches)"
+    elif window:
+        covers = f"its documents in [{window[0]}, {window[1]}) of the index"
+    else:
+        # Training's validation figures read --eval_iters batches of it: a sample, so they differ.
+        covers = "all of it"
     lines = [
         f"{report['model']} (step {report['step']}) on the {report['split']} split of "
         f"{report['db']}.{','.join(report['collections'])} [{report['task']}]",
-        f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} over {m['tokens']:,} tokens "
-        f"({m['blocks']} blocks, {m['documents']} documents) in {m['seconds']:.1f}s",
+        f"loss {m['loss']:.4f}, perplexity {m['perplexity']:.2f}{bpb} over {m['tokens']:,} tokens, "
+        f"{covers} ({m['blocks']} blocks, {m['documents']} documents) in {m['seconds']:.1f}s",
     ]
     if m["skipped"]:
         from dsgpt2.documents import SKIP_REASONS

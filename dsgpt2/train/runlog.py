@@ -140,8 +140,9 @@ class RunLog:
         bits per byte."""
         if self.lines and record.get("val_loss") is not None:
             bpb = f", bpb {record['val_bpb']:.3f}" if record.get("val_bpb") is not None else ""
-            log.info("step %d: validation loss %.4f, perplexity %.2f%s", record["step"], record["val_loss"],
-                     record["val_ppl"], bpb)  # fmt: skip
+            log.info("step %d: validation loss %.4f, perplexity %.2f%s on %s tokens (--eval_iters %d)",
+                     record["step"], record["val_loss"], record["val_ppl"], bpb, f"{record['val_tokens']:,}",
+                     record["eval_iters"])  # fmt: skip
         self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:

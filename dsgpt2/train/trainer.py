@@ -245,6 +245,7 @@ class Trainer:
         self._trained = [p for p in self.engine.module.parameters() if p.requires_grad]
         self.last_val: float | None = None
         self.last_bpb: float | None = None
+        self.last_val_tokens = 0  # the tokens the last validation predicted, every rank's
         self.last_hellaswag: dict[str, Any] = {}
         self.run_of_bad = 0
         self._step_lr = 0.0  # the rate the current step trains at
@@ -386,11 +387,12 @@ class Trainer:
         if not self.validator.should_validate(state.step):
             return
         measured = self.validator.validate(self.engine)
-        self.last_val, self.last_bpb = measured if measured is not None else (None, None)
+        self.last_val, self.last_bpb, self.last_val_tokens = measured or (None, None, 0)
         hellaswag = self.validator.hellaswag(self.engine)
         record: dict[str, Any] = {"event": "eval", "step": state.step}
         if self.last_val is not None:
-            record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val), val_bpb=self.last_bpb)
+            record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val), val_bpb=self.last_bpb,
+                          val_tokens=self.last_val_tokens, eval_iters=self.cfg.run.eval_iters)  # fmt: skip
         if hellaswag is not None:
             self.last_hellaswag = hellaswag
             record.update(hellaswag)
@@ -472,6 +474,8 @@ class Trainer:
             "val_loss": last_val,
             "val_ppl": perplexity(last_val) if last_val is not None else None,
             "val_bpb": self.last_bpb,
+            "val_tokens": self.last_val_tokens,
+            "eval_iters": self.cfg.run.eval_iters,
             "nonfinite": state.nonfinite,
             "skipped_documents": self.stream.skipped,
             "stopped": self.stop.name or ("early" if self.stopped_early else "done"),
@@ -502,7 +506,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     ]
     if summary.get("val_loss") is not None:
         bpb = f", bpb {summary['val_bpb']:.3f}" if summary.get("val_bpb") is not None else ""
-        lines.append(f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}{bpb}")
+        lines.append(
+            f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}{bpb} on "
+            f"{summary['val_tokens']:,} tokens, the first {summary['eval_iters']} batches of the split per "
+            "rank (--eval_iters; `dsgpt2 evaluate` reads all of it, so its figure differs)"
+        )
     if summary.get("hellaswag_examples"):
         lines.append(f"HellaSwag: {describe(summary)}")
     lines.append(f"checkpoint: {summary['checkpoint']}")

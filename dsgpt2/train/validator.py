@@ -60,8 +60,9 @@ class Validator:
     def should_validate(self, step: int) -> bool:
         return step % self.run.eval_interval == 0 or step == self.run.train_iters
 
-    def validate(self, engine: Any) -> tuple[float, float | None] | None:
-        """Mean token loss and bits per byte over the validation batches, on every rank, under
+    def validate(self, engine: Any) -> tuple[float, float | None, int] | None:
+        """Mean token loss, bits per byte and tokens predicted over the validation batches (the first
+        ``--eval_iters`` of each rank: a sample of the split, the same each time), on every rank, under
         no_grad (bits per byte None without a byte-level tokenizer). None when the batches hold no
         token to predict."""
         import torch.distributed as dist
@@ -91,7 +92,7 @@ class Validator:
         engine.train()
         if tokens == 0:
             return None
-        return nats / tokens, bits_per_byte(nats, n_bytes)
+        return nats / tokens, bits_per_byte(nats, n_bytes), int(tokens)
 
     def hellaswag(self, engine: Any) -> dict[str, float | int] | None:
         """HellaSwag's accuracies, every rank's share scored and the counts summed (None without

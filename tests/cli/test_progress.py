@@ -123,7 +123,8 @@ def _two_steps(runlog: RunLog) -> None:
         for step in (1, 2):
             runlog.stepped(step, [])
             runlog.log_train(step, 1000 * step, [torch.tensor(2.5)], [], 3e-4)
-        runlog.log_eval({"event": "eval", "step": 2, "val_loss": 2.0, "val_ppl": 7.389056, "val_bpb": 1.25})
+        runlog.log_eval({"event": "eval", "step": 2, "val_loss": 2.0, "val_ppl": 7.389056, "val_bpb": 1.25,
+                         "val_tokens": 4096, "eval_iters": 8})  # fmt: skip
     assert runlog.metrics is not None
     runlog.metrics.close()
 
@@ -137,7 +138,11 @@ def test_training_without_a_terminal_logs_each_log_step_and_evaluation(
     assert [line.split(",")[0] for line in lines] == ["step 1/4: loss 2.5000", "step 2/4: loss 2.5000",
                                                       "step 2: validation loss 2.0000"]  # fmt: skip
     assert ", lr 3.00e-04, " in lines[0] and lines[0].endswith(" tokens/s")
-    assert lines[2] == "step 2: validation loss 2.0000, perplexity 7.39, bpb 1.250"
+    # What the figure covers: training validates on a sample of the split, `dsgpt2 evaluate` on all of it.
+    assert (
+        lines[2]
+        == "step 2: validation loss 2.0000, perplexity 7.39, bpb 1.250 on 4,096 tokens (--eval_iters 8)"
+    )
     assert sys.stderr.getvalue() == ""  # no bar
 
 

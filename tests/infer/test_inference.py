@@ -21,7 +21,7 @@ from dsgpt2.data.sources import StreamingChunks, tokenizer_digest
 from dsgpt2.db.client import EVAL_RESULTS, Connection
 from dsgpt2.db.config import load_config
 from dsgpt2.db.wrapper import MongoWrapper
-from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate
+from dsgpt2.infer.evaluate import EvalRequest, eval_spec, evaluate, report_lines
 from dsgpt2.infer.generate import Generator, SamplingParams
 from dsgpt2.infer.loading import load_model
 from dsgpt2.tokenizer.bpe import VocabSettings, load_tokenizer, train_vocab
@@ -164,6 +164,10 @@ def test_evaluate_cli_writes_a_report_and_records_it(models: dict[str, Path], tm
     assert "perplexity" in out.stdout and f"recorded in {db}.{EVAL_RESULTS}" in out.stdout
     report = json.loads(report_path.read_text())
     assert f"bpb {report['metrics']['bpb']:.3f}" in out.stdout and report["metrics"]["bytes"] > 0
+    # The figure says what it covers (training's validation reads --eval_iters batches of the split).
+    assert f"over {report['metrics']['tokens']:,} tokens, its first 3 batches (--max_batches)" in out.stdout
+    whole = report_lines({**report, "max_batches": None})[1]
+    assert f"over {report['metrics']['tokens']:,} tokens, all of it (" in whole
     conn = Connection(load_config(models["lm_config"]))
     stored = list(conn.db[EVAL_RESULTS].find({"model": report["model"], "time": report["time"]}))
     assert len(stored) == 1

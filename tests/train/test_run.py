@@ -41,6 +41,13 @@ def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path
     assert bits_per_token / 6 < evals[-1]["val_bpb"] < bits_per_token
     assert (tmp_path / "ws" / "loss.png").stat().st_size > 1000
     assert "validation: loss" in result.stdout and "perplexity" in result.stdout
+    # The figure says what it covers, and why `dsgpt2 evaluate` differs from it.
+    covered = (
+        f"on {evals[-1]['val_tokens']:,} tokens, the first {evals[-1]['eval_iters']} batches of the split"
+    )
+    assert covered in result.stdout and "`dsgpt2 evaluate` reads all of it" in result.stdout
+    micro = json.loads(corpus["ds"].read_text())["train_micro_batch_size_per_gpu"]
+    assert 0 < evals[-1]["val_tokens"] <= evals[-1]["eval_iters"] * micro * 64  # batches x rows x context
     assert f"bpb {evals[-1]['val_bpb']:.3f}" in result.stdout
     # Neither DeepSpeed's accelerator guess nor transformers' loss_type notice on every run.
     assert "Setting accelerator" not in result.stderr and "loss_type" not in result.stderr
@@ -66,7 +73,7 @@ def test_a_run_logging_to_a_file_shows_each_log_step_and_evaluation(
     evals = [r for r in records if r["event"] == "eval"]
     assert [m for m in logged if "validation" in m] == [
         f"step {r['step']}: validation loss {r['val_loss']:.4f}, perplexity {r['val_ppl']:.2f}, "
-        f"bpb {r['val_bpb']:.3f}"
+        f"bpb {r['val_bpb']:.3f} on {r['val_tokens']:,} tokens (--eval_iters {r['eval_iters']})"
         for r in evals
     ] and [r["step"] for r in evals] == [2, 4]
     assert "\r" not in result.stderr and "step/s" not in result.stderr  # no bar redrawn into the file
