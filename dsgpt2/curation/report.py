@@ -15,6 +15,7 @@ from dsgpt2.curation.neardup import NEAR_OF
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.quality import RULES
 from dsgpt2.db.client import Connection, require_collections, with_retries
+from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
@@ -28,6 +29,29 @@ REASONS: dict[str, dict[str, Any]] = {
 }
 
 
+# The pass that marks each reason, as a user runs it, and where it records a complete run in meta_info
+# (the marks of a pass never run are absent: a count of 0 there is "not checked", not "clean").
+CHECKED_BY: dict[str, tuple[str, tuple[str, ...]]] = {
+    "exact duplicate": ("dsgpt2 dedup --exact", ("dedup", "exact")),
+    "near duplicate": ("dsgpt2 dedup --near", ("dedup", "near")),
+    **{f"fails {rule}": (f"dsgpt2 curate --rules {rule}", ("curate", "rules", rule)) for rule in RULES},
+    "contaminated": ("dsgpt2 decontaminate --against FILE", ("decontaminate",)),
+}
+
+
+def checked(meta: dict[str, Any], reason: str) -> bool:
+    """Whether the pass that marks ``reason`` ran to its end on the collection of ``meta`` (its
+    meta_info entry)."""
+    node: Any = meta
+    for key in CHECKED_BY[reason][1]:
+        if isinstance(node, list):
+            return key in node
+        if not isinstance(node, dict) or not node.get(key):
+            return False
+        node = node[key]
+    return True
+
+
 @dataclass
 class CollectionSummary:
     name: str
@@ -39,6 +63,7 @@ class CollectionSummary:
     contaminated_by: dict[str, int] = field(default_factory=dict)  # evaluation set → documents marked
     languages: dict[str, int] = field(default_factory=dict)  # `dsgpt2 langid`'s code → documents
     pii: dict[str, int] = field(default_factory=dict)  # redacted documents, items replaced per kind
+    unchecked: list[str] = field(default_factory=list)  # reasons whose pass never ran to its end here
 
 
 def summarize(
@@ -55,6 +80,7 @@ def summarize(
                            {"$group": {"_id": {"$ifNull": ["$lang", "none"]}, "n": {"$sum": 1}}}]  # fmt: skip
     facets["pii"] = PII_FACET
     out = []
+    metas = read_meta(conn, list(names))
     for name in names:
         coll = conn.db[name]
         pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
@@ -64,6 +90,7 @@ def summarize(
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
         part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
         part.removed = {reason: count[reason] for reason in REASONS}
+        part.unchecked = [r for r in REASONS if not checked(metas.get(name, {}), r)]
         part.contaminated_by = contaminated_counts(conn, name)
         part.languages = dict(sorted(languages.items(), key=lambda kv: (-kv[1], kv[0])))
         part.pii = redacted
@@ -93,7 +120,11 @@ def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
         total = max(p.documents, 1)
         lines.append(f"{p.name}: {p.documents} documents ({p.judged} with quality verdicts)")
         for reason, n in p.removed.items():
-            lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}")
+            if reason in p.unchecked and not n:
+                lines.append(f"  {reason:<16} {'—':>9}  not checked (run {CHECKED_BY[reason][0]})")
+                continue
+            unfinished = f"  (unfinished: re-run {CHECKED_BY[reason][0]})" if reason in p.unchecked else ""
+            lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}{unfinished}")
             lines.extend(f"      e.g. {e}" for e in p.examples.get(reason, []))
             if reason == "contaminated":
                 lines.extend(f"      by {s}: {k}" for s, k in p.contaminated_by.items())
@@ -118,7 +149,8 @@ def plot(parts: Sequence[CollectionSummary], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [*REASONS, "kept by all"]
+    never = [r for r in REASONS if all(r in p.unchecked for p in parts)]
+    labels = [f"{r} (not checked)" if r in never else r for r in REASONS] + ["kept by all"]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(labels) * max(len(parts), 1) ** 0.5))
     height = 0.8 / max(len(parts), 1)
     for k, p in enumerate(parts):

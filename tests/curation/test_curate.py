@@ -163,3 +163,23 @@ def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -
         and "  exact duplicate" in lines.stdout
         and "e.g. web:0 (of news:0)" in lines.stdout
     )
+    # A pass that never ran is said so, not counted as clean; the ones that ran are not.
+    assert report["collections"][0]["unchecked"] == ["contaminated"]
+    assert (
+        "  contaminated             —  not checked (run dsgpt2 decontaminate --against FILE)" in lines.stdout
+    )
+    assert lines.stdout.count("not checked") == 2  # contaminated, in each collection
+
+
+def test_curate_report_before_any_pass_says_no_check_ran(tmp_path: Path) -> None:
+    """A corpus never curated: every reason "not checked", nothing read as "checked, and clean"."""
+    from dsgpt2.curation.report import REASONS
+
+    cfg, _ = store_config(tmp_path, ["news"])
+    path = tmp_path / "news.jsonl"
+    path.write_text(json.dumps({"text": PROSE}) + "\n")
+    assert run_cli("ingest", "--config", str(cfg), "--collection", "news", str(path)).returncode == 0
+    lines = run_cli("curate", "report", "--config", str(cfg), "--plot", str(tmp_path / "p.png"))
+    assert lines.returncode == 0, lines.stderr
+    unchecked = [line for line in lines.stdout.splitlines() if "not checked (run dsgpt2 " in line]
+    assert len(unchecked) == len(REASONS) and "0.0%" not in lines.stdout.split("kept by all")[0]
