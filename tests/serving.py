@@ -17,6 +17,7 @@ import pytest
 
 from conftest import ROOT, tiny_export
 from pace import deadline
+from wire_server import tied
 
 # The pretrained model, one per test process (pytest's temporary directory): the tests only read it,
 # so the test modules share it instead of each exporting their own.
@@ -47,7 +48,7 @@ def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -
     port = free_port()
     log = open(base / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags],
+        tied([sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags]),
         cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

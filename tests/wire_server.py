@@ -18,6 +18,8 @@ import os
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,11 +65,34 @@ def _wait_listening(proc: subprocess.Popen[Any], log_path: Path, start: int, bas
     raise RuntimeError(f"the wire server did not start: {log_path.read_text()[-2000:]}")
 
 
+# Run before the server's own command (in the process that becomes the server): the kernel ends it when
+# the test process that started it ends, however that ends (SIGTERM, SIGKILL, a crash: no atexit runs
+# then). Linux only; elsewhere the atexit stop alone.
+_TIED = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform == 'linux':\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"
+    "        sys.exit(0)  # the parent ended before the line above\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def tied(command: list[str]) -> list[str]:
+    """``command``, run so that it ends when this process does (a server a test starts)."""
+    if threading.current_thread() is not threading.main_thread():
+        # The death signal follows the thread that started the process: only the main thread lives as
+        # long as the test process.
+        return command
+    return [sys.executable, "-c", _TIED, str(os.getpid()), *command]
+
+
 def _spawn(args: list[str], log_path: Path) -> tuple[subprocess.Popen[Any], int]:
     start = log_path.stat().st_size if log_path.exists() else 0
+    command = tied([*embedded.server_command(), *args])
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [*embedded.server_command(), *args],
+            command,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -3,6 +3,7 @@ pre-imported interpreter behaves as a fresh process."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -77,3 +78,43 @@ def test_ci_lints_and_tests_as_the_readme_says() -> None:
     makefile = (ROOT / "Makefile").read_text()
     lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
     assert "ruff check ." in lint and "ruff format --check ." in lint and "shellcheck" in lint
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_test_process_ended_by_a_signal_takes_its_servers_with_it(how: signal.Signals) -> None:
+    """A test run stopped by SIGTERM (no atexit runs) or SIGKILL leaves no test server behind."""
+    from wire_server import unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    script = (
+        "import sys, time\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from wire_server import shared_server, _SHARED\n"
+        "shared_server()\n"
+        "print(_SHARED['proc'].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+    ) as test_process:
+        try:
+            server = int(test_process.stdout.readline())  # type: ignore[union-attr]
+            assert _alive(server)
+            test_process.send_signal(how)
+            test_process.wait(deadline(30))
+            end = time.monotonic() + deadline(15)
+            while _alive(server) and time.monotonic() < end:
+                time.sleep(0.1)
+            assert not _alive(server), f"server {server} outlived its test process"
+        finally:
+            test_process.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it has ended, its parent has not read it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
