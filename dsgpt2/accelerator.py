@@ -57,12 +57,49 @@ def announce_cpu_op_build() -> None:
     environment), which is otherwise minutes of silence."""
     if os.environ.get("DS_ACCELERATOR") != "cpu":
         return
-    built = os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
+    built = shm_op_path()
     if not os.path.exists(built):
         logging.getLogger("dsgpt2").info(
             "compiling DeepSpeed's CPU communication op (once per environment, 1-3 min; cached in %s)",
             os.path.dirname(built),
         )
+
+
+def shm_op_path() -> str:
+    """Where DeepSpeed's compiled CPU communication op is cached for this environment."""
+    return os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")
+
+
+def quiet_cached_op_load() -> None:
+    """Keep DeepSpeed from printing "deepspeed_shm_comm_op built successfully" at every start: it
+    prints it whether it compiled the op or loaded it from the cache, which reads as a rebuild each
+    run. Loaded from the cache: nothing said; compiled now: one line saying so. Call before
+    ``deepspeed.init_distributed``."""
+    import contextlib
+    import importlib
+    import io
+
+    # By name: the attribute ``deepspeed.comm.torch`` is torch itself, imported into that package.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    original = ds_torch.build_shm_op
+    if getattr(original, "quiet", False):
+        return
+
+    def build_shm_op() -> object:
+        cached = os.path.exists(shm_op_path())
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            module = original()
+        said = [line for line in printed.getvalue().splitlines() if not line.endswith(" built successfully")]
+        for line in said:  # anything else it printed is the user's to see, as it was
+            sys.stdout.write(line + "\n")
+        if module is not None and not cached:
+            logging.getLogger("dsgpt2").info("DeepSpeed's CPU communication op compiled, cached in %s",
+                                             os.path.dirname(shm_op_path()))  # fmt: skip
+        return module
+
+    build_shm_op.quiet = True  # type: ignore[attr-defined]
+    ds_torch.build_shm_op = build_shm_op
 
 
 def use_own_ninja() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dsgpt2.accelerator import announce_cpu_op_build, prepare_deepspeed_environment
+from dsgpt2.accelerator import announce_cpu_op_build, prepare_deepspeed_environment, quiet_cached_op_load
 from dsgpt2.checkpoints.format import tag_for
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
@@ -145,6 +145,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     # First: the barriers and broadcasts below need the process group.
     if rank == 0:
         announce_cpu_op_build()
+    quiet_cached_op_load()
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
     deepspeed.init_distributed(
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from dsgpt2 import accelerator
 from dsgpt2.errors import ConfigError
 from dsgpt2.train import trainer
 from dsgpt2.train.config import (
@@ -244,6 +247,36 @@ def test_each_environment_builds_deepspeeds_op_in_its_own_cache_and_says_so_firs
     with caplog.at_level(logging.INFO, logger="dsgpt2"):
         accelerator.announce_cpu_op_build()
     assert caplog.text == ""
+
+
+def test_the_op_loaded_from_the_cache_is_not_announced_as_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys: Any
+) -> None:
+    """DeepSpeed prints "... built successfully" whether it compiled its CPU communication op or
+    loaded it from the cache: silent when cached, one line when compiled now."""
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    def deepspeeds(*_: Any) -> object:  # what DeepSpeed's build_shm_op says and returns
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+        return object()
+
+    monkeypatch.setattr(ds_torch, "build_shm_op", deepspeeds)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    accelerator.quiet_cached_op_load()
+    accelerator.quiet_cached_op_load()  # once wrapped, not twice
+    with caplog.at_level(logging.INFO, logger="dsgpt2"):
+        assert ds_torch.build_shm_op() is not None  # compiled now: nothing was cached
+    assert capsys.readouterr().out == "" and caplog.messages == [
+        f"DeepSpeed's CPU communication op compiled, cached in {tmp_path / 'ext' / 'deepspeed_shm_comm'}"
+    ]
+    Path(accelerator.shm_op_path()).parent.mkdir(parents=True)
+    Path(accelerator.shm_op_path()).write_bytes(b"")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsgpt2"):
+        ds_torch.build_shm_op()  # loaded from the cache
+    assert capsys.readouterr().out == "" and caplog.messages == []
 
 
 def test_compile_is_on_where_cuda_is_unless_turned_off(files: dict[str, Path]) -> None:
