@@ -173,18 +173,20 @@ def apply_schedule(cfg: dict[str, Any], opts: Any, train_iters: int) -> Schedule
     if warmup is None:
         warmup = sched_params.get("warmup_num_steps", train_iters // 50)
         warmup = min(int(warmup), max(0, train_iters // 10))
-    if isinstance(sched, dict):
-        log.info(
-            "learning rate: --lr_schedule %s (peak %g, %d warm-up steps) in place of the DeepSpeed config's "
-            "scheduler (%s)",
-            opts.lr_schedule,
-            peak,
-            warmup,
-            sched.get("type", "unnamed"),
-        )
     cfg.pop("scheduler", None)
     kind = opts.lr_schedule
     return Schedule(kind, float(peak), train_iters, warmup, opts.min_lr_ratio, opts.decay_fraction)
+
+
+def schedule_note(scheduler: Any, schedule: Schedule | None) -> str | None:
+    """The line that says a DeepSpeed config's ``scheduler`` (its block, read before
+    :func:`apply_schedule` removed it) gave way to ``schedule``; None where nothing was replaced."""
+    if schedule is None or not isinstance(scheduler, dict):
+        return None
+    return (
+        f"learning rate: --lr_schedule {schedule.kind} (peak {schedule.peak:g}, {schedule.warmup} warm-up "
+        f"steps) in place of the DeepSpeed config's scheduler ({scheduler.get('type', 'unnamed')})"
+    )
 
 
 def check_attention(kind: str, device: str, cfg: dict[str, Any] | None = None) -> None:

@@ -53,12 +53,14 @@ from dsgpt2.train.ds_config import (
     check_attention,
     load_ds_config,
     read_ds_config,
+    schedule_note,
     zero_stage,
 )
 from dsgpt2.train.engine import (
     Engine,
     EngineSettings,
     build_engine,
+    compiles,
     init_context,
     init_weights,
     model_config_for,
@@ -137,7 +139,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     own_schedule = cfg.schedule.lr_schedule != "deepspeed"
     ds_config = load_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device, own_schedule)
     check_attention(cfg.compute.attn_implementation, device, ds_config)
+    scheduler = ds_config.get("scheduler")
     lr_schedule = apply_schedule(ds_config, cfg.schedule, cfg.run.train_iters)
+    decided += [note] if (note := schedule_note(scheduler, lr_schedule)) else []
     check_optimizer(cfg.optim.optimizer, ds_config)
     prepare_deepspeed_environment()
     import deepspeed
@@ -265,6 +269,13 @@ class Trainer:
                 # Taken in before the first step: as much the run's record as growth followed mid-run.
                 record = self.feed.record_growth(state.step, *self.feed.resume_growth, "resume")
                 self.runlog.write({"event": "growth", **record})
+            if state.step < r.train_iters and (
+                what := first_step_compiles(
+                    self.cfg.optim.optimizer, compiles(self.cfg.compute.compile, self.engine.device.type)
+                )
+            ):
+                log.info("the first step compiles %s: it takes longer than the others (tens of seconds on a "
+                         "CPU, less once torch has cached the compiled code)", what)  # fmt: skip
             try:
                 while (
                     state.step < r.train_iters
@@ -498,6 +509,13 @@ def _grad_norm(module: Any) -> float:
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
+    """What torch compiles on a run's first step (None: nothing): the model with --compile, and under
+    Muon the Newton–Schulz iteration DeepSpeed compiles for its matrices."""
+    what = ["the model (--compile)"] * compiled + ["Muon's Newton–Schulz iteration"] * (optimizer == "muon")
+    return " and ".join(what) or None
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

@@ -135,6 +135,15 @@ def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_sam
     assert not torch.allclose(c.weight, lin.weight.T, atol=1e-4)
 
 
+def test_what_the_first_step_compiles_is_said() -> None:
+    from dsgpt2.train.trainer import first_step_compiles
+
+    assert first_step_compiles("adamw", False) is None
+    assert first_step_compiles("muon", False) == "Muon's Newton–Schulz iteration"
+    assert first_step_compiles("adamw", True) == "the model (--compile)"
+    assert first_step_compiles("muon", True) == "the model (--compile) and Muon's Newton–Schulz iteration"
+
+
 def test_the_schedule_scales_each_groups_rate() -> None:
     import torch
 
@@ -249,6 +258,13 @@ def straight(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
     done = train(_staged(corpus, run, 0), run, *MUON, *RUN)
     assert "optimizer: Muon (lr 0.03, momentum 0.95, weight decay 0.1, rms scale" in done.stderr
     assert "gradient clipping (1.0 in the DeepSpeed config) is off" in done.stderr
+    assert (
+        "--lr_schedule wsd (peak 0.003, 0 warm-up steps) in place of the DeepSpeed config's scheduler"
+        in done.stderr
+    )
+    # The first step's compile (tens of seconds on a CPU) is said before it starts, not left silent.
+    compiling = "the first step compiles Muon's Newton–Schulz iteration: it takes longer than the others"
+    assert done.stderr.index(compiling) < done.stderr.index("step 1/")
     return run
 
 
