@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,7 +263,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsgpt2.infer.generate import Generator
-    from dsgpt2.infer.serve import make_app, serve
+    from dsgpt2.infer.serve import check_bind, make_app, serve
 
     s, limits = from_namespace(ServeSettings, args), from_namespace(ServeLimits, args)
     source = from_namespace(ModelSource, args)
@@ -272,7 +273,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise usage("serve", f"--max_new_tokens {length} is above --max_tokens_limit")
     params = from_namespace(SamplingParams, args, max_new_tokens=length)
     api_key = s.api_key or os.environ.get(API_KEY_ENV) or None
+    check_bind(s.host, s.port)  # a busy port said now, not after the model has loaded
+    started = time.monotonic()
+    log.info("loading the model %s (the server answers once it is loaded)", source.model)
     app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
+    log.info("model loaded in %.1f s", time.monotonic() - started)
     serve(app, s.host, s.port, authenticated=api_key is not None)
     return 0
 

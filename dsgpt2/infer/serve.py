@@ -24,6 +24,7 @@ import errno
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import PurePath
@@ -131,7 +132,7 @@ def make_app(
     ``/health`` must carry (none: no authentication); ``name``: the model's name in the API (default:
     where it was loaded from), the checkpoint it came from being an alias."""
     service = Service(generator, limits, defaults, api_key is not None, name)
-    middleware = [Middleware(BearerAuth, api_key=api_key)] if api_key else []
+    middleware = [Middleware(AccessLog)] + ([Middleware(BearerAuth, api_key=api_key)] if api_key else [])
     return Starlette(
         routes=[
             Route("/generate", service.get_generate, methods=["GET"]),
@@ -176,6 +177,7 @@ class Service:
             decode = DecodeRequest(fit_prompt(generator, generator.encode(prompt), params), params)
         except (BadRequest, ApiError) as exc:
             return _error(str(exc), 400, api=False)
+        request.state.decodes = [decode]  # for the access log
         failed = await self.decode(request, [decode], api=False)
         if failed is not None:
             return failed
@@ -210,6 +212,7 @@ class Service:
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
+        request.state.decodes = decodes  # for the access log
         if api.stream:
             if not self.slots.take():
                 return self.slots.busy(api=True)
@@ -299,6 +302,35 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
     ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
+
+
+class AccessLog:
+    """One line per request once its answer is sent (a stream: at its end): the method, the path (not
+    the query, which holds the prompt), the status, the tokens generated and the milliseconds taken."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.monotonic()
+        status = 500  # an answer never started: the server failed it
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            decodes = scope.get("state", {}).get("decodes") or []
+            tokens = sum(len(sample.ids) for d in decodes for sample in d.samples)
+            log.info("%s %s %d, %d tokens, %.0f ms", scope["method"], scope["path"], status, tokens,
+                     1000 * (time.monotonic() - started))  # fmt: skip
 
 
 class BearerAuth:

@@ -5,6 +5,7 @@ server keeps serving."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -303,3 +304,38 @@ def test_api_defaults_and_field_mapping() -> None:
     for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
         with pytest.raises(ApiError, match=r"messages|last message|role"):
             chat_request({"messages": messages}, "m", limits, defaults)
+
+
+@pytest.fixture(scope="module")
+def quiet_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    """A server of its own: no other test's request ends while its log is read."""
+    yield from start_server(tmp_path_factory.mktemp("access"), pretrained)
+
+
+def test_each_request_is_one_access_log_line_and_loading_is_said(quiet_server: str) -> None:
+    """Method, path (not the prompt in the query), status, tokens generated, milliseconds: one line per
+    request, the refused ones too; and a line before the model loads, the server silent meanwhile."""
+    server = quiet_server
+    log = LOGS[server]
+    text = log.read_text()
+    assert text.index("loading the model ") < text.index("model loaded in ") < text.index("Uvicorn running")
+    before = log.stat().st_size
+    r = httpx.get(f"{server}/generate", params={"sentence": "Return the secret", "max_new_tokens": "5"},
+                  timeout=deadline(30))  # fmt: skip
+    assert r.status_code == 200
+    tokens = r.json()["completions"][0]["tokens"]
+    assert httpx.post(f"{server}/generate", json={"prompt": 3}, timeout=deadline(10)).status_code == 400
+    body = {"prompt": "Return the", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=deadline(30)) as streamed:
+        assert streamed.status_code == 200 and list(streamed.iter_lines())
+    end_by = time.monotonic() + deadline(10)
+    while log.read_text()[before:].count("dsgpt2.infer.serve: ") < 3 and time.monotonic() < end_by:
+        time.sleep(0.1)
+    lines = [line.split("dsgpt2.infer.serve: ", 1)[1] for line in log.read_text()[before:].splitlines()
+             if "dsgpt2.infer.serve: " in line]  # fmt: skip
+    assert [re.sub(r"\d+ ms$", "N ms", line) for line in lines] == [
+        f"GET /generate 200, {tokens} tokens, N ms",
+        "POST /generate 400, 0 tokens, N ms",
+        "POST /v1/completions 200, 4 tokens, N ms",
+    ], lines
+    assert "secret" not in log.read_text()[before:]  # the prompt is not logged
