@@ -29,7 +29,7 @@ if get_accelerator().device_name() == "cpu":
 endef
 export BUILD_DEEPSPEED_OPS
 
-.PHONY: venv test test-fast test-latest latest lock demo bench lint docs clean
+.PHONY: venv test test-fast test-latest latest lock demo bench lint docs reference clean
 
 # pip and setuptools first, at their locked versions: setuptools is also the build backend, held by
 # --build-constraint in pip's isolated build environment.
@@ -97,6 +97,11 @@ lint: $(STAMP)
 # outside the navigation) fails the build. The reference pages are written from the parsers as it builds.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+# The stored reference pages (docs/reference/) written afresh from the parsers: after a flag changes
+# (a test says when they differ from the code).
+reference: $(STAMP)
+	$(PY) docs/gen_reference.py docs
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -1,8 +1,9 @@
 """The reference pages, written from the parsers and the key table themselves, so they cannot drift.
 
-MkDocs runs this file as a hook (``hooks:`` in mkdocs.yml): ``on_files`` adds the pages to the build
-as generated files, made afresh by every ``make docs`` and never stored in the repository. Run on its
-own, ``python docs/gen_reference.py DIR`` writes the same pages into DIR to read or diff.
+The pages are stored beside the other docs (``docs/reference/``), so that their links work where the docs
+are read in the repository too; ``make reference`` (``python docs/gen_reference.py docs``) writes them
+afresh, and a test fails where a stored page differs from what the code makes now. MkDocs also runs this
+file as a hook (``hooks:`` in mkdocs.yml): ``on_files`` builds the site from pages made at build time.
 
 - ``reference/commands.md``: every ``dsgpt2`` command, nested ones included (``vocab train``,
   ``db status``), from :func:`dsgpt2.cli.main.build_parser`;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import html
+import os
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -27,9 +29,11 @@ from dsgpt2.settings import options
 from dsgpt2.settings.options import ActionHelp
 
 GENERATED = (
-    "This page is generated from the code by `docs/gen_reference.py` each time the site is built "
-    "(`make docs`); it is not stored in the repository, so it always matches the version you build."
+    "This page is generated from the code by `docs/gen_reference.py` (`make reference`); a test checks "
+    "that it matches the code, so it always matches the version beside it."
 )
+# argparse wraps usage lines to the terminal's width: the pages are written at one width, wherever made.
+WIDTH = "100"
 
 
 def command_parsers() -> Iterator[tuple[str, argparse.ArgumentParser]]:
@@ -267,15 +271,28 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
+def page(path: str) -> str:
+    """The text of the reference page ``path`` (a key of :data:`PAGES`), as stored."""
+    before = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = WIDTH
+    try:
+        return PAGES[path]() + "\n"
+    finally:
+        if before is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = before
+
+
 def on_files(files: Any, config: Any) -> Any:
-    """MkDocs hook: add the generated pages to the build (replacing a stray file of the same name)."""
+    """MkDocs hook: the reference pages made now in place of the stored ones."""
     from mkdocs.structure.files import File
 
-    for path, make in PAGES.items():
-        stale = files.get_file_from_path(path)
-        if stale is not None:
-            files.remove(stale)
-        files.append(File.generated(config, path, content=make()))
+    for path in PAGES:
+        stored = files.get_file_from_path(path)
+        if stored is not None:
+            files.remove(stored)
+        files.append(File.generated(config, path, content=page(path)))
     return files
 
 
@@ -284,10 +301,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1:
         sys.stderr.write("usage: python docs/gen_reference.py DIR\n")
         return 2
-    for path, make in PAGES.items():
+    for path in PAGES:
         target = Path(argv[0]) / path
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(make() + "\n", encoding="utf-8")
+        target.write_text(page(path), encoding="utf-8")
     return 0
 
 
