@@ -23,7 +23,7 @@ from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.errors import ConfigError, CorpusError, DsGpt2Error
 from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import DataOptions
 
@@ -40,13 +40,17 @@ def corpus_marks(
     from dsgpt2.db.validate import require_valid
     from dsgpt2.db.wrapper import MongoWrapper
 
-    require_collections(conn)  # absent is no problem to train past: nothing would be read
-    if not allow_problems:
-        require_valid(
-            conn,
-            full=full_check,
-            override=", or train on it anyway with --allow_corpus_problems (the bad documents are skipped)",
-        )
+    if allow_problems:
+        require_collections(conn)  # absent is no problem to train past: there would be nothing to read
+    else:
+        try:
+            anyway = ", or train on it anyway with --allow_corpus_problems (the bad documents are skipped)"
+            require_valid(conn, full=full_check, override=anyway)
+        except CorpusError:
+            # A missing collection reads as an empty one: its own answer, asked only when one is wrong
+            # (start-up asks the server nothing more than the check's indexes and meta_info).
+            require_collections(conn)
+            raise
     return tuple(MongoWrapper(mongo, connection=conn).counts)
 
 

@@ -269,13 +269,7 @@ class Trainer:
                 # Taken in before the first step: as much the run's record as growth followed mid-run.
                 record = self.feed.record_growth(state.step, *self.feed.resume_growth, "resume")
                 self.runlog.write({"event": "growth", **record})
-            if state.step < r.train_iters and (
-                what := first_step_compiles(
-                    self.cfg.optim.optimizer, compiles(self.cfg.compute.compile, self.engine.device.type)
-                )
-            ):
-                log.info("the first step compiles %s: it takes longer than the others (tens of seconds on a "
-                         "CPU, less once torch has cached the compiled code)", what)  # fmt: skip
+            announce_compiles(self.cfg, self.engine.device.type, state.step)
             try:
                 while (
                     state.step < r.train_iters
@@ -478,13 +472,12 @@ class Trainer:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
             log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
                      self.cfg.run.train_iters)  # fmt: skip
-        last_val = self.last_val
         summary = {
             "step": state.step,
             "tokens": state.tokens,
             "tokens_per_s": self.runlog.tokens_per_s(state.tokens),
-            "val_loss": last_val,
-            "val_ppl": perplexity(last_val) if last_val is not None else None,
+            "val_loss": self.last_val,
+            "val_ppl": perplexity(self.last_val) if self.last_val is not None else None,
             "val_bpb": self.last_bpb,
             "val_tokens": self.last_val_tokens,
             "eval_iters": self.cfg.run.eval_iters,
@@ -509,6 +502,14 @@ def _grad_norm(module: Any) -> float:
     if not grads:
         return 0.0
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+
+def announce_compiles(cfg: TrainConfig, device: str, step: int) -> None:
+    """A line before a first step that compiles (tens of seconds on a CPU, with nothing else on screen)."""
+    what = first_step_compiles(cfg.optim.optimizer, compiles(cfg.compute.compile, device))
+    if what and step < cfg.run.train_iters:
+        log.info("the first step compiles %s: it takes longer than the others (tens of seconds on a CPU, "
+                 "less once torch has cached the compiled code)", what)  # fmt: skip
 
 
 def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, pyproject
 from pace import deadline
 
 
@@ -75,3 +75,16 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     assert where.startswith(str(target))
     assert sorted(Path(p).name for p in paths) == shipped
     assert all(p.startswith(str(target)) for p in paths)
+
+
+def test_the_package_metadata_states_every_licence_its_files_carry() -> None:
+    """A file under another licence (its SPDX header) is named in the package's licence expression."""
+    import re
+
+    expression = pyproject()["project"]["license"]
+    stated = set(re.findall(r"[A-Za-z0-9.+-]+", expression)) - {"AND", "OR", "WITH"}
+    carried = set()
+    for path in (ROOT / "dsgpt2").rglob("*.py"):
+        header = path.read_text(encoding="utf-8")[:300]
+        carried |= set(re.findall(r"SPDX-License-Identifier: ([A-Za-z0-9.+-]+)", header))
+    assert "GPL-2.0-only" in carried and carried <= stated, (carried, expression)
