@@ -16,23 +16,23 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.corpus.formats import FORMATS
 from dsgpt2.db.config import collection_name_problem
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.summaries import count_numbered
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
     POSITIVE_INT,
-    check_fields,
+    Checked,
     from_namespace,
     option,
 )
 
 log = logging.getLogger("dsgpt2")
-FORMATS = ("auto", "text", "jsonl", "csv", "conversation", "parquet", "arrow", "dataset")
 
 
 @dataclass(frozen=True, kw_only=True)
-class IngestSettings:
+class IngestSettings(Checked):
     """``dsgpt2 ingest``: what to load, from where, into which collection."""
 
     config: str = config_option()
@@ -96,12 +96,9 @@ class IngestSettings:
     )
     no_progress: bool = no_progress_option()
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class IndexSettings:
+class IndexSettings(Checked):
     """``dsgpt2 index``: the collection to number in place."""
 
     config: str = config_option()
@@ -110,9 +107,6 @@ class IndexSettings:
     field: str = option("text", "the field holding each document's text")
     batch_size: int = option(1000, "documents numbered per bulk write", check=POSITIVE_INT)
     no_progress: bool = no_progress_option()
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)

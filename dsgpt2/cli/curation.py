@@ -24,8 +24,8 @@ from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
+    Checked,
     Range,
-    check_fields,
     from_namespace,
     option,
 )
@@ -42,7 +42,7 @@ class ConnectionSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DedupSettings:
+class DedupSettings(Checked):
     """``dsgpt2 dedup``: which duplicates, and how near is near."""
 
     exact: bool = option(False, "exact duplicates, by text_hash")
@@ -59,12 +59,9 @@ class DedupSettings:
         check=POSITIVE_INT,
     )
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class CurateSettings:
+class CurateSettings(Checked):
     """``dsgpt2 curate``: the rule sets and thresholds, or the report of what every pass marked."""
 
     action: str | None = option(
@@ -87,12 +84,9 @@ class CurateSettings:
     examples: int = option(2, "report: examples per reason", check=NON_NEGATIVE_INT)
     json: bool = option(False, "report: print JSON instead of lines")
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class DecontaminateSettings:
+class DecontaminateSettings(Checked):
     """``dsgpt2 decontaminate``: the evaluation files, their set names and the n-gram size."""
 
     against: tuple[Path, ...] = option(
@@ -109,21 +103,15 @@ class DecontaminateSettings:
     )
     ngram: int = option(13, "words per n-gram shared with an evaluation text (GPT-3's 13)", check=NGRAM)
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass(frozen=True, kw_only=True)
-class RedactSettings:
+class RedactSettings(Checked):
     """``dsgpt2 redact``: the connection, and whether documents a run trained on may change."""
 
     force: bool = option(
         False,
         "redact documents a run has trained on all the same (their texts change under its checkpoints)",
     )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 def run_passes(command: str, config_path: str, passes: PassSettings, steps: list[Pass]) -> int:

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import Command, config_option, load_connection, usage, verbose_option
-from dsgpt2.settings.options import check_fields, from_namespace, option
+from dsgpt2.settings.options import Checked, from_namespace, option
 
 
 @dataclass(frozen=True, kw_only=True)
-class DbSettings:
+class DbSettings(Checked):
     """``dsgpt2 db``: what to do, to which embedded database."""
 
     action: str = option(help="what to do", positional=True, choices=("status", "stop", "compact"))
@@ -26,9 +26,6 @@ class DbSettings:
     )
     json: bool = option(False, "print the status as JSON")
     verbose: bool = verbose_option()
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 def _directory(settings: DbSettings) -> Path:

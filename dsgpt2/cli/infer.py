@@ -23,7 +23,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
-from dsgpt2.settings.options import PORT, check_fields, from_namespace, option
+from dsgpt2.settings.options import PORT, Checked, from_namespace, option
 from dsgpt2.train.config import RunOptions
 
 log = logging.getLogger("dsgpt2")
@@ -111,7 +111,7 @@ class ChatSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServeSettings:
+class ServeSettings(Checked):
     """``dsgpt2 serve``: where it listens and who may ask (what a request may ask: :class:`ServeLimits`)."""
 
     host: str = option("127.0.0.1", "address to bind")
@@ -119,9 +119,6 @@ class ServeSettings:
     api_key: str | None = option(
         None, f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)"
     )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, config_from_dict
 from dsgpt2.db.validate import require_valid
 from dsgpt2.db.wrapper import MongoWrapper
-from dsgpt2.settings.options import POSITIVE_INT, check_fields, from_namespace, option
+from dsgpt2.settings.options import POSITIVE_INT, Checked, from_namespace, option
 from dsgpt2.settings.shipped import shipped_config, shipped_config_named
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import download, shard_texts
@@ -49,7 +49,7 @@ QUESTION = "What does `json.dumps` do?"
 
 
 @dataclass(frozen=True, kw_only=True)
-class DemoSettings:
+class DemoSettings(Checked):
     """``dsgpt2 demo``: where, against which database, and how long."""
 
     out: Path = option(Path("runs/demo"), "output directory")
@@ -65,9 +65,6 @@ class DemoSettings:
     chat_steps: int = option(CHAT_STEPS, "conversation finetuning steps", check=POSITIVE_INT)
     no_progress: bool = no_progress_option("no progress bars")
     verbose: bool = verbose_option()
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from dsgpt2.settings.options import (
     MISSING,
     POSITIVE_INT,
     POSITIVE_NUMBER,
-    check_fields,
+    Checked,
     from_namespace,
     option,
 )
@@ -40,7 +40,7 @@ class TokenizeSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PlanSettings:
+class PlanSettings(Checked):
     """``dsgpt2 plan``: the machines and the batch, besides the model's and the trainer's flags
     (--model_select, --context_length, --activation_checkpointing, --loss_chunk)."""
 
@@ -50,9 +50,6 @@ class PlanSettings:
     micro_batch: int | None = option(None, "add activations: N sequences a micro-batch", check=POSITIVE_INT)
     gpu_memory: float = option(80.0, "GB per GPU", check=POSITIVE_NUMBER)
     verbose: bool = verbose_option()
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)

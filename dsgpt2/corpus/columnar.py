@@ -21,7 +21,6 @@ from typing import Any
 from dsgpt2.errors import IngestError
 
 BATCH_ROWS = 1024
-FORMATS = ("parquet", "arrow", "dataset")
 PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (a continuation marker)

@@ -24,14 +24,13 @@ from typing import Any, TextIO
 
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
 from dsgpt2.corpus.cleaning import clean_text
-from dsgpt2.corpus.columnar import FORMATS as COLUMNAR
 from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, kept_as, sniff_binary, storable
 from dsgpt2.corpus.columnar import detect as detect_columnar
+from dsgpt2.corpus.formats import COLUMNAR, FORMATS
 from dsgpt2.curation.pii import redact_document
 from dsgpt2.documents import turns_text, utf8_encodable
 from dsgpt2.errors import IngestError
 
-FORMATS = ("auto", "text", "jsonl", "csv", "conversation", *COLUMNAR)
 SPLITS = ("line", "paragraph")
 # Speaker names given to query/reply pairs.
 QUERY_SPEAKER = "user"

@@ -41,7 +41,7 @@ from dsgpt2.db.idx import idx_edge
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.argtypes import part_of
-from dsgpt2.settings.options import POSITIVE_INT, check_fields, option
+from dsgpt2.settings.options import POSITIVE_INT, Checked, option
 
 log = logging.getLogger(__name__)
 NUMBERED = {"idx": {"$exists": True}}  # the documents of the corpus (a collection may hold others)
@@ -181,7 +181,7 @@ def _work(work: Callable[..., int], config: Any, name: str, span: tuple[int, int
 
 
 @dataclass(frozen=True, kw_only=True)
-class PassSettings:
+class PassSettings(Checked):
     """The options every pass over the collections takes (dedup, curate, langid, redact,
     decontaminate)."""
 
@@ -199,9 +199,6 @@ class PassSettings:
         metavar="R/M",
     )
     no_progress: bool = option(False, "no progress bar")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
     @property
     def split(self) -> Split:

@@ -13,7 +13,15 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Range, check_fields, option
+from dsgpt2.settings.options import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    RATIO,
+    Checked,
+    Range,
+    check_fields,
+    option,
+)
 
 MAX_SAMPLES = 16
 MIN_TEMPERATURE = 0.01
@@ -107,7 +115,7 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
 
 
 @dataclass(frozen=True)
-class ServeLimits:
+class ServeLimits(Checked):
     """What one request may ask for, and how many may generate at once."""
 
     max_prompt_chars: int = option(4000, "longest prompt accepted", check=POSITIVE_INT)
@@ -121,9 +129,6 @@ class ServeLimits:
     )  # fmt: skip
     max_batch: int = option(8, "sequences decoded together in one batch (samples count)", check=POSITIVE_INT)
     max_body_bytes: int = option(64_000, "largest request body", check=POSITIVE_INT)
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
     def check_length(self, asked: int, name: str = "max_new_tokens") -> None:
         """A request's length within what this server allows (``name``: as the request spells it).

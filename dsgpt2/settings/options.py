@@ -369,6 +369,23 @@ def check_fields(settings: Any, prefix: str = "--") -> None:
             check_choice(name, value, meta["choices"])
 
 
+class Checked:
+    """The base of a settings dataclass: checked on construction, each field against its ``check``
+    range and its ``choices`` (:func:`check_fields`, naming the flag), then by the class's own
+    :meth:`check` where its fields must agree with one another."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.check()
+
+    def check(self) -> None:
+        """Checks across fields, after each field's own (none here).
+
+        Raises:
+            ConfigError: naming the flags and the fix.
+        """
+
+
 # ---------------------------------------------------------------- reading a parser back
 
 

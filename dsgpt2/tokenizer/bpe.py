@@ -26,7 +26,7 @@ from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, file_digest, is_occupied, staged_dir
 from dsgpt2.settings.argtypes import comma_list
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, check_fields, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def special_tokens(speakers: Iterable[str] = DEFAULT_SPEAKERS, reserved: int = 0
 
 
 @dataclass(frozen=True)
-class VocabSettings:
+class VocabSettings(Checked):
     """How to train the tokenizer.
 
     Attributes:
@@ -79,8 +79,7 @@ class VocabSettings:
     lowercase: bool = option(False, "lowercase texts first (default: keep case)")
     context_length: int = option(1024, "model context length", check=POSITIVE_INT)
 
-    def __post_init__(self) -> None:
-        check_fields(self)
+    def check(self) -> None:
         floor = 256 + len(self.specials)
         if self.vocab_size < floor:
             raise ConfigError(

@@ -38,7 +38,7 @@ from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
 from dsgpt2.progress import progress as progress_display
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, check_fields, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, check_fields, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -77,7 +77,7 @@ class Draw:
 
 
 @dataclass(frozen=True)
-class DownloadSettings:
+class DownloadSettings(Checked):
     """How ``vocab download`` splits and runs its work, each field a flag."""
 
     workers: int = option(2, "worker processes", check=POSITIVE_INT)
@@ -86,9 +86,6 @@ class DownloadSettings:
     )
     chunk: int = option(1000, "documents per query", check=POSITIVE_INT)
     overwrite: bool = option(False, "replace shards of a different download in --out")
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 # ---------------------------------------------------------------- download

@@ -25,6 +25,7 @@ from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
+    Checked,
     Range,
     add_options,
     as_path,
@@ -225,7 +226,7 @@ ATTENTION = ("sdpa", "eager", "flash_attention_2")
 
 
 @dataclass
-class ComputeOptions:
+class ComputeOptions(Checked):
     """How the model computes: attention kernel, compilation, activation memory, document masks."""
 
     attn_implementation: str = option(
@@ -257,12 +258,9 @@ class ComputeOptions:
         check=ABOVE_ZERO,
     )
 
-    def __post_init__(self) -> None:
-        check_fields(self)
-
 
 @dataclass
-class ScheduleOptions:
+class ScheduleOptions(Checked):
     """The learning-rate schedule (see dsgpt2.train.schedule)."""
 
     lr_schedule: str | None = option(
@@ -289,9 +287,6 @@ class ScheduleOptions:
     decay_fraction: float = option(
         0.2, "wsd: the share of --train_iters spent decaying", check=RATIO, serves=("lr_schedule", "wsd")
     )
-
-    def __post_init__(self) -> None:
-        check_fields(self)
 
 
 @dataclass

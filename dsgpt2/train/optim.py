@@ -31,7 +31,7 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import param_groups
-from dsgpt2.settings.options import POSITIVE_NUMBER, Range, check_fields, option
+from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ MUON = ("optimizer", "muon")  # what Muon's own options serve
 
 
 @dataclass
-class OptimizerOptions:
+class OptimizerOptions(Checked):
     """Which optimizer trains the weights (see dsgpt2.train.optim)."""
 
     optimizer: str | None = option(
@@ -94,8 +94,7 @@ class OptimizerOptions:
         serves=MUON,
     )
 
-    def __post_init__(self) -> None:
-        check_fields(self)
+    def check(self) -> None:
         self.check_muon_flags()
         if self.muon_momentum is not None and self.muon_momentum >= 1:
             raise ConfigError(f"--muon_momentum {self.muon_momentum}: must be in [0, 1)")

@@ -30,6 +30,7 @@ from dsgpt2.settings.options import (
     POSITIVE_NUMBER,
     RATIO,
     ActionHelp,
+    Checked,
     OneOf,
     Range,
     action_groups,
@@ -427,3 +428,42 @@ def test_an_experiment_file_value_is_refused_naming_its_key(tmp_path: Path) -> N
     apply_run_file(p, {"batch_size": 7, "inputs": ["a", "b"], "collection": "x", "doc_mask": False}, run)
     s = from_namespace(Sample, p.parse_args(["--config", "c"]))
     assert (s.batch_size, s.inputs, s.collections, s.doc_mask) == (7, ("a", "b"), ("x",), False)
+
+
+@dataclass(frozen=True)
+class _Window(Checked):
+    low: int = option(0, "first", check=NON_NEGATIVE_INT)
+    high: int = option(10, "end", check=POSITIVE_INT)
+
+    def check(self) -> None:
+        if self.low >= self.high:
+            raise ConfigError(f"--low {self.low} must be below --high {self.high}")
+
+
+def test_a_settings_class_is_checked_by_its_base_field_by_field_then_across_fields() -> None:
+    """One base checks every settings class: each field's range first (naming its flag), then the class's
+    own check across fields; the package keeps no hand-copied __post_init__ that only calls check_fields."""
+    import re
+
+    from conftest import ROOT
+
+    assert _Window(1, 2).high == 2
+    with pytest.raises(ConfigError, match=r"--high must be a positive integer, got 0"):
+        _Window(5, 0)  # the field's range, before the check across fields
+    with pytest.raises(ConfigError, match=r"--low 3 must be below --high 2"):
+        _Window(3, 2)
+    copies = re.compile(r"def __post_init__\(self\) -> None:\n        check_fields\(self\)\n\n")
+    assert [p.name for p in (ROOT / "dsgpt2").rglob("*.py") if copies.search(p.read_text())] == []
+
+
+def test_the_input_formats_are_named_once() -> None:
+    """`dsgpt2 ingest --format`'s choices are what the readers dispatch on, from one list."""
+    from dsgpt2.cli.main import build_parser
+    from dsgpt2.corpus import formats, readers
+    from dsgpt2.errors import IngestError
+
+    ingest = subcommands(build_parser())["ingest"]
+    (action,) = [a for a in ingest._actions if "--format" in a.option_strings]
+    assert tuple(action.choices) == formats.FORMATS == ("auto", *formats.TEXT, *formats.COLUMNAR)
+    with pytest.raises(IngestError, match="choose one of " + ", ".join(formats.FORMATS)):
+        readers.file_source(__file__, "nope")
