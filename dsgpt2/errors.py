@@ -7,6 +7,8 @@ anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DsGpt2Error(Exception):
     """Root of every error dsgpt2 raises for a user to read and fix."""
@@ -54,3 +56,40 @@ class ServerLostError(MongoUnavailableError):
     """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
 
     exit_code = 3
+
+
+class CheckpointError(DsGpt2Error):
+    """A checkpoint to resume from is missing, incomplete or does not match this run."""
+
+
+class LineageError(DsGpt2Error):
+    """The run's reading cannot be replayed as it was (the corpus changed, an older checkpoint)."""
+
+
+class TrainingAborted(DsGpt2Error):
+    """Training stopped on purpose: non-finite losses in a row, or a lost database."""
+
+    exit_code = 3
+
+
+class GenerationFailed(DsGpt2Error):
+    """Decoding failed inside the engine (the server log has the traceback)."""
+
+    exit_code = 1  # the server's failure, not the request's
+
+
+class RequestError(DsGpt2Error):
+    """A request the server refuses (400 by default), answered with the reason: on the OpenAI routes as
+    OpenAI's error object (:meth:`body`), on /generate as ``{"error": reason}``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "") -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+        # The client's mistake (4xx) is a user's error, as a bad flag is; a 5xx one the server's.
+        self.exit_code = 2 if status < 500 else 1
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error object."""
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,6 @@ LATEST = "latest"
 BEST = "best"  # names the best checkpoint of an --early_stopping run; `--ckpt_id best` reads it
 COMPLETE = "dsgpt2_complete.json"
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
-
-
-class CheckpointError(DsGpt2Error):
-    """A checkpoint to resume from is missing, incomplete or does not match this run."""
 
 
 def tag_for(step: int) -> str:

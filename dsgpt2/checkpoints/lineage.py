@@ -37,15 +37,11 @@ from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of,
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.errors import ConfigError, LineageError
 
 log = logging.getLogger(__name__)
 
 BlockId = tuple[int, int, int]  # (epoch, chunk, block in chunk)
-
-
-class LineageError(DsGpt2Error):
-    """The run's reading cannot be replayed as it was (the corpus changed, an older checkpoint)."""
 
 
 class _Shapes:

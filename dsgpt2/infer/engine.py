@@ -17,16 +17,10 @@ import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.errors import GenerationFailed
 from dsgpt2.infer.decode import Decoder, DecodeRequest, Delta
 
 log = logging.getLogger(__name__)
-
-
-class GenerationFailed(DsGpt2Error):
-    """Decoding failed inside the engine (the server log has the traceback)."""
-
-    exit_code = 1  # the server's failure, not the request's
 
 
 class Engine:

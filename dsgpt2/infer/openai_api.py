@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dsgpt2.documents import text_problem
-from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.errors import ConfigError, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits
 
@@ -69,21 +69,6 @@ CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
 ROLES = {"user": "user", "assistant": "bot"}
 
 
-class ApiError(DsGpt2Error):
-    """A request answered with an OpenAI error object."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "") -> None:
-        super().__init__(message)
-        self.param = param
-        self.status = status
-        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-        # The client's mistake (4xx) is a user's error; a 5xx one the server's, as GenerationFailed.
-        self.exit_code = 2 if status < 500 else 1
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
-
-
 @dataclass
 class ApiRequest:
     """A checked request: what to generate from, how, and how to answer."""
@@ -103,9 +88,9 @@ def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             continue
         if key in AT_DEFAULT:
             if value not in AT_DEFAULT[key]:
-                raise ApiError(f"{key} is not supported by this server (only its default)", key)
+                raise RequestError(f"{key} is not supported by this server (only its default)", key)
             continue
-        raise ApiError(f"unknown field {key!r}; this server reads {', '.join(sorted(allowed))}", key)
+        raise RequestError(f"unknown field {key!r}; this server reads {', '.join(sorted(allowed))}", key)
 
 
 def check_model(body: dict[str, Any], served: str, aliases: Sequence[str] = ()) -> None:
@@ -113,7 +98,7 @@ def check_model(body: dict[str, Any], served: str, aliases: Sequence[str] = ()) 
     model = body.get("model")
     if model is not None and model != served and model not in aliases:
         also = f" (also as {', '.join(repr(a) for a in aliases)})" if aliases else ""
-        raise ApiError(
+        raise RequestError(
             f"the model {model!r} does not exist; this server serves {served!r}{also}",
             "model",
             404,
@@ -140,7 +125,7 @@ def sampling(
         given["max_tokens"] = asked
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ApiError(f"{key} must be a number, got {value!r}", key)
+            raise RequestError(f"{key} must be a number, got {value!r}", key)
         values[names[key]] = value
     values.setdefault("max_new_tokens", max_tokens)
     values.setdefault("temperature", 1.0)
@@ -156,7 +141,7 @@ def sampling(
         message = str(exc)
         for api, ours in names.items():
             message = message.replace(ours, api)
-        raise ApiError(message, _param_of(message, names)) from None
+        raise RequestError(message, _param_of(message, names)) from None
     return params
 
 
@@ -170,9 +155,9 @@ def stop_sequences(body: dict[str, Any]) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError("stop must be a non-empty string or a list of them", "stop")
+        raise RequestError("stop must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP:
-        raise ApiError(f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+        raise RequestError(f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
     return stops
 
 
@@ -188,7 +173,7 @@ def completion_request(
     prompt = body.get("prompt", "")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ApiError("prompt must be a string or a non-empty list of strings", "prompt")
+        raise RequestError("prompt must be a string or a non-empty list of strings", "prompt")
     for p in prompts:
         _check_text(p, limits, "prompt")
     params = sampling(body, limits, defaults, DEFAULT_MAX_TOKENS)
@@ -206,28 +191,28 @@ def chat_request(
     check_model(body, served, aliases)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError("messages must be a non-empty list of {role, content} objects", "messages")
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
     system: list[str] = []
     turns: list[dict[str, str]] = []
     for i, m in enumerate(messages):
         role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
         if isinstance(content, list):  # content parts: only text applies
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(f"messages[{i}].content: only text parts are supported", "messages")
+                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
-            raise ApiError(f"messages[{i}] needs a role and a string content", "messages")
+            raise RequestError(f"messages[{i}] needs a role and a string content", "messages")
         _check_text(content, limits, "messages")
         if role in ("system", "developer"):
             system.append(content)
         elif role in ROLES:
             turns.append({"speaker": ROLES[role], "text": content})
         else:
-            raise ApiError(
+            raise RequestError(
                 f"messages[{i}].role {role!r} is not supported; use system, user or assistant", "messages"
             )
     if not turns or turns[-1]["speaker"] != "user":
-        raise ApiError("the last message must be the user's", "messages")
+        raise RequestError("the last message must be the user's", "messages")
     if system:
         first = next(t for t in turns if t["speaker"] == "user")
         first["text"] = "\n\n".join([*system, first["text"]])
@@ -237,9 +222,9 @@ def chat_request(
 
 def _check_text(text: str, limits: ServeLimits, param: str) -> None:
     if text and text_problem(text, limits.max_prompt_chars) == "invalid_unicode":
-        raise ApiError(f"{param} holds invalid text (a lone surrogate or undecodable bytes)", param)
+        raise RequestError(f"{param} holds invalid text (a lone surrogate or undecodable bytes)", param)
     if len(text) > limits.max_prompt_chars:
-        raise ApiError(
+        raise RequestError(
             f"{param} holds {len(text)} characters; this server accepts at most {limits.max_prompt_chars}",
             param,
         )
@@ -249,17 +234,17 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     """Whether to stream, and whether to end the stream with the usage."""
     stream = body.get("stream", False)
     if stream not in (True, False, None):
-        raise ApiError("stream must be true or false", "stream")
+        raise RequestError("stream must be true or false", "stream")
     options = body.get("stream_options")
     if options is None:
         return bool(stream), False
     if not stream:
-        raise ApiError("stream_options is only allowed with stream: true", "stream_options")
+        raise RequestError("stream_options is only allowed with stream: true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError('stream_options takes {"include_usage": true|false} only', "stream_options")
+        raise RequestError('stream_options takes {"include_usage": true|false} only', "stream_options")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
-        raise ApiError("stream_options.include_usage must be true or false", "stream_options")
+        raise RequestError("stream_options.include_usage must be true or false", "stream_options")
     return True, include
 
 

@@ -38,13 +38,12 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
-from dsgpt2.errors import ConfigError, DsGpt2Error
+from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
-from dsgpt2.infer.engine import Engine, GenerationFailed
+from dsgpt2.infer.engine import Engine
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
 from dsgpt2.infer.openai_api import (
     ApiAnswer,
-    ApiError,
     ApiRequest,
     chat_request,
     completion_request,
@@ -57,29 +56,23 @@ from dsgpt2.infer.settings import ServeLimits
 log = logging.getLogger(__name__)
 
 
-class BadRequest(DsGpt2Error):
-    """A request the server refuses with 400."""
-
-    exit_code = 2  # the client's mistake, as a bad flag is the user's
-
-
 def parse_request(
     values: dict[str, Any], prompt_key: str, limits: ServeLimits, defaults: SamplingParams
 ) -> tuple[str, SamplingParams]:
     """The prompt and sampling settings of a request.
 
     Raises:
-        BadRequest: a missing or oversized prompt, an unknown setting, a bad value, or more
+        RequestError: a missing or oversized prompt, an unknown setting, a bad value, or more
             tokens than the server allows.
     """
     values = dict(values)
     prompt = values.pop(prompt_key, None)
     if not isinstance(prompt, str):
-        raise BadRequest(f"{prompt_key!r} is required and must be a string")
+        raise RequestError(f"{prompt_key!r} is required and must be a string")
     if prompt and text_problem(prompt, limits.max_prompt_chars) == "invalid_unicode":
-        raise BadRequest(f"{prompt_key!r} holds invalid text (a lone surrogate or undecodable bytes)")
+        raise RequestError(f"{prompt_key!r} holds invalid text (a lone surrogate or undecodable bytes)")
     if len(prompt) > limits.max_prompt_chars:
-        raise BadRequest(
+        raise RequestError(
             f"{prompt_key!r} is {len(prompt)} characters long; this server accepts at most "
             f"{limits.max_prompt_chars}"
         )
@@ -87,7 +80,7 @@ def parse_request(
         params = SamplingParams.from_mapping(values, defaults)
         limits.check_length(params.max_new_tokens)
     except ConfigError as exc:
-        raise BadRequest(str(exc)) from None
+        raise RequestError(str(exc)) from None
     return prompt, params
 
 
@@ -117,7 +110,7 @@ def _error(
     message: str, status: int, api: bool, kind: str = "", headers: dict[str, str] | None = None
 ) -> JSONResponse:
     """An error answer: OpenAI's error object on the API routes, ``{"error": ...}`` on /generate."""
-    body = ApiError(message, status=status, kind=kind).body() if api else {"error": message}
+    body = RequestError(message, status=status, kind=kind).body() if api else {"error": message}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -175,7 +168,7 @@ class Service:
         try:
             prompt, params = parse_request(values, prompt_key, self.limits, self.defaults)
             decode = DecodeRequest(fit_prompt(generator, generator.encode(prompt), params), params)
-        except (BadRequest, ApiError) as exc:
+        except RequestError as exc:
             return _error(str(exc), 400, api=False)
         request.state.decodes = [decode]  # for the access log
         failed = await self.decode(request, [decode], api=False)
@@ -209,7 +202,7 @@ class Service:
             make = chat_request if chat else completion_request
             api = make(body, self.served, self.limits, self.defaults, self.aliases)
             decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
-        except ApiError as exc:
+        except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
         request.state.decodes = decodes  # for the access log
@@ -269,12 +262,12 @@ def fit_prompt(
     every route's one check of a request against the model's context.
 
     Raises:
-        ApiError: the length asked (``length``: as the request spells it) leaves no room.
+        RequestError: the length asked (``length``: as the request spells it) leaves no room.
     """
     try:
         return generator.decoder.fit(ids, params)
     except ConfigError:
-        raise ApiError(
+        raise RequestError(
             f"{length} {params.max_new_tokens} does not fit the model's context of {generator.context} "
             f"tokens; ask for fewer than {generator.context}",
             length,
@@ -298,7 +291,7 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
             if task not in (None, "conversation")
             else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
         )
-        raise ApiError(f"{generator.loaded.name} {why}; use /v1/completions", "messages") from None
+        raise RequestError(f"{generator.loaded.name} {why}; use /v1/completions", "messages") from None
     ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
@@ -344,7 +337,7 @@ class BearerAuth:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                error = ApiError(
+                error = RequestError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     status=401,
                     kind="invalid_request_error",
@@ -409,7 +402,7 @@ async def _sse(
             if with_usage:
                 yield _event(answer.usage_chunk())
         except GenerationFailed as exc:
-            yield _event(ApiError(str(exc), status=500).body())
+            yield _event(RequestError(str(exc), status=500).body())
     yield "data: [DONE]\n\n"
 
 
@@ -421,7 +414,7 @@ def _as_api_error(response: JSONResponse) -> JSONResponse:
     """A body-reading refusal (413, 400) in the OpenAI error format."""
     message = json.loads(bytes(response.body))["error"]
     status = response.status_code
-    return JSONResponse(ApiError(message, status=status).body(), status_code=status)
+    return JSONResponse(RequestError(message, status=status).body(), status_code=status)
 
 
 async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONResponse:

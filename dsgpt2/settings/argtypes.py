@@ -10,7 +10,14 @@ import re
 import sys
 from typing import Any
 
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_NUMBER, RATIO, subcommands
+from dsgpt2.settings.options import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    RATIO,
+    flag_strings,
+    subcommands,
+)
 
 UNRECOGNIZED = "unrecognized arguments: "
 
@@ -42,7 +49,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
             if not token.startswith("-") and token in subs:
                 target = subs[token]
         if message.startswith(UNRECOGNIZED):
-            flags = [f for f in target._option_string_actions if f.startswith("--")]
+            flags = [f for f in flag_strings(target) if f.startswith("--")]
             for token in message[len(UNRECOGNIZED) :].split():
                 name = token.split("=", 1)[0]
                 if name.startswith("--") and name not in flags:

@@ -420,6 +420,20 @@ def flag_strings(parser: argparse.ArgumentParser) -> set[str]:
     return set(parser._option_string_actions)
 
 
+def action_of(parser: argparse.ArgumentParser, flag: str) -> argparse.Action | None:
+    """The action that ``flag`` (any spelling ``parser`` accepts) sets; None for no flag of it."""
+    return parser._option_string_actions.get(flag)
+
+
+def make_optional(parser: argparse.ArgumentParser) -> None:
+    """Nothing required of ``parser`` any more: no flag, no group of exclusive flags (a test's parser
+    that should report only the mistake it is given)."""
+    for action in parser._actions:
+        action.required = False
+    for group in parser._mutually_exclusive_groups:
+        group.required = False
+
+
 def is_switch(action: argparse.Action) -> bool:
     """An option that takes no value (``--json``, ``--no_doc_mask``): it sets its constant."""
     return isinstance(action, argparse._StoreConstAction)

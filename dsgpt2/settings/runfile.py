@@ -26,7 +26,7 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.log import process_rank
-from dsgpt2.settings.options import is_switch, settable_actions, subcommands, takes_many
+from dsgpt2.settings.options import action_of, is_switch, settable_actions, subcommands, takes_many
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,8 @@ def apply_run_file(
 
 def typed_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The destinations of the options of ``parser`` that ``argv`` types."""
-    known = parser._option_string_actions
-    return {known[t.split("=", 1)[0]].dest for t in argv if t.startswith("-") and t.split("=", 1)[0] in known}
+    typed = (action_of(parser, t.split("=", 1)[0]) for t in argv if t.startswith("-"))
+    return {action.dest for action in typed if action is not None}
 
 
 def drop_unserved(

@@ -23,13 +23,13 @@ from dsgpt2.checkpoints.format import (
     BEST,
     COMPLETE,
     LATEST,
-    CheckpointError,
     best_tag,
     complete_tags,
     damage,
     file_digests,
     tag_for,
 )
+from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
 
 log = logging.getLogger(__name__)

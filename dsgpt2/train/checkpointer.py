@@ -22,7 +22,7 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
-from dsgpt2.errors import DsGpt2Error
+from dsgpt2.errors import TrainingAborted
 from dsgpt2.train import checkpoint
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
@@ -33,12 +33,6 @@ log = logging.getLogger(__name__)
 # The settings that give a GPT-2 its shape, as a user calls them.
 MODEL_SHAPE = {"n_layer": "layers", "n_embd": "width", "n_head": "heads", "n_inner": "inner width",
                "n_positions": "context", "vocab_size": "vocabulary size"}  # fmt: skip
-
-
-class TrainingAborted(DsGpt2Error):
-    """Training stopped on purpose: non-finite losses in a row, or a lost database."""
-
-    exit_code = 3
 
 
 @dataclass

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.checkpoints.format import CheckpointError
 from dsgpt2.data.cache import CachedChunks, prepare_cache
 from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take_in
 from dsgpt2.data.mixture import Stage, mixture_stages
@@ -23,7 +22,7 @@ from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.errors import ConfigError, CorpusError, DsGpt2Error
+from dsgpt2.errors import CheckpointError, ConfigError, CorpusError, DsGpt2Error
 from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.train.config import DataOptions
 

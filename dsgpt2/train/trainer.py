@@ -25,7 +25,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import ConfigError, MongoUnavailableError
+from dsgpt2.errors import ConfigError, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
@@ -35,7 +35,6 @@ from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import (
     Checkpointer,
     CheckpointSettings,
-    TrainingAborted,
     TrainState,
     resumed_options,
 )

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from dsgpt2.checkpoints.format import COMPLETE, CheckpointError, resolve
+from dsgpt2.checkpoints.format import COMPLETE, resolve
+from dsgpt2.errors import CheckpointError
 from dsgpt2.train import checkpoint
 
 

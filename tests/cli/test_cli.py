@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import build_parser, main
-from dsgpt2.settings.options import subcommands
+from dsgpt2.settings.options import listed_flags, make_optional, subcommands
 from dsgpt2.train.config import build_parser as train_parser
 
 
@@ -302,15 +302,12 @@ def test_a_misspelt_flag_or_command_gets_a_suggestion_from_every_command(
     parser = build_parser()
     leaves = _leaves(parser)
     for _, leaf in leaves:  # nothing required: the misspelt flag is the one error
-        for action in leaf._actions:
-            action.required = False
-        for group in leaf._mutually_exclusive_groups:
-            group.required = False
+        make_optional(leaf)
     assert len(leaves) > 20
     for path, leaf in leaves:
         if path in (("train",), ("launch",)):  # their flags are the trainer's (below) and the launcher's
             continue
-        flag = [f for a in leaf._actions for f in a.option_strings if f.startswith("--") and len(f) > 5][-1]
+        flag = [f for f in listed_flags(leaf) if f.startswith("--") and len(f) > 5][-1]
         with pytest.raises(SystemExit) as exited:
             parser.parse_args([*path, flag[:-1]])
         assert exited.value.code == 2

@@ -34,6 +34,7 @@ from dsgpt2.settings.options import (
     OneOf,
     Range,
     action_groups,
+    action_of,
     actions,
     add_options,
     check_choice,
@@ -463,7 +464,8 @@ def test_the_input_formats_are_named_once() -> None:
     from dsgpt2.errors import IngestError
 
     ingest = subcommands(build_parser())["ingest"]
-    (action,) = [a for a in ingest._actions if "--format" in a.option_strings]
+    action = action_of(ingest, "--format")
+    assert action is not None
     assert tuple(action.choices) == formats.FORMATS == ("auto", *formats.TEXT, *formats.COLUMNAR)
     with pytest.raises(IngestError, match="choose one of " + ", ".join(formats.FORMATS)):
         readers.file_source(__file__, "nope")

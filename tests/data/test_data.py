@@ -268,9 +268,9 @@ def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokeni
     """Two ranks under mixture weights with a stage change, 2 micro-batches a step, micro-batch 3
     skipped: the replay of that record yields each step's block ids and ends at the saved
     positions; a record that ends elsewhere is refused."""
-    from dsgpt2.checkpoints.lineage import LineageError, Replay, parse_doc
+    from dsgpt2.checkpoints.lineage import Replay, parse_doc
     from dsgpt2.data.mixture import Stage
-    from dsgpt2.errors import ConfigError
+    from dsgpt2.errors import ConfigError, LineageError
 
     assert parse_doc("t:12", ["s", "t"]) == (1, 12) and parse_doc("a:b:3", ["a:b"]) == (0, 3)
     for bad in ("t", "t:x", "t:-1", ":3"):

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from conftest import ROOT
+from dsgpt2.errors import RequestError
 from dsgpt2.infer.generate import SamplingParams
-from dsgpt2.infer.serve import BadRequest, ServeLimits, parse_request
+from dsgpt2.infer.serve import ServeLimits, parse_request
 from pace import deadline
 from serving import LOGS, MODELS, pretrained_model, sse, start_server
 
@@ -138,9 +139,9 @@ def test_parse_request_applies_limits_and_defaults() -> None:
     defaults = SamplingParams(max_new_tokens=4, temperature=0.5)
     prompt, params = parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults)
     assert prompt == "hi" and params.top_k == 3 and params.temperature == 0.5 and params.max_new_tokens == 4
-    with pytest.raises(BadRequest, match="at most 10"):
+    with pytest.raises(RequestError, match="at most 10"):
         parse_request({"prompt": "x" * 11}, "prompt", limits, defaults)
-    with pytest.raises(BadRequest, match="seed must be a number"):
+    with pytest.raises(RequestError, match="seed must be a number"):
         parse_request({"prompt": "x", "seed": True}, "prompt", limits, defaults)
 
 
@@ -273,7 +274,7 @@ def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> 
 
 
 def test_api_defaults_and_field_mapping() -> None:
-    from dsgpt2.infer.openai_api import ApiError, chat_request, completion_request
+    from dsgpt2.infer.openai_api import chat_request, completion_request
 
     limits, defaults = ServeLimits(max_new_tokens=100), SamplingParams(max_new_tokens=48, top_k=40)
     plain = completion_request({"prompt": "a"}, "m", limits, defaults)
@@ -298,11 +299,11 @@ def test_api_defaults_and_field_mapping() -> None:
         ({"prompt": ["a", 3]}, "prompt"),
         ({"prompt": "a\ud800"}, "prompt"),
     ):
-        with pytest.raises(ApiError) as caught:
+        with pytest.raises(RequestError) as caught:
             completion_request(body, "m", limits, defaults)
         assert caught.value.param == param, (body, caught.value)
     for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
-        with pytest.raises(ApiError, match=r"messages|last message|role"):
+        with pytest.raises(RequestError, match=r"messages|last message|role"):
             chat_request({"messages": messages}, "m", limits, defaults)
 
 

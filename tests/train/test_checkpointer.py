@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from conftest import make_config, seed
-from dsgpt2.checkpoints.format import LATEST, CheckpointError, complete_tags, read_client_state
+from dsgpt2.checkpoints.format import LATEST, complete_tags, read_client_state
 from dsgpt2.corpus.marks import prefix_record, read_marks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.sources import LAYOUTS
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
-from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainingAborted, TrainState
+from dsgpt2.errors import CheckpointError, TrainingAborted
+from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainState
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 
 SEED = 5
