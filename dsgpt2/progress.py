@@ -9,13 +9,11 @@ without this a long ingest or evaluation writes nothing until it ends.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import sys
 import time
 from typing import Any, Protocol
 
-from dsgpt2.errors import ConfigError
+from dsgpt2.settings.environment import env_seconds
 
 ENV_SECONDS = "DSGPT2_PROGRESS_SECONDS"
 DEFAULT_SECONDS = 30.0
@@ -49,19 +47,7 @@ def interval_seconds() -> float:
     Raises:
         ConfigError: the variable is not a number of seconds >= 0.
     """
-    raw = os.environ.get(ENV_SECONDS, "").strip()
-    if not raw:
-        return DEFAULT_SECONDS
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(
-            f"{ENV_SECONDS}={raw!r}: not a number of seconds; set it to a number >= 0 (0: a line at every "
-            f"update) or unset it for the default {DEFAULT_SECONDS:g}"
-        )
-    return seconds
+    return env_seconds(ENV_SECONDS, DEFAULT_SECONDS, "a line at every update")
 
 
 def progress(

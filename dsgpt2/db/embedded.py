@@ -39,6 +39,7 @@ from pathlib import Path
 
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.files import atomic_write_text
+from dsgpt2.settings.environment import env_seconds
 
 log = logging.getLogger(__name__)
 
@@ -475,16 +476,7 @@ def idle_stop_s() -> float:
     Raises:
         ConfigError: the variable is not a number of seconds.
     """
-    value = os.environ.get(ENV_IDLE_STOP, "").strip()
-    if not value:
-        return IDLE_STOP_S
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ConfigError(f"{ENV_IDLE_STOP}={value!r} must be a number of seconds (0: never stop)")
-    return seconds
+    return env_seconds(ENV_IDLE_STOP, IDLE_STOP_S, "never stop")
 
 
 def _server_environment() -> dict[str, str]:

@@ -367,7 +367,7 @@ def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
     monkeypatch.setenv(embedded.ENV_IDLE_STOP, "soon")
     embedded.stop(directory)
     refused = run_cli("info", "--config", str(cfg))
-    assert refused.returncode == 2 and "DSGPT2_DB_IDLE_STOP='soon' must be a number" in refused.stderr
+    assert refused.returncode == 2 and "DSGPT2_DB_IDLE_STOP='soon': not a number of seconds" in refused.stderr
 
 
 def _small_disk(path: Path, size: str) -> bool:
