@@ -130,7 +130,7 @@ def every_chunk(source: Any, epochs: int) -> list[Any]:
 
 
 def _setup(texts: list[str], tokenizer_dir: Path) -> tuple[Any, Any, Any]:
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.data.table import ChunkTable
     from dsgpt2.db.client import Connection
@@ -147,7 +147,7 @@ def _setup(texts: list[str], tokenizer_dir: Path) -> tuple[Any, Any, Any]:
     spec = make_spec(tokenizer_dir, context=CONTEXT, chunk_docs=CHUNK_DOCS, tr_ratio=0.99, seed=0)
     table = ChunkTable.initial(config.collections, [len(texts)], spec.chunk_docs)
     source = StreamingChunks(config, table, tokenizer_dir, spec, "train")
-    return config, spec, (source, Schedule(table, [(0,)], seed=0))
+    return config, spec, (source, ChunkOrders(table, [(0,)], seed=0))
 
 
 def feed(texts: list[str], results: Path, epochs: int = 6, cached_epochs: int = 40) -> list[Metric]:

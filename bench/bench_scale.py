@@ -137,7 +137,7 @@ def _rss(directory: Path) -> int:
 def _feed_epoch(config: Path, tokenizer: Path, epochs: int = 1) -> None:
     """Read ``epochs`` epochs of the training split as the trainer's feed does (streaming, 2 DataLoader
     workers, micro-batches of 32 × 256 tokens), no model; after each epoch a line: the server's memory."""
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.data.table import ChunkTable
@@ -152,7 +152,9 @@ def _feed_epoch(config: Path, tokenizer: Path, epochs: int = 1) -> None:
     spec = make_spec(tokenizer, context=256, chunk_docs=250, tr_ratio=0.99, seed=0)
     table = ChunkTable.initial(mongo.collections, counts, spec.chunk_docs)
     source = StreamingChunks(mongo, table, tokenizer, spec, "train")
-    stream = BlockStream(source, Schedule(table, [(0,)], seed=0), rank=0, world=1, micro_batch=32, workers=2)
+    stream = BlockStream(
+        source, ChunkOrders(table, [(0,)], seed=0), rank=0, world=1, micro_batch=32, workers=2
+    )
     directory = embedded.local_dir(mongo.uri)
     epoch = 0
     try:

@@ -46,7 +46,7 @@ class Spread:
 
 def reading(kind: str, table: ChunkTable, seed: int = 0, epoch: int = 0) -> np.ndarray:
     """The global indices of the documents one rank reads in ``epoch``, in order."""
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.order import ReadOrder
 
     total = sum(table.marks)
@@ -56,7 +56,7 @@ def reading(kind: str, table: ChunkTable, seed: int = 0, epoch: int = 0) -> np.n
     order = ReadOrder(table, streams, seed, kind)
     offsets = np.concatenate([[0], np.cumsum(table.marks)])
     parts = []
-    for c in Schedule(table, streams, seed).rank_chunks(0, epoch, 0, 1):
+    for c in ChunkOrders(table, streams, seed).rank_chunks(0, epoch, 0, 1):
         colls, idxs = order.documents(epoch, int(c))
         parts.append(offsets[colls] + idxs)
     return np.concatenate(parts)

@@ -76,11 +76,11 @@ def cached_loader(
     import torch
 
     from dsgpt2.data.cache import CachedChunks
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.loader import BlockStream
 
     data = CachedChunks(cache_dir, "train", table)
-    schedule = Schedule(table, [(0,)], seed=0)
+    schedule = ChunkOrders(table, [(0,)], seed=0)
     tokens = np.memmap(cache_dir / "tokens.bin", dtype=data.dtype, mode="r")
     rng = np.random.default_rng(0)
 
@@ -200,7 +200,7 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import StreamingChunks, make_spec
     from dsgpt2.db.client import Connection
@@ -253,7 +253,7 @@ def data_stall(texts: list[str], tokenizer_dir: Path, steps: int = 120) -> Metri
     t_anchor = time.perf_counter() - start
 
     source = StreamingChunks(config, (len(texts),), tokenizer_dir, spec, "train")
-    schedule = Schedule(source.table, [(0,)], seed=0)
+    schedule = ChunkOrders(source.table, [(0,)], seed=0)
     stream = iter(BlockStream(source, schedule, rank=0, world=1, micro_batch=micro, workers=2))
     for _ in range(5):  # the workers start and fill their prefetch queue, as at a run's start
         b = next(stream)
@@ -305,7 +305,7 @@ def _index_rss(total: int) -> dict[str, int]:
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dsgpt2.data.dealing import Schedule
+    from dsgpt2.data.dealing import ChunkOrders
     from dsgpt2.data.loader import BlockStream
     from dsgpt2.data.sources import DataSpec, StreamingChunks
     from dsgpt2.db.config import config_from_dict
@@ -322,7 +322,7 @@ def _index_rss(total: int) -> dict[str, int]:
     counts = (total // 2, total - total // 2)  # read from meta_info in a real run: two numbers
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=128, vocab_size=4096))
     source = StreamingChunks(config, counts, Path("."), spec, "train")
-    schedule = Schedule(source.table, [(0, 1)], seed=0)
+    schedule = ChunkOrders(source.table, [(0, 1)], seed=0)
     stream = BlockStream(source, schedule, rank=0, world=1, micro_batch=8, workers=0)
     orders = [stream.schedule.rank_chunks(0, epoch, 0, 1) for epoch in range(3)]
     gc.collect()

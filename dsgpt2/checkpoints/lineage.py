@@ -30,7 +30,7 @@ from dsgpt2.checkpoints.format import (
     resolve,
 )
 from dsgpt2.checkpoints.weights import check_tokenizer, run_info
-from dsgpt2.data.dealing import ReadState, Schedule, redeal_states, take_in
+from dsgpt2.data.dealing import ChunkOrders, ReadState, redeal_states, take_in
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.mixture import Stage
 from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of
@@ -94,7 +94,7 @@ class Replay:
         self.final = ChunkTable.from_dict(self.data["table"])
         self.streams = [tuple(s) for s in self.data["streams"]]
         first = tuple(s for s in self.final.segments if s.generation == 0)
-        self.schedule = Schedule(
+        self.schedule = ChunkOrders(
             ChunkTable(self.final.names, self.final.chunk_docs, first), self.streams, self.seed
         )
         self.skipped = set(self.data.get("skipped_micro", []))
@@ -165,7 +165,7 @@ class Replay:
             if record["added"].get(name)
         ]
         grown, dealt = take_in(self.schedule, self.states, added, deal)
-        self.schedule = Schedule(grown, self.streams, self.seed)
+        self.schedule = ChunkOrders(grown, self.streams, self.seed)
         return dealt
 
     def check(self, tag: str) -> None:

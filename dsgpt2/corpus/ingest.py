@@ -38,7 +38,7 @@ from typing import Any
 
 from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
-from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, describe, make_document
+from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, located, make_document
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
 from dsgpt2.db.client import Connection, DatabaseError, count_in, database_errors, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
@@ -175,7 +175,7 @@ def _write_source(
                 where = source.locate(pos)
                 if strict:
                     raise BadDocumentError(
-                        f"{source.label}: {describe(where)} is unusable ({doc}); fix it, or run without "
+                        f"{source.label}: {located(where)} is unusable ({doc}); fix it, or run without "
                         "--strict"
                     )
                 skips.add(source, where, doc)

@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from dsgpt2.corpus.readers import DecodeTally, Source, describe
+from dsgpt2.corpus.readers import DecodeTally, Source, located
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import IngestError
 
@@ -58,7 +58,7 @@ class SkipLog:
     def add(self, source: Source, where: dict[str, Any], reason: str) -> None:
         self.count += 1
         if len(self.first) < SHOWN_SKIPS:
-            self.first.append(f"{describe(where)} ({reason})")
+            self.first.append(f"{located(where)} ({reason})")
         if self.file is not None:
             entry = where if "file" in where else {"source": source.label, **where}
             self.file.write(json.dumps({**entry, "reason": reason}) + "\n")

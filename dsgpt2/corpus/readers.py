@@ -31,7 +31,7 @@ from dsgpt2.curation.pii import redact_document
 from dsgpt2.documents import turns_text, utf8_encodable
 from dsgpt2.errors import IngestError
 
-SPLITS = ("line", "paragraph")
+TEXT_SPLITS = ("line", "paragraph")
 # Speaker names given to query/reply pairs.
 QUERY_SPEAKER = "user"
 REPLY_SPEAKER = "bot"
@@ -62,7 +62,7 @@ def _by_record_number(pos: int) -> dict[str, Any]:
     return {"record": pos}
 
 
-def describe(where: dict[str, Any]) -> str:
+def located(where: dict[str, Any]) -> str:
     """A location of :meth:`Source.locate` in words: ``news.jsonl line 21``, ``x.parquet row group 3,
     row 17``, ``record 20``."""
     if "line" in where:
@@ -150,8 +150,8 @@ def file_source(
         raise IngestError(f"input file {str(p)!r} not found")
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if split not in SPLITS:
-        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(SPLITS)}")
+    if split not in TEXT_SPLITS:
+        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(TEXT_SPLITS)}")
     try:
         codecs.lookup(encoding)
     except LookupError:

@@ -22,7 +22,7 @@ from dsgpt2.data.table import ChunkTable
 Stream = tuple[int, ...]  # the collections (places in the config's list) read as one pool
 
 
-class Schedule:
+class ChunkOrders:
     """The chunk orders of a run: per stream and epoch, the same in every process.
 
     Without mixture weights all collections form one stream (shares follow their sizes); with
@@ -159,7 +159,7 @@ class ReadState:
 
 
 def take_in(
-    schedule: Schedule,
+    schedule: ChunkOrders,
     states: Sequence[ReadState],
     added: Sequence[tuple[int, int, int]],
     deal: bool,
@@ -186,7 +186,7 @@ def take_in(
     grown = table.grow(added, first)
     dealt: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in states]
     if deal and grown is not table:
-        new = Schedule(grown, schedule.streams, schedule.seed)
+        new = ChunkOrders(grown, schedule.streams, schedule.seed)
         for s in range(len(schedule.streams)):
             order = new.dealt(s, generation)
             for r, st in enumerate(states):
@@ -196,7 +196,7 @@ def take_in(
     return grown, dealt
 
 
-def redeal_states(schedule: Schedule, states: Sequence[ReadState], world: int) -> list[ReadState]:
+def redeal_states(schedule: ChunkOrders, states: Sequence[ReadState], world: int) -> list[ReadState]:
     """States for ``world`` ranks that finish, stream by stream, what ``states`` (one per rank of
     the run that saved them) left unread (see :func:`redeal`). The mixture's counters start
     afresh; the tokens read so far go to rank 0, so that their sum stays right."""

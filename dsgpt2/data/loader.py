@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dsgpt2.data.dealing import Position, ReadState, Schedule, eval_chunks
+from dsgpt2.data.dealing import ChunkOrders, Position, ReadState, eval_chunks
 from dsgpt2.data.mixture import Stage, pick, stage_at
 from dsgpt2.data.packing import labels_and_mask
 from dsgpt2.data.sources import Chunk
@@ -216,7 +216,7 @@ class BlockStream:
     def __init__(
         self,
         dataset: Dataset,
-        schedule: Schedule,
+        schedule: ChunkOrders,
         rank: int,
         world: int,
         micro_batch: int,
@@ -246,7 +246,7 @@ class BlockStream:
             self.skipped[reason] = self.skipped.get(reason, 0) + n
 
     def regrow(
-        self, dataset: Dataset, schedule: Schedule, dealt: dict[int, list[tuple[int, int, int]]]
+        self, dataset: Dataset, schedule: ChunkOrders, dealt: dict[int, list[tuple[int, int, int]]]
     ) -> None:
         """Read ``dataset`` through ``schedule`` (the corpus grew) from the next batch on; ``dealt``
         puts this rank's share of new chunks, per stream, at the head of its reading. Iterate

@@ -23,7 +23,7 @@ from dsgpt2.infer.decode import Decoder, DecodeRequest, Delta
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Batcher:
     """Decodes submitted requests in batches, in a daemon thread."""
 
     def __init__(self, decoder: Decoder, max_batch: int) -> None:

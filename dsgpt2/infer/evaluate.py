@@ -219,13 +219,13 @@ def write_report(report: dict[str, Any], path: Path) -> None:
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:
-    from dsgpt2.model.hellaswag import describe
+    from dsgpt2.model.hellaswag import accuracies
 
     m = report["metrics"]
     if "hellaswag" in report:
         return [
             f"{report['model']} (step {report['step']}) on HellaSwag ({report['hellaswag']}): "
-            f"{describe(m)} in {m['seconds']:.1f}s",
+            f"{accuracies(m)} in {m['seconds']:.1f}s",
             *(contamination_lines(report["contamination"]) if "contamination" in report else []),
         ]
     bpb = f", bpb {m['bpb']:.3f}" if m.get("bpb") is not None else ""

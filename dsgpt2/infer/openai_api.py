@@ -81,7 +81,7 @@ class ApiRequest:
     stream_usage: bool  # stream_options.include_usage: a last chunk with the usage
 
 
-def check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+def check_keys(body: dict[str, Any], allowed: set[str]) -> None:
     """Unknown fields, and supported-in-name-only fields away from their default, are a 400."""
     for key, value in body.items():
         if key in allowed:
@@ -168,7 +168,7 @@ def completion_request(
     defaults: SamplingParams,
     aliases: Sequence[str] = (),
 ) -> ApiRequest:
-    check_fields(body, COMPLETION_FIELDS)
+    check_keys(body, COMPLETION_FIELDS)
     check_model(body, served, aliases)
     prompt = body.get("prompt", "")
     prompts = [prompt] if isinstance(prompt, str) else prompt
@@ -187,7 +187,7 @@ def chat_request(
     defaults: SamplingParams,
     aliases: Sequence[str] = (),
 ) -> ApiRequest:
-    check_fields(body, CHAT_FIELDS)
+    check_keys(body, CHAT_FIELDS)
     check_model(body, served, aliases)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

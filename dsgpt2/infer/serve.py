@@ -8,7 +8,7 @@ Endpoints:
 - ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI API
   (:mod:`dsgpt2.infer.openai_api`), streamed as server-sent events on ``stream: true``.
 
-Every generation goes through one :class:`~dsgpt2.infer.engine.Engine`: concurrent requests are
+Every generation goes through one :class:`~dsgpt2.infer.engine.Batcher`: concurrent requests are
 decoded together in one batch. Limits guard the process: prompt length, ``max_new_tokens``, the
 rows in the batch and the requests in flight (more get 503 and ``Retry-After`` at once rather than
 queueing). A client that leaves (mid-stream or before its answer) stops its generation. A bad
@@ -40,7 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
-from dsgpt2.infer.engine import Engine
+from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
 from dsgpt2.infer.openai_api import (
     ApiAnswer,
@@ -153,7 +153,7 @@ class Service:
         self.generator = generator
         self.limits = limits
         self.defaults = defaults or SamplingParams(max_new_tokens=min(64, limits.max_new_tokens))
-        self.engine = Engine(generator.decoder, limits.max_batch)
+        self.engine = Batcher(generator.decoder, limits.max_batch)
         self.slots = Slots(limits.max_concurrent)
         # The name the user gave (`--model` as typed) comes first; the checkpoint the model came from
         # (and the path written plainly) answer too, so that a client set up with either works.

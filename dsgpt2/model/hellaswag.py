@@ -126,7 +126,7 @@ def result(total: Any) -> dict[str, float | int]:
     return {"hellaswag_acc": correct / n, "hellaswag_acc_norm": norm / n, "hellaswag_examples": int(n)}
 
 
-def describe(m: dict[str, Any]) -> str:
+def accuracies(m: dict[str, Any]) -> str:
     """``acc 0.2950, acc_norm 0.3010 over 1000 examples``."""
     return (
         f"acc {m['hellaswag_acc']:.4f}, acc_norm {m['hellaswag_acc_norm']:.4f} "

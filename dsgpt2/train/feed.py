@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.data.cache import CachedChunks, prepare_cache
-from dsgpt2.data.dealing import ReadState, Schedule, Stream, redeal_states, take_in
+from dsgpt2.data.dealing import ChunkOrders, ReadState, Stream, redeal_states, take_in
 from dsgpt2.data.mixture import Stage, mixture_stages
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
@@ -112,12 +112,12 @@ class Feed:
         checkpoint's ``saved`` data state with what came since taken in."""
         seed, names = self.settings.data.seed, self.mongo.collections
         if saved is None:
-            self.schedule = Schedule(
+            self.schedule = ChunkOrders(
                 ChunkTable.initial(names, marks, self.spec.chunk_docs), self.streams, seed
             )
             states = [ReadState.start(len(self.streams)) for _ in range(self.world)]
         else:
-            self.schedule = Schedule(ChunkTable.from_dict(saved["table"]), self.streams, seed)
+            self.schedule = ChunkOrders(ChunkTable.from_dict(saved["table"]), self.streams, seed)
             self.growth = list(saved.get("growth", []))
             self.launches = list(saved.get("launches", []))
             self.skipped_micro = list(saved.get("skipped_micro", []))
@@ -131,7 +131,7 @@ class Feed:
                     for s, items in mine.items():
                         state.streams[s].queue.extend(items)
                 before = self.schedule.table.marks
-                self.schedule = Schedule(table, self.streams, seed)
+                self.schedule = ChunkOrders(table, self.streams, seed)
                 self.resume_growth = (before, self.schedule.table.marks)
                 self._log_growth(added, "now" if self.settings.data.follow else "from the next epoch")
         self._check_enough_chunks()
@@ -219,7 +219,7 @@ class Feed:
         if not added:
             return None
         table, dealt = take_in(self.schedule, states, added, deal=True)
-        self.schedule = Schedule(table, self.streams, self.settings.data.seed)
+        self.schedule = ChunkOrders(table, self.streams, self.settings.data.seed)
         self._log_growth(added, "now")
         self._note_prefix()
         if self.settings.data.data_mode == "streaming":

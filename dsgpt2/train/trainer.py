@@ -29,7 +29,7 @@ from dsgpt2.errors import ConfigError, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
-from dsgpt2.model.hellaswag import describe
+from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import (
@@ -401,7 +401,7 @@ class Trainer:
         if hellaswag is not None:
             self.last_hellaswag = hellaswag
             record.update(hellaswag)
-            log.info("step %d: HellaSwag %s", state.step, describe(hellaswag))
+            log.info("step %d: HellaSwag %s", state.step, accuracies(hellaswag))
         if len(record) > 2:
             self.runlog.log_eval(record)
         if self.last_val is not None and self.cfg.run.early_stopping:
@@ -531,7 +531,7 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
             "rank (--eval_iters; `dsgpt2 evaluate` reads all of it, so its figure differs)"
         )
     if summary.get("hellaswag_examples"):
-        lines.append(f"HellaSwag: {describe(summary)}")
+        lines.append(f"HellaSwag: {accuracies(summary)}")
     lines.append(f"checkpoint: {summary['checkpoint']}")
     if summary.get("plot"):
         lines.append(f"loss plot: {summary['plot']}")

@@ -16,7 +16,7 @@ from conftest import ROOT, make_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.cache import CachedChunks, build_cache
-from dsgpt2.data.dealing import Position, ReadState, Schedule
+from dsgpt2.data.dealing import ChunkOrders, Position, ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
 from dsgpt2.data.split import split_mask
@@ -49,8 +49,8 @@ def source(tokenizer: Path):
     return conn, counts, spec
 
 
-def pooled(data: StreamingChunks, seed: int) -> Schedule:
-    return Schedule(data.table, [tuple(range(len(data.table.names)))], seed)
+def pooled(data: StreamingChunks, seed: int) -> ChunkOrders:
+    return ChunkOrders(data.table, [tuple(range(len(data.table.names)))], seed)
 
 
 def served(data, epoch: int, chunk: int) -> list[tuple[int, int, int]]:
@@ -280,7 +280,7 @@ def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokeni
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     streams, stages = [(0,), (1,)], [Stage(0, (0.5, 0.5)), Stage(3, (0.9, 0.1))]
-    schedule = Schedule(data.table, streams, 5)
+    schedule = ChunkOrders(data.table, streams, 5)
     ranks = [BlockStream(data, schedule, r, 2, 3, workers=0, stages=stages, grad_accum=2) for r in (0, 1)]
     readers = [iter(b) for b in ranks]
     logged, micro = [], 0
@@ -383,7 +383,7 @@ def test_index_state_does_not_grow_with_the_corpus() -> None:
     def peak(total: int) -> int:
         tracemalloc.start()
         table = ChunkTable.initial(["a"], [total], 1000)
-        order = Schedule(table, [(0,)], seed=1).rank_chunks(0, 0, 0, 8)
+        order = ChunkOrders(table, [(0,)], seed=1).rank_chunks(0, 0, 0, 8)
         _, lo, hi = table.locate(int(order[0]))
         split_mask(np.arange(lo, hi), 0.99, seed=1, collection="a")
         _, top = tracemalloc.get_traced_memory()
@@ -448,7 +448,7 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
     from dsgpt2.data.dealing import redeal
 
     n, seed, blocks = 23, 5, lambda c: c % 4 + 1  # chunk c holds c % 4 + 1 blocks
-    schedule = Schedule(ChunkTable.initial(["a"], [n * 10], 10), [(0,)], seed)
+    schedule = ChunkOrders(ChunkTable.initial(["a"], [n * 10], 10), [(0,)], seed)
 
     def epoch_order(n: int, seed: int, e: int) -> np.ndarray:
         return schedule.order(0, e)

@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dsgpt2.data.dealing import Schedule
+from dsgpt2.data.dealing import ChunkOrders
 from dsgpt2.data.order import Permutation, ReadOrder
 from dsgpt2.data.table import ChunkTable
 
@@ -127,7 +127,7 @@ def test_a_step_reads_across_the_whole_corpus_like_a_global_permutation() -> Non
 
 def test_ranks_of_a_schedule_read_disjoint_documents_covering_the_epoch() -> None:
     table = ChunkTable.initial(["a", "b"], [900, 450], 100)
-    schedule, order = Schedule(table, [(0, 1)], 4), ReadOrder(table, [(0, 1)], 4, "spread")
+    schedule, order = ChunkOrders(table, [(0, 1)], 4), ReadOrder(table, [(0, 1)], 4, "spread")
     per_rank = [
         Counter(d for c in schedule.rank_chunks(0, 2, r, 3) for d in docs_of(order, 2, int(c)))
         for r in range(3)

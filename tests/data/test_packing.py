@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from dsgpt2.data.dealing import Schedule, eval_chunks
+from dsgpt2.data.dealing import ChunkOrders, eval_chunks
 from dsgpt2.data.packing import IGNORE, labels_and_mask, pack
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
@@ -55,13 +55,13 @@ def test_ranks_read_disjoint_chunks_covering_everything() -> None:
     table = ChunkTable.initial(["a", "b"], [10_001, 2_500], 1000)
     n = table.n_chunks
     assert n == 11 + 3 and table.locate(10) == (0, 10_000, 10_001) and table.locate(11) == (1, 0, 1000)
-    schedule = Schedule(table, [(0, 1)], seed=3)
+    schedule = ChunkOrders(table, [(0, 1)], seed=3)
     for epoch in range(3):
         parts = [schedule.rank_chunks(0, epoch, r, 4) for r in range(4)]
         joined = np.concatenate(parts)
         assert sorted(joined.tolist()) == list(range(n))
     assert not np.array_equal(schedule.order(0, 0), schedule.order(0, 1))
-    assert np.array_equal(schedule.order(0, 1), Schedule(table, [(0, 1)], seed=3).order(0, 1))
+    assert np.array_equal(schedule.order(0, 1), ChunkOrders(table, [(0, 1)], seed=3).order(0, 1))
     assert sorted(np.concatenate([eval_chunks(table, r, 3) for r in range(3)]).tolist()) == list(range(n))
 
 
@@ -72,11 +72,11 @@ def test_growth_leaves_every_order_under_way_untouched() -> None:
     assert table.growth([250, 100]) == [] and table.growth([420, 150]) == [(0, 250, 350)]  # whole chunks
     with pytest.raises(ValueError, match="fewer than the 250"):
         table.growth([200, 100])
-    schedule = Schedule(table, [(0, 1)], seed=1)
+    schedule = ChunkOrders(table, [(0, 1)], seed=1)
     states = [ReadState([Position(2, 1, 0)]), ReadState([Position(3, 0, 0)])]
     for deal in (False, True):
         grown, dealt = take_in(schedule, states, [(0, 250, 450)], deal=deal)
-        after = Schedule(grown, [(0, 1)], seed=1)
+        after = ChunkOrders(grown, [(0, 1)], seed=1)
         assert grown.n_chunks == 6 and grown.locate(5) == (0, 350, 450) and grown.marks == (450, 100)
         for epoch in range(4):  # every epoch a rank has begun keeps its order
             assert np.array_equal(after.order(0, epoch), schedule.order(0, epoch))
@@ -96,7 +96,7 @@ def test_elastic_resume_of_a_mixture_redeals_each_stream_once() -> None:
     from dsgpt2.data.dealing import Position, ReadState, redeal_states
 
     table = ChunkTable.initial(["a", "b"], [70, 50], 10)
-    schedule = Schedule(table, [(0,), (1,)], seed=4)
+    schedule = ChunkOrders(table, [(0,), (1,)], seed=4)
     blocks = lambda c: c % 3 + 1  # noqa: E731 - chunk c holds c % 3 + 1 blocks
 
     def read(positions: list[Position], s: int) -> set[tuple[int, int, int]]:
