@@ -17,6 +17,7 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.curation.minhash import NUM_PERM
 from dsgpt2.curation.passes import Pass, PassSettings
 from dsgpt2.curation.quality import RULES, THRESHOLDS
 from dsgpt2.settings.argtypes import comma_list
@@ -56,7 +57,7 @@ class DedupSettings(Checked):
     num_perm: int = option(
         128,
         "--near: MinHash permutations; the bands are chosen from them for --threshold",
-        check=POSITIVE_INT,
+        check=NUM_PERM,
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.settings.options import POSITIVE_INT, RATIO, Checked, Range, option
 
 VERSION = 1
 _WORD = re.compile(r"\w+")
@@ -30,25 +31,22 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 _CHUNK = 4096  # shingles per matrix product: bounds memory on very long texts
 _ALL_PAIRS = 256
 
+# The permutations a signature may have: at least 2, as it always had.
+NUM_PERM = Range(int, 2, name="an integer of at least 2")
+
 
 @dataclass(frozen=True)
-class LshParams:
+class LshParams(Checked):
     """How texts are shingled, signed and banded; the ``key`` stored beside a document's bands."""
 
-    threshold: float = 0.8
-    ngram: int = 5
-    num_perm: int = 128
+    threshold: float = option(0.8, "the Jaccard similarity from which two texts are near", check=RATIO)
+    ngram: int = option(5, "words per shingle", check=POSITIVE_INT)
+    num_perm: int = option(128, "MinHash permutations", check=NUM_PERM)
     bands: int = 0
     rows: int = 0
     seed: int = 1
 
-    def __post_init__(self) -> None:
-        if not 0.0 < self.threshold <= 1.0:
-            raise ConfigError(f"--threshold {self.threshold}: give a Jaccard similarity in (0, 1]")
-        if self.ngram < 1 or self.num_perm < 2:
-            raise ConfigError(
-                f"--ngram {self.ngram}, --num_perm {self.num_perm}: give --ngram >= 1 and --num_perm >= 2"
-            )
+    def check(self) -> None:
         if not self.bands:
             bands, rows = optimal_bands(self.threshold, self.num_perm)
             object.__setattr__(self, "bands", bands)

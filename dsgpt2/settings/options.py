@@ -45,6 +45,7 @@ class Range:
         kind: ``int`` (not a bool) or ``float`` (an int too; finite).
         low, high: the bounds (``high`` None: none above).
         low_open: ``(low, high]`` instead of ``[low, high]``.
+        high_open: ``[low, high)`` (with ``low_open``: ``(low, high)``).
         or_zero: 0 is accepted too.
         name: the range in words where it has a name (``"a positive integer"``); else from the bounds.
         short: how a number of the right kind outside the range is told (``"in (0, 1]"``).
@@ -57,6 +58,7 @@ class Range:
     or_zero: bool = False
     name: str | None = None
     short: str | None = None
+    high_open: bool = False
 
     @property
     def words(self) -> str:
@@ -69,7 +71,9 @@ class Range:
         elif self.kind is int:
             bound = f"between {self.low} and {self.high}"
         else:
-            bound = f"in {'(' if self.low_open else '['}{self.low}, {self.high}]"
+            bound = (
+                f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+            )
         return f"{'0 or ' if self.or_zero else ''}{noun} {bound}"
 
     def _of_kind(self, value: Any) -> bool:
@@ -86,7 +90,8 @@ class Range:
         if self.or_zero and value == 0:
             return True
         above = value > self.low if self.low_open else value >= self.low
-        return above and (self.high is None or value <= self.high)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
 
     def check(self, name: str, value: Any, optional: bool = False) -> None:
         """Raise :class:`ConfigError` naming ``name`` unless ``value`` is in the range."""

@@ -73,7 +73,7 @@ class OptimizerOptions(Checked):
         None,
         f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
         type=float,
-        check=Range(float, 0, 1, short="in [0, 1)"),
+        check=Range(float, 0, 1, high_open=True),
         serves=MUON,
     )
     muon_weight_decay: float | None = option(
@@ -96,8 +96,6 @@ class OptimizerOptions(Checked):
 
     def check(self) -> None:
         self.check_muon_flags()
-        if self.muon_momentum is not None and self.muon_momentum >= 1:
-            raise ConfigError(f"--muon_momentum {self.muon_momentum}: must be in [0, 1)")
 
     def check_muon_flags(self) -> None:
         """Refuse Muon's settings for a run that trains with AdamW.

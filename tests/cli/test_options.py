@@ -469,3 +469,20 @@ def test_the_input_formats_are_named_once() -> None:
     assert tuple(action.choices) == formats.FORMATS == ("auto", *formats.TEXT, *formats.COLUMNAR)
     with pytest.raises(IngestError, match="choose one of " + ", ".join(formats.FORMATS)):
         readers.file_source(__file__, "nope")
+
+
+def test_a_range_open_at_its_top_is_declared_not_checked_by_hand() -> None:
+    """[0, 1) is a Range: Muon's momentum refuses 1 as it is parsed; MinHash's permutations refuse 1 at
+    the flag, not later in the pass."""
+    from dsgpt2.cli.main import build_parser
+    from dsgpt2.curation.minhash import LshParams
+
+    momentum = Range(float, 0, 1, high_open=True)
+    assert momentum.holds(0.0) and momentum.holds(0.99) and not momentum.holds(1.0)
+    assert momentum.words == "a number in [0, 1)"
+    with pytest.raises(argparse.ArgumentTypeError, match=r"must be a number in \[0, 1\), got '1'"):
+        momentum.convert("1")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["dedup", "--config", "c.json", "--near", "--num_perm", "1"])
+    with pytest.raises(ConfigError, match="--num_perm must be an integer of at least 2, got 1"):
+        LshParams(num_perm=1)

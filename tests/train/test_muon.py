@@ -168,7 +168,7 @@ def test_the_schedule_scales_each_groups_rate() -> None:
         ({"optimizer": "muon", "muon_lr": -0.1}, "--muon_lr"),
         ({"optimizer": "muon", "muon_lr": 0.0}, "--muon_lr"),
         ({"optimizer": "muon", "muon_momentum": -0.5}, "--muon_momentum"),
-        ({"optimizer": "muon", "muon_momentum": 1.0}, "--muon_momentum 1.0: must be in [0, 1)"),
+        ({"optimizer": "muon", "muon_momentum": 1.0}, "--muon_momentum must be a number in [0, 1), got 1.0"),
         ({"muon_weight_decay": -1.0}, "--muon_weight_decay"),
         ({"muon_scale": "foo"}, "--muon_scale"),
     ],
