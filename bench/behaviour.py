@@ -61,15 +61,14 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 def help_pages() -> dict[str, str]:
     """Every command's and subcommand's ``--help``, by its words."""
     from dsgpt2.cli.main import COMMANDS, build_parser
+    from dsgpt2.settings.options import subcommands
 
     pages: dict[str, str] = {}
 
     def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
         pages[" ".join(words) or "dsgpt2"] = parser.format_help()
-        for action in parser._actions:  # noqa: SLF001 - the parser's own tree
-            if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-                for name, sub in action.choices.items():
-                    walk(sub, [*words, name])
+        for name, sub in subcommands(parser).items():
+            walk(sub, [*words, name])
 
     walk(build_parser(), [])
     for command in COMMANDS:
@@ -138,13 +137,20 @@ def ingest_all(root: Path) -> dict[str, Any]:
     for name, flags in inputs.items():
         cfg = root / f"{name}.json"
         uri = f"local://{root / 'db_ingest'}"
-        cfg.write_text(json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": name,
-                                   "COLLECTIONS": [name]}))  # fmt: skip
+        cfg.write_text(
+            json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": name, "COLLECTIONS": [name]})
+        )
         report = root / f"{name}.report.jsonl"
-        code, out = run_cli(["ingest", "--config", str(cfg), *flags, "--no_progress", "--report", str(report)])
+        code, out = run_cli(
+            ["ingest", "--config", str(cfg), *flags, "--no_progress", "--report", str(report)]
+        )
         skipped = report.read_text().splitlines() if report.exists() else []
-        result[name] = {"exit": code, "out": out.splitlines(), "skipped": skipped,
-                        **collection_state(uri, name, [name])}  # fmt: skip
+        result[name] = {
+            "exit": code,
+            "out": out.splitlines(),
+            "skipped": skipped,
+            **collection_state(uri, name, [name]),
+        }
     return result
 
 
@@ -169,12 +175,33 @@ def passes_all(root: Path) -> dict[str, Any]:
     for run, split_flags in runs.items():
         uri = f"local://{root / ('db_' + run)}"
         cfg = root / f"passes_{run}.json"
-        cfg.write_text(json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "corpus",
-                                   "COLLECTIONS": ["one", "two"]}))  # fmt: skip
+        cfg.write_text(
+            json.dumps(
+                {
+                    "MONGO_CONNECTION_STRING": uri,
+                    "MONGO_CONNECTION_DB": "corpus",
+                    "COLLECTIONS": ["one", "two"],
+                }
+            )
+        )
         steps: list[Any] = []
         for coll, limit in (("one", "300"), ("two", "200")):
-            steps.append(run_cli(["ingest", "--config", str(cfg), "--collection", coll, "--sample", "stdlib",
-                                  "--limit", limit, "--no_progress"]))  # fmt: skip
+            steps.append(
+                run_cli(
+                    [
+                        "ingest",
+                        "--config",
+                        str(cfg),
+                        "--collection",
+                        coll,
+                        "--sample",
+                        "stdlib",
+                        "--limit",
+                        limit,
+                        "--no_progress",
+                    ]
+                )
+            )
         # An evaluation set sharing its text with two documents of "one".
         held = collection_state(uri, "corpus", ["one"])["documents"]["one"]
         evalset.write_text("".join(json.dumps({"text": held[i]["filt_text"]}) + "\n" for i in (10, 200)))
@@ -192,36 +219,103 @@ def train_runs(root: Path) -> dict[str, Any]:
     and `dsgpt2 lineage`)."""
     cfg = root / "train.json"
     uri = f"local://{root / 'db_train'}"
-    cfg.write_text(json.dumps({"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "corpus",
-                               "COLLECTIONS": ["stdlib"]}))  # fmt: skip
+    cfg.write_text(
+        json.dumps(
+            {"MONGO_CONNECTION_STRING": uri, "MONGO_CONNECTION_DB": "corpus", "COLLECTIONS": ["stdlib"]}
+        )
+    )
     run_cli(["ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "600", "--no_progress"])
     vocab = root / "vocab"
-    run_cli(["vocab", "train", "--config", str(cfg), "--vocab_size", "600", "--out", str(vocab), "--no_progress", "--from_mongo"])
+    run_cli(
+        [
+            "vocab",
+            "train",
+            "--config",
+            str(cfg),
+            "--vocab_size",
+            "600",
+            "--out",
+            str(vocab),
+            "--no_progress",
+            "--from_mongo",
+        ]
+    )
     result: dict[str, Any] = {}
     for optimizer in ("adamw", "muon"):
         ckpt = root / f"ckpt_{optimizer}"
-        argv = ["train", "--config_train", str(cfg), "--model_select", "tiny", "--vocab_dir", str(vocab),
-                "--ckpt_dir", str(ckpt), "--workspace", str(root / f"ws_{optimizer}"), "--train_iters", "6",
-                "--seed", "7", "--optimizer", optimizer, "--deepspeed_config", "configs/recipes/ds_muon.json", "--eval_interval", "3", "--save_interval", "6"]  # fmt: skip
+        argv = [
+            "train",
+            "--config_train",
+            str(cfg),
+            "--model_select",
+            "tiny",
+            "--vocab_dir",
+            str(vocab),
+            "--ckpt_dir",
+            str(ckpt),
+            "--workspace",
+            str(root / f"ws_{optimizer}"),
+            "--train_iters",
+            "6",
+            "--seed",
+            "7",
+            "--optimizer",
+            optimizer,
+            "--deepspeed_config",
+            "configs/recipes/ds_muon.json",
+            "--eval_interval",
+            "3",
+            "--save_interval",
+            "6",
+        ]
         env = {**os.environ, "DSGPT2_PROGRESS_SECONDS": "1000"}
-        proc = subprocess.run([sys.executable, "-m", "dsgpt2", *argv], capture_output=True, text=True, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dsgpt2", *argv], capture_output=True, text=True, env=env
+        )
         metrics = []
         for path in sorted((root / f"ws_{optimizer}").rglob("metrics.jsonl")):
             metrics += [json.loads(line) for line in path.read_text().splitlines()]
-        kept = [{k: v for k, v in m.items() if k in ("step", "loss", "val_loss", "lr", "grad_norm", "tokens",
-                                                     "kind", "event", "skipped")} for m in metrics]  # fmt: skip
-        lineage = subprocess.run([sys.executable, "-m", "dsgpt2", "lineage", "--ckpt_dir", str(ckpt), "--doc",
-                                  "stdlib:5", "--doc", "stdlib:40", "--json"],  # fmt: skip
-                                 capture_output=True, text=True, env=env)
-        result[optimizer] = {"exit": proc.returncode, "metrics": kept, "lineage": lineage.stdout.splitlines(),
-                             "tail": proc.stderr.splitlines()[-3:] if proc.returncode else []}  # fmt: skip
+        kept = [
+            {
+                k: v
+                for k, v in m.items()
+                if k in ("step", "loss", "val_loss", "lr", "grad_norm", "tokens", "kind", "event", "skipped")
+            }
+            for m in metrics
+        ]
+        lineage = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dsgpt2",
+                "lineage",
+                "--ckpt_dir",
+                str(ckpt),
+                "--doc",
+                "stdlib:5",
+                "--doc",
+                "stdlib:40",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        result[optimizer] = {
+            "exit": proc.returncode,
+            "metrics": kept,
+            "lineage": lineage.stdout.splitlines(),
+            "tail": proc.stderr.splitlines()[-3:] if proc.returncode else [],
+        }
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
-    parser.add_argument("--train", action="store_true", help="also seeded tiny training runs (a minute or two)")
+    parser.add_argument(
+        "--train", action="store_true", help="also seeded tiny training runs (a minute or two)"
+    )
     args = parser.parse_args(argv)
     from dsgpt2.db.embedded import stop
 
@@ -239,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         for db in root.glob("db_*"):
             with contextlib.suppress(Exception):
                 stop(db)
-    Path(args.out).write_text(json.dumps(scrub(found, str(root)), indent=1, sort_keys=True, default=str) + "\n")
+    Path(args.out).write_text(
+        json.dumps(scrub(found, str(root)), indent=1, sort_keys=True, default=str) + "\n"
+    )
     shutil.rmtree(root, ignore_errors=True)
     print(f"wrote {args.out}")
     return 0

@@ -69,14 +69,14 @@ def _rate(fn, n: int) -> float:
 def reading(texts: list[str], base: Path) -> list[Metric]:
     import pyarrow.parquet as pq
 
-    from dsgpt2.corpus.readers import file_source, make_document
+    from dsgpt2.corpus.formats import file_source
 
     parquet, jsonl = _files(texts, base)
     keep = ("id", "url", "dump", "language_score")
 
     def ours(path: Path) -> None:
         for record in file_source(path, keep_fields=keep).read():
-            make_document(record, "text")
+            record.document()
 
     def arrow_alone() -> None:
         for batch in pq.ParquetFile(parquet).iter_batches(batch_size=1024, columns=["text", *keep]):
@@ -109,8 +109,8 @@ def wire(texts: list[str], base: Path) -> list[Metric]:
     if reason:
         print(f"   (no server ingest line: {reason})")
         return []
+    from dsgpt2.corpus.formats import file_source
     from dsgpt2.corpus.ingest import ingest
-    from dsgpt2.corpus.readers import file_source
     from dsgpt2.db.client import Connection
     from dsgpt2.db.config import ENV_URI, load_config, redact_uri
 

@@ -153,8 +153,9 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
+    from dsgpt2.corpus.formats import file_source
     from dsgpt2.corpus.ingest import ingest
-    from dsgpt2.corpus.readers import builtin_source, file_source
+    from dsgpt2.corpus.readers import builtin_source
     from dsgpt2.db.client import connect
 
     s = from_namespace(IngestSettings, args)

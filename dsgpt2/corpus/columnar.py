@@ -6,7 +6,8 @@ writes Arrow streams beside a ``state.json``. Each is read in record batches of 
 :data:`BATCH_ROWS` rows and only the columns asked for, so memory stays bounded whatever the file's
 size; a resumed read starts at a row number without decoding the row groups before it.
 
-Rows come out as :class:`Row` (the text and the kept columns' values, made storable in MongoDB).
+Rows come out as :class:`~dsgpt2.corpus.records.Text` (the text and the kept columns' values, made
+storable in MongoDB), each input read by the :class:`~dsgpt2.corpus.records.Reader` of its format.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.corpus.records import Reader, ReadOptions, Text
 from dsgpt2.errors import IngestError
 
 BATCH_ROWS = 1024
@@ -28,16 +30,6 @@ SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feathe
 # What a document already holds: a kept column may not take one of these names.
 RESERVED = ("_id", "idx", "form", "filt_text", "source", "source_pos", "turns")
 INT64_MAX = 2**63 - 1
-
-
-class Row:
-    """One input row: its text (any type: the ingest decides whether it is usable) and kept fields."""
-
-    __slots__ = ("fields", "text")
-
-    def __init__(self, text: Any, fields: dict[str, Any]) -> None:
-        self.text = text
-        self.fields = fields
 
 
 def detect(path: Path) -> str | None:
@@ -170,7 +162,7 @@ class Table:
             return ipc.open_file(source)
         return ipc.open_stream(source)
 
-    def rows(self, start: int = 0) -> Iterator[Row]:
+    def rows(self, start: int = 0) -> Iterator[Text]:
         """Every row from row number ``start`` on (the rows before it are not decoded); :meth:`where`
         locates the row yielded last."""
         import pyarrow as pa
@@ -243,11 +235,54 @@ class Table:
                 row += batch.num_rows
                 skip = 0
 
-    def _rows(self, batch: Any) -> Iterator[Row]:
+    def _rows(self, batch: Any) -> Iterator[Text]:
         texts = batch.column(self.field).to_pylist()
         kept = [(name, batch.column(column).to_pylist()) for column, name in kept_as(self.keep)]
         for i, text in enumerate(texts):
-            yield Row(text, {name: storable(values[i]) for name, values in kept})
+            yield Text(text, {name: storable(values[i]) for name, values in kept})
+
+
+class ColumnarReader(Reader):
+    """A columnar input (:class:`Table`): the text in ``--field``, the ``--keep_fields`` columns beside
+    it; a resumed read starts at its row."""
+
+    option = "field"
+    keeps_fields = True
+    text = False
+    seekable = True
+
+    def __init__(self, path: Path, options: ReadOptions) -> None:
+        super().__init__(path, options)
+        self.table = Table(path, self.name, options.field, options.keep_fields)
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return detect(path) == cls.name
+
+    def records(self, start: int = 0) -> Iterator[Text]:
+        return self.table.rows(start)
+
+    def where(self) -> dict[str, Any]:
+        return self.table.where()
+
+
+class ParquetReader(ColumnarReader):
+    """A Parquet file, one row group at a time."""
+
+    name = "parquet"
+
+
+class ArrowReader(ColumnarReader):
+    """An Arrow IPC file or stream (``.arrow``, ``.feather``)."""
+
+    name = "arrow"
+
+
+class DatasetReader(ColumnarReader):
+    """A ``datasets`` ``save_to_disk`` directory: its Arrow files in order."""
+
+    name = "dataset"
+    directory = True
 
 
 def _ipc_batches(reader: Any) -> Iterator[Any]:

@@ -1,8 +1,113 @@
-"""The input formats ingest reads, named once: the command line's choices, the readers' dispatch and the
-columnar reader's own set all come from here (a light module: the CLI imports it to build its parser)."""
+"""The input formats ingest reads, in one registry: a format is a :class:`~dsgpt2.corpus.records.Reader`
+class and one line here. The command line's ``--format`` choices, ``auto``'s detection and
+:func:`file_source` all read :data:`READERS`; a plugin (or a test) registers its own reader the same way
+before the command runs::
+
+    @READERS.register("tsv")
+    class TsvReader(LineReader): ...
+"""
 
 from __future__ import annotations
 
-TEXT = ("text", "jsonl", "csv", "conversation")  # read as text, line by line (dsgpt2.corpus.readers)
-COLUMNAR = ("parquet", "arrow", "dataset")  # read in record batches (dsgpt2.corpus.columnar)
-FORMATS = ("auto", *TEXT, *COLUMNAR)  # "auto": told by the file's suffix and first bytes
+import codecs
+import os
+from pathlib import Path
+
+from dsgpt2.corpus import columnar, readers
+from dsgpt2.corpus.columnar import check_keep_fields, sniff_binary
+from dsgpt2.corpus.readers import TEXT_SPLITS
+from dsgpt2.corpus.records import Reader, ReadOptions, Source, source_key
+from dsgpt2.errors import IngestError
+from dsgpt2.registry import Registry
+
+READERS: Registry[type[Reader]] = Registry("input format", "--format", IngestError)
+for _reader in (
+    readers.TextReader,
+    readers.JsonlReader,
+    readers.CsvReader,
+    readers.ConversationReader,
+    columnar.ParquetReader,
+    columnar.ArrowReader,
+    columnar.DatasetReader,
+):
+    READERS.register(_reader.name)(_reader)
+
+# --format's choices: "auto" (the format told by the file's name and first bytes), then every reader.
+FORMATS = READERS.choices("auto")
+# Encodings in which a binary file's first bytes can be told from text.
+SNIFFED_ENCODINGS = ("utf-8", "ascii", "latin-1", "cp1252", "iso8859-1")
+
+
+def detect_format(path: str | os.PathLike[str]) -> str:
+    """The format ``auto`` reads ``path`` as: the first reader that claims it, the readers of binary
+    inputs asked first (a file's own bytes say more than its name), else ``text``. Built in: ``.jsonl``/
+    ``.json`` → jsonl, ``.csv`` → csv, ``.parquet`` → parquet, ``.arrow``/``.feather`` → arrow, a
+    ``save_to_disk`` directory → dataset (Parquet and Arrow also by their first bytes, whatever the name)."""
+    p = Path(path)
+    ordered = sorted(READERS.items(), key=lambda item: item[1].text)
+    return next((name for name, reader in ordered if reader.claims(p)), "text")
+
+
+def _and_list(names: list[str]) -> str:
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def file_source(
+    path: str | os.PathLike[str],
+    fmt: str = "auto",
+    field: str = "text",
+    column: str = "text",
+    split: str = "line",
+    *,
+    encoding: str = "utf-8",
+    keep_fields: tuple[str, ...] = (),
+) -> Source:
+    """A file (gzip transparently) or ``datasets`` directory read by the reader of ``fmt``.
+    ``keep_fields``: columns (jsonl: keys) stored on each document beside its text.
+
+    Raises:
+        IngestError: the file is missing, binary where text is expected, or the format or its options
+            are invalid.
+    """
+    p = Path(path)
+    if not p.is_file() and not (
+        p.is_dir() and (fmt == "auto" or (fmt in READERS and READERS[fmt].directory))
+    ):
+        raise IngestError(f"input file {str(p)!r} not found")
+    if fmt not in FORMATS:
+        raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if split not in TEXT_SPLITS:
+        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(TEXT_SPLITS)}")
+    try:
+        codecs.lookup(encoding)
+    except LookupError:
+        raise IngestError(f"unknown --encoding {encoding!r}; e.g. utf-8, latin-1, cp1252") from None
+    check_keep_fields(keep_fields)
+    fmt = detect_format(p) if fmt == "auto" else fmt
+    kind = READERS[fmt]
+    if keep_fields and not kind.keeps_fields:
+        keeping = [name for name, reader in READERS.items() if reader.keeps_fields]
+        raise IngestError(f"--keep_fields goes with {_and_list(keeping)} inputs, not {fmt}")
+    if kind.text and codecs.lookup(encoding).name in SNIFFED_ENCODINGS:
+        binary = sniff_binary(p)
+        if binary:
+            binaries = "|".join(name for name, reader in READERS.items() if not reader.text)
+            raise IngestError(
+                f"{p.name} is {binary}, not {fmt} text; nothing was stored. Parquet, Arrow and `datasets` "
+                f"inputs are read by their own readers (--format {binaries}); convert other "
+                "binary files to text first"
+            )
+    options = ReadOptions(field, column, split, encoding, tuple(keep_fields))
+    reader = kind(p, options)
+    value = str(getattr(options, kind.option)) if kind.option else ""
+    kept = f" +{','.join(keep_fields)}" if keep_fields else ""
+    return Source(
+        source_key("file", str(p.resolve()), fmt, value, *keep_fields),
+        f"{p.name} ({fmt}{': ' + value if value else ''}{kept})",
+        kind.kind,
+        reader.records,
+        reader.tally,
+        read_from=reader.records if kind.seekable else None,
+        locate=lambda _: reader.where(),
+        flag=f"--{kind.option} {value}" if kind.option and kind.names_text else "",
+    )

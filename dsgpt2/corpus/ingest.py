@@ -38,8 +38,10 @@ from typing import Any
 
 from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
-from dsgpt2.corpus.readers import DAMAGED_INPUT, BadRecord, Source, located, make_document
+from dsgpt2.corpus.readers import DAMAGED_INPUT
+from dsgpt2.corpus.records import BadRecord, Source, located
 from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
+from dsgpt2.curation.pii import redact_document
 from dsgpt2.db.client import Connection, DatabaseError, count_in, database_errors, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
 from dsgpt2.db.meta import read_meta
@@ -169,7 +171,9 @@ def _write_source(
                                 NO_FIELD_WARNING, source.flag, missing.advice(source))  # fmt: skip
             elif not (isinstance(record, BadRecord) and record.reason == "bad_json"):
                 missing.with_field += 1
-            doc = make_document(record, source.kind, pii=pii)
+            doc = record.document()
+            if pii and isinstance(doc, dict):
+                doc.update(redact_document(doc, "filt_text") or {})
             if isinstance(doc, str):
                 report.skipped[doc] += 1
                 where = source.locate(pos)

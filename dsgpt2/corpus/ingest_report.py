@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from dsgpt2.corpus.readers import DecodeTally, Source, located
+from dsgpt2.corpus.records import DecodeTally, Source, located
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import IngestError
 

@@ -1,9 +1,6 @@
-"""Where ingest's records come from: text, JSON lines, CSV and conversation files, the columnar
-inputs of :mod:`dsgpt2.corpus.columnar`, and the built-in samples, each a :class:`Source` with the key
-that makes its ingest resumable and the location of each record it yields.
-
-Reading is kept apart from writing so that a record is turned into a document (or a reason to skip it)
-the same way whoever reads it: the exactly-once writer, a benchmark, a test.
+"""The text inputs ingest reads, one :class:`~dsgpt2.corpus.records.Reader` per format: plain text
+(a document per line or per paragraph), JSON lines, CSV and conversation files, gzip transparently; and
+the built-in samples. Each record is located by its file's 1-based line (as an editor numbers them).
 """
 
 from __future__ import annotations
@@ -11,196 +8,100 @@ from __future__ import annotations
 import codecs
 import csv
 import gzip
-import hashlib
 import io
 import json
-import os
 import sys
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, ClassVar, TextIO
 
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
-from dsgpt2.corpus.cleaning import clean_text
-from dsgpt2.corpus.columnar import Row, Table, check_keep_fields, kept_as, sniff_binary, storable
-from dsgpt2.corpus.columnar import detect as detect_columnar
-from dsgpt2.corpus.formats import COLUMNAR, FORMATS
-from dsgpt2.curation.pii import redact_document
-from dsgpt2.documents import turns_text, utf8_encodable
+from dsgpt2.corpus.columnar import kept_as, storable
+from dsgpt2.corpus.records import (
+    BadRecord,
+    DecodeTally,
+    Reader,
+    ReadOptions,
+    Record,
+    Source,
+    Text,
+    normalize_conversation,
+    source_key,
+)
 from dsgpt2.errors import IngestError
 
 TEXT_SPLITS = ("line", "paragraph")
-# Speaker names given to query/reply pairs.
-QUERY_SPEAKER = "user"
-REPLY_SPEAKER = "bot"
 
 
-class BadRecord:
-    """A source record that cannot become a document, and why (``no_field``: the record's fields,
-    each with whether it holds a string)."""
+class LineReader(Reader):
+    """A text file read line by line: the record yielded last starts at :attr:`line`."""
 
-    __slots__ = ("keys", "reason")
-
-    def __init__(self, reason: str, keys: dict[str, bool] | None = None) -> None:
-        self.reason = reason
-        self.keys = keys
-
-
-class LineCursor:
-    """The 1-based line of the file (as an editor numbers them, blank lines counted) where the record
-    a reader yielded last starts."""
-
-    __slots__ = ("line",)
-
-    def __init__(self) -> None:
+    def __init__(self, path: Path, options: ReadOptions) -> None:
+        super().__init__(path, options)
         self.line = 0
 
-
-def _by_record_number(pos: int) -> dict[str, Any]:
-    return {"record": pos}
-
-
-def located(where: dict[str, Any]) -> str:
-    """A location of :meth:`Source.locate` in words: ``news.jsonl line 21``, ``x.parquet row group 3,
-    row 17``, ``record 20``."""
-    if "line" in where:
-        return f"{Path(where['file']).name} line {where['line']}"
-    if "row_group" in where:
-        return f"{Path(where['file']).name} row group {where['row_group']}, row {where['row']}"
-    return f"record {where.get('record')}"
+    def where(self) -> dict[str, Any]:
+        return {"file": str(self.path), "line": self.line}
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where records come from, and the key that makes its ingest resumable."""
+class TextReader(LineReader):
+    """Plain text: one document per line, or per paragraph (``--split paragraph``)."""
 
-    key: str
-    label: str
-    kind: str  # "text" or "conversation"
-    read: Callable[[], Iterator[Any]] = field(repr=False, compare=False)
-    decoding: DecodeTally | None = field(default=None, repr=False, compare=False)
-    # Sources that can start at a record number without reading the ones before it (columnar files).
-    read_from: Callable[[int], Iterator[Any]] | None = field(default=None, repr=False, compare=False)
-    # Where the record read last (number ``pos``) is in the input: {"file", "line"} or {"file",
-    # "row_group", "row"}, or {"record"} for the built-in samples.
-    locate: Callable[[int], dict[str, Any]] = field(default=_by_record_number, repr=False, compare=False)
-    flag: str = ""  # the option that names the text field, with its value ("--field body")
+    name = "text"
+    option = "split"
+    names_text = False
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        for text in _read_text(self.path, self.options.split, self.tally, self):
+            yield Text(text)
 
 
-@dataclass
-class DecodeTally:
-    """Byte sequences of a file that were not valid in its encoding (each became U+FFFD)."""
+class JsonlReader(LineReader):
+    """JSON lines: the text in ``--field``, the ``--keep_fields`` keys beside it."""
 
-    encoding: str = "utf-8"
-    replaced: int = 0
+    name = "jsonl"
+    option = "field"
+    keeps_fields = True
+    SUFFIXES: ClassVar[tuple[str, ...]] = (".jsonl", ".json", ".ndjson")
 
-    def errors(self) -> str:
-        """The name of a codec error handler that replaces and counts."""
-        name = f"dsgpt2-count-{id(self)}"
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return str(path).lower().removesuffix(".gz").endswith(cls.SUFFIXES)
 
-        def replace(exc: UnicodeError) -> tuple[str, int]:
-            self.replaced += 1
-            return "\ufffd", exc.end  # type: ignore[attr-defined]
-
-        codecs.register_error(name, replace)
-        return name
+    def records(self, start: int = 0) -> Iterator[Record]:
+        return _read_jsonl(self.path, self.options.field, self.tally, self.options.keep_fields, self)
 
 
-def _key(*parts: str) -> str:
-    return hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:20]
+class CsvReader(LineReader):
+    """CSV with a header: the text in ``--column``, the ``--keep_fields`` columns beside it."""
+
+    name = "csv"
+    option = "column"
+    keeps_fields = True
+
+    def __init__(self, path: Path, options: ReadOptions) -> None:
+        super().__init__(path, options)
+        _check_csv_header(path, options.column, self.tally, options.keep_fields)
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return str(path).lower().removesuffix(".gz").endswith(".csv")
+
+    def records(self, start: int = 0) -> Iterator[Record]:
+        return _read_csv(self.path, self.options.column, self.tally, self.options.keep_fields, self)
 
 
-def detect_format(path: str | os.PathLike[str]) -> str:
-    """The format a path implies: ``.jsonl``/``.json`` → jsonl, ``.csv`` → csv, ``.parquet`` → parquet,
-    ``.arrow``/``.feather`` → arrow, a ``save_to_disk`` directory → dataset (Parquet and Arrow are also
-    known by their first bytes, whatever the name), else text."""
-    columnar = detect_columnar(Path(path))
-    if columnar:
-        return columnar
-    name = str(path).lower().removesuffix(".gz")
-    if name.endswith((".jsonl", ".json", ".ndjson")):
-        return "jsonl"
-    if name.endswith(".csv"):
-        return "csv"
-    return "text"
+class ConversationReader(LineReader):
+    """JSON lines of conversations: ``{"turns": [{speaker, text}, ...]}`` or ``{"query", "reply"}``."""
 
+    name = "conversation"
+    kind = "conversation"
+    names_text = False
 
-def file_source(
-    path: str | os.PathLike[str],
-    fmt: str = "auto",
-    field: str = "text",
-    column: str = "text",
-    split: str = "line",
-    *,
-    encoding: str = "utf-8",
-    keep_fields: tuple[str, ...] = (),
-) -> Source:
-    """A file (gzip transparently) read as ``fmt`` in ``encoding``; a Parquet or Arrow file, or a
-    ``datasets`` directory, read in record batches. ``keep_fields``: columns (jsonl: keys) stored on
-    each document beside its text.
-
-    Raises:
-        IngestError: the file is missing, binary where text is expected, or the format or its options
-            are invalid.
-    """
-    p = Path(path)
-    if not p.is_file() and not (p.is_dir() and fmt in ("auto", "dataset")):
-        raise IngestError(f"input file {str(p)!r} not found")
-    if fmt not in FORMATS:
-        raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if split not in TEXT_SPLITS:
-        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(TEXT_SPLITS)}")
-    try:
-        codecs.lookup(encoding)
-    except LookupError:
-        raise IngestError(f"unknown --encoding {encoding!r}; e.g. utf-8, latin-1, cp1252") from None
-    check_keep_fields(keep_fields)
-    tally = DecodeTally(encoding)
-    fmt = detect_format(p) if fmt == "auto" else fmt
-    kept = f" +{','.join(keep_fields)}" if keep_fields else ""
-    if fmt in COLUMNAR:
-        table = Table(p, fmt, field, keep_fields)
-        key = _key("file", str(p.resolve()), fmt, field, *keep_fields)
-        label = f"{p.name} ({fmt}: {field}{kept})"
-        return Source(
-            key,
-            label,
-            "text",
-            table.rows,
-            read_from=table.rows,
-            locate=lambda _: table.where(),
-            flag=f"--field {field}",
-        )
-    if keep_fields and fmt not in ("jsonl", "csv"):
-        raise IngestError(f"--keep_fields goes with jsonl, csv, parquet, arrow and dataset inputs, not {fmt}")
-    if codecs.lookup(encoding).name in ("utf-8", "ascii", "latin-1", "cp1252", "iso8859-1"):
-        binary = sniff_binary(p)
-        if binary:
-            raise IngestError(
-                f"{p.name} is {binary}, not {fmt} text; nothing was stored. Parquet, Arrow and `datasets` "
-                "inputs are read by their own readers (--format parquet|arrow|dataset); convert other "
-                "binary files to text first"
-            )
-    option = {"text": split, "jsonl": field, "csv": column, "conversation": ""}[fmt]
-    key = _key("file", str(p.resolve()), fmt, option, *keep_fields)
-    label = f"{p.name} ({fmt}{': ' + option if option else ''}{kept})"
-    at = LineCursor()
-
-    def locate(_: int) -> dict[str, Any]:
-        return {"file": str(p), "line": at.line}
-
-    if fmt == "text":
-        return Source(key, label, "text", lambda: _read_text(p, split, tally, at), tally, locate=locate)
-    if fmt == "jsonl":
-        return Source(key, label, "text", lambda: _read_jsonl(p, field, tally, keep_fields, at), tally,
-                      locate=locate, flag=f"--field {field}")  # fmt: skip
-    if fmt == "csv":
-        _check_csv_header(p, column, tally, keep_fields)
-        return Source(key, label, "text", lambda: _read_csv(p, column, tally, keep_fields, at), tally,
-                      locate=locate, flag=f"--column {column}")  # fmt: skip
-    return Source(key, label, "conversation", lambda: _read_conversations(p, tally, at), tally, locate=locate)
+    def records(self, start: int = 0) -> Iterator[Record]:
+        for obj in _json_lines(self.path, self.tally, self):
+            yield obj if isinstance(obj, BadRecord) else normalize_conversation(obj)
 
 
 def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
@@ -216,12 +117,13 @@ def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
     label = f"sample {name} {version}" + (f" (first {limit})" if limit else "")
     if name == "stdlib-chat":
         return Source(
-            _key("sample", name, version, str(limit)),
+            source_key("sample", name, version, str(limit)),
             label,
             "conversation",
             lambda: (normalize_conversation(c) for c in stdlib_conversations(limit)),
         )
-    return Source(_key("sample", version, str(limit)), label, "text", lambda: stdlib_documents(limit))
+    return Source(source_key("sample", version, str(limit)), label, "text",
+                  lambda: (Text(d) for d in stdlib_documents(limit)))  # fmt: skip
 
 
 def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:
@@ -249,10 +151,7 @@ def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:
 DAMAGED_INPUT = (EOFError, OSError, zlib.error, csv.Error)
 
 
-def _read_text(
-    path: Path, split: str, tally: DecodeTally | None = None, at: LineCursor | None = None
-) -> Iterator[Any]:
-    at = at or LineCursor()
+def _read_text(path: Path, split: str, tally: DecodeTally | None, at: LineReader) -> Iterator[Any]:
     with open_text(path, tally) as f:
         if split == "line":
             for n, line in enumerate(f, 1):
@@ -274,8 +173,7 @@ def _read_text(
             yield "".join(para)
 
 
-def _json_lines(path: Path, tally: DecodeTally | None = None, at: LineCursor | None = None) -> Iterator[Any]:
-    at = at or LineCursor()
+def _json_lines(path: Path, tally: DecodeTally | None, at: LineReader) -> Iterator[Any]:
     with open_text(path, tally) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
@@ -291,9 +189,9 @@ def _json_lines(path: Path, tally: DecodeTally | None = None, at: LineCursor | N
 def _read_jsonl(
     path: Path,
     field_name: str,
-    tally: DecodeTally | None = None,
-    keep: tuple[str, ...] = (),
-    at: LineCursor | None = None,
+    tally: DecodeTally | None,
+    keep: tuple[str, ...],
+    at: LineReader,
 ) -> Iterator[Any]:
     for obj in _json_lines(path, tally, at):
         if isinstance(obj, BadRecord):
@@ -303,9 +201,9 @@ def _read_jsonl(
         elif field_name not in obj:
             yield BadRecord("no_field", {str(k): isinstance(v, str) for k, v in obj.items()})
         elif keep:
-            yield Row(obj[field_name], {name: storable(obj.get(column)) for column, name in kept_as(keep)})
+            yield Text(obj[field_name], {name: storable(obj.get(column)) for column, name in kept_as(keep)})
         else:
-            yield obj[field_name]
+            yield Text(obj[field_name])
 
 
 def _csv_reader(f: TextIO) -> csv.DictReader:
@@ -328,11 +226,10 @@ def _check_csv_header(
 def _read_csv(
     path: Path,
     column: str,
-    tally: DecodeTally | None = None,
-    keep: tuple[str, ...] = (),
-    at: LineCursor | None = None,
+    tally: DecodeTally | None,
+    keep: tuple[str, ...],
+    at: LineReader,
 ) -> Iterator[Any]:
-    at = at or LineCursor()
     with open_text(path, tally) as f:
         # csv.reader, not DictReader: a record's first line is the line after the previous record's
         # last, and DictReader passes over blank lines without saying so.
@@ -349,73 +246,4 @@ def _read_csv(
             if value is None:
                 yield BadRecord("no_field")
             else:
-                yield Row(value, {name: row.get(c) for c, name in kept_as(keep)}) if keep else value
-
-
-def _read_conversations(
-    path: Path, tally: DecodeTally | None = None, at: LineCursor | None = None
-) -> Iterator[Any]:
-    for obj in _json_lines(path, tally, at):
-        yield obj if isinstance(obj, BadRecord) else normalize_conversation(obj)
-
-
-def normalize_conversation(obj: Any) -> dict[str, Any] | BadRecord:
-    """``{"turns": [{speaker, text}, ...]}`` or ``{"query", "reply"}`` → cleaned turns.
-
-    Turns with empty text are dropped; fewer than two turns is not a conversation.
-    """
-    if not isinstance(obj, dict):
-        return BadRecord("bad_conversation")
-    if "turns" in obj:
-        raw = obj["turns"]
-        if not isinstance(raw, list):
-            return BadRecord("bad_conversation")
-    elif "query" in obj and "reply" in obj:
-        raw = [
-            {"speaker": QUERY_SPEAKER, "text": obj["query"]},
-            {"speaker": REPLY_SPEAKER, "text": obj["reply"]},
-        ]
-    else:
-        return BadRecord("bad_conversation")
-    turns = []
-    for turn in raw:
-        if not isinstance(turn, dict):
-            return BadRecord("bad_conversation")
-        speaker, text = turn.get("speaker"), turn.get("text")
-        if not isinstance(speaker, str) or not speaker.strip() or not isinstance(text, str):
-            return BadRecord("bad_conversation")
-        text = clean_text(text)
-        if text:
-            turns.append({"speaker": speaker.strip(), "text": text})
-    if len(turns) < 2:
-        return BadRecord("empty")
-    return {"turns": turns, "form": json.dumps(obj, ensure_ascii=False)}
-
-
-def make_document(record: Any, kind: str, *, pii: bool = False) -> dict[str, Any] | str:
-    """The fields of a document for ``record``, or the reason it is skipped; with ``pii``, its text
-    redacted and the counts in ``pii`` (``form`` keeps the original)."""
-    if pii:
-        doc = make_document(record, kind)
-        if isinstance(doc, dict):
-            doc.update(redact_document(doc, "filt_text") or {})
-        return doc
-    if isinstance(record, BadRecord):
-        return record.reason
-    if isinstance(record, Row):
-        doc = make_document(record.text, kind)
-        if isinstance(doc, dict):
-            doc.update(record.fields)
-        return doc
-    if kind == "conversation":
-        return {"form": record["form"], "filt_text": turns_text(record["turns"]), "turns": record["turns"]}
-    if record is None:
-        return "null"
-    if not isinstance(record, str):
-        return "not_string"
-    filt = clean_text(record)
-    if not filt:
-        return "empty"
-    # A real server refuses strings with lone surrogates; keep the original otherwise.
-    form = record if utf8_encodable(record) else record.encode("utf-8", "replace").decode("utf-8")
-    return {"form": form, "filt_text": filt}
+                yield Text(value, {name: row.get(c) for c, name in kept_as(keep)} if keep else None)

@@ -21,7 +21,7 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +208,8 @@ def option(
         "help": help,
         "type": type,
         "check": check,
-        "choices": list(choices) if choices is not None else None,
+        # A registry's choices stay live: entries registered later are accepted too.
+        "choices": None if choices is None else choices if isinstance(choices, Collection) else list(choices),
         "metavar": metavar,
         "hidden": hidden,
         "flag": flag,
@@ -301,9 +302,10 @@ def _add_field(
             kind = typing.get_args(kind)[0]
         check = meta.get("check")
         kwargs["type"] = meta.get("type") or (check.convert if check is not None else kind)
-        for key in ("choices", "metavar"):
-            if meta.get(key):
-                kwargs[key] = meta[key]
+        if meta.get("choices"):
+            kwargs["choices"] = list(meta["choices"])
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
     if meta.get("positional"):
         if default is not MISSING:
             kwargs.setdefault("nargs", "?")

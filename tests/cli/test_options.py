@@ -458,17 +458,18 @@ def test_a_settings_class_is_checked_by_its_base_field_by_field_then_across_fiel
 
 
 def test_the_input_formats_are_named_once() -> None:
-    """`dsgpt2 ingest --format`'s choices are what the readers dispatch on, from one list."""
+    """`dsgpt2 ingest --format`'s choices are what the readers dispatch on, from one registry."""
     from dsgpt2.cli.main import build_parser
-    from dsgpt2.corpus import formats, readers
+    from dsgpt2.corpus import formats
     from dsgpt2.errors import IngestError
 
     ingest = subcommands(build_parser())["ingest"]
     action = action_of(ingest, "--format")
     assert action is not None
-    assert tuple(action.choices) == formats.FORMATS == ("auto", *formats.TEXT, *formats.COLUMNAR)
+    assert tuple(action.choices) == tuple(formats.FORMATS) == ("auto", *formats.READERS)
+    assert list(formats.READERS) == ["text", "jsonl", "csv", "conversation", "parquet", "arrow", "dataset"]
     with pytest.raises(IngestError, match="choose one of " + ", ".join(formats.FORMATS)):
-        readers.file_source(__file__, "nope")
+        formats.file_source(__file__, "nope")
 
 
 def test_a_range_open_at_its_top_is_declared_not_checked_by_hand() -> None:

@@ -15,8 +15,10 @@ from conftest import ROOT, db_for, make_config, run_cli, seed, store_config, wri
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.corpus.cleaning import CLEANER_VERSION, clean_text
+from dsgpt2.corpus.formats import file_source
 from dsgpt2.corpus.ingest import ingest
-from dsgpt2.corpus.readers import builtin_source, file_source, normalize_conversation
+from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.corpus.records import normalize_conversation
 from dsgpt2.db import embedded
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
@@ -437,7 +439,7 @@ def test_a_paragraph_is_located_by_its_first_line(tmp_path: Path) -> None:
     t = tmp_path / "p.txt"
     t.write_text("\n\none\ntwo\n\n\nthree\n\nfour\nfive\nsix\n")
     source = file_source(t, split="paragraph")
-    located = [(text.split()[0], source.locate(i)["line"]) for i, text in enumerate(source.read())]
+    located = [(record.text.split()[0], source.locate(i)["line"]) for i, record in enumerate(source.read())]
     assert located == [("one", 3), ("three", 7), ("four", 9)]
 
 

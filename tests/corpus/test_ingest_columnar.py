@@ -22,8 +22,8 @@ from conftest import ROOT, db_for, make_config, run_cli, store_config
 from dsgpt2.corpus import columnar
 from dsgpt2.corpus import ingest as ingest_mod
 from dsgpt2.corpus.cleaning import clean_text
+from dsgpt2.corpus.formats import detect_format, file_source
 from dsgpt2.corpus.ingest import ingest
-from dsgpt2.corpus.readers import detect_format, file_source
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import validate_collection

@@ -309,12 +309,12 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
 
     from corpora import marks, planted, reference
     from dsgpt2.corpus.ingest import ingest
-    from dsgpt2.corpus.readers import Source
+    from dsgpt2.corpus.records import Source, Text
     from dsgpt2.curation.dedup import Hashing
     from dsgpt2.curation.passes import run_pass
 
     def memory_source(key: str, batch: list[str]) -> Source:
-        return Source(key, key, "text", read=lambda: iter(batch))
+        return Source(key, key, "text", read=lambda: (Text(t) for t in batch))
 
     conn = Connection(replace(scratch.config, collections=("news", "web")))
     texts = {"news": planted(7, 60, 25), "web": planted(8, 40, 25)}
@@ -362,10 +362,12 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     assert "lsh_1" in {i["name"] for i in conn.db["web"].list_indexes()}
     from corpora import near_copy
     from dsgpt2.corpus.ingest import ingest
-    from dsgpt2.corpus.readers import Source
+    from dsgpt2.corpus.records import Source, Text
 
     copy = near_copy(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
-    report = ingest(conn, "more", [Source("more", "more", "text", read=lambda: iter([copy]))], dedup=True)
+    report = ingest(
+        conn, "more", [Source("more", "more", "text", read=lambda: iter([Text(copy)]))], dedup=True
+    )
     assert report.sources[0].near_duplicates == 1
     assert conn.db["more"].find_one({"idx": 0})["near_dup_of"] == straight.get("news:0", "news:0")
     judged = run_pass(
