@@ -33,7 +33,7 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
-from dsgpt2.train.optim import MUON_KEYS, MUON_SCALE, MUON_WEIGHT_DECAY, OptimizerOptions
+from dsgpt2.train.optimizers import OPTIMIZERS, OptimizerOptions
 from dsgpt2.train.schedule import KINDS
 
 if TYPE_CHECKING:
@@ -382,11 +382,11 @@ class TrainConfig:
             raise ConfigError(
                 f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
             )
-        if self.optim.optimizer == "muon" and s.lr_schedule == "deepspeed":
+        own_rates = OPTIMIZERS[self.optim.optimizer].own_rates if self.optim.optimizer else None
+        if own_rates and s.lr_schedule == "deepspeed":
             raise ConfigError(
-                "--lr_schedule deepspeed gives every weight one learning rate, and this run trains with "
-                "Muon (--optimizer muon, the default for a new run), whose weights take their own "
-                "(--muon_lr): use --lr_schedule wsd (or cosine), or --optimizer adamw"
+                f"--lr_schedule deepspeed gives every weight one learning rate, and this run trains with "
+                f"{own_rates}: use --lr_schedule wsd (or cosine), or --optimizer adamw"
             )
 
     def check_files(self) -> None:
@@ -415,11 +415,11 @@ class TrainConfig:
                 )
             self.data.vocab_dir = vocab
 
-    def settle(self, saved: dict[str, object] | None, muon_unfit: str | None = None) -> list[str]:
+    def settle(self, saved: dict[str, object] | None, unfit: str | None = None) -> list[str]:
         """Decide what the options leave to the run: with ``saved`` (the options of the checkpoint this
         run resumes), its optimizer and Muon settings where none are given, and its schedule; a new run
         trains with Muon under WSD, or AdamW under the DeepSpeed config's scheduler where Muon cannot
-        train (``muon_unfit``: why). Returns what was decided, as lines for the log.
+        train (``unfit``: why the default optimizer cannot). Returns what was decided, as lines for the log.
 
         Raises:
             ConfigError: the options so filled cannot train together.
@@ -432,18 +432,9 @@ class TrainConfig:
         said = [
             f"the checkpoint to resume was trained with {', '.join(taken)}: this run continues with it"
         ] * bool(taken)
-        if o.optimizer is None:
-            given = [f"--{k}" for k in MUON_KEYS if getattr(o, k) is not None]
-            o.optimizer = "adamw" if muon_unfit and not given else "muon"
-            if o.optimizer == "adamw":
-                said.append(f"optimizer: AdamW, not Muon, under this DeepSpeed config: {muon_unfit}")
-        if o.optimizer == "muon" and o.muon_scale is None:
-            o.muon_scale = MUON_SCALE
-        if o.optimizer == "muon" and o.muon_weight_decay is None and o.muon_scale != "rms":
-            o.muon_weight_decay = MUON_WEIGHT_DECAY  # recorded: a resume keeps it whatever the default
+        said += o.settle(unfit)
         if s.lr_schedule is None:
-            s.lr_schedule = "wsd" if o.optimizer == "muon" else "deepspeed"
-        o.check_muon_flags()
+            s.lr_schedule = "wsd" if o.chosen().own_rates else "deepspeed"
         self.check()
         return said
 

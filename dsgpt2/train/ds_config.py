@@ -1,13 +1,18 @@
-"""DeepSpeed's JSON config: loaded as DeepSpeed's schema, checked only where dsgpt2 depends on it.
+"""DeepSpeed's JSON config: loaded as DeepSpeed's schema, checked only where dsgpt2 depends on it, and
+built once into what the engine is given (:func:`build_ds_config`).
 
 The checks are the batch-size arithmetic (micro × accumulation × world =
-global), the precision the device can run, and the scheduler's length.
+global), the precision the device can run, and the scheduler's length. The learning rate has one
+source: ``--lr``, else the file's ``optimizer.params.lr``; the schedule is dsgpt2's (:class:`Schedule`)
+or the file's scheduler, and the optimizer of the run (:mod:`dsgpt2.train.optimizers`) says what else it
+needs of the config.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +43,84 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
     return cfg
 
 
-def load_ds_config(
-    path: str | Path, world_size: int, train_iters: int, device: str, own_schedule: bool = False
-) -> dict[str, Any]:
-    """Read, check and complete a DeepSpeed config.
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a run's engine is built from, made once from the DeepSpeed config file and the run's options.
 
-    Returns the config with ``train_micro_batch_size_per_gpu``,
-    ``gradient_accumulation_steps`` and ``train_batch_size`` all set, and a
-    ``WarmupDecayLR`` schedule stretched to ``train_iters`` (left as it is with ``own_schedule``:
-    :func:`apply_schedule` replaces it).
+    Attributes:
+        config: the DeepSpeed config ``deepspeed.initialize`` is given (and the run records): batch sizes
+            all set, the learning rate the run's, the scheduler the file's (stretched to the run) or
+            none where dsgpt2 drives the schedule, and what the optimizer asks of it.
+        optimizer_params: the file's optimizer settings (AdamW's betas, eps, decay), ``lr`` the run's.
+        schedule: the schedule dsgpt2 drives; None where the file's scheduler does.
+        notes: lines for the log about what the options replaced in the file.
+    """
+
+    config: dict[str, Any]
+    optimizer_params: dict[str, Any]
+    schedule: Schedule | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def micro_batch(self) -> int:
+        return int(self.config["train_micro_batch_size_per_gpu"])
+
+    @property
+    def grad_accum(self) -> int:
+        return int(self.config["gradient_accumulation_steps"])
+
+
+def build_ds_config(
+    path: str | Path,
+    world_size: int,
+    train_iters: int,
+    device: str,
+    *,
+    schedule: Any = None,
+    optimizer: Any = None,
+) -> EngineConfig:
+    """The DeepSpeed config file at ``path`` checked and built into what the engine is given.
+
+    Args:
+        schedule: the run's :class:`~dsgpt2.train.config.ScheduleOptions` (None: the file's scheduler).
+        optimizer: the run's :class:`~dsgpt2.train.optimizer.RunOptimizer` (None: the file as it is).
 
     Raises:
-        ConfigError: missing or malformed file, inconsistent batch sizes, or a precision
-            this device cannot run.
+        ConfigError: missing or malformed file, inconsistent batch sizes, a precision this device cannot
+            run, or a schedule of dsgpt2's with no learning rate to take its peak from.
     """
     p = Path(path)
-    cfg = read_ds_config(p)
+    file = read_ds_config(p)
+    micro, gas = batch_sizes(file, p, world_size)
+    check_precision(file, p, device)
+    config = {**file, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
+              "train_batch_size": micro * gas * world_size}  # fmt: skip
+    lr = getattr(schedule, "lr", None)
+    block = file.get("optimizer")
+    params = dict((block or {}).get("params") or {})
+    if lr is not None:
+        params["lr"] = lr
+        config["optimizer"] = {**(block or {}), "params": params}
+    kind = getattr(schedule, "lr_schedule", None) or "deepspeed"
+    own = None if kind == "deepspeed" else own_schedule(file, schedule, train_iters, params.get("lr"))
+    notes = []
+    if own is not None:
+        config.pop("scheduler", None)
+        if note := schedule_note(file.get("scheduler"), own):
+            notes.append(note)
+    elif isinstance(file.get("scheduler"), dict):
+        config["scheduler"] = deepspeed_scheduler(file["scheduler"], train_iters, lr)
+    if optimizer is not None:
+        config = optimizer.engine_config(config)
+    return EngineConfig(config, params, own, tuple(notes))
+
+
+def batch_sizes(cfg: dict[str, Any], p: Path, world_size: int) -> tuple[int, int]:
+    """The micro-batch and the accumulation steps of ``cfg`` (read from ``p``) on ``world_size`` ranks.
+
+    Raises:
+        ConfigError: a size that is not a positive integer, or sizes that disagree.
+    """
     micro = cfg.get("train_micro_batch_size_per_gpu")
     gas = cfg.get("gradient_accumulation_steps")
     total = cfg.get("train_batch_size")
@@ -77,10 +144,15 @@ def load_ds_config(
             f"gradient_accumulation_steps {gas} × world size {world_size} = {micro * gas * world_size}; "
             "fix one of them, or drop train_batch_size and let it follow"
         )
-    cfg["train_micro_batch_size_per_gpu"] = micro
-    cfg["gradient_accumulation_steps"] = gas
-    cfg["train_batch_size"] = micro * gas * world_size
+    return micro, gas
 
+
+def check_precision(cfg: dict[str, Any], p: Path, device: str) -> None:
+    """Refuse precisions that exclude each other, or that this device cannot run.
+
+    Raises:
+        ConfigError: fp16 with bf16, torch_autocast with either, or a lower precision on a CPU.
+    """
     fp16 = bool(cfg.get("fp16", {}).get("enabled"))
     # "bfloat16": DeepSpeed's former name of the section, which it still reads.
     bf16 = any(cfg.get(k, {}).get("enabled") for k in ("bf16", "bfloat16"))
@@ -97,20 +169,21 @@ def load_ds_config(
             f"{FLAG} {p}: {lower} needs a GPU and none is visible; "
             "use configs/ds_config_cpu.json (fp32) on a CPU"
         )
-    sched = cfg.get("scheduler")
-    if isinstance(sched, dict) and sched.get("type") == "WarmupDecayLR" and not own_schedule:
-        params = sched.setdefault("params", {})
+
+
+def deepspeed_scheduler(block: dict[str, Any], train_iters: int, lr: float | None) -> dict[str, Any]:
+    """The file's scheduler as the run drives it: a ``WarmupDecayLR`` stretched to ``train_iters`` (its
+    warm-up cut to a tenth where longer than the run), its peak ``--lr`` where given."""
+    params = dict(block.get("params") or {})
+    if block.get("type") == "WarmupDecayLR":
         if params.get("total_num_steps") != train_iters:
             log.info("scheduler: WarmupDecayLR total_num_steps set to --train_iters %d", train_iters)
             params["total_num_steps"] = train_iters
         if params.get("warmup_num_steps", 0) > train_iters:
             params["warmup_num_steps"] = max(1, train_iters // 10)
-    return cfg
-
-
-def optimizer_weight_decay(cfg: dict[str, Any]) -> float:
-    """The weight decay the config's optimizer asks for (0 when none)."""
-    return float(cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
+    if lr is not None and "warmup_max_lr" in params:
+        params["warmup_max_lr"] = lr
+    return {**block, "params": params} if "params" in block or params else block
 
 
 def zero_stage(cfg: dict[str, Any]) -> int:
@@ -146,41 +219,33 @@ def precision(cfg: dict[str, Any]) -> str:
     return autocast_precision(cfg) or "fp32"
 
 
-def apply_schedule(cfg: dict[str, Any], opts: Any, train_iters: int) -> Schedule | None:
-    """Put a :class:`~dsgpt2.train.schedule.ScheduleOptions`' choice into ``cfg`` (in place).
-
-    Returns the schedule dsgpt2 drives, or None where the config's own scheduler stays
-    (``--lr_schedule deepspeed``; ``--lr`` then sets its peak).
+def own_schedule(cfg: dict[str, Any], opts: Any, train_iters: int, peak: Any) -> Schedule:
+    """The schedule dsgpt2 drives for ``opts`` (a :class:`~dsgpt2.train.config.ScheduleOptions` of
+    cosine or wsd) peaking at ``peak`` (the run's learning rate), its warm-up the option's, else the file
+    scheduler's (at most a tenth of the run), else 2 % of the run.
 
     Raises:
-        ConfigError: a schedule but no optimizer learning rate to take the peak from.
+        ConfigError: no learning rate to peak at.
     """
-    params = cfg.setdefault("optimizer", {}).setdefault("params", {})
-    if opts.lr is not None:
-        params["lr"] = opts.lr
-    sched = cfg.get("scheduler")
-    sched_params = sched.get("params", {}) if isinstance(sched, dict) else {}
-    if opts.lr_schedule == "deepspeed":
-        if opts.lr is not None and "warmup_max_lr" in sched_params:
-            sched_params["warmup_max_lr"] = opts.lr
-        return None
-    peak = params.get("lr")
     if not isinstance(peak, int | float) or isinstance(peak, bool):
         raise ConfigError(
             f"--lr_schedule {opts.lr_schedule}: set --lr (the DeepSpeed config's optimizer has no lr)"
         )
     warmup = opts.warmup_iters
     if warmup is None:
-        warmup = sched_params.get("warmup_num_steps", train_iters // 50)
+        sched = cfg.get("scheduler")
+        warmup = (sched.get("params") or {} if isinstance(sched, dict) else {}).get(
+            "warmup_num_steps", train_iters // 50
+        )
         warmup = min(int(warmup), max(0, train_iters // 10))
-    cfg.pop("scheduler", None)
-    kind = opts.lr_schedule
-    return Schedule(kind, float(peak), train_iters, warmup, opts.min_lr_ratio, opts.decay_fraction)
+    return Schedule(
+        opts.lr_schedule, float(peak), train_iters, warmup, opts.min_lr_ratio, opts.decay_fraction
+    )
 
 
 def schedule_note(scheduler: Any, schedule: Schedule | None) -> str | None:
-    """The line that says a DeepSpeed config's ``scheduler`` (its block, read before
-    :func:`apply_schedule` removed it) gave way to ``schedule``; None where nothing was replaced."""
+    """The line that says a DeepSpeed config's ``scheduler`` (its block in the file) gave way to
+    ``schedule``; None where nothing was replaced."""
     if schedule is None or not isinstance(scheduler, dict):
         return None
     return (

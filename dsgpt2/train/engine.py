@@ -24,15 +24,13 @@ from dsgpt2.model.gpt2 import (
     count_parameters,
     flops_per_token,
     gpt2_config,
-    param_groups,
     read_model_config,
 )
 from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.train.config import ComputeOptions, ModelOptions, OptimizerOptions
-from dsgpt2.train.ds_config import optimizer_weight_decay, zero_stage
+from dsgpt2.train.ds_config import EngineConfig, zero_stage
 from dsgpt2.train.metrics import peak_flops
 from dsgpt2.train.microloop import gradients_in_params
-from dsgpt2.train.optim import build_muon
 from dsgpt2.train.schedule import ScheduledLR
 
 log = logging.getLogger("dsgpt2.train.trainer")
@@ -115,17 +113,17 @@ class Engine:
 
 def build_engine(
     settings: EngineSettings,
-    ds_config: dict[str, Any],
+    ds: EngineConfig,
     spec: DataSpec,
     vocab_size: int,
     *,
-    lr_schedule: Any,
     init: tuple[Any, dict[str, Any]] | None,
     device: str,
     world: int,
 ) -> Engine:
     """The model (a preset, ``--model_config`` or ``init``'s weights) under DeepSpeed, seeded from the
-    run's seed; ``lr_schedule``: the recipe's schedule (None: the DeepSpeed config's scheduler)."""
+    run's seed, trained by the run's optimizer under ``ds`` (its schedule dsgpt2's, or where None the
+    DeepSpeed config's scheduler)."""
     prepare_deepspeed_environment()
     import deepspeed
 
@@ -145,27 +143,22 @@ def build_engine(
     # ZeRO 3 gathers the head's weight around its own forward, which the loss never calls: there
     # the loss stays eager, outside the graph.
     compiled = compiles(c.compile, device)
-    model = with_chunked_loss(model, c.loss_chunk, compiled=compiled and zero_stage(ds_config) != 3)
+    model = with_chunked_loss(model, c.loss_chunk, compiled=compiled and zero_stage(ds.config) != 3)
     if c.activation_checkpointing:
         checkpoint_activations(model)
     scheduler = None
-    if lr_schedule is not None:
+    if (lr_schedule := ds.schedule) is not None:
         scheduler = lambda optimizer: ScheduledLR(optimizer, lr_schedule)  # noqa: E731
-    o = settings.optim
-    if o.optimizer == "muon":
-        # lr_schedule is dsgpt2's whenever Muon trains (TrainConfig refuses the DeepSpeed scheduler).
-        optimizer = build_muon(model, ds_config, lr_schedule.peak, o)
-        given = {"optimizer": optimizer}
-    else:
-        given = {"model_parameters": param_groups(model, optimizer_weight_decay(ds_config))}
+    optimizer = settings.optim.chosen()
+    given = optimizer.build(model, ds)
     with _quiet_scheduler_start():
-        engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config, lr_scheduler=scheduler, **given)
-    clip = trainer_clips(engine, o.optimizer)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=ds.config, lr_scheduler=scheduler, **given)
+    clip = trainer_clips(engine) if optimizer.trainer_clips else 0.0
     if clip:
         # At ZeRO 0 DeepSpeed reads its clipping at every step: the trainer's takes its place. (The
         # config as the run records it keeps the value.)
         engine._config.gradient_clipping = 0.0
-    if world == 1 and zero_stage(ds_config) == 0:
+    if world == 1 and zero_stage(ds.config) == 0:
         # One rank has nothing to all-reduce: DeepSpeed would still flatten every gradient into a buffer
         # and copy it back, parameter by parameter, at each step.
         engine.enable_backward_allreduce = False
@@ -175,10 +168,10 @@ def build_engine(
     built = Engine(
         engine,
         model_config,
-        ds_config["train_micro_batch_size_per_gpu"],
-        ds_config["gradient_accumulation_steps"],
+        ds.micro_batch,
+        ds.grad_accum,
         flops_per_token(model_config, context),
-        peak_flops(c.peak_tflops, device, ds_config),
+        peak_flops(c.peak_tflops, device, ds.config),
         clip,
     )
     log.info(
@@ -191,7 +184,7 @@ def build_engine(
         world,
         built.micro_batch,
         built.grad_accum,
-        zero_stage(ds_config),
+        zero_stage(ds.config),
         device,
     )
     return built
@@ -204,7 +197,7 @@ def compiles(option: bool | None, device: str) -> bool:
     return option if option is not None else device == "cuda"
 
 
-def trainer_clips(engine: Any, optimizer: str) -> float:
+def trainer_clips(engine: Any) -> float:
     """The gradient clipping the trainer takes over from DeepSpeed's ``engine`` (0.0: none, or
     DeepSpeed's own).
 
@@ -212,9 +205,9 @@ def trainer_clips(engine: Any, optimizer: str) -> float:
     DeepSpeed clips them parameter by parameter (a norm, a cast and a multiply each: ~600 dispatches a
     step at 148 tensors); ``torch.nn.utils.clip_grad_norm_`` does the same arithmetic (the global 2-norm,
     ``max_norm / (norm + 1e-6)`` capped at 1) in a few multi-tensor ops, and its norm is the step's
-    ``grad_norm``. Muon runs without clipping; fp16 autocast's gradients are scaled until its scaler
-    unscales them, in DeepSpeed's step, which clips them there."""
-    if optimizer == "muon" or not gradients_in_params(engine):
+    ``grad_norm``. (Muon runs without clipping: its ``trainer_clips`` is off.) fp16 autocast's gradients
+    are scaled until its scaler unscales them, in DeepSpeed's step, which clips them there."""
+    if not gradients_in_params(engine):
         return 0.0
     if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         return 0.0

@@ -47,14 +47,7 @@ from dsgpt2.train.collective import (
     release_shared_buffer,
 )
 from dsgpt2.train.config import TrainConfig, parse
-from dsgpt2.train.ds_config import (
-    apply_schedule,
-    check_attention,
-    load_ds_config,
-    read_ds_config,
-    schedule_note,
-    zero_stage,
-)
+from dsgpt2.train.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
 from dsgpt2.train.engine import (
     Engine,
     EngineSettings,
@@ -67,7 +60,7 @@ from dsgpt2.train.engine import (
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.microloop import MicroLoop
-from dsgpt2.train.optim import check_optimizer, muon_unfit
+from dsgpt2.train.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
@@ -125,7 +118,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     from dsgpt2.db.client import Connection
 
     cfg.check_files()
-    decided = cfg.settle(resumed_options(cfg.ckpt), muon_unfit(read_ds_config(cfg.engine.deepspeed_config)))
+    ds_file = read_ds_config(cfg.engine.deepspeed_config)
+    decided = cfg.settle(resumed_options(cfg.ckpt), OPTIMIZERS[DEFAULT].unfit(ds_file))
     if mongo is None and cfg.data.config_train is None:
         raise ConfigError("--config_train is required: the MongoDB connection config JSON")
     ensure_distributed_env()
@@ -135,13 +129,11 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     mongo = mongo or load_config(cfg.data.config_train)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
     check_attention(cfg.compute.attn_implementation, device)
-    own_schedule = cfg.schedule.lr_schedule != "deepspeed"
-    ds_config = load_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device, own_schedule)
-    check_attention(cfg.compute.attn_implementation, device, ds_config)
-    scheduler = ds_config.get("scheduler")
-    lr_schedule = apply_schedule(ds_config, cfg.schedule, cfg.run.train_iters)
-    decided += [note] if (note := schedule_note(scheduler, lr_schedule)) else []
-    check_optimizer(cfg.optim.optimizer, ds_config)
+    check_optimizer(cfg.optim, ds_file)
+    ds = build_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device,
+                         schedule=cfg.schedule, optimizer=cfg.optim.chosen())  # fmt: skip
+    check_attention(cfg.compute.attn_implementation, device, ds.config)
+    decided += ds.notes
     prepare_deepspeed_environment()
     import deepspeed
 
@@ -177,15 +169,14 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
     engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed, optim=cfg.optim)
-    engine = build_engine(engine_settings, ds_config, spec, vocab_size, lr_schedule=lr_schedule, init=init,
-                          device=device, world=world)  # fmt: skip
+    engine = build_engine(engine_settings, ds, spec, vocab_size, init=init, device=device, world=world)
     state = checkpointer.restore(
-        engine.engine, found[:2] if found else None, feed.state.streams[0], lr_schedule
+        engine.engine, found[:2] if found else None, feed.state.streams[0], ds.schedule
     )
     run_config = {
         "args": cfg.to_dict(),
         "mongo": mongo.to_dict(),
-        "deepspeed": ds_config,
+        "deepspeed": ds.config,
         "fingerprint": fp,
         "model": engine.model_config.to_dict(),
     }
@@ -512,9 +503,11 @@ def announce_compiles(cfg: TrainConfig, device: str, step: int) -> None:
 
 
 def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
-    """What torch compiles on a run's first step (None: nothing): the model with --compile, and under
-    Muon the Newton–Schulz iteration DeepSpeed compiles for its matrices."""
-    what = ["the model (--compile)"] * compiled + ["Muon's Newton–Schulz iteration"] * (optimizer == "muon")
+    """What torch compiles on a run's first step (None: nothing): the model with --compile, and what the
+    optimizer's step compiles (under Muon the Newton–Schulz iteration DeepSpeed compiles for its
+    matrices)."""
+    own = OPTIMIZERS[optimizer].compiles if optimizer else None
+    what = ["the model (--compile)"] * compiled + [own] * bool(own)
     return " and ".join(what) or None
 
 

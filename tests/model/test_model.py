@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import PRESETS, build_model, gpt2_config, param_groups
-from dsgpt2.train.ds_config import load_ds_config, zero_stage
+from dsgpt2.train.ds_config import build_ds_config, zero_stage
 from dsgpt2.train.plan import gpt2_parameters, plan
 
 DS_CONFIGS = sorted((ROOT / "configs").glob("ds_config*.json"))
@@ -18,7 +18,7 @@ DS_CONFIGS = sorted((ROOT / "configs").glob("ds_config*.json"))
 def test_every_shipped_deepspeed_config_loads(path: Path) -> None:
     device = "cpu" if path.name == "ds_config_cpu.json" else "cuda"
     for world in (1, 8):
-        cfg = load_ds_config(path, world_size=world, train_iters=500, device=device)
+        cfg = build_ds_config(path, world_size=world, train_iters=500, device=device).config
         assert (
             cfg["train_batch_size"]
             == cfg["train_micro_batch_size_per_gpu"] * cfg["gradient_accumulation_steps"] * world
@@ -35,26 +35,26 @@ def _write(tmp_path: Path, data: dict) -> Path:
 
 def test_batch_arithmetic_and_precision_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"train_batch_size 10 ≠ .* 4 × .* 1 × world size 2 = 8"):
-        load_ds_config(
+        build_ds_config(
             _write(tmp_path, {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}), 2, 10, "cpu"
         )
-    cfg = load_ds_config(
+    cfg = build_ds_config(
         _write(tmp_path, {"train_batch_size": 32, "gradient_accumulation_steps": 2}), 4, 10, "cpu"
-    )
+    ).config
     assert cfg["train_micro_batch_size_per_gpu"] == 4
     with pytest.raises(ConfigError, match="not divisible"):
-        load_ds_config(
+        build_ds_config(
             _write(tmp_path, {"train_batch_size": 30, "gradient_accumulation_steps": 4}), 1, 10, "cpu"
         )
     with pytest.raises(ConfigError, match="must be a positive integer"):
-        load_ds_config(_write(tmp_path, {"train_micro_batch_size_per_gpu": 0}), 1, 10, "cpu")
+        build_ds_config(_write(tmp_path, {"train_micro_batch_size_per_gpu": 0}), 1, 10, "cpu")
     with pytest.raises(ConfigError, match=r"bf16 needs a GPU.*ds_config_cpu\.json"):
-        load_ds_config(ROOT / "configs" / "ds_config.json", 1, 10, "cpu")
+        build_ds_config(ROOT / "configs" / "ds_config.json", 1, 10, "cpu")
     both = {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}, "bf16": {"enabled": True}}
     with pytest.raises(ConfigError, match="both enabled"):
-        load_ds_config(_write(tmp_path, both), 1, 10, "cuda")
+        build_ds_config(_write(tmp_path, both), 1, 10, "cuda")
     with pytest.raises(ConfigError, match="file not found"):
-        load_ds_config(tmp_path / "none.json", 1, 10, "cpu")
+        build_ds_config(tmp_path / "none.json", 1, 10, "cpu")
 
 
 def test_presets_and_tokenizer_sizes() -> None:
@@ -153,8 +153,8 @@ def test_torch_autocast_is_a_precision_and_names_its_dtype(tmp_path: Path) -> No
     assert precision({**base, "bfloat16": {"enabled": True}}) == "bf16"  # DeepSpeed's former name
     assert precision({**base, "torch_autocast": {"enabled": True, "dtype": "torch.float16"}}) == "fp16"
     with pytest.raises(ConfigError, match=r"bf16 needs a GPU.*ds_config_cpu\.json"):
-        load_ds_config(_write(tmp_path, bf16), 1, 10, "cpu")
+        build_ds_config(_write(tmp_path, bf16), 1, 10, "cpu")
     with pytest.raises(ConfigError, match='torch_autocast needs a "dtype"'):
-        load_ds_config(_write(tmp_path, {**base, "torch_autocast": {"enabled": True}}), 1, 10, "cuda")
+        build_ds_config(_write(tmp_path, {**base, "torch_autocast": {"enabled": True}}), 1, 10, "cuda")
     with pytest.raises(ConfigError, match="both enabled"):
-        load_ds_config(_write(tmp_path, {**bf16, "bf16": {"enabled": True}}), 1, 10, "cuda")
+        build_ds_config(_write(tmp_path, {**bf16, "bf16": {"enabled": True}}), 1, 10, "cuda")

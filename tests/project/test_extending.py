@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import store_config
+from conftest import ROOT, store_config
 from dsgpt2.cli.main import main
 from dsgpt2.corpus.formats import READERS
 from dsgpt2.corpus.readers import LineReader
 from dsgpt2.corpus.records import BadRecord, Record, Text
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
+from training import steps, trainer_args, training_corpus
+from zygote import run_python
 
 
 class TsvReader(LineReader):
@@ -59,3 +61,22 @@ def test_a_new_input_format_is_one_class_and_one_registry_line(
         main(["ingest", "--config", str(cfg), "--format", "tsvv", str(data)])
     assert exit_.value.code == 2
     assert "'dataset', 'tsv'); did you mean 'tsv'?" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a DeepSpeed run
+def test_a_new_optimizer_is_one_class_and_one_registry_line(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """tests/plugins.py registers a toy SGD; `dsgpt2 train --optimizer sgd` trains with it, records it,
+    and a resume keeps it without the flag."""
+    corpus = training_corpus(tmp_path_factory)
+    run = tmp_path_factory.mktemp("sgd")
+    args = ["train", *trainer_args(corpus, run, "--train_iters", "4", "--save_interval", "4")]
+    first = run_python([str(ROOT / "tests" / "plugins.py"), *args, "--optimizer", "sgd"], cwd=ROOT)
+    assert first.returncode == 0, first.stderr[-3000:]
+    losses = [record["loss"] for _, record in sorted(steps(run).items())]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    more = run_python([str(ROOT / "tests" / "plugins.py"), *args[:-4], "--train_iters", "6"], cwd=ROOT)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "trained with --optimizer sgd, --lr_schedule deepspeed: this run continues with it" in more.stderr
+    # Without the plugin the name is unknown, and said so in one line.
+    bare = run_python(["-m", "dsgpt2", *args[:-4], "--train_iters", "8"], cwd=ROOT)
+    assert bare.returncode == 2 and "sgd" in bare.stderr.strip().splitlines()[-1]

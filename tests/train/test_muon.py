@@ -13,7 +13,7 @@ import pytest
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.train.config import OptimizerOptions, ScheduleOptions, TrainConfig
-from dsgpt2.train.optim import MUON_LR, MUON_MOMENTUM, muon_param_groups
+from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, muon_param_groups
 from dsgpt2.train.schedule import Schedule, ScheduledLR
 from training import launch, steps, train, training_corpus
 
@@ -91,7 +91,7 @@ def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_sam
     """The update is sized by the layer's (fan-out, fan-in), not by how its weight is stored."""
     import torch
 
-    from dsgpt2.train.optim import build_muon
+    from dsgpt2.train.muon import build_muon
 
     torch.manual_seed(0)
     conv, linear = _Block.build(linear=False), _Block.build(linear=True)
@@ -109,7 +109,7 @@ def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_sam
     def step(model: Any, how: str) -> None:
         ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}}
         settings = OptimizerOptions("muon", muon_lr=0.02, muon_weight_decay=0.1, muon_scale=how)
-        build_muon(model, ds, 1e-3, settings).step()
+        build_muon(model, ds["optimizer"]["params"], 1e-3, settings).step()
 
     before = {id(c): c.weight.detach().clone() for c, _ in pairs}
     step(conv, scale)
@@ -401,7 +401,7 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
     from deepspeed.runtime.zero.muon import original_muon
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from dsgpt2.train.optim import batched_muon_class
+    from dsgpt2.train.muon import batched_muon_class
 
     torch.manual_seed(0)
     model = tiny_model()

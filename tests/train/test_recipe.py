@@ -13,8 +13,8 @@ import torch
 from conftest import ROOT
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import build_model, count_parameters, doc_position_ids, flops_per_token, gpt2_config
-from dsgpt2.train.config import ScheduleOptions
-from dsgpt2.train.ds_config import apply_schedule, check_attention, schedule_note
+from dsgpt2.train.config import OptimizerOptions, ScheduleOptions
+from dsgpt2.train.ds_config import EngineConfig, build_ds_config, check_attention, schedule_note
 from dsgpt2.train.metrics import device_peak_tflops
 from dsgpt2.train.schedule import Schedule, ScheduledLR, lr_at
 
@@ -97,26 +97,41 @@ def _ds(**extra: object) -> dict:
     }
 
 
-def test_apply_schedule_replaces_deepspeeds_scheduler_or_keeps_it() -> None:
-    cfg = _ds()
-    scheduler = cfg["scheduler"]
-    s = apply_schedule(cfg, ScheduleOptions(lr_schedule="cosine", lr=1e-3), train_iters=1000)
+def _built(tmp_path, data: dict, opts: ScheduleOptions, train_iters: int, optimizer=None) -> EngineConfig:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, **data}))
+    return build_ds_config(path, 1, train_iters, "cpu", schedule=opts, optimizer=optimizer)
+
+
+def test_the_deepspeed_config_is_built_once_with_the_schedule_replaced_or_kept(tmp_path) -> None:
+    ds = _built(tmp_path, _ds(), ScheduleOptions(lr_schedule="cosine", lr=1e-3), train_iters=1000)
     # The replaced scheduler is said, as the replaced clipping is; a kept one, or none, is not.
-    assert schedule_note(scheduler, s) == (
+    assert ds.notes == (
         "learning rate: --lr_schedule cosine (peak 0.001, 40 warm-up steps) in place of the DeepSpeed "
-        "config's scheduler (WarmupDecayLR)"
+        "config's scheduler (WarmupDecayLR)",
     )
-    assert schedule_note(scheduler, None) is None and schedule_note(None, s) is None
-    assert s == Schedule("cosine", 1e-3, 1000, 40, 0.1, 0.2)
-    assert "scheduler" not in cfg and cfg["optimizer"]["params"]["lr"] == 1e-3
-    short = apply_schedule(_ds(), ScheduleOptions(lr_schedule="wsd"), train_iters=100)
+    assert schedule_note(_ds()["scheduler"], None) is None and schedule_note(None, ds.schedule) is None
+    assert ds.schedule == Schedule("cosine", 1e-3, 1000, 40, 0.1, 0.2)
+    assert "scheduler" not in ds.config and ds.config["optimizer"]["params"]["lr"] == 1e-3
+    assert ds.optimizer_params["lr"] == 1e-3
+    short = _built(tmp_path, _ds(), ScheduleOptions(lr_schedule="wsd"), train_iters=100).schedule
     assert short is not None and short.warmup == 10 and short.peak == 6e-4  # a tenth at most
-    kept = _ds()
-    assert apply_schedule(kept, ScheduleOptions(lr_schedule="deepspeed", lr=2e-3), train_iters=100) is None
-    assert kept["scheduler"]["params"]["warmup_max_lr"] == 2e-3
-    no_lr = {"optimizer": {"type": "AdamW", "params": {}}}
+    kept = _built(tmp_path, _ds(), ScheduleOptions(lr_schedule="deepspeed", lr=2e-3), train_iters=100)
+    assert kept.schedule is None and kept.notes == ()
+    assert kept.config["scheduler"]["params"] == {"warmup_num_steps": 40, "warmup_max_lr": 2e-3,
+                                                  "total_num_steps": 100}  # fmt: skip
     with pytest.raises(ConfigError, match="set --lr"):
-        apply_schedule(no_lr, ScheduleOptions(lr_schedule="wsd"), train_iters=100)
+        _built(
+            tmp_path, {"optimizer": {"type": "AdamW", "params": {}}}, ScheduleOptions(lr_schedule="wsd"), 100
+        )
+    # The optimizer's needs are built in, not patched on after: Muon's config holds no optimizer block
+    # and no clipping, and the settings AdamW's part takes are kept beside it.
+    muon = OptimizerOptions("muon")
+    muon.settle(None)
+    ds = _built(tmp_path, {**_ds(), "gradient_clipping": 1.0}, ScheduleOptions(lr_schedule="wsd"), 100,
+                muon.chosen())  # fmt: skip
+    assert "optimizer" not in ds.config and ds.config["gradient_clipping"] == 0.0
+    assert ds.optimizer_params == {"lr": 6e-4}
 
 
 def test_presets_pretrain_without_dropout_and_a_model_config_keeps_its_own(tmp_path) -> None:
@@ -205,7 +220,6 @@ def test_a_recipe_names_a_deepspeed_config_holding_nothing_it_replaces(recipe: P
     """A recipe sets its schedule, so its DeepSpeed config holds no scheduler; a Muon recipe (Muon trains
     unclipped) no clipping: one source for each setting. The config loads as every shipped one does."""
     from dsgpt2.settings.runfile import read_run_file
-    from dsgpt2.train.ds_config import load_ds_config
 
     keys = read_run_file(recipe)
     path = ROOT / keys["deepspeed_config"]
@@ -215,4 +229,4 @@ def test_a_recipe_names_a_deepspeed_config_holding_nothing_it_replaces(recipe: P
         assert not ds.get("gradient_clipping"), path
     assert ds["optimizer"]["params"]["lr"] == keys["lr"]  # the one rate, said twice alike
     device = "cuda" if "torch_autocast" in ds else "cpu"
-    assert load_ds_config(path, world_size=2, train_iters=100, device=device)["train_batch_size"] > 0
+    assert build_ds_config(path, world_size=2, train_iters=100, device=device).config["train_batch_size"] > 0

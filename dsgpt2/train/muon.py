@@ -1,4 +1,4 @@
-"""The optimizer a run trains with: the DeepSpeed config's AdamW, or Muon on the blocks' matrices.
+"""Muon on the blocks' matrices, AdamW on the other weights: the ``muon`` optimizer of a run.
 
 Muon (Jordan et al., 2024, "Muon: An optimizer for hidden layers in neural networks") is SGD with
 momentum whose update is orthogonalised by a few Newton–Schulz iterations: every direction of a
@@ -26,16 +26,14 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import param_groups
-from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
+from dsgpt2.train.ds_config import EngineConfig, zero_stage
+from dsgpt2.train.optimizer import RunOptimizer
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adamw", "muon")
 # Muon's defaults: the learning rate of the modded-nanogpt speedrun's first Muon records and of
 # DeepSpeed's MuonWithAuxAdam, the momentum of the Muon paper (Nesterov, as both apply it).
 MUON_LR = 0.02
@@ -47,87 +45,6 @@ SCALES = ("spectral", "rms", "storage")
 # both corpora at 4 x 128 (held-out perplexity 94.6 and 43.1 against spectral's 99.5 and 47.3).
 MUON_SCALE = "rms"
 MUON_WEIGHT_DECAY = 0.0
-MUON = ("optimizer", "muon")  # what Muon's own options serve
-
-
-@dataclass
-class OptimizerOptions(Checked):
-    """Which optimizer trains the weights (see dsgpt2.train.optim)."""
-
-    optimizer: str | None = option(
-        None,
-        "muon (the default for a new run): Muon on the blocks' 2-D weights (attention and MLP), AdamW (the "
-        "DeepSpeed config's settings, --lr) on embeddings, biases and norms; adamw: the DeepSpeed config's "
-        "AdamW on every weight. A resumed run without it continues with its checkpoint's",
-        choices=list(OPTIMIZERS),
-    )
-    muon_lr: float | None = option(
-        None,
-        f"muon: the peak learning rate of the Muon weights (default: --lr under --muon_scale rms, {MUON_LR} "
-        "under spectral or storage); --lr stays AdamW's",
-        type=float,
-        check=POSITIVE_NUMBER,
-        serves=MUON,
-    )
-    muon_momentum: float | None = option(
-        None,
-        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
-        type=float,
-        check=Range(float, 0, 1, high_open=True),
-        serves=MUON,
-    )
-    muon_weight_decay: float | None = option(
-        None,
-        "muon: decoupled weight decay of the Muon weights, p ← p·(1 − lr·decay) (default: the DeepSpeed "
-        f"config's AdamW decay under --muon_scale rms, {MUON_WEIGHT_DECAY} under spectral or storage)",
-        type=float,
-        check=Range(float, 0),
-        serves=MUON,
-    )
-    muon_scale: str | None = option(
-        None,
-        f"muon: each matrix's update size (default {MUON_SCALE}): rms, 0.2·sqrt(max(fan-out, fan-in)) of the "
-        "layer, Moonlight's, where AdamW's --lr and decay carry over; spectral, sqrt(max(1, fan-out / "
-        "fan-in)), the speedrun's; storage: DeepSpeed's rule on the weight as stored (runs before this "
-        "choice existed)",
-        choices=list(SCALES),
-        serves=MUON,
-    )
-
-    def check(self) -> None:
-        self.check_muon_flags()
-
-    def check_muon_flags(self) -> None:
-        """Refuse Muon's settings for a run that trains with AdamW.
-
-        Raises:
-            ConfigError: a Muon flag given, and the optimizer is AdamW.
-        """
-        given = [f"--{k}" for k in MUON_KEYS if getattr(self, k) is not None]
-        if self.optimizer == "adamw" and given:
-            raise ConfigError(
-                f"{' and '.join(given)} set the Muon optimizer, and this run trains with --optimizer "
-                f"adamw: add --optimizer muon, or drop {' and '.join(given)}"
-            )
-
-    def take_resumed(self, saved: dict[str, object]) -> list[str]:
-        """Fill what this run left unset from the options of the checkpoint it resumes (``saved``): the
-        optimizer, and Muon's settings where the checkpoint's optimizer is this run's (a checkpoint
-        saved before a setting existed: the value it trained with). Returns the flags taken."""
-        taken = []
-        theirs = str(saved.get("optimizer") or "adamw")  # saved before Muon: AdamW
-        if self.optimizer is None:
-            self.optimizer = theirs
-            taken.append(f"--optimizer {theirs}")
-        if self.optimizer == theirs == "muon":
-            legacy = {"muon_scale": "storage", "muon_weight_decay": 0.0}  # saved before these existed
-            for key, before in ((k, legacy.get(k)) for k in MUON_KEYS):
-                if getattr(self, key) is None:
-                    value = saved.get(key, before)
-                    setattr(self, key, value)
-                    if value is not None:
-                        taken.append(f"--{key} {value}")
-        return taken
 
 
 MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_scale")
@@ -233,27 +150,12 @@ def muon_param_groups(
 
 def muon_unfit(ds_config: dict[str, Any]) -> str | None:
     """Why Muon cannot train under ``ds_config``; None where it can."""
-    from dsgpt2.train.ds_config import zero_stage
-
     if zero_stage(ds_config) == 3:
         return "ZeRO stage 3 shards each matrix across the ranks, and Muon orthogonalises whole ones"
     kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
     if kind.lower() not in ("adamw", "adam"):
         return f"its optimizer is {kind}, and Muon takes its AdamW settings from an AdamW one"
     return None
-
-
-def check_optimizer(optimizer: str, ds_config: dict[str, Any]) -> None:
-    """Refuse a DeepSpeed config ``optimizer`` cannot train under, before anything is built.
-
-    Raises:
-        ConfigError: Muon under ZeRO stage 3, or with a DeepSpeed config whose optimizer is not AdamW.
-    """
-    if optimizer == "muon" and (why := muon_unfit(ds_config)):
-        raise ConfigError(
-            f"--optimizer muon cannot train under this DeepSpeed config: {why}. Use a ZeRO 0-2 config "
-            "with AdamW as its optimizer (configs/ds_config.json), or --optimizer adamw"
-        )
 
 
 def batched_muon_class() -> type:
@@ -319,28 +221,57 @@ def batched_muon_class() -> type:
     return BatchedMuon
 
 
-def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: OptimizerOptions) -> Any:
-    """The Muon optimizer of ``model`` (AdamW's part from ``ds_config``'s optimizer, ``lr`` its peak;
-    Muon's from ``options``, their defaults where unset), and ``ds_config`` made to suit it (in place):
-    its ``optimizer`` block dropped (the engine is handed this one), and gradient clipping off.
+class Muon(RunOptimizer):
+    """Muon on the blocks' 2-D weights, AdamW (the DeepSpeed config's settings, its peak the run's) on
+    the others, in DeepSpeed's ``MuonWithAuxAdam`` (see the module doc)."""
 
-    Gradient clipping is off because ZeRO 1 and 2 clip after the Muon update is made (the global norm
-    of orthogonalised updates, about 27 times the raw gradients' at the first step of the tiny
-    model), which would scale every Muon step down by that factor and make ZeRO 0 and ZeRO 2 train
-    different models; Muon's update has a fixed size whatever the gradient's.
-    """
+    name = "muon"
+    own_rates = "Muon (--optimizer muon, the default for a new run), whose weights take their own (--muon_lr)"
+    keys = MUON_KEYS
+    # What checkpoints saved before these settings existed trained with.
+    legacy: ClassVar[dict[str, Any]] = {"muon_scale": "storage", "muon_weight_decay": 0.0}
+    compiles = "Muon's Newton–Schulz iteration"
+    # ZeRO 1 and 2 would clip the orthogonalised updates (see engine_config).
+    trainer_clips = False
+
+    @classmethod
+    def unfit(cls, ds_config: dict[str, Any]) -> str | None:
+        return muon_unfit(ds_config)
+
+    def settle(self) -> None:
+        o = self.options
+        if o.muon_scale is None:
+            o.muon_scale = MUON_SCALE
+        if o.muon_weight_decay is None and o.muon_scale != "rms":
+            o.muon_weight_decay = MUON_WEIGHT_DECAY  # recorded: a resume keeps it whatever the default
+
+    def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` without its ``optimizer`` block (the engine is handed this one) and with gradient
+        clipping off.
+
+        Clipping is off because ZeRO 1 and 2 clip after the Muon update is made (the global norm of
+        orthogonalised updates, about 27 times the raw gradients' at the first step of the tiny
+        model), which would scale every Muon step down by that factor and make ZeRO 0 and ZeRO 2 train
+        different models; Muon's update has a fixed size whatever the gradient's.
+        """
+        if clip := config.get("gradient_clipping"):
+            log.info("Muon: gradient clipping (%s in the DeepSpeed config) is off", clip)
+        return {**{k: v for k, v in config.items() if k != "optimizer"}, "gradient_clipping": 0.0}
+
+    def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
+        # The schedule is dsgpt2's whenever Muon trains (own_rates: the DeepSpeed scheduler is refused).
+        assert ds.schedule is not None
+        return {"optimizer": build_muon(model, ds.optimizer_params, ds.schedule.peak, self.options,
+                                        zero_stage(ds.config))}  # fmt: skip
+
+
+def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage: int = 0) -> Any:
+    """The Muon optimizer of ``model`` at ZeRO ``stage``: AdamW's part from ``adamw`` (the DeepSpeed
+    config's optimizer settings), ``lr`` its peak; Muon's from ``options``, their defaults where unset."""
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from torch.optim import AdamW
 
-    from dsgpt2.train.ds_config import zero_stage
-
-    check_optimizer("muon", ds_config)
-    block = ds_config.pop("optimizer", None) or {}
-    if clip := ds_config.get("gradient_clipping"):
-        log.info("Muon: gradient clipping (%s in the DeepSpeed config) is off", clip)
-    ds_config["gradient_clipping"] = 0.0
     scale = options.muon_scale or MUON_SCALE
-    adamw = block.get("params") or {}
     # Under Moonlight's rule the update's RMS is AdamW's: AdamW's rate and decay are the defaults.
     weight_decay = options.muon_weight_decay
     if weight_decay is None:
@@ -351,7 +282,7 @@ def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: Optimi
         model, adamw, lr, muon_lr=muon_lr, momentum=momentum, weight_decay=weight_decay, scale=scale
     )
     # ZeRO 1 and 2 orthogonalise each gradient themselves, and accept Muon by its exact class.
-    muon = batched_muon_class() if zero_stage(ds_config) == 0 else MuonWithAuxAdam
+    muon = batched_muon_class() if stage == 0 else MuonWithAuxAdam
     optimizer = muon(groups, adam_optimizer=AdamW)
     n_muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
     n_all = sum(p.numel() for g in groups for p in g["params"])
@@ -359,7 +290,6 @@ def build_muon(model: Any, ds_config: dict[str, Any], lr: float, options: Optimi
     log.info(
         "optimizer: Muon (lr %g, momentum %g, weight decay %g, %s scale: ×%s) on %.1fM weights of the "
         "blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
-        muon_lr, momentum, weight_decay, scale, factors, n_muon / 1e6, lr, (n_all - n_muon) / 1e6,
-        zero_stage(ds_config),
+        muon_lr, momentum, weight_decay, scale, factors, n_muon / 1e6, lr, (n_all - n_muon) / 1e6, stage,
     )  # fmt: skip
     return optimizer

@@ -1,0 +1,150 @@
+"""The optimizers a run can train with, in one registry (torchtitan's ``build_optimizers``): a new one
+is a :class:`~dsgpt2.train.optimizer.RunOptimizer` class and one line here; ``--optimizer``'s choices, a
+resume's checks and the engine's build all read :data:`OPTIMIZERS`. A plugin (or a test) registers its
+own the same way before the run is built::
+
+    @OPTIMIZERS.register("sgd")
+    class Sgd(RunOptimizer): ...
+
+Their options are :class:`OptimizerOptions`; each optimizer names the ones that are its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.registry import Registry
+from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
+from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, MUON_SCALE, MUON_WEIGHT_DECAY, SCALES, Muon
+from dsgpt2.train.optimizer import AdamW, RunOptimizer
+
+OPTIMIZERS: Registry[type[RunOptimizer]] = Registry("optimizer", "--optimizer")
+OPTIMIZERS.register(AdamW.name)(AdamW)
+OPTIMIZERS.register(Muon.name)(Muon)
+
+# A new run's optimizer, and the one it falls back to where the DeepSpeed config cannot carry it.
+DEFAULT = Muon.name
+FALLBACK = AdamW.name
+MUON = ("optimizer", Muon.name)  # what Muon's own options serve
+
+
+@dataclass
+class OptimizerOptions(Checked):
+    """Which optimizer trains the weights (see dsgpt2.train.optimizers), and Muon's settings
+    (dsgpt2.train.muon)."""
+
+    optimizer: str | None = option(
+        None,
+        "muon (the default for a new run): Muon on the blocks' 2-D weights (attention and MLP), AdamW (the "
+        "DeepSpeed config's settings, --lr) on embeddings, biases and norms; adamw: the DeepSpeed config's "
+        "AdamW on every weight. A resumed run without it continues with its checkpoint's",
+        choices=OPTIMIZERS.choices(),
+    )
+    muon_lr: float | None = option(
+        None,
+        f"muon: the peak learning rate of the Muon weights (default: --lr under --muon_scale rms, {MUON_LR} "
+        "under spectral or storage); --lr stays AdamW's",
+        type=float,
+        check=POSITIVE_NUMBER,
+        serves=MUON,
+    )
+    muon_momentum: float | None = option(
+        None,
+        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
+        type=float,
+        check=Range(float, 0, 1, high_open=True),
+        serves=MUON,
+    )
+    muon_weight_decay: float | None = option(
+        None,
+        "muon: decoupled weight decay of the Muon weights, p ← p·(1 − lr·decay) (default: the DeepSpeed "
+        f"config's AdamW decay under --muon_scale rms, {MUON_WEIGHT_DECAY} under spectral or storage)",
+        type=float,
+        check=Range(float, 0),
+        serves=MUON,
+    )
+    muon_scale: str | None = option(
+        None,
+        f"muon: each matrix's update size (default {MUON_SCALE}): rms, 0.2·sqrt(max(fan-out, fan-in)) of the "
+        "layer, Moonlight's, where AdamW's --lr and decay carry over; spectral, sqrt(max(1, fan-out / "
+        "fan-in)), the speedrun's; storage: DeepSpeed's rule on the weight as stored (runs before this "
+        "choice existed)",
+        choices=list(SCALES),
+        serves=MUON,
+    )
+
+    def check(self) -> None:
+        self.check_own_flags()
+
+    def chosen(self) -> RunOptimizer:
+        """The optimizer these options choose (set: :meth:`TrainConfig.settle` fills it in)."""
+        return OPTIMIZERS[str(self.optimizer)](self)
+
+    def given(self, name: str | None = None) -> list[str]:
+        """The flags given that belong to an optimizer (``name``'s; any: None)."""
+        owners = [OPTIMIZERS[name]] if name else [cls for _, cls in OPTIMIZERS.items()]
+        return [f"--{k}" for cls in owners for k in cls.keys if getattr(self, k, None) is not None]
+
+    def check_own_flags(self) -> None:
+        """Refuse an optimizer's settings for a run that trains with another.
+
+        Raises:
+            ConfigError: a flag of one optimizer given, and the run trains with another.
+        """
+        if self.optimizer is None:
+            return
+        for owner, cls in OPTIMIZERS.items():
+            given = self.given(owner)
+            if owner != self.optimizer and given:
+                raise ConfigError(
+                    f"{' and '.join(given)} set the {cls.__name__} optimizer, and this run trains with "
+                    f"--optimizer {self.optimizer}: add --optimizer {owner}, or drop {' and '.join(given)}"
+                )
+
+    def take_resumed(self, saved: dict[str, object]) -> list[str]:
+        """Fill what this run left unset from the options of the checkpoint it resumes (``saved``): the
+        optimizer, and its own settings where the checkpoint's optimizer is this run's (a checkpoint
+        saved before a setting existed: the value it trained with). Returns the flags taken."""
+        taken = []
+        theirs = str(saved.get("optimizer") or FALLBACK)  # saved before Muon: AdamW
+        if self.optimizer is None:
+            self.optimizer = theirs
+            taken.append(f"--optimizer {theirs}")
+        if self.optimizer == theirs:
+            cls = OPTIMIZERS[theirs]
+            for key in cls.keys:
+                if getattr(self, key) is None:
+                    value = saved.get(key, cls.legacy.get(key))
+                    setattr(self, key, value)
+                    if value is not None:
+                        taken.append(f"--{key} {value}")
+        return taken
+
+    def settle(self, unfit: str | None) -> list[str]:
+        """Choose the optimizer of a new run (the default, or the fallback where the DeepSpeed config
+        cannot carry it, ``unfit`` saying why, and no option of the default's was given) and fill in
+        its own settings. Returns what was decided, as lines for the log."""
+        said = []
+        if self.optimizer is None:
+            self.optimizer = FALLBACK if unfit and not self.given(DEFAULT) else DEFAULT
+            if self.optimizer == FALLBACK:
+                said.append(f"optimizer: AdamW, not Muon, under this DeepSpeed config: {unfit}")
+        self.chosen().settle()
+        self.check_own_flags()
+        return said
+
+
+def check_optimizer(options: OptimizerOptions, ds_config: dict[str, Any]) -> None:
+    """Refuse a DeepSpeed config the chosen optimizer cannot train under, before anything is built.
+
+    Raises:
+        ConfigError: e.g. Muon under ZeRO stage 3, or with a DeepSpeed config whose optimizer is not AdamW.
+    """
+    name = options.optimizer
+    if why := OPTIMIZERS[str(name)].unfit(ds_config):
+        raise ConfigError(
+            f"--optimizer {name} cannot train under this DeepSpeed config: {why}. Use a ZeRO 0-2 config "
+            f"with AdamW as its optimizer (configs/ds_config.json), or --optimizer {FALLBACK}"
+        )
