@@ -8,7 +8,7 @@ file as a hook (``hooks:`` in mkdocs.yml): ``on_files`` builds the site from pag
 - ``reference/commands.md``: every ``dsgpt2`` command, nested ones included (``vocab train``,
   ``db status``), from :func:`dsgpt2.cli.main.build_parser`;
 - ``reference/trainer.md``: ``ds_trainer.py`` / ``dsgpt2 train``, from
-  :func:`dsgpt2.train.config.build_parser`;
+  :func:`dsgpt2.train.config.trainer_parser`;
 - ``reference/connection-config.md``: the connection config's keys, from the key table of
   :mod:`dsgpt2.db.config` and the defaults of :class:`~dsgpt2.db.config.MongoConfig`.
 """
@@ -55,9 +55,9 @@ def _walk(name: str, parser: argparse.ArgumentParser) -> Iterator[tuple[str, arg
 
 def trainer_parser() -> argparse.ArgumentParser:
     """``ds_trainer.py``'s parser (it adds DeepSpeed's own flags, so DeepSpeed is imported)."""
-    from dsgpt2.train.config import build_parser
+    from dsgpt2.train import config
 
-    return build_parser()
+    return config.trainer_parser()
 
 
 def flags(parser: argparse.ArgumentParser) -> list[str]:

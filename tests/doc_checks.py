@@ -110,7 +110,7 @@ def check_trainer_command(command: str, tmp_path: Path) -> None:
     applied (a file the page asks the user to supply is written in the layout it names)."""
     from dsgpt2.cli.main import SECTIONS
     from dsgpt2.settings.runfile import parse_args
-    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
+    from dsgpt2.train.config import TRAIN_ALIASES, trainer_parser
 
     words = split(command)[1]
     supplied = tmp_path / "hellaswag_val.jsonl"
@@ -118,7 +118,9 @@ def check_trainer_command(command: str, tmp_path: Path) -> None:
     words = [str(supplied) if w == supplied.name else w for w in words]
     start = words.index("ds_trainer.py") + 1 if "ds_trainer.py" in words else words.index("train") + 1
     try:
-        parse_args(build_parser(), words[start:], command=["train"], sections=SECTIONS, aliases=TRAIN_ALIASES)
+        parse_args(
+            trainer_parser(), words[start:], command=["train"], sections=SECTIONS, aliases=TRAIN_ALIASES
+        )
     except SystemExit as exc:
         assert exc.code == 0, words
 

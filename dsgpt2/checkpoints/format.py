@@ -3,7 +3,7 @@ checksums, ``latest``, the states file that holds dsgpt2's training state.
 
 ``ckpt_dir/TAG/`` holds DeepSpeed's files plus ``dsgpt2_complete.json``, written only after every rank
 has finished saving, with the size and SHA-256 of every file; ``ckpt_dir/latest`` is then replaced
-atomically (see :func:`dsgpt2.train.checkpoint.save`). A file damaged since it was saved is found here
+atomically (see :func:`dsgpt2.train.ds_checkpoint.save`). A file damaged since it was saved is found here
 before anything loads it. Training, export and every inference command read checkpoints through this
 module.
 """

@@ -73,10 +73,10 @@ def demo_recipe() -> argparse.Namespace:
     reads it: every trainer flag, the file's values over the defaults. Its paths are the checkout's;
     the demo puts its own in their place."""
     from dsgpt2.settings.runfile import parse_args
-    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
+    from dsgpt2.train.config import TRAIN_ALIASES, trainer_parser
 
     argv = ["--config", str(shipped_config(DEMO_RECIPE))]
-    return parse_args(build_parser(), argv, command=["train"], sections=None, aliases=TRAIN_ALIASES)
+    return parse_args(trainer_parser(), argv, command=["train"], sections=None, aliases=TRAIN_ALIASES)
 
 
 def run_demo(

@@ -1,5 +1,5 @@
 """The run's checkpoints: which one to resume from, verified against this run's data and ranks
-before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.train.checkpoint`).
+before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.train.ds_checkpoint`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dsgpt2.checkpoints.format import (
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import TrainingAborted
-from dsgpt2.train import checkpoint
+from dsgpt2.train import ds_checkpoint
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
 
@@ -232,8 +232,8 @@ class Checkpointer:
         if where is None:
             return TrainState()
         load_dir, tag = where
-        saved = checkpoint.load(engine, load_dir, tag)["dsgpt2"]
-        checkpoint.set_rng_state(saved["rng"])
+        saved = ds_checkpoint.load(engine, load_dir, tag)["dsgpt2"]
+        ds_checkpoint.set_rng_state(saved["rng"])
         early = saved.get("early") or {}
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"],
                            early.get("best"), early.get("best_step", 0), early.get("stale", 0))  # fmt: skip
@@ -291,7 +291,7 @@ class Checkpointer:
                 "early": {"best": state.best, "best_step": state.best_step, "stale": state.stale},
                 "lr": engine.get_lr()[0],
                 "data": data(),
-                "rng": checkpoint.rng_state(),
+                "rng": ds_checkpoint.rng_state(),
                 "fingerprint": self.fingerprint,
                 "model_config": model_config.to_dict(),
                 "vocab_dir": str(s.vocab_dir.resolve()),
@@ -300,8 +300,8 @@ class Checkpointer:
             }
         }
         files = {RESOLVED: s.resolved}
-        tag = checkpoint.save(engine, s.ckpt.ckpt_dir, state.step, client_state, keep_last=s.ckpt.keep_last,
-                              files=files)  # fmt: skip
+        out, keep = s.ckpt.ckpt_dir, s.ckpt.keep_last
+        tag = ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files)
         log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
         return tag
 

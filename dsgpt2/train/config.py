@@ -477,7 +477,7 @@ GROUPS = (
 )
 
 
-def build_parser(prog: str = "ds_trainer.py") -> OneLineErrorParser:
+def trainer_parser(prog: str = "ds_trainer.py") -> OneLineErrorParser:
     p = OneLineErrorParser(
         prog=prog,
         description=(
@@ -534,7 +534,7 @@ def parse(
     from dsgpt2.settings.runfile import parse_args
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse_args(build_parser(prog), argv, command=["train"], sections=sections, aliases=TRAIN_ALIASES)
+    args = parse_args(trainer_parser(prog), argv, command=["train"], sections=sections, aliases=TRAIN_ALIASES)
     return config_from_args(args)
 
 

@@ -31,7 +31,6 @@ from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.tokenizer.bpe import load_tokenizer
-from dsgpt2.train.checkpoint import mark_best
 from dsgpt2.train.checkpointer import (
     Checkpointer,
     CheckpointSettings,
@@ -47,6 +46,7 @@ from dsgpt2.train.collective import (
     release_shared_buffer,
 )
 from dsgpt2.train.config import TrainConfig, parse
+from dsgpt2.train.ds_checkpoint import mark_best
 from dsgpt2.train.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
 from dsgpt2.train.engine import (
     Engine,

@@ -7,7 +7,7 @@ import pytest
 
 from dsgpt2.checkpoints.format import COMPLETE, resolve
 from dsgpt2.errors import CheckpointError
-from dsgpt2.train import checkpoint
+from dsgpt2.train import ds_checkpoint as checkpoint
 
 
 class FakeEngine:

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import build_parser, main
 from dsgpt2.settings.options import listed_flags, make_optional, subcommands
-from dsgpt2.train.config import build_parser as train_parser
+from dsgpt2.train.config import trainer_parser as train_parser
 
 
 def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:

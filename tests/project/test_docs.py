@@ -167,10 +167,10 @@ def test_the_commands_reference_lists_every_flag_of_every_command() -> None:
 
 
 def test_the_trainer_reference_lists_every_flag() -> None:
-    from dsgpt2.train.config import build_parser
+    from dsgpt2.train.config import trainer_parser
 
     page = gen_reference().trainer_page()
-    assert missing_flags(page, build_parser()) == []
+    assert missing_flags(page, trainer_parser()) == []
 
 
 def test_the_config_reference_lists_every_key_with_its_default() -> None:

@@ -22,8 +22,8 @@ from dsgpt2.train.config import (
     ModelOptions,
     RunOptions,
     TrainConfig,
-    build_parser,
     parse,
+    trainer_parser,
 )
 
 
@@ -165,7 +165,7 @@ def test_no_silent_abbreviations_and_hidden_old_spelling(
     assert "unrecognized arguments: --train_iter" in capsys.readouterr().err
     cfg = parse(argv(files, "--distributed-backend", "gloo"))
     assert cfg.engine.distributed_backend == "gloo"
-    assert "--distributed-backend" not in build_parser().format_help()
+    assert "--distributed-backend" not in trainer_parser().format_help()
 
 
 def test_config_dump_holds_every_flag(files: dict[str, Path]) -> None:
