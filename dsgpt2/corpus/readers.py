@@ -35,11 +35,18 @@ TEXT_SPLITS = ("line", "paragraph")
 
 
 class LineReader(Reader):
-    """A text file read line by line: the record yielded last starts at :attr:`line`."""
+    """A text file read line by line: the record yielded last starts at :attr:`line`. ``auto`` reads a
+    file as this format when its name (less ``.gz``) ends with one of ``SUFFIXES``."""
+
+    SUFFIXES: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, path: Path, options: ReadOptions) -> None:
         super().__init__(path, options)
         self.line = 0
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return bool(cls.SUFFIXES) and str(path).lower().removesuffix(".gz").endswith(cls.SUFFIXES)
 
     def where(self) -> dict[str, Any]:
         return {"file": str(self.path), "line": self.line}
@@ -63,11 +70,7 @@ class JsonlReader(LineReader):
     name = "jsonl"
     option = "field"
     keeps_fields = True
-    SUFFIXES: ClassVar[tuple[str, ...]] = (".jsonl", ".json", ".ndjson")
-
-    @classmethod
-    def claims(cls, path: Path) -> bool:
-        return str(path).lower().removesuffix(".gz").endswith(cls.SUFFIXES)
+    SUFFIXES = (".jsonl", ".json", ".ndjson")
 
     def records(self, start: int = 0) -> Iterator[Record]:
         return _read_jsonl(self.path, self.options.field, self.tally, self.options.keep_fields, self)
@@ -79,14 +82,11 @@ class CsvReader(LineReader):
     name = "csv"
     option = "column"
     keeps_fields = True
+    SUFFIXES = (".csv",)
 
     def __init__(self, path: Path, options: ReadOptions) -> None:
         super().__init__(path, options)
         _check_csv_header(path, options.column, self.tally, options.keep_fields)
-
-    @classmethod
-    def claims(cls, path: Path) -> bool:
-        return str(path).lower().removesuffix(".gz").endswith(".csv")
 
     def records(self, start: int = 0) -> Iterator[Record]:
         return _read_csv(self.path, self.options.column, self.tally, self.options.keep_fields, self)
