@@ -112,6 +112,9 @@ def build_ds_config(
         config["scheduler"] = deepspeed_scheduler(file["scheduler"], train_iters, lr)
     if optimizer is not None:
         config = optimizer.engine_config(config)
+        if (clip := file.get("gradient_clipping")) and not config.get("gradient_clipping"):
+            name = type(optimizer).__name__
+            notes.append(f"{name}: gradient clipping ({clip} in the DeepSpeed config) is off")
     return EngineConfig(config, params, own, tuple(notes))
 
 

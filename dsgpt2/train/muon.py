@@ -254,8 +254,6 @@ class Muon(RunOptimizer):
         model), which would scale every Muon step down by that factor and make ZeRO 0 and ZeRO 2 train
         different models; Muon's update has a fixed size whatever the gradient's.
         """
-        if clip := config.get("gradient_clipping"):
-            log.info("Muon: gradient clipping (%s in the DeepSpeed config) is off", clip)
         return {**{k: v for k, v in config.items() if k != "optimizer"}, "gradient_clipping": 0.0}
 
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:

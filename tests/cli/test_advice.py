@@ -31,7 +31,7 @@ LAUNCHER = {"--num_gpus", "--num_nodes", "--hostfile", "--master_addr", "--maste
 def command_flags(command: str) -> frozenset[str]:
     """The flags ``dsgpt2 COMMAND`` accepts (``train``: the trainer's), hyphens read as underscores."""
     if command == "train":
-        from dsgpt2.train.config import build_parser as trainer_parser
+        from dsgpt2.train.config import trainer_parser
 
         parser: argparse.ArgumentParser = trainer_parser()
     else:

@@ -131,6 +131,7 @@ def test_the_deepspeed_config_is_built_once_with_the_schedule_replaced_or_kept(t
     ds = _built(tmp_path, {**_ds(), "gradient_clipping": 1.0}, ScheduleOptions(lr_schedule="wsd"), 100,
                 muon.chosen())  # fmt: skip
     assert "optimizer" not in ds.config and ds.config["gradient_clipping"] == 0.0
+    assert ds.notes[-1] == "Muon: gradient clipping (1.0 in the DeepSpeed config) is off"
     assert ds.optimizer_params == {"lr": 6e-4}
 
 
