@@ -20,6 +20,11 @@ class ConfigError(DsGpt2Error):
     """A configuration file, flag or environment variable is invalid."""
 
 
+def usage_error(command: str, message: str) -> ConfigError:
+    """A command's one-line usage error, worded as every ``dsgpt2`` command words it."""
+    return ConfigError(f"dsgpt2 {command}: {message} (see `dsgpt2 {command} --help`)")
+
+
 class MongoUnavailableError(DsGpt2Error):
     """The MongoDB server cannot be reached or keeps failing."""
 

@@ -51,7 +51,8 @@ class Command:
     Attributes:
         name: the word typed after ``dsgpt2``.
         help: its line in ``dsgpt2 --help``.
-        settings: its flags, in order: settings classes, or :class:`Flags` for a part of one.
+        settings: its flags, in order: settings classes, :class:`Flags` for a part of one, or a function
+            that makes a class when the parser is built (flags that a registry's entries add).
         handler: what runs it, given the parsed arguments; returns the exit code.
         description: its ``--help`` text (default: ``help``).
         epilog: examples under its ``--help`` (kept as written, line by line).
@@ -63,7 +64,7 @@ class Command:
 
     name: str
     help: str
-    settings: tuple[type | Flags, ...] = ()
+    settings: tuple[type | Flags | Callable[[], type], ...] = ()
     handler: Callable[[argparse.Namespace], int] | None = None
     description: str | None = None
     epilog: str | None = None
@@ -81,6 +82,8 @@ class Command:
         if self.own_parser is not None:
             return
         for item in self.settings:
+            if not isinstance(item, type | Flags):
+                item = item()  # a class made when the parser is built (from a registry)
             f = item if isinstance(item, Flags) else Flags(item)
             target = p.add_argument_group(f.group) if f.group else p
             add_options(target, f.settings, only=f.only, defaults=f.defaults, helps=f.helps)
@@ -117,9 +120,9 @@ def collection_names(given: Sequence[str] | None, config: Any, command: str) -> 
 
 
 def usage(command: str, message: str) -> DsGpt2Error:
-    from dsgpt2.errors import ConfigError
+    from dsgpt2.errors import usage_error
 
-    return ConfigError(f"dsgpt2 {command}: {message} (see `dsgpt2 {command} --help`)")
+    return usage_error(command, message)
 
 
 def check_writable(path: Any, flag: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from typing import Any
 
 from dsgpt2.cli.common import (
@@ -17,6 +17,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.corpus.formats import FORMATS
+from dsgpt2.curation.steps import ingest_switches
 from dsgpt2.db.config import collection_name_problem
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.summaries import count_numbered
@@ -84,16 +85,20 @@ class IngestSettings(Checked):
         "row_group and row) and the reason, for the records this run read; the log names the first few",
         metavar="FILE.jsonl",
     )
-    dedup: bool = option(
-        False,
-        "skip a record whose text the corpus already holds (this collection and the config's), "
-        "counted as duplicate",
-    )
-    pii: bool = option(
-        False,
-        "replace e-mail addresses, IP addresses and phone numbers in the text (as `dsgpt2 redact` does; "
-        "`form` keeps the original)",
-    )
+
+
+def step_switches() -> type:
+    """``dsgpt2 ingest``'s switch of each registered step that runs at ingest (``--dedup``, ``--pii``, a
+    plugin's), as a settings class made when the parser is built."""
+    fields = [(kind.at_ingest.flag, bool, option(False, kind.at_ingest.help))
+              for kind in ingest_switches() if kind.at_ingest is not None]  # fmt: skip
+    return make_dataclass("IngestSteps", fields, frozen=True, kw_only=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgressSettings:
+    """The progress switch, after every other flag."""
+
     no_progress: bool = no_progress_option()
 
 
@@ -189,10 +194,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         sources,
         batch_size=s.batch_size,
         strict=s.strict,
-        progress=not s.no_progress,
-        dedup=s.dedup,
+        progress=not from_namespace(ProgressSettings, args).no_progress,
+        steps=[kind.for_ingest() for kind in ingest_switches() if getattr(args, kind.at_ingest.flag, False)],
         report_file=s.report,
-        pii=s.pii,
     )
     for line in report.lines():
         print(line)
@@ -349,7 +353,7 @@ INGEST = Command(
     "      --keep_fields id,url,dump,language_score fineweb/data/CC-MAIN-2024-10/*.parquet\n"
     "  dsgpt2 ingest --config c.json --collection wiki wiki_saved/   # Dataset.save_to_disk\n"
     "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl",
-    settings=(IngestSettings,),
+    settings=(IngestSettings, step_switches, ProgressSettings),
     handler=cmd_ingest,
 )
 

@@ -96,13 +96,18 @@ COMMANDS: tuple[Command, ...] = (
 SECTIONS = section_names(COMMANDS)
 
 
+def every_command() -> tuple[Command, ...]:
+    """:data:`COMMANDS`, then the commands of curation steps registered since (a plugin's)."""
+    return (*COMMANDS, *curation.added_commands(COMMANDS))
+
+
 def build_parser() -> OneLineErrorParser:
     parser = OneLineErrorParser(
         prog="dsgpt2", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"dsgpt2 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
+    for command in every_command():
         command.add_to(sub)
     return accept_hyphen_spellings(parser)
 
@@ -113,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     own = {c.name: c.own_parser for c in COMMANDS if c.own_parser is not None}
     if argv[:1] and argv[0] in own:
         return own[argv[0]](argv[1:])
-    args = parse_args(build_parser(), argv, sections=SECTIONS)
+    args = parse_args(build_parser(), argv, sections=section_names(every_command()))
     setup_logging(verbose=getattr(args, "verbose", False))
     func: Callable[[argparse.Namespace], int] = args.func
 

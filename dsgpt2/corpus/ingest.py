@@ -33,15 +33,15 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT
 from dsgpt2.corpus.records import BadRecord, Source, located
-from dsgpt2.curation.dedup import HASH, SeenTexts, ensure_hash_index
-from dsgpt2.curation.pii import redact_document
+from dsgpt2.curation.dedup import HASH, ensure_hash_index
+from dsgpt2.curation.steps import Step
 from dsgpt2.db.client import Connection, DatabaseError, count_in, database_errors, patiently, with_retries
 from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
 from dsgpt2.db.meta import read_meta
@@ -66,15 +66,14 @@ def ingest(
     strict: bool = False,
     *,
     progress: bool = False,
-    dedup: bool = False,
+    steps: Sequence[Step] = (),
     report_file: str | os.PathLike[str] | None = None,
-    pii: bool = False,
 ) -> IngestReport:
-    """Append every record of ``sources`` to ``collection`` exactly once (see module doc). With
-    ``dedup``, a record whose text the corpus already holds (``collection`` and the config's
-    collections, by ``text_hash``) is skipped and counted as ``duplicate``. ``report_file``: a JSON
-    lines file that lists where each record this run skipped is, and why. With ``pii``, each document's
-    text is redacted (:func:`dsgpt2.curation.pii.redact_document`) before it is hashed and inserted.
+    """Append every record of ``sources`` to ``collection`` exactly once (see module doc), each document
+    through ``steps`` in order (:mod:`dsgpt2.curation.steps`): each one's ``apply`` on the document
+    before it is hashed, its ``admit`` on a batch before it is numbered (what it leaves out is skipped
+    and counted under its ``skip_reason``, ``duplicate`` for ``--dedup``), its ``stored`` once numbered.
+    ``report_file``: a JSON lines file that lists where each record this run skipped is, and why.
 
     Raises:
         IngestError: bad options or unreadable input, or no record of a source has its text field.
@@ -91,12 +90,12 @@ def ingest(
             patiently(conn, lambda db: ensure_idx_index(db[collection]), f"indexing {collection}")
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
             ensure_hash_index(conn, collection, f"indexing {collection}")
-            seen = SeenTexts.open(conn, [collection, *conn.config.collections]) if dedup else None
+            opened = [step.opened(conn, collection) for step in steps]
             reports = []
             for source in sources:
                 with _held(conn, collection, source) as owner:
                     report = _write_source(conn, collection, source, batch_size, strict, progress=progress,
-                                           seen=seen, skips=skips, owner=owner, pii=pii)  # fmt: skip
+                                           steps=opened, skips=skips, owner=owner)  # fmt: skip
                     reports.append(report)
             top = max_idx(coll)
     finally:
@@ -123,10 +122,9 @@ def _write_source(
     strict: bool,
     *,
     progress: bool,
-    seen: SeenTexts | None,
+    steps: Sequence[Step],
     skips: SkipLog,
     owner: str,
-    pii: bool = False,
 ) -> SourceReport:
     coll = conn.db[collection]
     report = SourceReport(source.label, decoding=source.decoding)
@@ -139,7 +137,7 @@ def _write_source(
         return report
     start = _starting_point(conn, collection, source, report, state, next_idx=next_idx, owner=owner)
     batch: list[dict[str, Any]] = []
-    places: list[dict[str, Any]] | None = [] if seen is not None else None  # where each of batch is
+    places: list[dict[str, Any]] = []  # where each document of batch is
     missing = MissingField()
     beat = time.monotonic()
     pos = -1
@@ -172,8 +170,9 @@ def _write_source(
             elif not (isinstance(record, BadRecord) and record.reason == "bad_json"):
                 missing.with_field += 1
             doc = record.document()
-            if pii and isinstance(doc, dict):
-                doc.update(redact_document(doc, "filt_text") or {})
+            if isinstance(doc, dict):
+                for step in steps:
+                    doc.update(step.apply(doc, "filt_text") or {})
             if isinstance(doc, str):
                 report.skipped[doc] += 1
                 where = source.locate(pos)
@@ -186,15 +185,15 @@ def _write_source(
                 continue
             doc[HASH] = document_hash(doc, conn.config.text_field)
             batch.append({**doc, "source": source.key, "source_pos": pos})
-            if places is not None:
-                places.append(source.locate(pos))
+            places.append(source.locate(pos))
             if len(batch) >= batch_size:
                 next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=pos + 1,
-                                  next_idx=next_idx, seen=seen, owner=owner, places=places,
+                                  next_idx=next_idx, steps=steps, owner=owner, places=places,
                                   skips=skips)  # fmt: skip
-                batch, places, beat = [], [] if places is not None else None, time.monotonic()
+                batch, places, beat = [], [], time.monotonic()
         next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=max(pos + 1, start),
-                          next_idx=next_idx, seen=seen, owner=owner, places=places, skips=skips)  # fmt: skip
+                          next_idx=next_idx, steps=steps, owner=owner, places=places,
+                          skips=skips)  # fmt: skip
         if missing.records and not missing.with_field and not report.inserted and damage is None:
             # Nothing stored: the source is forgotten, so that the run with the right field starts clean.
             skips.end_source(source, quiet=True)
@@ -264,26 +263,29 @@ def _flush(
     batch: list[dict[str, Any]],
     records: int,
     next_idx: int,
-    seen: SeenTexts | None,
+    steps: Sequence[Step],
     owner: str,
-    places: list[dict[str, Any]] | None = None,
-    skips: SkipLog | None = None,
+    places: list[dict[str, Any]],
+    skips: SkipLog,
 ) -> int:
-    """Number and insert ``batch`` (with ``--dedup``, less the texts the corpus holds, each located
-    by ``places`` in ``skips``), record how far the source is read; returns the next idx."""
-    if seen is not None:
-        fresh = seen.fresh(batch)
-        report.skipped["duplicate"] += len(batch) - len(fresh)
-        if skips is not None and places is not None and len(fresh) < len(batch):
-            kept = {id(doc) for doc in fresh}
+    """Number and insert ``batch`` (less what a step does not admit, each located by ``places`` in
+    ``skips``), record how far the source is read; returns the next idx."""
+    for step in steps:
+        if not step.skip_reason:  # admits every document
+            continue
+        admitted = step.admit(batch)
+        report.skipped[step.skip_reason] += len(batch) - len(admitted)
+        if len(admitted) < len(batch):
+            kept = {id(doc) for doc in admitted}
             for doc, where in zip(batch, places, strict=True):
                 if id(doc) not in kept:
-                    skips.add(source, where, "duplicate")
-        batch = fresh
+                    skips.add(source, where, step.skip_reason)
+            places = [where for doc, where in zip(batch, places, strict=True) if id(doc) in kept]
+            batch = admitted
     if batch:
         numbered = [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)]
-        if seen is not None:
-            report.near_duplicates += seen.mark_near(collection, numbered)
+        for step in steps:
+            report.near_duplicates += step.stored(collection, numbered)
         next_idx = insert_batch(conn, coll, numbered)
         report.inserted += len(batch)
     _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False, owner=owner)

@@ -17,12 +17,23 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsgpt2.curation.passes import Pass, Split, set_each
-from dsgpt2.curation.quality import SIGNALS_VERSION, failed, signals, verdicts
+from dsgpt2.curation.quality import (
+    RULES,
+    SIGNALS_VERSION,
+    THRESHOLDS,
+    failed,
+    resolve_thresholds,
+    signals,
+    verdicts,
+)
+from dsgpt2.curation.steps import STEPS, About, Reason, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
+from dsgpt2.errors import usage_error
+from dsgpt2.settings.argtypes import comma_list
+from dsgpt2.settings.options import NON_NEGATIVE_INT, Checked, option
 
 
 def run_key(rules: Sequence[str], thresholds: Mapping[str, float]) -> str:
@@ -62,34 +73,101 @@ class CurationReport:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class CurateSettings(Checked):
+    """``dsgpt2 curate``: the rule sets and thresholds, or the report of what every pass marked."""
+
+    action: str | None = option(
+        None,
+        "report: print and plot what dedup and curate marked per collection, with examples "
+        "(reads the marks; judges nothing)",
+        positional=True,
+        choices=["report"],
+    )
+    rules: tuple[str, ...] = option(
+        RULES, f"rule sets (default: {','.join(RULES)})", type=comma_list, metavar="A,B"
+    )
+    threshold: tuple[str, ...] = option(
+        (),
+        "change one threshold (repeatable), e.g. min_words=30; `--help` lists them",
+        repeat=True,
+        metavar="NAME=VALUE",
+    )
+    plot: str = option("runs/curation.png", "report: the PNG")
+    examples: int = option(2, "report: examples per reason", check=NON_NEGATIVE_INT)
+    json: bool = option(False, "report: print JSON instead of lines")
+
+
+_LISTED = "; ".join(f"{name} ({rule}, default {default:g}): {what}"
+                    for name, (default, rule, what) in THRESHOLDS.items())  # fmt: skip
+
+
+@STEPS.register("curate")
 @dataclass
-class Curation(Pass):
-    """The pass: each document measured and judged by ``rules`` under ``thresholds``."""
+class Curation(Step):
+    """The step: each document measured and judged by ``rules`` under ``thresholds``."""
 
     rules: list[str]
     thresholds: dict[str, float]
 
     command = "curate"
+    about = About(
+        help="store quality signals and per-rule-set verdicts on each document (Gopher, C4, repetition)",
+        description=(
+            "Measure each document's text (words, mean word length, symbol, bullet and ellipsis ratios, "
+            "stop words, repeated lines, paragraphs and n-grams, C4's line filter) into `quality`, and "
+            "judge it by each rule set of --rules into `passes` (e.g. passes.gopher: true). Killed and "
+            "re-run, it continues; run with other thresholds, it judges every document again. "
+            f"Thresholds: {_LISTED}."
+        ),
+        epilog=(
+            "examples:\n  dsgpt2 curate --config c.json --rules gopher,c4 --threshold min_words=30\n"
+            "  dsgpt2 curate report --config c.json --plot curation.png   # what every pass marked"
+        ),
+    )
+    settings = (CurateSettings,)
+    marks = ("quality", "passes")
+    reasons = tuple(
+        Reason(f"fails {rule}", {f"passes.{rule}": False}, f"dsgpt2 curate --rules {rule}",
+               ("curate", "rules", rule))
+        for rule in RULES
+    )  # fmt: skip
     verb = "curate"
     writing = "curate"
     mark = "passes.key"
 
-    def key(self) -> str:
-        return run_key(self.rules, self.thresholds)
+    @classmethod
+    def build(cls, settings: Mapping[type, Any]) -> Curation:
+        s: CurateSettings = settings[CurateSettings]
+        unknown = [r for r in s.rules if r not in RULES]
+        if unknown:
+            known = ", ".join(RULES)
+            raise usage_error("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {known}")
+        overrides = {}
+        for item in s.threshold:
+            name, sep, value = item.partition("=")
+            try:
+                overrides[name.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep:
+                raise usage_error("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
+        return cls(list(s.rules), resolve_thresholds(overrides))
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        key, updates = self.key(), []
-        for doc in batch:
-            text = document_text(doc, text_field)
-            measured = signals(text) if text is not None else None
-            judged = (
-                verdicts(measured, self.rules, self.thresholds)
-                if measured
-                else dict.fromkeys(self.rules, False)
-            )
-            updates.append((doc["_id"], {"quality": {"v": SIGNALS_VERSION, **(measured or {})},
-                                         "passes": {"key": key, **judged}}))  # fmt: skip
-        return set_each(updates)
+    def __post_init__(self) -> None:
+        self.run_key = run_key(self.rules, self.thresholds)
+
+    def key(self) -> str:
+        return self.run_key
+
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        text = document_text(doc, text_field)
+        measured = signals(text) if text is not None else None
+        judged = (
+            verdicts(measured, self.rules, self.thresholds) if measured else dict.fromkeys(self.rules, False)
+        )
+        quality = {"v": SIGNALS_VERSION, **(measured or {})}
+        return {"quality": quality, "passes": {"key": self.run_key, **judged}}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionCuration:
         part = CollectionCuration(name, judged=done)

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.curation.passes import Pass, Split
+from dsgpt2.curation.steps import STEPS, About, Reason, Split, Step
 from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, usage_error
+from dsgpt2.settings.options import Checked, Range, option
 
 CONTAMINATED = "contaminated"  # {SET: n-gram}: absent on a document no set shares an n-gram with
 CHECKED = "decont"  # {SET: run key}: the sets a document was checked against, and under which key
@@ -284,9 +285,34 @@ class DecontReport:
         return out
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecontaminateSettings(Checked):
+    """``dsgpt2 decontaminate``: the evaluation files, their set names and the n-gram size."""
+
+    against: tuple[Path, ...] = option(
+        (),
+        "evaluation files (JSON lines, optionally .gz): HellaSwag as `evaluate --hellaswag` reads it, "
+        'lm-eval task documents ({"doc": {...}, "target": ...}), or {"text": ...} records',
+        metavar="FILE",
+    )
+    name: tuple[str, ...] | None = option(
+        None,
+        "the set's name of each --against file, in order (repeatable; default: the file's name without "
+        ".jsonl, .json, .gz)",
+        repeat=True,
+    )
+    # Shorter n-grams than MIN_NGRAM match ordinary prose.
+    ngram: int = option(
+        DEFAULT_NGRAM,
+        "words per n-gram shared with an evaluation text (GPT-3's 13)",
+        check=Range(int, MIN_NGRAM),
+    )
+
+
+@STEPS.register("decontaminate")
 @dataclass
-class Decontamination(Pass):
-    """The pass: each document checked for an ``ngram``-word n-gram of each evaluation set of ``sets``."""
+class Decontamination(Step):
+    """The step: each document checked for an ``ngram``-word n-gram of each evaluation set of ``sets``."""
 
     sets: list[EvalSet]
     ngram: int = DEFAULT_NGRAM
@@ -295,6 +321,31 @@ class Decontamination(Pass):
     keys: dict[str, str] = field(default_factory=dict, repr=False)  # each set's run key, made once
 
     command = "decontaminate"
+    about = About(
+        help="mark documents that share an n-gram of N words with an evaluation set (contaminated)",
+        description=(
+            "Normalise every evaluation text as GPT-3 and datatrove do (lowercase, punctuation stripped, "
+            "whitespace collapsed), keep its N-word n-grams in memory, then read each document once in "
+            'idx order and mark those holding one with contaminated: {SET: "the n-gram"}. Each '
+            "document read records the set's run key in decont.SET: killed and re-run, the pass "
+            "continues; run again after an ingest, it reads only the new documents; a set whose texts "
+            "or N changed is checked again everywhere. Nothing is deleted: the FILTER "
+            '{"contaminated": {"$exists": false}} trains without them, `dsgpt2 curate report` counts '
+            "them per set and `dsgpt2 evaluate --hellaswag FILE` says how many of the set named as "
+            "FILE the run's training split held."
+        ),
+        epilog=(
+            "examples:\n"
+            "  dsgpt2 decontaminate --config c.json --against hellaswag_val.jsonl\n"
+            "  dsgpt2 decontaminate --config c.json --against mmlu.jsonl.gz --name mmlu --ngram 8 --workers 4"
+        ),
+    )
+    settings = (DecontaminateSettings,)
+    marks = (CONTAMINATED, CHECKED)
+    reasons = (
+        Reason("contaminated", {CONTAMINATED: {"$exists": True}}, "dsgpt2 decontaminate --against FILE",
+               (META,)),
+    )  # fmt: skip
     verb = "decontaminate"
     writing = "decontaminate"
     part_note = "the sets are recorded as checked once a run without --part has read what the parts left"
@@ -306,6 +357,19 @@ class Decontamination(Pass):
             for s in self.sets:
                 for gram in s.grams:
                     self.table[gram] = (*self.table.get(gram, ()), s.name)
+
+    @classmethod
+    def build(cls, settings: Mapping[type, Any]) -> Decontamination:
+        s: DecontaminateSettings = settings[DecontaminateSettings]
+        if not s.against:
+            raise usage_error("decontaminate", "give the evaluation files: --against FILE...")
+        names: list[str | None] = list(s.name or [None] * len(s.against))
+        if len(names) != len(s.against):
+            raise usage_error(
+                "decontaminate",
+                f"--name given {len(names)} times for {len(s.against)} --against files: one per file",
+            )
+        return cls(load_sets(s.against, names, s.ngram), s.ngram)
 
     def key(self) -> dict[str, str]:
         """Each set's run key, by name."""

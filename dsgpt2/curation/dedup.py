@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, NearLookup, duplicates_line
-from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
+from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, DedupSettings, NearLookup, Signing, duplicates_line
+from dsgpt2.curation.passes import NUMBERED, ensure_index
+from dsgpt2.curation.steps import STEPS, About, AtIngest, Reason, Split, Step
 from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import count_numbered, first_numbered, read_windows
@@ -75,18 +76,53 @@ class DedupReport:
         return out
 
 
+@STEPS.register("exact")
 @dataclass
-class Hashing(Pass):
+class Hashing(Step):
     """``dedup --exact``'s first stage: ``text_hash`` stored on every document without one (on every
-    document, ``every``, when the hashes were taken of another field than the config's TEXT_FIELD)."""
+    document, ``every``, when the hashes were taken of another field than the config's TEXT_FIELD);
+    then, over every collection at once, the copies marked ``dup_of``."""
 
     text_field: str = ""  # the field hashed (the config's TEXT_FIELD), known once started
     every: bool = False
 
     command = "dedup"
+    about = About(
+        help="mark duplicate and near-duplicate documents in place (dup_of, near_dup_of)",
+        description=(
+            "--exact: store text_hash (a hash of the text training reads) on every document without one "
+            "and index it, group the hashes with MongoDB's aggregation pipeline over the collections, "
+            "and mark every copy of a text but the first (the earliest collection in COLLECTIONS "
+            'order, then the smallest idx) with dup_of: "collection:idx".\n\n'
+            "--near: store lsh (MinHash LSH band values of the text's word n-grams) on every document "
+            "not signed under these settings and index it, group the band values with the aggregation "
+            "pipeline, confirm each candidate pair on the texts (Jaccard similarity of their n-gram "
+            "sets >= --threshold), cluster the confirmed pairs and mark every document of a cluster "
+            'but the first with near_dup_of: "collection:idx".\n\n'
+            "Nothing is deleted; select the rest with a FILTER. Killed and re-run, a pass ends as a "
+            "straight run. --workers splits hashing and signing by idx ranges across processes; "
+            "--part R/M does only this machine's share of them (then one run without --part marks)."
+        ),
+        epilog=(
+            "examples:\n  dsgpt2 dedup --config c.json --exact --near --threshold 0.8\n"
+            "  dsgpt2 dedup --config c.json --near --workers 4 --part 1/2   # machine 1 of 2, then:\n"
+            "  dsgpt2 dedup --config c.json --near"
+        ),
+    )
+    settings = (DedupSettings,)
+    none_asked = "say which duplicates: --exact, --near, or both"
+    marks = (HASH, DUP_OF)
+    reasons = (
+        Reason("exact duplicate", {DUP_OF: {"$exists": True}}, "dsgpt2 dedup --exact", ("dedup", "exact"),
+               of=DUP_OF),
+    )  # fmt: skip
     verb = "hash"
     writing = "dedup: hashing"
     part_note = MARKED_AFTER_PARTS
+
+    @classmethod
+    def build(cls, settings: Mapping[type, Any]) -> Hashing | None:
+        return cls() if settings[DedupSettings].exact else None
 
     def key(self) -> str:
         """A hash is current while it is of the field it was taken of (meta_info's ``hashes.field``)."""
@@ -110,8 +146,8 @@ class Hashing(Pass):
                      hashed_field, cfg.text_field)  # fmt: skip
         return Hashing(text_field=cfg.text_field, every=every)
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        return set_each([(d["_id"], {HASH: document_hash(d, text_field)}) for d in batch])
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        return {HASH: document_hash(doc, text_field)}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionDedup:
         if split.parts == 1:  # the field is recorded once every range is hashed under it
@@ -145,6 +181,10 @@ class Hashing(Pass):
                 )
                 if doc is not None:
                     report.examples.append((f"{part.name}:{doc['idx']}", doc[DUP_OF]))
+
+
+# dedup's second stage, after the hashes.
+STEPS.register("near")(Signing)
 
 
 def _groups(conn: Connection, names: Sequence[str]) -> list[tuple[str, int, list[int]]]:
@@ -298,3 +338,31 @@ class SeenTexts:
                 held.add(h)
             out.append(doc)
         return out
+
+
+@STEPS.register("held")
+@dataclass
+class HeldTexts(Step):
+    """``ingest --dedup``: a document whose text the corpus holds (the collection ingested into and the
+    config's, by ``text_hash``), or an earlier one of the run, is not stored; one whose near copy it
+    holds is stored marked ``near_dup_of`` (:class:`SeenTexts`)."""
+
+    seen: SeenTexts | None = None
+
+    at_ingest = AtIngest(
+        "dedup",
+        "skip a record whose text the corpus already holds (this collection and the config's), "
+        "counted as duplicate",
+    )
+    skip_reason = "duplicate"
+
+    def opened(self, conn: Connection, collection: str) -> HeldTexts:
+        return HeldTexts(SeenTexts.open(conn, [collection, *conn.config.collections]))
+
+    def admit(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        assert self.seen is not None, "opened for the ingest first"
+        return self.seen.fresh(docs)
+
+    def stored(self, collection: str, docs: list[dict[str, Any]]) -> int:
+        assert self.seen is not None, "opened for the ingest first"
+        return self.seen.mark_near(collection, docs)

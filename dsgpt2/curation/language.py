@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from dsgpt2.curation.passes import Pass, Split, set_each
+from dsgpt2.curation.steps import STEPS, About, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.filters import LANGUAGE_FIELD
 from dsgpt2.db.meta import write_meta
@@ -48,6 +48,7 @@ SCORE = "lang_score"
 KEY = "lang_key"
 
 
+@functools.lru_cache(maxsize=1)
 def run_key() -> str:
     """What a document's label came from: the model, its version, the characters read."""
     return f"{MODEL}-{metadata.version(MODEL)}/{CHARS}"
@@ -107,11 +108,28 @@ def top_languages(counts: dict[str, int], shown: int = 8) -> str:
     return text + (f", {rest} more" if rest > 0 else "") if text else "no documents"
 
 
+@STEPS.register("langid")
 @dataclass
-class Labelling(Pass):
-    """The pass: each document labelled with its language by the bundled model."""
+class Labelling(Step):
+    """The step: each document labelled with its language by the bundled model."""
 
     command = "langid"
+    about = About(
+        help="label each document with its language (lang, lang_score) from a model shipped in py3langid",
+        description=(
+            "Identify each document's language with py3langid's bundled model (no download) and store "
+            "`lang` (an ISO 639 code such as en, de, zh), `lang_score` (its probability, 0 to 1) and "
+            "`lang_key` (the model and version) on it. Killed and re-run, it continues; documents "
+            "ingested later are labelled by the next run; a new model version labels every document "
+            "again. The counts per language go to meta_info, where `dsgpt2 info` shows them. "
+            'Train on one language with "FILTER": {"lang": "en"} in the config.'
+        ),
+        epilog=(
+            "examples:\n  dsgpt2 langid --config c.json\n"
+            "  dsgpt2 langid --config c.json --workers 2 --collection news"
+        ),
+    )
+    marks = (LANGUAGE_FIELD, SCORE, KEY)
     verb = "langid"
     writing = "langid"
     mark = KEY
@@ -120,12 +138,9 @@ class Labelling(Pass):
     def key(self) -> str:
         return run_key()
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        key, updates = self.key(), []
-        for doc in batch:
-            code, score = identify(document_text(doc, text_field))
-            updates.append((doc["_id"], {LANGUAGE_FIELD: code, SCORE: score, KEY: key}))
-        return set_each(updates)
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        code, score = identify(document_text(doc, text_field))
+        return {LANGUAGE_FIELD: code, SCORE: score, KEY: self.key()}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionLanguages:
         part = CollectionLanguages(name, labelled=done, counts=count_languages(conn, name))

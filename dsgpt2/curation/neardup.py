@@ -23,18 +23,29 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from dsgpt2.curation.minhash import Clusters, LshParams, Signer, band_values, jaccard, shingles, signature
-from dsgpt2.curation.passes import NUMBERED, Pass, Split, ensure_index, set_each
+from dsgpt2.curation.minhash import (
+    NUM_PERM,
+    Clusters,
+    LshParams,
+    Signer,
+    band_values,
+    jaccard,
+    shingles,
+    signature,
+)
+from dsgpt2.curation.passes import NUMBERED, ensure_index
+from dsgpt2.curation.steps import Reason, Split, Step
 from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import count_numbered, read_windows
 from dsgpt2.documents import document_text
+from dsgpt2.settings.options import POSITIVE_INT, RATIO, Checked, option
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +83,51 @@ def ensure_bands_index(conn: Connection, name: str, what: str) -> None:
     ensure_index(conn, name, BANDS, what)
 
 
+@dataclass(frozen=True, kw_only=True)
+class DedupSettings(Checked):
+    """``dsgpt2 dedup``: which duplicates, and how near is near."""
+
+    exact: bool = option(False, "exact duplicates, by text_hash")
+    near: bool = option(False, "near duplicates, by MinHash LSH")
+    threshold: float = option(
+        0.8,
+        "--near: the Jaccard similarity of word n-gram sets from which two texts are near duplicates",
+        check=RATIO,
+    )
+    ngram: int = option(5, "--near: words per shingle", check=POSITIVE_INT)
+    num_perm: int = option(
+        128,
+        "--near: MinHash permutations; the bands are chosen from them for --threshold",
+        check=NUM_PERM,
+    )
+
+
 @dataclass
-class Signing(Pass):
+class Signing(Step):
     """``dedup --near``'s first stage: ``lsh`` and ``lsh_key`` stored on the documents not signed under
-    ``params``, the ``lsh`` index built first."""
+    ``params``, the ``lsh`` index built first; then, over every collection at once, the clusters marked
+    ``near_dup_of``."""
 
     params: LshParams
 
     command = "dedup"
+    settings = (DedupSettings,)
+    marks = (BANDS, BANDS_KEY, NEAR_OF)
+    reasons = (
+        Reason("near duplicate", {NEAR_OF: {"$exists": True}}, "dsgpt2 dedup --near", ("dedup", "near"),
+               of=NEAR_OF),
+    )  # fmt: skip
     verb = "sign"
     writing = "dedup --near: signing"
     mark = BANDS_KEY
     part_note = MARKED_AFTER_PARTS
+
+    @classmethod
+    def build(cls, settings: Mapping[type, Any]) -> Signing | None:
+        s: DedupSettings = settings[DedupSettings]
+        if not s.near:
+            return None
+        return cls(LshParams(threshold=s.threshold, ngram=s.ngram, num_perm=s.num_perm))
 
     def key(self) -> str:
         return self.params.key
@@ -99,13 +143,9 @@ class Signing(Pass):
             patiently(conn, lambda db: _drop_bands_index(db, name), f"dedup --near: unindexing {name}")
         return self
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        signer, key = _signer(self.params), self.key()
-        updates = []
-        for doc in batch:
-            text = document_text(doc, text_field)
-            updates.append((doc["_id"], {BANDS: signer.bands(text or ""), BANDS_KEY: key}))
-        return set_each(updates)
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        text = document_text(doc, text_field)
+        return {BANDS: _signer(self.params).bands(text or ""), BANDS_KEY: self.key()}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionNear:
         return CollectionNear(name, signed=done)

@@ -1,11 +1,12 @@
 """One kind of pass over a collection's documents, and the one driver that runs every kind: idx-ordered
 windows, bulk writes, resume, worker processes and machine parts, retries, progress and the report.
 
-A :class:`Pass` says what it does to a document and nothing else: ``key()`` (what makes a document's
-mark current), ``todo()`` (the documents whose mark is not: by default those whose ``mark`` field is not
-``key()``), ``process(batch)`` (the bulk writes for a batch of them), and what it counts once a
-collection is done. :func:`run_pass` does the rest for every pass (curate, langid, redact,
-decontaminate, and the hashing and signing stages of dedup).
+A :class:`~dsgpt2.curation.steps.Step` says what it does to a document and nothing else: ``key()``
+(what makes a document's mark current), ``todo()`` (the documents whose mark is not: by default those
+whose ``mark`` field is not ``key()``), ``apply(doc)`` (the fields to set on one of them), what it counts
+once a collection is done, and the work over every collection at once (``conclude``). :func:`run_pass`
+does the rest for every step (curate, langid, redact, decontaminate, and the hashing and signing stages
+of dedup).
 
 Resumable by its query: a pass selects the documents still without its current mark, so a pass killed
 and run again continues with those, and ends as a straight one.
@@ -25,13 +26,13 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar
+from typing import Any
 
+from dsgpt2.curation.steps import Split, Step
 from dsgpt2.db.client import (
     ASCENDING,
     Connection,
     DatabaseError,
-    UpdateOne,
     patiently,
     require_collections,
     with_retries,
@@ -107,43 +108,12 @@ def write_ops(conn: Connection, name: str, ops: list[Any], what: str) -> None:
         with_retries(lambda: conn.bulk_write(name, ops), conn.config, f"{what}: writing {name}")
 
 
-def set_each(updates: Sequence[tuple[Any, dict[str, Any]]]) -> list[Any]:
-    """A ``$set`` of each ``(_id, fields)``: the writes of a pass that marks document by document."""
-    return [UpdateOne({"_id": _id}, {"$set": f}) for _id, f in updates]
-
-
 def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
     """The smallest and largest idx of ``name`` (a few reads on the idx index); None when it has none."""
     coll = conn.db[name]
     lo = with_retries(lambda: idx_edge(coll, 1), conn.config, f"reading the idx range of {name}")
     hi = with_retries(lambda: idx_edge(coll, -1), conn.config, f"reading the idx range of {name}")
     return None if lo is None or hi is None else (int(lo), int(hi))
-
-
-def spans(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
-    """``[lo, hi]`` cut into ``parts`` contiguous ``[start, stop)`` ranges as even as integers allow
-    (fewer when there are fewer idx values than parts)."""
-    n = hi - lo + 1
-    parts = max(1, min(parts, n))
-    cuts = [lo + n * i // parts for i in range(parts + 1)]
-    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
-
-
-@dataclass(frozen=True)
-class Split:
-    """How a pass's per-document work is split: ``workers`` processes here, and this machine's
-    ``part`` (0-based) of ``parts`` idx ranges of each collection."""
-
-    workers: int = 1
-    part: int = 0
-    parts: int = 1
-
-    def ranges(self, bounds: tuple[int, int]) -> list[tuple[int, int]]:
-        mine = spans(*bounds, self.parts)
-        if self.part >= len(mine):  # more machines than idx values: nothing here
-            return []
-        start, stop = mine[self.part]
-        return spans(start, stop - 1, self.workers)
 
 
 WHOLE = Split()
@@ -207,71 +177,12 @@ class PassSettings(Checked):
         return Split(workers=self.workers, part=part - 1, parts=parts)
 
 
-class Pass:
-    """One kind of pass: what it reads of a document, what it writes back, what it counts after.
-
-    A subclass is a dataclass of its settings (picklable: worker processes receive it), and sets:
-
-    - ``command``: the command, as messages name it (``"dedup"``);
-    - ``verb``: what its progress bar and worker log say it does (``"hash"``);
-    - ``writing``: the prefix of its write retries' messages (``"dedup: hashing"``);
-    - ``mark``: the field holding the key a document was processed under (None: ``todo`` says).
-    """
-
-    command: ClassVar[str]
-    verb: ClassVar[str]
-    writing: ClassVar[str]
-    mark: ClassVar[str | None] = None
-    # What a run over part of the idx ranges leaves to another run (a line of the report), if anything.
-    part_note: ClassVar[str | None] = None
-
-    def key(self) -> Any:
-        """What makes a document's mark current: a document marked under another key is processed."""
-        raise NotImplementedError
-
-    def todo(self) -> dict[str, Any]:
-        """The numbered documents this pass has still to process."""
-        return {"idx": {"$exists": True}, self.mark: {"$ne": self.key()}}
-
-    def fields(self, text_field: str) -> dict[str, int]:
-        """The fields a batch is read with (besides ``_id`` and ``idx``)."""
-        return {text_field: 1, "turns": 1}
-
-    def pending(self, doc: dict[str, Any]) -> bool:
-        """Whether a document ``todo`` read is still to process: for a condition ``todo`` leaves out
-        because the embedded engine answers it with a scan (an ``$or``; see :func:`conjoin`)."""
-        return True
-
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        """The bulk writes that process ``batch`` (documents in idx order)."""
-        raise NotImplementedError
-
-    def check(self, conn: Connection, names: Sequence[str]) -> None:
-        """Refuse the run before any work (e.g. documents a run trained on would change)."""
-
-    def start(self, conn: Connection, name: str) -> Pass:
-        """The pass as it runs on ``name`` (an index built first, settings read from its meta_info)."""
-        return self
-
-    def finish(self, conn: Connection, name: str, done: int, split: Split) -> Any:
-        """``name``'s entry of the report, once this run processed ``done`` of its documents; records
-        the run in meta_info."""
-        raise NotImplementedError
-
-    def report(self, parts: list[Any]) -> Any:
-        """The run's report (with ``seconds`` and ``lines()``) from the collections' entries."""
-        raise NotImplementedError
-
-    def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
-        """A stage over every collection at once, once each is done (dedup's grouping and marking)."""
-
-
 def walk(
     conn: Connection,
     name: str,
     span: tuple[int, int] | None = None,
     *,
-    step: Pass,
+    step: Step,
     batch_size: int = 1000,
     progress: bool = False,
 ) -> int:
@@ -291,7 +202,7 @@ def walk(
 def run_pass(
     conn: Connection,
     names: Sequence[str],
-    step: Pass,
+    step: Step,
     *,
     batch_size: int = 1000,
     progress: bool = False,
@@ -300,7 +211,7 @@ def run_pass(
     """Run ``step`` over this machine's idx ranges of each of ``names`` in turn, then count.
 
     Raises:
-        CorpusError: a collection is missing, or the pass refuses (:meth:`Pass.check`).
+        CorpusError: a collection is missing, or the step refuses (:meth:`Step.check`).
     """
     started = time.monotonic()
     require_collections(conn, names)
@@ -316,7 +227,7 @@ def run_pass(
     return report
 
 
-def part_line(step: Pass, split: Split) -> list[str]:
+def part_line(step: Step, split: Split) -> list[str]:
     """The report's last line on a run of ``step`` over part of the idx ranges: what is left to another
     run."""
     if split.parts == 1 or step.part_note is None:

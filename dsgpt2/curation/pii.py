@@ -36,17 +36,18 @@ from __future__ import annotations
 import ipaddress
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.dedup import HASH
-from dsgpt2.curation.passes import Pass, Split, set_each
+from dsgpt2.curation.steps import STEPS, About, AtIngest, Split, Step
 from dsgpt2.db.client import Connection, with_retries
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
+from dsgpt2.settings.options import Checked, option
 
 # Raised when a rule changes: documents redacted under another version are redacted again.
 PII_VERSION = 1
@@ -262,17 +263,63 @@ def trained_prefix_at_risk(conn: Connection, name: str) -> str | None:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class RedactSettings(Checked):
+    """``dsgpt2 redact``: whether documents a run trained on may change."""
+
+    force: bool = option(
+        False,
+        "redact documents a run has trained on all the same (their texts change under its checkpoints)",
+    )
+
+
+@STEPS.register("redact")
 @dataclass
-class Redaction(Pass):
-    """The pass: e-mail addresses, IP addresses and phone numbers replaced in each document's text;
-    with ``force``, in documents a run trained on too."""
+class Redaction(Step):
+    """The step: e-mail addresses, IP addresses and phone numbers replaced in each document's text (the
+    config's TEXT_FIELD, or ``redacts``); with ``force``, in documents a run trained on too."""
 
     force: bool = False
+    redacts: str | None = None
 
     command = "redact"
+    about = About(
+        help="replace e-mail addresses, IP addresses and phone numbers in the documents' text (pii)",
+        description=(
+            "Replace the e-mail addresses, public IPv4 and IPv6 addresses and phone numbers in the text "
+            "training reads (filt_text, or TEXT_FIELD; a conversation's turns) by placeholders from the "
+            "ranges reserved for documentation (email@example.com, 192.0.2.1, 2001:db8::1, "
+            "+1-202-555-0143), keep the original in `form`, and store the count of each kind in `pii` "
+            '(e.g. {"v": 1, "email": 2, "ip": 0, "phone": 1}). Version numbers, dates, decimals, '
+            "ISBNs, private addresses and e-mail-like code are left alone. Killed and re-run, it "
+            "continues; run again, it redacts only the documents ingested since. A collection a run has "
+            "trained on is refused while its trained documents are not redacted (their texts would "
+            "change under the checkpoints): redact before training, or pass --force."
+        ),
+        epilog=(
+            "examples:\n  dsgpt2 redact --config c.json\n"
+            "  dsgpt2 redact --config c.json --collection web --workers 4\n"
+            "  dsgpt2 ingest --config c.json --pii web.jsonl   # redacted as it is ingested"
+        ),
+    )
+    settings = (RedactSettings,)
+    marks = (PII, "form", HASH)
+    at_ingest = AtIngest(
+        "pii",
+        "replace e-mail addresses, IP addresses and phone numbers in the text (as `dsgpt2 redact` does; "
+        "`form` keeps the original)",
+    )
     verb = "redact"
     writing = "redact"
     mark = f"{PII}.v"
+
+    @classmethod
+    def build(cls, settings: Mapping[type, Any]) -> Redaction:
+        return cls(force=settings[RedactSettings].force)
+
+    @classmethod
+    def for_ingest(cls) -> Redaction:
+        return cls(redacts="filt_text")  # the cleaned text ingest stores, whatever TEXT_FIELD names
 
     def key(self) -> int:
         return PII_VERSION
@@ -288,13 +335,10 @@ class Redaction(Pass):
             if why:
                 raise CorpusError(why)
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        updates = []
-        for doc in batch:
-            fields = redact_document(doc, text_field)
-            # A document without text still gets its mark, so that the pass does not select it again.
-            updates.append((doc["_id"], fields or {PII: {"v": PII_VERSION, **dict.fromkeys(KINDS, 0)}}))
-        return set_each(updates)
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        # A document without text still gets its mark, so that the pass does not select it again.
+        fields = redact_document(doc, self.redacts or text_field)
+        return fields or {PII: {"v": PII_VERSION, **dict.fromkeys(KINDS, 0)}}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionRedaction:
         part = CollectionRedaction(name, redacted=done)

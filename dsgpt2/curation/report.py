@@ -1,6 +1,7 @@
-"""``dsgpt2 curate report``: what each curation pass marks, per collection, with examples, printed and
-plotted. Read from the marks the passes left on the documents (``dup_of``, ``near_dup_of``,
-``passes.<rule>``), counted by the database, one aggregation per collection."""
+"""``dsgpt2 curate report``: what each curation step marks, per collection, with examples, printed and
+plotted. Read from the marks the steps left on the documents (``dup_of``, ``near_dup_of``,
+``passes.<rule>``: each registered step's :class:`~dsgpt2.curation.steps.Reason`), counted by the
+database, one aggregation per collection."""
 
 from __future__ import annotations
 
@@ -9,41 +10,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.curation.decontaminate import CONTAMINATED, contaminated_counts
-from dsgpt2.curation.dedup import DUP_OF
-from dsgpt2.curation.neardup import NEAR_OF
+from dsgpt2.curation.decontaminate import contaminated_counts
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
-from dsgpt2.curation.quality import RULES
+from dsgpt2.curation.steps import Reason, reasons
 from dsgpt2.db.client import Connection, require_collections, with_retries
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import aggregate_summary
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
 
-# What a document can be left out for, in the order the report lists them, and the query that selects it.
-REASONS: dict[str, dict[str, Any]] = {
-    "exact duplicate": {DUP_OF: {"$exists": True}},
-    "near duplicate": {NEAR_OF: {"$exists": True}},
-    **{f"fails {rule}": {f"passes.{rule}": False} for rule in RULES},
-    "contaminated": {CONTAMINATED: {"$exists": True}},
-}
 
-
-# The pass that marks each reason, as a user runs it, and where it records a complete run in meta_info
-# (the marks of a pass never run are absent: a count of 0 there is "not checked", not "clean").
-CHECKED_BY: dict[str, tuple[str, tuple[str, ...]]] = {
-    "exact duplicate": ("dsgpt2 dedup --exact", ("dedup", "exact")),
-    "near duplicate": ("dsgpt2 dedup --near", ("dedup", "near")),
-    **{f"fails {rule}": (f"dsgpt2 curate --rules {rule}", ("curate", "rules", rule)) for rule in RULES},
-    "contaminated": ("dsgpt2 decontaminate --against FILE", ("decontaminate",)),
-}
-
-
-def checked(meta: dict[str, Any], reason: str) -> bool:
-    """Whether the pass that marks ``reason`` ran to its end on the collection of ``meta`` (its
-    meta_info entry)."""
+def checked(meta: dict[str, Any], reason: Reason) -> bool:
+    """Whether the step that marks ``reason`` ran to its end on the collection of ``meta`` (its meta_info
+    entry): the marks of a step never run are absent, so a count of 0 there is "not checked", not
+    "clean"."""
     node: Any = meta
-    for key in CHECKED_BY[reason][1]:
+    for key in reason.recorded:
         if isinstance(node, list):
             return key in node
         if not isinstance(node, dict) or not node.get(key):
@@ -72,13 +54,15 @@ def summarize(
     """Per collection: documents, each reason's count, the documents no reason selects, examples."""
     require_collections(conn, names)
     cfg = conn.config
-    facets = {reason: [{"$match": q}, {"$count": "n"}] for reason, q in REASONS.items()}
+    listed = reasons()
+    facets = {r.label: [{"$match": r.query}, {"$count": "n"}] for r in listed}
     facets["documents"] = [{"$count": "n"}]
     facets["judged"] = [{"$match": {"passes.key": {"$exists": True}}}, {"$count": "n"}]
-    facets["kept"] = [{"$match": {"$nor": list(REASONS.values())}}, {"$count": "n"}]
+    facets["kept"] = [{"$match": {"$nor": [dict(r.query) for r in listed]}}, {"$count": "n"}]
     facets["languages"] = [{"$match": {"lang_key": {"$exists": True}}},
                            {"$group": {"_id": {"$ifNull": ["$lang", "none"]}, "n": {"$sum": 1}}}]  # fmt: skip
     facets["pii"] = PII_FACET
+    shown = {"idx": 1, cfg.text_field: 1, "turns": 1, **{r.of: 1 for r in listed if r.of}}
     out = []
     metas = read_meta(conn, list(names))
     for name in names:
@@ -89,41 +73,41 @@ def summarize(
         redacted = pii_totals(row.pop("pii"))
         count = {k: (v[0]["n"] if v else 0) for k, v in row.items()}
         part = CollectionSummary(name, count["documents"], count["judged"], kept=count["kept"])
-        part.removed = {reason: count[reason] for reason in REASONS}
-        part.unchecked = [r for r in REASONS if not checked(metas.get(name, {}), r)]
+        part.removed = {r.label: count[r.label] for r in listed}
+        part.unchecked = [r.label for r in listed if not checked(metas.get(name, {}), r)]
         part.contaminated_by = contaminated_counts(conn, name)
         part.languages = dict(sorted(languages.items(), key=lambda kv: (-kv[1], kv[0])))
         part.pii = redacted
-        for reason, q in REASONS.items():
-            if not part.removed[reason] or examples <= 0:
+        for r in listed:
+            if not part.removed[r.label] or examples <= 0:
                 continue
             docs = with_retries(
-                lambda c=coll, q=q: list(c.find(q, {"idx": 1, cfg.text_field: 1, "turns": 1, DUP_OF: 1,
-                                                    NEAR_OF: 1}).sort("idx", 1).limit(examples)),
+                lambda c=coll, q=dict(r.query): list(c.find(q, shown).sort("idx", 1).limit(examples)),
                 cfg, f"curate report: examples of {name}",
             )  # fmt: skip
-            part.examples[reason] = [_example(name, d, cfg.text_field, chars) for d in docs]
+            part.examples[r.label] = [_example(name, d, cfg.text_field, chars, listed) for d in docs]
         out.append(part)
     return out
 
 
-def _example(name: str, doc: dict[str, Any], text_field: str, chars: int) -> str:
+def _example(name: str, doc: dict[str, Any], text_field: str, chars: int, listed: Sequence[Reason]) -> str:
     text = " ".join((document_text(doc, text_field) or "").split())
     text = text if len(text) <= chars else text[: chars - 1] + "…"
-    of = doc.get(DUP_OF) or doc.get(NEAR_OF)
+    of = next((doc[r.of] for r in listed if r.of and doc.get(r.of)), None)
     return f"{name}:{doc['idx']}" + (f" (of {of})" if of else "") + f": {text!r}"
 
 
 def report_lines(parts: Sequence[CollectionSummary]) -> list[str]:
+    runs = {r.label: r.run for r in reasons()}
     lines = []
     for p in parts:
         total = max(p.documents, 1)
         lines.append(f"{p.name}: {p.documents} documents ({p.judged} with quality verdicts)")
         for reason, n in p.removed.items():
             if reason in p.unchecked and not n:
-                lines.append(f"  {reason:<16} {'—':>9}  not checked (run {CHECKED_BY[reason][0]})")
+                lines.append(f"  {reason:<16} {'—':>9}  not checked (run {runs[reason]})")
                 continue
-            unfinished = f"  (unfinished: re-run {CHECKED_BY[reason][0]})" if reason in p.unchecked else ""
+            unfinished = f"  (unfinished: re-run {runs[reason]})" if reason in p.unchecked else ""
             lines.append(f"  {reason:<16} {n:>9}  {n / total:6.1%}{unfinished}")
             lines.extend(f"      e.g. {e}" for e in p.examples.get(reason, []))
             if reason == "contaminated":
@@ -149,12 +133,13 @@ def plot(parts: Sequence[CollectionSummary], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    never = [r for r in REASONS if all(r in p.unchecked for p in parts)]
-    labels = [f"{r} (not checked)" if r in never else r for r in REASONS] + ["kept by all"]
+    listed = [r.label for r in reasons()]
+    never = [r for r in listed if all(r in p.unchecked for p in parts)]
+    labels = [f"{r} (not checked)" if r in never else r for r in listed] + ["kept by all"]
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.5 * len(labels) * max(len(parts), 1) ** 0.5))
     height = 0.8 / max(len(parts), 1)
     for k, p in enumerate(parts):
-        shares = [p.removed.get(r, 0) / max(p.documents, 1) for r in REASONS] + [p.kept / max(p.documents, 1)]
+        shares = [p.removed.get(r, 0) / max(p.documents, 1) for r in listed] + [p.kept / max(p.documents, 1)]
         ys = [i + k * height for i in range(len(labels))]
         ax.barh(ys, shares, height=height, label=f"{p.name} ({p.documents} documents)")
     ax.set_yticks([i + height * (len(parts) - 1) / 2 for i in range(len(labels))], labels)

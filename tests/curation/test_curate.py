@@ -128,7 +128,7 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch) -
 def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -> None:
     """Two collections through dedup --exact --near and curate, then `curate report`: each reason's
     count equals a direct count of its mark, with examples, and a PNG."""
-    from dsgpt2.curation.report import REASONS
+    from dsgpt2.curation.steps import reasons
 
     cfg, store = store_config(tmp_path, ["news", "web"])
     texts = {
@@ -151,9 +151,9 @@ def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -
     for part in report["collections"]:
         coll = conn.db[part["name"]]
         assert part["documents"] == len(texts[part["name"]])
-        for reason, query in REASONS.items():
-            assert part["removed"][reason] == coll.count_documents(query), (part["name"], reason)
-        assert part["kept"] == coll.count_documents({"$nor": list(REASONS.values())})
+        for r in reasons():
+            assert part["removed"][r.label] == coll.count_documents(dict(r.query)), (part["name"], r.label)
+        assert part["kept"] == coll.count_documents({"$nor": [dict(r.query) for r in reasons()]})
     web = report["collections"][1]
     assert web["removed"]["exact duplicate"] == 1 + len(BAD) and web["kept"] == 0  # all of web is in news
     assert web["examples"]["exact duplicate"][0].startswith("web:0 (of news:0): ")
@@ -173,7 +173,7 @@ def test_curate_report_prints_and_plots_what_every_pass_marked(tmp_path: Path) -
 
 def test_curate_report_before_any_pass_says_no_check_ran(tmp_path: Path) -> None:
     """A corpus never curated: every reason "not checked", nothing read as "checked, and clean"."""
-    from dsgpt2.curation.report import REASONS
+    from dsgpt2.curation.steps import reasons
 
     cfg, _ = store_config(tmp_path, ["news"])
     path = tmp_path / "news.jsonl"
@@ -182,4 +182,4 @@ def test_curate_report_before_any_pass_says_no_check_ran(tmp_path: Path) -> None
     lines = run_cli("curate", "report", "--config", str(cfg), "--plot", str(tmp_path / "p.png"))
     assert lines.returncode == 0, lines.stderr
     unchecked = [line for line in lines.stdout.splitlines() if "not checked (run dsgpt2 " in line]
-    assert len(unchecked) == len(REASONS) and "0.0%" not in lines.stdout.split("kept by all")[0]
+    assert len(unchecked) == len(reasons()) and "0.0%" not in lines.stdout.split("kept by all")[0]

@@ -33,7 +33,7 @@ from dsgpt2.curation.minhash import (
     shingles,
     signature,
 )
-from dsgpt2.curation.passes import Split
+from dsgpt2.curation.steps import Split
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import ConfigError
 

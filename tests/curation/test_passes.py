@@ -12,7 +12,8 @@ from pymongo.collection import Collection
 
 from conftest import make_config
 from dsgpt2.curation import passes
-from dsgpt2.curation.passes import Pass, Split, each_batch, idx_bounds, run_pass, set_each
+from dsgpt2.curation.passes import each_batch, idx_bounds, run_pass
+from dsgpt2.curation.steps import Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.idx import EDGE_WINDOW, idx_edge, max_idx
 from dsgpt2.errors import CorpusError
@@ -112,8 +113,8 @@ class _Report:
 
 
 @dataclass
-class Lengths(Pass):
-    """A new pass is one class: each document's text length, under a version key."""
+class Lengths(Step):
+    """A new step is one class: each document's text length, under a version key."""
 
     version: int = 1
 
@@ -125,10 +126,8 @@ class Lengths(Pass):
     def key(self) -> int:
         return self.version
 
-    def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
-        return set_each(
-            [(d["_id"], {"len": len(d.get(text_field) or ""), "len_key": self.version}) for d in batch]
-        )
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        return {"len": len(doc.get(text_field) or ""), "len_key": self.version}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> tuple[str, int]:
         return name, done

@@ -344,8 +344,9 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     from dsgpt2.curation.curate import Curation
     from dsgpt2.curation.minhash import LshParams, cluster_texts
     from dsgpt2.curation.neardup import Signing
-    from dsgpt2.curation.passes import Split, run_pass
+    from dsgpt2.curation.passes import run_pass
     from dsgpt2.curation.quality import resolve_thresholds
+    from dsgpt2.curation.steps import Split
 
     docs, _ = corpus(originals=25, seed=3)
     half = len(docs) // 2
