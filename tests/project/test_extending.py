@@ -4,8 +4,12 @@ package's tree and runs it end to end through the command a user types."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,8 +18,11 @@ from dsgpt2.cli.main import main
 from dsgpt2.corpus.formats import READERS
 from dsgpt2.corpus.readers import LineReader
 from dsgpt2.corpus.records import BadRecord, Record, Text
+from dsgpt2.curation.steps import STEPS, About, AtIngest, Reason, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
+from dsgpt2.db.meta import write_meta
+from dsgpt2.documents import document_text
 from training import steps, trainer_args, training_corpus
 from zygote import run_python
 
@@ -61,6 +68,82 @@ def test_a_new_input_format_is_one_class_and_one_registry_line(
         main(["ingest", "--config", str(cfg), "--format", "tsvv", str(data)])
     assert exit_.value.code == 2
     assert "'dataset', 'tsv'); did you mean 'tsv'?" in capsys.readouterr().err
+
+
+@dataclass
+class Shouting(Step):
+    """Marks a text written in capitals: over the collections in place (`dsgpt2 shout`) and as each
+    document is ingested (`dsgpt2 ingest --shout`)."""
+
+    command = "shout"
+    about = About(
+        help="mark texts written in capitals (shouting)",
+        description="Mark each document's text written in capitals with shouting: true.",
+        epilog="examples:\n  dsgpt2 shout --config c.json",
+    )
+    marks = ("shouting", "shout_v")
+    reasons = (Reason("shouting", {"shouting": True}, "dsgpt2 shout", ("shout",)),)
+    at_ingest = AtIngest("shout", "mark texts written in capitals (as `dsgpt2 shout` does)")
+    verb = "shout"
+    writing = "shout"
+    mark = "shout_v"
+
+    def key(self) -> int:
+        return 1
+
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
+        text = document_text(doc, text_field) or ""
+        return {"shouting": text.isupper(), "shout_v": self.key()}
+
+    def finish(self, conn: Connection, name: str, done: int, split: Split) -> Any:
+        write_meta(conn, name, {"shout": {"at": time.time()}})  # what `curate report` reads as checked
+        return super().finish(conn, name, done, split)
+
+
+@pytest.fixture
+def shout_step() -> Iterator[None]:
+    STEPS.register("shout")(Shouting)
+    yield
+    STEPS.unregister("shout")
+
+
+def test_a_new_curation_step_is_one_class_and_one_registry_line(
+    tmp_path: Path, shout_step: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A toy step marks documents as they are ingested (its switch), in place over a collection (its
+    command), and `curate report` counts what it leaves out beside the built-in reasons."""
+    cfg, _ = store_config(tmp_path, ["a", "b"])
+    data = tmp_path / "t.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["quiet words", "LOUD WORDS", "calm"]))
+    assert (
+        main(["ingest", "--config", str(cfg), "--collection", "a", "--shout", str(data), "--no_progress"])
+        == 0
+    )
+    assert main(["ingest", "--config", str(cfg), "--collection", "b", str(data), "--no_progress"]) == 0
+    conn = Connection(load_config(cfg))
+
+    def marks(name: str) -> list[Any]:
+        return [d.get("shouting") for d in conn.db[name].find({}, {"shouting": 1}).sort("idx", 1)]
+
+    assert marks("a") == [False, True, False] and marks("b") == [None, None, None]
+    capsys.readouterr()
+    assert main(["shout", "--config", str(cfg), "--collection", "b", "--no_progress"]) == 0
+    assert "b: 3 document(s) processed by this run (shout)" in capsys.readouterr().out
+    assert marks("b") == [False, True, False]
+    assert main(["shout", "--config", str(cfg), "--no_progress"]) == 0  # resumable: nothing left to do
+    assert "a: 0 document(s) processed" in capsys.readouterr().out
+    assert main(["curate", "report", "--config", str(cfg), "--plot", str(tmp_path / "p.png")]) == 0
+    report = capsys.readouterr().out
+    assert "  shouting                 1   33.3%" in report and "e.g. a:1: 'LOUD WORDS'" in report
+    assert "  kept by all              2   66.7%" in report
+    # Listed where the built-in commands are; gone with the registration.
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "mark texts written in capitals (shouting)" in capsys.readouterr().out
+    STEPS.unregister("shout")
+    with pytest.raises(SystemExit) as exit_:
+        main(["shout", "--config", str(cfg)])
+    assert exit_.value.code == 2
 
 
 @pytest.mark.slow  # a DeepSpeed run
