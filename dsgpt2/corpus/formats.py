@@ -15,7 +15,6 @@ from pathlib import Path
 
 from dsgpt2.corpus import columnar, readers
 from dsgpt2.corpus.columnar import check_keep_fields, sniff_binary
-from dsgpt2.corpus.readers import TEXT_SPLITS
 from dsgpt2.corpus.records import Reader, ReadOptions, Source, source_key
 from dsgpt2.errors import IngestError
 from dsgpt2.registry import Registry
@@ -76,12 +75,7 @@ def file_source(
         raise IngestError(f"input file {str(p)!r} not found")
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if split not in TEXT_SPLITS:
-        raise IngestError(f"unknown --split {split!r}; choose one of {', '.join(TEXT_SPLITS)}")
-    try:
-        codecs.lookup(encoding)
-    except LookupError:
-        raise IngestError(f"unknown --encoding {encoding!r}; e.g. utf-8, latin-1, cp1252") from None
+    options = ReadOptions(field, column, split, encoding, tuple(keep_fields))
     check_keep_fields(keep_fields)
     fmt = detect_format(p) if fmt == "auto" else fmt
     kind = READERS[fmt]
@@ -97,7 +91,6 @@ def file_source(
                 f"inputs are read by their own readers (--format {binaries}); convert other "
                 "binary files to text first"
             )
-    options = ReadOptions(field, column, split, encoding, tuple(keep_fields))
     reader = kind(p, options)
     value = str(getattr(options, kind.option)) if kind.option else ""
     kept = f" +{','.join(keep_fields)}" if keep_fields else ""

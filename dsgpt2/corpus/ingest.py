@@ -80,7 +80,7 @@ def ingest(
         BadDocumentError: a record is unusable and ``strict`` is on.
         CorpusError: the collection's idx is broken, or another ingest is writing the same source.
     """
-    if batch_size <= 0:
+    if batch_size <= 0:  # a caller of the function, not the command (its flag is checked as it is parsed)
         raise IngestError(f"--batch_size must be positive; got {batch_size}")
     started = time.monotonic()
     coll = conn.db[collection]

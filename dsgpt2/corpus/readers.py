@@ -31,8 +31,6 @@ from dsgpt2.corpus.records import (
 )
 from dsgpt2.errors import IngestError
 
-TEXT_SPLITS = ("line", "paragraph")
-
 
 class LineReader(Reader):
     """A text file read line by line: the record yielded last starts at :attr:`line`. ``auto`` reads a
@@ -111,8 +109,6 @@ def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
     """
     if name not in SAMPLES:
         raise IngestError(f"unknown sample {name!r}; the built-in samples are {', '.join(SAMPLES)}")
-    if limit is not None and limit <= 0:
-        raise IngestError(f"--limit must be a positive number of documents; got {limit}")
     version = sample_version()
     label = f"sample {name} {version}" + (f" (first {limit})" if limit else "")
     if name == "stdlib-chat":

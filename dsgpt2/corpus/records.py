@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 
 from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.documents import turns_text, utf8_encodable
+from dsgpt2.errors import IngestError
+from dsgpt2.settings.options import Checked, option
 
 # Speaker names given to query/reply pairs.
 QUERY_SPEAKER = "user"
@@ -177,15 +179,25 @@ class DecodeTally:
         return name
 
 
+# How a text file is cut into documents: a line each, or a blank-line separated paragraph each.
+TEXT_SPLITS = ("line", "paragraph")
+
+
 @dataclass(frozen=True)
-class ReadOptions:
+class ReadOptions(Checked):
     """How ingest's flags say to read a file; each reader takes what concerns it."""
 
     field: str = "text"  # --field: the JSON key or column holding the text
     column: str = "text"  # --column: the CSV column holding the text
-    split: str = "line"  # --split: one document per line or per paragraph of a text file
+    split: str = option("line", choices=TEXT_SPLITS)  # one document per line or per paragraph of a text file
     encoding: str = "utf-8"  # --encoding of a text file
     keep_fields: tuple[str, ...] = ()  # --keep_fields: columns (keys) stored beside the text
+
+    def check(self) -> None:
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise IngestError(f"unknown --encoding {self.encoding!r}; e.g. utf-8, latin-1, cp1252") from None
 
 
 class Reader:

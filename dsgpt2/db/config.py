@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Range, option
 
 ENV_URI = "MONGO_CONNECTION_STRING"
 SCHEMES = ("mongodb://", "mongodb+srv://", "local://")
@@ -89,7 +90,7 @@ def db_name_problem(name: object) -> str | None:
 
 
 @dataclass(frozen=True)
-class MongoConfig:
+class MongoConfig(Checked):
     """Where the corpus lives and how to read it.
 
     Attributes:
@@ -123,11 +124,11 @@ class MongoConfig:
     collections: tuple[str, ...]
     text_field: str = "filt_text"
     meta_collection: str = "meta_info"
-    server_selection_timeout_ms: int = 5000
-    socket_timeout_ms: int = 60000
-    retries: int = 5
-    retry_backoff_s: float = 0.5
-    max_text_chars: int = 2_000_000
+    server_selection_timeout_ms: int = option(5000, flag="SERVER_SELECTION_TIMEOUT_MS", check=POSITIVE_INT)
+    socket_timeout_ms: int = option(60000, flag="SOCKET_TIMEOUT_MS", check=POSITIVE_INT)
+    retries: int = option(5, flag="RETRIES", check=NON_NEGATIVE_INT)
+    retry_backoff_s: float = option(0.5, flag="RETRY_BACKOFF_S", check=Range(float, 0))
+    max_text_chars: int = option(2_000_000, flag="MAX_TEXT_CHARS", check=POSITIVE_INT)
     strict: bool = False
     read_preference: str = "primary"
     read_preference_tags: tuple[dict[str, str], ...] = ()
@@ -136,7 +137,10 @@ class MongoConfig:
     # The file the config was read from ("" when made in code): messages name it as the user's --config.
     source: str = field(default="", compare=False, repr=False)
 
-    def __post_init__(self) -> None:
+    # Each key named as the config file spells it.
+    flag_prefix = ""
+
+    def check(self) -> None:
         if not isinstance(self.uri, str) or not self.uri.startswith(SCHEMES):
             raise ConfigError(
                 f"MONGO_CONNECTION_STRING must start with one of {', '.join(SCHEMES)}; got "
@@ -161,18 +165,12 @@ class MongoConfig:
                 f"META_COLLECTION {self.meta_collection!r} is also listed in COLLECTIONS; "
                 "give the meta collection its own name"
             )
-        for key in ("SERVER_SELECTION_TIMEOUT_MS", "SOCKET_TIMEOUT_MS", "MAX_TEXT_CHARS"):
-            _positive(key, getattr(self, _KEYS[key][0]))
         if self.weights and (
             len(self.weights) != len(names) or min(self.weights) < 0 or not sum(self.weights) > 0
         ):
             raise ConfigError(
                 f"COLLECTIONS weights {list(self.weights)}: need one weight >= 0 per collection, not all 0"
             )
-        if self.retries < 0:
-            raise ConfigError(f"RETRIES must be 0 or more; got {self.retries}")
-        if self.retry_backoff_s < 0:
-            raise ConfigError(f"RETRY_BACKOFF_S must be 0 or more; got {self.retry_backoff_s}")
         if self.read_preference not in READ_PREFERENCES:
             raise ConfigError(
                 f"READ_PREFERENCE {self.read_preference!r} is not a read preference; use one of "
@@ -306,11 +304,6 @@ def filter_problem(query: Any, where: str = "") -> str | None:
                 if problem:
                     return problem
     return None
-
-
-def _positive(key: str, value: int) -> None:
-    if value <= 0:
-        raise ConfigError(f"{key} must be a positive integer; got {value}")
 
 
 def config_from_dict(

@@ -23,7 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from dsgpt2.errors import ConfigError
 
@@ -381,8 +381,11 @@ class Checked:
     range and its ``choices`` (:func:`check_fields`, naming the flag), then by the class's own
     :meth:`check` where its fields must agree with one another."""
 
+    # How a message names a field: ``--`` and its flag (a config file's settings: its key as written).
+    flag_prefix: ClassVar[str] = "--"
+
     def __post_init__(self) -> None:
-        check_fields(self)
+        check_fields(self, self.flag_prefix)
         self.check()
 
     def check(self) -> None:

@@ -24,28 +24,32 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.settings.options import check_choice, check_number, check_ratio
+from dsgpt2.settings.options import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    POSITIVE_NUMBER,
+    RATIO,
+    Checked,
+    Range,
+    option,
+)
 
 KINDS = ("deepspeed", "cosine", "wsd")
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """A learning-rate curve over ``total`` optimizer steps."""
+class Schedule(Checked):
+    """A learning-rate curve over ``total`` optimizer steps (each field named as the flag that sets it)."""
 
-    kind: str
-    peak: float
-    total: int
-    warmup: int
-    min_ratio: float = 0.1
-    decay_fraction: float = 0.2
+    kind: str = option(flag="lr_schedule", choices=("cosine", "wsd"))
+    peak: float = option(flag="lr", check=POSITIVE_NUMBER)
+    total: int = option(flag="train_iters", check=POSITIVE_INT)
+    warmup: int = option(flag="warmup_iters", check=NON_NEGATIVE_INT)
+    min_ratio: float = option(0.1, flag="min_lr_ratio", check=Range(float, 0, 1))
+    decay_fraction: float = option(0.2, flag="decay_fraction", check=RATIO)
 
-    def __post_init__(self) -> None:
-        check_choice("--lr_schedule", self.kind, ("cosine", "wsd"))
-        check_number("--lr", self.peak, 0, low_open=True)
-        check_number("--min_lr_ratio", self.min_ratio, 0, 1)
-        check_ratio("--decay_fraction", self.decay_fraction)
-        if self.warmup < 0 or (self.warmup > 0 and self.warmup >= self.total):
+    def check(self) -> None:
+        if self.warmup > 0 and self.warmup >= self.total:
             raise ConfigError(f"--warmup_iters {self.warmup}: must be below --train_iters {self.total}")
 
     @property
