@@ -27,7 +27,16 @@ from torch.utils.data import Dataset
 
 from dsgpt2.data.loader import start_loader
 from dsgpt2.data.packing import pack_flat
-from dsgpt2.data.sources import Chunk, Chunks, DataSpec, Key, StreamingChunks, fingerprint, spec_of
+from dsgpt2.data.sources import (
+    Chunk,
+    Chunks,
+    ChunkSource,
+    DataSpec,
+    Key,
+    StreamingChunks,
+    fingerprint,
+    spec_of,
+)
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
@@ -76,7 +85,7 @@ def _meta(cache_dir: Path) -> dict[str, Any] | None:
     return meta if meta.get("format") == FORMAT else None
 
 
-class CachedChunks(Dataset):
+class CachedChunks(ChunkSource):
     """Chunks of a split, gathered from the memory-mapped files of ``dsgpt2 tokenize``.
 
     Args:
@@ -110,13 +119,6 @@ class CachedChunks(Dataset):
         self._offsets: np.ndarray | None = None
         self._tokens: np.ndarray | None = None
         self._loss: np.ndarray | None = None
-
-    @property
-    def table(self) -> ChunkTable:
-        return self.chunks.table
-
-    def __len__(self) -> int:
-        return self.table.n_chunks
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_offsets": None, "_tokens": None, "_loss": None}

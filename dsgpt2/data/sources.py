@@ -217,7 +217,21 @@ class Chunks:
         return item
 
 
-class StreamingChunks(Dataset):
+class ChunkSource(Dataset):
+    """What the streaming and cached sources are alike in: items by chunk key, as many as the chunk
+    table of their :class:`Chunks` has chunks."""
+
+    chunks: Chunks
+
+    @property
+    def table(self) -> ChunkTable:
+        return self.chunks.table
+
+    def __len__(self) -> int:
+        return self.table.n_chunks
+
+
+class StreamingChunks(ChunkSource):
     """Chunks of a split, read from MongoDB and tokenized on demand (in a DataLoader worker).
 
     The wrapper and tokenizer are made lazily in the process that uses them. Items are asked by
@@ -253,13 +267,6 @@ class StreamingChunks(Dataset):
         self._tokenizer: Any = None
         self._speakers: dict[str, int] = {}
         self._pid = -1
-
-    @property
-    def table(self) -> ChunkTable:
-        return self.chunks.table
-
-    def __len__(self) -> int:
-        return self.table.n_chunks
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_wrapper": None, "_tokenizer": None, "_pid": -1}

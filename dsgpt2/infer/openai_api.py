@@ -161,15 +161,27 @@ def stop_sequences(body: dict[str, Any]) -> list[str]:
     return stops
 
 
-def completion_request(
+def api_request(
     body: dict[str, Any],
+    chat: bool,
     served: str,
     limits: ServeLimits,
     defaults: SamplingParams,
     aliases: Sequence[str] = (),
 ) -> ApiRequest:
-    check_keys(body, COMPLETION_FIELDS)
+    """The request of ``body`` to /v1/chat/completions (``chat``) or /v1/completions, checked: its
+    fields, its model (``served`` or one of ``aliases``), its text within ``limits``, its sampling
+    with the server's ``defaults`` where it sets none.
+
+    Raises:
+        RequestError: the first thing wrong with it (an HTTP 400 naming the parameter).
+    """
+    check_keys(body, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     check_model(body, served, aliases)
+    return (_chat if chat else _completion)(body, limits, defaults)
+
+
+def _completion(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -> ApiRequest:
     prompt = body.get("prompt", "")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
@@ -180,15 +192,7 @@ def completion_request(
     return ApiRequest(prompts, [], params, stop_sequences(body), *_stream(body))
 
 
-def chat_request(
-    body: dict[str, Any],
-    served: str,
-    limits: ServeLimits,
-    defaults: SamplingParams,
-    aliases: Sequence[str] = (),
-) -> ApiRequest:
-    check_keys(body, CHAT_FIELDS)
-    check_model(body, served, aliases)
+def _chat(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -> ApiRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")

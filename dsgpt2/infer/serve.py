@@ -45,8 +45,7 @@ from dsgpt2.infer.generate import Completion, Generator, SamplingParams
 from dsgpt2.infer.openai_api import (
     ApiAnswer,
     ApiRequest,
-    chat_request,
-    completion_request,
+    api_request,
     models_body,
     new_id,
     now,
@@ -199,8 +198,7 @@ class Service:
             return _as_api_error(body)
         generator = self.generator
         try:
-            make = chat_request if chat else completion_request
-            api = make(body, self.served, self.limits, self.defaults, self.aliases)
+            api = api_request(body, chat, self.served, self.limits, self.defaults, self.aliases)
             decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)

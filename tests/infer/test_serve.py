@@ -274,21 +274,21 @@ def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> 
 
 
 def test_api_defaults_and_field_mapping() -> None:
-    from dsgpt2.infer.openai_api import chat_request, completion_request
+    from dsgpt2.infer.openai_api import api_request
 
     limits, defaults = ServeLimits(max_new_tokens=100), SamplingParams(max_new_tokens=48, top_k=40)
-    plain = completion_request({"prompt": "a"}, "m", limits, defaults)
+    plain = api_request({"prompt": "a"}, False, "m", limits, defaults)
     assert (plain.params.max_new_tokens, plain.params.temperature, plain.params.top_p) == (16, 1.0, 1.0)
     assert plain.params.top_k == 0 and plain.params.repetition_penalty == 1.0 and not plain.stream
     # No seed: a fresh one each request (the server's --seed is for /generate).
-    assert plain.params.seed != completion_request({"prompt": "a"}, "m", limits, defaults).params.seed
-    chat = chat_request({"messages": [{"role": "user", "content": "hi"}]}, "m", limits, defaults)
+    assert plain.params.seed != api_request({"prompt": "a"}, False, "m", limits, defaults).params.seed
+    chat = api_request({"messages": [{"role": "user", "content": "hi"}]}, True, "m", limits, defaults)
     assert chat.params.max_new_tokens == 48  # a reply is as long as the server's default
-    asked = chat_request(
+    asked = api_request(
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
          "max_completion_tokens": 7, "n": 3, "seed": 9, "stop": "x", "stream": True,
          "stream_options": {"include_usage": True}},
-        "m", limits, defaults,
+        True, "m", limits, defaults,
     )  # fmt: skip
     assert (asked.params.max_new_tokens, asked.params.num_samples, asked.params.seed) == (7, 3, 9)
     assert asked.stop == ["x"] and asked.stream and asked.stream_usage
@@ -300,11 +300,11 @@ def test_api_defaults_and_field_mapping() -> None:
         ({"prompt": "a\ud800"}, "prompt"),
     ):
         with pytest.raises(RequestError) as caught:
-            completion_request(body, "m", limits, defaults)
+            api_request(body, False, "m", limits, defaults)
         assert caught.value.param == param, (body, caught.value)
     for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
         with pytest.raises(RequestError, match=r"messages|last message|role"):
-            chat_request({"messages": messages}, "m", limits, defaults)
+            api_request({"messages": messages}, True, "m", limits, defaults)
 
 
 @pytest.fixture(scope="module")
