@@ -167,6 +167,7 @@ def api_request(
     served: str,
     limits: ServeLimits,
     defaults: SamplingParams,
+    *,
     aliases: Sequence[str] = (),
 ) -> ApiRequest:
     """The request of ``body`` to /v1/chat/completions (``chat``) or /v1/completions, checked: its

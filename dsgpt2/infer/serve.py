@@ -198,7 +198,7 @@ class Service:
             return _as_api_error(body)
         generator = self.generator
         try:
-            api = api_request(body, chat, self.served, self.limits, self.defaults, self.aliases)
+            api = api_request(body, chat, self.served, self.limits, self.defaults, aliases=self.aliases)
             decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)

@@ -19,7 +19,7 @@ from pymongo import monitoring
 from bench.bench_neardup import expected_duplicates, precision_recall
 from conftest import db_for, listen, make_config, run_cli, store_config
 from corpora import corpus, ingest_files, near_copy, near_marks
-from dsgpt2.curation import neardup, passes
+from dsgpt2.curation import neardup, passes, steps
 from dsgpt2.curation.minhash import (
     Clusters,
     LshParams,
@@ -248,8 +248,8 @@ def test_the_bands_index_is_built_once_the_bands_are_written(monkeypatch: pytest
 
 
 def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path) -> None:
-    assert passes.spans(0, 9, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert passes.spans(5, 6, 4) == [(5, 6), (6, 7)]  # fewer idx values than parts
+    assert steps.spans(0, 9, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert steps.spans(5, 6, 4) == [(5, 6), (6, 7)]  # fewer idx values than parts
     assert Split(workers=2, part=1, parts=2).ranges((0, 99)) == [(50, 75), (75, 100)]
     docs, _ = corpus()
     cfg, store = ingest_files(tmp_path, {"news": docs})

@@ -310,7 +310,7 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     from corpora import marks, planted, reference
     from dsgpt2.corpus.ingest import ingest
     from dsgpt2.corpus.records import Source, Text
-    from dsgpt2.curation.dedup import Hashing
+    from dsgpt2.curation.dedup import Hashing, HeldTexts
     from dsgpt2.curation.passes import run_pass
 
     def memory_source(key: str, batch: list[str]) -> Source:
@@ -326,7 +326,7 @@ def test_dedup_exact_groups_on_the_server_and_ingest_dedup_skips(scratch: Connec
     assert sum(c.marked for c in first.collections) == len(expected)
     assert sum(c.marked for c in run_pass(conn, ["news", "web"], Hashing()).collections) == 0
     more = planted(9, 30, 40)
-    report = ingest(conn, "web", [memory_source("more", more)], batch_size=8, dedup=True)
+    report = ingest(conn, "web", [memory_source("more", more)], batch_size=8, steps=[HeldTexts()])
     held = set(texts["news"]) | set(texts["web"])
     fresh = [t for i, t in enumerate(more) if t not in held and t not in more[:i]]
     assert report.sources[0].skipped["duplicate"] == 30 - len(fresh)
@@ -364,10 +364,11 @@ def test_dedup_near_in_worker_processes_on_the_server(scratch: Connection) -> No
     from corpora import near_copy
     from dsgpt2.corpus.ingest import ingest
     from dsgpt2.corpus.records import Source, Text
+    from dsgpt2.curation.dedup import HeldTexts
 
     copy = near_copy(random.Random(0), docs[0].split(), changes=2)  # arriving later: asked of the lsh index
     report = ingest(
-        conn, "more", [Source("more", "more", "text", read=lambda: iter([Text(copy)]))], dedup=True
+        conn, "more", [Source("more", "more", "text", read=lambda: iter([Text(copy)]))], steps=[HeldTexts()]
     )
     assert report.sources[0].near_duplicates == 1
     assert conn.db["more"].find_one({"idx": 0})["near_dup_of"] == straight.get("news:0", "news:0")
