@@ -6,7 +6,8 @@ SIGTERM the launcher sends its ranks when it gets the SIGINT itself, in either o
 machine. A SIGINT that follows a SIGTERM within ``PAIRED`` seconds is that pair: the stop is named
 SIGINT (a SIGTERM's announcement waits that long for it) and goes on; later, it stops at once.
 The ranks decide together (:meth:`StopRequest.agreed`): one that got no signal, or got it a moment
-after the others looked, stops at the same step as they do.
+after the others looked, stops at the same step as they do; its own signal, landing after it took the
+others' stop, is that same stop (announced, not a second Ctrl-C).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.name: str | None = None
+        self._adopted = False  # the name came from the other ranks, not from a signal to this one
         self._pid = os.getpid()
         self._at = 0.0
         self._told = False
@@ -51,7 +53,8 @@ class StopRequest:
             return
         name = signal.Signals(signum).name
         now = time.monotonic()
-        if self.name is None:
+        if self.name is None or self._adopted:
+            self._adopted = False
             self.name, self._at = name, now
             if signum == signal.SIGINT:
                 self._announce()
@@ -94,5 +97,6 @@ class StopRequest:
             self._announce()
         if self.name is None:
             self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
+            self._adopted = True
             log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)
         return True

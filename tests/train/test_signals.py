@@ -37,6 +37,21 @@ def test_a_rank_without_a_signal_takes_the_others_name(monkeypatch: pytest.Monke
     assert StopRequest().agreed("cpu") is False
 
 
+def test_a_rank_whose_own_ctrl_c_lands_after_it_took_the_others_stop_announces_it_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a loaded machine the process group's SIGINT can reach one rank after the others already
+    stopped it: the same stop (named SIGINT, announced once), not a second Ctrl-C that raises."""
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    monkeypatch.setattr(signals, "all_sum", lambda values, device: [1, 0])  # another rank got SIGINT
+    stop = StopRequest()
+    assert stop.agreed("cpu") is True and stop.name == "SIGINT"
+    stop._stop(signal.SIGINT, None)  # this rank's own, late: no KeyboardInterrupt
+    assert stop.name == "SIGINT" and caplog.text.count("SIGINT: saving a checkpoint") == 1
+    with pytest.raises(KeyboardInterrupt):  # a further one is the user's second Ctrl-C
+        stop._stop(signal.SIGINT, None)
+
+
 def test_a_process_forked_from_the_rank_ignores_the_inherited_handler(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
