@@ -324,10 +324,6 @@ def _record(
 # ---------------------------------------------------------------- one writer per source
 
 
-def _meta(conn: Connection) -> Any:
-    return conn.db[conn.config.meta_collection]
-
-
 def _held_update(
     conn: Connection, collection: str, source: Source, owner: str, update: dict[str, Any]
 ) -> None:
@@ -338,7 +334,7 @@ def _held_update(
     """
     held = {"collection": collection, f"sources.{source.key}.owner": owner}
     # $set and $max of the same values: a retried update lands once.
-    updated = with_retries(lambda: _meta(conn).update_one(held, update), conn.config, "recording progress")
+    updated = with_retries(lambda: conn.meta.update_one(held, update), conn.config, "recording progress")
     if updated.matched_count == 0:
         raise CorpusError(
             f"{source.label}: another dsgpt2 ingest took over writing it into {collection!r} (this one "
@@ -367,7 +363,7 @@ def _claim(conn: Connection, collection: str, source: Source) -> str:
         CorpusError: a live ingest holds it.
     """
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    meta = _meta(conn)
+    meta = conn.meta
     key = f"sources.{source.key}"
     # The entry exists before the conditional update takes the source.
     meta.update_one({"collection": collection}, {"$setOnInsert": {"collection": collection}}, upsert=True)
@@ -398,7 +394,7 @@ def _claim(conn: Connection, collection: str, source: Source) -> str:
 def _release(conn: Connection, collection: str, source: Source, owner: str) -> None:
     """Let go of ``source`` (whatever ended this run: a re-run may take it at once)."""
     try:
-        _meta(conn).update_one({"collection": collection, f"sources.{source.key}.owner": owner},
+        conn.meta.update_one({"collection": collection, f"sources.{source.key}.owner": owner},
                                {"$set": {f"sources.{source.key}.owner": None}})  # fmt: skip
     except DatabaseError as exc:  # the server is gone: the error that ended the run says more
         log.debug("%s: not released (%s)", source.label, exc)

@@ -207,7 +207,7 @@ def _record(conn: Connection, name: str, field: str, count: int, owner: str) -> 
 
 def _take_lease(conn: Connection, name: str) -> str:
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    meta = conn.db[conn.config.meta_collection]
+    meta = conn.meta
     now = time.time()
     stale = now - LEASE_SECONDS
     # The collection's meta_info entry exists before the conditional update takes the lease.
@@ -227,5 +227,5 @@ def _take_lease(conn: Connection, name: str) -> str:
 
 
 def _release_lease(conn: Connection, name: str, owner: str) -> None:
-    meta = conn.db[conn.config.meta_collection]
+    meta = conn.meta
     meta.update_one({"collection": name, "indexing.owner": owner}, {"$set": {"indexing": {"owner": None}}})

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.curation.steps import STEPS, About, Reason, Split, Step
-from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
+from dsgpt2.db.client import Connection, UpdateMany, UpdateOne
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import write_meta
-from dsgpt2.db.summaries import aggregate_summary
+from dsgpt2.db.summaries import aggregate_summary, read_windows
 from dsgpt2.documents import document_text
 from dsgpt2.errors import ConfigError, usage_error
 from dsgpt2.settings.options import Checked, Range, option
@@ -477,6 +477,7 @@ def iter_marked(
 ) -> Iterable[int]:
     """The idx of the documents of ``name`` marked with ``set_name_`` (and matching ``query``)."""
     q = conjoin({f"{CONTAMINATED}.{set_name_}": {"$exists": True}, "idx": {"$exists": True}}, query or {})
-    docs = with_retries(lambda: list(conn.db[name].find(q, {"idx": 1, "_id": 0})), conn.config,
-                        f"reading the contaminated documents of {name}")  # fmt: skip
-    return [int(d["idx"]) for d in docs]
+    windows = read_windows(
+        conn, name, q, {"idx": 1, "_id": 0}, f"reading the contaminated documents of {name}"
+    )
+    return [int(d["idx"]) for docs in windows for d in docs]

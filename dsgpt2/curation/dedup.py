@@ -20,16 +20,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, DedupSettings, NearLookup, Signing, duplicates_line
 from dsgpt2.curation.passes import NUMBERED, ensure_index
 from dsgpt2.curation.steps import STEPS, About, AtIngest, Reason, Split, Step
-from dsgpt2.db.client import Connection, UpdateMany, patiently, with_retries
+from dsgpt2.db.bulk import find_in
+from dsgpt2.db.client import Connection, UpdateMany, with_retries
+from dsgpt2.db.groups import SPAN, repeated_values
 from dsgpt2.db.meta import read_meta, write_meta
-from dsgpt2.db.summaries import count_numbered, first_numbered, read_windows
+from dsgpt2.db.summaries import count_numbered, first_numbered
 from dsgpt2.documents import document_hash
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,6 @@ HASH = "text_hash"
 DUP_OF = "dup_of"
 HASH_INDEX = "text_hash_1"
 # idx values stay below 2**40: a document's place over all collections is rank * 2**40 + idx.
-_SPAN = 2**40
 _BULK = 1000
 
 
@@ -164,9 +165,9 @@ class Hashing(Step):
             return
         marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
         writer = _Marker(conn, names, marked, unmarked)
-        for h, first, ranks in _groups(conn, names):
+        for h, first, ranks in repeated_values(conn, names, HASH, "dedup: grouping"):
             report.groups += 1
-            kept = (first // _SPAN, first % _SPAN)
+            kept = (first // SPAN, first % SPAN)
             writer.mark(h, kept, ranks)
         writer.flush()
         for part in report.collections:
@@ -185,53 +186,6 @@ class Hashing(Step):
 
 # dedup's second stage, after the hashes.
 STEPS.register("near")(Signing)
-
-
-def _groups(conn: Connection, names: Sequence[str]) -> list[tuple[str, int, list[int]]]:
-    """:func:`exact_groups`, asked of the server as one aggregation; on the embedded engine, which would
-    hold every document of the collections in its memory for it, grouped here from windows of
-    (hash, idx) pairs (about 150 bytes a distinct text)."""
-    if not conn.counts_walk:
-        return patiently(conn, lambda db: list(exact_groups(db, names)), "dedup: grouping")
-    seen: dict[str, list[Any]] = {}  # hash -> [first key, copies, ranks]
-    for rank, name in enumerate(names):
-        query = {HASH: {"$type": "string"}}
-        for docs in read_windows(conn, name, query, {"_id": 0, HASH: 1, "idx": 1}, "dedup: grouping"):
-            for d in docs:
-                k = rank * _SPAN + int(d["idx"])
-                held = seen.get(d[HASH])
-                if held is None:
-                    seen[d[HASH]] = [k, 1, {rank}]
-                else:
-                    held[0], held[1] = min(held[0], k), held[1] + 1
-                    held[2].add(rank)
-    return [(h, first, sorted(ranks)) for h, (first, n, ranks) in seen.items() if n > 1]
-
-
-def exact_groups(db: Any, names: Sequence[str]) -> Iterator[tuple[str, int, list[int]]]:
-    """``(hash, first, ranks)`` for every text held more than once across ``names``: ``first`` is
-    ``rank * 2**40 + idx`` of its first copy, ``ranks`` the collections holding it."""
-
-    def keyed(rank: int) -> list[dict[str, Any]]:
-        return [
-            {"$match": {HASH: {"$type": "string"}, "idx": {"$exists": True}}},
-            {
-                "$project": {
-                    "_id": 0,
-                    "h": f"${HASH}",
-                    "k": {"$add": [rank * _SPAN, "$idx"]},
-                    "r": {"$literal": rank},
-                }
-            },
-        ]
-
-    group = {"$group": {"_id": "$h", "first": {"$min": "$k"}, "n": {"$sum": 1}, "ranks": {"$addToSet": "$r"}}}
-    pipeline = keyed(0)
-    for rank, name in enumerate(names[1:], 1):
-        pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
-    pipeline += [group, {"$match": {"n": {"$gt": 1}}}]
-    for g in db[names[0]].aggregate(pipeline, allowDiskUse=True):
-        yield g["_id"], int(g["first"]), sorted(g["ranks"])
 
 
 class _Marker:
@@ -321,14 +275,9 @@ class SeenTexts:
         hashes = list({d[HASH] for d in docs if d.get(HASH)})
         held: set[str] = set()
         for name in self.names:
-            coll = self.conn.db[name]
-            for part in self.conn.in_lists(hashes):
-                found = with_retries(
-                    lambda c=coll, q={HASH: {"$in": part}}: [d[HASH] for d in c.find(q, {"_id": 0, HASH: 1})],
-                    self.conn.config,
-                    f"ingest --dedup: looking up {name}",
-                )
-                held.update(found)
+            found = find_in(self.conn, name, HASH, hashes, fields={"_id": 0, HASH: 1},
+                            what=f"ingest --dedup: looking up {name}")  # fmt: skip
+            held.update(d[HASH] for d in found)
         out = []
         for doc in docs:
             h = doc.get(HASH)

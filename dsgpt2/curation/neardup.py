@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,7 +41,9 @@ from dsgpt2.curation.minhash import (
 )
 from dsgpt2.curation.passes import NUMBERED, ensure_index
 from dsgpt2.curation.steps import Reason, Split, Step
-from dsgpt2.db.client import Connection, UpdateOne, patiently, with_retries
+from dsgpt2.db.bulk import find_in, write_ops
+from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, patiently, with_retries
+from dsgpt2.db.groups import SPAN, shared_elements
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import count_numbered, read_windows
 from dsgpt2.documents import document_text
@@ -53,7 +55,6 @@ BANDS = "lsh"
 BANDS_KEY = "lsh_key"
 NEAR_OF = "near_dup_of"
 BANDS_INDEX = "lsh_1"
-_SPAN = 2**40  # a document's key over all collections: rank * 2**40 + idx
 _BUCKETS_PER_ROUND = 2000
 _CACHE = 50_000  # shingle sets held while confirming
 _BULK = 1000
@@ -76,7 +77,7 @@ def duplicates_line(part: Any, done: int, verb: str, what: str, mark: str) -> st
 
 def label(names: Sequence[str], key: int) -> str:
     """``collection:idx`` of a document key."""
-    return f"{names[key // _SPAN]}:{key % _SPAN}"
+    return f"{names[key // SPAN]}:{key % SPAN}"
 
 
 def ensure_bands_index(conn: Connection, name: str, what: str) -> None:
@@ -164,7 +165,7 @@ class Signing(Step):
         dups = _cluster(conn, names, params, report)
         marks = {name: {} for name in names}
         for key, root in dups.items():
-            marks[names[key // _SPAN]][key % _SPAN] = label(names, root)
+            marks[names[key // SPAN]][key % SPAN] = label(names, root)
         for part in report.collections:
             part.marked, part.unmarked = write_marks(conn, part.name, marks[part.name])
             part.documents = count_numbered(conn, part.name, NUMBERED, "dedup --near: counting")
@@ -190,50 +191,6 @@ def _signer(params: LshParams) -> Signer:
     return Signer(params)
 
 
-def _buckets(conn: Connection, names: Sequence[str], key: str) -> list[list[int]]:
-    """:func:`band_buckets`, asked of the server as one aggregation; on the embedded engine, which would
-    hold every document of the collections in its memory for it, grouped here: windows of (band value,
-    key) pairs into two arrays of int64, sorted by value (16 bytes a band, 300 MB at a million
-    documents of 20 bands)."""
-    if not conn.counts_walk:
-        return patiently(conn, lambda db: list(band_buckets(db, names, key)), "dedup --near: grouping bands")
-    values, keys = [], []
-    for rank, name in enumerate(names):
-        query = {BANDS_KEY: key}
-        for docs in read_windows(conn, name, query, {"_id": 0, BANDS: 1, "idx": 1}, "dedup --near: bands"):
-            for d in docs:
-                values.append(np.asarray(d[BANDS], dtype=np.int64))
-                keys.append(np.full(len(d[BANDS]), rank * _SPAN + int(d["idx"]), dtype=np.int64))
-    if not values:
-        return []
-    value, owner = np.concatenate(values), np.concatenate(keys)
-    del values, keys
-    order = np.lexsort((owner, value))
-    value, owner = value[order], owner[order]
-    starts = np.flatnonzero(np.r_[True, value[1:] != value[:-1]])
-    ends = np.r_[starts[1:], len(value)]
-    return [owner[a:b].tolist() for a, b in zip(starts, ends, strict=True) if b - a > 1]
-
-
-def band_buckets(db: Any, names: Sequence[str], key: str) -> Iterator[list[int]]:
-    """The sorted document keys (``rank * 2**40 + idx``) sharing each band value held more than once."""
-
-    def keyed(rank: int) -> list[dict[str, Any]]:
-        return [
-            {"$match": {BANDS_KEY: key, "idx": {"$exists": True}}},
-            {"$project": {"_id": 0, "k": {"$add": [rank * _SPAN, "$idx"]}, "b": f"${BANDS}"}},
-            {"$unwind": "$b"},
-        ]
-
-    group = {"$group": {"_id": "$b", "keys": {"$push": "$k"}, "n": {"$sum": 1}}}
-    pipeline = keyed(0)
-    for rank, name in enumerate(names[1:], 1):
-        pipeline.append({"$unionWith": {"coll": name, "pipeline": keyed(rank)}})
-    pipeline += [group, {"$match": {"n": {"$gt": 1}}}, {"$project": {"_id": 0, "keys": 1}}]
-    for g in db[names[0]].aggregate(pipeline, allowDiskUse=True):
-        yield sorted(int(k) for k in g["keys"])
-
-
 class ShingleCache:
     """The shingle sets of documents by key, read from the collections in batches, the least recently
     used dropped beyond ``limit``."""
@@ -251,18 +208,15 @@ class ShingleCache:
         cfg = self.conn.config
         by_rank: dict[int, list[int]] = {}
         for k in missing:
-            by_rank.setdefault(k // _SPAN, []).append(k % _SPAN)
+            by_rank.setdefault(k // SPAN, []).append(k % SPAN)
         wanted = {"idx": 1, cfg.text_field: 1, "turns": 1}
         for rank, idxs in by_rank.items():
-            coll = self.conn.db[self.names[rank]]
-            for part in self.conn.in_lists(idxs, _BULK):
-                q = {"idx": {"$in": part}}
-                docs = with_retries(lambda c=coll, q=q: list(c.find(q, wanted)), cfg,
-                                    "dedup --near: reading candidates")  # fmt: skip
-                self.reads += 1
-                for doc in docs:
-                    text = document_text(doc, cfg.text_field) or ""
-                    self.held[rank * _SPAN + doc["idx"]] = shingles(text, self.ngram)
+            docs = find_in(self.conn, self.names[rank], "idx", idxs, fields=wanted,
+                           what="dedup --near: reading candidates", longest=_BULK)  # fmt: skip
+            self.reads += len(self.conn.in_lists(idxs, _BULK))
+            for doc in docs:
+                text = document_text(doc, cfg.text_field) or ""
+                self.held[rank * SPAN + doc["idx"]] = shingles(text, self.ngram)
         for k in missing:  # a candidate deleted since it was signed: nobody's duplicate
             self.held.setdefault(k, np.empty(0, dtype=np.uint64))
 
@@ -322,7 +276,7 @@ def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: 
             clusters.add_bucket(keys)
         pending.clear()
 
-    for keys in _buckets(conn, names, params.key):
+    for keys in shared_elements(conn, names, BANDS, {BANDS_KEY: params.key}, "dedup --near: grouping bands"):
         report.buckets += 1
         pending.append(keys)
         if len(pending) >= _BUCKETS_PER_ROUND:
@@ -342,19 +296,12 @@ def _cluster(conn: Connection, names: Sequence[str], params: LshParams, report: 
 def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int, int]:
     """Make ``near_dup_of`` on ``name`` equal ``marks`` (idx → the kept document's label): set what
     differs, unset what is marked and should not be. Returns (marked, unmarked) by this call."""
-    cfg = conn.config
-    coll = conn.db[name]
     marked = unmarked = 0
     items = sorted(marks.items())
     for start in range(0, len(items), _BULK):
-        part = items[start : start + _BULK]
-
-        def write(part: list[tuple[int, str]] = part) -> int:
-            ops = [UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
-                   for i, label in part]  # fmt: skip
-            return conn.bulk_write(name, ops)
-
-        marked += with_retries(write, cfg, f"dedup --near: marking {name}")
+        ops = [UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
+               for i, label in items[start : start + _BULK]]  # fmt: skip
+        marked += write_ops(conn, name, ops, "dedup --near: marking")
     # In idx windows: a query on the mark alone has no index to ride, and the embedded engine would hold
     # every document of the collection for it.
     marked_now = read_windows(conn, name, {NEAR_OF: {"$exists": True}}, {"_id": 0, "idx": 1},
@@ -362,9 +309,8 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
     held = [d["idx"] for docs in marked_now for d in docs]
     stale = sorted(i for i in held if i not in marks)
     for part in conn.in_lists(stale, _BULK):
-        q = {"idx": {"$in": part}}
-        unmarked += with_retries(lambda q=q: coll.update_many(q, {"$unset": {NEAR_OF: ""}}).modified_count,
-                                 cfg, f"dedup --near: unmarking {name}")  # fmt: skip
+        unmarked += write_ops(conn, name, [UpdateMany({"idx": {"$in": part}}, {"$unset": {NEAR_OF: ""}})],
+                              "dedup --near: unmarking")  # fmt: skip
     return marked, unmarked
 
 
@@ -403,14 +349,11 @@ class NearLookup:
         for rank, other in enumerate(self.names):
             if not wanted:
                 break
-            coll = self.conn.db[other]
             fields = {"idx": 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, "turns": 1}
-            found: dict[Any, dict[str, Any]] = {}
-            for part in self.conn.in_lists(wanted):  # a document holding bands of two lists comes twice
-                q = {BANDS: {"$in": part}, BANDS_KEY: p.key}
-                for c in with_retries(lambda c=coll, q=q, f=fields: list(c.find(q, f)), cfg,
-                                      f"ingest --dedup: near copies in {other}"):  # fmt: skip
-                    found.setdefault(c["_id"], c)
+            found: dict[Any, dict[str, Any]] = {}  # a document holding bands of two lists comes twice
+            for c in find_in(self.conn, other, BANDS, wanted, fields=fields, also={BANDS_KEY: p.key},
+                             what=f"ingest --dedup: near copies in {other}"):  # fmt: skip
+                found.setdefault(c["_id"], c)
             for c in found.values():
                 text = document_text(c, cfg.text_field) or ""
                 root = c.get(NEAR_OF) or f"{other}:{c['idx']}"

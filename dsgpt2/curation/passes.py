@@ -22,23 +22,16 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from dsgpt2.curation.steps import Split, Step
-from dsgpt2.db.client import (
-    ASCENDING,
-    Connection,
-    DatabaseError,
-    patiently,
-    require_collections,
-    with_retries,
-)
-from dsgpt2.db.filters import conjoin
-from dsgpt2.db.idx import idx_edge
+from dsgpt2.db.bulk import write_ops
+from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, patiently, require_collections
+from dsgpt2.db.idx import idx_bounds, numbered_batches
 from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.argtypes import part_of
@@ -57,63 +50,6 @@ def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
         raise CorpusError(
             f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"
         ) from None
-
-
-def each_batch(
-    conn: Connection,
-    name: str,
-    query: dict[str, Any],
-    fields: dict[str, int],
-    batch_size: int,
-    *,
-    desc: str,
-    progress: bool = False,
-    span: tuple[int, int] | None = None,
-) -> Iterator[list[dict[str, Any]]]:
-    """The numbered documents of ``name`` matching ``query``, in idx order, with ``_id``, ``idx`` and
-    ``fields``: each batch one window of ``batch_size`` idx values on the idx index (fewer documents
-    when ``query`` leaves some out; windows with none are not yielded); only those of idx in
-    ``[start, stop)`` when ``span`` is given, otherwise to the largest idx, including documents added
-    while the pass runs."""
-    coll = conn.db[name]
-    wanted = {"_id": 1, "idx": 1, **fields}
-
-    def edge(guess: int | None) -> int:
-        top = with_retries(lambda: idx_edge(coll, -1, guess=guess), conn.config, f"{desc}: reading {name}")
-        return -1 if top is None else int(top)
-
-    lo, stop = (0, edge(None) + 1) if span is None else span
-    bar = progress_display(desc, "doc", enabled=progress)
-    try:
-        while lo < stop:
-            end = min(lo + batch_size, stop)
-            q = conjoin({"idx": {"$gte": lo, "$lt": end}}, query)
-            batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1)),
-                                 conn.config, f"{desc}: reading {name}")  # fmt: skip
-            lo = end
-            if span is None and lo >= stop:
-                stop = edge(stop - 1) + 1
-            if batch:
-                yield batch
-                bar.update(len(batch))
-    finally:
-        bar.close()
-
-
-def write_ops(conn: Connection, name: str, ops: list[Any], what: str) -> None:
-    """``ops`` (pymongo write operations) on ``name``: one unordered bulk write (one transaction on the
-    embedded engine: :meth:`Connection.bulk_write`), retried as a whole (each operation sets values, so
-    a retry after a partial write ends where one write would)."""
-    if ops:
-        with_retries(lambda: conn.bulk_write(name, ops), conn.config, f"{what}: writing {name}")
-
-
-def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
-    """The smallest and largest idx of ``name`` (a few reads on the idx index); None when it has none."""
-    coll = conn.db[name]
-    lo = with_retries(lambda: idx_edge(coll, 1), conn.config, f"reading the idx range of {name}")
-    hi = with_retries(lambda: idx_edge(coll, -1), conn.config, f"reading the idx range of {name}")
-    return None if lo is None or hi is None else (int(lo), int(hi))
 
 
 WHOLE = Split()
@@ -190,12 +126,18 @@ def walk(
     many it processed."""
     text_field = conn.config.text_field
     done = 0
-    batches = each_batch(conn, name, step.todo(), step.fields(text_field), batch_size,
-                         desc=f"{step.verb} {name}", progress=progress, span=span)  # fmt: skip
-    for read in batches:
-        if batch := [d for d in read if step.pending(d)]:
-            write_ops(conn, name, step.process(batch, text_field), step.writing)
-            done += len(batch)
+    what = f"{step.verb} {name}"
+    bar = progress_display(what, "doc", enabled=progress)
+    try:
+        batches = numbered_batches(conn, name, step.todo(), step.fields(text_field), batch_size,
+                                   what=what, span=span)  # fmt: skip
+        for read in batches:
+            if batch := [d for d in read if step.pending(d)]:
+                write_ops(conn, name, step.process(batch, text_field), step.writing)
+                done += len(batch)
+            bar.update(len(read))
+    finally:
+        bar.close()
     return done
 
 

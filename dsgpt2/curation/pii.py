@@ -42,9 +42,9 @@ from typing import Any
 
 from dsgpt2.curation.dedup import HASH
 from dsgpt2.curation.steps import STEPS, About, AtIngest, Split, Step
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta, write_meta
-from dsgpt2.db.summaries import aggregate_summary
+from dsgpt2.db.summaries import aggregate_summary, first_numbered
 from dsgpt2.documents import document_hash, turns_text
 from dsgpt2.errors import CorpusError
 from dsgpt2.settings.options import Checked, option
@@ -251,9 +251,7 @@ def trained_prefix_at_risk(conn: Connection, name: str) -> str | None:
         return None
     mark = int(trained["mark"])
     todo = {"idx": {"$lt": mark}, f"{PII}.v": {"$ne": PII_VERSION}}
-    hit = with_retries(
-        lambda: conn.db[name].find_one(todo, {"idx": 1}), conn.config, f"redact: reading {name}"
-    )
+    hit = first_numbered(conn, name, todo, {"idx": 1}, f"redact: reading {name}")
     if hit is None:
         return None
     return (

@@ -13,9 +13,9 @@ from typing import Any
 from dsgpt2.curation.decontaminate import contaminated_counts
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
 from dsgpt2.curation.steps import Reason, reasons
-from dsgpt2.db.client import Connection, require_collections, with_retries
+from dsgpt2.db.client import Connection, require_collections
 from dsgpt2.db.meta import read_meta
-from dsgpt2.db.summaries import aggregate_summary
+from dsgpt2.db.summaries import aggregate_summary, first_in_order
 from dsgpt2.documents import document_text
 from dsgpt2.files import atomic_writer
 
@@ -66,7 +66,6 @@ def summarize(
     out = []
     metas = read_meta(conn, list(names))
     for name in names:
-        coll = conn.db[name]
         pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
         (row,) = aggregate_summary(conn, name, pipeline, f"curate report: counting {name}")
         languages = {str(r["_id"]): int(r["n"]) for r in row.pop("languages")}
@@ -81,10 +80,8 @@ def summarize(
         for r in listed:
             if not part.removed[r.label] or examples <= 0:
                 continue
-            docs = with_retries(
-                lambda c=coll, q=dict(r.query): list(c.find(q, shown).sort("idx", 1).limit(examples)),
-                cfg, f"curate report: examples of {name}",
-            )  # fmt: skip
+            what = f"curate report: examples of {name}"
+            docs = first_in_order(conn, name, dict(r.query), shown, what, n=examples)
             part.examples[r.label] = [_example(name, d, cfg.text_field, chars, listed) for d in docs]
         out.append(part)
     return out

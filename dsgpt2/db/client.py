@@ -417,6 +417,11 @@ class Connection:
         return self.client[self.config.db]
 
     @property
+    def meta(self) -> Any:
+        """The collection of the corpus's records (``meta_info``: counts, sources, marks, leases)."""
+        return self.db[self.config.meta_collection]
+
+    @property
     def patient_db(self) -> Any:
         """The database through a client of this process without the socket timeout: for the commands
         whose time grows with the collection (:func:`patiently` watches the server meanwhile)."""

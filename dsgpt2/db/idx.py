@@ -1,17 +1,19 @@
-"""The ``idx`` field of a collection: its unique index, its edges read in bounded windows, and batched
-inserts that keep it contiguous beside other writers."""
+"""The ``idx`` field of a collection: its unique index, its edges read in bounded windows, the numbered
+documents read a window of idx values at a time, and batched inserts that keep it contiguous beside
+other writers."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
 
-from dsgpt2.db.client import MAX_BACKOFF_S, TRANSIENT_ERRORS, Connection, first_line, revive
+from dsgpt2.db.client import MAX_BACKOFF_S, TRANSIENT_ERRORS, Connection, first_line, revive, with_retries
+from dsgpt2.db.filters import conjoin
 from dsgpt2.errors import CorpusError, MongoUnavailableError
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,50 @@ def max_idx(coll: Any, guess: int | None = None) -> int | None:
     """The largest numeric idx in ``coll``, or None when there is none (:func:`idx_edge`)."""
     top = idx_edge(coll, -1, guess=guess)
     return None if top is None else int(top)
+
+
+def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
+    """The smallest and largest idx of ``name`` (a few reads on the idx index); None when it has none."""
+    coll = conn.db[name]
+    lo = with_retries(lambda: idx_edge(coll, 1), conn.config, f"reading the idx range of {name}")
+    hi = with_retries(lambda: idx_edge(coll, -1), conn.config, f"reading the idx range of {name}")
+    return None if lo is None or hi is None else (int(lo), int(hi))
+
+
+def numbered_batches(
+    conn: Connection,
+    name: str,
+    query: dict[str, Any],
+    fields: dict[str, int],
+    batch_size: int,
+    *,
+    what: str,
+    span: tuple[int, int] | None = None,
+) -> Iterator[list[dict[str, Any]]]:
+    """The numbered documents of ``name`` matching ``query``, in idx order, with ``_id``, ``idx`` and
+    ``fields``: each batch one window of ``batch_size`` idx values on the idx index (fewer documents
+    when ``query`` leaves some out; windows with none are not yielded); only those of idx in
+    ``[start, stop)`` when ``span`` is given, otherwise to the largest idx, including documents added
+    while the batches are read. A window, not a query on ``query`` alone: that may have no index to
+    ride, and the embedded engine would hold every document it selects in its memory."""
+    coll = conn.db[name]
+    wanted = {"_id": 1, "idx": 1, **fields}
+
+    def edge(guess: int | None) -> int:
+        top = with_retries(lambda: idx_edge(coll, -1, guess=guess), conn.config, f"{what}: reading {name}")
+        return -1 if top is None else int(top)
+
+    lo, stop = (0, edge(None) + 1) if span is None else span
+    while lo < stop:
+        end = min(lo + batch_size, stop)
+        q = conjoin({"idx": {"$gte": lo, "$lt": end}}, query)
+        batch = with_retries(lambda q=q: list(coll.find(q, wanted).sort("idx", 1)),
+                             conn.config, f"{what}: reading {name}")  # fmt: skip
+        lo = end
+        if span is None and lo >= stop:
+            stop = edge(stop - 1) + 1
+        if batch:
+            yield batch
 
 
 def insert_batch(

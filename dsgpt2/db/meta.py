@@ -14,7 +14,7 @@ from dsgpt2.errors import MongoUnavailableError
 
 def read_meta(conn: Connection, names: Sequence[str]) -> dict[str, dict[str, Any]]:
     """The meta_info entries of ``names`` (one query), keyed by collection name."""
-    meta = conn.db[conn.config.meta_collection]
+    meta = conn.meta
     docs = with_retries(
         lambda: list(meta.find({"collection": {"$in": list(names)}}, {"_id": 0})),
         conn.config,
@@ -28,7 +28,7 @@ def write_meta(
 ) -> None:
     """Set ``fields`` on the meta_info entry of collection ``name`` (created if absent), and raise each
     field of ``at_least`` to its value (never lowered: another writer may have gone further)."""
-    meta = conn.db[conn.config.meta_collection]
+    meta = conn.meta
     update: dict[str, Any] = {"$set": fields}
     if at_least:
         update["$max"] = at_least

@@ -115,13 +115,26 @@ def first_numbered(
     conn: Connection, name: str, query: dict[str, Any], projection: dict[str, Any], what: str
 ) -> dict[str, Any] | None:
     """The document of ``name`` with the smallest idx that ``query`` matches (``projection``'s fields),
-    or None; on the embedded engine from the first window holding one."""
+    or None (:func:`first_in_order`)."""
+    first = first_in_order(conn, name, query, projection, what, n=1)
+    return first[0] if first else None
+
+
+def first_in_order(
+    conn: Connection, name: str, query: dict[str, Any], projection: dict[str, Any], what: str, *, n: int
+) -> list[dict[str, Any]]:
+    """The ``n`` numbered documents of ``name`` of smallest idx that ``query`` matches (``projection``'s
+    fields, and idx), in idx order: mongod sorts on the idx index and stops at ``n``; the embedded
+    engine would read every match before its limit, so there the windows are read until ``n`` are."""
+    projection = {**projection, "idx": 1}
     if not conn.counts_walk:
         q = conjoin({"idx": {"$exists": True}}, query)
         return with_retries(
-            lambda: conn.db[name].find_one(q, projection, sort=[("idx", 1)]), conn.config, what
+            lambda: list(conn.db[name].find(q, projection).sort("idx", 1).limit(n)), conn.config, what
         )
-    for docs in read_windows(conn, name, query, {**projection, "idx": 1}, what):
-        if docs:
-            return min(docs, key=lambda d: d["idx"])
-    return None
+    found: list[dict[str, Any]] = []
+    for docs in read_windows(conn, name, query, projection, what):
+        found += sorted(docs, key=lambda d: d["idx"])
+        if len(found) >= n:
+            break
+    return found[:n]

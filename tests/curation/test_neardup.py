@@ -138,28 +138,6 @@ def test_dedup_near_from_the_cli_marks_planted_copies_across_collections(tmp_pat
     assert set(fewer) < set(got) and "unmarked" in stricter.stdout
 
 
-def test_groupings_read_in_windows_equal_the_servers_aggregation(tmp_path: Path, monkeypatch: Any) -> None:
-    """On the embedded engine the bands and the hashes are grouped here from windows of the collections
-    (the engine would hold every document in memory for one aggregation): the same buckets and groups."""
-    from dsgpt2.curation import dedup, neardup
-    from dsgpt2.db import summaries
-
-    docs, _ = corpus()
-    half = len(docs) // 2
-    cfg, store = ingest_files(tmp_path, {"news": docs[:half], "web": docs[half:] + docs[:5]})
-    for how in ("--near", "--exact"):
-        assert run_cli("dedup", "--config", str(cfg), how, "--no_progress").returncode == 0
-    conn = Connection(make_config(["news", "web"], **db_for(store)))
-    assert conn.counts_walk
-    monkeypatch.setattr(summaries, "WINDOW", 7)
-    names = ["news", "web"]
-    key = conn.db["news"].find_one({}, {neardup.BANDS_KEY: 1})[neardup.BANDS_KEY]
-    buckets = neardup._buckets(conn, names, key)
-    assert len(buckets) > 5 and sorted(buckets) == sorted(neardup.band_buckets(conn.db, names, key))
-    groups = dedup._groups(conn, names)
-    assert len(groups) >= 5 and sorted(groups) == sorted(dedup.exact_groups(conn.db, names))
-
-
 class Crash(Exception):
     pass
 
@@ -184,16 +162,16 @@ def test_a_killed_near_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPat
         monkeypatch.setattr(passes, "write_ops", crash)
     else:  # killed after the first bulk write of marks
         monkeypatch.setattr(neardup, "_BULK", 10)
-        real_retries = neardup.with_retries
+        real_write = neardup.write_ops
 
-        def retries(fn, config, what, *args, **kwargs):
+        def write(conn, name, ops, what):
             if what.startswith("dedup --near: marking"):
                 calls["n"] += 1
                 if calls["n"] == 2:
                     raise Crash
-            return real_retries(fn, config, what, *args, **kwargs)
+            return real_write(conn, name, ops, what)
 
-        monkeypatch.setattr(neardup, "with_retries", retries)
+        monkeypatch.setattr(neardup, "write_ops", write)
     with pytest.raises(Crash):
         passes.run_pass(conn, ["articles"], neardup.Signing(params), batch_size=40)
     monkeypatch.undo()

@@ -1,5 +1,5 @@
 """Reads over the idx index that stay bounded at any corpus size: the edges of the index
-(:func:`idx_edge`) and the batches a curation pass walks (:func:`each_batch`); the one driver every
+(:func:`idx_edge`) and the batches a curation pass walks (:func:`numbered_batches`); the one driver every
 pass runs under (:func:`run_pass`), shown on a pass made for the test."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pymongo.collection import Collection
 
 from conftest import make_config
 from dsgpt2.curation import passes
-from dsgpt2.curation.passes import each_batch, idx_bounds, run_pass
+from dsgpt2.curation.passes import run_pass
 from dsgpt2.curation.steps import Split, Step
 from dsgpt2.db.client import Connection
-from dsgpt2.db.idx import EDGE_WINDOW, idx_edge, max_idx
+from dsgpt2.db.idx import EDGE_WINDOW, idx_bounds, idx_edge, max_idx, numbered_batches
 from dsgpt2.errors import CorpusError
 
 
@@ -71,22 +71,24 @@ def test_an_edge_reads_the_documents_near_the_guess_not_the_collection(asked: li
         assert coll.count_documents({"idx": filter["idx"]}) <= 2 * EDGE_WINDOW, filter
 
 
-def test_each_batch_walks_bounded_windows_in_idx_order(asked: list[dict[str, Any]]) -> None:
+def test_numbered_batches_walks_bounded_windows_in_idx_order(asked: list[dict[str, Any]]) -> None:
     conn, _ = _collection([*range(0, 2500), *range(2600, 3100)], extra=5)
-    batches = list(each_batch(conn, "a", {"even": True}, {"even": 1}, 100, desc="test"))
+    batches = list(numbered_batches(conn, "a", {"even": True}, {"even": 1}, 100, what="test"))
     seen = [d["idx"] for b in batches for d in b]
     assert seen == [i for i in [*range(0, 2500), *range(2600, 3100)] if i % 2 == 0]
     assert all(len(b) <= 100 for b in batches)
     walked = [f for f in asked if "even" in f]
     assert all(f["idx"]["$lt"] - f["idx"]["$gte"] <= 100 for f in walked)
-    spanned = [d["idx"] for b in each_batch(conn, "a", {}, {}, 64, desc="test", span=(90, 2610)) for d in b]
+    spanned = [
+        d["idx"] for b in numbered_batches(conn, "a", {}, {}, 64, what="test", span=(90, 2610)) for d in b
+    ]
     assert spanned == [*range(90, 2500), *range(2600, 2610)]
 
 
-def test_each_batch_takes_in_documents_added_while_it_walks() -> None:
+def test_numbered_batches_takes_in_documents_added_while_it_walks() -> None:
     conn, coll = _collection(list(range(250)))
     seen = []
-    for batch in each_batch(conn, "a", {}, {}, 100, desc="test"):
+    for batch in numbered_batches(conn, "a", {}, {}, 100, what="test"):
         seen += [d["idx"] for d in batch]
         if len(seen) == 200:
             coll.insert_many([{"idx": i} for i in range(250, 420)])
