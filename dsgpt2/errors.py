@@ -25,14 +25,24 @@ def usage_error(command: str, message: str) -> ConfigError:
     return ConfigError(f"dsgpt2 {command}: {message} (see `dsgpt2 {command} --help`)")
 
 
+# The database.
+
+
 class MongoUnavailableError(DsGpt2Error):
     """The MongoDB server cannot be reached or keeps failing."""
 
 
-class PeerLostError(DsGpt2Error):
-    """Another rank of the run died or stopped answering: this one stops too (re-run to resume)."""
+class DiskFullError(MongoUnavailableError):
+    """The disk holding an embedded database is full: what was written before is kept (free space, re-run)."""
+
+
+class ServerLostError(MongoUnavailableError):
+    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
 
     exit_code = 3
+
+
+# The corpus.
 
 
 class CorpusError(DsGpt2Error):
@@ -53,12 +63,11 @@ class IngestError(DsGpt2Error):
     """An input file cannot be read or does not match the requested format."""
 
 
-class DiskFullError(MongoUnavailableError):
-    """The disk holding an embedded database is full: what was written before is kept (free space, re-run)."""
+# A training run.
 
 
-class ServerLostError(MongoUnavailableError):
-    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
+class PeerLostError(DsGpt2Error):
+    """Another rank of the run died or stopped answering: this one stops too (re-run to resume)."""
 
     exit_code = 3
 
@@ -75,6 +84,9 @@ class TrainingAborted(DsGpt2Error):
     """Training stopped on purpose: non-finite losses in a row, or a lost database."""
 
     exit_code = 3
+
+
+# Serving.
 
 
 class GenerationFailed(DsGpt2Error):

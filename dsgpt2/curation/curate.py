@@ -26,7 +26,7 @@ from dsgpt2.curation.quality import (
     signals,
     verdicts,
 )
-from dsgpt2.curation.steps import STEPS, About, Reason, Split, Step
+from dsgpt2.curation.steps import STEPS, About, CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
@@ -44,9 +44,7 @@ def run_key(rules: Sequence[str], thresholds: Mapping[str, float]) -> str:
 
 
 @dataclass
-class CollectionCuration:
-    name: str
-    documents: int = 0
+class CollectionCuration(CollectionPart):
     judged: int = 0  # by this run
     failing: dict[str, int] = field(default_factory=dict)  # rule set → documents that fail it
     passing_all: int = 0
@@ -54,10 +52,9 @@ class CollectionCuration:
 
 
 @dataclass
-class CurationReport:
-    rules: list[str]
+class CurationReport(Report):
     collections: list[CollectionCuration]
-    seconds: float = 0.0
+    rules: list[str]
 
     def lines(self) -> list[str]:
         out = []
@@ -177,7 +174,7 @@ class Curation(Step):
         return part
 
     def report(self, parts: list[Any]) -> CurationReport:
-        return CurationReport(list(self.rules), parts)
+        return CurationReport(parts, rules=list(self.rules))
 
 
 def _summarize(

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.curation.steps import STEPS, About, Reason, Split, Step
+from dsgpt2.curation.steps import STEPS, About, CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.client import Connection, UpdateMany, UpdateOne
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import write_meta
@@ -252,20 +252,17 @@ def find(tokens: Sequence[str], n: int, table: Mapping[tuple[str, ...], Any]) ->
 
 
 @dataclass
-class CollectionDecont:
-    name: str
-    documents: int = 0
+class CollectionDecont(CollectionPart):
     checked: int = 0  # by this run
     contaminated: dict[str, int] = field(default_factory=dict)  # set → documents marked with it
     examples: list[str] = field(default_factory=list)
 
 
 @dataclass
-class DecontReport:
+class DecontReport(Report):
+    collections: list[CollectionDecont]
     ngram: int
     sets: list[EvalSet]
-    collections: list[CollectionDecont]
-    seconds: float = 0.0
 
     def lines(self) -> list[str]:
         out = []
@@ -430,7 +427,7 @@ class Decontamination(Step):
         return part
 
     def report(self, parts: list[Any]) -> DecontReport:
-        return DecontReport(self.ngram, list(self.sets), parts)
+        return DecontReport(parts, ngram=self.ngram, sets=list(self.sets))
 
 
 def _runs(values: list[int]) -> list[tuple[int, int]]:

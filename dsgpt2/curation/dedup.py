@@ -26,7 +26,7 @@ from typing import Any
 
 from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, DedupSettings, NearLookup, Signing, duplicates_line
 from dsgpt2.curation.passes import NUMBERED, ensure_index
-from dsgpt2.curation.steps import STEPS, About, AtIngest, Reason, Split, Step
+from dsgpt2.curation.steps import STEPS, About, AtIngest, CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.bulk import find_in
 from dsgpt2.db.client import Connection, UpdateMany, with_retries
 from dsgpt2.db.groups import SPAN, repeated_values
@@ -48,11 +48,9 @@ def ensure_hash_index(conn: Connection, name: str, what: str) -> None:
 
 
 @dataclass
-class CollectionDedup:
+class CollectionDedup(CollectionPart):
     """One collection's part of a ``dedup --exact`` run."""
 
-    name: str
-    documents: int = 0
     hashed: int = 0  # documents given a hash by this run
     duplicates: int = 0  # documents marked as a copy, after the run
     marked: int = 0  # of them, marked by this run
@@ -60,10 +58,9 @@ class CollectionDedup:
 
 
 @dataclass
-class DedupReport:
+class DedupReport(Report):
     collections: list[CollectionDedup]
     groups: int = 0  # texts held more than once
-    seconds: float = 0.0
     examples: list[tuple[str, str]] = field(default_factory=list)  # (copy, kept)
 
     def lines(self) -> list[str]:

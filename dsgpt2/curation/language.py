@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from dsgpt2.curation.steps import STEPS, About, Split, Step
+from dsgpt2.curation.steps import STEPS, About, Report, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.filters import LANGUAGE_FIELD
 from dsgpt2.db.meta import write_meta
@@ -83,10 +83,9 @@ class CollectionLanguages:
 
 
 @dataclass
-class LanguageReport:
-    key: str
+class LanguageReport(Report):
     collections: list[CollectionLanguages]
-    seconds: float = 0.0
+    key: str
 
     def lines(self) -> list[str]:
         out = []
@@ -148,7 +147,7 @@ class Labelling(Step):
         return part
 
     def report(self, parts: list[Any]) -> LanguageReport:
-        return LanguageReport(self.key(), parts)
+        return LanguageReport(parts, key=self.key())
 
 
 def count_languages(conn: Connection, name: str) -> dict[str, int]:

@@ -40,7 +40,7 @@ from dsgpt2.curation.minhash import (
     signature,
 )
 from dsgpt2.curation.passes import NUMBERED, ensure_index
-from dsgpt2.curation.steps import Reason, Split, Step
+from dsgpt2.curation.steps import CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.bulk import find_in, write_ops
 from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, patiently, with_retries
 from dsgpt2.db.groups import SPAN, shared_elements
@@ -152,7 +152,7 @@ class Signing(Step):
         return CollectionNear(name, signed=done)
 
     def report(self, parts: list[Any]) -> NearReport:
-        return NearReport(self.params, parts)
+        return NearReport(parts, params=self.params)
 
     def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
         """Bucket, confirm, cluster and mark (see module doc); with ``split.parts`` > 1 only this
@@ -226,9 +226,7 @@ class ShingleCache:
 
 
 @dataclass
-class CollectionNear:
-    name: str
-    documents: int = 0
+class CollectionNear(CollectionPart):
     signed: int = 0  # by this run
     duplicates: int = 0  # marked near_dup_of, after the run
     marked: int = 0  # by this run
@@ -236,14 +234,13 @@ class CollectionNear:
 
 
 @dataclass
-class NearReport:
-    params: LshParams
+class NearReport(Report):
     collections: list[CollectionNear]
+    params: LshParams
     buckets: int = 0
     compared: int = 0
     confirmed: int = 0
     clusters: int = 0
-    seconds: float = 0.0
     examples: list[tuple[str, str, float]] = field(default_factory=list)  # (copy, kept, Jaccard)
 
     def lines(self) -> list[str]:

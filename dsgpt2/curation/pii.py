@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.dedup import HASH
-from dsgpt2.curation.steps import STEPS, About, AtIngest, Split, Step
+from dsgpt2.curation.steps import STEPS, About, AtIngest, CollectionPart, Report, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import aggregate_summary, first_numbered
@@ -221,17 +221,14 @@ def redact_document(doc: dict[str, Any], text_field: str) -> dict[str, Any] | No
 
 
 @dataclass
-class CollectionRedaction:
-    name: str
-    documents: int = 0
+class CollectionRedaction(CollectionPart):
     redacted: int = 0  # by this run
     found: dict[str, int] = field(default_factory=dict)  # kind → items replaced, in the whole collection
 
 
 @dataclass
-class RedactionReport:
+class RedactionReport(Report):
     collections: list[CollectionRedaction]
-    seconds: float = 0.0
 
     def lines(self) -> list[str]:
         out = []

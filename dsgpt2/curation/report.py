@@ -12,7 +12,7 @@ from typing import Any
 
 from dsgpt2.curation.decontaminate import contaminated_counts
 from dsgpt2.curation.pii import KINDS, PII_FACET, pii_totals
-from dsgpt2.curation.steps import Reason, reasons
+from dsgpt2.curation.steps import CollectionPart, Reason, reasons
 from dsgpt2.db.client import Connection, require_collections
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import aggregate_summary, first_in_order
@@ -35,9 +35,7 @@ def checked(meta: dict[str, Any], reason: Reason) -> bool:
 
 
 @dataclass
-class CollectionSummary:
-    name: str
-    documents: int = 0
+class CollectionSummary(CollectionPart):
     judged: int = 0  # documents with quality verdicts
     removed: dict[str, int] = field(default_factory=dict)  # reason → documents it selects
     kept: int = 0  # documents no reason selects

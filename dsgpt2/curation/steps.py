@@ -16,7 +16,7 @@ its ``@STEPS.register(...)`` line (``docs/development.md``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsgpt2.db.client import Connection, UpdateOne
@@ -93,6 +93,14 @@ def set_each(updates: Sequence[tuple[Any, dict[str, Any]]]) -> list[Any]:
 
 
 @dataclass
+class CollectionPart:
+    """One collection's part of a step's report: its name and its numbered documents after the run."""
+
+    name: str
+    documents: int = 0
+
+
+@dataclass
 class Processed:
     """One collection's part of a run of a step that counts nothing of its own."""
 
@@ -101,12 +109,24 @@ class Processed:
 
 
 @dataclass
-class StepReport:
+class Report:
+    """What a run of a step did: one part per collection (its ``finish``), and the seconds the run took
+    (the driver's measure)."""
+
+    collections: list[Any]
+    seconds: float = field(default=0.0, kw_only=True)
+
+    def lines(self) -> list[str]:
+        """The report as printed."""
+        raise NotImplementedError
+
+
+@dataclass
+class StepReport(Report):
     """What a run of a step that counts nothing of its own did: the documents it processed."""
 
-    verb: str
     collections: list[Processed]
-    seconds: float = 0.0
+    verb: str
 
     def lines(self) -> list[str]:
         out = [f"{c.name}: {c.processed} document(s) processed by this run ({self.verb})"
@@ -206,9 +226,9 @@ class Step:
         a step records in meta_info that it ran)."""
         return Processed(name, done)
 
-    def report(self, parts: list[Any]) -> Any:
-        """The run's report (with ``seconds`` and ``lines()``) from the collections' entries."""
-        return StepReport(self.verb, parts)
+    def report(self, parts: list[Any]) -> Report:
+        """The run's report from the collections' entries."""
+        return StepReport(parts, verb=self.verb)
 
     def conclude(self, conn: Connection, names: Sequence[str], report: Any, split: Split) -> None:
         """The work over every collection at once, once each is processed (dedup's grouping and

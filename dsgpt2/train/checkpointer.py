@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ def resumed_options(c: CheckpointOptions) -> dict[str, Any] | None:
         return None
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Finds, verifies, restores and saves the checkpoints of one run.
 
@@ -89,22 +90,13 @@ class Checkpointer:
             shape is refused. None: not checked.
     """
 
-    def __init__(
-        self,
-        settings: CheckpointSettings,
-        conn: Any,
-        *,
-        fingerprint: dict[str, Any],
-        world: int,
-        marks: tuple[int, ...],
-        model: dict[str, Any] | None = None,
-    ) -> None:
-        self.settings = settings
-        self.fingerprint = fingerprint
-        self.world = world
-        self.conn = conn
-        self.marks = marks
-        self.model = model
+    settings: CheckpointSettings
+    conn: Any
+    _: KW_ONLY
+    fingerprint: dict[str, Any]
+    world: int
+    marks: tuple[int, ...]
+    model: dict[str, Any] | None = None
 
     def find(self) -> tuple[Path, str, dict[str, Any]] | None:
         """The checkpoint to resume from, verified, and its data state; None for a fresh start.
