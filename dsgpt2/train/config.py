@@ -34,7 +34,7 @@ from dsgpt2.settings.options import (
     option,
 )
 from dsgpt2.train.optimizers import OPTIMIZERS, OptimizerOptions
-from dsgpt2.train.schedule import KINDS
+from dsgpt2.train.schedule import KINDS, check_warmup
 
 if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
@@ -378,10 +378,8 @@ class TrainConfig:
         """
         s = self.schedule
         own = s.lr_schedule not in (None, "deepspeed")
-        if own and s.warmup_iters and s.warmup_iters >= self.run.train_iters:
-            raise ConfigError(
-                f"--warmup_iters {s.warmup_iters}: must be below --train_iters {self.run.train_iters}"
-            )
+        if own and s.warmup_iters:
+            check_warmup(s.warmup_iters, self.run.train_iters)
         own_rates = OPTIMIZERS[self.optim.optimizer].own_rates if self.optim.optimizer else None
         if own_rates and s.lr_schedule == "deepspeed":
             raise ConfigError(

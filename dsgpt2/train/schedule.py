@@ -49,8 +49,7 @@ class Schedule(Checked):
     decay_fraction: float = option(0.2, flag="decay_fraction", check=RATIO)
 
     def check(self) -> None:
-        if self.warmup > 0 and self.warmup >= self.total:
-            raise ConfigError(f"--warmup_iters {self.warmup}: must be below --train_iters {self.total}")
+        check_warmup(self.warmup, self.total)
 
     @property
     def decay_start(self) -> int:
@@ -59,6 +58,12 @@ class Schedule(Checked):
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_warmup(warmup: int, total: int) -> None:
+    """A warmup shorter than the run: checked on the flags before any work, and on every schedule built."""
+    if warmup > 0 and warmup >= total:
+        raise ConfigError(f"--warmup_iters {warmup}: must be below --train_iters {total}")
 
 
 def lr_at(s: Schedule, step: int) -> float:
