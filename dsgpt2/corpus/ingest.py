@@ -49,6 +49,7 @@ from dsgpt2.documents import document_hash
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
 from dsgpt2.files import process_alive
 from dsgpt2.progress import progress as progress_display
+from dsgpt2.settings.options import POSITIVE_INT
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,7 @@ def ingest(
         BadDocumentError: a record is unusable and ``strict`` is on.
         CorpusError: the collection's idx is broken, or another ingest is writing the same source.
     """
-    if batch_size <= 0:  # a caller of the function, not the command (its flag is checked as it is parsed)
-        raise IngestError(f"--batch_size must be positive; got {batch_size}")
+    POSITIVE_INT.check("--batch_size", batch_size)  # for a caller of the function; the flag's own check
     started = time.monotonic()
     coll = conn.db[collection]
     skips = SkipLog(report_file)

@@ -25,7 +25,7 @@ from dsgpt2.db.config import load_config
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import validate_collection
 from dsgpt2.db.wrapper import MongoWrapper
-from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
+from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError, IngestError
 from pace import deadline, wait_for
 
 
@@ -233,7 +233,7 @@ def test_input_errors_are_clear(tmp_path: Path) -> None:
     c.write_text("id,body\n1,hello\n")
     with pytest.raises(IngestError, match=r"no column 'text'.*\['id', 'body'\].*--column"):
         file_source(c)
-    with pytest.raises(IngestError, match="--batch_size"):
+    with pytest.raises(ConfigError, match="--batch_size must be a positive integer, got 0"):
         ingest(_conn(), "a", [], batch_size=0)
     with pytest.raises(IngestError, match="unknown sample"):
         builtin_source("nope")
