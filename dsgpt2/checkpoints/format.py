@@ -27,6 +27,7 @@ LATEST = "latest"
 BEST = "best"  # names the best checkpoint of an --early_stopping run; `--ckpt_id best` reads it
 COMPLETE = "dsgpt2_complete.json"
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
+UNIVERSAL = ".universal"  # suffix of a checkpoint's universal form, beside it (dsgpt2.train.universal)
 
 
 def tag_for(step: int) -> str:
@@ -54,7 +55,9 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
         return []
     steps = {}
     for p in ckpt_dir.iterdir():
-        marker = read_marker(ckpt_dir, p.name) if p.is_dir() and _TAG.match(p.name) else None
+        # A checkpoint's universal form is derived from it, not a checkpoint of the run's own.
+        ours = p.is_dir() and _TAG.match(p.name) and not p.name.endswith(UNIVERSAL)
+        marker = read_marker(ckpt_dir, p.name) if ours else None
         if marker is not None:
             steps[p.name] = marker["step"]
     return sorted(steps, key=lambda t: steps[t])

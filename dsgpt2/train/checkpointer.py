@@ -23,7 +23,7 @@ from dsgpt2.checkpoints.format import (
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import TrainingAborted
-from dsgpt2.train import ds_checkpoint
+from dsgpt2.train import ds_checkpoint, universal
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
 
@@ -131,17 +131,22 @@ class Checkpointer:
         self._check_fingerprint(saved["fingerprint"], load_dir / tag)
         self._check_data(saved, load_dir / tag)
         ranks = len(saved["data"]["ranks"])
-        if ranks != self.world and is_partitioned(load_dir, tag):
-            raise CheckpointError(
-                f"{load_dir / tag} was saved by {ranks} rank(s) with ZeRO-partitioned optimizer state and "
-                f"this run has {self.world}: resume with {ranks} rank(s), or convert it with DeepSpeed's "
-                "universal checkpoint tool (python -m deepspeed.checkpoint.ds_to_universal) first"
-            )
-        if ranks != self.world:
-            log.warning(
-                "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
-                "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
-            )  # fmt: skip
+        if ranks == self.world:
+            return load_dir, tag, saved["data"]
+        log.warning(
+            "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
+            "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
+        )  # fmt: skip
+        if is_partitioned(load_dir, tag):
+            stage = universal.zero_stage(load_dir, tag)
+            if stage not in (1, 2):
+                raise CheckpointError(
+                    f"{load_dir / tag} was saved by {ranks} rank(s) under ZeRO stage {stage}, whose "
+                    f"partitioned state this version carries to another number of ranks only from ZeRO 1 "
+                    f"or 2: resume it with {ranks} rank(s)"
+                )
+            # The optimizer state is cut per rank: loaded from its universal form, made once.
+            tag = universal.ensure_universal(load_dir, tag)
         return load_dir, tag, saved["data"]
 
     def _check_model(self, saved: dict[str, Any], where: Path) -> None:

@@ -23,6 +23,7 @@ from dsgpt2.checkpoints.format import (
     BEST,
     COMPLETE,
     LATEST,
+    UNIVERSAL,
     best_tag,
     complete_tags,
     damage,
@@ -31,6 +32,7 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
+from dsgpt2.train import universal
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,7 @@ def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
     for old in complete_tags(ckpt_dir)[:-keep_last]:
         if old not in (keep, best):
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+            shutil.rmtree(ckpt_dir / (old + UNIVERSAL), ignore_errors=True)  # its universal form, if made
             log.info("removed old checkpoint %s (keeping the last %d)", old, keep_last)
 
 
@@ -129,4 +132,6 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
         ) from None
     if path is None or client_state is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
+    if tag.endswith(UNIVERSAL):
+        universal.restore_muon_momentum(engine.optimizer, load_dir / tag)
     return client_state

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.checkpoints.format import UNIVERSAL
 from dsgpt2.errors import ConfigError
 from dsgpt2.train.schedule import Schedule
 
@@ -68,6 +69,14 @@ class EngineConfig:
     @property
     def grad_accum(self) -> int:
         return int(self.config["gradient_accumulation_steps"])
+
+    def resuming(self, tag: str | None) -> EngineConfig:
+        """The config an engine resuming from checkpoint ``tag`` is built with: told to read DeepSpeed's
+        universal form where the tag names one (see :mod:`dsgpt2.train.universal`)."""
+        if tag is None or not tag.endswith(UNIVERSAL):
+            return self
+        checkpoint = {**self.config.get("checkpoint", {}), "load_universal": True}
+        return replace(self, config={**self.config, "checkpoint": checkpoint})
 
 
 def build_ds_config(

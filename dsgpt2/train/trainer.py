@@ -169,7 +169,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
     engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed, optim=cfg.optim)
-    engine = build_engine(engine_settings, ds, spec, vocab_size, init=init, device=device, world=world)
+    resumed = ds.resuming(found[1] if found else None)
+    engine = build_engine(engine_settings, resumed, spec, vocab_size, init=init, device=device, world=world)
     state = checkpointer.restore(
         engine.engine, found[:2] if found else None, feed.state.streams[0], ds.schedule
     )

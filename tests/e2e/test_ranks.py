@@ -207,11 +207,15 @@ def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
 def test_resume_on_another_number_of_ranks_reads_every_block_once(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two ranks stop mid-epoch; one rank resumes: the epoch's blocks, set-wise, are exactly those
-    of a one-rank straight run, none twice."""
+    """Two ZeRO 1 ranks stop mid-epoch; one rank resumes (from the checkpoint's universal form): the
+    epoch's blocks, set-wise, are exactly those of a one-rank straight run, none twice; then two ranks
+    again, from the one rank's checkpoint."""
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
-    small = dict(corpus, config=cfg)
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": 1}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    small = dict(corpus, config=cfg, ds=tmp_path / "ds.json")
     common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
 
     def epoch0(run: Path, rank: int = 0, after: int = 0) -> list[tuple[int, int, int]]:
@@ -232,17 +236,21 @@ def test_resume_on_another_number_of_ranks_reads_every_block_once(
     shutil.copytree(tmp_path / "elastic" / "ckpt", partitioned / "ckpt")
     resumed = train(small, tmp_path / "elastic", "--train_iters", "40", *common)
     assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
+    assert "converted" in resumed.stderr and "global_step4.universal" in resumed.stderr
     both = before + epoch0(tmp_path / "elastic", 0, after=4)
     assert len(both) == len(set(both)), "a block was trained twice"
     assert set(both) == set(whole), "a block was skipped"
     # Two ranks, then one, the leftovers of their epoch dealt anew: replayed as they were read.
     check_lineage(tmp_path / "elastic" / "ckpt", tmp_path / "elastic" / "ws", cfg, {"small": 150}, ranks=2)
+    grown = launch(small, tmp_path / "elastic", 2, "--train_iters", "42", *common)  # one rank to two
+    assert "global_step40.universal" in grown.stdout + grown.stderr and 42 in steps(tmp_path / "elastic")
 
-    # Where DeepSpeed's optimizer state is partitioned per rank, it cannot follow: one line.
+    # A damaged shard of the partitioned optimizer state: one line, before any conversion.
     (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     refused = train(small, partitioned, "--train_iters", "8", *common, check=False)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    assert "ds_to_universal" in refused.stderr.strip().splitlines()[-1]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is truncated or grown" in last, last
 
 
 def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_the_resolved_one(
@@ -324,3 +332,45 @@ def test_hellaswag_at_each_evaluation_on_two_zero3_ranks_equals_evaluating_the_c
     assert metrics["hellaswag_examples"] == 8
     assert metrics["hellaswag_acc"] == evals[-1]["hellaswag_acc"]
     assert metrics["hellaswag_acc_norm"] == evals[-1]["hellaswag_acc_norm"]
+
+
+def test_a_zero_2_muon_checkpoint_resumes_on_another_number_of_ranks_from_its_universal_form(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """ZeRO 1 and 2 cut the optimizer state per rank: a resume on another number of ranks converts the
+    checkpoint to DeepSpeed's universal form once (beside it) and loads that, 2 → 1 and 1 → 2 (ZeRO 1
+    and AdamW: the test above). The form carries the weights and every optimizer state (Muon's momentum,
+    laid out as Muon reads it, and the AdamW moments of the other weights): resumed from it on the same
+    two ranks, a run takes the same steps as one resumed from the checkpoint itself."""
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": 2}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    staged = dict(corpus, ds=tmp_path / "ds.json")
+    common = ("--save_interval", "100", "--num_workers", "1", "--optimizer", "muon")
+    two = tmp_path / "two"
+    launch(staged, two, 2, "--train_iters", "3", *common)
+    for name in ("one", "native", "universal"):
+        shutil.copytree(two / "ckpt", tmp_path / name / "ckpt")
+
+    one = train(staged, tmp_path / "one", "--train_iters", "5", *common)
+    converted = [line for line in one.stderr.splitlines() if "universal form" in line]
+    assert len(converted) == 1 and "global_step3.universal" in converted[0], one.stderr[-3000:]
+    assert sorted(steps(tmp_path / "one")) == [4, 5]
+    assert (tmp_path / "one" / "ckpt" / "latest").read_text() == "global_step5"
+
+    # The same two ranks, from the checkpoint and from its universal form.
+    shutil.copytree(tmp_path / "one" / "ckpt" / "global_step3.universal",
+                    tmp_path / "universal" / "ckpt" / "global_step3.universal")  # fmt: skip
+    launch(staged, tmp_path / "native", 2, "--train_iters", "5", *common)
+    from_form = ("--ckpt_id", "global_step3.universal")
+    launch(staged, tmp_path / "universal", 2, "--train_iters", "5", *from_form, *common)
+    native, universal = steps(tmp_path / "native"), steps(tmp_path / "universal")
+    for step in (4, 5):  # step 5's loss is of the weights step 4's optimizer state moved
+        assert native[step]["block_ids"] == universal[step]["block_ids"]
+        for a, b in zip(native[step]["losses"], universal[step]["losses"], strict=True):
+            assert abs(a - b) <= 1e-5, (step, a, b)
+
+    solo = tmp_path / "solo"  # one rank to two
+    train(staged, solo, "--train_iters", "2", *common)
+    grown = launch(staged, solo, 2, "--train_iters", "4", *common)
+    assert "global_step2.universal" in grown.stdout + grown.stderr and sorted(steps(solo)) == [1, 2, 3, 4]
