@@ -374,7 +374,7 @@ class Decontamination(Step):
 
     def todo(self) -> dict[str, Any]:
         # A document not yet checked against one of several sets is picked by `pending`: as an `$or`
-        # here, each batch would be a scan of the collection on the embedded engine.
+        # here, a batch's query would have no one index to ride (see `conjoin`).
         keys = self.key()
         if len(keys) == 1:
             ((name, key),) = keys.items()

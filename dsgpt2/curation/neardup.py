@@ -299,8 +299,6 @@ def write_marks(conn: Connection, name: str, marks: dict[int, str]) -> tuple[int
         ops = [UpdateOne({"idx": i, NEAR_OF: {"$ne": label}}, {"$set": {NEAR_OF: label}})
                for i, label in items[start : start + _BULK]]  # fmt: skip
         marked += write_ops(conn, name, ops, "dedup --near: marking")
-    # In idx windows: a query on the mark alone has no index to ride, and the embedded engine would hold
-    # every document of the collection for it.
     marked_now = read_windows(conn, name, {NEAR_OF: {"$exists": True}}, {"_id": 0, "idx": 1},
                               f"dedup --near: reading marks of {name}")  # fmt: skip
     held = [d["idx"] for docs in marked_now for d in docs]

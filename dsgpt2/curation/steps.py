@@ -206,7 +206,7 @@ class Step:
 
     def pending(self, doc: dict[str, Any]) -> bool:
         """Whether a document ``todo`` read is still to process: for a condition ``todo`` leaves out
-        because the embedded engine answers it with a scan (an ``$or``; see :func:`conjoin`)."""
+        because it has no one index to ride (an ``$or``; see :func:`conjoin`)."""
         return True
 
     def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
