@@ -57,6 +57,18 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
     return shared[1]
 
 
+def on_each_node(fn: Callable[[], Any]) -> None:
+    """``fn()`` run by the first rank of each node (a node's disk is its own), the others waiting; a user
+    error there is raised on every rank."""
+    error = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            fn()
+        except DsGpt2Error as exc:
+            error = (type(exc).__name__, str(exc))
+    raise_shared(next((e for e in gather(error) if e is not None), None))
+
+
 def gather(value: Any) -> list[Any]:
     """Every rank's ``value`` (picklable), in rank order, on every rank."""
     import torch.distributed as dist

@@ -36,6 +36,7 @@ from dsgpt2.train.checkpointer import (
     CheckpointSettings,
     TrainState,
     resumed_options,
+    stage,
 )
 from dsgpt2.train.collective import (
     all_sum,
@@ -46,7 +47,6 @@ from dsgpt2.train.collective import (
     release_shared_buffer,
 )
 from dsgpt2.train.config import TrainConfig, parse
-from dsgpt2.train.ds_checkpoint import mark_best
 from dsgpt2.train.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
 from dsgpt2.train.engine import (
     Engine,
@@ -148,6 +148,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     release_shared_buffer(device)
     conn = Connection(mongo)
     conn.ping()
+    args = cfg.to_dict()  # as given: a checkpoint location in the database is recorded as one
+    stored = stage(cfg.ckpt, cfg.run.workspace, conn)
     d = cfg.data
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
     init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
@@ -160,11 +162,13 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
     ckpt_settings = CheckpointSettings(
-        cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=cfg.to_dict(),
+        cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=args,
         resolved=cfg.resolved(),
     )  # fmt: skip
-    checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model)
+    checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
+                                stored=stored)  # fmt: skip
     found = on_rank0(checkpointer.find)
+    checkpointer.fetch(found, rank)
     for line in decided:  # once the checkpoint they come from is known good
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
@@ -175,7 +179,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         engine.engine, found[:2] if found else None, feed.state.streams[0], ds.schedule
     )
     run_config = {
-        "args": cfg.to_dict(),
+        "args": args,
         "mongo": mongo.to_dict(),
         "deepspeed": ds.config,
         "fingerprint": fp,
@@ -408,7 +412,7 @@ class Trainer:
             state.best, state.best_step, state.stale = value, state.step, 0
             tag = self.save(state, self.stream.state)
             if self.rank == 0:
-                mark_best(self.cfg.ckpt.ckpt_dir, tag)
+                self.checkpointer.mark_best(tag)
             log.info("best %s so far: %.4f at step %d (checkpoint %s, tagged best)", r.monitor, value,
                      state.step, tag)  # fmt: skip
             return

@@ -1,0 +1,39 @@
+"""Checkpoints in the database (``--ckpt_dir gridfs:RUN``): nodes that share the database and no
+directory save, lose a node and resume; damaged or unfinished stored checkpoints are never resumed."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsgpt2.checkpoints.stored import BUCKET
+from dsgpt2.db.blobs import BlobStore
+from dsgpt2.db.client import Connection
+from dsgpt2.db.config import load_config
+from training import steps, train, training_corpus
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return training_corpus(tmp_path_factory)
+
+
+def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_its_files(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    run = f"t{tmp_path.name}"
+    where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2", "--keep_last", "2")
+    first = train(corpus, tmp_path / "a", "--train_iters", "6", *where)
+    assert f"saved checkpoint gridfs:{run}/global_step6" in first.stderr, first.stderr[-3000:]
+    store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
+    tags = {n.split("/")[1] for n in store.names(run + "/") if n.count("/") == 2}
+    assert tags == {"global_step4", "global_step6"}  # --keep_last 2
+    assert store.get_text(f"{run}/latest", tmp_path / "x") == "global_step6"
+    shutil.rmtree(tmp_path / "a")  # nothing of the first machine is left
+    second = train(corpus, tmp_path / "b", "--train_iters", "8", *where)
+    assert "resumed from" in second.stderr and "at step 6" in second.stderr, second.stderr[-3000:]
+    assert sorted(steps(tmp_path / "b")) == [7, 8]
