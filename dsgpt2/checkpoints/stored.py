@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 from collections.abc import Iterable
@@ -190,6 +191,40 @@ class StoredCheckpoints:
 def _step(tag: str) -> int:
     digits = re.sub(r"\D", "", tag)
     return int(digits) if digits else -1
+
+
+def reader_cache() -> Path:
+    """Where the commands that read a stored checkpoint keep their copies (``$XDG_CACHE_HOME/dsgpt2``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "dsgpt2"
+
+
+def readable(location: Path, ckpt_id: str | None, config: str | None, flag: str) -> Path:
+    """A checkpoint directory to read ``location``'s checkpoint from: ``location`` itself, or, for a
+    ``gridfs:RUN`` location, this machine's copy of the run's index and of the checkpoint ``ckpt_id``
+    (else the one ``latest`` names), downloaded from the database ``config`` names.
+
+    Raises:
+        ConfigError: a stored location without a connection config.
+        CheckpointError: no such stored checkpoint, or a damaged file of it.
+    """
+    run = stored_run(location)
+    if run is None:
+        return location
+    if not config:
+        raise ConfigError(
+            f"{flag} {location}: checkpoints in the database are read through its connection config; "
+            "add --config c.json (the one the run trained with)"
+        )
+    from dsgpt2.db.client import connect
+    from dsgpt2.db.config import load_config
+
+    mongo = load_config(config)
+    stored = StoredCheckpoints(connect(mongo, create=False), run, staging_dir(reader_cache() / mongo.db, run))
+    stored.pull_resumable(ckpt_id)
+    if not any(stored.local.glob(f"*/{COMPLETE}")):
+        raise CheckpointError(f"{location}: no checkpoint stored there in {mongo.display_uri} ({mongo.db})")
+    return stored.local
 
 
 def merged_marker(step: int, time: float, uploads: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:

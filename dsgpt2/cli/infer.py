@@ -40,8 +40,11 @@ def ckpt_id_option() -> Any:
 class ExportSettings:
     """``dsgpt2 export``: the checkpoint and the directory it becomes."""
 
-    ckpt_dir: Path = option(help="checkpoint directory of a training run")
+    ckpt_dir: Path = option(help="checkpoint directory of a training run, or its gridfs:RUN in the database")
     ckpt_id: str | None = ckpt_id_option()
+    config: str | None = config_option(
+        "connection config of the database, for a --ckpt_dir gridfs:RUN", required=False
+    )
     out: Path = option(help="output directory")
     vocab_dir: Path | None = option(
         None,
@@ -57,18 +60,27 @@ class ModelSource:
     """The model a command loads (evaluate, generate, chat, serve)."""
 
     model: str = option(
-        help="an exported model (dsgpt2 export) or a checkpoint directory (its `latest`)", metavar="DIR"
+        help="an exported model (dsgpt2 export), a checkpoint directory (its `latest`) or a run's gridfs:RUN "
+        "in the database",
+        metavar="DIR",
     )
     ckpt_id: str | None = ckpt_id_option()
+    db_config: str | None = option(
+        None, "connection config of the database, for a --model gridfs:RUN (evaluate: default its --config)"
+    )
     vocab_dir: Path | None = option(
         None, "where the model's tokenizer is, if it moved (default: the model's; checked by hash)"
     )
     verbose: bool = verbose_option()
 
-    def load(self) -> Any:
+    def load(self, config: str | None = None) -> Any:
+        """The model; ``config``: the connection config to read a stored checkpoint through where
+        ``--db_config`` names none."""
+        from dsgpt2.checkpoints.stored import readable
         from dsgpt2.infer.loading import load_model
 
-        return load_model(Path(self.model), self.ckpt_id, self.vocab_dir)
+        where = readable(Path(self.model), self.ckpt_id, self.db_config or config, "--model")
+        return load_model(where, self.ckpt_id, self.vocab_dir)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,10 +139,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     # It reads DeepSpeed's checkpoints, and transformers imports DeepSpeed where it is installed: named
     # first, the CPU accelerator is no warning on a machine without a GPU.
     prepare_deepspeed_environment()
+    from dsgpt2.checkpoints.stored import readable
     from dsgpt2.infer.export import export
 
     s = from_namespace(ExportSettings, args)
-    result = export(s.ckpt_dir, s.out, s.ckpt_id, s.vocab_dir, s.overwrite)
+    ckpt_dir = readable(s.ckpt_dir, s.ckpt_id, s.config, "--ckpt_dir")
+    result = export(ckpt_dir, s.out, s.ckpt_id, s.vocab_dir, s.overwrite)
     print(
         f"exported {s.ckpt_dir}/{result['tag']} (step {result['step']}, "
         f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"
@@ -159,7 +173,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     config = load_connection(output.config)
     if examples is None:
         check_collections(config, request)
-    loaded = source.load()
+    loaded = source.load(output.config)
     split = "hellaswag" if examples else request.split
     path = output.report or default_report_path(loaded.name, split)
     check_writable(path, "--report")

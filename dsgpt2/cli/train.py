@@ -56,7 +56,7 @@ class PlanSettings(Checked):
 class LineageSettings:
     """``dsgpt2 lineage``: the run, the documents, and where the run's inputs are now."""
 
-    ckpt_dir: Path = option(help="the run's checkpoint directory")
+    ckpt_dir: Path = option(help="the run's checkpoint directory, or its gridfs:RUN in the database")
     doc: tuple[str, ...] = option(help="a document (repeatable)", repeat=True, metavar="COLLECTION:IDX")
     ckpt_id: str | None = option(None, "replay up to this checkpoint (default: the one `latest` names)")
     config: str | None = config_option(
@@ -71,11 +71,13 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     import json
 
     from dsgpt2.checkpoints.lineage import lineage, lineage_lines
+    from dsgpt2.checkpoints.stored import readable
     from dsgpt2.db.config import load_config
 
     s = from_namespace(LineageSettings, args)
     mongo = load_config(s.config) if s.config else None
-    result = lineage(s.ckpt_dir, list(s.doc), mongo, s.ckpt_id, s.vocab_dir)
+    ckpt_dir = readable(s.ckpt_dir, s.ckpt_id, s.config, "--ckpt_dir")
+    result = lineage(ckpt_dir, list(s.doc), mongo, s.ckpt_id, s.vocab_dir)
     print(json.dumps(result.to_dict(), indent=1) if s.json else "\n".join(lineage_lines(result)))
     return 0
 

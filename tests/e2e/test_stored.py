@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_cli
 from dsgpt2.checkpoints.stored import BUCKET
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
@@ -37,3 +38,33 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     second = train(corpus, tmp_path / "b", "--train_iters", "8", *where)
     assert "resumed from" in second.stderr and "at step 6" in second.stderr, second.stderr[-3000:]
     assert sorted(steps(tmp_path / "b")) == [7, 8]
+    # Read where it is stored, from a directory that never held it.
+    out = tmp_path / "hf"
+    exported = run_cli(
+        "export", "--ckpt_dir", f"gridfs:{run}", "--config", str(corpus["config"]), "--out", str(out)
+    )
+    assert exported.returncode == 0 and "step 8" in exported.stdout, exported.stderr[-2000:]
+    assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2").is_dir()
+    lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
+    assert lacking.returncode == 2 and "add --config" in lacking.stderr.strip().splitlines()[-1]
+
+
+def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_named(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    run = f"d{tmp_path.name}"
+    where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2")
+    train(corpus, tmp_path / "a", "--train_iters", "4", *where)
+    conn = Connection(load_config(corpus["config"]))
+    files = conn.db[f"{BUCKET}.files"]
+    model = files.find_one({"filename": f"{run}/global_step4/mp_rank_00_model_states.pt"})
+    chunk = conn.db[f"{BUCKET}.chunks"].find_one({"files_id": model["_id"], "n": 0})
+    data = bytearray(chunk["data"])
+    data[100] ^= 0xFF
+    conn.db[f"{BUCKET}.chunks"].update_one({"_id": chunk["_id"]}, {"$set": {"data": bytes(data)}})
+    refused = train(corpus, tmp_path / "b", "--train_iters", "6", *where, check=False)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "global_step4/mp_rank_00_model_states.pt is damaged" in last and "--ckpt_id global_step2" in last
+    resumed = train(corpus, tmp_path / "b", "--train_iters", "6", *where, "--ckpt_id", "global_step2")
+    assert "at step 2" in resumed.stderr and sorted(steps(tmp_path / "b")) == [3, 4, 5, 6]
