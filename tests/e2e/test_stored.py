@@ -40,9 +40,9 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     assert sorted(steps(tmp_path / "b")) == [7, 8]
     # Read where it is stored, from a directory that never held it.
     out = tmp_path / "hf"
-    exported = run_cli(
-        "export", "--ckpt_dir", f"gridfs:{run}", "--config", str(corpus["config"]), "--out", str(out)
-    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # this machine's copies
+    read = ("--ckpt_dir", f"gridfs:{run}")
+    exported = run_cli("export", *read, "--config", str(corpus["config"]), "--out", str(out), env=env)
     assert exported.returncode == 0 and "step 8" in exported.stdout, exported.stderr[-2000:]
     assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2").is_dir()
     lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
