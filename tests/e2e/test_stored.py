@@ -3,6 +3,7 @@ directory save, lose a node and resume; damaged or unfinished stored checkpoints
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
