@@ -3,6 +3,7 @@ directory save, lose a node and resume; damaged or unfinished stored checkpoints
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -14,7 +15,8 @@ from dsgpt2.checkpoints.stored import BUCKET
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
-from training import steps, train, training_corpus
+from dsgpt2.train.metrics import read_metrics
+from training import launch_nodes, steps, train, training_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +71,33 @@ def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_nam
     assert "global_step4/mp_rank_00_model_states.pt is damaged" in last and "--ckpt_id global_step2" in last
     resumed = train(corpus, tmp_path / "b", "--train_iters", "6", *where, "--ckpt_id", "global_step2")
     assert "at step 2" in resumed.stderr and sorted(steps(tmp_path / "b")) == [3, 4, 5, 6]
+
+
+def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_alone(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two simulated nodes (ranks 0 | 1, 2) at ZeRO 1, each with a working directory of its own and the
+    checkpoints in the database: every rank's shard is stored, the marker lists them all. Node 1 is
+    gone: node 0 resumes alone from the database, through the checkpoint's universal form (made once,
+    stored for any node), and the steps go on."""
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": 1}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    staged = dict(corpus, ds=tmp_path / "ds.json")
+    run = f"n{tmp_path.name}"
+    common = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2", "--num_workers", "1")
+    disks = [["--workspace", str(tmp_path / f"node{n}")] for n in (0, 1)]
+    launch_nodes(staged, tmp_path / "both", disks, "--train_iters", "4", *common)
+    store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
+    shards = {n.rsplit("/", 1)[1] for n in store.names(f"{run}/global_step4/") if "optim_states" in n}
+    assert shards == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)}
+    # Each node staged only its own ranks' files.
+    assert not list((tmp_path / "node1").rglob("zero_pp_rank_0_*")) and list(
+        (tmp_path / "node0").rglob("zero_pp_rank_0_*")
+    )
+
+    alone = train(staged, tmp_path / "both", "--train_iters", "6", *common, *disks[0])
+    assert "saved by 3 rank(s); this run has 1" in alone.stderr and "universal form" in alone.stderr
+    assert f"{run}/global_step4.universal/dsgpt2_complete.json" in store.names(f"{run}/")
+    metrics = read_metrics(tmp_path / "node0" / "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["event"] == "train"] == [1, 2, 3, 4, 5, 6]
