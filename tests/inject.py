@@ -1,14 +1,17 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
     python tests/inject.py [--nonfinite_at N ...] [--nonfinite_rank R] [--exit_after STEP]
-        [--after STEP=COMMAND ...] [--kill_group_after STEP] -- DS_TRAINER_FLAGS...
+        [--after STEP=COMMAND ...] [--kill_group_after STEP] [--die_uploading N [--die_rank R]]
+        -- DS_TRAINER_FLAGS...
 
 --nonfinite_at: the loss of these micro-batches becomes NaN (--nonfinite_rank: on that rank only, else
 on every rank); --exit_after: die like a killed job
 right after that step (no cleanup, no final checkpoint), exit code 17; --after: run the shell
 COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it;
 --kill_group_after: SIGKILL this process's whole process group after that step (a node lost at once:
-its launcher, its ranks, their workers, when the node's launch was its own group).
+its launcher, its ranks, their workers, when the node's launch was its own group); --die_uploading N:
+rank --die_rank (default 0) dies, exit code 17, as it starts its Nth upload of a checkpoint file to the
+database.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ def main() -> int:
     p.add_argument("--exit_after", type=int)
     p.add_argument("--after", action="append", default=[])
     p.add_argument("--kill_group_after", type=int)
+    p.add_argument("--die_uploading", type=int)
+    p.add_argument("--die_rank", type=int, default=0)
     argv = sys.argv[1:]
     cut = argv.index("--")
     # The deepspeed launcher puts --local_rank=N first: it is the trainer's.
@@ -41,6 +46,19 @@ def main() -> int:
 
     def on_loss(micro: int, loss: torch.Tensor) -> torch.Tensor:
         return loss * float("nan") if here and micro in faults.nonfinite_at else loss
+
+    if faults.die_uploading and faults.die_rank == int(os.environ.get("RANK", "0")):
+        from dsgpt2.db import blobs
+
+        put, calls = blobs.BlobStore.put, [0]
+
+        def dying_put(self: blobs.BlobStore, name: str, path: object) -> dict:
+            calls[0] += 1
+            if calls[0] == faults.die_uploading:
+                os._exit(17)  # killed in the middle of a save's upload
+            return put(self, name, path)
+
+        blobs.BlobStore.put = dying_put
 
     commands = {int(k): v for k, v in (a.split("=", 1) for a in faults.after)}
 

@@ -101,6 +101,11 @@ class StoredCheckpoints:
                     out[tag] = marker
         return out
 
+    def latest(self) -> str | None:
+        """The tag the stored ``latest`` names; None when there is none."""
+        text = self.store.get_text(self._name(LATEST), self.local / ".latest.read")
+        return None if text is None else text.strip()
+
     def pull_index(self) -> None:
         """Make the staging directory's ``latest``, ``best`` and markers the stored ones: a marker or
         pointer only here (a save that did not finish its upload) is removed."""

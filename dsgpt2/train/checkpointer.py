@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,7 @@ from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import ConfigError, DsGpt2Error, TrainingAborted
 from dsgpt2.train import ds_checkpoint, universal
-from dsgpt2.train.collective import barrier, gather, on_each_node, raise_shared
+from dsgpt2.train.collective import barrier, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
 
@@ -107,6 +107,7 @@ class Checkpointer:
     marks: tuple[int, ...]
     model: dict[str, Any] | None = None
     stored: StoredCheckpoints | None = None
+    _published: str | None = field(default=None, init=False, repr=False)  # the stored latest, as last seen
 
     def find(self) -> tuple[Path, str, dict[str, Any]] | None:
         """The checkpoint to resume from, verified, and its data state; None for a fresh start.
@@ -321,6 +322,7 @@ class Checkpointer:
         points ``latest`` at it and drops what ``--keep_last`` and unfinished saves leave behind."""
         stored = self.stored
         assert stored is not None
+        on_rank0(self._check_sole_writer)
         error = None
         try:
             mine = stored.push(tag, own_files(stored.local / tag, rank))
@@ -331,8 +333,21 @@ class Checkpointer:
         if rank == 0:
             marker = merged_marker(step, time.time(), [m for m, _ in uploads])
             stored.publish(tag, marker)
+            self._published = tag
             self._prune_stored(tag)
         barrier()
+
+    def _check_sole_writer(self) -> None:
+        """Refuse to save where another run saved since this one started (the stored ``latest`` is not
+        the one this run last saw): two runs sharing a location would write over each other's files."""
+        assert self.stored is not None
+        now = self.stored.latest()
+        if now != self._published:
+            raise CheckpointError(
+                f"another run saved {self.stored.location}/{now} since this one started (it saw "
+                f"{self._published or 'no checkpoint'}): two runs cannot share a location; give this run "
+                "its own --ckpt_dir gridfs:RUN"
+            )
 
     def _prune_stored(self, saved: str) -> None:
         stored = self.stored
@@ -355,7 +370,10 @@ class Checkpointer:
         """Where the checkpoints are in the database: every node downloads the one to resume from (its
         universal form, converted by rank 0, stored first for the other nodes)."""
         stored = self.stored
-        if stored is None or found is None:
+        if stored is None:
+            return
+        self._published = on_rank0(stored.latest)
+        if found is None:
             return
         tag = found[1]
         if not tag.endswith(UNIVERSAL):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,51 @@ def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_
     assert f"{run}/global_step4.universal/dsgpt2_complete.json" in store.names(f"{run}/")
     metrics = read_metrics(tmp_path / "node0" / "metrics.jsonl")
     assert [r["step"] for r in metrics if r["event"] == "train"] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_save_killed_while_uploading_never_becomes_latest_and_the_resume_is_exact(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Killed as it uploads the checkpoint of step 4: the stored latest stays step 2, the local copy's
+    complete step 4 is not taken for one, and the resumed run takes the straight run's steps."""
+    run = f"k{tmp_path.name}"
+    where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2")
+    train(corpus, tmp_path / "straight", "--train_iters", "6", "--save_interval", "100")
+    # A save uploads the model states and the resolved config, then the marker and latest: 4 uploads.
+    dies = ("--die_uploading", "6")
+    killed = train(corpus, tmp_path / "a", "--train_iters", "6", *where, faults=dies, check=False)
+    assert killed.returncode == 17, killed.stderr[-3000:]
+    store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
+    assert store.get_text(f"{run}/latest", tmp_path / "x") == "global_step2"
+    assert f"{run}/global_step4/dsgpt2_complete.json" not in store.names(f"{run}/")
+
+    resumed = train(corpus, tmp_path / "a", "--train_iters", "6", *where)
+    assert "at step 2" in resumed.stderr, resumed.stderr[-3000:]
+    straight, again = steps(tmp_path / "straight"), steps(tmp_path / "a")
+    for step in (3, 4, 5, 6):
+        assert abs(again[step]["loss"] - straight[step]["loss"]) <= 1e-6, step
+
+
+def test_a_second_run_saving_to_the_same_location_is_refused_before_it_writes(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    run = f"s{tmp_path.name}"
+    where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2")
+    train(corpus, tmp_path / "a", "--train_iters", "2", *where)
+    # While this run trains on from step 2, another one saves there (its latest moves on).
+    script = tmp_path / "other.py"
+    script.write_text(
+        "import pathlib\n"
+        "from dsgpt2.db.blobs import BlobStore\n"
+        "from dsgpt2.db.client import Connection\n"
+        "from dsgpt2.db.config import load_config\n"
+        f"store = BlobStore(Connection(load_config({str(corpus['config'])!r})), {BUCKET!r})\n"
+        f"store.put_text({run + '/latest'!r}, 'global_step8', pathlib.Path({str(tmp_path / 'scratch')!r}))\n"
+    )
+    other = ("--after", f"3={sys.executable} {script}")
+    clash = train(corpus, tmp_path / "a", "--train_iters", "6", *where, faults=other, check=False)
+    last = clash.stderr.strip().splitlines()[-1]
+    assert clash.returncode == 2 and "Traceback" not in clash.stderr, clash.stderr[-3000:]
+    assert f"another run saved gridfs:{run}/global_step8 since this one started" in last
+    store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
+    assert not any("global_step4" in n for n in store.names(f"{run}/"))
