@@ -101,6 +101,15 @@ class StoredCheckpoints:
                     out[tag] = marker
         return out
 
+    def store_json(self, name: str, value: Any) -> None:
+        """Store ``value`` as the JSON file ``RUN/name``."""
+        self.store.put_text(self._name(name), json.dumps(value), self.local / f".{os.getpid()}.json.part")
+
+    def load_json(self, name: str) -> Any:
+        """The JSON file ``RUN/name``; None when there is none."""
+        text = self.store.get_text(self._name(name), self.local / f".{os.getpid()}.json.read")
+        return None if text is None else json.loads(text)
+
     def latest(self) -> str | None:
         """The tag the stored ``latest`` names; None when there is none."""
         text = self.store.get_text(self._name(LATEST), self.local / ".latest.read")
@@ -190,7 +199,7 @@ class StoredCheckpoints:
         return sorted(found - complete)
 
     def _scratch(self) -> Path:
-        return self.local / ".upload.part"
+        return self.local / f".{os.getpid()}.upload.part"
 
 
 def _step(tag: str) -> int:

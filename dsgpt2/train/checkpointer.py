@@ -5,34 +5,28 @@ before any model is built; restoring it into the engine; saving (see :mod:`dsgpt
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dsgpt2.checkpoints.format import (
-    BEST,
-    UNIVERSAL,
     CheckpointError,
-    best_tag,
     has_checkpoints,
     is_partitioned,
     peek_tag,
     read_client_state,
-    read_marker,
     resolve,
 )
-from dsgpt2.checkpoints.stored import StoredCheckpoints, merged_marker, own_files, staging_dir, stored_run
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
-from dsgpt2.errors import ConfigError, DsGpt2Error, TrainingAborted
+from dsgpt2.errors import TrainingAborted
 from dsgpt2.train import ds_checkpoint, universal
-from dsgpt2.train.collective import barrier, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
+from dsgpt2.train.uploader import Uploader
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +89,8 @@ class Checkpointer:
         marks: the corpus's high-water marks at the start of this run.
         model: the model config this run builds (``GPT2Config.to_dict()``); a checkpoint of another
             shape is refused. None: not checked.
-        stored: where ``--ckpt_dir`` is in the database, the run's checkpoints there (``ckpt_dir`` is
-            then this node's staging directory: :func:`stage`).
+        stored: where ``--ckpt_dir`` is in the database, what uploads the run's checkpoints there
+            (``ckpt_dir`` is then this node's staging directory: :func:`dsgpt2.train.uploader.stage`).
     """
 
     settings: CheckpointSettings
@@ -106,8 +100,7 @@ class Checkpointer:
     world: int
     marks: tuple[int, ...]
     model: dict[str, Any] | None = None
-    stored: StoredCheckpoints | None = None
-    _published: str | None = field(default=None, init=False, repr=False)  # the stored latest, as last seen
+    stored: Uploader | None = None
 
     def find(self) -> tuple[Path, str, dict[str, Any]] | None:
         """The checkpoint to resume from, verified, and its data state; None for a fresh start.
@@ -309,104 +302,32 @@ class Checkpointer:
         }
         files = {RESOLVED: s.resolved}
         out, keep = s.ckpt.ckpt_dir, s.ckpt.keep_last
+        if self.stored is not None:
+            self.stored.settle()  # the last save's upload ends before this save's files are written
         tag = ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files)
         if self.stored is None:
             log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
-            return tag
-        self._upload(tag, state.step, engine.global_rank)
-        log.info("saved checkpoint %s/%s", self.stored.location, tag)
+        else:
+            self.stored.upload(tag, state.step)
         return tag
 
-    def _upload(self, tag: str, step: int, rank: int) -> None:
-        """Every rank uploads the files of ``tag`` it wrote; rank 0 then stores the marker of them all,
-        points ``latest`` at it and drops what ``--keep_last`` and unfinished saves leave behind."""
-        stored = self.stored
-        assert stored is not None
-        on_rank0(self._check_sole_writer)
-        error = None
-        try:
-            mine = stored.push(tag, own_files(stored.local / tag, rank))
-        except DsGpt2Error as exc:
-            mine, error = {}, (type(exc).__name__, str(exc))
-        uploads = gather((mine, error))
-        raise_shared(next((e for _, e in uploads if e is not None), None))
-        if rank == 0:
-            marker = merged_marker(step, time.time(), [m for m, _ in uploads])
-            stored.publish(tag, marker)
-            self._published = tag
-            self._prune_stored(tag)
-        barrier()
+    def settle(self) -> None:
+        """Wait until the last save is stored where the checkpoints go (every rank); nothing to wait for
+        in a directory."""
+        if self.stored is not None:
+            self.stored.settle()
 
-    def _check_sole_writer(self) -> None:
-        """Refuse to save where another run saved since this one started (the stored ``latest`` is not
-        the one this run last saw): two runs sharing a location would write over each other's files."""
-        assert self.stored is not None
-        now = self.stored.latest()
-        if now != self._published:
-            raise CheckpointError(
-                f"another run saved {self.stored.location}/{now} since this one started (it saw "
-                f"{self._published or 'no checkpoint'}): two runs cannot share a location; give this run "
-                "its own --ckpt_dir gridfs:RUN"
-            )
-
-    def _prune_stored(self, saved: str) -> None:
-        stored = self.stored
-        assert stored is not None
-        keep_last = self.settings.ckpt.keep_last
-        tags = sorted(stored.tags().items(), key=lambda kv: kv[1].get("step", 0))
-        best = best_tag(self.settings.ckpt.ckpt_dir)
-        old = [t for t, _ in tags[:-keep_last]] if keep_last > 0 else []
-        for tag in [*old, *stored.unfinished()]:
-            if tag not in (saved, best):
-                stored.drop(tag)
+    def where(self, tag: str) -> str:
+        """Where checkpoint ``tag`` is, as a user names it."""
+        if self.stored is not None:
+            return f"{self.stored.location}/{tag}"
+        return str(self.settings.ckpt.ckpt_dir / tag)
 
     def mark_best(self, tag: str) -> None:
         """Name ``tag`` (saved) the run's best checkpoint, here and where the checkpoints are stored."""
         ds_checkpoint.mark_best(self.settings.ckpt.ckpt_dir, tag)
         if self.stored is not None:
-            self.stored.point(BEST, tag)
-
-    def fetch(self, found: tuple[Path, str, dict[str, Any]] | None, rank: int) -> None:
-        """Where the checkpoints are in the database: every node downloads the one to resume from (its
-        universal form, converted by rank 0, stored first for the other nodes)."""
-        stored = self.stored
-        if stored is None:
-            return
-        self._published = on_rank0(stored.latest)
-        if found is None:
-            return
-        tag = found[1]
-        if not tag.endswith(UNIVERSAL):
-            return  # downloaded by every node before it was verified (:func:`stage`)
-        if rank == 0 and tag not in stored.tags():
-            marker = read_marker(stored.local, tag) or {}
-            stored.publish(
-                tag, {**marker, "files": stored.push(tag, own_files(stored.local / tag, 0))}, latest=False
-            )
-        barrier()
-        on_each_node(lambda: (stored.pull_index(), stored.pull(tag)))
-
-
-def stage(ckpt: CheckpointOptions, workspace: Path, conn: Any) -> StoredCheckpoints | None:
-    """Where ``--ckpt_dir`` (or ``--load_dir``) is ``gridfs:RUN``: the run's checkpoints in the database,
-    this node's staging directory put in the options' place, its index made the database's (on the first
-    rank of each node). None for a directory."""
-    run = stored_run(ckpt.ckpt_dir)
-    loading = stored_run(ckpt.load_dir)
-    if run is None and loading is None:
-        return None
-    if loading is not None and loading != run:
-        raise ConfigError(
-            f"--load_dir {ckpt.load_dir} with --ckpt_dir {ckpt.ckpt_dir}: a run resumes from the database "
-            "where it saves there; pass --ckpt_dir gridfs:RUN (and --ckpt_id to pick a checkpoint)"
-        )
-    assert run is not None
-    stored = StoredCheckpoints(conn, run, staging_dir(workspace, run))
-    ckpt.ckpt_dir = stored.local
-    if ckpt.load_dir is not None:
-        ckpt.load_dir = stored.local
-    on_each_node(lambda: stored.pull_resumable(ckpt.ckpt_id))
-    return stored
+            self.stored.mark_best(tag)
 
 
 def _model_flags(args: dict[str, Any], differ: dict[str, tuple[Any, Any]]) -> str:

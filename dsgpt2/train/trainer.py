@@ -25,7 +25,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import ConfigError, MongoUnavailableError, TrainingAborted
+from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
@@ -36,7 +36,6 @@ from dsgpt2.train.checkpointer import (
     CheckpointSettings,
     TrainState,
     resumed_options,
-    stage,
 )
 from dsgpt2.train.collective import (
     all_sum,
@@ -63,6 +62,7 @@ from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
+from dsgpt2.train.uploader import stage
 from dsgpt2.train.validator import Validator
 
 log = logging.getLogger("dsgpt2.train.trainer")
@@ -149,7 +149,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     conn = Connection(mongo)
     conn.ping()
     args = cfg.to_dict()  # as given: a checkpoint location in the database is recorded as one
-    stored = stage(cfg.ckpt, cfg.run.workspace, conn)
+    wait = cfg.engine.dist_timeout
+    stored = stage(cfg.ckpt, cfg.run.workspace, conn, rank=rank, world=world, wait_s=wait)
     d = cfg.data
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
     init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
@@ -168,7 +169,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
                                 stored=stored)  # fmt: skip
     found = on_rank0(checkpointer.find)
-    checkpointer.fetch(found, rank)
+    if stored is not None:
+        stored.fetch(found)
     for line in decided:  # once the checkpoint they come from is known good
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
@@ -454,34 +456,25 @@ class Trainer:
         reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
         saved = ""
         if state.step > self.started:
-            self.save(state, position)
-            saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+            try:
+                self.save(state, position)
+                self.checkpointer.settle()
+                saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+            except DsGpt2Error as lost:  # checkpoints stored in the database it lost
+                saved = f"; no checkpoint could be stored ({lost}): re-run to resume from the last one"
         raise TrainingAborted(f"{reason}{saved}") from None
 
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The final checkpoint, the end record and plot; the summary."""
         if state.step > self.started:
             self.save(state, self.stream.state)
+            self.checkpointer.settle()
             self.feed.note_trained(state.step)
         else:
             # Nothing trained since the start or the resume: the checkpoint there already holds it.
             log.info("nothing trained (step %d of --train_iters %d): no checkpoint written", state.step,
                      self.cfg.run.train_iters)  # fmt: skip
-        summary = {
-            "step": state.step,
-            "tokens": state.tokens,
-            "tokens_per_s": self.runlog.tokens_per_s(state.tokens),
-            "val_loss": self.last_val,
-            "val_ppl": perplexity(self.last_val) if self.last_val is not None else None,
-            "val_bpb": self.last_bpb,
-            "val_tokens": self.last_val_tokens,
-            "eval_iters": self.cfg.run.eval_iters,
-            "nonfinite": state.nonfinite,
-            "skipped_documents": self.stream.skipped,
-            "stopped": self.stop.name or ("early" if self.stopped_early else "done"),
-            "checkpoint": str(self.cfg.ckpt.ckpt_dir / tag_for(state.step)),
-            **self.last_hellaswag,
-        }
+        summary = _summary_of(self, state)
         if self.runlog.metrics:
             summary["plot"] = self.runlog.close(summary)
         return summary
@@ -489,6 +482,26 @@ class Trainer:
     def save(self, state: TrainState, position: ReadState) -> str:
         data = lambda: self.feed.state_dict(position)  # noqa: E731
         return self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
+
+
+def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
+    """What a finished run reports of itself (printed, and in the end record)."""
+
+    return {
+        "step": state.step,
+        "tokens": state.tokens,
+        "tokens_per_s": t.runlog.tokens_per_s(state.tokens),
+        "val_loss": t.last_val,
+        "val_ppl": perplexity(t.last_val) if t.last_val is not None else None,
+        "val_bpb": t.last_bpb,
+        "val_tokens": t.last_val_tokens,
+        "eval_iters": t.cfg.run.eval_iters,
+        "nonfinite": state.nonfinite,
+        "skipped_documents": t.stream.skipped,
+        "stopped": t.stop.name or ("early" if t.stopped_early else "done"),
+        "checkpoint": t.checkpointer.where(tag_for(state.step)),
+        **t.last_hellaswag,
+    }
 
 
 def _grad_norm(module: Any) -> float:

@@ -33,7 +33,7 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     run = f"t{tmp_path.name}"
     where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2", "--keep_last", "2")
     first = train(corpus, tmp_path / "a", "--train_iters", "6", *where)
-    assert f"saved checkpoint gridfs:{run}/global_step6" in first.stderr, first.stderr[-3000:]
+    assert f"stored checkpoint gridfs:{run}/global_step6" in first.stderr, first.stderr[-3000:]
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
     tags = {n.split("/")[1] for n in store.names(run + "/") if n.count("/") == 2}
     assert tags == {"global_step4", "global_step6"}  # --keep_last 2
@@ -112,8 +112,9 @@ def test_a_save_killed_while_uploading_never_becomes_latest_and_the_resume_is_ex
     run = f"k{tmp_path.name}"
     where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2")
     train(corpus, tmp_path / "straight", "--train_iters", "6", "--save_interval", "100")
-    # A save uploads the model states and the resolved config, then the marker and latest: 4 uploads.
-    dies = ("--die_uploading", "6")
+    # A save uploads the model states, the resolved config and their manifest, then the marker and
+    # latest: 5 uploads; the 7th is the second file of step 4.
+    dies = ("--die_uploading", "7")
     killed = train(corpus, tmp_path / "a", "--train_iters", "6", *where, faults=dies, check=False)
     assert killed.returncode == 17, killed.stderr[-3000:]
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
