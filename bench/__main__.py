@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from bench import (
+    bench_ckpt,
     bench_decont,
     bench_feed,
     bench_fetch,
@@ -79,6 +80,7 @@ def main() -> int:
         "serve": lambda: bench_serve.serving(texts, results),
         "train_gpu": lambda: bench_gpu.train_gpu(texts, results),
         "host": lambda: bench_host.host(texts, results),
+        "ckpt": lambda: bench_ckpt.ckpt(results),
         "startup": lambda: bench_startup.startup(results),
         "neardup": lambda: bench_neardup.neardup(texts),
         "decont": lambda: bench_decont.decont(texts),

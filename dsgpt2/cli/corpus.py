@@ -275,6 +275,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             for name, count, weight in zip(config.collections, wrapper.counts, weights, strict=True)
         ],
     }
+    info["stored_checkpoints"] = _stored_runs(wrapper.connection)
     if settings.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -302,7 +303,28 @@ def cmd_info(args: argparse.Namespace) -> int:
         for s in c["sources"]:
             state = "complete" if s["complete"] else f"interrupted after record {s['records']}"
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
+    for stored in info["stored_checkpoints"]:
+        print(f"  checkpoints {stored['location']}: latest {stored['latest']}")
     return 0
+
+
+def _stored_runs(conn: Any) -> list[dict[str, Any]]:
+    """The runs whose checkpoints are in this database (``--ckpt_dir gridfs:RUN``), with their latest."""
+    import tempfile
+    from pathlib import Path
+
+    from dsgpt2.checkpoints.stored import BUCKET, PREFIX
+    from dsgpt2.db.blobs import BlobStore
+
+    store = BlobStore(conn, BUCKET)
+    out = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in store.names(""):
+            if name.endswith("/latest"):
+                run = name.removesuffix("/latest")
+                latest = (store.get_text(name, Path(scratch) / "latest") or "").strip()
+                out.append({"location": f"{PREFIX}{run}", "latest": latest})
+    return out
 
 
 def _last_run(trained: Any) -> dict[str, Any] | None:

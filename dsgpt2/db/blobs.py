@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import gridfs
-from gridfs.errors import CorruptGridFile, NoFile
+from gridfs.errors import NoFile
 
 from dsgpt2.db.client import Connection, with_retries
 from dsgpt2.errors import CheckpointError
 
 _BLOCK = 1 << 22
+_WINDOW = 64  # chunks read per query (16 MB of GridFS's 255 KB chunks)
 
 
 class _Hashing:
@@ -98,15 +99,23 @@ class BlobStore:
             info = self.stat(name)
             if info is None:
                 raise CheckpointError(f"{self._where(name)} is missing")
-            sha, size = hashlib.sha256(), 0
-            try:
-                with self._bucket.open_download_stream(info["_id"]) as stream, open(tmp, "wb") as out:
-                    while block := stream.read(_BLOCK):
-                        sha.update(block)
-                        size += len(block)
-                        out.write(block)
-            except (CorruptGridFile, NoFile) as exc:
-                raise CheckpointError(f"{self._where(name)} is damaged ({exc})") from None
+            chunks = self.conn.db[f"{self.bucket_name}.chunks"]
+            sha, size, n = hashlib.sha256(), 0, 0
+            with open(tmp, "wb") as out:
+                while True:
+                    # A window of chunks at a time, on the (files_id, n) index: one cursor over the
+                    # whole file would have the embedded engine hold all of it in its memory.
+                    query = {"files_id": info["_id"], "n": {"$gte": n, "$lt": n + _WINDOW}}
+                    window = list(chunks.find(query, {"_id": 0, "n": 1, "data": 1}).sort("n", 1))
+                    for chunk in window:
+                        if chunk["n"] != n:
+                            raise CheckpointError(f"{self._where(name)} is damaged (no chunk {n})")
+                        data = bytes(chunk["data"])
+                        sha.update(data)
+                        out.write(data)
+                        size, n = size + len(data), n + 1
+                    if len(window) < _WINDOW:
+                        break
             if size != info["size"] or sha.hexdigest() != info["sha256"]:
                 raise CheckpointError(
                     f"{self._where(name)} is damaged (its bytes differ from the size and SHA-256 stored "

@@ -149,6 +149,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     conn = Connection(mongo)
     conn.ping()
     args = cfg.to_dict()  # as given: a checkpoint location in the database is recorded as one
+    named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
     wait = cfg.engine.dist_timeout
     stored = stage(cfg.ckpt, cfg.run.workspace, conn, rank=rank, world=world, wait_s=wait)
     d = cfg.data
@@ -157,7 +158,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context)
     feed_settings = FeedSettings(
-        cfg.data, cache_dir=cfg.cache_dir, ckpt_dir=cfg.ckpt.ckpt_dir, dist_timeout=cfg.engine.dist_timeout
+        cfg.data, cache_dir=cfg.cache_dir, ckpt_dir=named, dist_timeout=cfg.engine.dist_timeout
     )
     feed = Feed(feed_settings, mongo, conn, spec, rank=rank, world=world)
     fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_config
+from dsgpt2.db import blobs
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import CheckpointError
@@ -27,10 +28,13 @@ def _file(path: Path, size: int, seed: int = 0) -> Path:
     return path
 
 
-def test_a_file_goes_up_and_comes_back_whole(store: BlobStore, tmp_path: Path) -> None:
-    src = _file(tmp_path / "w.pt", 600_000)  # several chunks
+def test_a_file_goes_up_and_comes_back_whole(
+    store: BlobStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(blobs, "_WINDOW", 2)  # read back two chunks a query
+    src = _file(tmp_path / "w.pt", 1_300_000)  # six chunks
     stored = store.put("run/global_step1/w.pt", src)
-    assert stored["size"] == 600_000
+    assert stored["size"] == 1_300_000
     got = store.get("run/global_step1/w.pt", tmp_path / "out" / "w.pt")
     assert (tmp_path / "out" / "w.pt").read_bytes() == src.read_bytes() and got == stored
     assert store.names("run/") == ["run/global_step1/w.pt"]
@@ -46,7 +50,7 @@ def test_a_replaced_file_is_the_new_one_and_only_it(store: BlobStore, tmp_path: 
 
 
 def test_a_damaged_chunk_is_an_error_and_nothing_is_written(store: BlobStore, tmp_path: Path) -> None:
-    store.put("run/w.pt", _file(tmp_path / "w.pt", 300_000))
+    store.put("run/w.pt", _file(tmp_path / "w.pt", 600_000))  # three chunks
     chunks = store.conn.db[f"{store.bucket_name}.chunks"]
     first = chunks.find_one({"n": 1})
     data = bytearray(first["data"])
@@ -57,7 +61,7 @@ def test_a_damaged_chunk_is_an_error_and_nothing_is_written(store: BlobStore, tm
         store.get("run/w.pt", dest)
     assert not dest.exists() and list((tmp_path / "out").iterdir()) == []
     chunks.delete_one({"_id": first["_id"]})
-    with pytest.raises(CheckpointError, match=r"run/w.pt is damaged"):
+    with pytest.raises(CheckpointError, match=r"run/w.pt is damaged \(no chunk 1\)"):
         store.get("run/w.pt", dest)
 
 

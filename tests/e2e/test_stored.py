@@ -51,6 +51,9 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2").is_dir()
     lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
     assert lacking.returncode == 2 and "add --config" in lacking.stderr.strip().splitlines()[-1]
+    info = run_cli("info", "--config", str(corpus["config"]))
+    assert f"checkpoints gridfs:{run}: latest global_step8" in info.stdout, info.stdout
+    assert f"last run: gridfs:{run} (step 8" in info.stdout, info.stdout
 
 
 def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_named(
