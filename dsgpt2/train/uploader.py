@@ -152,9 +152,13 @@ class Uploader:
     def _prune(self, saved: str) -> None:
         """Drop what ``--keep_last`` leaves behind, and saves that never finished their upload."""
         stored = self.stored
-        tags = sorted(stored.tags().items(), key=lambda kv: kv[1].get("step", 0))
+        ours = {
+            t: m for t, m in stored.tags().items() if not t.endswith(UNIVERSAL)
+        }  # a form goes with its own
+        tags = sorted(ours, key=lambda t: ours[t].get("step", 0))
         best = best_tag(stored.local)
-        old = [t for t, _ in tags[: -self.keep_last]] if self.keep_last > 0 else []
+        old = tags[: -self.keep_last] if self.keep_last > 0 else []
         for tag in [*old, *stored.unfinished()]:
             if tag not in (saved, best):
                 stored.drop(tag)
+                stored.drop(tag + UNIVERSAL)
