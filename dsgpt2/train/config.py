@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
-from dsgpt2.checkpoints.stored import stored_run
 from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
@@ -309,6 +308,8 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
         check_fields(self)
+        from dsgpt2.checkpoints.stored import stored_run  # not at import: it reads checkpoints with torch
+
         stored_run(self.ckpt_dir), stored_run(self.load_dir)  # a gridfs: location is spelled right
         if self.ckpt_id and not self.load_dir:
             self.load_dir = self.ckpt_dir

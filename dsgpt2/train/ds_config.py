@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.checkpoints.format import UNIVERSAL
 from dsgpt2.errors import ConfigError
 from dsgpt2.train.schedule import Schedule
 
@@ -73,6 +72,8 @@ class EngineConfig:
     def resuming(self, tag: str | None) -> EngineConfig:
         """The config an engine resuming from checkpoint ``tag`` is built with: told to read DeepSpeed's
         universal form where the tag names one (see :mod:`dsgpt2.train.universal`)."""
+        from dsgpt2.checkpoints.format import UNIVERSAL  # not at import: the format reads with torch
+
         if tag is None or not tag.endswith(UNIVERSAL):
             return self
         checkpoint = {**self.config.get("checkpoint", {}), "load_universal": True}
