@@ -183,6 +183,9 @@ def bounded(command: dict[str, Any], meta: str = "meta_info") -> bool:
     name, flt = command["name"], command["filter"]
     if command["collection"] == meta or name in {"listIndexes", "listCollections", "create", "createIndexes"}:
         return True
+    if command["collection"] == "checkpoints.files":
+        return True  # one small document per stored checkpoint file (`info` lists the runs): not the corpus
+
     if name == "getMore":
         return True  # the continuation of a cursor: bounded by the command that opened it
     if name == "find":

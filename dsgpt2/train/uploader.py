@@ -121,6 +121,9 @@ class Uploader:
             log.info("stored checkpoint %s/%s", self.location, tag)
         except DsGpt2Error as exc:
             self._error = (type(exc).__name__, str(exc))
+        except Exception as exc:  # a bug, or the disk: its traceback in the log, and every rank stops
+            log.exception("uploading %s/%s failed", self.location, tag)
+            self._error = ("CheckpointError", f"uploading {self.location}/{tag} failed: {exc}")
 
     def _manifests(self, tag: str) -> list[dict[str, Any]]:
         """Every rank's manifest of its uploads of ``tag``, waited for up to ``wait_s``."""
