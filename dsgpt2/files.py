@@ -135,3 +135,27 @@ def file_digest(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> dict[str, Any]:
+    """The size and SHA-256 of the file ``path``."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def file_digests(directory: Path, skip: str | None = None) -> dict[str, dict[str, Any]]:
+    """Size and SHA-256 of every file under ``directory`` (those named ``skip`` excepted), by relative
+    path."""
+    paths = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != skip)
+    return {str(p.relative_to(directory)): file_sha256(p) for p in paths}
+
+
+def reader_cache() -> Path:
+    """Where commands keep their copies of what they read from the database (``$XDG_CACHE_HOME/dsgpt2``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "dsgpt2"

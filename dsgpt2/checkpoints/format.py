@@ -10,7 +10,6 @@ module.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import re
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from dsgpt2.errors import CheckpointError
+from dsgpt2.files import file_digests as digests
 
 log = logging.getLogger(__name__)
 
@@ -64,15 +64,8 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
 
 
 def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
-    """Size and SHA-256 of every file under ``directory`` (the marker excepted), by relative path."""
-    out = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != COMPLETE):
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-        out[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": digest.hexdigest()}
-    return out
+    """Size and SHA-256 of every file of a checkpoint directory (the marker excepted), by relative path."""
+    return digests(directory, skip=COMPLETE)
 
 
 def damage(ckpt_dir: Path, tag: str) -> str | None:

@@ -38,6 +38,7 @@ from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError, LineageError
+from dsgpt2.tokenizer.stored import local_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,10 @@ def lineage(
         )
     mongo = mongo or _run_config(saved)
     _check_same_data(mongo, fp)
-    vocab = Path(vocab_dir or saved["vocab_dir"])
+
+    vocab = local_tokenizer(
+        vocab_dir or saved["vocab_dir"], mongo, None if vocab_dir else saved.get("vocab_copy")
+    )
     check_tokenizer(vocab, run_info(saved, ckpt_dir / tag), str(ckpt_dir / tag))
     _check_prefix(mongo, data.get("prefix") or {})
     spec = spec_of(fp)

@@ -24,15 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.checkpoints.format import BEST, COMPLETE, LATEST, file_digests, peek_tag
-from dsgpt2.db.blobs import BlobStore
+from dsgpt2.db.blobs import PREFIX, BlobStore, gridfs_name
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import CheckpointError, ConfigError
+from dsgpt2.files import reader_cache
 
 log = logging.getLogger(__name__)
 
-PREFIX = "gridfs:"
 BUCKET = "checkpoints"
-_RUN = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _RANK_FILE = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_")
 _POINTERS = (LATEST, BEST)
 
@@ -43,16 +42,7 @@ def stored_run(location: str | Path | None) -> str | None:
     Raises:
         ConfigError: a ``gridfs:`` location without a valid run name.
     """
-    text = "" if location is None else str(location)
-    if not text.startswith(PREFIX):
-        return None
-    run = text[len(PREFIX) :].strip("/")
-    if not _RUN.match(run):
-        raise ConfigError(
-            f"{text}: a checkpoint location in the database is gridfs:RUN, RUN made of letters, digits, "
-            "'.', '_', '-' and '/' (e.g. gridfs:gpt2-small/run1)"
-        )
-    return run
+    return gridfs_name(location, "gridfs:gpt2-small/run1")
 
 
 def staging_dir(root: Path, run: str) -> Path:
@@ -205,12 +195,6 @@ class StoredCheckpoints:
 def _step(tag: str) -> int:
     digits = re.sub(r"\D", "", tag)
     return int(digits) if digits else -1
-
-
-def reader_cache() -> Path:
-    """Where the commands that read a stored checkpoint keep their copies (``$XDG_CACHE_HOME/dsgpt2``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "dsgpt2"
 
 
 def readable(location: Path, ckpt_id: str | None, config: str | None, flag: str) -> Path:

@@ -20,6 +20,7 @@ from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import causal_lm_loss
+from dsgpt2.tokenizer.stored import stored_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ def init_tokenizer_dir(path: Path) -> Path:
     ckpt_dir, tag = locate_checkpoint(path, None)
     client = checkpoint.read_client_state(ckpt_dir, tag)
     vocab = Path(client["vocab_dir"])
+    if stored_tokenizer(vocab) is not None:
+        return vocab  # fetched by the run, through its connection, and pinned by its fingerprint
     check_tokenizer(vocab, run_info(client, ckpt_dir / tag), str(ckpt_dir / tag))
     return vocab
 
@@ -68,6 +71,8 @@ def run_info(client: dict[str, Any], where: Path) -> dict[str, Any]:
         "fingerprint": client["fingerprint"],
         "checkpoint": str(where),
         "vocab_dir": str(client["vocab_dir"]),
+        # Where the tokenizer is in the database (vocab_dir gridfs:NAME): the run's own copy of it.
+        **({"vocab_copy": client["vocab_copy"]} if client.get("vocab_copy") else {}),
         # Trained with attention inside documents: evaluation does the same by default.
         "doc_mask": bool(client.get("args", {}).get("doc_mask", False)),
         # What it learned: text (lm) or conversations; chat refuses a model that never saw one.

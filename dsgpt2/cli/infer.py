@@ -43,13 +43,14 @@ class ExportSettings:
     ckpt_dir: Path = option(help="checkpoint directory of a training run, or its gridfs:RUN in the database")
     ckpt_id: str | None = ckpt_id_option()
     config: str | None = config_option(
-        "connection config of the database, for a --ckpt_dir gridfs:RUN", required=False
+        "connection config of the database, for a --ckpt_dir gridfs:RUN or a tokenizer kept there",
+        required=False,
     )
     out: Path = option(help="output directory")
     vocab_dir: Path | None = option(
         None,
-        "where the run's tokenizer is, if it moved (default: the one the run trained with; checked by "
-        "its hash)",
+        "where the run's tokenizer is, if it moved, or its gridfs:NAME in the database (default: the one "
+        "the run trained with; checked by its hash)",
     )
     overwrite: bool = option(False, "replace an export of another checkpoint at --out")
     verbose: bool = verbose_option()
@@ -66,10 +67,14 @@ class ModelSource:
     )
     ckpt_id: str | None = ckpt_id_option()
     db_config: str | None = option(
-        None, "connection config of the database, for a --model gridfs:RUN (evaluate: default its --config)"
+        None,
+        "connection config of the database, for a --model gridfs:RUN or a tokenizer kept there (evaluate: "
+        "default its --config)",
     )
     vocab_dir: Path | None = option(
-        None, "where the model's tokenizer is, if it moved (default: the model's; checked by hash)"
+        None,
+        "where the model's tokenizer is, if it moved, or its gridfs:NAME in the database (default: the "
+        "model's; checked by hash)",
     )
     verbose: bool = verbose_option()
 
@@ -79,8 +84,9 @@ class ModelSource:
         from dsgpt2.checkpoints.stored import readable
         from dsgpt2.infer.loading import load_model
 
-        where = readable(Path(self.model), self.ckpt_id, self.db_config or config, "--model")
-        return load_model(where, self.ckpt_id, self.vocab_dir)
+        db_config = self.db_config or config
+        where = readable(Path(self.model), self.ckpt_id, db_config, "--model")
+        return load_model(where, self.ckpt_id, self.vocab_dir, db_config=db_config)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +150,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     s = from_namespace(ExportSettings, args)
     ckpt_dir = readable(s.ckpt_dir, s.ckpt_id, s.config, "--ckpt_dir")
-    result = export(ckpt_dir, s.out, s.ckpt_id, s.vocab_dir, s.overwrite)
+    result = export(ckpt_dir, s.out, s.ckpt_id, s.vocab_dir, s.overwrite, db_config=s.config)
     print(
         f"exported {s.ckpt_dir}/{result['tag']} (step {result['step']}, "
         f"{result['parameters'] / 1e6:.1f}M parameters) to {result['out']}"

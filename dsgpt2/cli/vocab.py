@@ -1,11 +1,13 @@
-"""The vocabulary commands: vocab download, vocab train."""
+"""The vocabulary commands: vocab download, vocab train, vocab push."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from dsgpt2.cli.common import (
     Command,
@@ -16,13 +18,13 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import OneOf, from_namespace, option
 from dsgpt2.tokenizer.bpe import VocabSettings
 from dsgpt2.tokenizer.texts import DownloadSettings, Draw
 
 log = logging.getLogger("dsgpt2")
 SOURCE = OneOf(required=True)  # vocab train reads shards or the collections
-SOURCE_FLAGS = ["input", "from_mongo", "config", "verbose", "out", "overwrite"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,13 +47,54 @@ class VocabTrainSettings:
         None, "shard directory written by `vocab download`", metavar="DIR", one_of=SOURCE
     )
     from_mongo: bool = option(False, "stream texts from the collections of --config", one_of=SOURCE)
-    config: str | None = config_option("connection config (with --from_mongo)", required=False)
+    config: str | None = config_option(
+        "connection config (with --from_mongo, or --out gridfs:NAME)", required=False
+    )
     verbose: bool = verbose_option()
-    out: Path = option(Path("runs/tokenizer"), "tokenizer directory")
+    out: Path = option(
+        Path("runs/tokenizer"), "tokenizer directory, or gridfs:NAME to keep it in the database of --config"
+    )
     overwrite: bool = option(
         False, "replace a tokenizer already at --out (runs trained with it will refuse the new one)"
     )
     no_progress: bool = no_progress_option()
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabPushSettings:
+    """``dsgpt2 vocab push``: a tokenizer directory and its place in the database."""
+
+    directory: Path = option(
+        help="the tokenizer directory (vocab train's --out)", positional=True, metavar="DIR"
+    )
+    out: str = option(help="where it goes: gridfs:NAME (a run takes it with --vocab_dir gridfs:NAME)")
+    config: str = config_option("connection config of the database")
+    overwrite: bool = option(
+        False, "replace a tokenizer stored under the name (runs trained with it will refuse the new one)"
+    )
+    verbose: bool = verbose_option()
+
+
+def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bool) -> Any:
+    """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken and not ``overwrite``;
+    None for a directory."""
+    from dsgpt2.db.client import connect
+    from dsgpt2.tokenizer.stored import StoredTokenizer, stored_tokenizer
+
+    name = stored_tokenizer(out)
+    if name is None:
+        return None
+    if not config:
+        raise usage(command, f"--out {out} keeps the tokenizer in the database: add --config c.json")
+    stored = StoredTokenizer(connect(load_connection(config)), name)
+    with tempfile.TemporaryDirectory(prefix="dsgpt2-vocab-") as scratch:
+        taken = stored.marker(Path(scratch) / "marker")
+    if taken is not None and not overwrite:
+        raise ConfigError(
+            f"--out {out} holds a tokenizer (hash {taken.get('tokenizer')}), which runs may have trained "
+            "with and are checked against; pass --overwrite to replace it, or give another name"
+        )
+    return stored
 
 
 def cmd_vocab_download(args: argparse.Namespace) -> int:
@@ -71,7 +114,9 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
     from dsgpt2.tokenizer.texts import mongo_texts, shard_texts
 
     source = from_namespace(VocabTrainSettings, args)
-    check_vocab_out(source.out, source.overwrite)  # before any query
+    stored = _stored_out("vocab train", source.out, source.config, source.overwrite)  # before any work
+    if stored is None:
+        check_vocab_out(source.out, source.overwrite)
 
     settings, draw = from_namespace(VocabSettings, args), from_namespace(Draw, args)
     if source.from_mongo:
@@ -87,16 +132,37 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
         skipped = SkipTally()
         texts = shard_texts(source.input, skipped=skipped)
         origin = f"shards in {source.input}"
-    report = train_vocab(
-        texts,
-        source.out,
-        settings,
-        origin,
-        skipped=skipped,
-        progress=not source.no_progress,
-        overwrite=source.overwrite,
-    )
-    print("\n".join(report.lines()))
+    with tempfile.TemporaryDirectory(prefix="dsgpt2-vocab-") as scratch:
+        out = source.out if stored is None else Path(scratch) / "tokenizer"
+        report = train_vocab(
+            texts,
+            out,
+            settings,
+            origin,
+            skipped=skipped,
+            progress=not source.no_progress,
+            overwrite=source.overwrite,
+        )
+        lines = report.lines()
+        if stored is not None:  # its first line names the scratch directory
+            digest = stored.push(out, overwrite=source.overwrite)
+            lines[0] = _stored_line("tokenizer: it", stored.location, digest)
+    print("\n".join(lines))
+    return 0
+
+
+def _stored_line(what: str, location: str, digest: str) -> str:
+    """The line saying where a tokenizer went."""
+    return f"{what} is in the database as {location} (hash {digest}); a run takes it: --vocab_dir {location}"
+
+
+def cmd_vocab_push(args: argparse.Namespace) -> int:
+    s = from_namespace(VocabPushSettings, args)
+    stored = _stored_out("vocab push", s.out, s.config, s.overwrite)
+    if stored is None:
+        raise usage("vocab push", f"--out {s.out}: give where in the database, gridfs:NAME")
+    digest = stored.push(s.directory, overwrite=s.overwrite)
+    print(_stored_line(str(s.directory), stored.location, digest))
     return 0
 
 
@@ -141,6 +207,19 @@ VOCAB = Command(
                 Flags(VocabTrainSettings, only=["no_progress"]),
             ),
             handler=cmd_vocab_train,
+        ),
+        Command(
+            "push",
+            help="store a tokenizer directory in the database, for nodes that share only it",
+            description=(
+                "Upload a tokenizer directory to the GridFS bucket `tokenizers` of the database of --config, "
+                "as gridfs:NAME: each file with its size and SHA-256, then a marker naming them and the "
+                "tokenizer's hash (an upload that dies part-way stores no tokenizer). A run takes it with "
+                "--vocab_dir gridfs:NAME, every node fetching its own copy; `vocab train --out gridfs:NAME` "
+                "trains and stores in one command."
+            ),
+            settings=(VocabPushSettings,),
+            handler=cmd_vocab_push,
         ),
     ),
 )

@@ -26,8 +26,7 @@ from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import CorpusError
-from dsgpt2.files import file_digest
-from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.tokenizer.bpe import load_tokenizer, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +91,6 @@ def make_spec(
     return DataSpec(
         context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers, order
     )
-
-
-def tokenizer_digest(tokenizer_dir: Path) -> str:
-    """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
-    return file_digest(tokenizer_dir / "tokenizer.json")
 
 
 # How documents become chunks, per reading order: another layout gives other batches. Layout 2 is

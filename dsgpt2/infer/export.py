@@ -24,9 +24,10 @@ from dsgpt2.checkpoints.weights import (
     export_run,
     run_info,
 )
-from dsgpt2.data.sources import tokenizer_digest
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, is_occupied, staged_dir
+from dsgpt2.tokenizer.bpe import tokenizer_digest
+from dsgpt2.tokenizer.stored import local_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,15 @@ def export(
     tag: str | None = None,
     vocab_dir: Path | None = None,
     overwrite: bool = False,
+    *,
+    db_config: str | None = None,
 ) -> dict[str, Any]:
     """Write the checkpoint ``tag`` (default: latest) of ``ckpt_dir`` to ``out``.
 
     Args:
         vocab_dir: where the run's tokenizer is, if not where the checkpoint says (a copy of it).
         overwrite: replace an export of another checkpoint at ``out``.
+        db_config: the connection config to fetch a tokenizer kept in the database through.
 
     Raises:
         CheckpointError: no complete checkpoint, or not one of dsgpt2's.
@@ -106,9 +110,10 @@ def export(
     tag = resolve(ckpt_dir, tag)
     weights, client = checkpoint_state(ckpt_dir, tag)
     config = GPT2Config.from_dict(client["model_config"])
-    vocab = Path(vocab_dir or client["vocab_dir"])
     # What evaluation needs to find the run's validation split again; nothing secret.
     run = run_info(client, ckpt_dir / tag)
+    copy = None if vocab_dir else run.get("vocab_copy")
+    vocab = local_tokenizer(vocab_dir or client["vocab_dir"], db_config, copy)
     check_out(out, ckpt_dir, vocab, run, overwrite)
     check_tokenizer(vocab, run, str(ckpt_dir / tag))
     _check_vocab(vocab, config)

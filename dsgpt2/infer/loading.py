@@ -30,19 +30,25 @@ class LoadedModel:
         return int(self.model.config.n_positions)
 
 
-def load_model(path: Path, tag: str | None = None, vocab_dir: Path | None = None) -> LoadedModel:
+def load_model(
+    path: Path, tag: str | None = None, vocab_dir: Path | None = None, *, db_config: str | None = None
+) -> LoadedModel:
     """A ``GPT2LMHeadModel`` in eval mode from an export or a checkpoint (see the module doc).
 
     Args:
         path: export directory, checkpoint directory or checkpoint tag directory.
         tag: checkpoint tag (default: ``latest``).
         vocab_dir: where the model's tokenizer is, instead of where the model says (a copy of it).
+        db_config: the connection config to fetch a tokenizer kept in the database through.
 
     Raises:
         ConfigError: not a model, or a tokenizer other than the one it was trained with.
     """
-    config, weights, tokenizer_dir, run = load_weights(path, tag)
-    tokenizer_dir = vocab_dir or tokenizer_dir
+    from dsgpt2.tokenizer.stored import local_tokenizer
+
+    config, weights, recorded, run = load_weights(path, tag)
+    copy = None if vocab_dir else run.get("vocab_copy")
+    tokenizer_dir = local_tokenizer(vocab_dir or recorded, db_config, copy)
     name = run.get("checkpoint") or str(path)
     # The tokenizer pinned by hash: another one would read other ids than the model learned.
     check_tokenizer(tokenizer_dir, run, str(path) if tokenizer_dir == path else name)

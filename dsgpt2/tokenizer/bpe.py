@@ -141,6 +141,11 @@ def _native_stdout_closed() -> Iterator[None]:
         os.close(saved)
 
 
+def tokenizer_digest(tokenizer_dir: Path) -> str:
+    """A hash of the tokenizer (its tokenizer.json): part of the data fingerprint."""
+    return file_digest(tokenizer_dir / "tokenizer.json")
+
+
 def check_vocab_out(out: Path, overwrite: bool) -> None:
     """Refuse an ``--out`` that holds something: a tokenizer (runs may have trained with it) unless
     ``overwrite``, anything else always.
@@ -154,7 +159,7 @@ def check_vocab_out(out: Path, overwrite: bool) -> None:
         raise ConfigError(f"--out {out} holds files that are not a tokenizer; give an empty or new directory")
     if not overwrite:
         raise ConfigError(
-            f"--out {out} holds a tokenizer (hash {file_digest(out / 'tokenizer.json')}), which runs and "
+            f"--out {out} holds a tokenizer (hash {tokenizer_digest(out)}), which runs and "
             "exports may have trained with and are checked against; pass --overwrite to replace it, or "
             "give another --out"
         )

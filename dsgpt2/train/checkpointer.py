@@ -59,6 +59,7 @@ class CheckpointSettings:
     vocab_dir: Path  # the run's tokenizer
     args: dict[str, Any]  # every option by flag name (TrainConfig.to_dict())
     resolved: str  # the resolved configuration, saved beside each checkpoint (config.yaml)
+    vocab_stored: str | None = None  # the tokenizer's gridfs:NAME, where vocab_dir is this node's copy
 
 
 def resumed_options(c: CheckpointOptions) -> dict[str, Any] | None:
@@ -295,7 +296,8 @@ class Checkpointer:
                 "rng": ds_checkpoint.rng_state(),
                 "fingerprint": self.fingerprint,
                 "model_config": model_config.to_dict(),
-                "vocab_dir": str(s.vocab_dir.resolve()),
+                "vocab_dir": s.vocab_stored or str(s.vocab_dir.resolve()),
+                **({"vocab_copy": str(s.vocab_dir.resolve())} if s.vocab_stored else {}),
                 "args": dict(s.args),
                 "mongo": mongo.to_dict(),
             }

@@ -100,7 +100,9 @@ class DataOptions:
     # None: the connection config is handed to the trainer's build in code (the demo's).
     config_train: Path | None = option(metavar="JSON", help="MongoDB connection config JSON")
     vocab_dir: Path | None = option(
-        None, f"tokenizer directory (default: the --init_from model's, else {DEFAULT_VOCAB_DIR})"
+        None,
+        f"tokenizer directory, or gridfs:NAME for one stored in the database (default: the --init_from "
+        f"model's, else {DEFAULT_VOCAB_DIR})",
     )
     tr_ratio: float = option(DEFAULT_TR_RATIO, "share of documents that train", check=RATIO)
     seed: int = option(DEFAULT_SEED, "seed of init, split and data order")
@@ -153,7 +155,11 @@ class DataOptions:
         """
         if self.config_train is not None and not self.config_train.is_file():
             raise ConfigError(f"--config_train {self.config_train}: file not found")
-        if self.vocab_dir is not None and not (self.vocab_dir / "tokenizer.json").is_file():
+        from dsgpt2.tokenizer.stored import stored_tokenizer
+
+        if self.vocab_dir is None or stored_tokenizer(self.vocab_dir) is not None:
+            return  # one in the database is fetched once the run has its connection
+        if not (self.vocab_dir / "tokenizer.json").is_file():
             raise ConfigError(
                 f"--vocab_dir {self.vocab_dir}: no tokenizer.json; train one first (dsgpt2 vocab train)"
             )

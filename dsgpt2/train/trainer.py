@@ -31,6 +31,7 @@ from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.tokenizer.stored import fetch_tokenizer, stored_tokenizer
 from dsgpt2.train.checkpointer import (
     Checkpointer,
     CheckpointSettings,
@@ -127,6 +128,10 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     setup_logging(rank=rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mongo = mongo or load_config(cfg.data.config_train)
+    conn = Connection(mongo)
+    # A tokenizer in the database (gridfs:NAME): the run reads this node's copy, and records the location.
+    vocab_stored = str(cfg.data.vocab_dir) if stored_tokenizer(cfg.data.vocab_dir) else None
+    cfg.data.vocab_dir = fetch_tokenizer(str(cfg.data.vocab_dir), conn, cfg.run.workspace)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
     check_attention(cfg.compute.attn_implementation, device)
     check_optimizer(cfg.optim, ds_file)
@@ -146,9 +151,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
     )
     release_shared_buffer(device)
-    conn = Connection(mongo)
     conn.ping()
-    args = cfg.to_dict()  # as given: a checkpoint location in the database is recorded as one
+    # As given: a checkpoint or tokenizer location in the database is recorded as one.
+    args = {**cfg.to_dict(), **({"vocab_dir": vocab_stored} if vocab_stored else {})}
     named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
     wait = cfg.engine.dist_timeout
     stored = stage(cfg.ckpt, cfg.run.workspace, conn, rank=rank, world=world, wait_s=wait)
@@ -165,7 +170,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
     ckpt_settings = CheckpointSettings(
         cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=args,
-        resolved=cfg.resolved(),
+        resolved=cfg.resolved(), vocab_stored=vocab_stored,
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
                                 stored=stored)  # fmt: skip

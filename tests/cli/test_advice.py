@@ -347,6 +347,10 @@ CASES: list[tuple[str, list[str]]] = [
     ("vocab train", ["--from_mongo", "--out", "OUT"]),
     ("vocab train", ["--from_mongo", "--config", "NOPE", "--out", "OUT"]),
     ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "MODEL"]),
+    ("vocab train", ["--from_mongo", "--out", "gridfs:tok"]),
+    ("vocab push", ["TOK", "--config", "CFG", "--out", "OUT"]),
+    ("vocab push", ["TOK", "--config", "CFG", "--out", "gridfs:a b"]),
+    ("vocab push", ["MISSING", "--config", "CFG", "--out", "gridfs:tok"]),
     # tokenize
     ("tokenize", ["--config_train", "CFG", "--vocab_dir", "MISSING", "--cache_dir", "OUT"]),
     ("tokenize", ["--config_train", "NOPE", "--vocab_dir", "TOK", "--cache_dir", "OUT"]),
@@ -368,6 +372,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("train", ["--config_train", "CFG", "--vocab_dir", "TOK", "--model_select", "tiny"]),
     ("train", ["--config_train", "MISSING", "--vocab_dir", "TOK"]),
     ("train", ["--config_train", "CFG", "--vocab_dir", "MISSING", "--model_select", "tiny"]),
+    ("train", ["--config_train", "CFG", "--vocab_dir", "gridfs:none", "--model_select", "tiny"]),
     ("train", ["--config_train", "CFG", "--vocab_dir", "TOK", "--model_select", "nope"]),
     ("train", ["--config_train", "CFG", "--vocab_dir", "TOK", "--no_resume", "--load_dir", "EMPTY"]),
     ("train", [*T, "--config_train", "NOPE", "--ckpt_dir", "OUT"]),
@@ -379,7 +384,7 @@ CASES: list[tuple[str, list[str]]] = [
 ]
 # Commands the table must cover (every one the issue names, and the trainer).
 COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",
-           "curate", "validate", "info", "vocab download", "vocab train", "tokenize", "plan", "lineage",
+           "curate", "validate", "info", "vocab download", "vocab train", "vocab push", "tokenize", "plan", "lineage",
            "db", "redact", "decontaminate"}  # fmt: skip
 
 

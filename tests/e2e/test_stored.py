@@ -1,5 +1,6 @@
-"""Checkpoints in the database (``--ckpt_dir gridfs:RUN``): nodes that share the database and no
-directory save, lose a node and resume; damaged or unfinished stored checkpoints are never resumed."""
+"""Checkpoints and tokenizers in the database (``--ckpt_dir gridfs:RUN``, ``--vocab_dir gridfs:NAME``):
+nodes that share the database and no directory save, lose a node and resume; damaged or unfinished stored
+checkpoints are never resumed, a replaced stored tokenizer never read for the model's."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from dsgpt2.checkpoints.stored import BUCKET
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
+from dsgpt2.tokenizer.bpe import tokenizer_digest
+from dsgpt2.tokenizer.stored import StoredTokenizer
 from dsgpt2.train.metrics import read_metrics
 from training import launch_nodes, steps, train, training_corpus
 
@@ -31,7 +34,10 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
     run = f"t{tmp_path.name}"
-    where = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2", "--keep_last", "2")
+    conn = Connection(load_config(corpus["config"]))
+    StoredTokenizer(conn, run).push(corpus["tok"])  # the tokenizer too
+    where = ("--ckpt_dir", f"gridfs:{run}", "--vocab_dir", f"gridfs:{run}", "--save_interval", "2",
+             "--keep_last", "2")  # fmt: skip
     first = train(corpus, tmp_path / "a", "--train_iters", "6", *where)
     assert f"stored checkpoint gridfs:{run}/global_step6" in first.stderr, first.stderr[-3000:]
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
@@ -48,9 +54,25 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     read = ("--ckpt_dir", f"gridfs:{run}")
     exported = run_cli("export", *read, "--config", str(corpus["config"]), "--out", str(out), env=env)
     assert exported.returncode == 0 and "step 8" in exported.stdout, exported.stderr[-2000:]
-    assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2").is_dir()
+    assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2" / "gridfs-tokenizers").is_dir()
+    assert json.loads((out / "dsgpt2_run.json").read_text())["vocab_dir"] == f"gridfs:{run}"
     lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
     assert lacking.returncode == 2 and "add --config" in lacking.stderr.strip().splitlines()[-1]
+    # The stored tokenizer replaced: the model is pinned to the one it trained with.
+    other = tmp_path / "other"
+    shutil.copytree(corpus["tok"], other)
+    (other / "tokenizer.json").write_text(json.dumps(json.loads((other / "tokenizer.json").read_text())))
+    StoredTokenizer(conn, run).push(other, overwrite=True)
+    replaced = run_cli(
+        "export", *read, "--config", str(corpus["config"]), "--out", str(tmp_path / "hf3"), env=env
+    )
+    last = replaced.stderr.strip().splitlines()[-1]
+    assert replaced.returncode == 2 and "Traceback" not in replaced.stderr, replaced.stderr[-2000:]
+    assert (
+        tokenizer_digest(other) in last
+        and tokenizer_digest(corpus["tok"]) in last
+        and f"gridfs:{run}" in last
+    )
     info = run_cli("info", "--config", str(corpus["config"]))
     assert f"checkpoints gridfs:{run}: latest global_step8" in info.stdout, info.stdout
     assert f"last run: gridfs:{run} (step 8" in info.stdout, info.stdout
@@ -89,13 +111,16 @@ def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     staged = dict(corpus, ds=tmp_path / "ds.json")
     run = f"n{tmp_path.name}"
-    common = ("--ckpt_dir", f"gridfs:{run}", "--save_interval", "2", "--num_workers", "1")
+    StoredTokenizer(Connection(load_config(corpus["config"])), run).push(corpus["tok"])
+    common = ("--ckpt_dir", f"gridfs:{run}", "--vocab_dir", f"gridfs:{run}", "--save_interval", "2",
+              "--num_workers", "1")  # fmt: skip
     disks = [["--workspace", str(tmp_path / f"node{n}")] for n in (0, 1)]
     launch_nodes(staged, tmp_path / "both", disks, "--train_iters", "4", *common)
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
     shards = {n.rsplit("/", 1)[1] for n in store.names(f"{run}/global_step4/") if "optim_states" in n}
     assert shards == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)}
-    # Each node staged only its own ranks' files.
+    # Each node fetched the tokenizer, and staged only its own ranks' files.
+    assert all(list((tmp_path / f"node{n}" / "gridfs-tokenizers").rglob("tokenizer.json")) for n in (0, 1))
     assert not list((tmp_path / "node1").rglob("zero_pp_rank_0_*")) and list(
         (tmp_path / "node0").rglob("zero_pp_rank_0_*")
     )
