@@ -1,8 +1,8 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
     python tests/inject.py [--nonfinite_at N ...] [--nonfinite_rank R] [--exit_after STEP]
-        [--after STEP=COMMAND ...] [--kill_group_after STEP] [--die_uploading N [--die_rank R]]
-        -- DS_TRAINER_FLAGS...
+        [--after STEP=COMMAND ...] [--kill_group_after STEP]
+        [--die_uploading N [--die_rank R] [--kill_server PID]] -- DS_TRAINER_FLAGS...
 
 --nonfinite_at: the loss of these micro-batches becomes NaN (--nonfinite_rank: on that rank only, else
 on every rank); --exit_after: die like a killed job
@@ -11,7 +11,7 @@ COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wa
 --kill_group_after: SIGKILL this process's whole process group after that step (a node lost at once:
 its launcher, its ranks, their workers, when the node's launch was its own group); --die_uploading N:
 rank --die_rank (default 0) dies, exit code 17, as it starts its Nth upload of a checkpoint file to the
-database.
+database; with --kill_server, it SIGKILLs the database server of that PID instead, and goes on.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--kill_group_after", type=int)
     p.add_argument("--die_uploading", type=int)
     p.add_argument("--die_rank", type=int, default=0)
+    p.add_argument("--kill_server", type=int)
     argv = sys.argv[1:]
     cut = argv.index("--")
     # The deepspeed launcher puts --local_rank=N first: it is the trainer's.
@@ -54,7 +55,9 @@ def main() -> int:
 
         def dying_put(self: blobs.BlobStore, name: str, path: object) -> dict:
             calls[0] += 1
-            if calls[0] == faults.die_uploading:
+            if calls[0] == faults.die_uploading and faults.kill_server:
+                os.kill(faults.kill_server, signal.SIGKILL)  # the database lost in the middle of a save
+            elif calls[0] == faults.die_uploading:
                 os._exit(17)  # killed in the middle of a save's upload
             return put(self, name, path)
 

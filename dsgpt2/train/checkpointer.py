@@ -130,23 +130,25 @@ class Checkpointer:
             )
         tag = resolve(load_dir, c.ckpt_id, f"; {fresh}")
         saved = read_client_state(load_dir, tag)
+        # A stored checkpoint is named by its location, not by this node's copy of it.
+        named = Path(self.where(tag)) if self.stored is not None else load_dir / tag
         # First, and whatever --ignore_fingerprint says: weights of another shape cannot be loaded.
-        self._check_model(saved, load_dir / tag)
-        self._check_optimizer(saved, load_dir / tag)
-        self._check_fingerprint(saved["fingerprint"], load_dir / tag)
-        self._check_data(saved, load_dir / tag)
+        self._check_model(saved, named)
+        self._check_optimizer(saved, named)
+        self._check_fingerprint(saved["fingerprint"], named)
+        self._check_data(saved, named)
         ranks = len(saved["data"]["ranks"])
         if ranks == self.world:
             return load_dir, tag, saved["data"]
         log.warning(
             "%s was saved by %d rank(s); this run has %d: what the epoch has not read is dealt anew "
-            "(the global batch is now %d ranks' worth)", load_dir / tag, ranks, self.world, self.world,
+            "(the global batch is now %d ranks' worth)", named, ranks, self.world, self.world,
         )  # fmt: skip
         if is_partitioned(load_dir, tag):
             stage = universal.zero_stage(load_dir, tag)
             if stage not in (1, 2):
                 raise CheckpointError(
-                    f"{load_dir / tag} was saved by {ranks} rank(s) under ZeRO stage {stage}, whose "
+                    f"{named} was saved by {ranks} rank(s) under ZeRO stage {stage}, whose "
                     f"partitioned state this version carries to another number of ranks only from ZeRO 1 "
                     f"or 2: resume it with {ranks} rank(s)"
                 )

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, make_config, run_wire_server
+from dsgpt2.checkpoints.stored import BUCKET
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
+from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import ENV_URI, MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper
@@ -33,6 +35,7 @@ from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
 from pace import deadline, wait_for
 from wire_server import PASSWORD, Proxy, WireServer
+from zygote import run_python
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 
@@ -156,6 +159,56 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
         assert a[step]["block_ids"] == b[step]["block_ids"], step
         # Float rounding: under Muon and WSD the losses after this resume differ from the straight
         # run's by up to 1.4e-6 (relative 3e-7) by step 16 (AdamW, or Muon under cosine: equal).
+        assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-5, step
+
+
+def test_server_killed_during_a_save_to_the_database_leaves_the_previous_latest_and_resumes_exactly(
+    up: WireServer, tmp_path: Path
+) -> None:
+    """``--ckpt_dir gridfs:RUN`` and the server SIGKILLed as the checkpoint of step 4 is uploaded: exit 3
+    in one line; restarted, the stored latest is still step 2 (step 4's marker never stored) and the same
+    command resumes from it to the straight run's losses."""
+    cfg, db = seed_corpus(up, tmp_path, 160)
+    texts, reader = mongo_texts(cfg)
+    train_vocab(texts, tmp_path / "tok", VocabSettings(vocab_size=320), "test", progress=False)
+    reader.connection.close()
+    config = write_config(tmp_path / "mongo.json", db, up.port, ["stdlib"])
+
+    def command(run: Path, *faults: str) -> list[str]:
+        script = ["tests/inject.py", *faults, "--"] if faults else ["ds_trainer.py"]
+        return [
+            *script, "--deepspeed_config", "configs/ds_config_cpu.json", "--config_train", str(config),
+            "--vocab_dir", str(tmp_path / "tok"), "--model_select", "tiny", "--context_length", "32",
+            "--tr_ratio", "0.9", "--chunk_docs", "20", "--num_workers", "1", "--seed", "3",
+            "--train_iters", "6", "--eval_interval", "1000", "--save_interval", "2",
+            "--log_interval", "1", "--wandb", "off",
+            "--ckpt_dir", f"gridfs:{run.name}", "--workspace", str(run / "ws"),
+        ]  # fmt: skip
+
+    def steps(run: Path) -> dict[int, dict[str, Any]]:
+        return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
+
+    def trained(run: Path, *faults: str) -> subprocess.CompletedProcess:
+        return run_python(command(run, *faults), cwd=ROOT, env=env_for(up.uri()))
+
+    straight = trained(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    # A save uploads the model states, the resolved config, the manifest, the marker and latest: the
+    # 7th upload is step 4's second file.
+    killed = trained(tmp_path / "killed", "--die_uploading", "7", "--kill_server", str(up.pid))
+    assert killed.returncode == 3, killed.stderr[-3000:]
+    one_clear_line(killed, f"127.0.0.1:{up.port}")
+
+    up.restart()  # the same port and data file (the killed process reaped first)
+    store = BlobStore(
+        Connection(make_config(MONGO_CONNECTION_STRING=up.uri(), MONGO_CONNECTION_DB=db)), BUCKET
+    )
+    assert store.get_text("killed/latest", tmp_path / "x") == "global_step2"
+    assert "killed/global_step4/dsgpt2_complete.json" not in store.names("killed/")
+    again = trained(tmp_path / "killed")
+    assert again.returncode == 0 and "at step 2" in again.stderr, again.stderr[-3000:]
+    a, b = steps(tmp_path / "straight"), steps(tmp_path / "killed")
+    for step in (3, 4, 5, 6):
         assert abs(a[step]["loss"] - b[step]["loss"]) <= 1e-5, step
 
 

@@ -97,6 +97,18 @@ def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_nam
     assert "global_step4/mp_rank_00_model_states.pt is damaged" in last and "--ckpt_id global_step2" in last
     resumed = train(corpus, tmp_path / "b", "--train_iters", "6", *where, "--ckpt_id", "global_step2")
     assert "at step 2" in resumed.stderr and sorted(steps(tmp_path / "b")) == [3, 4, 5, 6]
+    # A stored checkpoint of another model than the run builds: refused in one line, nothing written.
+    deeper = tmp_path / "deeper.json"
+    deeper.write_text(json.dumps({"n_layer": 3, "n_embd": 64, "n_head": 2, "n_positions": 128}))
+    other = train(
+        corpus, tmp_path / "c", "--train_iters", "8", *where, "--model_config", str(deeper), check=False
+    )
+    last = other.stderr.strip().splitlines()[-1]
+    assert other.returncode == 2 and "Traceback" not in other.stderr, other.stderr[-3000:]
+    assert (
+        f"gridfs:{run}/global_step6 holds another model than this run builds (layers 2 there, 3 here" in last
+    )
+    assert conn.db[f"{BUCKET}.files"].count_documents({"filename": {"$regex": "global_step8"}}) == 0
 
 
 def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_alone(
