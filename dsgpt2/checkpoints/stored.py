@@ -105,6 +105,28 @@ class StoredCheckpoints:
         text = self.store.get_text(self._name(LATEST), self.local / ".latest.read")
         return None if text is None else text.strip()
 
+    def resumed_args(self, ckpt_id: str | None, resolved: str) -> dict[str, Any] | None:
+        """The options of the stored checkpoint a resume would take (``ckpt_id``, else the one ``latest``
+        names), from its resolved configuration (the file ``resolved``), read before anything is
+        downloaded; None when there is none or it does not read."""
+        import yaml
+
+        tag = ckpt_id or LATEST
+        if tag in _POINTERS:
+            tag = (
+                self.store.get_text(self._name(tag), self.local / f".{os.getpid()}.tag.read") or ""
+            ).strip()
+        text = (
+            self.store.get_text(self._name(tag, resolved), self.local / f".{os.getpid()}.yaml.read")
+            if tag
+            else None
+        )
+        try:
+            values = yaml.safe_load(text or "")
+        except yaml.YAMLError:
+            return None  # the resume names the problem in one line
+        return values if isinstance(values, dict) else None
+
     def pull_index(self) -> None:
         """Make the staging directory's ``latest``, ``best`` and markers the stored ones: a marker or
         pointer only here (a save that did not finish its upload) is removed."""

@@ -20,6 +20,7 @@ from dsgpt2.checkpoints.format import (
     read_client_state,
     resolve,
 )
+from dsgpt2.checkpoints.stored import StoredCheckpoints, staging_dir, stored_run
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import TrainingAborted
@@ -62,10 +63,18 @@ class CheckpointSettings:
     vocab_stored: str | None = None  # the tokenizer's gridfs:NAME, where vocab_dir is this node's copy
 
 
-def resumed_options(c: CheckpointOptions) -> dict[str, Any] | None:
+def resumed_options(
+    c: CheckpointOptions, conn: Any = None, workspace: Path | None = None
+) -> dict[str, Any] | None:
     """The options the checkpoint this run resumes was trained with (``--flag`` names), read before it is
     verified: :meth:`Checkpointer.find` verifies it, and refuses what cannot be resumed. None: a fresh
-    start, or no checkpoint whose options read."""
+    start, or no checkpoint whose options read. A ``--ckpt_dir gridfs:RUN`` is read through ``conn``
+    (its scratch files under ``workspace``)."""
+    run = stored_run(c.ckpt_dir)
+    if run is not None:
+        if c.no_resume or conn is None or workspace is None:
+            return None
+        return StoredCheckpoints(conn, run, staging_dir(workspace, run)).resumed_args(c.ckpt_id, RESOLVED)
     load_dir = c.load_dir
     if load_dir is None and has_checkpoints(c.ckpt_dir) and not c.no_resume:
         load_dir = c.ckpt_dir

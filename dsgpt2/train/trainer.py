@@ -120,15 +120,16 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
 
     cfg.check_files()
     ds_file = read_ds_config(cfg.engine.deepspeed_config)
-    decided = cfg.settle(resumed_options(cfg.ckpt), OPTIMIZERS[DEFAULT].unfit(ds_file))
     if mongo is None and cfg.data.config_train is None:
         raise ConfigError("--config_train is required: the MongoDB connection config JSON")
+    mongo = mongo or load_config(cfg.data.config_train)
+    conn = Connection(mongo)
+    saved = resumed_options(cfg.ckpt, conn, cfg.run.workspace)
+    decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file))
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mongo = mongo or load_config(cfg.data.config_train)
-    conn = Connection(mongo)
     # A tokenizer in the database (gridfs:NAME): the run reads this node's copy, and records the location.
     vocab_stored = str(cfg.data.vocab_dir) if stored_tokenizer(cfg.data.vocab_dir) else None
     cfg.data.vocab_dir = fetch_tokenizer(str(cfg.data.vocab_dir), conn, cfg.run.workspace)

@@ -38,7 +38,7 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     StoredTokenizer(conn, run).push(corpus["tok"])  # the tokenizer too
     where = ("--ckpt_dir", f"gridfs:{run}", "--vocab_dir", f"gridfs:{run}", "--save_interval", "2",
              "--keep_last", "2")  # fmt: skip
-    first = train(corpus, tmp_path / "a", "--train_iters", "6", *where)
+    first = train(corpus, tmp_path / "a", "--train_iters", "6", *where, "--optimizer", "adamw")
     assert f"stored checkpoint gridfs:{run}/global_step6" in first.stderr, first.stderr[-3000:]
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
     tags = {n.split("/")[1] for n in store.names(run + "/") if n.count("/") == 2}
@@ -47,6 +47,8 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     shutil.rmtree(tmp_path / "a")  # nothing of the first machine is left
     second = train(corpus, tmp_path / "b", "--train_iters", "8", *where)
     assert "resumed from" in second.stderr and "at step 6" in second.stderr, second.stderr[-3000:]
+    # Its optimizer, read from the stored checkpoint before anything is downloaded.
+    assert "was trained with --optimizer adamw" in second.stderr, second.stderr[-3000:]
     assert sorted(steps(tmp_path / "b")) == [7, 8]
     # Read where it is stored, from a directory that never held it.
     out = tmp_path / "hf"
@@ -108,7 +110,7 @@ def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_nam
     assert (
         f"gridfs:{run}/global_step6 holds another model than this run builds (layers 2 there, 3 here" in last
     )
-    assert conn.db[f"{BUCKET}.files"].count_documents({"filename": {"$regex": "global_step8"}}) == 0
+    assert conn.db[f"{BUCKET}.files"].count_documents({"filename": {"$regex": f"^{run}/global_step8"}}) == 0
 
 
 def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_alone(
