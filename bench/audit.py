@@ -183,8 +183,8 @@ def bounded(command: dict[str, Any], meta: str = "meta_info") -> bool:
     name, flt = command["name"], command["filter"]
     if command["collection"] == meta or name in {"listIndexes", "listCollections", "create", "createIndexes"}:
         return True
-    if command["collection"] == "checkpoints.files":
-        return True  # one small document per stored checkpoint file (`info` lists the runs): not the corpus
+    if command["collection"] in ("checkpoints.files", "tokenizers.files"):
+        return True  # one small document per stored checkpoint or tokenizer file (`info` lists them)
 
     if name == "getMore":
         return True  # the continuation of a cursor: bounded by the command that opened it

@@ -276,6 +276,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ],
     }
     info["stored_checkpoints"] = _stored_runs(wrapper.connection)
+    info["stored_tokenizers"] = _stored_tokenizers(wrapper.connection)
     if settings.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -305,6 +306,8 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"    {s['label']}: {s['inserted']} inserted, {state}")
     for stored in info["stored_checkpoints"]:
         print(f"  checkpoints {stored['location']}: latest {stored['latest']}")
+    for stored in info["stored_tokenizers"]:
+        print(f"  tokenizer {stored['location']}: hash {stored['hash']}")
     return 0
 
 
@@ -324,6 +327,24 @@ def _stored_runs(conn: Any) -> list[dict[str, Any]]:
                 run = name.removesuffix("/latest")
                 latest = (store.get_text(name, Path(scratch) / "latest") or "").strip()
                 out.append({"location": f"{PREFIX}{run}", "latest": latest})
+    return out
+
+
+def _stored_tokenizers(conn: Any) -> list[dict[str, Any]]:
+    """The tokenizers kept in this database (``--vocab_dir gridfs:NAME``), with their hash."""
+    import tempfile
+    from pathlib import Path
+
+    from dsgpt2.db.blobs import BlobStore
+    from dsgpt2.tokenizer.stored import BUCKET, MARKER, StoredTokenizer
+
+    out = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in BlobStore(conn, BUCKET).names(""):
+            if name.endswith("/" + MARKER):
+                stored = StoredTokenizer(conn, name.removesuffix("/" + MARKER))
+                marker = stored.marker(Path(scratch) / "marker") or {}
+                out.append({"location": stored.location, "hash": marker.get("tokenizer")})
     return out
 
 

@@ -88,6 +88,7 @@ def test_startup_asks_the_same_bounded_commands_at_two_corpus_sizes(
     assert [(c["name"], c["collection"]) for c in listed["info"].startup()] == [
         ("listCollections", None), ("find", "meta_info"), ("find", "meta_info"),
         ("find", "checkpoints.files"),  # the runs whose checkpoints are in the database
+        ("find", "tokenizers.files"),  # and the tokenizers
     ]  # fmt: skip
     assert not listed["export"].commands
     # Asked for, the full check examines every document: counts and aggregations over the collection,

@@ -78,6 +78,7 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     info = run_cli("info", "--config", str(corpus["config"]))
     assert f"checkpoints gridfs:{run}: latest global_step8" in info.stdout, info.stdout
     assert f"last run: gridfs:{run} (step 8" in info.stdout, info.stdout
+    assert f"tokenizer gridfs:{run}: hash {tokenizer_digest(other)}" in info.stdout, info.stdout
 
 
 def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_named(
