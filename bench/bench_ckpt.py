@@ -8,8 +8,9 @@ here from the model's own tensors rather than by training it. Timed:
 - the database on ``local://`` (GridFS, :class:`dsgpt2.db.blobs.BlobStore`): the upload after the local
   write and the download (checked against its SHA-256) before the read, as a ``--ckpt_dir gridfs:RUN``
   run and its resume do;
-- the step's stall for a save to the database: the part of a save the step waits for (the local write;
-  the upload runs in a thread) against the whole save.
+- the step's stall for a save to the database: the part of a save the step waits for (the tensors
+  copied by :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`, the engine a ``gridfs:RUN`` run saves
+  through; the write and the upload run in threads) against the whole save.
 
 The local engine's times are not a MongoDB deployment's; the ratio says what the database adds here.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from bench.common import Metric, database_uri
 
@@ -41,6 +43,7 @@ def ckpt(results: Path, repeats: int = 2) -> list[Metric]:
     from dsgpt2.db.blobs import BlobStore
     from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
+    from dsgpt2.train.ds_checkpoint import QueuedWrites
 
     work = results / "ckpt"
     work.mkdir(parents=True, exist_ok=True)
@@ -55,7 +58,9 @@ def ckpt(results: Path, repeats: int = 2) -> list[Metric]:
         env={},
     )
     store = BlobStore(Connection(config), "checkpoints")
-    timings: dict[str, list[float]] = {k: [] for k in ("write", "read", "upload", "download")}
+    timings: dict[str, list[float]] = {
+        k: [] for k in ("write", "read", "upload", "download", "stall", "whole")
+    }
     for _ in range(repeats):
         start = time.perf_counter()
         torch.save(state, path)
@@ -63,6 +68,14 @@ def ckpt(results: Path, repeats: int = 2) -> list[Metric]:
         start = time.perf_counter()
         store.put("bench/global_step1/mp_rank_00_model_states.pt", path)
         timings["upload"].append(time.perf_counter() - start)
+        # A database save as a run makes it: the step waits for the copy; the write, then the upload, follow.
+        writes = QueuedWrites(SimpleNamespace(save=torch.save))
+        start = time.perf_counter()
+        writes.save(state, str(path))
+        timings["stall"].append(time.perf_counter() - start)
+        writes.wait()
+        store.put("bench/global_step1/mp_rank_00_model_states.pt", path)
+        timings["whole"].append(time.perf_counter() - start)
         start = time.perf_counter()
         torch.load(path, map_location="cpu", weights_only=False)
         timings["read"].append(time.perf_counter() - start)
@@ -98,12 +111,12 @@ def ckpt(results: Path, repeats: int = 2) -> list[Metric]:
         ),
         Metric(
             "ckpt save to the database: step stall / whole save",
-            best["write"],
-            best["write"] + best["upload"],
+            best["stall"],
+            best["whole"],
             "s",
-            "< 1 (async)",
-            best["write"] < best["write"] + best["upload"],
-            "the upload runs in a thread of each rank",
+            "<= 0.1",
+            best["stall"] <= 0.1 * best["whole"],
+            "the step waits for the tensors' copy; the write and the upload run in threads",
         ),
         Metric(
             "ckpt upload throughput (local://)",

@@ -315,13 +315,17 @@ class Checkpointer:
         }
         files = {RESOLVED: s.resolved}
         out, keep = s.ckpt.ckpt_dir, s.ckpt.keep_last
-        if self.stored is not None:
-            self.stored.settle()  # the last save's upload ends before this save's files are written
-        tag = ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files)
         if self.stored is None:
+            tag = ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files)
             log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
-        else:
-            self.stored.upload(tag, state.step)
+            return tag
+        self.stored.settle()  # the last save's upload ends before this save's files are written
+        # The step waits while the tensors are copied; their files are written, then uploaded, meanwhile.
+        writes = ds_checkpoint.QueuedWrites.install(engine)
+        tag = ds_checkpoint.save(
+            engine, out, state.step, client_state, keep_last=keep, files=files, queued=True
+        )
+        self.stored.upload(tag, state.step, writes.wait)
         return tag
 
     def settle(self) -> None:

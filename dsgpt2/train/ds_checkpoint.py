@@ -8,6 +8,7 @@ naming the previous complete checkpoint, and a complete checkpoint is never writ
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -55,6 +56,58 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class QueuedWrites:
+    """DeepSpeed's checkpoint engine ``inner`` with its writes moved to a thread: :meth:`save` copies the
+    state's tensors (the next steps may then change the originals) and queues the file, so that a save
+    holds the training step only while the tensors are copied; :meth:`wait` returns once every queued
+    file is written, or raises what failed. A file is written beside its name and renamed into place:
+    one there is whole. Everything else is ``inner``'s."""
+
+    def __init__(self, inner: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._inner = inner
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint write")
+        self._pending: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    @classmethod
+    def install(cls, engine: Any) -> QueuedWrites:
+        """The DeepSpeed ``engine``'s checkpoint engine, made one that queues its writes (once)."""
+        if not isinstance(engine.checkpoint_engine, cls):
+            engine.checkpoint_engine = cls(engine.checkpoint_engine)
+        return engine.checkpoint_engine
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # save() copies each tensor alone: DeepSpeed need not clone views first
+
+    def save(self, state_dict: Any, path: str) -> None:
+        self._pending.append(self._pool.submit(self._write, _copied(state_dict), path))
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for write in pending:
+            write.result()
+
+    def _write(self, state: Any, path: str) -> None:
+        part = f"{path}.part"
+        self._inner.save(state, part)
+        Path(part).replace(path)
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor copied to the CPU and every container new."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _copied(v)) for k, v in value.items())
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(_copied(v) for v in value)
+    return copy.deepcopy(value)
+
+
 def save(
     engine: Any,
     ckpt_dir: Path,
@@ -63,10 +116,13 @@ def save(
     *,
     keep_last: int,
     files: dict[str, str] | None = None,
+    queued: bool = False,
 ) -> str:
     """Save a checkpoint of every rank, then mark it complete and point ``latest`` at it.
 
     ``files``: text files (name → content) saved beside the states, covered by the marker's digests.
+    ``queued``: the states' files are written by the engine's :class:`QueuedWrites` while training goes
+    on, and the caller marks the checkpoint complete once they are (:func:`complete`).
 
     A complete, intact checkpoint of this step is never written again (``latest`` may name it, and
     a resumed run reaches the same state); a damaged or partial one is replaced.
@@ -91,13 +147,20 @@ def save(
     if engine.global_rank == 0:
         for name, text in (files or {}).items():
             atomic_write_text(ckpt_dir / tag / name, text)
-        marker = {"step": step, "time": time.time(), "files": file_digests(ckpt_dir / tag)}
-        atomic_write_text(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
-        atomic_write_text(ckpt_dir / LATEST, tag)
-        _prune(ckpt_dir, keep_last, keep=tag)
-    if distributed:
+        if not queued:
+            marker = {"step": step, "time": time.time(), "files": file_digests(ckpt_dir / tag)}
+            complete(ckpt_dir, tag, marker, keep_last)
+    if distributed and not queued:
         dist.barrier()
     return tag
+
+
+def complete(ckpt_dir: Path, tag: str, marker: dict[str, Any], keep_last: int) -> None:
+    """Mark the saved ``tag`` complete (``marker``: its step and files' digests), point ``latest`` at it,
+    and prune what ``keep_last`` leaves behind (rank 0, once every rank's files are written)."""
+    atomic_write_text(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
+    atomic_write_text(ckpt_dir / LATEST, tag)
+    _prune(ckpt_dir, keep_last, keep=tag)
 
 
 def mark_best(ckpt_dir: Path, tag: str) -> None:

@@ -2,10 +2,11 @@
 staging directory put in the checkpoint directory's place, the checkpoint to resume downloaded by every
 node, and each save uploaded while training goes on.
 
-A save leaves the training step once DeepSpeed has written this node's staging copy; a thread of each
-rank then uploads the files that rank wrote and stores a manifest of them (``.rankN.json``). Rank 0's
-thread waits for every rank's manifest, stores the complete marker of them all, and only then moves the
-stored ``latest``. The next save, and the end of the run, wait for the last upload first (on every rank,
+A save leaves the training step once the tensors are copied (DeepSpeed's checkpoint engine made one
+that queues its writes: :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`); a thread of each rank then
+waits for its files to be written into this node's staging copy, uploads them and stores a manifest of
+them (``.rankN.json``). Rank 0's thread waits for every rank's manifest, stores the complete marker of
+them all, and only then moves the stored ``latest``. The next save, and the end of the run, wait for the last upload first (on every rank,
 so that an upload that failed stops every rank at once). The threads take no collective: the ranks
 agree through the database.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from dsgpt2.checkpoints.stored import StoredCheckpoints, merged_marker, own_file
 from dsgpt2.errors import CheckpointError, ConfigError, DsGpt2Error
 from dsgpt2.train.collective import barrier, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.train.config import CheckpointOptions
+from dsgpt2.train.ds_checkpoint import complete
 
 log = logging.getLogger("dsgpt2.train.checkpointer")
 
@@ -83,12 +86,14 @@ class Uploader:
         barrier()
         on_each_node(lambda: (stored.pull_index(), stored.pull(tag)))
 
-    def upload(self, tag: str, step: int) -> None:
-        """Upload the save ``tag`` (this rank's files; on rank 0 the marker and ``latest`` then) in a
-        thread; :meth:`settle` waits for it."""
-        self._thread = threading.Thread(target=self._upload, args=(tag, step), name=f"upload {tag}")
+    def upload(self, tag: str, step: int, written: Callable[[], None]) -> None:
+        """Upload the save ``tag`` in a thread, once ``written()`` says this rank's files of it are written
+        (its files; on rank 0 then the marker and ``latest``, stored and here); :meth:`settle` waits for
+        it."""
+        self._thread = threading.Thread(target=self._upload, args=(tag, step, written), name=f"upload {tag}")
         self._thread.start()
-        log.info("saved checkpoint %s; uploading it to %s/%s", self.stored.local / tag, self.location, tag)
+        log.info("saving checkpoint %s: writing %s and uploading it while training goes on", self.location,
+                 self.stored.local / tag)  # fmt: skip
 
     def settle(self) -> None:
         """Wait for the last upload (every rank: a collective); raise on every rank what failed in any.
@@ -107,16 +112,19 @@ class Uploader:
             self._thread.join()
         self.stored.point(BEST, tag)
 
-    def _upload(self, tag: str, step: int) -> None:
+    def _upload(self, tag: str, step: int, written: Callable[[], None]) -> None:
         stored = self.stored
         try:
+            written()
             mine = stored.push(tag, own_files(stored.local / tag, self.rank))
             stored.store_json(f"{tag}/.rank{self.rank}.json", mine)
             if self.rank != 0:
                 return
-            uploads = self._manifests(tag)
-            stored.publish(tag, merged_marker(step, time.time(), uploads))
+            marker = merged_marker(step, time.time(), self._manifests(tag))
+            stored.publish(tag, marker)
             self.published = tag
+            # This node's copy marked as the stored one is (every rank's files: pull() fetches the others').
+            complete(stored.local, tag, marker, self.keep_last)
             self._prune(tag)
             log.info("stored checkpoint %s/%s", self.location, tag)
         except DsGpt2Error as exc:

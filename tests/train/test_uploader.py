@@ -1,14 +1,21 @@
 """What a run keeps of its checkpoints in the database: --keep_last counts the run's own checkpoints, a
-universal form goes with its checkpoint, and a save that never finished its upload is dropped."""
+universal form goes with its checkpoint, and a save that never finished its upload is dropped; a save
+holds the step only while its tensors are copied."""
 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 from conftest import make_config
 from dsgpt2.checkpoints.stored import StoredCheckpoints
 from dsgpt2.db.client import Connection
+from dsgpt2.train.ds_checkpoint import QueuedWrites
 from dsgpt2.train.uploader import Uploader
 
 
@@ -37,3 +44,36 @@ def test_keep_last_counts_the_runs_checkpoints_and_a_universal_form_goes_with_it
     assert sorted(stored.tags()) == ["global_step6"]
     assert stored.store.names(stored.run + "/") == [f"{stored.run}/global_step6/dsgpt2_complete.json",
                                                      f"{stored.run}/global_step6/f"]  # fmt: skip
+
+
+class _SlowEngine:
+    """A checkpoint engine whose writes take until told to go on (torch.save's, once released)."""
+
+    def __init__(self) -> None:
+        self.go = threading.Event()
+        self.name = "slow"
+
+    def save(self, state: dict, path: str) -> None:
+        assert self.go.wait(30)
+        if state.get("fail"):
+            raise OSError(28, "No space left on device")
+        torch.save(state, path)
+
+
+def test_a_queued_save_holds_the_step_only_while_the_tensors_are_copied(tmp_path: Path) -> None:
+    inner = _SlowEngine()
+    engine = SimpleNamespace(checkpoint_engine=inner)
+    writes = QueuedWrites.install(engine)
+    assert QueuedWrites.install(engine) is writes and writes.name == "slow"  # once; the rest is DeepSpeed's
+    weights = torch.ones(4)
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    writes.save({"module": {"w": weights}, "step": [1]}, str(path))  # returns with the write not begun
+    weights.add_(1)  # the next step changes the tensor: the file keeps the saved values
+    assert not path.exists()
+    inner.go.set()
+    writes.wait()
+    assert torch.equal(torch.load(path)["module"]["w"], torch.ones(4)) and not list(tmp_path.glob("*.part"))
+    writes.save({"fail": True}, str(tmp_path / "other.pt"))
+    with pytest.raises(OSError, match="No space left"):
+        writes.wait()
+    assert not (tmp_path / "other.pt").exists()  # never a part-written file under its name
