@@ -200,6 +200,16 @@ class StoredCheckpoints:
         self.store.delete(self._name(tag, COMPLETE))
         return self.store.delete(self._name(tag) + "/")
 
+    def drop_local_extras(self) -> list[str]:
+        """Remove the staging directory's checkpoints that are not stored (pruned by ``--keep_last``, or
+        saves that never finished their upload): on a node other than rank 0's nothing else prunes them.
+        Returns their tags."""
+        stored = set(self.tags())
+        extra = [p for p in self.local.glob("global_step*") if p.is_dir() and p.name not in stored]
+        for path in extra:
+            shutil.rmtree(path, ignore_errors=True)
+        return sorted(p.name for p in extra)
+
     def unfinished(self) -> list[str]:
         """Tags with files stored and no marker: saves that did not finish their upload."""
         complete = set(self.tags())

@@ -6,14 +6,16 @@ A save leaves the training step once the tensors are copied (DeepSpeed's checkpo
 that queues its writes: :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`); a thread of each rank then
 waits for its files to be written into this node's staging copy, uploads them and stores a manifest of
 them (``.rankN.json``). Rank 0's thread waits for every rank's manifest, stores the complete marker of
-them all, and only then moves the stored ``latest``. The next save, and the end of the run, wait for the last upload first (on every rank,
-so that an upload that failed stops every rank at once). The threads take no collective: the ranks
-agree through the database.
+them all, and only then moves the stored ``latest``. The next save, and the end of the run, wait for
+the last upload first (on every rank, so that an upload that failed stops every rank at once), and each
+node's copy then keeps only what is stored. The threads take no collective: the ranks agree through
+the database.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -105,6 +107,8 @@ class Uploader:
         self._error = None
         raise_shared(next((e for e in errors if e is not None), None))
         on_rank0(self._check_sole_writer)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # this node's copy keeps what is stored, no more
+            self.stored.drop_local_extras()
 
     def mark_best(self, tag: str) -> None:
         """Point the stored ``best`` at ``tag`` once its upload is stored (rank 0)."""

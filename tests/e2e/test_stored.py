@@ -130,11 +130,15 @@ def test_two_nodes_sharing_only_the_database_save_there_and_one_of_them_resumes_
     common = ("--ckpt_dir", f"gridfs:{run}", "--vocab_dir", f"gridfs:{run}", "--save_interval", "2",
               "--num_workers", "1")  # fmt: skip
     disks = [["--workspace", str(tmp_path / f"node{n}")] for n in (0, 1)]
-    launch_nodes(staged, tmp_path / "both", disks, "--train_iters", "4", *common)
+    launch_nodes(staged, tmp_path / "both", disks, "--train_iters", "4", *common, "--keep_last", "1")
     store = BlobStore(Connection(load_config(corpus["config"])), BUCKET)
     shards = {n.rsplit("/", 1)[1] for n in store.names(f"{run}/global_step4/") if "optim_states" in n}
     assert shards == {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(3)}
-    # Each node fetched the tokenizer, and staged only its own ranks' files.
+    # Each node fetched the tokenizer, and staged only its own ranks' files, of what --keep_last keeps.
+    for n in (0, 1):
+        assert sorted(p.name for p in (tmp_path / f"node{n}" / "gridfs" / run).glob("global_step*")) == [
+            "global_step4"
+        ]
     assert all(list((tmp_path / f"node{n}" / "gridfs-tokenizers").rglob("tokenizer.json")) for n in (0, 1))
     assert not list((tmp_path / "node1").rglob("zero_pp_rank_0_*")) and list(
         (tmp_path / "node0").rglob("zero_pp_rank_0_*")
