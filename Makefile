@@ -46,7 +46,7 @@ $(STAMP): pyproject.toml $(LOCK)
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -x -q -n $(PYTEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -x -q -n $(PYTEST_WORKERS) --dist worksteal --durations=25
 
 # The quick lane: no DeepSpeed runs; a test file's module fixtures built once.
 test-fast: $(STAMP)
