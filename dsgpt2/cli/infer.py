@@ -86,7 +86,10 @@ class ModelSource:
 
         db_config = self.db_config or config
         where = readable(Path(self.model), self.ckpt_id, db_config, "--model")
-        return load_model(where, self.ckpt_id, self.vocab_dir, db_config=db_config)
+        loaded = load_model(where, self.ckpt_id, self.vocab_dir, db_config=db_config)
+        if where != Path(self.model):  # a stored checkpoint: named by its location, not this machine's copy
+            loaded.name = f"{self.model.rstrip('/')}/{Path(loaded.name).name}"
+        return loaded
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -58,6 +58,12 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     assert exported.returncode == 0 and "step 8" in exported.stdout, exported.stderr[-2000:]
     assert (out / "config.json").is_file() and (tmp_path / "cache" / "dsgpt2" / "gridfs-tokenizers").is_dir()
     assert json.loads((out / "dsgpt2_run.json").read_text())["vocab_dir"] == f"gridfs:{run}"
+    report = ("--no_record", "--report", str(tmp_path / "eval.json"), "--no_progress")
+    evaluated = run_cli(
+        "evaluate", "--model", f"gridfs:{run}", "--config", str(corpus["config"]), *report, env=env
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert json.loads((tmp_path / "eval.json").read_text())["model"] == f"gridfs:{run}/global_step8"
     lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
     assert lacking.returncode == 2 and "add --config" in lacking.stderr.strip().splitlines()[-1]
     # The stored tokenizer replaced: the model is pinned to the one it trained with.
