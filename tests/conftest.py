@@ -74,12 +74,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` tests first (in their order), so that the longest runs start while the quick tests can
-    still fill the cores beside them rather than end the suite alone; ``gpu`` tests skip, saying why,
-    where torch sees no CUDA device."""
+    """``gpu`` tests skip, saying why, where torch sees no CUDA device."""
     import torch
 
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (run with -m gpu on a GPU machine)")
