@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.checkpoints.format import BEST, COMPLETE, LATEST, file_digests, peek_tag
+from dsgpt2.checkpoints.format import BEST, COMPLETE, LATEST, UNIVERSAL, file_digests, peek_tag
 from dsgpt2.db.blobs import PREFIX, BlobStore, gridfs_name
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import CheckpointError, ConfigError
@@ -107,8 +107,9 @@ class StoredCheckpoints:
 
     def resumed_args(self, ckpt_id: str | None, resolved: str) -> dict[str, Any] | None:
         """The options of the stored checkpoint a resume would take (``ckpt_id``, else the one ``latest``
-        names), from its resolved configuration (the file ``resolved``), read before anything is
-        downloaded; None when there is none or it does not read."""
+        names, or the newest complete one where it names none that is), from its resolved configuration
+        (the file ``resolved``), read before anything is downloaded; None when there is none or it does not
+        read."""
         import yaml
 
         tag = ckpt_id or LATEST
@@ -116,6 +117,9 @@ class StoredCheckpoints:
             tag = (
                 self.store.get_text(self._name(tag), self.local / f".{os.getpid()}.tag.read") or ""
             ).strip()
+            stored = {t: m for t, m in self.tags().items() if not t.endswith(UNIVERSAL)}
+            if tag not in stored and ckpt_id is None and stored:
+                tag = max(stored, key=lambda t: stored[t].get("step", -1))
         text = (
             self.store.get_text(self._name(tag, resolved), self.local / f".{os.getpid()}.yaml.read")
             if tag

@@ -54,7 +54,7 @@ def init_tokenizer_dir(path: Path) -> Path:
     client = checkpoint.read_client_state(ckpt_dir, tag)
     vocab = Path(client["vocab_dir"])
     if stored_tokenizer(vocab) is not None:
-        return vocab  # fetched by the run, through its connection, and pinned by its fingerprint
+        return vocab  # fetched by the run through its connection; its vocabulary size checked there
     check_tokenizer(vocab, run_info(client, ckpt_dir / tag), str(ckpt_dir / tag))
     return vocab
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from dsgpt2.db.blobs import PREFIX, BlobStore, gridfs_name
 from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, load_config
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import file_sha256, reader_cache
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 
@@ -64,7 +65,9 @@ class StoredTokenizer:
         return found if isinstance(found, dict) and isinstance(found.get("files"), dict) else None
 
     def push(self, directory: Path, overwrite: bool = False) -> str:
-        """Upload the tokenizer in ``directory`` (its files, then the marker); returns its hash.
+        """Upload the tokenizer in ``directory`` (its files, then the marker); returns its hash. A
+        tokenizer replaced loses its marker first: a reader meanwhile finds none, never new files under
+        the old hash.
 
         Raises:
             ConfigError: ``directory`` holds no tokenizer, or one is stored under the name already and
@@ -72,44 +75,67 @@ class StoredTokenizer:
         """
         if not (directory / "tokenizer.json").is_file():
             raise ConfigError(f"{directory}: no tokenizer.json; train one first (dsgpt2 vocab train)")
-        scratch = directory.parent / f".{directory.name}.{os.getpid()}.marker"
-        stored = self.marker(scratch)
-        if stored is not None and not overwrite:
-            raise ConfigError(
-                f"{self._where()} holds a tokenizer (hash {stored.get('tokenizer')}), which runs may have "
-                "trained with and are checked against; pass --overwrite to replace it, or give another name"
-            )
-        digest = tokenizer_digest(directory)
-        names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-        files = {n: self.store.put(f"{self.name}/{n}", directory / n) for n in names}
-        # Files of a replaced tokenizer that this one lacks go before the new marker names the set.
-        for old in set(self.store.names(f"{self.name}/")) - {f"{self.name}/{n}" for n in names}:
-            if not old.endswith("/" + MARKER):
+        with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
+            stored = self.marker(Path(scratch) / "marker")
+            if stored is not None and not overwrite:
+                raise ConfigError(
+                    f"{self._where()} holds a tokenizer (hash {stored.get('tokenizer')}), which runs may "
+                    "have trained with and are checked against; pass --overwrite to replace it, or give "
+                    "another name"
+                )
+            self.store.delete(f"{self.name}/{MARKER}")
+            digest = tokenizer_digest(directory)
+            names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+            files = {n: self.store.put(f"{self.name}/{n}", directory / n) for n in names}
+            # Files of a replaced tokenizer that this one lacks (its own, not those of NAME/other).
+            for old in self._own_files() - {f"{self.name}/{n}" for n in names}:
                 self.store.delete(old)
-        marker = {"tokenizer": digest, "files": files}
-        self.store.put_text(f"{self.name}/{MARKER}", json.dumps(marker, indent=1) + "\n", scratch)
+            marker = {"tokenizer": digest, "files": files}
+            self.store.put_text(
+                f"{self.name}/{MARKER}", json.dumps(marker, indent=1) + "\n", Path(scratch) / "m"
+            )
         return digest
 
+    def _own_files(self) -> set[str]:
+        prefix = f"{self.name}/"
+        return {n for n in self.store.names(prefix) if "/" not in n[len(prefix) :]}
+
     def pull(self, local: Path) -> Path:
-        """This machine's copy of the tokenizer, in ``local`` (files already there and intact kept).
+        """This machine's copy of the tokenizer, in ``local`` (files already there and intact kept), each
+        file checked against the marker.
 
         Raises:
-            ConfigError: no tokenizer is stored under the name.
-            CheckpointError: a stored file is damaged.
+            ConfigError: no tokenizer is stored under the name, or ``local`` cannot be written.
+            CheckpointError: a stored file is damaged, or not the one the marker names (replaced while
+                it was read).
         """
+        try:
+            return self._pull(local)
+        except OSError as exc:
+            raise ConfigError(
+                f"{self.location}: cannot keep a copy of it in {local} ({exc.strerror})"
+            ) from None
+
+    def _pull(self, local: Path) -> Path:
         local.mkdir(parents=True, exist_ok=True)
         marker = self.marker(local / f".{os.getpid()}.marker")
         if marker is None:
             raise ConfigError(
-                f"{self._where()}: no tokenizer stored there; store one with `dsgpt2 vocab train ... --out "
+                f"{self._where()}: no tokenizer stored there; store one with `dsgpt2 vocab train --out "
                 f"{self.location}` or `dsgpt2 vocab push DIR --out {self.location}` (with --config)"
             )
         fetched = 0
         for name, want in marker["files"].items():
             # File by file: another process of this machine may be fetching the same tokenizer here.
-            if not (local / name).is_file() or file_sha256(local / name) != want:
-                self.store.get(f"{self.name}/{name}", local / name)
-                fetched += 1
+            if (local / name).is_file() and file_sha256(local / name) == want:
+                continue
+            got = self.store.get(f"{self.name}/{name}", local / name)
+            if got != want:
+                raise CheckpointError(
+                    f"{self.location}: {name} is not the file its marker names (the tokenizer was replaced "
+                    "while it was read); run the command again"
+                )
+            fetched += 1
         if fetched:
             log.info("downloaded the tokenizer %s (hash %s) to %s", self.location, marker["tokenizer"], local)
         return local

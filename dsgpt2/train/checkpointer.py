@@ -19,6 +19,7 @@ from dsgpt2.checkpoints.format import (
     peek_tag,
     read_client_state,
     resolve,
+    tag_for,
 )
 from dsgpt2.checkpoints.stored import StoredCheckpoints, staging_dir, stored_run
 from dsgpt2.data.dealing import Position
@@ -320,12 +321,14 @@ class Checkpointer:
             log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
             return tag
         self.stored.settle()  # the last save's upload ends before this save's files are written
+        tag = tag_for(state.step)
+        if self.stored.holds(tag):  # saved at this step already (an improvement, then the end)
+            return tag
         # The step waits while the tensors are copied; their files are written, then uploaded, meanwhile.
         writes = ds_checkpoint.QueuedWrites.install(engine)
-        tag = ds_checkpoint.save(
-            engine, out, state.step, client_state, keep_last=keep, files=files, queued=True
-        )
-        self.stored.upload(tag, state.step, writes.wait)
+        queued = writes is not None
+        ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files, queued=queued)
+        self.stored.upload(tag, state.step, writes.wait if writes is not None else lambda: None)
         return tag
 
     def settle(self) -> None:

@@ -416,7 +416,10 @@ class TrainConfig:
                 from dsgpt2.checkpoints.weights import init_tokenizer_dir
 
                 vocab = init_tokenizer_dir(self.model.init_from)
-            if not (vocab / "tokenizer.json").is_file():
+            from dsgpt2.tokenizer.stored import stored_tokenizer
+
+            # One in the database (the --init_from run's) is fetched once the run has its connection.
+            if stored_tokenizer(vocab) is None and not (vocab / "tokenizer.json").is_file():
                 raise ConfigError(
                     f"--vocab_dir {vocab}: no tokenizer.json; train one first (dsgpt2 vocab train)"
                 )

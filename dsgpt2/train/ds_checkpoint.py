@@ -74,10 +74,17 @@ class QueuedWrites:
         return getattr(self._inner, name)
 
     @classmethod
-    def install(cls, engine: Any) -> QueuedWrites:
-        """The DeepSpeed ``engine``'s checkpoint engine, made one that queues its writes (once)."""
-        if not isinstance(engine.checkpoint_engine, cls):
-            engine.checkpoint_engine = cls(engine.checkpoint_engine)
+    def install(cls, engine: Any) -> QueuedWrites | None:
+        """The DeepSpeed ``engine``'s checkpoint engine, made one that queues its writes (once); None where
+        the DeepSpeed config chose another engine than torch.save's (its own writer, left as it is)."""
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        current = engine.checkpoint_engine
+        if isinstance(current, cls):
+            return current
+        if type(current) is not TorchCheckpointEngine:
+            return None
+        engine.checkpoint_engine = cls(current)
         return engine.checkpoint_engine
 
     def preserves_storage_sharing(self) -> bool:
@@ -102,8 +109,13 @@ def _copied(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return type(value)((k, _copied(v)) for k, v in value.items())
-    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        out = copy.copy(value)  # its own type and settings (a defaultdict's factory)
+        for k, v in value.items():
+            out[k] = _copied(v)
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_copied(v) for v in value))
+    if isinstance(value, list | tuple):
         return type(value)(_copied(v) for v in value)
     return copy.deepcopy(value)
 

@@ -126,12 +126,14 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     conn = Connection(mongo)
     saved = resumed_options(cfg.ckpt, conn, cfg.run.workspace)
     decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file))
+    # As given: a checkpoint or tokenizer location in the database is recorded as one, not as a node's copy.
+    args, resolved = cfg.to_dict(), cfg.resolved()
     ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # A tokenizer in the database (gridfs:NAME): the run reads this node's copy, and records the location.
-    vocab_stored = str(cfg.data.vocab_dir) if stored_tokenizer(cfg.data.vocab_dir) else None
+    vocab_stored = str(args["vocab_dir"]) if stored_tokenizer(cfg.data.vocab_dir) else None
     cfg.data.vocab_dir = fetch_tokenizer(str(cfg.data.vocab_dir), conn, cfg.run.workspace)
     vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
     check_attention(cfg.compute.attn_implementation, device)
@@ -153,8 +155,6 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     )
     release_shared_buffer(device)
     conn.ping()
-    # As given: a checkpoint or tokenizer location in the database is recorded as one.
-    args = {**cfg.to_dict(), **({"vocab_dir": vocab_stored} if vocab_stored else {})}
     named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
     wait = cfg.engine.dist_timeout
     stored = stage(cfg.ckpt, cfg.run.workspace, conn, rank=rank, world=world, wait_s=wait)
@@ -171,7 +171,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
     ckpt_settings = CheckpointSettings(
         cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=args,
-        resolved=cfg.resolved(), vocab_stored=vocab_stored,
+        resolved=resolved, vocab_stored=vocab_stored,
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
                                 stored=stored)  # fmt: skip

@@ -70,6 +70,10 @@ class Uploader:
         self.published: str | None = None  # the stored latest as this run last saw it
         self._thread: threading.Thread | None = None
         self._error: tuple[str, str] | None = None
+        # A save marked best while its upload runs: the upload points the stored `best` once it is stored.
+        self._lock = threading.Lock()
+        self._uploading: str | None = None
+        self._best: str | None = None
 
     @property
     def location(self) -> str:
@@ -92,6 +96,7 @@ class Uploader:
         """Upload the save ``tag`` in a thread, once ``written()`` says this rank's files of it are written
         (its files; on rank 0 then the marker and ``latest``, stored and here); :meth:`settle` waits for
         it."""
+        self._uploading = tag
         self._thread = threading.Thread(target=self._upload, args=(tag, step, written), name=f"upload {tag}")
         self._thread.start()
         log.info("saving checkpoint %s: writing %s and uploading it while training goes on", self.location,
@@ -110,10 +115,25 @@ class Uploader:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # this node's copy keeps what is stored, no more
             self.stored.drop_local_extras()
 
+    def holds(self, tag: str) -> bool:
+        """Whether ``tag`` is stored complete (every rank: a collective); where it is not, what an attempt
+        that died left of it (its manifests above all) is deleted first."""
+
+        def held() -> bool:
+            if tag in self.stored.tags():
+                return True
+            self.stored.drop(tag)
+            return False
+
+        return bool(on_rank0(held))
+
     def mark_best(self, tag: str) -> None:
-        """Point the stored ``best`` at ``tag`` once its upload is stored (rank 0)."""
-        if self._thread is not None:
-            self._thread.join()
+        """Point the stored ``best`` at ``tag`` once its upload is stored (rank 0): now, or by the upload
+        still running, without waiting for it."""
+        with self._lock:
+            if self._uploading == tag:
+                self._best = tag
+                return
         self.stored.point(BEST, tag)
 
     def _upload(self, tag: str, step: int, written: Callable[[], None]) -> None:
@@ -127,6 +147,10 @@ class Uploader:
             marker = merged_marker(step, time.time(), self._manifests(tag))
             stored.publish(tag, marker)
             self.published = tag
+            with self._lock:
+                self._uploading, best, self._best = None, self._best, None
+            if best is not None:
+                stored.point(BEST, best)
             # This node's copy marked as the stored one is (every rank's files: pull() fetches the others').
             complete(stored.local, tag, marker, self.keep_last)
             self._prune(tag)

@@ -138,3 +138,17 @@ def test_vocab_train_and_push_store_in_the_database_and_refuse_a_taken_name(tmp_
     assert no_config.returncode == 2 and "add --config" in no_config.stderr.strip().splitlines()[-1]
     assert "Traceback" not in no_config.stderr + not_stored.stderr + again.stderr
     assert os.listdir(tmp_path / "tok")  # the local one untouched
+
+
+def test_a_tokenizer_under_a_longer_name_survives_a_push_and_a_file_not_the_markers_is_refused(
+    corpus: dict[str, Path], conn: Connection, tmp_path: Path
+) -> None:
+    StoredTokenizer(conn, "n/inner").push(corpus["tok"])
+    StoredTokenizer(conn, "n").push(corpus["tok"])
+    StoredTokenizer(conn, "n").push(corpus["tok"], overwrite=True)
+    assert fetch_tokenizer("gridfs:n/inner", conn, tmp_path).is_dir()  # its files kept
+    # Replaced while a reader reads it: the file downloaded is not the one the marker it read names.
+    store = BlobStore(conn, BUCKET)
+    store.put("n/merges.txt", corpus["tok"] / "vocab.json")
+    with pytest.raises(CheckpointError, match=r"merges\.txt is not the file its marker names"):
+        fetch_tokenizer("gridfs:n", conn, tmp_path / "other")

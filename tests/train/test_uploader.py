@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -61,19 +62,45 @@ class _SlowEngine:
 
 
 def test_a_queued_save_holds_the_step_only_while_the_tensors_are_copied(tmp_path: Path) -> None:
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    engine = SimpleNamespace(checkpoint_engine=TorchCheckpointEngine())
+    installed = QueuedWrites.install(engine)
+    assert isinstance(installed, QueuedWrites) and QueuedWrites.install(engine) is installed  # once
+    assert QueuedWrites.install(SimpleNamespace(checkpoint_engine=_SlowEngine())) is None  # another writer
     inner = _SlowEngine()
-    engine = SimpleNamespace(checkpoint_engine=inner)
-    writes = QueuedWrites.install(engine)
-    assert QueuedWrites.install(engine) is writes and writes.name == "slow"  # once; the rest is DeepSpeed's
+    writes = QueuedWrites(inner)
+    assert writes.name == "slow"  # the rest is the engine's
     weights = torch.ones(4)
     path = tmp_path / "mp_rank_00_model_states.pt"
-    writes.save({"module": {"w": weights}, "step": [1]}, str(path))  # returns with the write not begun
+    state = {"module": {"w": weights}, "step": [1], "seen": defaultdict(list, {"a": [torch.zeros(1)]})}
+    writes.save(state, str(path))  # returns with the write not begun
     weights.add_(1)  # the next step changes the tensor: the file keeps the saved values
     assert not path.exists()
     inner.go.set()
     writes.wait()
-    assert torch.equal(torch.load(path)["module"]["w"], torch.ones(4)) and not list(tmp_path.glob("*.part"))
+    saved = torch.load(path, weights_only=False)
+    assert torch.equal(saved["module"]["w"], torch.ones(4)) and not list(tmp_path.glob("*.part"))
+    assert saved["seen"].default_factory is list and torch.equal(saved["seen"]["a"][0], torch.zeros(1))
     writes.save({"fail": True}, str(tmp_path / "other.pt"))
     with pytest.raises(OSError, match="No space left"):
         writes.wait()
     assert not (tmp_path / "other.pt").exists()  # never a part-written file under its name
+
+
+def test_a_save_marked_best_while_it_uploads_becomes_the_stored_best_once_stored(tmp_path: Path) -> None:
+    stored = StoredCheckpoints(Connection(make_config(["a"])), f"best{os.getpid()}", tmp_path / "stage")
+    stored.store.delete(stored.run + "/")
+    (stored.local / "global_step2").mkdir(parents=True)
+    (stored.local / "global_step2" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    uploader, written = Uploader(stored, 2, rank=0, world=1, wait_s=5), threading.Event()
+    uploader.upload("global_step2", 2, lambda: written.wait(30))
+    uploader.mark_best("global_step2")  # returns at once: the step does not wait for the upload
+    assert stored.store.get_text(f"{stored.run}/best", tmp_path / "b") is None
+    written.set()
+    uploader.settle()
+    assert stored.store.get_text(f"{stored.run}/best", tmp_path / "b") == "global_step2"
+    assert (
+        stored.latest() == "global_step2"
+        and (stored.local / "global_step2" / "dsgpt2_complete.json").is_file()
+    )
