@@ -18,7 +18,6 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
-from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import OneOf, from_namespace, option
 from dsgpt2.tokenizer.bpe import VocabSettings
 from dsgpt2.tokenizer.texts import DownloadSettings, Draw
@@ -87,13 +86,7 @@ def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bo
     if not config:
         raise usage(command, f"--out {out} keeps the tokenizer in the database: add --config c.json")
     stored = StoredTokenizer(connect(load_connection(config)), name)
-    with tempfile.TemporaryDirectory(prefix="dsgpt2-vocab-") as scratch:
-        taken = stored.marker(Path(scratch) / "marker")
-    if taken is not None and not overwrite:
-        raise ConfigError(
-            f"--out {out} holds a tokenizer (hash {taken.get('tokenizer')}), which runs may have trained "
-            "with and are checked against; pass --overwrite to replace it, or give another name"
-        )
+    stored.check_free(overwrite)
     return stored
 
 

@@ -75,14 +75,8 @@ class StoredTokenizer:
         """
         if not (directory / "tokenizer.json").is_file():
             raise ConfigError(f"{directory}: no tokenizer.json; train one first (dsgpt2 vocab train)")
+        self.check_free(overwrite)
         with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
-            stored = self.marker(Path(scratch) / "marker")
-            if stored is not None and not overwrite:
-                raise ConfigError(
-                    f"{self._where()} holds a tokenizer (hash {stored.get('tokenizer')}), which runs may "
-                    "have trained with and are checked against; pass --overwrite to replace it, or give "
-                    "another name"
-                )
             self.store.delete(f"{self.name}/{MARKER}")
             digest = tokenizer_digest(directory)
             names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -95,6 +89,20 @@ class StoredTokenizer:
                 f"{self.name}/{MARKER}", json.dumps(marker, indent=1) + "\n", Path(scratch) / "m"
             )
         return digest
+
+    def check_free(self, overwrite: bool) -> None:
+        """Refuse a name that holds a tokenizer already, unless ``overwrite``.
+
+        Raises:
+            ConfigError: naming the stored tokenizer's hash.
+        """
+        with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
+            stored = self.marker(Path(scratch) / "marker")
+        if stored is not None and not overwrite:
+            raise ConfigError(
+                f"{self._where()} holds a tokenizer (hash {stored.get('tokenizer')}), which runs may have "
+                "trained with and are checked against; pass --overwrite to replace it, or give another name"
+            )
 
     def _own_files(self) -> set[str]:
         prefix = f"{self.name}/"
