@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 from dsgpt2.checkpoints.stored import BUCKET
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
@@ -20,7 +20,8 @@ from dsgpt2.db.config import load_config
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import StoredTokenizer
 from dsgpt2.train.metrics import read_metrics
-from training import launch_nodes, steps, train, training_corpus
+from training import launch_nodes, steps, train, trainer_args, training_corpus
+from zygote import run_python
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +86,19 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     assert f"checkpoints gridfs:{run}: latest global_step8" in info.stdout, info.stdout
     assert f"last run: gridfs:{run} (step 8" in info.stdout, info.stdout
     assert f"tokenizer gridfs:{run}: hash {tokenizer_digest(other)}" in info.stdout, info.stdout
+    # A run started from it (--init_from its checkpoint, no --vocab_dir) takes the tokenizer it names.
+    tune = trainer_args(
+        corpus,
+        tmp_path / "c",
+        "--train_iters",
+        "1",
+        "--init_from",
+        str(tmp_path / "b" / "ws" / "gridfs" / run),
+    )
+    del tune[tune.index("--vocab_dir") : tune.index("--vocab_dir") + 2]
+    tuned = run_python([str(ROOT / "ds_trainer.py"), *tune], cwd=ROOT)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert list((tmp_path / "c" / "ws" / "gridfs-tokenizers").rglob("tokenizer.json")), tuned.stderr[-3000:]
 
 
 def test_a_damaged_stored_file_is_refused_in_one_line_and_another_checkpoint_named(
