@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, run_cli
 from dsgpt2.checkpoints.stored import BUCKET
@@ -45,6 +46,8 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     tags = {n.split("/")[1] for n in store.names(run + "/") if n.count("/") == 2}
     assert tags == {"global_step4", "global_step6"}  # --keep_last 2
     assert store.get_text(f"{run}/latest", tmp_path / "x") == "global_step6"
+    resolved = yaml.safe_load(store.get_text(f"{run}/global_step6/config.yaml", tmp_path / "y") or "")
+    assert resolved["ckpt_dir"] == resolved["vocab_dir"] == f"gridfs:{run}"  # as given, not a node's copy
     shutil.rmtree(tmp_path / "a")  # nothing of the first machine is left
     second = train(corpus, tmp_path / "b", "--train_iters", "8", *where)
     assert "resumed from" in second.stderr and "at step 6" in second.stderr, second.stderr[-3000:]

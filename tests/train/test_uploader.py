@@ -104,3 +104,17 @@ def test_a_save_marked_best_while_it_uploads_becomes_the_stored_best_once_stored
         stored.latest() == "global_step2"
         and (stored.local / "global_step2" / "dsgpt2_complete.json").is_file()
     )
+
+
+def test_a_resume_reads_the_options_of_the_checkpoint_it_takes_and_a_dead_attempt_is_cleared(
+    tmp_path: Path,
+) -> None:
+    stored = _stored(tmp_path)
+    for tag, optimizer in (("global_step4", "adamw"), ("global_step6", "muon")):
+        stored.store.put_text(f"{stored.run}/{tag}/config.yaml", f"optimizer: {optimizer}\n", tmp_path / "y")
+    stored.point("latest", "global_step8")  # a save whose upload died: latest names no complete checkpoint
+    assert stored.resumed_args(None, "config.yaml") == {"optimizer": "muon"}  # the newest complete one
+    assert stored.resumed_args("global_step4", "config.yaml") == {"optimizer": "adamw"}
+    uploader = Uploader(stored, 2, rank=0, world=1, wait_s=1)
+    assert uploader.holds("global_step6") and not uploader.holds("global_step8")
+    assert not [n for n in stored.store.names(stored.run + "/") if "/global_step8/" in n]  # cleared
