@@ -390,7 +390,9 @@ def test_index_state_does_not_grow_with_the_corpus() -> None:
         tracemalloc.stop()
         return top
 
-    small, huge = peak(10_000), peak(100_000_000)
+    # tracemalloc sees every thread of the process (a client's monitor, a finished test's pool): the
+    # least of three measures is this code's own.
+    small, huge = min(peak(10_000) for _ in range(3)), min(peak(100_000_000) for _ in range(3))
     assert huge < 4 * 1024 * 1024  # a permutation of 100k chunk ids, not of 100M documents
     assert small < 200 * 1024
 
