@@ -86,10 +86,10 @@ def prose_texts(limit: int = 4000) -> list[str]:
 def _recipe(name: str) -> Any:
     from dsgpt2.settings.runfile import parse_args
     from dsgpt2.settings.shipped import shipped_config
-    from dsgpt2.train.config import TRAIN_ALIASES, build_parser
+    from dsgpt2.train.config import TRAIN_ALIASES, trainer_parser
 
     path = Path(shipped_config(f"recipes/{RECIPES[name]}"))
-    return parse_args(build_parser(), ["--config", str(path)], command=["train"], sections=None,
+    return parse_args(trainer_parser(), ["--config", str(path)], command=["train"], sections=None,
                       aliases=TRAIN_ALIASES)  # fmt: skip
 
 

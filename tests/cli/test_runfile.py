@@ -289,3 +289,13 @@ def test_the_shipped_fast_recipe_trains_with_adamw_by_one_flag(monkeypatch: pyte
     monkeypatch.chdir(ROOT)
     cfg = parse(["--config", "configs/recipes/fast.yaml", "--optimizer", "adamw"])
     assert cfg.optim.optimizer == "adamw" and cfg.optim.muon_scale is None and cfg.optim.muon_momentum is None
+
+
+def test_the_recipe_bench_reads_both_shipped_recipes() -> None:
+    """`python -m bench recipe` trains the recipes as shipped: each parses, by the trainer's own parser, to
+    the optimizer and schedule it names."""
+    from bench.bench_recipe import _recipe
+
+    fast, adamw = _recipe("fast"), _recipe("adamw")
+    assert (fast.optimizer, fast.lr_schedule, fast.muon_scale) == ("muon", "wsd", "rms")
+    assert (adamw.optimizer, adamw.lr_schedule) == ("adamw", "cosine")
