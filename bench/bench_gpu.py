@@ -10,7 +10,8 @@ boundary falls inside the figure.
 
 - ours: ``ds_trainer.py`` as a user starts it, streaming the sample corpus from a file-backed
   database (local://), tokenizing in its DataLoader workers; tokens/s over the steady steps, read from
-  its ``metrics.jsonl``.
+  its ``metrics.jsonl``. With ``--optimizer adamw``, the plain loop's optimizer; ``ours compiled
+  muon`` the same run with Muon, a new run's default (÷ ours with AdamW; target 0.97 on a GPU).
 - anchor: a plain loop of the same ``GPT2LMHeadModel`` (SDPA attention) on random tokens already on
   the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the GPU, the same micro-batch and
   accumulation, gradient clipping at 1.0, nothing else. Each side runs in a fresh process.
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGET_TOKENS_PER_S = 0.45e6  # 112m on one H100
 RATIO_TARGET = 0.95
 BUSY_TARGET = 0.95
+MUON_TARGET = 0.97  # Muon's tokens/s ÷ AdamW's, the trainer compiled at 112m
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
             runs[f"ours {tag}"] = _report(
                 f"ours {tag}", _ours(s, tokenizer, store_config, work / f"ours_{tag}", s.workers, compiled)
             )
+    if _wanted("ours compiled muon"):
+        runs["ours compiled muon"] = _report("ours compiled muon", _ours(
+            s, tokenizer, store_config, work / "ours_muon", s.workers, True, optimizer="muon"))  # fmt: skip
     if s.device == "cuda" and _wanted("ours compiled zero1"):
         runs["ours compiled zero1"] = _report("ours compiled zero1", _ours(
             s, tokenizer, store_config, work / "ours_zero1", s.workers, True, ZERO1_BF16))  # fmt: skip
@@ -180,6 +185,13 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 f"{where}, {former.tokens_per_step:,} tokens per step: DeepSpeed's cost per step unamortized",
             )
         )
+    if "ours compiled muon" in runs and "ours compiled" in runs:
+        muon, adamw = runs["ours compiled muon"]["tokens_per_s"], runs["ours compiled"]["tokens_per_s"]
+        metrics.append(
+            Metric("Muon ÷ AdamW (ours compiled)", muon, adamw, "tokens/s",
+                   f">= {MUON_TARGET}" if s.device == "cuda" else "info",
+                   muon >= MUON_TARGET * adamw or s.device != "cuda", f"{where}, {shape}")
+        )  # fmt: skip
     if "ours compiled busy" in runs:
         busy = runs["ours compiled busy"]["busy"]
         metrics.append(
@@ -284,9 +296,12 @@ def _ours(
     workers: int,
     compiled: bool,
     ds_changes: dict[str, Any] | None = None,
+    *,
+    optimizer: str = "adamw",
 ) -> dict:
     """``ds_trainer.py`` for warmup + steps; tokens/s and MFU over the measured steps. ``ds_changes``:
-    sections that replace the shipped config's, its torch_autocast section dropped (the former config)."""
+    sections that replace the shipped config's, its torch_autocast section dropped (the former config).
+    ``optimizer``: AdamW, the plain loop's, unless a run names Muon (the default of a new run)."""
     from dsgpt2.settings.shipped import shipped_config
     from dsgpt2.train.metrics import read_metrics
 
@@ -303,7 +318,7 @@ def _ours(
             "--log_interval", 5, "--eval_interval", 10 * total, "--eval_iters", 1,
             "--save_interval", 10 * total, "--workspace", run / "ws", "--ckpt_dir", run / "ckpt",
             "--no_resume", "--wandb", "off", "--num_workers", workers, "--data_mode", "streaming",
-            "--compile" if compiled else "--no_compile"]  # fmt: skip
+            "--optimizer", optimizer, "--compile" if compiled else "--no_compile"]  # fmt: skip
     (run / "ws" / "metrics.jsonl").unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip

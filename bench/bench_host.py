@@ -10,7 +10,8 @@ The model is 112m-shaped and narrow: 12 layers and 12 heads (the same parameter 
 
 - ours: ``ds_trainer.py``'s ``main`` in process with the shipped ``ds_config.json`` (its ZeRO stage,
   micro-batch and accumulation; fp32 and torch's fused AdamW, as a CPU needs), streaming the sample
-  corpus from ``local://``;
+  corpus from ``local://``; ``--optimizer adamw``, the plain loop's (and once more with Muon, a new
+  run's default: an info line);
 - anchor: the plain loop of :mod:`bench.bench_gpu` (fp32 on the CPU, fused AdamW, clipping) on the same
   model.
 
@@ -65,7 +66,8 @@ def host(texts: list[str], results: Path) -> list[Metric]:
     spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config),
             "model_config": str(model_config), "work": str(work)}  # fmt: skip
     ours, plain = spawn("ours", spec), spawn("plain", spec)
-    for name, r in (("ours", ours), ("plain", plain)):
+    muon = spawn("ours", {**spec, "optimizer": "muon", "work": str(work / "muon")})
+    for name, r in (("ours", ours), ("plain", plain), ("muon", muon)):
         top = ", ".join(f"{op} {n:.0f}" for op, n in r["top"][:6])
         print(f"   {name:<6} {r['ops']:>8,.0f} ops/step outside compiled graphs, "
               f"{r['host_ms']:>7.1f} ms/step; most: {top}", flush=True)  # fmt: skip
@@ -74,6 +76,8 @@ def host(texts: list[str], results: Path) -> list[Metric]:
         Metric("host: aten ops per step outside compiled graphs", ours["ops"], plain["ops"], "ops",
                f"<= {RATIO_TARGET}", ours["ops"] <= RATIO_TARGET * plain["ops"], shape),
         Metric("host: time per step (CPU)", ours["host_ms"], plain["host_ms"], "ms", "info", True, shape),
+        Metric("host: aten ops per step, ours with Muon", muon["ops"], plain["ops"], "ops", "info", True,
+               f"{shape}; Muon, a new run's default, against the plain AdamW loop"),
     ]  # fmt: skip
 
 
@@ -179,7 +183,8 @@ def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
             "--context_length", s.context, "--train_iters", total, "--log_interval", 10 * total,
             "--eval_interval", 10 * total, "--save_interval", 10 * total, "--workspace", work / "ws",
             "--ckpt_dir", work / "ckpt", "--no_resume", "--wandb", "off",
-            "--data_mode", "streaming", "--num_workers", s.workers, "--compile"]  # fmt: skip
+            "--data_mode", "streaming", "--num_workers", s.workers, "--compile",
+            "--optimizer", spec.get("optimizer", "adamw")]  # fmt: skip
     code = main([str(a) for a in argv], after_step=window.after_step)
     if code != 0:
         raise RuntimeError(f"ds_trainer.py exited {code}")
