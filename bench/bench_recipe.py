@@ -229,9 +229,9 @@ def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[
 
 def muon_step_cost(repeats: int = 30) -> list[Metric]:
     """The optimizer step alone, on random gradients, at the tiny preset and at 4 x 128: Muon as the
-    trainer builds it at ZeRO 0 (one batched Newton–Schulz per shape) and DeepSpeed's own, matrix by
-    matrix, each ÷ AdamW (torch's, as the CPU configs run it). Median of ``repeats`` steps after three
-    warm-up steps (the Newton–Schulz compile)."""
+    trainer builds it at ZeRO 0 (one batched Newton–Schulz per shape, AdamW's part fused) and DeepSpeed's
+    own, matrix by matrix, each ÷ AdamW (torch's, as the CPU configs run it). Median of ``repeats`` steps
+    after three warm-up steps (the Newton–Schulz compile)."""
     import time
 
     import torch
@@ -264,8 +264,10 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
         params = list(model.parameters())
         adamw = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
         settings: dict[str, Any] = {"muon_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1, "scale": "rms"}
-        batched = batched_muon_class()(
-            muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
+        batched = batched_muon_class()(  # as the trainer builds it: AdamW's part fused
+            muon_param_groups(model, {}, 1e-3, **settings),
+            adam_optimizer=torch.optim.AdamW,
+            adam_optimizer_kwargs={"fused": True},
         )
         each = MuonWithAuxAdam(
             muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
