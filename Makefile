@@ -1,4 +1,4 @@
-# dsgpt2: make demo | make test | make bench | make lint | make test-latest | make lock
+# dsgpt2: make demo | make test | make bench | make lint | make test-floor | make test-latest | make lock
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +10,11 @@ LOCK := requirements.lock
 # (TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126'); the lock less its
 # torch line constrains everything else.
 TORCH_SPEC ?= torch==2.13.0
+LOCKED_TORCH := $(shell sed -n 's/^torch==//p' $(LOCK))
 STAMP := $(VENV)/.installed
+# The floor lane: the oldest torch pyproject.toml admits and the GPU image's, each in an environment of
+# its own beside the lock's other packages, where what runs under torch.compile must train as eager.
+FLOOR_TORCH ?= 2.6.0 2.11.0
 # Fresh environments with the newest versions the ranges allow: the drift lane, and where a new lock comes from.
 LATEST_VENV ?= .venv-latest
 # Three workers on two cores: a quarter of the suite's time is spent waiting on processes, servers and
@@ -29,16 +33,39 @@ if get_accelerator().device_name() == "cpu":
 endef
 export BUILD_DEEPSPEED_OPS
 
-.PHONY: venv test test-fast test-latest latest lock demo bench lint docs reference clean
+# The lock as pip constraints for everything but torch. Beside a torch that is not the lock's (a CUDA build
+# kept in the environment, the floor lane's releases) the packages that torch pins itself are left to its
+# pins (torch 2.11 wants setuptools<82, 2.6 sympy==1.13.1): the lock's versions would refuse the install.
+define CONSTRAINTS_BESIDE_TORCH
+import re, sys
+from importlib.metadata import distribution
+def name(req): return re.sub(r"[-_.]+", "-", re.split(r"[\s\[;<>=!~]", req, maxsplit=1)[0]).lower()
+lines = open(sys.argv[1]).read().splitlines()
+locked = next((line.split("==")[1] for line in lines if line.startswith("torch==")), None)
+torch = distribution("torch")
+own = set() if torch.version.split("+")[0] == locked else {name(r) for r in torch.requires or ()}
+print("\n".join(line for line in lines if line.startswith("#") or name(line) not in own | {"torch"}))
+endef
+export CONSTRAINTS_BESIDE_TORCH
+
+.PHONY: venv test test-fast test-floor test-latest latest lock demo bench lint docs reference clean
 
 # pip and setuptools first, at their locked versions: setuptools is also the build backend, held by
 # --build-constraint in pip's isolated build environment.
+# A torch already in the environment (the CUDA build a GPU user installed first) is kept, and said so,
+# unless TORCH_SPEC is given.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || python3 -m venv $(VENV)
-	grep -v '^torch==' $(LOCK) > $(VENV)/constraints.txt
-	$(PIP) install -q -c $(VENV)/constraints.txt pip setuptools
-	$(PIP) install -q $(TORCH_SPEC)
-	$(PIP) install -q -c $(VENV)/constraints.txt --build-constraint $(VENV)/constraints.txt -e ".[dev]"
+	grep -v '^torch==' $(LOCK) > $(VENV)/build-constraints.txt
+	$(PIP) install -q -c $(VENV)/build-constraints.txt pip
+	@if [ "$(origin TORCH_SPEC)" = file ] && have=$$($(PY) -c 'import torch; print(torch.__version__)' 2>/dev/null) \
+	    && [ "$${have%%+*}" != "$(LOCKED_TORCH)" ]; then \
+	  echo "keeping torch $$have, found in $(VENV) (the lock's is $(LOCKED_TORCH); make TORCH_SPEC=torch==$(LOCKED_TORCH) replaces it)"; \
+	else \
+	  echo "$(PIP) install -q $(TORCH_SPEC)"; $(PIP) install -q $(TORCH_SPEC); \
+	fi
+	$(PY) -c "$$CONSTRAINTS_BESIDE_TORCH" $(LOCK) > $(VENV)/constraints.txt
+	$(PIP) install -q -c $(VENV)/constraints.txt --build-constraint $(VENV)/build-constraints.txt setuptools -e ".[dev]"
 	@echo "building DeepSpeed's CPU communication op (once per environment, 1-4 minutes; cached in ~/.cache/torch_extensions)"
 	$(PY) -c "$$BUILD_DEEPSPEED_OPS" > $(VENV)/deepspeed-ops.log 2>&1 || echo "not built now ($(VENV)/deepspeed-ops.log); the first DeepSpeed run builds it"
 	touch $(STAMP)
@@ -51,6 +78,15 @@ test: $(STAMP)
 # The quick lane: no DeepSpeed runs; a test file's module fixtures built once.
 test-fast: $(STAMP)
 	$(PY) -m pytest -x -q -n $(PYTEST_WORKERS) --dist loadfile -m "not slow"
+
+# Each release of FLOOR_TORCH in .venv-torch<version> (the lock's other packages, torch's own pins), running
+# the tests marked floor: compiled against eager on every model path, and a short compiled training.
+test-floor:
+	@for v in $(FLOOR_TORCH); do \
+	  $(MAKE) --no-print-directory venv VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
+	  echo "torch $$v: the floor tests"; \
+	  .venv-torch$$v/bin/python -m pytest -x -q -n $(PYTEST_WORKERS) --dist loadfile -m floor -p no:cacheprovider || exit 1; \
+	done
 
 # New environments, nothing reused, no lock: what a `pip install dsgpt2` would get today.
 latest:

@@ -46,7 +46,9 @@ class _ChunkedNLL(torch.autograd.Function):
             safe = torch.where(counted, y, torch.zeros_like(y))
             lse = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, safe[:, None]).squeeze(1)
-            total += torch.where(counted, lse - picked, torch.zeros_like(lse)).sum()
+            # Out of place: the Function's output mutated in place loses its gradient under
+            # torch.compile on torch 2.11 (the eager gradients on 2.13), silently.
+            total = total + torch.where(counted, lse - picked, torch.zeros_like(lse)).sum()
             if not (want_h or want_w):
                 continue
             # d(lse - picked)/d logits = softmax - one-hot, zero on uncounted rows; in place on logits.

@@ -1,0 +1,130 @@
+"""What runs under ``torch.compile`` computes what eager does: every model path the trainer compiles (the
+chunked loss inside and beside the graph, ``--doc_mask``, activation checkpointing) and Muon's compiled
+Newton–Schulz update. Marked ``floor``: ``make test-floor`` runs them on every torch ``pyproject.toml``
+admits (under torch 2.11 the compiled chunked loss once gave zero gradients while 2.13 gave the eager ones).
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsgpt2.data.packing import IGNORE
+from dsgpt2.model.gpt2 import batch_inputs, build_model, checkpoint_activations, gpt2_config
+from dsgpt2.model.loss import lm_head_nll, with_chunked_loss
+
+VOCAB, B, T = 300, 3, 40
+EOT = VOCAB - 1
+
+pytestmark = [
+    pytest.mark.floor,
+    # Inductor imports torch.utils.mkldnn, which warns of its own torch.jit use; dynamo, tracing, makes an
+    # autograd.Function context and reads .grad of its proxies: torch's warnings, not ours.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
+    pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning"),
+]
+
+
+def _batch() -> SimpleNamespace:
+    """Documents of several lengths packed end to end (end-of-text between them), labels with gaps."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB - 1, (B, T), generator=g)
+    ids[:, [5, 17, 18, 30]] = EOT
+    labels = ids.clone()
+    labels[torch.rand(B, T, generator=g) < 0.2] = IGNORE
+    return SimpleNamespace(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids))
+
+
+def _model(chunk: int = 7, *, in_graph: bool = False, activations: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(gpt2_config("tiny", VOCAB, T, eot=EOT, pad=EOT)).float()
+    model = with_chunked_loss(model, chunk, compiled=in_graph)
+    if activations:
+        checkpoint_activations(model)
+    return model.train()
+
+
+def _loss_and_grads(model: torch.nn.Module, doc_mask: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    batch = _batch()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch_inputs(batch, "cpu", EOT if doc_mask else None), labels=batch.labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_the_chunked_loss_compiled_alone_has_the_eager_gradients() -> None:
+    """The loss function as torch.compile traces it into the model's graph: its gradients are the eager
+    ones, not zeros (what torch 2.11 gave while the Function's output was accumulated in place)."""
+    torch.manual_seed(0)
+    h0 = torch.randn(2, 9, 8, requires_grad=True)
+    w = torch.randn(16, 8, requires_grad=True)
+    labels = torch.randint(0, 16, (2, 9))
+    labels[0, 3] = IGNORE
+
+    def mean_nll(h0: torch.Tensor, w: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        nll, n = lm_head_nll(h0 * 1.0, w, labels, 4)
+        return nll / n
+
+    got = []
+    for fn in (mean_nll, torch.compile(mean_nll)):
+        h0.grad = w.grad = None
+        loss = fn(h0, w, labels)
+        loss.backward()
+        got.append((loss.detach(), h0.grad.clone(), w.grad.clone()))
+    (eager_loss, eager_h, eager_w), (loss, dh, dw) = got
+    assert eager_h.abs().sum() > 0 and eager_w.abs().sum() > 0
+    torch.testing.assert_close(loss, eager_loss)
+    torch.testing.assert_close(dh, eager_h, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, eager_w, rtol=1e-5, atol=1e-6)
+
+
+PATHS = {
+    "the loss in the graph": dict(in_graph=True),
+    "the loss beside the graph": dict(in_graph=False),
+    "--doc_mask": dict(in_graph=True, doc_mask=True),
+    "activation checkpointing": dict(in_graph=True, activations=True),
+}
+
+
+@pytest.mark.slow  # a compile per path, a few seconds each on a CPU
+@pytest.mark.parametrize("path", PATHS)
+def test_a_compiled_model_has_the_eager_loss_and_gradients(path: str) -> None:
+    options = dict(PATHS[path])
+    doc_mask = options.pop("doc_mask", False)
+    eager = _model(**options)
+    compiled = copy.deepcopy(eager)
+    compiled.compile()
+    torch._dynamo.reset()
+    want_loss, want = _loss_and_grads(eager, doc_mask)
+    for _ in range(2):  # the call that compiles, and one that runs the compiled code as it is
+        got_loss, got = _loss_and_grads(compiled, doc_mask)
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        assert want.keys() == got.keys()
+        for name, grad in want.items():
+            assert grad.abs().sum() > 0 or name.endswith("bias"), name
+            torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow  # compiles the Newton–Schulz iteration
+def test_muons_compiled_update_is_the_eager_one() -> None:
+    """Muon's update (momentum and the Gram Newton–Schulz iteration the trainer runs, in float32, compiled
+    by DeepSpeed whatever --compile says) on a batch of matrices of one shape, compiled and with torch's
+    compiler stood down."""
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    prepare_deepspeed_environment()
+    from deepspeed.runtime.zero.muon import original_muon
+
+    torch.manual_seed(0)
+    grads, momentum = torch.randn(3, 48, 16), torch.randn(3, 48, 16)
+    torch._dynamo.reset()
+    with torch.compiler.set_stance("force_eager"):
+        want = original_muon.muon_update(grads.clone(), momentum.clone(), beta=0.95, ns_method="gram")
+    got = original_muon.muon_update(grads.clone(), momentum.clone(), beta=0.95, ns_method="gram")
+    assert want.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
