@@ -86,6 +86,10 @@ class TrainingAborted(DsGpt2Error):
     exit_code = 3
 
 
+class NoGradient(DsGpt2Error):
+    """A step's loss was finite but no gradient reached the weights: the run would learn nothing."""
+
+
 # Serving.
 
 

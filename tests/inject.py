@@ -1,11 +1,14 @@
 """ds_trainer.py with faults injected through the trainer's hooks (the test suite's, not a user's).
 
-    python tests/inject.py [--nonfinite_at N ...] [--nonfinite_rank R] [--exit_after STEP]
+    python tests/inject.py [--nonfinite_at N ...] [--nonfinite_rank R] [--no_gradient | --detached_loss]
+        [--exit_after STEP]
         [--after STEP=COMMAND ...] [--kill_group_after STEP]
         [--die_uploading N [--die_rank R] [--kill_server PID]] -- DS_TRAINER_FLAGS...
 
 --nonfinite_at: the loss of these micro-batches becomes NaN (--nonfinite_rank: on that rank only, else
-on every rank); --exit_after: die like a killed job
+on every rank); --no_gradient: every loss keeps its value and its graph but passes no gradient back (what
+a compiled graph that lost its backward does); --detached_loss: every loss is cut off from the model;
+--exit_after: die like a killed job
 right after that step (no cleanup, no final checkpoint), exit code 17; --after: run the shell
 COMMAND (another process: an ingest, say) when that step ends, on rank 0, and wait for it;
 --kill_group_after: SIGKILL this process's whole process group after that step (a node lost at once:
@@ -32,6 +35,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--nonfinite_at", type=int, nargs="*", default=[])
     p.add_argument("--nonfinite_rank", type=int)
+    p.add_argument("--no_gradient", action="store_true")
+    p.add_argument("--detached_loss", action="store_true")
     p.add_argument("--exit_after", type=int)
     p.add_argument("--after", action="append", default=[])
     p.add_argument("--kill_group_after", type=int)
@@ -46,6 +51,10 @@ def main() -> int:
     here = faults.nonfinite_rank is None or faults.nonfinite_rank == int(os.environ.get("RANK", "0"))
 
     def on_loss(micro: int, loss: torch.Tensor) -> torch.Tensor:
+        if faults.no_gradient:
+            return loss.detach() + loss * 0.0
+        if faults.detached_loss:
+            return loss.detach()
         return loss * float("nan") if here and micro in faults.nonfinite_at else loss
 
     if faults.die_uploading and faults.die_rank == int(os.environ.get("RANK", "0")):

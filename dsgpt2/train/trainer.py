@@ -8,6 +8,7 @@ with a :class:`~dsgpt2.train.config.TrainConfig` made in code. The loop is :meth
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -25,7 +26,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, TrainingAborted
+from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, NoGradient, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
@@ -304,7 +305,10 @@ class Trainer:
         """
         self.engine.train()
         self._step_lr = self.engine.get_lr()[0]
-        norm_due = self.runlog.should_log(state.step + 1) and self._norm_by_hand
+        # The norm is read at log intervals, and at a launch's first step for the check that it learns.
+        norm_due = self._norm_by_hand and (
+            self.runlog.should_log(state.step + 1) or state.step == self.started
+        )
 
         def draw() -> tuple[int, Any, torch.Tensor]:
             batch = next(batches)
@@ -312,6 +316,8 @@ class Trainer:
             loss = self._forward(batch)
             if self.hooks.on_loss is not None:
                 loss = self.hooks.on_loss(state.micro, loss)
+            if not loss.requires_grad:
+                raise self._no_gradient(state.step + 1, "its loss does not depend on the weights")
             return state.micro, batch, loss
 
         def kept() -> None:
@@ -371,14 +377,40 @@ class Trainer:
         """The progress bar, and at log intervals a ``train`` record: the only reads of the losses."""
         self.runlog.stepped(state.step, ids)
         if not self.runlog.should_log(state.step):
+            if state.step == self.started + 1:
+                self._check_learns(state.step, device_losses, self._read_grad_norm())
             return
         grad_norm = self._read_grad_norm()
+        self._check_learns(state.step, device_losses, grad_norm)
         # A collective: every rank takes part.
         by_collection = self._collection_tokens() if len(self.mongo.collections) > 1 else None
         self.runlog.log_train(
             state.step, state.tokens, device_losses, ids, self._step_lr,
             grad_norm=grad_norm, collection_tokens=by_collection,
         )  # fmt: skip
+
+    def _check_learns(self, step: int, device_losses: list[torch.Tensor], grad_norm: float | None) -> None:
+        """Stop a run whose step had a finite, non-zero loss and not a single non-zero gradient (a
+        detached loss, a compiled graph whose backward lost its gradients): it would train nothing at
+        full speed. A step that predicts nothing (context-only blocks) has a zero loss, rightly no gradient.
+        The norm is the same on every rank: every rank stops."""
+        if grad_norm is None or grad_norm != 0.0:
+            return
+        loss = float(torch.stack([x.float() for x in device_losses]).mean())
+        if math.isfinite(loss) and loss != 0.0:
+            raise self._no_gradient(step, f"its loss was {loss:.4f} and its gradient norm 0")
+
+    def _no_gradient(self, step: int, what: str) -> NoGradient:
+        compiled = compiles(self.cfg.compute.compile, self.engine.device.type)
+        how = (
+            "the model is compiled: train with --no_compile, or on a torch release `make test-floor` proves"
+            if compiled
+            else "the model is not compiled (--no_compile): the loss is cut off from the model's weights"
+        )
+        return NoGradient(
+            f"step {step} learns nothing: {what}, under torch {torch.__version__}; {how}. Stopped before "
+            "any checkpoint of it"
+        )
 
     def _read_grad_norm(self) -> float | None:
         """The gradient norm of the step just taken: DeepSpeed's, or the one taken by hand (ZeRO 0)."""
