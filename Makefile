@@ -14,7 +14,7 @@ LOCKED_TORCH := $(shell sed -n 's/^torch==//p' $(LOCK))
 STAMP := $(VENV)/.installed
 # The floor lane: the oldest torch pyproject.toml admits and the GPU image's, each in an environment of
 # its own beside the lock's other packages, where what runs under torch.compile must train as eager.
-FLOOR_TORCH ?= 2.6.0 2.11.0
+FLOOR_TORCH ?= 2.7.0 2.11.0
 # Fresh environments with the newest versions the ranges allow: the drift lane, and where a new lock comes from.
 LATEST_VENV ?= .venv-latest
 # Three workers on two cores: a quarter of the suite's time is spent waiting on processes, servers and
@@ -35,7 +35,7 @@ export BUILD_DEEPSPEED_OPS
 
 # The lock as pip constraints for everything but torch. Beside a torch that is not the lock's (a CUDA build
 # kept in the environment, the floor lane's releases) the packages that torch pins itself are left to its
-# pins (torch 2.11 wants setuptools<82, 2.6 sympy==1.13.1): the lock's versions would refuse the install.
+# pins (torch 2.11 wants setuptools<82): the lock's versions would refuse the install.
 define CONSTRAINTS_BESIDE_TORCH
 import re, sys
 from importlib.metadata import distribution

@@ -27,6 +27,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning"),
+    pytest.mark.filterwarnings("ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning"),
 ]
 
 
