@@ -12,9 +12,13 @@ boundary falls inside the figure.
   database (local://), tokenizing in its DataLoader workers; tokens/s over the steady steps, read from
   its ``metrics.jsonl``. With ``--optimizer adamw``, the plain loop's optimizer; ``ours compiled
   muon`` the same run with Muon, a new run's default (÷ ours with AdamW; target 0.97 on a GPU).
-- anchor: a plain loop of the same ``GPT2LMHeadModel`` (SDPA attention) on random tokens already on
-  the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the GPU, the same micro-batch and
-  accumulation, gradient clipping at 1.0, nothing else. Each side runs in a fresh process.
+- anchor: a plain loop of the same ``GPT2LMHeadModel`` (SDPA attention) on blocks of the sample
+  corpus's tokens already on the device: bf16 autocast and ``torch.optim.AdamW(fused=True)`` on the
+  GPU, the same micro-batch and accumulation, gradient clipping at 1.0, nothing else. Each side runs in
+  a fresh process.
+- every run's loss at its first and last step beside its speed: a run whose loss did not fall (a
+  compiled graph with no gradient trains nothing at full speed) is marked FAIL, and so is every ratio
+  made of its figure.
 - both eager and under ``torch.compile``; MFU from the FLOPs per token of the model config
   (``dsgpt2.model.gpt2.flops_per_token``) and the device's peak (GPU only);
 - the DataLoader workers one device needs: our eager run with several worker counts, the fewest
@@ -32,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import Metric
+from bench.common import Metric, loss_column, loss_fell
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_TOKENS_PER_S = 0.45e6  # 112m on one H100
@@ -123,13 +127,13 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
         if _wanted("ours compiled 16x2"):
             runs["ours compiled 16x2"] = _report("ours compiled 16x2", _ours(
                 former, tokenizer, store_config, work / "ours_16x2", s.workers, True))  # fmt: skip
-    if s.device == "cuda" and _wanted("busy"):
+    if _wanted("busy"):
+        # Run on a CPU too (no kernels to time there), so that the profiled run cannot break unseen.
         busy_run = _busy(s, tokenizer, store_config, work / "busy")
         runs["ours compiled busy"] = _report("ours compiled busy", busy_run)
     print("--", where, flush=True)
     for name, r in runs.items():
-        mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-        print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}", flush=True)
+        print("   " + _line(name, r), flush=True)
 
     metrics = []
     shape = f"{s.micro} × {s.accum}, {s.tokens_per_step:,} tokens per step"
@@ -144,8 +148,8 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 plain["tokens_per_s"],
                 "tokens/s",
                 f">= {RATIO_TARGET}",
-                ours["tokens_per_s"] >= RATIO_TARGET * plain["tokens_per_s"],
-                f"{where}, {shape}",
+                ours["tokens_per_s"] >= RATIO_TARGET * plain["tokens_per_s"] and _learnt(ours, plain),
+                f"{where}, {shape}; ours {loss_column(ours)}, plain {loss_column(plain)}",
             )
         )
         if ours.get("mfu") is not None:
@@ -169,8 +173,8 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 runs["plain compiled"]["tokens_per_s"],
                 "tokens/s",
                 "info",
-                True,
-                f"{where}, {shape}",
+                _learnt(runs["ours compiled zero1"], runs["plain compiled"]),
+                f"{where}, {shape}; ours {loss_column(runs['ours compiled zero1'])}",
             )
         )
     if "ours compiled 16x2" in runs and "plain compiled 16x2" in runs:
@@ -181,24 +185,29 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 runs["plain compiled 16x2"]["tokens_per_s"],
                 "tokens/s",
                 "info",
-                True,
+                _learnt(runs["ours compiled 16x2"], runs["plain compiled 16x2"]),
                 f"{where}, {former.tokens_per_step:,} tokens per step: DeepSpeed's cost per step unamortized",
             )
         )
     if "ours compiled muon" in runs and "ours compiled" in runs:
-        muon, adamw = runs["ours compiled muon"]["tokens_per_s"], runs["ours compiled"]["tokens_per_s"]
+        muon_run, adamw_run = runs["ours compiled muon"], runs["ours compiled"]
+        muon, adamw = muon_run["tokens_per_s"], adamw_run["tokens_per_s"]
         metrics.append(
             Metric("Muon ÷ AdamW (ours compiled)", muon, adamw, "tokens/s",
                    f">= {MUON_TARGET}" if s.device == "cuda" else "info",
-                   muon >= MUON_TARGET * adamw or s.device != "cuda", f"{where}, {shape}")
+                   (muon >= MUON_TARGET * adamw or s.device != "cuda") and _learnt(muon_run, adamw_run),
+                   f"{where}, {shape}; Muon {loss_column(muon_run)}")
         )  # fmt: skip
-    if "ours compiled busy" in runs:
-        busy = runs["ours compiled busy"]["busy"]
+    busy_run = runs.get("ours compiled busy")
+    if busy_run is not None and busy_run.get("busy") is not None:
+        busy = busy_run["busy"]
         metrics.append(
             Metric("GPU busy (kernel time ÷ wall, ours compiled)", busy, BUSY_TARGET, "share",
-                   f">= {BUSY_TARGET}", busy >= BUSY_TARGET, f"{where}, {shape}, steady steps profiled")
+                   f">= {BUSY_TARGET}", busy >= BUSY_TARGET and _learnt(busy_run),
+                   f"{where}, {shape}, steady steps profiled; {loss_column(busy_run)}")
         )  # fmt: skip
-    ours_runs = [runs[k]["tokens_per_s"] for k in ("ours eager", "ours compiled") if k in runs]
+    ours_runs = [runs[k]["tokens_per_s"] for k in ("ours eager", "ours compiled")
+                 if k in runs and _learnt(runs[k])]  # fmt: skip
     if s.device == "cuda" and ours_runs:
         best = max(ours_runs)
         h100 = "H100" in _device_name()
@@ -277,14 +286,24 @@ def _busy(s: Settings, tokenizer: Path, store_config: Path, run: Path) -> dict[s
     spec = {"settings": asdict(s), "tokenizer": str(tokenizer), "store": str(store_config), "work": str(run),
             "ds_config": str(run / "ds.json"), "model_config": ""}  # fmt: skip
     r = spawn("ours", spec)
-    return {"tokens_per_s": s.tokens_per_step / (r["host_ms"] / 1000), "busy": r["busy"]}
+    return {"tokens_per_s": s.tokens_per_step / (r["host_ms"] / 1000), "busy": r["busy"],
+            "first_loss": r["first_loss"], "last_loss": r["last_loss"]}  # fmt: skip
+
+
+def _learnt(*runs: dict[str, Any]) -> bool:
+    """Whether every one of ``runs`` learnt (its loss fell): only then are its figures figures."""
+    return all(loss_fell(r.get("first_loss"), r.get("last_loss")) for r in runs)
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
+    busy = f", GPU busy {r['busy']:.1%}" if r.get("busy") is not None else ""
+    return f"{name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}{busy}; {loss_column(r)}"
 
 
 def _report(name: str, r: dict[str, Any]) -> dict[str, Any]:
     """``r``, its line printed as soon as it is measured."""
-    mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") is not None else ""
-    busy = f", GPU busy {r['busy']:.1%}" if r.get("busy") is not None else ""
-    print(f"   {name:<20} {r['tokens_per_s']:>12,.0f} tokens/s{mfu}{busy}", flush=True)
+    print("   " + _line(name, r), flush=True)
     return r
 
 
@@ -328,7 +347,8 @@ def _ours(
     first = next(r for r in records if r["step"] >= s.warmup)
     last = records[-1]
     tps = (last["tokens"] - first["tokens"]) / (last["time"] - first["time"])
-    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps), "logged_mfu": last.get("mfu")}
+    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps), "logged_mfu": last.get("mfu"),
+            "first_loss": records[0]["loss"], "last_loss": last["loss"]}  # fmt: skip
 
 
 def _mfu(s: Settings, tokenizer: Path, tps: float) -> dict[str, Any]:
@@ -369,31 +389,57 @@ def _plain(s: Settings, tokenizer: Path, compiled: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def text_batches(tokenizer: Path, micro: int, context: int, count: int) -> list[Any]:
+    """Up to ``count`` (micro, context) blocks of the sample corpus's tokens, its documents end to end with
+    end-of-text between them (as many as the corpus fills): what the plain loops learn from, so that a
+    loop whose loss does not fall shows as one."""
+    import numpy as np
+    import torch
+
+    from dsgpt2.corpus.builtin import stdlib_documents
+    from dsgpt2.corpus.cleaning import clean_text
+    from dsgpt2.tokenizer.bpe import EOT, load_tokenizer
+
+    tok = load_tokenizer(Path(tokenizer))
+    eot, want = tok.token_to_id(EOT), count * micro * context
+    ids: list[int] = []
+    documents = (clean_text(t) for t in stdlib_documents())
+    while len(ids) < want and (texts := [t for _, t in zip(range(256), documents, strict=False)]):
+        for e in tok.encode_batch(texts):
+            ids.extend(e.ids)
+            ids.append(eot)
+    blocks = torch.from_numpy(np.asarray(ids[: len(ids) // (micro * context) * micro * context]))
+    return list(blocks.view(-1, micro, context)[:count])
+
+
 def plain_loop(s: Settings, tokenizer: Path, compiled: bool) -> dict[str, Any]:
-    """nanoGPT's loop on the HF model: tokens/s (and MFU on a GPU) over ``s.steps`` steps."""
+    """nanoGPT's loop on the HF model: tokens/s (and MFU on a GPU) over ``s.steps`` steps, and the loss of
+    its first and last steps."""
     import torch
 
     from dsgpt2.model.gpt2 import build_model, param_groups
 
     cuda = s.device == "cuda"
     config = _config(s, tokenizer)
-    vocab = config.vocab_size
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = build_model(config).to(s.device).train()
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8,
                             fused=cuda)  # fmt: skip
     forward = torch.compile(model) if compiled else model
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (s.micro, s.context), generator=gen).to(s.device) for _ in range(8)]
+    batches = [b.to(s.device) for b in text_batches(tokenizer, s.micro, s.context, 32)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+    losses: dict[int, Any] = {}
 
     def step(i: int) -> None:
+        total = 0.0
         for k in range(s.accum):
             x = batches[(i * s.accum + k) % len(batches)]
             with autocast:
                 loss = forward(input_ids=x, labels=x, use_cache=False).loss / s.accum
             loss.backward()
+            total = total + loss.detach()
+        losses[i] = total  # on the device: read after the timed window
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -406,11 +452,13 @@ def plain_loop(s: Settings, tokenizer: Path, compiled: bool) -> dict[str, Any]:
         step(i)
     sync()
     start = time.perf_counter()
-    for i in range(s.steps):
+    for i in range(s.warmup, s.warmup + s.steps):
         step(i)
     sync()
     tps = s.steps * s.tokens_per_step / (time.perf_counter() - start)
-    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps)}
+    last = s.warmup + s.steps - 1
+    return {"tokens_per_s": tps, **_mfu(s, tokenizer, tps), "first_loss": float(losses[0]),
+            "last_loss": float(losses[last])}  # fmt: skip
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["plain"]:

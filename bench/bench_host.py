@@ -15,8 +15,15 @@ The model is 112m-shaped and narrow: 12 layers and 12 heads (the same parameter 
 - anchor: the plain loop of :mod:`bench.bench_gpu` (fp32 on the CPU, fused AdamW, clipping) on the same
   model.
 
-Per optimizer step, over steady steps: top-level aten ops outside compiled graphs (the profiler's count;
-an op called by another op, or by a compiled graph, is not counted again) and host time.
+Per optimizer step, over steady steps, the profiler's count of aten ops:
+
+- every op dispatched, those a compiled graph calls (its extern kernels: matmuls, attention, and the
+  views and allocations beneath them) and those outside any graph, an op called by another op counted as
+  well: each is a pass through torch's dispatcher on the host (the target's figure, for AdamW and Muon);
+- the top-level ops outside compiled graphs, what would run eagerly between the graphs (an info line);
+
+and host time. Each run's loss at its first and last step beside it: a run whose loss did not fall marks
+its figures FAIL.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_gpu import Settings, _config, _corpus
-from bench.common import Metric
+from bench.common import Metric, loss_column, loss_fell
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_TARGET = 1.3
@@ -69,15 +76,24 @@ def host(texts: list[str], results: Path) -> list[Metric]:
     muon = spawn("ours", {**spec, "optimizer": "muon", "work": str(work / "muon")})
     for name, r in (("ours", ours), ("plain", plain), ("muon", muon)):
         top = ", ".join(f"{op} {n:.0f}" for op, n in r["top"][:6])
-        print(f"   {name:<6} {r['ops']:>8,.0f} ops/step outside compiled graphs, "
-              f"{r['host_ms']:>7.1f} ms/step; most: {top}", flush=True)  # fmt: skip
+        print(f"   {name:<6} {r['ops']:>8,.0f} ops/step dispatched, {r['outside']:>6,.0f} outside compiled "
+              f"graphs, {r['host_ms']:>7.1f} ms/step, {loss_column(r)}; most: {top}", flush=True)  # fmt: skip
     shape = f"12 layers × width {WIDTH}, context {s.context}, {s.micro} × {s.accum}, compiled"
+
+    def learnt(*runs: dict[str, Any]) -> bool:
+        return all(loss_fell(r["first_loss"], r["last_loss"]) for r in runs)
+
     return [
-        Metric("host: aten ops per step outside compiled graphs", ours["ops"], plain["ops"], "ops",
-               f"<= {RATIO_TARGET}", ours["ops"] <= RATIO_TARGET * plain["ops"], shape),
-        Metric("host: time per step (CPU)", ours["host_ms"], plain["host_ms"], "ms", "info", True, shape),
-        Metric("host: aten ops per step, ours with Muon", muon["ops"], plain["ops"], "ops", "info", True,
-               f"{shape}; Muon, a new run's default, against the plain AdamW loop"),
+        Metric("host: aten ops dispatched per step", ours["ops"], plain["ops"], "ops", f"<= {RATIO_TARGET}",
+               ours["ops"] <= RATIO_TARGET * plain["ops"] and learnt(ours, plain),
+               f"{shape}; ours {loss_column(ours)}, plain {loss_column(plain)}"),
+        Metric("host: aten ops dispatched per step, ours with Muon", muon["ops"], plain["ops"], "ops",
+               f"<= {RATIO_TARGET}", muon["ops"] <= RATIO_TARGET * plain["ops"] and learnt(muon, plain),
+               f"{shape}; Muon, a new run's default, against the plain AdamW loop; {loss_column(muon)}"),
+        Metric("host: top-level ops per step outside compiled graphs", ours["outside"], plain["outside"],
+               "ops", "info", learnt(ours, plain), shape),
+        Metric("host: time per step (CPU)", ours["host_ms"], plain["host_ms"], "ms", "info",
+               learnt(ours, plain), shape),
     ]  # fmt: skip
 
 
@@ -88,6 +104,13 @@ def spawn(side: str, spec: dict[str, Any]) -> dict[str, Any]:
     if proc.returncode != 0:
         raise RuntimeError(f"{side} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def dispatched(events: Any) -> Counter:
+    """Every aten op the host dispatched, by name (``events``: the profiler's): those a compiled graph
+    calls (its extern kernels, matmuls included) as well as those outside any, and those another op calls
+    beneath it (each one a pass through the dispatcher)."""
+    return Counter(e.name for e in events if e.name.startswith("aten::"))
 
 
 def outside_compiled(events: Any) -> Counter:
@@ -126,6 +149,7 @@ class _Window:
         self.times: list[float] = []
         self.prof: Any = None
         self.counts: Counter = Counter()
+        self.outside: Counter = Counter()
         self.busy: float | None = None
         self.opened = 0.0
 
@@ -149,7 +173,7 @@ class _Window:
             wall_us = 1e6 * (time.perf_counter() - self.opened)
             self.prof.__exit__(None, None, None)
             events = self.prof.events()
-            self.counts = outside_compiled(events)
+            self.counts, self.outside = dispatched(events), outside_compiled(events)
             if cuda:
                 kernels = [(e.time_range.start, e.time_range.end) for e in events
                            if e.device_type == torch.autograd.DeviceType.CUDA]  # fmt: skip
@@ -159,25 +183,25 @@ class _Window:
     def result(self) -> dict[str, Any]:
         host_ms = 1000 * (self.times[-1] - self.times[0]) / (len(self.times) - 1)
         per_step = {op: n / PROFILED for op, n in self.counts.items()}
-        return {"ops": sum(per_step.values()), "host_ms": host_ms, "busy": self.busy,
+        return {"ops": sum(per_step.values()), "outside": sum(self.outside.values()) / PROFILED,
+                "host_ms": host_ms, "busy": self.busy,
                 "top": sorted(per_step.items(), key=lambda kv: -kv[1])}  # fmt: skip
 
 
 def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
-    """The trainer in process, profiled. On a GPU (``bench train_gpu``'s ``busy`` run) the preset and
-    the shipped config as they are; on a CPU the narrow model and the CPU's config."""
-    import torch
-
+    """The trainer in process, profiled, and its first and last loss. ``bench host``: the narrow model
+    (``model_config``) under the shipped GPU config made a CPU's (:func:`spec_ds_config`); ``bench
+    train_gpu``'s ``busy`` run: its preset under its ``ds_config`` as they are."""
+    from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import main
 
     work = Path(spec["work"]) / "ours"
     shutil.rmtree(work, ignore_errors=True)
     window = _Window(s.warmup, s.steps)
     total = s.warmup + s.steps + PROFILED + 1  # the last step's validation and save: past the window
-    if torch.cuda.is_available():
-        ds, model = spec["ds_config"], ["--model_select", s.preset]
-    else:
-        ds, model = spec_ds_config(s, work), ["--model_config", spec["model_config"]]
+    ds = spec.get("ds_config") or spec_ds_config(s, work)
+    given = spec.get("model_config")
+    model = ["--model_config", given] if given else ["--model_select", s.preset]
     argv = ["--deepspeed_config", ds, "--config_train", spec["store"],
             "--vocab_dir", spec["tokenizer"], *model,
             "--context_length", s.context, "--train_iters", total, "--log_interval", 10 * total,
@@ -188,7 +212,8 @@ def _ours(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
     code = main([str(a) for a in argv], after_step=window.after_step)
     if code != 0:
         raise RuntimeError(f"ds_trainer.py exited {code}")
-    return window.result()
+    losses = [r["loss"] for r in read_metrics(work / "ws" / "metrics.jsonl") if r["event"] == "train"]
+    return {**window.result(), "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def spec_ds_config(s: Settings, work: Path) -> Path:
@@ -208,9 +233,11 @@ def spec_ds_config(s: Settings, work: Path) -> Path:
 
 
 def _plain(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
-    """The plain loop of :mod:`bench.bench_gpu` on the narrow model (fp32 on the CPU), profiled."""
+    """The plain loop of :mod:`bench.bench_gpu` on the narrow model (fp32 on the CPU), profiled, and its
+    first and last loss."""
     import torch
 
+    from bench.bench_gpu import text_batches
     from dsgpt2.model.gpt2 import build_model, param_groups
 
     config = _config(replace(s, preset="112m"), Path(spec["tokenizer"]))
@@ -220,19 +247,24 @@ def _plain(s: Settings, spec: dict[str, Any]) -> dict[str, Any]:
     model = build_model(config).train()
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=6e-4, betas=(0.9, 0.95), eps=1e-8, fused=True)
     forward = torch.compile(model)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, config.vocab_size, (s.micro, s.context), generator=gen) for _ in range(8)]
+    batches = text_batches(Path(spec["tokenizer"]), s.micro, s.context, 32)
     window = _Window(s.warmup, s.steps)
-    for i in range(s.warmup + s.steps + PROFILED):
+    steps = s.warmup + s.steps + PROFILED + 1  # the last one's loss read past the window, as ours
+    losses = []
+    for i in range(steps):
         for k in range(s.accum):
             x = batches[(i * s.accum + k) % len(batches)]
             loss = forward(input_ids=x, labels=x, use_cache=False).loss / s.accum
             loss.backward()
+            if i in (0, steps - 1):  # the first and last steps: outside the window
+                losses.append((i, float(loss) * s.accum))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         window.after_step(i + 1)
-    return window.result()
+    first = [x for i, x in losses if i == 0]
+    last = [x for i, x in losses if i == steps - 1]
+    return {**window.result(), "first_loss": sum(first) / len(first), "last_loss": sum(last) / len(last)}
 
 
 if __name__ == "__main__" and sys.argv[1:2] in (["ours"], ["plain"]):

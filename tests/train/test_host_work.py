@@ -1,10 +1,11 @@
-"""What the host-work benchmark counts: top-level aten ops outside compiled graphs, and the time a
-device was busy (the union of its kernels' intervals); and what it compares: the trainer with the
-plain loop's optimizer."""
+"""What the host-work benchmark counts: every aten op dispatched (inside compiled graphs and beneath
+other ops too), top-level aten ops outside compiled graphs, and the time a device was busy (the union of
+its kernels' intervals); what it compares: the trainer with the plain loop's optimizer; and that no
+throughput figure of a run whose loss did not fall passes."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 from bench import bench_gpu, bench_host
-from bench.bench_host import covered, outside_compiled
+from bench.bench_host import covered, dispatched, outside_compiled
+from bench.common import loss_column, loss_fell
+from training import training_corpus
 
 
 def test_busy_time_is_the_union_of_the_kernels_intervals() -> None:
@@ -31,6 +34,34 @@ def test_ops_are_counted_once_at_the_top_level() -> None:
     assert counts == {"aten::linear": 1, "aten::add_": 1}
 
 
+# Inductor imports torch.utils.mkldnn, which warns of its own torch.jit use: not ours.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_whole_count_takes_in_what_compiled_graphs_and_other_ops_dispatch() -> None:
+    """A compiled graph's matmul is the host's work as much as an eager one's: the whole count has it,
+    and what ``F.linear`` dispatches beneath itself; the count outside compiled graphs has neither."""
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 3), torch.randn(2, 3)
+    matmul = torch.compile(lambda a, b: (a @ b.t()).relu())
+    matmul(x, w)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        matmul(x, w)
+        torch.nn.functional.linear(x, w, torch.zeros(2))
+    whole, outside = dispatched(prof.events()), outside_compiled(prof.events())
+    assert whole["aten::linear"] == 1 and whole["aten::addmm"] == 1  # beneath linear
+    assert whole["aten::mm"] >= 1  # the compiled graph's extern matmul
+    assert outside == {"aten::linear": 1, "aten::zeros": 1}
+    assert sum(whole.values()) > 3
+
+
+def test_a_run_whose_loss_did_not_fall_is_marked_fail() -> None:
+    assert loss_fell(9.137, 6.80) and not loss_fell(9.137, 9.135) and not loss_fell(6.0, float("nan"))
+    assert loss_column({"first_loss": 9.137, "last_loss": 6.8}) == "loss 9.137 → 6.800"
+    assert loss_column({"first_loss": 9.137, "last_loss": 9.135}).endswith("FAIL, did not fall")
+    assert loss_column({}).endswith("FAIL")
+    ours = {"first_loss": 9.137, "last_loss": 9.135}
+    assert not bench_gpu._learnt(ours) and bench_gpu._learnt({"first_loss": 9.1, "last_loss": 6.8})
+
+
 @pytest.mark.parametrize("optimizer", [None, "muon"])
 def test_the_trainer_is_measured_with_the_plain_loops_optimizer(
     optimizer: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -43,6 +74,9 @@ def test_the_trainer_is_measured_with_the_plain_loops_optimizer(
 
     def fake_main(argv: list[str], after_step: Any = None) -> int:
         seen.append(argv)
+        metrics = Path(argv[argv.index("--workspace") + 1]) / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text('{"event": "train", "loss": 9.1}\n{"event": "train", "loss": 7.2}\n')
         return 0
 
     monkeypatch.setattr(trainer, "main", fake_main)
@@ -53,9 +87,24 @@ def test_the_trainer_is_measured_with_the_plain_loops_optimizer(
     if optimizer:
         spec["optimizer"] = optimizer
     monkeypatch.setattr(bench_host, "spec_ds_config", lambda s, work: work / "ds.json")
-    bench_host._ours(s, spec)
+    result = bench_host._ours(s, spec)
     argv = seen[0]
     assert argv[argv.index("--optimizer") + 1] == (optimizer or "adamw")
+    assert argv[argv.index("--model_config") + 1] == "m.json" and "--model_select" not in argv
+    assert (result["first_loss"], result["last_loss"]) == (9.1, 7.2)
+
+
+@pytest.mark.slow  # DeepSpeed and a compile, on the tiny preset
+# Inductor and DeepSpeed warn of torch APIs they call: not ours.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_profiled_busy_run_runs_on_a_cpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``bench train_gpu``'s ``busy`` run (the trainer profiled in process) on a CPU, as on a GPU: its
+    preset and its DeepSpeed config, the loss at its first and last step (no kernels to time here)."""
+    corpus = training_corpus(tmp_path_factory)
+    s = replace(bench_gpu.CPU, warmup=1, steps=2)
+    result = bench_gpu._busy(s, corpus["tok"], corpus["config"], tmp_path_factory.mktemp("busy"))
+    assert result["busy"] is None and result["tokens_per_s"] > 0
+    assert loss_fell(result["first_loss"], result["last_loss"]), result
 
 
 def test_the_throughput_runs_name_their_optimizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
