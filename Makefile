@@ -43,7 +43,8 @@ def name(req): return re.sub(r"[-_.]+", "-", re.split(r"[\s\[;<>=!~]", req, maxs
 lines = open(sys.argv[1]).read().splitlines()
 locked = next((line.split("==")[1] for line in lines if line.startswith("torch==")), None)
 torch = distribution("torch")
-own = set() if torch.version.split("+")[0] == locked else {name(r) for r in torch.requires or ()}
+pins = [r for r in torch.requires or () if "extra ==" not in r]
+own = set() if torch.version.split("+")[0] == locked else {name(r) for r in pins}
 print("\n".join(line for line in lines if line.startswith("#") or name(line) not in own | {"torch"}))
 endef
 export CONSTRAINTS_BESIDE_TORCH

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
@@ -133,7 +135,9 @@ def test_this_environment_is_the_lock() -> None:
         for d in metadata.distributions()
         if d.metadata["Name"]
     }
-    mine = {"dsgpt2", "torch"} | (torch_closure() - set(pins))
+    # Beside a torch that is not the lock's (kept in .venv), what it needs is its own (see the Makefile).
+    kept = Version(metadata.version("torch")).base_version != str(pins["torch"])
+    mine = {"dsgpt2", "torch"} | (torch_closure() if kept else torch_closure() - set(pins))
     differ = {
         n: (str(pins.get(n)), str(installed.get(n)))
         for n in (set(pins) | set(installed)) - mine
@@ -149,3 +153,60 @@ def test_the_installs_read_the_lock() -> None:
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
     assert "COPY requirements.lock" in dockerfile
     assert re.search(r"pip install [^\n]*-c /tmp/constraints.txt[^\n]* \.", dockerfile)
+
+
+# A stand-in for an environment's python: records its calls, answers `import torch` with $FAKE_TORCH.
+_FAKE_PYTHON = """#!/usr/bin/env bash
+echo "$*" >> "$(dirname "$0")/../calls"
+if [ "$1" = -c ] && [[ "$2" == *"import torch; print"* ]]; then
+  [ -n "${FAKE_TORCH:-}" ] && echo "$FAKE_TORCH" && exit 0
+  exit 1
+fi
+exit 0
+"""
+
+
+def _make_venv(tmp_path: Path, torch_there: str, *args: str) -> tuple[str, str]:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(_FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / "calls").write_text("")
+    env = {**os.environ, "FAKE_TORCH": torch_there}
+    env.pop("TORCH_SPEC", None)
+    out = subprocess.run(["make", "-s", "-B", "venv", f"VENV={venv}", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    return out.stdout, (venv / "calls").read_text()
+
+
+def test_make_keeps_a_torch_already_in_the_environment_and_says_so(tmp_path: Path) -> None:
+    """A GPU user's CUDA build, installed first, is kept (one line says which and how to replace it);
+    a fresh environment, or TORCH_SPEC given, gets the torch asked for."""
+    locked = read_lock(LOCK.read_text(encoding="utf-8"))["torch"]
+    said, calls = _make_venv(tmp_path, "2.11.0+cu130")
+    assert f"keeping torch 2.11.0+cu130, found in {tmp_path / 'venv'} (the lock's is {locked};" in said
+    assert "install -q torch" not in calls and "-e .[dev]" in calls
+    said, calls = _make_venv(tmp_path, "")
+    assert "keeping" not in said and f"-m pip install -q torch=={locked}" in calls
+    said, calls = _make_venv(tmp_path, "2.11.0+cu130", "TORCH_SPEC=torch==2.7.0")
+    assert "keeping" not in said and "-m pip install -q torch==2.7.0" in calls
+
+
+def test_beside_another_torch_the_packages_it_pins_are_left_to_it(tmp_path: Path) -> None:
+    """The lock less torch constrains the rest; beside a torch that is not the lock's, less the packages
+    that torch requires itself (torch 2.11 wants setuptools<82 where the lock has 84), extras aside."""
+    installed = Version(metadata.version("torch")).base_version
+    rule = 'constraints-of: ; @$(PY) -c "$$CONSTRAINTS_BESIDE_TORCH" $(OF)'
+    for torch, kept in (
+        (installed, {"sympy", "setuptools", "pyyaml", "requests"}),
+        ("0.1", {"pyyaml", "requests"}),
+    ):
+        lock = tmp_path / "lock"
+        lock.write_text(
+            f"# a lock\ntorch=={torch}\nsympy==1.0\nsetuptools==80.0\npyyaml==6.0\nrequests==2.0\n"
+        )
+        out = subprocess.run(["make", "-s", "--eval", rule, "constraints-of", f"OF={lock}"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        lines = out.stdout.splitlines()
+        assert lines[0] == "# a lock"
+        assert {line.split("==")[0] for line in lines[1:]} == kept, (torch, lines)
