@@ -8,7 +8,6 @@ with a :class:`~dsgpt2.train.config.TrainConfig` made in code. The loop is :meth
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -26,7 +25,7 @@ from dsgpt2.data.packing import IGNORE
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, NoGradient, TrainingAborted
+from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
@@ -60,6 +59,7 @@ from dsgpt2.train.engine import (
     run_context,
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
+from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
 from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.train.runlog import RunLog
@@ -253,6 +253,7 @@ class Trainer:
         self._hand_norm: torch.Tensor | float | None = None
         self._clip = engine.clip
         self._trained = [p for p in self.engine.module.parameters() if p.requires_grad]
+        self.compiled = compiles(cfg.compute.compile, self.engine.device.type)
         self.last_val: float | None = None
         self.last_bpb: float | None = None
         self.last_val_tokens = 0  # the tokens the last validation predicted, every rank's
@@ -317,7 +318,7 @@ class Trainer:
             if self.hooks.on_loss is not None:
                 loss = self.hooks.on_loss(state.micro, loss)
             if not loss.requires_grad:
-                raise self._no_gradient(state.step + 1, "its loss does not depend on the weights")
+                raise no_gradient(state.step + 1, "its loss does not depend on the weights", self.compiled)
             return state.micro, batch, loss
 
         def kept() -> None:
@@ -331,7 +332,7 @@ class Trainer:
                 # fp16 autocast's gradients are still scaled here: its scaler unscales them in the step.
                 scaler = getattr(self.engine, "torch_autocast_z0_gradscaler", None)
                 scale = scaler.get_scale() if scaler is not None else 1.0
-                self._hand_norm = _grad_norm(self.engine.module) / scale
+                self._hand_norm = grad_norm(self.engine.module) / scale
 
         micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
                                       before_update, forward=self._forward)  # fmt: skip
@@ -378,39 +379,16 @@ class Trainer:
         self.runlog.stepped(state.step, ids)
         if not self.runlog.should_log(state.step):
             if state.step == self.started + 1:
-                self._check_learns(state.step, device_losses, self._read_grad_norm())
+                check_learns(state.step, device_losses, self._read_grad_norm(), self.compiled)
             return
         grad_norm = self._read_grad_norm()
-        self._check_learns(state.step, device_losses, grad_norm)
+        check_learns(state.step, device_losses, grad_norm, self.compiled)
         # A collective: every rank takes part.
         by_collection = self._collection_tokens() if len(self.mongo.collections) > 1 else None
         self.runlog.log_train(
             state.step, state.tokens, device_losses, ids, self._step_lr,
             grad_norm=grad_norm, collection_tokens=by_collection,
         )  # fmt: skip
-
-    def _check_learns(self, step: int, device_losses: list[torch.Tensor], grad_norm: float | None) -> None:
-        """Stop a run whose step had a finite, non-zero loss and not a single non-zero gradient (a
-        detached loss, a compiled graph whose backward lost its gradients): it would train nothing at
-        full speed. A step that predicts nothing (context-only blocks) has a zero loss, rightly no gradient.
-        The norm is the same on every rank: every rank stops."""
-        if grad_norm is None or grad_norm != 0.0:
-            return
-        loss = float(torch.stack([x.float() for x in device_losses]).mean())
-        if math.isfinite(loss) and loss != 0.0:
-            raise self._no_gradient(step, f"its loss was {loss:.4f} and its gradient norm 0")
-
-    def _no_gradient(self, step: int, what: str) -> NoGradient:
-        compiled = compiles(self.cfg.compute.compile, self.engine.device.type)
-        how = (
-            "the model is compiled: train with --no_compile, or on a torch release `make test-floor` proves"
-            if compiled
-            else "the model is not compiled (--no_compile): the loss is cut off from the model's weights"
-        )
-        return NoGradient(
-            f"step {step} learns nothing: {what}, under torch {torch.__version__}; {how}. Stopped before "
-            "any checkpoint of it"
-        )
 
     def _read_grad_norm(self) -> float | None:
         """The gradient norm of the step just taken: DeepSpeed's, or the one taken by hand (ZeRO 0)."""
@@ -541,14 +519,6 @@ def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
         "checkpoint": t.checkpointer.where(tag_for(state.step)),
         **t.last_hellaswag,
     }
-
-
-def _grad_norm(module: Any) -> float:
-    """The 2-norm of the gradients held on the parameters (after the boundary's all-reduce)."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
 
 
 def announce_compiles(cfg: TrainConfig, device: str, step: int) -> None:
