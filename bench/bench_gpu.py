@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -338,6 +339,8 @@ def _ours(
             "--save_interval", 10 * total, "--workspace", run / "ws", "--ckpt_dir", run / "ckpt",
             "--no_resume", "--wandb", "off", "--num_workers", workers, "--data_mode", "streaming",
             "--optimizer", optimizer, "--compile" if compiled else "--no_compile"]  # fmt: skip
+    # A fresh run each time: the bench run again would otherwise meet its own checkpoints (--no_resume).
+    shutil.rmtree(run / "ckpt", ignore_errors=True)
     (run / "ws" / "metrics.jsonl").unlink(missing_ok=True)
     proc = subprocess.run([sys.executable, str(ROOT / "ds_trainer.py"), *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=3600)  # fmt: skip
