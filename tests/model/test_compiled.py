@@ -1,7 +1,8 @@
-"""What runs under ``torch.compile`` computes what eager does: every model path the trainer compiles (the
-chunked loss inside and beside the graph, ``--doc_mask``, activation checkpointing) and Muon's compiled
-Newton–Schulz update. Marked ``floor``: ``make test-floor`` runs them on every torch ``pyproject.toml``
-admits (under torch 2.11 the compiled chunked loss once gave zero gradients while 2.13 gave the eager ones).
+"""What runs under ``torch.compile`` computes what eager does: the model paths the trainer compiles
+(``--doc_mask``, activation checkpointing; the chunked loss inside and beside the graph is
+``test_lmloss.py``'s) and Muon's compiled Newton–Schulz update. Marked ``floor``: ``make test-floor``
+runs them on every torch ``pyproject.toml`` admits (under torch 2.11 the compiled chunked loss once gave
+zero gradients while 2.13 gave the eager ones).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning"),
-    pytest.mark.filterwarnings("ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning"),
+    pytest.mark.filterwarnings(
+        "ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning"
+    ),
 ]
 
 
@@ -84,9 +87,8 @@ def test_the_chunked_loss_compiled_alone_has_the_eager_gradients() -> None:
     torch.testing.assert_close(dw, eager_w, rtol=1e-5, atol=1e-6)
 
 
+# The chunked loss inside and beside the graph, against transformers' own loss: test_lmloss.py (floor too).
 PATHS = {
-    "the loss in the graph": dict(in_graph=True),
-    "the loss beside the graph": dict(in_graph=False),
     "--doc_mask": dict(in_graph=True, doc_mask=True),
     "activation checkpointing": dict(in_graph=True, activations=True),
 }

@@ -53,9 +53,11 @@ def test_loss_and_gradients_equal_transformers_in_float32(chunk: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.floor  # under torch 2.11 the loss traced into the graph once gave zero gradients
 # Inductor imports torch.utils.mkldnn, which warns of its own torch.jit use, and dynamo, tracing, makes
 # an autograd.Function context and reads .grad of its proxies under catch_warnings(record=True), which
 # an "error" filter still raises: not ours to fix, and not shown outside pytest's -W error.
+@pytest.mark.filterwarnings("ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning")
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
