@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.common import Metric, loss_column, loss_fell
+from bench.common import Metric, learnt, loss_column
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_TOKENS_PER_S = 0.45e6  # 112m on one H100
@@ -149,7 +149,7 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 plain["tokens_per_s"],
                 "tokens/s",
                 f">= {RATIO_TARGET}",
-                ours["tokens_per_s"] >= RATIO_TARGET * plain["tokens_per_s"] and _learnt(ours, plain),
+                ours["tokens_per_s"] >= RATIO_TARGET * plain["tokens_per_s"] and learnt(ours, plain),
                 f"{where}, {shape}; ours {loss_column(ours)}, plain {loss_column(plain)}",
             )
         )
@@ -174,7 +174,7 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 runs["plain compiled"]["tokens_per_s"],
                 "tokens/s",
                 "info",
-                _learnt(runs["ours compiled zero1"], runs["plain compiled"]),
+                learnt(runs["ours compiled zero1"], runs["plain compiled"]),
                 f"{where}, {shape}; ours {loss_column(runs['ours compiled zero1'])}",
             )
         )
@@ -186,7 +186,7 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
                 runs["plain compiled 16x2"]["tokens_per_s"],
                 "tokens/s",
                 "info",
-                _learnt(runs["ours compiled 16x2"], runs["plain compiled 16x2"]),
+                learnt(runs["ours compiled 16x2"], runs["plain compiled 16x2"]),
                 f"{where}, {former.tokens_per_step:,} tokens per step: DeepSpeed's cost per step unamortized",
             )
         )
@@ -196,7 +196,7 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
         metrics.append(
             Metric("Muon ÷ AdamW (ours compiled)", muon, adamw, "tokens/s",
                    f">= {MUON_TARGET}" if s.device == "cuda" else "info",
-                   (muon >= MUON_TARGET * adamw or s.device != "cuda") and _learnt(muon_run, adamw_run),
+                   (muon >= MUON_TARGET * adamw or s.device != "cuda") and learnt(muon_run, adamw_run),
                    f"{where}, {shape}; Muon {loss_column(muon_run)}")
         )  # fmt: skip
     busy_run = runs.get("ours compiled busy")
@@ -204,11 +204,11 @@ def train_gpu(texts: list[str], results: Path) -> list[Metric]:
         busy = busy_run["busy"]
         metrics.append(
             Metric("GPU busy (kernel time ÷ wall, ours compiled)", busy, BUSY_TARGET, "share",
-                   f">= {BUSY_TARGET}", busy >= BUSY_TARGET and _learnt(busy_run),
+                   f">= {BUSY_TARGET}", busy >= BUSY_TARGET and learnt(busy_run),
                    f"{where}, {shape}, steady steps profiled; {loss_column(busy_run)}")
         )  # fmt: skip
     ours_runs = [runs[k]["tokens_per_s"] for k in ("ours eager", "ours compiled")
-                 if k in runs and _learnt(runs[k])]  # fmt: skip
+                 if k in runs and learnt(runs[k])]  # fmt: skip
     if s.device == "cuda" and ours_runs:
         best = max(ours_runs)
         h100 = "H100" in _device_name()
@@ -289,11 +289,6 @@ def _busy(s: Settings, tokenizer: Path, store_config: Path, run: Path) -> dict[s
     r = spawn("ours", spec)
     return {"tokens_per_s": s.tokens_per_step / (r["host_ms"] / 1000), "busy": r["busy"],
             "first_loss": r["first_loss"], "last_loss": r["last_loss"]}  # fmt: skip
-
-
-def _learnt(*runs: dict[str, Any]) -> bool:
-    """Whether every one of ``runs`` learnt (its loss fell): only then are its figures figures."""
-    return all(loss_fell(r.get("first_loss"), r.get("last_loss")) for r in runs)
 
 
 def _line(name: str, r: dict[str, Any]) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bench_gpu import Settings, _config, _corpus
-from bench.common import Metric, loss_column, loss_fell
+from bench.common import Metric, learnt, loss_column
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_TARGET = 1.3
@@ -79,9 +79,6 @@ def host(texts: list[str], results: Path) -> list[Metric]:
         print(f"   {name:<6} {r['ops']:>8,.0f} ops/step dispatched, {r['outside']:>6,.0f} outside compiled "
               f"graphs, {r['host_ms']:>7.1f} ms/step, {loss_column(r)}; most: {top}", flush=True)  # fmt: skip
     shape = f"12 layers × width {WIDTH}, context {s.context}, {s.micro} × {s.accum}, compiled"
-
-    def learnt(*runs: dict[str, Any]) -> bool:
-        return all(loss_fell(r["first_loss"], r["last_loss"]) for r in runs)
 
     return [
         Metric("host: aten ops dispatched per step", ours["ops"], plain["ops"], "ops", f"<= {RATIO_TARGET}",

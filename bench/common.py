@@ -47,6 +47,11 @@ def loss_fell(first: float | None, last: float | None) -> bool:
     return first is not None and last is not None and math.isfinite(last) and last < 0.99 * first
 
 
+def learnt(*runs: dict[str, Any]) -> bool:
+    """Whether every one of ``runs`` learnt (its loss fell): only then are its figures figures."""
+    return all(loss_fell(r.get("first_loss"), r.get("last_loss")) for r in runs)
+
+
 def loss_column(r: dict[str, Any]) -> str:
     """A run's first and last loss for its report line; FAIL where it did not fall (its speed is then
     no figure)."""

@@ -14,7 +14,7 @@ import torch
 
 from bench import bench_gpu, bench_host
 from bench.bench_host import covered, dispatched, outside_compiled
-from bench.common import loss_column, loss_fell
+from bench.common import learnt, loss_column, loss_fell
 from training import training_corpus
 
 
@@ -59,7 +59,7 @@ def test_a_run_whose_loss_did_not_fall_is_marked_fail() -> None:
     assert loss_column({"first_loss": 9.137, "last_loss": 9.135}).endswith("FAIL, did not fall")
     assert loss_column({}).endswith("FAIL")
     ours = {"first_loss": 9.137, "last_loss": 9.135}
-    assert not bench_gpu._learnt(ours) and bench_gpu._learnt({"first_loss": 9.1, "last_loss": 6.8})
+    assert not learnt(ours) and learnt({"first_loss": 9.1, "last_loss": 6.8})
 
 
 @pytest.mark.parametrize("optimizer", [None, "muon"])
