@@ -1,4 +1,10 @@
-"""What counts as a usable document text, and the tally of those that are not.
+"""The document: the names of its fields, what counts as a usable text, and the tally of those that are
+not.
+
+Every field dsgpt2 writes on a document is named here once and imported from here: those ingest writes
+(:data:`INGEST_FIELDS`) and those the curation steps mark (:func:`mark`, one declaration a field). A
+``FILTER`` may name any of them before a document holds it (:func:`known_fields`); a step registered from
+outside declares its own through the step registry.
 
 Pure functions: no database here, so the rules are tested directly.
 """
@@ -9,6 +15,75 @@ import hashlib
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+# ---------------------------------------------------------------- the fields ingest writes
+ID = "_id"
+IDX = "idx"  # the document's number in its collection: 0, 1, 2... with no gap (dsgpt2.db.numbering)
+FORM = "form"  # the text as read
+TEXT = "filt_text"  # the text cleaned (dsgpt2.corpus.cleaning): what training reads unless TEXT_FIELD says
+SOURCE = "source"  # the input it came from
+SOURCE_POS = "source_pos"  # its position in that input
+TURNS = "turns"  # a conversation's [{speaker, text}], whose text is also in TEXT as `speaker: text` lines
+# What every document may hold already: a kept column or field may not take one of these names.
+INGEST_FIELDS = (ID, IDX, FORM, TEXT, SOURCE, SOURCE_POS, TURNS)
+
+# ---------------------------------------------------------------- the fields the curation steps mark
+_MARKS: dict[str, str] = {}
+
+
+def mark(field: str, by: str) -> str:
+    """Declare ``field`` a mark the step ``by`` writes on documents; returns ``field``.
+
+    Raises:
+        ValueError: ``field`` is one of ingest's, or another step's mark.
+    """
+    held = _MARKS.get(field, by)
+    if field in INGEST_FIELDS or held != by:
+        raise ValueError(f"{field!r} is a field of {'ingest' if field in INGEST_FIELDS else held}'s already")
+    _MARKS[field] = by
+    return field
+
+
+HASH = mark("text_hash", "dedup")  # the hash of the text training reads (ingest writes it too)
+DUP_OF = mark("dup_of", "dedup")  # "collection:idx" of the copy an exact duplicate repeats
+BANDS = mark("lsh", "dedup --near")  # a document's LSH band keys
+BANDS_KEY = mark("lsh_key", "dedup --near")  # the signing settings its bands were taken under
+NEAR_OF = mark("near_dup_of", "dedup --near")  # "collection:idx" of the document a near duplicate repeats
+QUALITY = mark("quality", "curate")  # the quality signals
+PASSES = mark("passes", "curate")  # {rule set: verdict}
+LANGUAGE = mark("lang", "langid")  # the ISO 639 code of the document's language
+LANGUAGE_SCORE = mark("lang_score", "langid")
+LANGUAGE_KEY = mark("lang_key", "langid")
+CONTAMINATED = mark("contaminated", "decontaminate")  # {set: n-gram}, on a document sharing one
+CHECKED = mark("decont", "decontaminate")  # {set: run key}: the sets it was checked against
+PII = mark("pii", "redact")  # the redaction's version and counts by kind
+_BUILT_IN = frozenset(_MARKS)
+
+
+def declare_marks(by: str, fields: Sequence[str]) -> None:
+    """Declare the fields of ``fields`` that no one has declared as marks of the step ``by`` (what a step
+    registered from outside the package writes; the built-in marks are declared above): a field known
+    already stays its declarer's."""
+    known = known_fields()
+    for field in fields:
+        if field not in known:
+            mark(field, by)
+
+
+def forget_marks(by: str) -> None:
+    """Take out the marks :func:`declare_marks` declared for the step ``by`` (taken out of its registry)."""
+    for field in [f for f, step in _MARKS.items() if step == by and f not in _BUILT_IN]:
+        del _MARKS[field]
+
+
+def marks() -> dict[str, str]:
+    """Every declared mark, with the step that writes it."""
+    return dict(_MARKS)
+
+
+def known_fields() -> tuple[str, ...]:
+    """Every field dsgpt2 writes on a document: ingest's, then the marks."""
+    return (*INGEST_FIELDS, *_MARKS)
 
 
 class Doc(NamedTuple):
@@ -136,7 +211,7 @@ def document_text(doc: dict[str, Any], text_field: str) -> str | None:
     value = doc.get(text_field)
     if isinstance(value, str):
         return value
-    turns = doc.get("turns")
+    turns = doc.get(TURNS)
     if isinstance(turns, list) and all(isinstance(t, dict) for t in turns):
         return turns_text(turns)
     return None

@@ -53,6 +53,18 @@ class BadDocumentError(CorpusError):
     """A document has no usable text and strict mode is on."""
 
 
+class LeaseHeld(CorpusError):
+    """A live process holds the lease (``holder``, its last sign of life ``age`` seconds ago)."""
+
+    def __init__(self, holder: str, age: float) -> None:
+        super().__init__(f"{holder} holds it (its last sign of life {age:.0f}s ago)")
+        self.holder, self.age = holder, age
+
+
+class LeaseLost(CorpusError):
+    """Another process took the lease over: this one was silent for longer than the lease."""
+
+
 class CorpusValidationError(CorpusError):
     """``validate`` found problems in one or more collections."""
 

@@ -20,10 +20,21 @@ class Registry(Generic[T]):
         what: what an entry is, as an error names it (``"input format"``).
         flag: the option that chooses an entry (``"--format"``).
         error: what an unknown name raises.
+        declare: called with each entry's name and the entry as it is registered, ``forget`` as it is
+            taken out: what an entry declares elsewhere (a step's marks on the document schema).
     """
 
-    def __init__(self, what: str, flag: str, error: type[DsGpt2Error] = ConfigError) -> None:
+    def __init__(
+        self,
+        what: str,
+        flag: str,
+        error: type[DsGpt2Error] = ConfigError,
+        *,
+        declare: Callable[[str, T], None] | None = None,
+        forget: Callable[[str], None] | None = None,
+    ) -> None:
         self.what, self.flag, self.error = what, flag, error
+        self._declare, self._forget = declare, forget
         self._entries: dict[str, T] = {}
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -37,6 +48,8 @@ class Registry(Generic[T]):
             held = self._entries.get(name)
             if held is not None and held is not entry:
                 raise ConfigError(f"{self.what} {name!r} is registered twice ({held!r} and {entry!r})")
+            if self._declare is not None:
+                self._declare(name, entry)
             self._entries[name] = entry
             return entry
 
@@ -44,7 +57,8 @@ class Registry(Generic[T]):
 
     def unregister(self, name: str) -> None:
         """Take ``name`` out (a plugin's, or a test's, entry)."""
-        self._entries.pop(name, None)
+        if self._entries.pop(name, None) is not None and self._forget is not None:
+            self._forget(name)
 
     def __getitem__(self, name: str) -> T:
         """The entry named ``name``.

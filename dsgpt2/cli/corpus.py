@@ -137,8 +137,8 @@ class InfoSettings:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from dsgpt2.corpus.numbering import index_collection
     from dsgpt2.db.client import connect
+    from dsgpt2.db.numbering import index_collection
 
     settings = from_namespace(IndexSettings, args)
     config = load_connection(settings.config)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.corpus.records import Reader, ReadOptions, Text
+from dsgpt2.documents import INGEST_FIELDS
 from dsgpt2.errors import IngestError
 
 BATCH_ROWS = 1024
@@ -27,8 +28,6 @@ PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (a continuation marker)
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow"}
-# What a document already holds: a kept column may not take one of these names.
-RESERVED = ("_id", "idx", "form", "filt_text", "source", "source_pos", "turns")
 INT64_MAX = 2**63 - 1
 
 
@@ -68,9 +67,9 @@ def check_keep_fields(keep: Sequence[str]) -> None:
         if not column or not name:
             raise IngestError(f"--keep_fields {entry!r}: give COLUMN or COLUMN:NAME (e.g. source:src)")
         safe = {"source": "src"}.get(name, name.strip("$").replace(".", "_") + "_kept")
-        if name in RESERVED:
+        if name in INGEST_FIELDS:
             raise IngestError(
-                f"--keep_fields {entry}: {name!r} is a field of every document ({', '.join(RESERVED)}: "
+                f"--keep_fields {entry}: {name!r} is a field of every document ({', '.join(INGEST_FIELDS)}: "
                 f"see the document schema); keep the column under another name: --keep_fields {column}:{safe}"
             )
         if name.startswith("$") or "." in name:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
+from dsgpt2.hashing import GOLDEN_GAMMA, splitmix64
+
 _SALTS = {"sample": 0x5A17, "split": 0x5B11, "shuffle": 0x5F0F, "blocks": 0xB10C}
 
 
@@ -22,10 +21,7 @@ def uniform(indices: np.ndarray, seed: int, salt: str = "sample") -> np.ndarray:
     x = np.asarray(indices, dtype=np.uint64)
     key = np.uint64((seed * 0x100000001B3 + _SALTS[salt]) & 0xFFFFFFFFFFFFFFFF)
     with np.errstate(over="ignore"):
-        z = x * _GOLDEN + key
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        z = z ^ (z >> np.uint64(31))
+        z = splitmix64(x * GOLDEN_GAMMA + key)
     # The top 53 bits make an exactly representable double in [0, 1).
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
@@ -36,10 +32,3 @@ def select(start: int, stop: int, fraction: float, seed: int, salt: str = "sampl
     if fraction >= 1.0:
         return idx
     return idx[uniform(idx, seed, salt) < fraction]
-
-
-def shard_ranges(total: int, shards: int) -> list[tuple[int, int]]:
-    """``total`` consecutive indices cut into ``shards`` contiguous ranges of near-equal size."""
-    shards = max(1, min(shards, total)) if total else 1
-    bounds = [total * k // shards for k in range(shards + 1)]
-    return [(bounds[k], bounds[k + 1]) for k in range(shards)]

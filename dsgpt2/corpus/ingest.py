@@ -1,9 +1,9 @@
 """Ingest: text files or the built-in sample corpus → documents in a collection.
 
-Each source record becomes ``{"idx", "form", "filt_text", "text_hash", "source", "source_pos"}``
-(conversations also keep ``turns``): ``idx`` continues after the collection's
-largest one, ``form`` is the original text, ``filt_text`` its cleaned form and
-``text_hash`` the hash of the text training reads (:mod:`dsgpt2.curation.dedup`).
+Each source record becomes a document of the fields :data:`dsgpt2.documents.INGEST_FIELDS` names,
+with its hash (conversations also keep ``turns``): ``idx`` continues after the collection's largest
+one, ``form`` is the original text, ``filt_text`` its cleaned form and ``text_hash`` the hash of the
+text training reads (:mod:`dsgpt2.curation.dedup`).
 
 Exactly once, even when killed: before its first insert a source is recorded
 in meta_info; each batch is inserted in order and then meta_info records how
@@ -12,8 +12,8 @@ unfinished one after the last record that reached the collection, read back
 from the documents themselves (``source``/``source_pos``), so a batch that was
 inserted but not yet recorded is neither lost nor duplicated.
 
-One writer per source: an ingest holds each source it writes (an owner and a
-heartbeat in meta_info), and a second ingest of the same source while the first
+One writer per source: an ingest holds each source it writes (a lease in meta_info,
+:mod:`dsgpt2.db.leases`), and a second ingest of the same source while the first
 lives is refused; a holder that died (its process gone on this machine, or no
 heartbeat for ``LEASE_SECONDS``) is taken over by the re-run. Different sources
 may go into one collection at once: the unique idx index numbers them apart.
@@ -30,33 +30,44 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import time
-import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT
 from dsgpt2.corpus.records import BadRecord, Source, located
-from dsgpt2.curation.dedup import HASH, ensure_hash_index
-from dsgpt2.curation.steps import Step
-from dsgpt2.db.client import Connection, DatabaseError, count_in, database_errors, patiently, with_retries
-from dsgpt2.db.idx import ensure_idx_index, insert_batch, max_idx
+from dsgpt2.db.client import Connection, database_errors
+from dsgpt2.db.idx import ensure_idx_index, ensure_index, insert_batch, largest_idx
+from dsgpt2.db.leases import LEASE_SECONDS, Lease
 from dsgpt2.db.meta import read_meta
-from dsgpt2.documents import document_hash
-from dsgpt2.errors import BadDocumentError, CorpusError, IngestError
-from dsgpt2.files import process_alive
+from dsgpt2.db.summaries import count_where, last_numbered
+from dsgpt2.documents import HASH, ID, IDX, SOURCE, SOURCE_POS, document_hash
+from dsgpt2.errors import BadDocumentError, CorpusError, IngestError, LeaseHeld, LeaseLost
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.options import POSITIVE_INT
 
 log = logging.getLogger(__name__)
 
 # A source held by an ingest whose heartbeat is older than this (on another machine) is taken over.
-LEASE_SECONDS = 60.0
 # Records read without the text field, none with it, before the log says the field may be wrong.
 NO_FIELD_WARNING = 1000
+
+
+class Step(Protocol):
+    """What ingest asks of a curation step it runs on each document (a
+    :class:`dsgpt2.curation.steps.Step` is one): corpus/ names the calls, curation/ answers them."""
+
+    skip_reason: str  # what a document it does not admit is counted as (empty: it admits every one)
+
+    def opened(self, conn: Connection, collection: str) -> Step: ...
+
+    def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any] | None: ...
+
+    def admit(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]: ...
+
+    def stored(self, collection: str, docs: list[dict[str, Any]]) -> int: ...
 
 
 def ingest(
@@ -83,21 +94,20 @@ def ingest(
     """
     POSITIVE_INT.check("--batch_size", batch_size)  # for a caller of the function; the flag's own check
     started = time.monotonic()
-    coll = conn.db[collection]
     skips = SkipLog(report_file)
     try:
         with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
-            patiently(conn, lambda db: ensure_idx_index(db[collection]), f"indexing {collection}")
+            ensure_idx_index(conn, collection, f"indexing {collection}")
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
-            ensure_hash_index(conn, collection, f"indexing {collection}")
+            ensure_index(conn, collection, HASH, f"indexing {collection}")
             opened = [step.opened(conn, collection) for step in steps]
             reports = []
             for source in sources:
-                with _held(conn, collection, source) as owner:
+                with _held(conn, collection, source) as lease:
                     report = _write_source(conn, collection, source, batch_size, strict, progress=progress,
-                                           steps=opened, skips=skips, owner=owner)  # fmt: skip
+                                           steps=opened, skips=skips, lease=lease)  # fmt: skip
                     reports.append(report)
-            top = max_idx(coll)
+            top = largest_idx(conn, collection, f"reading {collection}: last idx")
     finally:
         skips.close()
     count = 0 if top is None else top + 1
@@ -105,13 +115,13 @@ def ingest(
 
 
 @contextlib.contextmanager
-def _held(conn: Connection, collection: str, source: Source) -> Iterator[str]:
-    """One source held (see module doc) while this process writes it: the owner's name."""
-    owner = _claim(conn, collection, source)
+def _held(conn: Connection, collection: str, source: Source) -> Iterator[Lease]:
+    """One source held (see module doc) while this process writes it."""
+    lease = _claim(conn, collection, source)
     try:
-        yield owner
+        yield lease
     finally:
-        _release(conn, collection, source, owner)
+        lease.release()
 
 
 def _write_source(
@@ -124,18 +134,17 @@ def _write_source(
     progress: bool,
     steps: Sequence[Step],
     skips: SkipLog,
-    owner: str,
+    lease: Lease,
 ) -> SourceReport:
-    coll = conn.db[collection]
     report = SourceReport(source.label, decoding=source.decoding)
     state = read_meta(conn, [collection]).get(collection, {}).get("sources", {}).get(source.key)
-    top = max_idx(coll)
+    top = largest_idx(conn, collection, f"reading {collection}: last idx")
     next_idx = 0 if top is None else top + 1
     if state and state.get("complete"):
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
-    start = _starting_point(conn, collection, source, report, state, next_idx=next_idx, owner=owner)
+    start = _starting_point(conn, collection, source, report, state, next_idx=next_idx, lease=lease)
     batch: list[dict[str, Any]] = []
     places: list[dict[str, Any]] = []  # where each document of batch is
     missing = MissingField()
@@ -156,7 +165,7 @@ def _write_source(
             if pos % 1024 == 0 and time.monotonic() - beat > LEASE_SECONDS / 4:
                 # Reading up to a resume point, or a long run of skipped records, inserts nothing: the
                 # heartbeat goes on all the same.
-                _beat(conn, collection, source, owner)
+                _held_update(lease, source, {"$set": {f"{lease.path}.heartbeat": time.time()}})
                 beat = time.monotonic()
             if pos < start:
                 continue
@@ -172,7 +181,7 @@ def _write_source(
             doc = record.document()
             if isinstance(doc, dict):
                 for step in steps:
-                    doc.update(step.apply(doc, "filt_text") or {})
+                    doc.update(step.apply(doc, conn.config.text_field) or {})
             if isinstance(doc, str):
                 report.skipped[doc] += 1
                 where = source.locate(pos)
@@ -184,20 +193,20 @@ def _write_source(
                 skips.add(source, where, doc)
                 continue
             doc[HASH] = document_hash(doc, conn.config.text_field)
-            batch.append({**doc, "source": source.key, "source_pos": pos})
+            batch.append({**doc, SOURCE: source.key, SOURCE_POS: pos})
             places.append(source.locate(pos))
             if len(batch) >= batch_size:
-                next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=pos + 1,
-                                  next_idx=next_idx, steps=steps, owner=owner, places=places,
+                next_idx = _flush(conn, collection, source, report, batch=batch, records=pos + 1,
+                                  next_idx=next_idx, steps=steps, lease=lease, places=places,
                                   skips=skips)  # fmt: skip
                 batch, places, beat = [], [], time.monotonic()
-        next_idx = _flush(conn, coll, collection, source, report, batch=batch, records=max(pos + 1, start),
-                          next_idx=next_idx, steps=steps, owner=owner, places=places,
+        next_idx = _flush(conn, collection, source, report, batch=batch, records=max(pos + 1, start),
+                          next_idx=next_idx, steps=steps, lease=lease, places=places,
                           skips=skips)  # fmt: skip
         if missing.records and not missing.with_field and not report.inserted and damage is None:
             # Nothing stored: the source is forgotten, so that the run with the right field starts clean.
             skips.end_source(source, quiet=True)
-            _forget(conn, collection, source, owner)
+            _forget(lease, source)
             raise IngestError(
                 f"{source.label}: none of its {missing.records} record(s) has the field named by "
                 f"{source.flag}; nothing was stored; {missing.advice(source)}"
@@ -210,7 +219,7 @@ def _write_source(
                 "are ingested; repair or replace the file and re-run the same command to resume"
             )
         _record(conn, collection, source, report, records=max(pos + 1, start), idx_end=next_idx,
-                complete=True, owner=owner)  # fmt: skip
+                complete=True, lease=lease)  # fmt: skip
     finally:
         bar.close()
     return report
@@ -224,38 +233,31 @@ def _starting_point(
     state: dict[str, Any] | None,
     *,
     next_idx: int,
-    owner: str,
+    lease: Lease,
 ) -> int:
     """The first record of ``source`` this run reads: after what an earlier run stored (its counts
     taken into ``report``), or 0 for a source begun now (recorded as begun)."""
-    coll = conn.db[collection]
     if not (state and "records" in state):
-        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False, owner=owner)
+        _record(conn, collection, source, report, records=0, idx_end=next_idx, complete=False, lease=lease)
         return 0
     # More than this run's claim: an earlier run started it.
     start = int(state.get("records", 0))
     # Documents inserted after meta_info was last updated: the batch in flight at a crash.
-    lag = coll.find_one(
-        {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}},
-        {"_id": 0, "source_pos": 1},
-        sort=[("idx", -1)],
-    )
+    since = {SOURCE: source.key, IDX: {"$gte": int(state.get("idx_end", 0))}}
+    lag = last_numbered(conn, collection, since, {ID: 0, SOURCE_POS: 1}, f"resuming {source.label}")
     if lag is not None:
-        start = int(lag["source_pos"]) + 1
+        start = int(lag[SOURCE_POS]) + 1
     report.resumed_at = start
     report.skipped.update(state.get("skipped", {}))
     report.inserted = int(state.get("inserted", 0))
     if lag is not None:
-        report.inserted += count_in(
-            coll, {"source": source.key, "idx": {"$gte": int(state.get("idx_end", 0))}}
-        )
+        report.inserted += count_where(conn, collection, since, f"resuming {source.label}")
     log.info("%s: resuming after record %d", source.label, start)
     return start
 
 
 def _flush(
     conn: Connection,
-    coll: Any,
     collection: str,
     source: Source,
     report: SourceReport,
@@ -264,7 +266,7 @@ def _flush(
     records: int,
     next_idx: int,
     steps: Sequence[Step],
-    owner: str,
+    lease: Lease,
     places: list[dict[str, Any]],
     skips: SkipLog,
 ) -> int:
@@ -286,9 +288,9 @@ def _flush(
         numbered = [{"idx": next_idx + i, **doc} for i, doc in enumerate(batch)]
         for step in steps:
             report.near_duplicates += step.stored(collection, numbered)
-        next_idx = insert_batch(conn, coll, numbered)
+        next_idx = insert_batch(conn, collection, numbered)
         report.inserted += len(batch)
-    _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False, owner=owner)
+    _record(conn, collection, source, report, records=records, idx_end=next_idx, complete=False, lease=lease)
     return next_idx
 
 
@@ -301,9 +303,9 @@ def _record(
     records: int,
     idx_end: int,
     complete: bool,
-    owner: str,
+    lease: Lease,
 ) -> None:
-    """Record in meta_info how far ``source`` is read, as long as this run (``owner``) holds it."""
+    """Record in meta_info how far ``source`` is read, as long as this run holds it (``lease``)."""
     state = {
         "label": source.label,
         "kind": source.kind,
@@ -315,7 +317,7 @@ def _record(
         "heartbeat": time.time(),
     }
     fields = {f"sources.{source.key}.{k}": v for k, v in state.items()}
-    _held_update(conn, collection, source, owner, {
+    _held_update(lease, source, {
         "$set": {"cleaner_version": CLEANER_VERSION, **fields, "updated_at": time.time()},
         "$max": {"count": idx_end},  # never lowered: another source may have gone further
     })  # fmt: skip
@@ -324,82 +326,40 @@ def _record(
 # ---------------------------------------------------------------- one writer per source
 
 
-def _held_update(
-    conn: Connection, collection: str, source: Source, owner: str, update: dict[str, Any]
-) -> None:
-    """Apply ``update`` to the collection's meta_info entry while ``owner`` holds ``source``.
+def _held_update(lease: Lease, source: Source, update: dict[str, Any]) -> None:
+    """Apply ``update`` to the collection's meta_info entry while this run holds ``source``.
 
     Raises:
         CorpusError: another ingest took the source over (this one was silent past the lease).
     """
-    held = {"collection": collection, f"sources.{source.key}.owner": owner}
-    # $set and $max of the same values: a retried update lands once.
-    updated = with_retries(lambda: conn.meta.update_one(held, update), conn.config, "recording progress")
-    if updated.matched_count == 0:
+    try:
+        lease.update(update)
+    except LeaseLost:
         raise CorpusError(
-            f"{source.label}: another dsgpt2 ingest took over writing it into {collection!r} (this one "
-            f"gave no sign of life for {LEASE_SECONDS:.0f}s); this run stops, the other goes on"
-        )
+            f"{source.label}: another dsgpt2 ingest took over writing it into {lease.collection!r} (this "
+            f"one gave no sign of life for {LEASE_SECONDS:.0f}s); this run stops, the other goes on"
+        ) from None
 
 
-def _beat(conn: Connection, collection: str, source: Source, owner: str) -> None:
-    _held_update(conn, collection, source, owner, {"$set": {f"sources.{source.key}.heartbeat": time.time()}})
-
-
-def _alive(owner: str, heartbeat: Any) -> bool:
-    """Whether the ingest ``owner`` (``host:pid:token``) may still be writing: on this machine, while
-    its process lives; elsewhere, while its heartbeat is younger than ``LEASE_SECONDS``."""
-    host, _, rest = owner.rpartition(":")[0].rpartition(":")
-    pid = int(rest) if rest.isdigit() else -1
-    if host == socket.gethostname() and pid > 0:
-        return process_alive(pid)
-    return isinstance(heartbeat, int | float) and time.time() - heartbeat < LEASE_SECONDS
-
-
-def _claim(conn: Connection, collection: str, source: Source) -> str:
-    """Hold ``source`` for this run: returns the owner token.
+def _claim(conn: Connection, collection: str, source: Source) -> Lease:
+    """Hold ``source`` for this run.
 
     Raises:
         CorpusError: a live ingest holds it.
     """
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    meta = conn.meta
-    key = f"sources.{source.key}"
-    # The entry exists before the conditional update takes the source.
-    meta.update_one({"collection": collection}, {"$setOnInsert": {"collection": collection}}, upsert=True)
-    for _ in range(5):
-        entry = meta.find_one({"collection": collection}, {"_id": 0, key: 1}) or {}
-        held = (entry.get("sources") or {}).get(source.key) or {}
-        holder = held.get("owner")
-        if holder and _alive(str(holder), held.get("heartbeat")):
-            raise CorpusError(
-                f"{source.label}: another dsgpt2 ingest ({holder}) is writing it into {collection!r} "
-                "now, and one source has one writer; this run stops here; wait for that ingest to end, "
-                "then re-run this command (what either has stored is not stored again)"
-            )
-        # Taken only if nobody took it since it was read (a racing ingest reads it held, above).
-        took = meta.update_one(
-            {"collection": collection, f"{key}.owner": holder},
-            {"$set": {f"{key}.owner": owner, f"{key}.heartbeat": time.time()}},
-        )
-        if took.modified_count == 1:
-            if holder:
-                log.info("%s: taking over from %s, which stopped", source.label, holder)
-            return owner
-    raise CorpusError(
-        f"{source.label}: other ingests keep taking it in {collection!r}; run one ingest of it at a time"
-    )
-
-
-def _release(conn: Connection, collection: str, source: Source, owner: str) -> None:
-    """Let go of ``source`` (whatever ended this run: a re-run may take it at once)."""
     try:
-        conn.meta.update_one({"collection": collection, f"sources.{source.key}.owner": owner},
-                               {"$set": {f"sources.{source.key}.owner": None}})  # fmt: skip
-    except DatabaseError as exc:  # the server is gone: the error that ended the run says more
-        log.debug("%s: not released (%s)", source.label, exc)
+        lease = Lease.take(conn, collection, f"sources.{source.key}")
+    except LeaseHeld as held:
+        raise CorpusError(
+            f"{source.label}: another dsgpt2 ingest ({held.holder}) is writing it into {collection!r} "
+            "now, and one source has one writer; this run stops here; wait for that ingest to end, "
+            "then re-run this command (what either has stored is not stored again)"
+        ) from None
+    if lease.taken_from:
+        log.info("%s: taking over from %s, which stopped", source.label, lease.taken_from)
+    return lease
 
 
-def _forget(conn: Connection, collection: str, source: Source, owner: str) -> None:
+def _forget(lease: Lease, source: Source) -> None:
     """Remove ``source`` from meta_info: it stored nothing."""
-    _held_update(conn, collection, source, owner, {"$unset": {f"sources.{source.key}": ""}})
+    _held_update(lease, source, {"$unset": {lease.path: ""}})

@@ -19,9 +19,11 @@ from typing import Any
 import numpy as np
 
 from dsgpt2.corpus.draws import uniform
-from dsgpt2.db.client import Connection, with_retries
+from dsgpt2.db.bulk import find_in
+from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.wrapper import MongoWrapper
+from dsgpt2.documents import ID, IDX
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +46,7 @@ def prefix_sample(mark: int, seed: int, k: int = SAMPLE) -> list[int]:
 def prefix_digest(conn: Connection, name: str, idxs: Sequence[int]) -> str:
     """A hash of the documents ``idxs`` of ``name`` as they are now (a missing one counts too)."""
     field = conn.config.text_field
-    coll = conn.db[name]
-    docs = with_retries(
-        lambda: list(coll.find({"idx": {"$in": list(idxs)}}, {"_id": 0, "idx": 1, field: 1})),
-        conn.config,
-        f"reading {name}",
-    )
+    docs = find_in(conn, name, IDX, list(idxs), fields={ID: 0, IDX: 1, field: 1}, what=f"reading {name}")
     by_idx = {d.get("idx"): d.get(field) for d in docs}
     h = hashlib.sha256()
     for i in idxs:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dsgpt2.corpus.cleaning import clean_text
-from dsgpt2.documents import turns_text, utf8_encodable
+from dsgpt2.documents import FORM, TEXT, TURNS, turns_text, utf8_encodable
 from dsgpt2.errors import IngestError
 from dsgpt2.settings.options import Checked, option
 
@@ -58,7 +58,7 @@ class Text(Record):
             return "empty"
         # A real server refuses strings with lone surrogates; keep the original otherwise.
         form = record if utf8_encodable(record) else record.encode("utf-8", "replace").decode("utf-8")
-        doc = {"form": form, "filt_text": filt}
+        doc = {FORM: form, TEXT: filt}
         if self.fields:
             doc.update(self.fields)
         return doc
@@ -74,7 +74,7 @@ class Conversation(Record):
         self.form = form
 
     def document(self) -> dict[str, Any] | str:
-        return {"form": self.form, "filt_text": turns_text(self.turns), "turns": self.turns}
+        return {FORM: self.form, TEXT: turns_text(self.turns), TURNS: self.turns}
 
 
 class BadRecord(Record):

@@ -30,7 +30,7 @@ from dsgpt2.curation.steps import STEPS, About, CollectionPart, Reason, Report, 
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
-from dsgpt2.documents import document_text
+from dsgpt2.documents import IDX, PASSES, QUALITY, document_text
 from dsgpt2.errors import usage_error
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import NON_NEGATIVE_INT, Checked, option
@@ -123,7 +123,7 @@ class Curation(Step):
         ),
     )
     settings = (CurateSettings,)
-    marks = ("quality", "passes")
+    marks = (QUALITY, PASSES)
     reasons = tuple(
         Reason(f"fails {rule}", {f"passes.{rule}": False}, f"dsgpt2 curate --rules {rule}",
                ("curate", "rules", rule))
@@ -164,7 +164,7 @@ class Curation(Step):
             verdicts(measured, self.rules, self.thresholds) if measured else dict.fromkeys(self.rules, False)
         )
         quality = {"v": SIGNALS_VERSION, **(measured or {})}
-        return {"quality": quality, "passes": {"key": self.run_key, **judged}}
+        return {QUALITY: quality, PASSES: {"key": self.run_key, **judged}}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionCuration:
         part = CollectionCuration(name, judged=done)
@@ -189,7 +189,7 @@ def _summarize(
         failing = {f"passes.{rule}": False}
         facets[f"failing{i}"] = [{"$match": failing}, {"$count": "n"}]
         facets[f"example{i}"] = [{"$match": failing}, {"$sort": {"idx": 1}}, {"$limit": 1},
-                                 {"$project": {"idx": 1, "quality": 1}}]  # fmt: skip
+                                 {"$project": {IDX: 1, QUALITY: 1}}]  # fmt: skip
     pipeline = [{"$match": {"idx": {"$exists": True}}}, {"$facet": facets}]
     (row,) = aggregate_summary(conn, part.name, pipeline, f"curate: counting {part.name}")
 
@@ -203,8 +203,8 @@ def _summarize(
             continue
         doc = row[f"example{i}"][0]
         why = (
-            failed(doc.get("quality") or {}, rule, thresholds)
-            if doc.get("quality", {}).get("words") is not None
+            failed(doc.get(QUALITY) or {}, rule, thresholds)
+            if doc.get(QUALITY, {}).get("words") is not None
             else []
         )
         part.examples.append(f"{part.name}:{doc['idx']} fails {rule}: {', '.join(why[:3]) or 'no text'}")

@@ -30,12 +30,10 @@ from dsgpt2.db.client import Connection, UpdateMany, UpdateOne
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary, read_windows
-from dsgpt2.documents import document_text
+from dsgpt2.documents import CHECKED, CONTAMINATED, TURNS, document_text
 from dsgpt2.errors import ConfigError, usage_error
 from dsgpt2.settings.options import Checked, Range, option
 
-CONTAMINATED = "contaminated"  # {SET: n-gram}: absent on a document no set shares an n-gram with
-CHECKED = "decont"  # {SET: run key}: the sets a document was checked against, and under which key
 META = "decontaminate"  # meta_info: {SET: {key, ngram, files, items, at}} after each complete run
 NORMALISER_VERSION = 1
 MIN_NGRAM = 5
@@ -387,7 +385,7 @@ class Decontamination(Step):
         return any(checked.get(name) != key for name, key in self.key().items())
 
     def fields(self, text_field: str) -> dict[str, int]:
-        return {text_field: 1, "turns": 1, CONTAMINATED: 1, CHECKED: 1}
+        return {text_field: 1, TURNS: 1, CONTAMINATED: 1, CHECKED: 1}
 
     def process(self, batch: list[dict[str, Any]], text_field: str) -> list[Any]:
         """The checked documents' marks: the clean ones get the keys by runs of consecutive idx, one

@@ -25,26 +25,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsgpt2.curation.neardup import MARKED_AFTER_PARTS, DedupSettings, NearLookup, Signing, duplicates_line
-from dsgpt2.curation.passes import NUMBERED, ensure_index
+from dsgpt2.curation.passes import NUMBERED
 from dsgpt2.curation.steps import STEPS, About, AtIngest, CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.bulk import find_in
 from dsgpt2.db.client import Connection, UpdateMany, with_retries
 from dsgpt2.db.groups import SPAN, repeated_values
+from dsgpt2.db.idx import ensure_index
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import count_numbered, first_numbered
-from dsgpt2.documents import document_hash
+from dsgpt2.documents import DUP_OF, HASH, document_hash
 
 log = logging.getLogger(__name__)
 
-HASH = "text_hash"
-DUP_OF = "dup_of"
 HASH_INDEX = "text_hash_1"
 # idx values stay below 2**40: a document's place over all collections is rank * 2**40 + idx.
 _BULK = 1000
-
-
-def ensure_hash_index(conn: Connection, name: str, what: str) -> None:
-    ensure_index(conn, name, HASH, what)
 
 
 @dataclass
@@ -135,7 +130,7 @@ class Hashing(Step):
     def start(self, conn: Connection, name: str) -> Hashing:
         cfg = conn.config
         # Indexed before the hashes are written: the writes keep it, no long build at the end.
-        ensure_hash_index(conn, name, f"dedup: indexing {name}")
+        ensure_index(conn, name, HASH, f"dedup: indexing {name}")
         meta = with_retries(lambda: read_meta(conn, [name]), cfg, f"dedup: meta of {name}").get(name) or {}
         hashed_field = (meta.get("hashes") or {}).get("field")
         every = hashed_field is not None and hashed_field != cfg.text_field
@@ -250,7 +245,7 @@ class SeenTexts:
         present = set(with_retries(conn.db.list_collection_names, conn.config, "dedup: collections"))
         seen.names = [n for n in seen.names if n in present or n == seen.names[0]]
         for name in seen.names:
-            ensure_hash_index(conn, name, f"indexing {name}")
+            ensure_index(conn, name, HASH, f"indexing {name}")
             unhashed = first_numbered(conn, name, {HASH: {"$exists": False}}, {"_id": 1}, f"indexing {name}")
             if unhashed is not None:
                 log.warning(

@@ -37,15 +37,14 @@ from typing import Any
 
 from dsgpt2.curation.steps import STEPS, About, Report, Split, Step
 from dsgpt2.db.client import Connection
-from dsgpt2.db.filters import LANGUAGE_FIELD
 from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary
-from dsgpt2.documents import document_text
+from dsgpt2.documents import LANGUAGE, document_text
+from dsgpt2.documents import LANGUAGE_KEY as KEY
+from dsgpt2.documents import LANGUAGE_SCORE as SCORE
 
 MODEL = "py3langid"
 CHARS = 4000  # of each text, read by the model
-SCORE = "lang_score"
-KEY = "lang_key"
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,7 +127,7 @@ class Labelling(Step):
             "  dsgpt2 langid --config c.json --workers 2 --collection news"
         ),
     )
-    marks = (LANGUAGE_FIELD, SCORE, KEY)
+    marks = (LANGUAGE, SCORE, KEY)
     verb = "langid"
     writing = "langid"
     mark = KEY
@@ -139,7 +138,7 @@ class Labelling(Step):
 
     def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
         code, score = identify(document_text(doc, text_field))
-        return {LANGUAGE_FIELD: code, SCORE: score, KEY: self.key()}
+        return {LANGUAGE: code, SCORE: score, KEY: self.key()}
 
     def finish(self, conn: Connection, name: str, done: int, split: Split) -> CollectionLanguages:
         part = CollectionLanguages(name, labelled=done, counts=count_languages(conn, name))
@@ -156,7 +155,7 @@ def count_languages(conn: Connection, name: str) -> dict[str, int]:
     by_code = [
         {"$match": {"idx": {"$exists": True}}},
         {"$group": {"_id": {"$cond": [{"$eq": [{"$type": f"${KEY}"}, "missing"]}, "unlabelled",
-                                      {"$ifNull": [f"${LANGUAGE_FIELD}", "none"]}]},
+                                      {"$ifNull": [f"${LANGUAGE}", "none"]}]},
                     "n": {"$sum": 1}}},
     ]  # fmt: skip
     rows = aggregate_summary(conn, name, by_code, f"langid: counting {name}")

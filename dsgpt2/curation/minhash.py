@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.hashing import GOLDEN_GAMMA, splitmix64
 from dsgpt2.settings.options import POSITIVE_INT, RATIO, Checked, Range, option
 
 VERSION = 1
 _WORD = re.compile(r"\w+")
-_M1 = np.uint64(0x9E3779B97F4A7C15)  # golden ratio: the polynomial over word hashes
-_M2 = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64's finalizer
-_M3 = np.uint64(0x94D049BB133111EB)
 _MASK32 = np.uint64(0xFFFFFFFF)
 _CHUNK = 4096  # shingles per matrix product: bounds memory on very long texts
 _ALL_PAIRS = 256
@@ -96,12 +94,6 @@ def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-def _mix(h: np.ndarray) -> np.ndarray:
-    h = (h ^ (h >> np.uint64(30))) * _M2
-    h = (h ^ (h >> np.uint64(27))) * _M3
-    return h ^ (h >> np.uint64(31))
-
-
 def shingles(text: str, ngram: int) -> np.ndarray:
     """The sorted distinct 64-bit hashes of ``text``'s word n-grams (empty for a text without words)."""
     words = _WORD.findall(text.lower())
@@ -114,8 +106,8 @@ def shingles(text: str, ngram: int) -> np.ndarray:
     m = len(w) - n + 1
     h = np.zeros(m, dtype=np.uint64)
     for k in range(n):  # a polynomial over the n word hashes, wrapping at 2**64
-        h = h * _M1 + w[k : k + m]
-    return np.unique(_mix(h))
+        h = h * GOLDEN_GAMMA + w[k : k + m]
+    return np.unique(splitmix64(h))
 
 
 def signature(sh: np.ndarray, perms: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -134,9 +126,9 @@ def band_values(sig: np.ndarray, bands: int, rows: int) -> list[int]:
     """One signed 64-bit value per band (each band's index mixed in: equal rows in two different bands
     are different values), as BSON stores them."""
     table = sig[: bands * rows].reshape(bands, rows)
-    h = _mix(np.arange(1, bands + 1, dtype=np.uint64))
+    h = splitmix64(np.arange(1, bands + 1, dtype=np.uint64))
     for k in range(rows):
-        h = _mix(h ^ table[:, k])
+        h = splitmix64(h ^ table[:, k])
     return h.view(np.int64).tolist()
 
 

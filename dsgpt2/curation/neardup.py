@@ -39,21 +39,19 @@ from dsgpt2.curation.minhash import (
     shingles,
     signature,
 )
-from dsgpt2.curation.passes import NUMBERED, ensure_index
+from dsgpt2.curation.passes import NUMBERED
 from dsgpt2.curation.steps import CollectionPart, Reason, Report, Split, Step
 from dsgpt2.db.bulk import find_in, write_ops
-from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, patiently, with_retries
+from dsgpt2.db.client import Connection, UpdateMany, UpdateOne, with_retries
 from dsgpt2.db.groups import SPAN, shared_elements
+from dsgpt2.db.idx import drop_index, ensure_index
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import count_numbered, read_windows
-from dsgpt2.documents import document_text
+from dsgpt2.documents import BANDS, BANDS_KEY, IDX, NEAR_OF, TURNS, document_text
 from dsgpt2.settings.options import POSITIVE_INT, RATIO, Checked, option
 
 log = logging.getLogger(__name__)
 
-BANDS = "lsh"
-BANDS_KEY = "lsh_key"
-NEAR_OF = "near_dup_of"
 BANDS_INDEX = "lsh_1"
 _BUCKETS_PER_ROUND = 2000
 _CACHE = 50_000  # shingle sets held while confirming
@@ -141,7 +139,7 @@ class Signing(Step):
         meta = with_retries(lambda: read_meta(conn, [name]), conn.config, "dedup --near: meta")
         last = ((meta.get(name) or {}).get("dedup") or {}).get("near", {}).get("key")
         if last is not None and last != self.key():
-            patiently(conn, lambda db: _drop_bands_index(db, name), f"dedup --near: unindexing {name}")
+            drop_index(conn, name, BANDS_INDEX, f"dedup --near: unindexing {name}")
         return self
 
     def apply(self, doc: dict[str, Any], text_field: str) -> dict[str, Any]:
@@ -180,11 +178,6 @@ class Signing(Step):
             write_meta(conn, part.name, {"dedup.near": done})
 
 
-def _drop_bands_index(db: Any, name: str) -> None:
-    if any(i["name"] == BANDS_INDEX for i in db[name].list_indexes()):
-        db[name].drop_index(BANDS_INDEX)
-
-
 @functools.lru_cache(maxsize=4)
 def _signer(params: LshParams) -> Signer:
     """The permutations of ``params``, drawn once per process rather than once per batch."""
@@ -209,7 +202,7 @@ class ShingleCache:
         by_rank: dict[int, list[int]] = {}
         for k in missing:
             by_rank.setdefault(k // SPAN, []).append(k % SPAN)
-        wanted = {"idx": 1, cfg.text_field: 1, "turns": 1}
+        wanted = {IDX: 1, cfg.text_field: 1, TURNS: 1}
         for rank, idxs in by_rank.items():
             docs = find_in(self.conn, self.names[rank], "idx", idxs, fields=wanted,
                            what="dedup --near: reading candidates", longest=_BULK)  # fmt: skip
@@ -344,7 +337,7 @@ class NearLookup:
         for rank, other in enumerate(self.names):
             if not wanted:
                 break
-            fields = {"idx": 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, "turns": 1}
+            fields = {IDX: 1, BANDS: 1, NEAR_OF: 1, cfg.text_field: 1, TURNS: 1}
             found: dict[Any, dict[str, Any]] = {}  # a document holding bands of two lists comes twice
             for c in find_in(self.conn, other, BANDS, wanted, fields=fields, also={BANDS_KEY: p.key},
                              what=f"ingest --dedup: near copies in {other}"):  # fmt: skip

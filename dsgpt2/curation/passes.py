@@ -30,26 +30,14 @@ from typing import Any
 
 from dsgpt2.curation.steps import Split, Step
 from dsgpt2.db.bulk import write_ops
-from dsgpt2.db.client import ASCENDING, Connection, DatabaseError, patiently, require_collections
+from dsgpt2.db.client import Connection, require_collections
 from dsgpt2.db.idx import idx_bounds, numbered_batches
-from dsgpt2.errors import CorpusError
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.argtypes import part_of
 from dsgpt2.settings.options import POSITIVE_INT, Checked, option
 
 log = logging.getLogger(__name__)
 NUMBERED = {"idx": {"$exists": True}}  # the documents of the corpus (a collection may hold others)
-
-
-def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
-    """An ascending index on ``field`` of ``name`` (named ``field_1``), built however long it takes
-    (:func:`patiently`); a refusal is a CorpusError."""
-    try:
-        patiently(conn, lambda db: db[name].create_index([(field, ASCENDING)], name=f"{field}_1"), what)
-    except DatabaseError as exc:  # OperationFailure among them
-        raise CorpusError(
-            f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"
-        ) from None
 
 
 WHOLE = Split()

@@ -40,18 +40,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsgpt2.curation.dedup import HASH
 from dsgpt2.curation.steps import STEPS, About, AtIngest, CollectionPart, Report, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta, write_meta
 from dsgpt2.db.summaries import aggregate_summary, first_numbered
-from dsgpt2.documents import document_hash, turns_text
+from dsgpt2.documents import FORM, HASH, PII, TEXT, TURNS, document_hash, turns_text
 from dsgpt2.errors import CorpusError
 from dsgpt2.settings.options import Checked, option
 
 # Raised when a rule changes: documents redacted under another version are redacted again.
 PII_VERSION = 1
-PII = "pii"
 KINDS = ("email", "ip", "phone")
 
 # Cycled through, one after the other, within a text (deterministic: the same text, the same result).
@@ -189,7 +187,7 @@ def redact_document(doc: dict[str, Any], text_field: str) -> dict[str, Any] | No
     before = doc.get(PII) if isinstance(doc.get(PII), dict) else {}
     counts = {k: int(before.get(k, 0)) for k in KINDS}
     out: dict[str, Any] = {}
-    turns = doc.get("turns")
+    turns = doc.get(TURNS)
     value = doc.get(text_field)
     if isinstance(turns, list) and turns and all(isinstance(t, dict) for t in turns):
         # A conversation: its turns redacted one by one, and the text training reads made of them again.
@@ -200,7 +198,7 @@ def redact_document(doc: dict[str, Any], text_field: str) -> dict[str, Any] | No
                 text, found = redact(text)
                 counts = {k: counts[k] + found[k] for k in KINDS}
             new_turns.append({**turn, "text": text})
-        out["turns"] = new_turns
+        out[TURNS] = new_turns
         if isinstance(value, str):
             out[text_field] = turns_text(new_turns)
         original = value if isinstance(value, str) else turns_text(turns)
@@ -210,8 +208,8 @@ def redact_document(doc: dict[str, Any], text_field: str) -> dict[str, Any] | No
         original = value
     else:
         return None
-    if "form" not in doc:
-        out["form"] = original
+    if FORM not in doc:
+        out[FORM] = original
     out[HASH] = document_hash({**doc, **out}, text_field)
     out[PII] = {"v": PII_VERSION, **counts}
     return out
@@ -298,7 +296,7 @@ class Redaction(Step):
         ),
     )
     settings = (RedactSettings,)
-    marks = (PII, "form", HASH)
+    marks = (PII, FORM, HASH)
     at_ingest = AtIngest(
         "pii",
         "replace e-mail addresses, IP addresses and phone numbers in the text (as `dsgpt2 redact` does; "
@@ -314,13 +312,13 @@ class Redaction(Step):
 
     @classmethod
     def for_ingest(cls) -> Redaction:
-        return cls(redacts="filt_text")  # the cleaned text ingest stores, whatever TEXT_FIELD names
+        return cls(redacts=TEXT)  # the cleaned text ingest stores, whatever TEXT_FIELD names
 
     def key(self) -> int:
         return PII_VERSION
 
     def fields(self, text_field: str) -> dict[str, int]:
-        return {text_field: 1, "turns": 1, PII: 1, "form": 1}
+        return {text_field: 1, TURNS: 1, PII: 1, FORM: 1}
 
     def check(self, conn: Connection, names: Sequence[str]) -> None:
         if self.force:

@@ -16,7 +16,7 @@ from dsgpt2.curation.steps import CollectionPart, Reason, reasons
 from dsgpt2.db.client import Connection, require_collections
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import aggregate_summary, first_in_order
-from dsgpt2.documents import document_text
+from dsgpt2.documents import IDX, TURNS, document_text
 from dsgpt2.files import atomic_writer
 
 
@@ -60,7 +60,7 @@ def summarize(
     facets["languages"] = [{"$match": {"lang_key": {"$exists": True}}},
                            {"$group": {"_id": {"$ifNull": ["$lang", "none"]}, "n": {"$sum": 1}}}]  # fmt: skip
     facets["pii"] = PII_FACET
-    shown = {"idx": 1, cfg.text_field: 1, "turns": 1, **{r.of: 1 for r in listed if r.of}}
+    shown = {IDX: 1, cfg.text_field: 1, TURNS: 1, **{r.of: 1 for r in listed if r.of}}
     out = []
     metas = read_meta(conn, list(names))
     for name in names:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from dsgpt2.db.client import Connection, UpdateOne
+from dsgpt2.documents import TURNS, declare_marks, forget_marks
+from dsgpt2.ranges import even_ranges
 from dsgpt2.registry import Registry
 
 
@@ -61,15 +63,6 @@ class AtIngest:
     help: str
 
 
-def spans(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
-    """``[lo, hi]`` cut into ``parts`` contiguous ``[start, stop)`` ranges as even as integers allow
-    (fewer when there are fewer idx values than parts)."""
-    n = hi - lo + 1
-    parts = max(1, min(parts, n))
-    cuts = [lo + n * i // parts for i in range(parts + 1)]
-    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
-
-
 @dataclass(frozen=True)
 class Split:
     """How a pass's per-document work is split: ``workers`` processes here, and this machine's
@@ -80,11 +73,13 @@ class Split:
     parts: int = 1
 
     def ranges(self, bounds: tuple[int, int]) -> list[tuple[int, int]]:
-        mine = spans(*bounds, self.parts)
+        """This machine's workers' ``[start, stop)`` ranges of a collection's idx ``bounds`` (both
+        inclusive)."""
+        lo, hi = bounds
+        mine = even_ranges(lo, hi + 1, self.parts)
         if self.part >= len(mine):  # more machines than idx values: nothing here
             return []
-        start, stop = mine[self.part]
-        return spans(start, stop - 1, self.workers)
+        return even_ranges(*mine[self.part], self.workers)
 
 
 def set_each(updates: Sequence[tuple[Any, dict[str, Any]]]) -> list[Any]:
@@ -202,7 +197,7 @@ class Step:
 
     def fields(self, text_field: str) -> dict[str, int]:
         """The fields a batch is read with (besides ``_id`` and ``idx``)."""
-        return {text_field: 1, "turns": 1}
+        return {text_field: 1, TURNS: 1}
 
     def pending(self, doc: dict[str, Any]) -> bool:
         """Whether a document ``todo`` read is still to process: for a condition ``todo`` leaves out
@@ -251,7 +246,13 @@ class Step:
 
 
 # Every step, by name, in the order the commands, the ingest switches and the report list them.
-STEPS: Registry[type[Step]] = Registry("curation step", "step")
+# A step's marks are declared on the document schema as it registers: a FILTER may name them at once.
+STEPS: Registry[type[Step]] = Registry(
+    "curation step",
+    "step",
+    declare=lambda name, step: declare_marks(name, step.marks),
+    forget=forget_marks,
+)
 
 
 def commands() -> dict[str, list[type[Step]]]:

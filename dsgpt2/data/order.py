@@ -32,6 +32,7 @@ import numpy as np
 
 from dsgpt2.corpus.draws import uniform
 from dsgpt2.data.table import ChunkTable, Segment
+from dsgpt2.hashing import splitmix64
 
 ORDERS = ("spread", "ranges")
 ROUNDS = 4  # Feistel rounds: four make a pseudorandom permutation (Luby and Rackoff)
@@ -40,13 +41,6 @@ ROUNDS = 4  # Feistel rounds: four make a pseudorandom permutation (Luby and Rac
 def _digest(key: tuple[object, ...]) -> int:
     """A 64-bit key of a tuple of ints and names, the same in every process and version."""
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser: every output bit depends on every input bit (uint64 in, out)."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 @dataclass(frozen=True)
@@ -80,10 +74,10 @@ class Permutation:
             for k in keys:
                 if forward:  # (L, R) -> (R, L ^ F(R)): L's width moves right
                     mask = np.uint64((1 << wide[0]) - 1)
-                    left, right = right, left ^ (_mix(right ^ k) & mask)
+                    left, right = right, left ^ (splitmix64(right ^ k) & mask)
                 else:  # undo: (L', R') = (R, L ^ F(R)) -> (R' ^ F(L'), L')
                     mask = np.uint64((1 << wide[1]) - 1)
-                    left, right = right ^ (_mix(left ^ k) & mask), left
+                    left, right = right ^ (splitmix64(left ^ k) & mask), left
                 wide.reverse()
         return (left << np.uint64(wide[1])) | right
 

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.documents import TEXT
 from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Range, option
 
@@ -122,7 +123,7 @@ class MongoConfig(Checked):
     uri: str = field(repr=False)
     db: str
     collections: tuple[str, ...]
-    text_field: str = "filt_text"
+    text_field: str = TEXT
     meta_collection: str = "meta_info"
     server_selection_timeout_ms: int = option(5000, flag="SERVER_SELECTION_TIMEOUT_MS", check=POSITIVE_INT)
     socket_timeout_ms: int = option(60000, flag="SOCKET_TIMEOUT_MS", check=POSITIVE_INT)

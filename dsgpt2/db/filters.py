@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from dsgpt2.documents import LANGUAGE, known_fields
 from dsgpt2.errors import ConfigError
 
-# The field `dsgpt2 langid` labels, and every code its model (py3langid 0.4) can put there; a test of
-# dsgpt2/curation/language.py keeps the list equal to the model's. The list is curation's, but it lives
+# Every code the language model of `dsgpt2 langid` (py3langid 0.4) can put in a document's LANGUAGE; a test
+# of dsgpt2/curation/language.py keeps the list equal to the model's. The list is curation's, but it lives
 # here, in db/: FILTER is checked where the query is made, below curation, before anything is read.
-LANGUAGE_FIELD = "lang"
 _CODES = """ace af am an ar ary arz as az ba bcl be bg bn br bs ca crh cs cy da de dz el en eo es et eu ext fa
 fi fo fr fuv fy ga gcf gcr gd gl gom grc gu gug guw ha hbo he hi hr ht hu hy id ig is it ja jv ka
 kab kik kk km kn ko ku ky la lb lg lij ln lo lt ltg lv mg mk ml mn mr ms mt my ne nl nn no nso oc om
@@ -35,7 +35,7 @@ def check_filter_languages(query: Any, shown: str) -> None:
     for code in _language_values(query):
         if code not in LANGUAGE_CODES:
             raise ConfigError(
-                f"FILTER {shown}: {LANGUAGE_FIELD!r} {code!r} is not a language code `dsgpt2 langid` "
+                f"FILTER {shown}: {LANGUAGE!r} {code!r} is not a language code `dsgpt2 langid` "
                 f"labels (ISO 639, e.g. en, de, zh; {len(LANGUAGE_CODES)} codes); fix FILTER in the config"
             )
 
@@ -48,7 +48,7 @@ def _language_values(query: Any) -> Iterator[str]:
         for key, value in query.items():
             if key in ("$and", "$or", "$nor"):
                 yield from _language_values(value)
-            elif key == LANGUAGE_FIELD:
+            elif key == LANGUAGE:
                 yield from _compared_codes(value)
 
 
@@ -145,13 +145,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-# The fields dsgpt2 writes on a document: ingest's, and the passes' (a FILTER may name one no document has
-# yet: a corpus without duplicates has no dup_of). A test keeps the list equal to the modules' names.
-DOCUMENT_FIELDS = ("_id", "idx", "form", "filt_text", "source", "source_pos", "turns")
-PASS_FIELDS = ("text_hash", "dup_of", "lsh", "lsh_key", "near_dup_of", "quality", "passes", LANGUAGE_FIELD,
-               "lang_score", "lang_key", "contaminated", "decont", "pii")  # fmt: skip
-
-
 def filter_fields(query: Any) -> list[str]:
     """The field paths a FILTER names, in order, once each (inside ``$and``, ``$or`` and ``$nor`` too)."""
     out: list[str] = []
@@ -169,10 +162,11 @@ def filter_fields(query: Any) -> list[str]:
 
 def unknown_fields(query: Any, present: set[str], extra: Sequence[str] = ()) -> list[tuple[str, str | None]]:
     """The fields ``query`` names whose first part is no field of the documents seen (``present``), of
-    dsgpt2's, or of ``extra`` (the config's TEXT_FIELD): each with the known name most like it."""
+    dsgpt2's (a FILTER may name one no document has yet: a corpus without duplicates has no ``dup_of``),
+    or of ``extra`` (the config's TEXT_FIELD): each with the known name most like it."""
     import difflib
 
-    known = {*present, *DOCUMENT_FIELDS, *PASS_FIELDS, *extra}
+    known = {*present, *known_fields(), *extra}
     out = []
     for path in filter_fields(query):
         head = path.split(".")[0]

@@ -12,11 +12,42 @@ from typing import Any
 import pymongo
 from pymongo.errors import OperationFailure, PyMongoError
 
-from dsgpt2.db.client import MAX_BACKOFF_S, TRANSIENT_ERRORS, Connection, first_line, revive, with_retries
+from dsgpt2.db.client import (
+    MAX_BACKOFF_S,
+    TRANSIENT_ERRORS,
+    Connection,
+    DatabaseError,
+    first_line,
+    patiently,
+    revive,
+    with_retries,
+)
 from dsgpt2.db.filters import conjoin
 from dsgpt2.errors import CorpusError, MongoUnavailableError
 
 log = logging.getLogger(__name__)
+
+
+def ensure_index(conn: Connection, name: str, field: str, what: str) -> None:
+    """An ascending index on ``field`` of ``name`` (named ``field_1``), built however long it takes
+    (:func:`patiently`); a refusal is a CorpusError."""
+    try:
+        index = [(field, pymongo.ASCENDING)]
+        patiently(conn, lambda db: db[name].create_index(index, name=f"{field}_1"), what)
+    except DatabaseError as exc:  # OperationFailure among them
+        raise CorpusError(
+            f"cannot create the {field} index on {name!r}: {conn.config.scrub(str(exc))}"
+        ) from None
+
+
+def drop_index(conn: Connection, name: str, index: str, what: str) -> None:
+    """Drop the index named ``index`` of ``name`` where there is one, however long it takes."""
+
+    def drop(db: Any) -> None:
+        if any(i["name"] == index for i in db[name].list_indexes()):
+            db[name].drop_index(index)
+
+    patiently(conn, drop, what)
 
 
 def idx_index_name(coll: Any) -> str | None:
@@ -27,21 +58,27 @@ def idx_index_name(coll: Any) -> str | None:
     return None
 
 
-def ensure_idx_index(coll: Any) -> None:
-    """Create the unique index on ``idx`` unless it exists.
+def ensure_idx_index(conn: Connection, name: str, what: str) -> None:
+    """Create the unique index on ``idx`` of ``name`` unless it exists, however long it takes
+    (:func:`patiently`).
 
     Raises:
         CorpusError: the collection holds duplicate idx values, so no unique index can exist.
     """
-    if idx_index_name(coll) is not None:
-        return
-    try:
-        coll.create_index([("idx", pymongo.ASCENDING)], unique=True, name="idx_unique")
-    except (OperationFailure, PyMongoError) as exc:
-        raise CorpusError(
-            f"cannot create the unique idx index on {coll.name!r}: {first_line(exc)}; "
-            f"run `dsgpt2 validate` to find the duplicate idx values"
-        ) from None
+
+    def ensure(db: Any) -> None:
+        coll = db[name]
+        if idx_index_name(coll) is not None:
+            return
+        try:
+            coll.create_index([("idx", pymongo.ASCENDING)], unique=True, name="idx_unique")
+        except OperationFailure as exc:
+            raise CorpusError(
+                f"cannot create the unique idx index on {name!r}: {first_line(exc)}; "
+                f"run `dsgpt2 validate` to find the duplicate idx values"
+            ) from None
+
+    patiently(conn, ensure, what)
 
 
 # Reads of "the largest idx" or "the next documents after idx k" ask bounded idx windows, never an
@@ -94,6 +131,11 @@ def max_idx(coll: Any, guess: int | None = None) -> int | None:
     return None if top is None else int(top)
 
 
+def largest_idx(conn: Connection, name: str, what: str, guess: int | None = None) -> int | None:
+    """The largest numeric idx of ``name``, or None when there is none (:func:`max_idx`, retried)."""
+    return with_retries(lambda: max_idx(conn.db[name], guess=guess), conn.config, what)
+
+
 def idx_bounds(conn: Connection, name: str) -> tuple[int, int] | None:
     """The smallest and largest idx of ``name`` (a few reads on the idx index); None when it has none."""
     coll = conn.db[name]
@@ -139,7 +181,7 @@ def numbered_batches(
 
 
 def insert_batch(
-    conn: Connection, coll: Any, docs: list[dict[str, Any]], sleep: Callable[[float], None] = time.sleep
+    conn: Connection, name: str, docs: list[dict[str, Any]], sleep: Callable[[float], None] = time.sleep
 ) -> int:
     """Insert ``docs`` (numbered from ``docs[0]["idx"]`` on) in order; returns the idx after the last.
 
@@ -157,6 +199,7 @@ def insert_batch(
     attempt = 0
     unsure = False  # after a transient error: which of ``docs`` landed is not known yet
     while True:
+        coll = conn.db[name]  # made again after a server move (revive)
         try:
             if unsure:
                 end = int(docs[-1]["idx"]) + 1

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from dsgpt2.db.client import Connection, patiently, with_retries
+from dsgpt2.db.client import Connection, count_in, patiently, with_retries
 from dsgpt2.db.filters import conjoin
-from dsgpt2.db.idx import max_idx
+from dsgpt2.db.idx import largest_idx
 from dsgpt2.db.meta import read_meta
 
 WINDOW = 10_000
@@ -77,7 +77,7 @@ def windows(conn: Connection, name: str) -> Iterator[tuple[int, int]]:
     meta_info's count, in a few bounded reads)."""
     count = read_meta(conn, [name]).get(name, {}).get("count")
     guess = count - 1 if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
-    top = with_retries(lambda: max_idx(conn.db[name], guess=guess), conn.config, f"reading {name}: last idx")
+    top = largest_idx(conn, name, f"reading {name}: last idx", guess=guess)
     for lo in range(0, -1 if top is None else top + 1, WINDOW):
         yield lo, lo + WINDOW
 
@@ -103,6 +103,21 @@ def count_numbered(conn: Connection, name: str, query: dict[str, Any], what: str
         numbered = conjoin({"idx": {"$exists": True}}, query)
         return int(patiently(conn, lambda db: db[name].count_documents(numbered), what))
     return sum(len(docs) for docs in read_windows(conn, name, query, {"_id": 1}, what))
+
+
+def count_where(conn: Connection, name: str, query: dict[str, Any], what: str) -> int:
+    """The documents of ``name`` that ``query`` matches, numbered or not (:func:`count_in`, retried): for a
+    query an index bounds; :func:`count_numbered` for one it may not."""
+    return int(with_retries(lambda: count_in(conn.db[name], query), conn.config, what))
+
+
+def last_numbered(
+    conn: Connection, name: str, query: dict[str, Any], projection: dict[str, Any], what: str
+) -> dict[str, Any] | None:
+    """The document of ``name`` with the largest idx that ``query`` matches (``projection``'s fields), or
+    None: for a query whose idx range is short (the embedded engine reads all of it before sorting)."""
+    q = conjoin({"idx": {"$exists": True}}, query)
+    return with_retries(lambda: conn.db[name].find_one(q, projection, sort=[("idx", -1)]), conn.config, what)
 
 
 def integer_idx(conn: Connection, name: str, what: str) -> Iterator[list[int]]:

@@ -431,7 +431,7 @@ def fix_collection(conn: Connection, name: str) -> list[str]:
     report = validate_collection(conn, name)
     kinds = {p.kind for p in report.problems}
     if "missing_idx_index" in kinds and "duplicate_idx" not in kinds:
-        patiently(conn, lambda db: ensure_idx_index(db[name]), f"indexing {name}")
+        ensure_idx_index(conn, name, f"indexing {name}")
         done.append(f"{name}: fixed: created the unique index on idx")
     blocking = kinds & {"non_integer_idx", "duplicate_idx", "gaps", "negative_idx", "empty"}
     if kinds & {"no_meta_count", "meta_count_mismatch"} and not blocking:

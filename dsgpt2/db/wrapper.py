@@ -22,7 +22,7 @@ from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.filters import conjoin, unknown_fields
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import count_numbered
-from dsgpt2.documents import ABSENT, Doc, SkipTally, text_problem, turns_problem
+from dsgpt2.documents import ABSENT, FORM, TURNS, Doc, SkipTally, text_problem, turns_problem
 from dsgpt2.errors import BadDocumentError, ConfigError, CorpusError
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def check_filter_keeps(conn: Connection, names: Sequence[str], counts: Sequence[
     config = conn.config
     query = config.filter_query
     kept, present = 0, set()
-    light = {"form": 0, config.text_field: 0, "turns": 0}
+    light = {FORM: 0, config.text_field: 0, TURNS: 0}
     for name, count in zip(names, counts, strict=True):
         if not count:
             continue
@@ -321,7 +321,7 @@ class MongoWrapper:
         return None
 
 
-CONVERSATION_FIELD = "turns"
+CONVERSATION_FIELD = TURNS
 RAW_DOCUMENTS: CodecOptions = CodecOptions(document_class=RawBSONDocument)
 _LENIENT: CodecOptions = CodecOptions(unicode_decode_error_handler="replace")
 INVALID_TEXT = "\udcff"  # a lone surrogate: text_problem() classifies it as invalid_unicode

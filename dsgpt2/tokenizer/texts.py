@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dsgpt2.corpus.draws import select, shard_ranges
+from dsgpt2.corpus.draws import select
 from dsgpt2.db.client import require_collections
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
@@ -38,6 +38,7 @@ from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
 from dsgpt2.progress import progress as progress_display
+from dsgpt2.ranges import even_ranges
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, check_fields, option
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def download(
     require_nonempty(wrapper)
     total = len(wrapper)
     p = draw.probability(total)
-    ranges = shard_ranges(total, shards or max(workers, -(-total // _SHARD_DOCS)))
+    ranges = even_ranges(0, total, shards or max(workers, -(-total // _SHARD_DOCS)))
     plan = {
         "db": config.db,
         "collections": list(config.collections),

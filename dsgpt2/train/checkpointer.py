@@ -155,7 +155,7 @@ class Checkpointer:
             "(the global batch is now %d ranks' worth)", named, ranks, self.world, self.world,
         )  # fmt: skip
         if is_partitioned(load_dir, tag):
-            stage = universal.zero_stage(load_dir, tag)
+            stage = universal.saved_zero_stage(load_dir, tag)
             if stage not in (1, 2):
                 raise CheckpointError(
                     f"{named} was saved by {ranks} rank(s) under ZeRO stage {stage}, whose "

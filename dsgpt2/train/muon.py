@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 # DeepSpeed's MuonWithAuxAdam, the momentum of the Muon paper (Nesterov, as both apply it).
 MUON_LR = 0.02
 MUON_MOMENTUM = 0.95
+# The optimizer-state key DeepSpeed's MuonWithAuxAdam keeps a matrix's momentum under: the batched step
+# keeps it there too, and the universal form of a checkpoint carries it (dsgpt2.train.universal).
+MUON_MOMENTUM_KEY = "momentum_buffer"
 # How large each matrix's update is (see muon_scale); "storage" is DeepSpeed's rule on the weight as
 # stored, what runs trained before the choice existed used (their checkpoints resume with it).
 SCALES = ("spectral", "rms", "storage")
@@ -198,9 +201,9 @@ def batched_muon_class() -> type:
                     buffers = []
                     for p in params:
                         state = self.state[p]
-                        if "momentum_buffer" not in state:
-                            state["momentum_buffer"] = torch.zeros_like(p)
-                        buffers.append(state["momentum_buffer"])
+                        if MUON_MOMENTUM_KEY not in state:
+                            state[MUON_MOMENTUM_KEY] = torch.zeros_like(p)
+                        buffers.append(state[MUON_MOMENTUM_KEY])
                     momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
                     grads = torch.stack([p.grad for p in params])
                     update = original_muon.muon_update(

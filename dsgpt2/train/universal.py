@@ -36,6 +36,7 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
+from dsgpt2.train.muon import MUON_MOMENTUM_KEY
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,6 @@ PARAM_SHAPES = "param_shapes"
 PARAM_GROUPS = "param_groups"
 ZERO_STAGE = "zero_stage"
 PARAM = "param"
-MUON_MOMENTUM = "momentum_buffer"  # DeepSpeed's Muon at ZeRO 1/2: see _whole_tensors
 _SHARD = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 
 
@@ -57,14 +57,15 @@ def universal_tag(tag: str) -> str:
     return tag + UNIVERSAL
 
 
-def zero_stage(ckpt_dir: Path, tag: str) -> int:
-    """The ZeRO stage a partitioned checkpoint was saved under (read from rank 0's shard)."""
+def saved_zero_stage(ckpt_dir: Path, tag: str) -> int:
+    """The ZeRO stage a partitioned checkpoint was saved under (read from rank 0's shard), whatever the
+    DeepSpeed config of the run resuming it says (``ds_config.zero_stage``)."""
     shards = _shards(ckpt_dir / tag)
     if not shards:
         return 0
     try:
         state = torch.load(shards[0], map_location="cpu", weights_only=False, mmap=True)
-        return int(state[OPTIMIZER_STATE_DICT].get(ZERO_STAGE, 0))
+        return _stage(state[OPTIMIZER_STATE_DICT])
     except Exception as exc:  # a damaged file fails in torch's zip reader or in unpickling
         raise CheckpointError(f"{shards[0]} cannot be read ({str(exc).strip()[:200]})") from None
 
@@ -111,7 +112,7 @@ def convert(src: Path, dst: Path) -> None:
     common: dict[str, Any] = {}
     for n, path in enumerate(shards):
         osd = torch.load(path, map_location="cpu", weights_only=False)[OPTIMIZER_STATE_DICT]
-        stage = int(osd.get(ZERO_STAGE, 0))
+        stage = _stage(osd)
         base = osd[BASE_OPTIMIZER_STATE]
         if stage not in (1, 2) or not isinstance(base, dict):
             why = "only ZeRO 1 and 2 are converted" if stage not in (1, 2) else "with elastic_checkpoint"
@@ -125,9 +126,9 @@ def convert(src: Path, dst: Path) -> None:
         fp32 = osd[SINGLE_PARTITION_OF_FP32_GROUPS]
         for group, mapping in enumerate(osd[PARAM_SLICE_MAPPINGS]):
             state = dict(base["state"].get(group, {}))
-            if (momentum := state.pop(MUON_MOMENTUM, None)) is not None:
+            if (momentum := state.pop(MUON_MOMENTUM_KEY, None)) is not None:
                 for name, whole in _whole_tensors(momentum, mapping, shapes, path):
-                    whole_states[name].setdefault(MUON_MOMENTUM, whole)
+                    whole_states[name].setdefault(MUON_MOMENTUM_KEY, whole)
             flat = {"fp32": fp32[group]}
             # Per-element state spans the partition (with its padding, at the end of the last rank's).
             flat.update(
@@ -188,14 +189,19 @@ def restore_muon_momentum(optimizer: Any, folder: Path) -> None:
     state = optimizer.optimizer.state
     for group, params in enumerate(getattr(optimizer, "params_in_partition", [])):
         flat = optimizer.optimizer.param_groups[group]["params"][0]
-        if MUON_MOMENTUM not in state.get(flat, {}):
+        if MUON_MOMENTUM_KEY not in state.get(flat, {}):
             continue
         wholes = []
         for p in params:
-            saved = folder / "zero" / optimizer.param_names[p] / f"{MUON_MOMENTUM}.pt"
+            saved = folder / "zero" / optimizer.param_names[p] / f"{MUON_MOMENTUM_KEY}.pt"
             wholes.append(torch.load(saved, map_location="cpu", weights_only=False)[PARAM].flatten())
-        held = state[flat][MUON_MOMENTUM]
-        state[flat][MUON_MOMENTUM] = torch.cat(wholes).to(dtype=held.dtype, device=held.device)
+        held = state[flat][MUON_MOMENTUM_KEY]
+        state[flat][MUON_MOMENTUM_KEY] = torch.cat(wholes).to(dtype=held.dtype, device=held.device)
+
+
+def _stage(osd: dict[str, Any]) -> int:
+    """The ZeRO stage one shard's optimizer state records (DeepSpeed writes it into every shard)."""
+    return int(osd.get(ZERO_STAGE, 0))
 
 
 def _shards(directory: Path) -> list[Path]:

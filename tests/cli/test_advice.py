@@ -420,7 +420,7 @@ OWNERS = {
     "dsgpt2/corpus/readers.py": ["ingest"],
     "dsgpt2/corpus/ingest_report.py": ["ingest"],
     "dsgpt2/corpus/columnar.py": ["ingest"],
-    "dsgpt2/corpus/numbering.py": ["index"],
+    "dsgpt2/db/numbering.py": ["index"],
     "dsgpt2/curation/neardup.py": ["dedup", "ingest"],
     "dsgpt2/curation/dedup.py": ["dedup", "ingest"],
     "dsgpt2/curation/minhash.py": ["dedup"],

@@ -19,7 +19,7 @@ from pymongo import monitoring
 from bench.bench_neardup import expected_duplicates, precision_recall
 from conftest import db_for, listen, make_config, run_cli, store_config
 from corpora import corpus, ingest_files, near_copy, near_marks
-from dsgpt2.curation import neardup, passes, steps
+from dsgpt2.curation import neardup, passes
 from dsgpt2.curation.minhash import (
     Clusters,
     LshParams,
@@ -70,6 +70,22 @@ def test_a_signature_agrees_with_another_as_often_as_their_texts_overlap() -> No
     assert len(values) == 16 and all(-(2**63) <= v < 2**63 for v in values)
     same_rows = np.tile(sig[:8], 16)  # every band the same rows: still a value per band
     assert len(set(band_values(same_rows, 16, 8))) == 16
+
+
+def test_shingles_and_bands_are_the_values_stored_documents_hold() -> None:
+    """Documents signed by an earlier run are compared with new ones by these values: pinned as the
+    first version computed them."""
+    assert shingles("The quick brown fox jumps over the lazy dog", 3).tolist() == [
+        1562363923538590999, 2178897808865907333, 4724262545349725023, 7564334832298961374,
+        9767422845553696693, 12679927712646654290, 15018675604540029465,
+    ]  # fmt: skip
+    sig = np.arange(1, 9, dtype=np.uint64) * np.uint64(1000)
+    assert band_values(sig, 4, 2) == [
+        5417811654777547050,
+        1343120467203065633,
+        -7839689265277346663,
+        1859560494282854703,
+    ]
 
 
 def test_clusters_are_the_confirmed_components_whatever_the_bucket_order() -> None:
@@ -226,8 +242,9 @@ def test_the_bands_index_is_built_once_the_bands_are_written(monkeypatch: pytest
 
 
 def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path) -> None:
-    assert steps.spans(0, 9, 3) == [(0, 3), (3, 6), (6, 10)]
-    assert steps.spans(5, 6, 4) == [(5, 6), (6, 7)]  # fewer idx values than parts
+    assert Split(workers=3).ranges((0, 9)) == [(0, 3), (3, 6), (6, 10)]
+    assert Split(workers=4).ranges((5, 6)) == [(5, 6), (6, 7)]  # fewer idx values than workers
+    assert Split(part=3, parts=4).ranges((5, 6)) == []  # more machines than idx values: nothing here
     assert Split(workers=2, part=1, parts=2).ranges((0, 99)) == [(50, 75), (75, 100)]
     docs, _ = corpus()
     cfg, store = ingest_files(tmp_path, {"news": docs})

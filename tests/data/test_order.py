@@ -33,6 +33,14 @@ def test_the_permutation_cuts_the_documents_into_disjoint_random_sets(n: int) ->
         assert abs(len(parts[0]) - n / 3) < 4 * np.sqrt(n)  # a range's share of the values
 
 
+def test_the_permutation_deals_what_it_always_dealt() -> None:
+    """A run resumed by a later version reads its epoch's remaining documents where it left them: the
+    permutation's values pinned as the first version computed them."""
+    p = Permutation(1000, (1, 2, 1000))
+    assert p.take(0, 12).tolist() == [505, 355, 608, 837, 991, 465, 626, 30, 685, 976, 926]
+    assert p.position(np.array([0, 1, 999])).tolist() == [113, 868, 877]
+
+
 def docs_of(order: ReadOrder, epoch: int, chunk: int) -> set[tuple[int, int]]:
     colls, idxs = order.documents(epoch, chunk)
     return set(zip(colls.tolist(), idxs.tolist(), strict=True))

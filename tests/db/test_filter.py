@@ -157,14 +157,25 @@ def test_a_filter_that_keeps_nothing_is_refused_and_a_field_no_document_has_is_n
 
 
 def test_the_fields_a_filter_may_name_are_those_dsgpt2_writes() -> None:
-    from dsgpt2.corpus.columnar import RESERVED
-    from dsgpt2.curation import decontaminate, dedup, language, neardup, pii
-    from dsgpt2.db.filters import DOCUMENT_FIELDS, PASS_FIELDS, filter_fields
+    import dsgpt2.curation  # noqa: F401  the built-in steps, registered
+    from dsgpt2.curation.steps import STEPS
+    from dsgpt2.db.filters import filter_fields, unknown_fields
+    from dsgpt2.documents import INGEST_FIELDS, known_fields, marks
 
-    written = {dedup.HASH, dedup.DUP_OF, neardup.BANDS, neardup.BANDS_KEY, neardup.NEAR_OF, "quality",
-               "passes", language.LANGUAGE_FIELD, language.SCORE, language.KEY, decontaminate.CONTAMINATED,
-               decontaminate.CHECKED, pii.PII}  # fmt: skip
-    assert set(PASS_FIELDS) == written and set(DOCUMENT_FIELDS) == set(RESERVED)
+    # Every mark a registered step writes is declared, and every declared mark is some step's.
+    written = {f for _, step in STEPS.items() for f in step.marks}
+    assert written - set(INGEST_FIELDS) == set(marks())
+    assert set(known_fields()) == {*INGEST_FIELDS, *marks()}
+    assert unknown_fields({"dup_of": {"$exists": False}, "lang": "en", "filt_text": "x"}, set()) == []
+    assert unknown_fields({"dup_off": 1}, set()) == [("dup_off", "dup_of")]
+    # A mark is one step's: ingest's fields and another step's marks are refused as its own.
+    from dsgpt2.documents import mark
+
+    with pytest.raises(ValueError, match="ingest"):
+        mark("idx", "mine")
+    with pytest.raises(ValueError, match="dedup"):
+        mark("dup_of", "mine")
+    assert mark("dup_of", "dedup") == "dup_of"  # the same declaration again is the same mark
     query = {
         "a": 1,
         "$or": [{"b.c": 2}, {"a": 3}],

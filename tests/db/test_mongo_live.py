@@ -283,8 +283,8 @@ def test_index_numbers_a_foreign_collection_in_place_and_later_documents_next(sc
     application go on inserting documents without idx, the quick check through that index."""
     from dataclasses import replace
 
-    from dsgpt2.corpus.numbering import index_collection
     from dsgpt2.db.meta import read_meta
+    from dsgpt2.db.numbering import index_collection
     from dsgpt2.db.validate import quick_check, validate_collection
 
     conn = Connection(replace(scratch.config, collections=("articles",), text_field="body"))

@@ -21,6 +21,7 @@ from dsgpt2.corpus.records import BadRecord, Record, Text
 from dsgpt2.curation.steps import STEPS, About, AtIngest, Reason, Split, Step
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
+from dsgpt2.db.filters import unknown_fields
 from dsgpt2.db.meta import write_meta
 from dsgpt2.documents import document_text
 from training import steps, trainer_args, training_corpus
@@ -140,7 +141,10 @@ def test_a_new_curation_step_is_one_class_and_one_registry_line(
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "mark texts written in capitals (shouting)" in capsys.readouterr().out
+    # Its marks are fields a FILTER may name before any document holds them; gone with it too.
+    assert unknown_fields({"shouting": {"$ne": True}}, set()) == []
     STEPS.unregister("shout")
+    assert [f for f, _ in unknown_fields({"shouting": {"$ne": True}}, set())] == ["shouting"]
     with pytest.raises(SystemExit) as exit_:
         main(["shout", "--config", str(cfg)])
     assert exit_.value.code == 2

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "dsgpt2"
 ORDER = [
     "settings",
     "db",
-    "curation",
     "corpus",
+    "curation",
     "tokenizer",
     "data",
     "model",
@@ -61,6 +61,23 @@ def test_imports_point_one_way(path: Path) -> None:
         other = _stage(name)
         if other is not None:
             assert ORDER.index(other) <= ORDER.index(own), f"{rel} ({own}) imports {name} ({other})"
+
+
+def test_a_document_field_is_named_in_one_module() -> None:
+    """The document's schema (dsgpt2/documents.py) names each field dsgpt2 writes; the others import it."""
+    for path in _modules():
+        if path.name != "documents.py":
+            assert '"filt_text"' not in path.read_text(), path.relative_to(ROOT)
+
+
+def test_a_collection_is_reached_only_through_the_database_layer() -> None:
+    """Outside db/, a collection is named to db/'s helpers, never subscripted from a database handle."""
+    import re
+
+    for path in _modules():
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] != "db":
+            assert not re.search(r"\bdb\[", path.read_text()), rel
 
 
 def test_only_the_database_layer_talks_to_mongodb_and_only_training_to_deepspeed() -> None:

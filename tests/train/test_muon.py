@@ -13,7 +13,7 @@ import pytest
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.train.config import OptimizerOptions, ScheduleOptions, TrainConfig
-from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, muon_param_groups
+from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, MUON_MOMENTUM_KEY, muon_param_groups
 from dsgpt2.train.schedule import Schedule, ScheduledLR
 from training import launch, steps, train, training_corpus
 
@@ -434,7 +434,7 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         if p.dim() == 2 and p.use_muon:
             assert torch.allclose(
-                ours.state[p]["momentum_buffer"], theirs.state[q]["momentum_buffer"], atol=1e-6
+                ours.state[p][MUON_MOMENTUM_KEY], theirs.state[q][MUON_MOMENTUM_KEY], atol=1e-6
             )
 
 

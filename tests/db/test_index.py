@@ -12,7 +12,7 @@ import pytest
 from bson import ObjectId
 
 from conftest import db_for, make_config, run_cli, store_config
-from dsgpt2.corpus import numbering
+from dsgpt2.db import numbering
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.validate import quick_check, validate_collection

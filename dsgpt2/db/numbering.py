@@ -11,22 +11,18 @@ hold 0..k-1 and a re-run continues at k. Documents added later (without ``idx``)
 numbers from the next run; the unique index is sparse (it holds the documents that have an ``idx``),
 so the application can go on inserting documents without one.
 
-Two passes never run at once: a lease in meta_info (owner, heartbeat) refuses a second ``index``
-of the same collection, and an unfinished ``ingest`` into it is refused too.
+Two passes never run at once: a lease in meta_info (:mod:`dsgpt2.db.leases`) refuses a second
+``index`` of the same collection, and an unfinished ``ingest`` into it is refused too.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import os
-import socket
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dsgpt2.curation.dedup import ensure_hash_index
 from dsgpt2.db.client import (
     ASCENDING,
     Connection,
@@ -37,15 +33,16 @@ from dsgpt2.db.client import (
     require_collections,
     with_retries,
 )
-from dsgpt2.db.idx import idx_index_name, max_idx
-from dsgpt2.db.meta import read_meta, write_meta
+from dsgpt2.db.idx import ensure_index, idx_index_name, max_idx
+from dsgpt2.db.leases import LEASE_SECONDS, Lease
+from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import count_numbered
-from dsgpt2.errors import CorpusError
+from dsgpt2.documents import HASH
+from dsgpt2.errors import CorpusError, LeaseHeld
 from dsgpt2.progress import progress as progress_display
 
 log = logging.getLogger(__name__)
 
-LEASE_SECONDS = 60.0  # a lease older than this belongs to a process that died
 UNNUMBERED = {"idx": {"$exists": False}}
 NUMBERED = {"idx": {"$exists": True}}
 
@@ -97,7 +94,7 @@ def index_collection(
             f"an ingest into {name!r} is unfinished or running; let it finish (or re-run it) before "
             "`dsgpt2 index`"
         )
-    owner = _take_lease(conn, name)
+    lease = _take_lease(conn, name)
     try:
         _check_numbers(conn, name)
         # Before the numbering: its checks and the next run's start read idx ranges through it.
@@ -146,19 +143,19 @@ def index_collection(
                 numbered += len(ids)
                 last_id = ids[-1]
                 bar.update(len(ids))
-                _record(conn, name, field, next_idx, owner)
+                _record(lease, field, next_idx)
         finally:
             bar.close()
             if cursor is not None:
                 cursor.close()
         # As ingest builds it: `ingest --dedup` and `dedup --exact` ask text_hash of every batch (the
         # documents without a hash cost an index entry each, until `dedup --exact` gives them one).
-        ensure_hash_index(conn, name, f"indexing {name}: text_hash index")
-        _record(conn, name, field, next_idx, owner)
+        ensure_index(conn, name, HASH, f"indexing {name}: text_hash index")
+        _record(lease, field, next_idx)
         no_text = {"idx": {"$gte": next_idx - numbered}, field: {"$not": {"$type": "string"}}}  # or none
         without = count_numbered(conn, name, no_text, f"indexing {name}: texts") if numbered else 0
     finally:
-        _release_lease(conn, name, owner)
+        lease.release()
     log.info("%s: %d numbered, %d in all", name, numbered, next_idx)
     return IndexReport(name, field, numbered, next_idx, without, time.monotonic() - started)
 
@@ -200,32 +197,22 @@ def _ensure_sparse_index(conn: Connection, name: str) -> None:
         raise CorpusError(f"cannot create the unique idx index on {name!r}: {exc}") from None
 
 
-def _record(conn: Connection, name: str, field: str, count: int, owner: str) -> None:
-    write_meta(conn, name, {"count": count, "numbered_in_place": {"field": field, "updated_at": time.time()},
-                            "indexing.heartbeat": time.time(), "indexing.owner": owner})  # fmt: skip
+def _record(lease: Lease, field: str, count: int) -> None:
+    """Record the count while this pass holds the lease (a sign of life too).
 
-
-def _take_lease(conn: Connection, name: str) -> str:
-    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    meta = conn.meta
+    Raises:
+        CorpusError: another pass took the lease over.
+    """
     now = time.time()
-    stale = now - LEASE_SECONDS
-    # The collection's meta_info entry exists before the conditional update takes the lease.
-    meta.update_one({"collection": name}, {"$setOnInsert": {"collection": name}}, upsert=True)
-    taken = meta.find_one_and_update(
-        {"collection": name, "$or": [{"indexing.owner": None}, {"indexing.heartbeat": {"$lt": stale}}]},
-        {"$set": {"indexing": {"owner": owner, "heartbeat": now}}},
-    )  # fmt: skip
-    if taken is None:
-        held = (meta.find_one({"collection": name}) or {}).get("indexing") or {}
-        age = now - float(held.get("heartbeat") or now)
+    lease.update({"$set": {"count": count, "numbered_in_place": {"field": field, "updated_at": now},
+                           f"{lease.path}.heartbeat": now}})  # fmt: skip
+
+
+def _take_lease(conn: Connection, name: str) -> Lease:
+    try:
+        return Lease.take(conn, name, "indexing")
+    except LeaseHeld as held:
         raise CorpusError(
-            f"another process ({held.get('owner')}) is numbering {name!r} (its last sign of life "
-            f"{age:.0f}s ago); wait for it, or re-run after {LEASE_SECONDS:.0f}s without one"
-        )
-    return owner
-
-
-def _release_lease(conn: Connection, name: str, owner: str) -> None:
-    meta = conn.meta
-    meta.update_one({"collection": name, "indexing.owner": owner}, {"$set": {"indexing": {"owner": None}}})
+            f"another process ({held.holder}) is numbering {name!r} (its last sign of life "
+            f"{held.age:.0f}s ago); wait for it, or re-run after {LEASE_SECONDS:.0f}s without one"
+        ) from None
