@@ -3,7 +3,7 @@ checksums, ``latest``, the states file that holds dsgpt2's training state.
 
 ``ckpt_dir/TAG/`` holds DeepSpeed's files plus ``dsgpt2_complete.json``, written only after every rank
 has finished saving, with the size and SHA-256 of every file; ``ckpt_dir/latest`` is then replaced
-atomically (see :func:`dsgpt2.train.ds_checkpoint.save`). A file damaged since it was saved is found here
+atomically (see :mod:`dsgpt2.train.publisher`). A file damaged since it was saved is found here
 before anything loads it. Training, export and every inference command read checkpoints through this
 module.
 """
@@ -20,12 +20,15 @@ import torch
 
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import file_digests as digests
+from dsgpt2.stores.base import Artifact
 
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
 BEST = "best"  # names the best checkpoint of an --early_stopping run; `--ckpt_id best` reads it
 COMPLETE = "dsgpt2_complete.json"
+# What a store keeps of a run (dsgpt2.stores): its tags whole once this marker, with their step, is there.
+CHECKPOINTS = Artifact("checkpoints", COMPLETE, "step", "gridfs:gpt2-small/run1")
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
 UNIVERSAL = ".universal"  # suffix of a checkpoint's universal form, beside it (dsgpt2.train.universal)
 

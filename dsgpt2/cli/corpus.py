@@ -316,35 +316,32 @@ def _stored_runs(conn: Any) -> list[dict[str, Any]]:
     import tempfile
     from pathlib import Path
 
-    from dsgpt2.checkpoints.stored import BUCKET, PREFIX
+    from dsgpt2.checkpoints.format import CHECKPOINTS
     from dsgpt2.db.blobs import BlobStore
+    from dsgpt2.stores.gridfs import SCHEME
 
-    store = BlobStore(conn, BUCKET)
+    store = BlobStore(conn, CHECKPOINTS.name)
     out = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in store.names(""):
             if name.endswith("/latest"):
                 run = name.removesuffix("/latest")
                 latest = (store.get_text(name, Path(scratch) / "latest") or "").strip()
-                out.append({"location": f"{PREFIX}{run}", "latest": latest})
+                out.append({"location": f"{SCHEME}:{run}", "latest": latest})
     return out
 
 
 def _stored_tokenizers(conn: Any) -> list[dict[str, Any]]:
     """The tokenizers kept in this database (``--vocab_dir gridfs:NAME``), with their hash."""
-    import tempfile
-    from pathlib import Path
 
     from dsgpt2.db.blobs import BlobStore
     from dsgpt2.tokenizer.stored import BUCKET, MARKER, StoredTokenizer
 
     out = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in BlobStore(conn, BUCKET).names(""):
-            if name.endswith("/" + MARKER):
-                stored = StoredTokenizer(conn, name.removesuffix("/" + MARKER))
-                marker = stored.marker(Path(scratch) / "marker") or {}
-                out.append({"location": stored.location, "hash": marker.get("tokenizer")})
+    for name in BlobStore(conn, BUCKET).names(""):
+        if name.endswith("/" + MARKER):
+            stored = StoredTokenizer(conn, name.removesuffix("/" + MARKER))
+            out.append({"location": stored.location, "hash": (stored.marker() or {}).get("tokenizer")})
     return out
 
 

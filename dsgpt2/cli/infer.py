@@ -81,7 +81,7 @@ class ModelSource:
     def load(self, config: str | None = None) -> Any:
         """The model; ``config``: the connection config to read a stored checkpoint through where
         ``--db_config`` names none."""
-        from dsgpt2.checkpoints.stored import readable
+        from dsgpt2.checkpoints.copies import readable
         from dsgpt2.infer.loading import load_model
 
         db_config = self.db_config or config
@@ -148,7 +148,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     # It reads DeepSpeed's checkpoints, and transformers imports DeepSpeed where it is installed: named
     # first, the CPU accelerator is no warning on a machine without a GPU.
     prepare_deepspeed_environment()
-    from dsgpt2.checkpoints.stored import readable
+    from dsgpt2.checkpoints.copies import readable
     from dsgpt2.infer.export import export
 
     s = from_namespace(ExportSettings, args)

@@ -70,8 +70,8 @@ class LineageSettings:
 def cmd_lineage(args: argparse.Namespace) -> int:
     import json
 
+    from dsgpt2.checkpoints.copies import readable
     from dsgpt2.checkpoints.lineage import lineage, lineage_lines
-    from dsgpt2.checkpoints.stored import readable
     from dsgpt2.db.config import load_config
 
     s = from_namespace(LineageSettings, args)

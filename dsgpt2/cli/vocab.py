@@ -78,14 +78,14 @@ def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bo
     """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken and not ``overwrite``;
     None for a directory."""
     from dsgpt2.db.client import connect
-    from dsgpt2.tokenizer.stored import StoredTokenizer, stored_tokenizer
+    from dsgpt2.tokenizer.stored import stored_tokenizer, tokenizer_store
 
-    name = stored_tokenizer(out)
-    if name is None:
+    if stored_tokenizer(out) is None:
         return None
     if not config:
         raise usage(command, f"--out {out} keeps the tokenizer in the database: add --config c.json")
-    stored = StoredTokenizer(connect(load_connection(config)), name)
+    stored = tokenizer_store(out, connect(load_connection(config)))
+    assert stored is not None
     stored.check_free(overwrite)
     return stored
 

@@ -22,30 +22,10 @@ import gridfs
 from gridfs.errors import NoFile
 
 from dsgpt2.db.client import Connection, with_retries
-from dsgpt2.errors import CheckpointError, ConfigError
+from dsgpt2.errors import CheckpointError
 
-PREFIX = "gridfs:"  # a location in the database, where a flag takes a directory
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _BLOCK = 1 << 22
 _WINDOW = 64  # chunks read per query (16 MB of GridFS's 255 KB chunks)
-
-
-def gridfs_name(location: str | Path | None, example: str) -> str | None:
-    """The name of a ``gridfs:NAME`` location; None for anything else (a directory).
-
-    Raises:
-        ConfigError: a ``gridfs:`` location without a valid name (``example``: one that is).
-    """
-    text = "" if location is None else str(location)
-    if not text.startswith(PREFIX):
-        return None
-    name = text[len(PREFIX) :].strip("/")
-    if not _NAME.match(name):
-        raise ConfigError(
-            f"{text}: a location in the database is gridfs:NAME, NAME made of letters, digits, "
-            f"'.', '_', '-' and '/' (e.g. {example})"
-        )
-    return name
 
 
 class _Hashing:

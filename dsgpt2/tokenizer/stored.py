@@ -1,6 +1,7 @@
-"""Tokenizers in the database: ``gridfs:NAME`` (``vocab train --out``, ``vocab push``, a run's
-``--vocab_dir``) is a tokenizer directory kept in the GridFS bucket ``tokenizers`` of the corpus's
-database, under ``NAME/``, so that nodes sharing the database need no copy of it.
+"""Tokenizers kept in a store (:mod:`dsgpt2.stores`): ``gridfs:NAME`` (``vocab train --out``, ``vocab
+push``, a run's ``--vocab_dir``) is a tokenizer directory kept in the GridFS bucket ``tokenizers`` of the
+corpus's database, under ``NAME/``, so that nodes sharing the database need no copy of it. A tokenizer is
+a store's tag: its parent location's files under its last name.
 
 Its files are uploaded first, then a marker listing each file's size and SHA-256 and the tokenizer's hash
 (what a run's data fingerprint pins): a tokenizer whose upload died part-way has no marker and is not
@@ -11,53 +12,75 @@ and its checkpoint is checked against the hash as ever.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
-import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.db.blobs import PREFIX, BlobStore, gridfs_name
 from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import file_sha256, reader_cache
+from dsgpt2.stores.base import STORES, Artifact, Store, split_location
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 
 log = logging.getLogger(__name__)
 
-BUCKET = "tokenizers"
-MARKER = "tokenizer.complete.json"
-COPIES = "gridfs-tokenizers"  # the folder of a machine's copies, under a workspace or the cache
+TOKENIZERS = Artifact("tokenizers", "tokenizer.complete.json", "files", "gridfs:tok-32k")
+BUCKET, MARKER = TOKENIZERS.name, TOKENIZERS.marker
 
 
 def stored_tokenizer(location: str | Path | None) -> str | None:
-    """The name of a ``gridfs:NAME`` tokenizer location; None for a directory.
+    """The name of a stored tokenizer's location (``gridfs:NAME``); None for a directory.
 
     Raises:
-        ConfigError: a ``gridfs:`` location without a valid name.
+        ConfigError: a misspelt location.
     """
-    return gridfs_name(location, "gridfs:tok-32k")
+    kind = split_location(location, TOKENIZERS)
+    return None if kind is None else kind[1]
+
+
+def copies_dir(root: Path, scheme: str, conn: Connection) -> Path:
+    """Where the machine's copies of ``scheme``'s tokenizers of ``conn``'s database are, under ``root`` (a
+    workspace, the reader cache)."""
+    return root / f"{scheme}-tokenizers" / conn.config.db
 
 
 class StoredTokenizer:
-    """The tokenizer ``name`` of the connection's database."""
+    """The tokenizer ``name`` of the connection's database, and this machine's copy of it in ``local``
+    (none: a scratch directory, for storing one)."""
 
-    def __init__(self, conn: Connection, name: str) -> None:
-        self.conn, self.name = conn, name
-        self.store = BlobStore(conn, BUCKET)
+    def __init__(
+        self, conn: Connection, name: str, local: Path | None = None, scheme: str = "gridfs"
+    ) -> None:
+        self.conn, self.name, self.scheme, self.local = conn, name, scheme, local
+        self.parent, _, self.tag = name.rpartition("/")
+
+    @contextlib.contextmanager
+    def _store(self) -> Iterator[Store]:
+        """The store the tokenizer is a tag of, its copy in ``local`` (else in a scratch directory)."""
+        if self.local is not None:
+            yield STORES[self.scheme].open(self.parent, TOKENIZERS, self.conn, self.local.parent)
+            return
+        with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
+            yield STORES[self.scheme].open(self.parent, TOKENIZERS, self.conn, Path(scratch))
 
     @property
     def location(self) -> str:
-        return f"{PREFIX}{self.name}"
+        return f"{self.scheme}:{self.name}"
 
     def _where(self) -> str:
         return f"{self.location} in {self.conn.config.display_uri} ({self.conn.config.db})"
 
-    def marker(self, scratch: Path) -> dict[str, Any] | None:
+    def marker(self) -> dict[str, Any] | None:
         """What the stored marker says (files, hash); None when no whole tokenizer is stored."""
-        text = self.store.get_text(f"{self.name}/{MARKER}", scratch)
+        import json
+
+        with self._store() as store:
+            text = store.read(f"{self.tag}/{MARKER}")
         try:
             found = json.loads(text or "")
         except ValueError:
@@ -65,9 +88,9 @@ class StoredTokenizer:
         return found if isinstance(found, dict) and isinstance(found.get("files"), dict) else None
 
     def push(self, directory: Path, overwrite: bool = False) -> str:
-        """Upload the tokenizer in ``directory`` (its files, then the marker); returns its hash. A
-        tokenizer replaced loses its marker first: a reader meanwhile finds none, never new files under
-        the old hash.
+        """Keep the tokenizer in ``directory`` (its files, then the marker); returns its hash. A tokenizer
+        replaced is deleted first, its marker before its files: a reader meanwhile finds none, never new
+        files under the old hash.
 
         Raises:
             ConfigError: ``directory`` holds no tokenizer, or one is stored under the name already and
@@ -75,41 +98,37 @@ class StoredTokenizer:
         """
         if not (directory / "tokenizer.json").is_file():
             raise ConfigError(f"{directory}: no tokenizer.json; train one first (dsgpt2 vocab train)")
-        self.check_free(overwrite)
-        with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
-            self.store.delete(f"{self.name}/{MARKER}")
-            digest = tokenizer_digest(directory)
-            names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
-            files = {n: self.store.put(f"{self.name}/{n}", directory / n) for n in names}
-            # Files of a replaced tokenizer that this one lacks (its own, not those of NAME/other).
-            for old in self._own_files() - {f"{self.name}/{n}" for n in names}:
-                self.store.delete(old)
-            marker = {"tokenizer": digest, "files": files}
-            self.store.put_text(
-                f"{self.name}/{MARKER}", json.dumps(marker, indent=1) + "\n", Path(scratch) / "m"
-            )
+        replaced = self.check_free(overwrite)
+        digest = tokenizer_digest(directory)
+        names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+        with self._store() as store:
+            # Its files only: NAME/other may be another tokenizer.
+            store.delete(self.tag, files=(replaced or {}).get("files") or ())
+            copy = store.local / self.tag  # the store keeps the files of its copy
+            if not copy.exists() or copy.resolve() != directory.resolve():
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(directory, copy, ignore=shutil.ignore_patterns(".*"))
+            files = store.put(self.tag, names)
+            store.complete(self.tag, {"tokenizer": digest, "files": files})
         return digest
 
-    def check_free(self, overwrite: bool) -> None:
-        """Refuse a name that holds a tokenizer already, unless ``overwrite``.
+    def check_free(self, overwrite: bool) -> dict[str, Any] | None:
+        """Refuse a name that holds a tokenizer already, unless ``overwrite``; the marker of the one
+        ``overwrite`` replaces.
 
         Raises:
             ConfigError: naming the stored tokenizer's hash.
         """
-        with tempfile.TemporaryDirectory(prefix="dsgpt2-tokenizer-") as scratch:
-            stored = self.marker(Path(scratch) / "marker")
+        stored = self.marker()
         if stored is not None and not overwrite:
             raise ConfigError(
                 f"{self._where()} holds a tokenizer (hash {stored.get('tokenizer')}), which runs may have "
                 "trained with and are checked against; pass --overwrite to replace it, or give another name"
             )
+        return stored
 
-    def _own_files(self) -> set[str]:
-        prefix = f"{self.name}/"
-        return {n for n in self.store.names(prefix) if "/" not in n[len(prefix) :]}
-
-    def pull(self, local: Path) -> Path:
-        """This machine's copy of the tokenizer, in ``local`` (files already there and intact kept), each
+    def pull(self) -> Path:
+        """This machine's copy of the tokenizer, ``local`` (files already there and intact kept), each
         file checked against the marker.
 
         Raises:
@@ -118,15 +137,16 @@ class StoredTokenizer:
                 it was read).
         """
         try:
-            return self._pull(local)
+            return self._pull()
         except OSError as exc:
             raise ConfigError(
-                f"{self.location}: cannot keep a copy of it in {local} ({exc.strerror})"
+                f"{self.location}: cannot keep a copy of it in {self.local} ({exc.strerror})"
             ) from None
 
-    def _pull(self, local: Path) -> Path:
-        local.mkdir(parents=True, exist_ok=True)
-        marker = self.marker(local / f".{os.getpid()}.marker")
+    def _pull(self) -> Path:
+        assert self.local is not None, "a tokenizer is brought into the copy it was opened with"
+        self.local.mkdir(parents=True, exist_ok=True)
+        marker = self.marker()
         if marker is None:
             raise ConfigError(
                 f"{self._where()}: no tokenizer stored there; store one with `dsgpt2 vocab train --out "
@@ -135,9 +155,10 @@ class StoredTokenizer:
         fetched = 0
         for name, want in marker["files"].items():
             # File by file: another process of this machine may be fetching the same tokenizer here.
-            if (local / name).is_file() and file_sha256(local / name) == want:
+            if (self.local / name).is_file() and file_sha256(self.local / name) == want:
                 continue
-            got = self.store.get(f"{self.name}/{name}", local / name)
+            with self._store() as store:
+                got = store.get(self.tag, name)
             if got != want:
                 raise CheckpointError(
                     f"{self.location}: {name} is not the file its marker names (the tokenizer was replaced "
@@ -145,17 +166,30 @@ class StoredTokenizer:
                 )
             fetched += 1
         if fetched:
-            log.info("downloaded the tokenizer %s (hash %s) to %s", self.location, marker["tokenizer"], local)
-        return local
+            log.info("downloaded the tokenizer %s (hash %s) to %s", self.location, marker["tokenizer"],
+                     self.local)  # fmt: skip
+        return self.local
+
+
+def tokenizer_store(
+    location: str | Path, conn: Connection, local: Path | None = None
+) -> StoredTokenizer | None:
+    """The stored tokenizer ``location`` names, of the kind its scheme says (``local``: this machine's copy
+    of it); None for a directory."""
+    kind = split_location(location, TOKENIZERS)
+    return None if kind is None else StoredTokenizer(conn, kind[1], local, kind[0])
 
 
 def fetch_tokenizer(location: str | Path, conn: Connection, root: Path) -> Path:
     """A tokenizer directory for ``location``: itself, or for ``gridfs:NAME`` this machine's copy under
     ``root`` of the tokenizer stored in ``conn``'s database."""
-    name = stored_tokenizer(location)
-    if name is None:
+    kind = split_location(location, TOKENIZERS)
+    if kind is None:
         return Path(location)
-    return StoredTokenizer(conn, name).pull(root / COPIES / conn.config.db / name)
+    scheme, name = kind
+    stored = tokenizer_store(location, conn, copies_dir(root, scheme, conn) / name)
+    assert stored is not None
+    return stored.pull()
 
 
 def local_tokenizer(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dsgpt2.checkpoints.copies import resumable_tag
 from dsgpt2.checkpoints.format import (
     CheckpointError,
     has_checkpoints,
@@ -19,16 +20,15 @@ from dsgpt2.checkpoints.format import (
     peek_tag,
     read_client_state,
     resolve,
-    tag_for,
 )
-from dsgpt2.checkpoints.stored import StoredCheckpoints, staging_dir, stored_run
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
 from dsgpt2.errors import TrainingAborted
+from dsgpt2.stores.base import Store, where
 from dsgpt2.train import ds_checkpoint, universal
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
 from dsgpt2.train.feed import check_saved_data
-from dsgpt2.train.uploader import Uploader
+from dsgpt2.train.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +64,25 @@ class CheckpointSettings:
     vocab_stored: str | None = None  # the tokenizer's gridfs:NAME, where vocab_dir is this node's copy
 
 
-def resumed_options(
-    c: CheckpointOptions, conn: Any = None, workspace: Path | None = None
-) -> dict[str, Any] | None:
+def resumed_options(c: CheckpointOptions, store: Store) -> dict[str, Any] | None:
     """The options the checkpoint this run resumes was trained with (``--flag`` names), read before it is
     verified: :meth:`Checkpointer.find` verifies it, and refuses what cannot be resumed. None: a fresh
-    start, or no checkpoint whose options read. A ``--ckpt_dir gridfs:RUN`` is read through ``conn``
-    (its scratch files under ``workspace``)."""
-    run = stored_run(c.ckpt_dir)
-    if run is not None:
-        if c.no_resume or conn is None or workspace is None:
+    start, or no checkpoint whose options read. ``store``: where ``--ckpt_dir`` is; one with copies is
+    read before anything is brought here (the resolved configuration saved beside the checkpoint)."""
+    if store.staged:
+        if c.no_resume:
             return None
-        return StoredCheckpoints(conn, run, staging_dir(workspace, run)).resumed_args(c.ckpt_id, RESOLVED)
+        import yaml
+
+        tag = resumable_tag(store, c.ckpt_id)
+        try:
+            values = yaml.safe_load((store.read(f"{tag}/{RESOLVED}") if tag else None) or "")
+        except yaml.YAMLError:
+            return None  # the resume names the problem in one line
+        return values if isinstance(values, dict) else None
     load_dir = c.load_dir
-    if load_dir is None and has_checkpoints(c.ckpt_dir) and not c.no_resume:
-        load_dir = c.ckpt_dir
+    if load_dir is None and has_checkpoints(store.local) and not c.no_resume:
+        load_dir = store.local
     tag = None if load_dir is None else peek_tag(load_dir, c.ckpt_id)
     if load_dir is None or tag is None:
         return None
@@ -100,8 +104,8 @@ class Checkpointer:
         marks: the corpus's high-water marks at the start of this run.
         model: the model config this run builds (``GPT2Config.to_dict()``); a checkpoint of another
             shape is refused. None: not checked.
-        stored: where ``--ckpt_dir`` is in the database, what uploads the run's checkpoints there
-            (``ckpt_dir`` is then this node's staging directory: :func:`dsgpt2.train.uploader.stage`).
+        publisher: what saves the run's checkpoints into its store (``--ckpt_dir``'s), whose ``local``
+            directory DeepSpeed writes and a resume reads.
     """
 
     settings: CheckpointSettings
@@ -111,7 +115,20 @@ class Checkpointer:
     world: int
     marks: tuple[int, ...]
     model: dict[str, Any] | None = None
-    stored: Uploader | None = None
+    publisher: Publisher | None = None
+
+    @property
+    def store(self) -> Store:
+        assert self.publisher is not None, "a Checkpointer that saves or resumes has its publisher"
+        return self.publisher.store
+
+    def _load_dir(self) -> Path | None:
+        """Where the run resumes from: ``--load_dir`` (a directory, or the store itself where it names
+        ``--ckpt_dir``'s location), else the store where it holds checkpoints."""
+        c = self.settings.ckpt
+        if c.load_dir is not None:
+            return self.store.local if self.store.staged or c.load_dir == c.ckpt_dir else c.load_dir
+        return None
 
     def find(self) -> tuple[Path, str, dict[str, Any]] | None:
         """The checkpoint to resume from, verified, and its data state; None for a fresh start.
@@ -121,14 +138,14 @@ class Checkpointer:
                 another number of ranks, or a fresh start that would overwrite checkpoints.
         """
         c = self.settings.ckpt
-        load_dir = c.load_dir
-        if load_dir is None and has_checkpoints(c.ckpt_dir):
+        load_dir = self._load_dir()
+        if load_dir is None and has_checkpoints(self.store.local):
             if c.no_resume:
                 raise CheckpointError(
-                    f"--no_resume: {c.ckpt_dir} holds checkpoints already; a fresh run there would "
+                    f"--no_resume: {self.store.location} holds checkpoints already; a fresh run there would "
                     "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
                 )
-            load_dir = c.ckpt_dir
+            load_dir = self.store.local
         if load_dir is None:
             return None
         # Where nothing usable is there, only the trainer can start afresh instead: its advice.
@@ -141,7 +158,7 @@ class Checkpointer:
         tag = resolve(load_dir, c.ckpt_id, f"; {fresh}")
         saved = read_client_state(load_dir, tag)
         # A stored checkpoint is named by its location, not by this node's copy of it.
-        named = Path(self.where(tag)) if self.stored is not None else load_dir / tag
+        named = Path(self.where(tag)) if load_dir == self.store.local else load_dir / tag
         # First, and whatever --ignore_fingerprint says: weights of another shape cannot be loaded.
         self._check_model(saved, named)
         self._check_optimizer(saved, named)
@@ -251,9 +268,12 @@ class Checkpointer:
         early = saved.get("early") or {}
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"],
                            early.get("best"), early.get("best_step", 0), early.get("stale", 0))  # fmt: skip
+        named = (
+            self.where(tag) if self.publisher is not None and load_dir == self.store.local else load_dir / tag
+        )
         log.info(
             "resumed from %s at step %d (epoch %d, chunk %d, block %d)",
-            load_dir / tag,
+            named,
             state.step,
             position.epoch,
             position.chunk,
@@ -314,40 +334,29 @@ class Checkpointer:
                 "mongo": mongo.to_dict(),
             }
         }
-        files = {RESOLVED: s.resolved}
-        out, keep = s.ckpt.ckpt_dir, s.ckpt.keep_last
-        if self.stored is None:
-            tag = ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files)
-            log.info("saved checkpoint %s", s.ckpt.ckpt_dir / tag)
-            return tag
-        self.stored.settle()  # the last save's upload ends before this save's files are written
-        tag = tag_for(state.step)
-        if self.stored.holds(tag):  # saved at this step already (an improvement, then the end)
-            return tag
-        # The step waits while the tensors are copied; their files are written, then uploaded, meanwhile.
-        writes = ds_checkpoint.QueuedWrites.install(engine)
-        queued = writes is not None
-        ds_checkpoint.save(engine, out, state.step, client_state, keep_last=keep, files=files, queued=queued)
-        self.stored.upload(tag, state.step, writes.wait if writes is not None else lambda: None)
-        return tag
+        assert self.publisher is not None
+        return self.publisher.save(engine, state.step, client_state, {RESOLVED: s.resolved})
 
     def settle(self) -> None:
-        """Wait until the last save is stored where the checkpoints go (every rank); nothing to wait for
-        in a directory."""
-        if self.stored is not None:
-            self.stored.settle()
+        """Wait until the last save is whole where the checkpoints go (every rank)."""
+        if self.publisher is not None:
+            self.publisher.settle()
 
     def where(self, tag: str) -> str:
         """Where checkpoint ``tag`` is, as a user names it."""
-        if self.stored is not None:
-            return f"{self.stored.location}/{tag}"
-        return str(self.settings.ckpt.ckpt_dir / tag)
+        return where(self.store, tag)
+
+    def last_whole(self) -> str | None:
+        """The run's last whole checkpoint, as a user names it; None before the first."""
+        from dsgpt2.checkpoints.format import complete_tags
+
+        tags = complete_tags(self.store.local)
+        return self.where(tags[-1]) if tags else None
 
     def mark_best(self, tag: str) -> None:
-        """Name ``tag`` (saved) the run's best checkpoint, here and where the checkpoints are stored."""
-        ds_checkpoint.mark_best(self.settings.ckpt.ckpt_dir, tag)
-        if self.stored is not None:
-            self.stored.mark_best(tag)
+        """Name ``tag`` (saved) the run's best checkpoint."""
+        assert self.publisher is not None
+        self.publisher.mark_best(tag)
 
 
 def _model_flags(args: dict[str, Any], differ: dict[str, tuple[Any, Any]]) -> str:

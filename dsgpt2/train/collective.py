@@ -127,7 +127,7 @@ _CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe
 _TIMED_OUT = ("Timed out", "timed out", "collective operation timeout")
 
 
-def peer_lost(exc: BaseException, timeout: int, where: str, ckpt_dir: Any) -> PeerLostError | None:
+def peer_lost(exc: BaseException, timeout: int, where: str, kept: str | None) -> PeerLostError | None:
     """The one-line error for a collective that failed because another rank died or froze; None
     when ``exc`` is something else (a bug keeps its traceback).
 
@@ -135,7 +135,7 @@ def peer_lost(exc: BaseException, timeout: int, where: str, ckpt_dir: Any) -> Pe
         exc: what the collective raised.
         timeout: --dist_timeout, in seconds.
         where: when it happened ("start-up", "step 12").
-        ckpt_dir: the run's checkpoint directory (its last complete checkpoint is named).
+        kept: the run's last whole checkpoint, as a user names it (None: none yet).
     """
     import torch.distributed as dist
 
@@ -167,11 +167,10 @@ def peer_lost(exc: BaseException, timeout: int, where: str, ckpt_dir: Any) -> Pe
         # Already on the way out: the first error is the one to tell.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    tags = checkpoint.complete_tags(ckpt_dir) if ckpt_dir is not None else []
-    kept = f"the last whole checkpoint, {ckpt_dir}/{tags[-1]}, is kept" if tags else "no checkpoint yet"
+    said = f"the last whole checkpoint, {kept}, is kept" if kept else "no checkpoint yet"
     return PeerLostError(
-        f"{rank} stops at {where}: {what}; {kept}: run the same command on every node again"
-        + (" to resume" if tags else "")
+        f"{rank} stops at {where}: {what}; {said}: run the same command on every node again"
+        + (" to resume" if kept else "")
     )
 
 

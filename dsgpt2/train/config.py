@@ -314,9 +314,11 @@ class CheckpointOptions:
     def __post_init__(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
         check_fields(self)
-        from dsgpt2.checkpoints.stored import stored_run  # not at import: it reads checkpoints with torch
+        from dsgpt2.checkpoints.format import CHECKPOINTS  # not at import: it reads checkpoints with torch
+        from dsgpt2.stores.base import split_location
 
-        stored_run(self.ckpt_dir), stored_run(self.load_dir)  # a gridfs: location is spelled right
+        for location in (self.ckpt_dir, self.load_dir):  # a stored location is spelt right
+            split_location(location, CHECKPOINTS)
         if self.ckpt_id and not self.load_dir:
             self.load_dir = self.ckpt_dir
         if self.no_resume and self.load_dir:

@@ -1,9 +1,9 @@
-"""Checkpoints: DeepSpeed's save/load, made safe to crash in and exact to resume from.
+"""Checkpoints: DeepSpeed's save and load, and the writes of a save moved off the training step.
 
-A checkpoint is marked complete only after every rank has saved (see :mod:`dsgpt2.checkpoints.format`
-for the format and how it is read and verified). A crash during a save therefore leaves ``latest``
-naming the previous complete checkpoint, and a complete checkpoint is never written again.
-``client_state`` carries the training state (step, data position, RNG states, config, data fingerprint).
+A checkpoint is marked complete only after every rank has saved (:mod:`dsgpt2.train.publisher`; see
+:mod:`dsgpt2.checkpoints.format` for the format and how it is read and verified). A crash during a save
+therefore leaves ``latest`` naming the previous complete checkpoint. ``client_state`` carries the
+training state (step, data position, RNG states, config, data fingerprint).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import copy
 import json
 import logging
 import random
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +19,9 @@ import numpy as np
 import torch
 
 from dsgpt2.checkpoints.format import (
-    BEST,
     COMPLETE,
     LATEST,
     UNIVERSAL,
-    best_tag,
-    complete_tags,
-    damage,
-    file_digests,
-    tag_for,
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
@@ -79,7 +71,7 @@ class QueuedWrites:
         the DeepSpeed config chose another engine than torch.save's (its own writer, left as it is)."""
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-        current = engine.checkpoint_engine
+        current = getattr(engine, "checkpoint_engine", None)
         if isinstance(current, cls):
             return current
         if type(current) is not TorchCheckpointEngine:
@@ -120,77 +112,27 @@ def _copied(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def save(
-    engine: Any,
-    ckpt_dir: Path,
-    step: int,
-    client_state: dict[str, Any],
-    *,
-    keep_last: int,
-    files: dict[str, str] | None = None,
-    queued: bool = False,
-) -> str:
-    """Save a checkpoint of every rank, then mark it complete and point ``latest`` at it.
-
-    ``files``: text files (name → content) saved beside the states, covered by the marker's digests.
-    ``queued``: the states' files are written by the engine's :class:`QueuedWrites` while training goes
-    on, and the caller marks the checkpoint complete once they are (:func:`complete`).
-
-    A complete, intact checkpoint of this step is never written again (``latest`` may name it, and
-    a resumed run reaches the same state); a damaged or partial one is replaced.
-    """
+def write(engine: Any, local: Path, tag: str, client_state: dict[str, Any], files: dict[str, str]) -> None:
+    """Write the states of every rank of ``engine`` as ``local/tag`` (``files``: text files, name →
+    content, written beside them by rank 0); marking it whole is the caller's
+    (:class:`dsgpt2.train.publisher.Publisher`). With :class:`QueuedWrites` installed, the states' files
+    are still being written when this returns."""
     import torch.distributed as dist
 
-    tag = tag_for(step)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    verdict = [damage(ckpt_dir, tag) is None if engine.global_rank == 0 else None]
     if distributed:
-        dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        log.info("%s is already saved and intact; kept as it is", ckpt_dir / tag)
-        return tag
-    if engine.global_rank == 0 and (ckpt_dir / tag).exists():
-        shutil.rmtree(ckpt_dir / tag)
-    if distributed:
-        dist.barrier()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
-    if distributed:
-        dist.barrier()
+        dist.barrier()  # what an earlier attempt left of the tag is gone (rank 0)
+    engine.save_checkpoint(str(local), tag=tag, client_state=client_state, save_latest=False)
     if engine.global_rank == 0:
-        for name, text in (files or {}).items():
-            atomic_write_text(ckpt_dir / tag / name, text)
-        if not queued:
-            marker = {"step": step, "time": time.time(), "files": file_digests(ckpt_dir / tag)}
-            complete(ckpt_dir, tag, marker, keep_last)
-    if distributed and not queued:
-        dist.barrier()
-    return tag
+        for name, text in files.items():
+            atomic_write_text(local / tag / name, text)
 
 
-def complete(ckpt_dir: Path, tag: str, marker: dict[str, Any], keep_last: int) -> None:
-    """Mark the saved ``tag`` complete (``marker``: its step and files' digests), point ``latest`` at it,
-    and prune what ``keep_last`` leaves behind (rank 0, once every rank's files are written)."""
+def complete(ckpt_dir: Path, tag: str, marker: dict[str, Any]) -> None:
+    """Mark ``tag`` of the directory ``ckpt_dir`` whole (``marker``: its step and files' digests) and
+    point ``latest`` at it."""
     atomic_write_text(ckpt_dir / tag / COMPLETE, json.dumps(marker, indent=1) + "\n")
     atomic_write_text(ckpt_dir / LATEST, tag)
-    _prune(ckpt_dir, keep_last, keep=tag)
-
-
-def mark_best(ckpt_dir: Path, tag: str) -> None:
-    """Name ``tag`` (complete) the run's best checkpoint: ``ckpt_dir/best``, replaced atomically."""
-    atomic_write_text(ckpt_dir / BEST, tag)
-
-
-def _prune(ckpt_dir: Path, keep_last: int, keep: str) -> None:
-    """Remove all but the ``keep_last`` newest complete checkpoints (unreadable markers are left
-    alone, the one ``best`` names is kept)."""
-    if keep_last <= 0:
-        return
-    best = best_tag(ckpt_dir)
-    for old in complete_tags(ckpt_dir)[:-keep_last]:
-        if old not in (keep, best):
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-            shutil.rmtree(ckpt_dir / (old + UNIVERSAL), ignore_errors=True)  # its universal form, if made
-            log.info("removed old checkpoint %s (keeping the last %d)", old, keep_last)
 
 
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from dsgpt2.accelerator import announce_cpu_op_build, prepare_deepspeed_environment, quiet_cached_op_load
-from dsgpt2.checkpoints.format import tag_for
+from dsgpt2.checkpoints.copies import last_whole_in
+from dsgpt2.checkpoints.format import CHECKPOINTS, tag_for
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
@@ -30,6 +31,7 @@ from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import accuracies
+from dsgpt2.stores.base import open_store
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.tokenizer.stored import fetch_tokenizer, stored_tokenizer
 from dsgpt2.train.checkpointer import (
@@ -62,9 +64,9 @@ from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
 from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
+from dsgpt2.train.publisher import stage
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
-from dsgpt2.train.uploader import stage
 from dsgpt2.train.validator import Validator
 
 log = logging.getLogger("dsgpt2.train.trainer")
@@ -125,7 +127,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         raise ConfigError("--config_train is required: the MongoDB connection config JSON")
     mongo = mongo or load_config(cfg.data.config_train)
     conn = Connection(mongo)
-    saved = resumed_options(cfg.ckpt, conn, cfg.run.workspace)
+    # Where the checkpoints are, chosen once from --ckpt_dir's scheme (a stored run's copy: the workspace's).
+    store = open_store(cfg.ckpt.ckpt_dir, CHECKPOINTS, conn=conn, copies=cfg.run.workspace)
+    saved = resumed_options(cfg.ckpt, store)
     decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file))
     # As given: a checkpoint or tokenizer location in the database is recorded as one, not as a node's copy.
     args, resolved = cfg.to_dict(), cfg.resolved()
@@ -157,8 +161,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     release_shared_buffer(device)
     conn.ping()
     named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
-    wait = cfg.engine.dist_timeout
-    stored = stage(cfg.ckpt, cfg.run.workspace, conn, rank=rank, world=world, wait_s=wait)
+    publisher = stage(cfg.ckpt, store, rank=rank, world=world, wait_s=cfg.engine.dist_timeout)
     d = cfg.data
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
     init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
@@ -175,10 +178,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         resolved=resolved, vocab_stored=vocab_stored,
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
-                                stored=stored)  # fmt: skip
+                                publisher=publisher)  # fmt: skip
     found = on_rank0(checkpointer.find)
-    if stored is not None:
-        stored.fetch(found)
+    publisher.fetch(found)
     for line in decided:  # once the checkpoint they come from is known good
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
@@ -585,7 +587,8 @@ def main(
             leave_process_group()
         except RuntimeError as exc:
             where = "start-up" if trainer is None else f"step {trainer.state.step + 1}"
-            lost = peer_lost(exc, cfg.engine.dist_timeout, where, cfg.ckpt.ckpt_dir)
+            last = trainer.checkpointer.last_whole() if trainer else last_whole_in(cfg.ckpt.ckpt_dir)
+            lost = peer_lost(exc, cfg.engine.dist_timeout, where, last)
             if lost is None:
                 raise
             raise lost from None

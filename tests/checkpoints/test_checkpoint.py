@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from dsgpt2.checkpoints.format import COMPLETE, resolve
+from dsgpt2.checkpoints.format import CHECKPOINTS, COMPLETE, resolve
 from dsgpt2.errors import CheckpointError
-from dsgpt2.train import ds_checkpoint as checkpoint
+from dsgpt2.stores.base import DirectoryStore
+from dsgpt2.train.publisher import Publisher
 
 
 class FakeEngine:
@@ -27,6 +28,16 @@ class FakeEngine:
             raise KeyboardInterrupt("killed during the save")
 
 
+class checkpoint:
+    @staticmethod
+    def save(engine: FakeEngine, directory: Path, step: int, client_state: dict, keep_last: int) -> str:
+        publisher = Publisher(DirectoryStore(directory, CHECKPOINTS), keep_last, rank=0, world=1, wait_s=5)
+        publisher.fetch(None)  # the latest it starts from
+        tag = publisher.save(engine, step, client_state, {})
+        publisher.settle()
+        return tag
+
+
 def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
     checkpoint.save(FakeEngine(), tmp_path, 10, {}, keep_last=3)
     with pytest.raises(KeyboardInterrupt):
@@ -37,10 +48,13 @@ def test_crash_during_save_keeps_the_last_good_checkpoint(tmp_path: Path) -> Non
         resolve(tmp_path, "global_step20")
 
 
-def test_keep_last_prunes_only_older_complete_checkpoints(tmp_path: Path) -> None:
+def test_keep_last_prunes_older_complete_checkpoints_and_earlier_saves_that_died(tmp_path: Path) -> None:
     for step in (1, 2, 3, 4):
         checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=2)
-    (tmp_path / "global_step9").mkdir()  # an incomplete one is not counted nor removed
+    # Incomplete ones are not counted; one before the save can never finish, one after it may be the
+    # step a resumed run gets to: it is replaced then.
+    (tmp_path / "global_step3a").mkdir()
+    (tmp_path / "global_step9").mkdir()
     checkpoint.save(FakeEngine(), tmp_path, 5, {}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "global_step4",

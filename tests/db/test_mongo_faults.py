@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, make_config, run_wire_server
-from dsgpt2.checkpoints.stored import BUCKET
+from dsgpt2.checkpoints.format import CHECKPOINTS
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.blobs import BlobStore
@@ -36,6 +36,8 @@ from dsgpt2.train.metrics import read_metrics
 from pace import deadline, wait_for
 from wire_server import PASSWORD, Proxy, WireServer
 from zygote import run_python
+
+BUCKET = CHECKPOINTS.name
 
 pytestmark = [pytest.mark.mongo_live, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from dsgpt2.checkpoints.stored import BUCKET
+from dsgpt2.checkpoints.format import CHECKPOINTS
 from dsgpt2.db.blobs import BlobStore
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
@@ -23,6 +23,8 @@ from dsgpt2.tokenizer.stored import StoredTokenizer
 from dsgpt2.train.metrics import read_metrics
 from training import launch_nodes, steps, train, trainer_args, training_corpus
 from zygote import run_python
+
+BUCKET = CHECKPOINTS.name
 
 pytestmark = pytest.mark.slow
 

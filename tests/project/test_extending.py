@@ -5,6 +5,7 @@ package's tree and runs it end to end through the command a user types."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,3 +168,44 @@ def test_a_new_optimizer_is_one_class_and_one_registry_line(tmp_path_factory: py
     # Without the plugin the name is unknown, and said so in one line.
     bare = run_python(["-m", "dsgpt2", *args[:-4], "--train_iters", "8"], cwd=ROOT)
     assert bare.returncode == 2 and "sgd" in bare.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow  # DeepSpeed runs
+def test_a_new_checkpoint_store_is_one_module_and_one_registry_line(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """tests/plugins.py registers `mirror:NAME`, a kind of location only its put and get reach: a run saves
+    there, prunes there, resumes from there on a machine with no copy of it, and `export` reads it."""
+    corpus = training_corpus(tmp_path_factory)
+    run, mirror = tmp_path_factory.mktemp("mirror"), tmp_path_factory.mktemp("kept")
+    env = {**os.environ, "DSGPT2_MIRROR": str(mirror)}
+    plugin = str(ROOT / "tests" / "plugins.py")
+
+    def train(workspace: str, iters: int) -> Any:
+        args = trainer_args(corpus, run / workspace, "--train_iters", str(iters), "--save_interval", "2",
+                            "--keep_last", "1", "--optimizer", "adamw")  # fmt: skip
+        args[args.index("--ckpt_dir") + 1] = "mirror:runs/a"
+        done = run_python([plugin, "train", *args], cwd=ROOT, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    train("first", 4)
+    kept = mirror / "runs" / "a"
+    assert (kept / "latest").read_text() == "global_step4"
+    assert sorted(p.name for p in kept.iterdir() if p.is_dir()) == ["global_step4"]  # --keep_last 1
+    marker = json.loads((kept / "global_step4" / "dsgpt2_complete.json").read_text())
+    assert "mp_rank_00_model_states.pt" in marker["files"] and marker["step"] == 4
+    # Another machine: a workspace of its own, no copy; the checkpoint comes from the store.
+    resumed = train("second", 6)
+    assert "resumed from mirror:runs/a/global_step4 at step 4" in resumed.stderr, resumed.stderr[-3000:]
+    assert (kept / "latest").read_text() == "global_step6"
+    copy = run / "second" / "ws" / "mirror" / "runs" / "a"  # this machine's keeps what is kept, no more
+    assert sorted(p.name for p in copy.iterdir() if p.is_dir()) == ["global_step6"]
+    out = run / "hf"
+    exported = run_python([plugin, "export", "--ckpt_dir", "mirror:runs/a", "--out", str(out)], cwd=ROOT,
+                          env={**env, "XDG_CACHE_HOME": str(run / "cache")})  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert "exported mirror:runs/a/global_step6" in exported.stdout
+    from transformers import GPT2LMHeadModel
+
+    assert GPT2LMHeadModel.from_pretrained(out).config.n_layer == 2

@@ -19,6 +19,7 @@ PACKAGE = ROOT / "dsgpt2"
 ORDER = [
     "settings",
     "db",
+    "stores",
     "corpus",
     "curation",
     "tokenizer",

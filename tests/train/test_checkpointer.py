@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from conftest import make_config, seed
-from dsgpt2.checkpoints.format import LATEST, complete_tags, read_client_state
+from dsgpt2.checkpoints.format import CHECKPOINTS, LATEST, complete_tags, read_client_state
 from dsgpt2.corpus.marks import prefix_record, read_marks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.sources import LAYOUTS
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import CheckpointError, TrainingAborted
+from dsgpt2.stores.base import DirectoryStore
 from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainState
 from dsgpt2.train.config import RESOLVED, CheckpointOptions
+from dsgpt2.train.publisher import Publisher
 
 SEED = 5
 FINGERPRINT = {"layout": LAYOUTS["spread"], "tokenizer": "t-one", "context": 32, "chunk_docs": 10}
@@ -105,7 +107,11 @@ def checkpointer(
     model: dict[str, Any] | None = MODEL,
 ) -> Checkpointer:
     conn, marks = corpus
-    return Checkpointer(s, conn, fingerprint=fingerprint, world=world, marks=marks, model=model)
+    store = DirectoryStore(s.ckpt.ckpt_dir, CHECKPOINTS)
+    publisher = Publisher(store, s.ckpt.keep_last, rank=0, world=1, wait_s=10)
+    publisher.fetch(None)
+    return Checkpointer(s, conn, fingerprint=fingerprint, world=world, marks=marks, model=model,
+                        publisher=publisher)  # fmt: skip
 
 
 def data_state(corpus: tuple[Connection, tuple[int, ...]], world: int = 1) -> dict[str, Any]:
@@ -124,9 +130,11 @@ def data_state(corpus: tuple[Connection, tuple[int, ...]], world: int = 1) -> di
 
 def save(ck: Checkpointer, corpus: Any, step: int, engine: FakeEngine | None = None, world: int = 1) -> str:
     state = TrainState(step=step, tokens=64 * step, micro=2 * step)
-    return ck.save(
+    tag = ck.save(
         engine or FakeEngine(), state, lambda: data_state(corpus, world), FakeConfig(), make_config()
     )
+    ck.settle()  # whole before the test looks
+    return tag
 
 
 def test_a_fresh_directory_starts_afresh_and_the_latest_checkpoint_is_resumed(tmp_path: Path, corpus) -> None:
@@ -248,6 +256,7 @@ def test_a_restore_brings_back_the_state_weights_and_random_streams(tmp_path: Pa
     ck = checkpointer(settings(tmp_path), corpus)
     state = TrainState(step=4, tokens=256, micro=9, nonfinite=1, best=2.5, best_step=4, stale=1)
     ck.save(FakeEngine(weight=0.25), state, lambda: data_state(corpus), FakeConfig(), make_config())
+    ck.settle()
     after = torch.rand(3)
     found = ck.find()
     assert found is not None

@@ -1,0 +1,298 @@
+"""Saving a run's checkpoints into its store (:mod:`dsgpt2.stores`), decided once for every kind
+of location: the step waits only while the tensors are copied, a checkpoint is marked whole once every
+rank's files are kept, then ``latest`` (and ``best``) move, then ``--keep_last`` prunes.
+
+A save leaves the training step once its tensors are copied (DeepSpeed's checkpoint engine made one that
+queues its writes: :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`); a thread of each rank then waits for
+its files to be written into the store's ``local`` directory, keeps them (an upload; nothing to move in a
+directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for every rank's
+manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The next save, and the
+end of the run, wait for the last one first (on every rank, so that a save that failed stops every rank
+at once), and each node's copy then keeps only what is stored. The threads take no collective: the ranks
+agree through the store. Where they cannot (a directory the nodes do not share: each node's disk holds
+its own ranks' files), the step waits for the save and rank 0 marks it once every rank has written,
+agreed by barriers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index
+from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, tag_for
+from dsgpt2.errors import CheckpointError, DsGpt2Error
+from dsgpt2.stores.base import Store, split_location, where
+from dsgpt2.train import ds_checkpoint
+from dsgpt2.train.collective import barrier, broadcast, gather, on_each_node, on_rank0, raise_shared
+
+log = logging.getLogger("dsgpt2.train.checkpointer")
+
+_POLL_S = 0.2
+
+
+def merged_marker(step: int, at: float, manifests: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """The marker of a checkpoint whose ranks kept the files of ``manifests`` (one listing each)."""
+    files: dict[str, dict[str, Any]] = {}
+    for listing in manifests:
+        files.update(listing)
+    return {"step": step, "time": at, "files": dict(sorted(files.items()))}
+
+
+def reaches_every_rank(store: Store) -> bool:
+    """Whether every rank reaches the same store (a collective): a kind with copies is one place for every
+    node; a directory is one if a file rank 0 writes there is seen by every rank."""
+    import torch.distributed as dist
+
+    if store.staged or not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    probe = [f".reach-{uuid.uuid4().hex[:12]}"]
+    broadcast(probe)
+    if int(os.environ.get("RANK", "0")) == 0:
+        store.local.mkdir(parents=True, exist_ok=True)
+        store.write(probe[0], "")
+    barrier()
+    seen = all(gather((store.local / probe[0]).is_file()))
+    barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        (store.local / probe[0]).unlink(missing_ok=True)
+    return seen
+
+
+class Publisher:
+    """Saves one run's checkpoints into ``store`` (see the module's doc).
+
+    Args:
+        keep_last: how many of the run's checkpoints stay (0: all).
+        rank, world: this rank and the number of ranks.
+        wait_s: how long rank 0 waits for the other ranks' files of a save (the run's ``--dist_timeout``).
+        through_store: the ranks agree through the store (:func:`reaches_every_rank`); else by barriers,
+            the step waiting for the save.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        keep_last: int,
+        *,
+        rank: int,
+        world: int,
+        wait_s: float,
+        through_store: bool = True,
+    ) -> None:
+        self.store, self.keep_last = store, keep_last
+        self.rank, self.world, self.wait_s, self.through_store = rank, world, wait_s, through_store
+        self.published: str | None = None  # the latest as this run last saw it
+        self._thread: threading.Thread | None = None
+        self._error: tuple[str, str] | None = None
+        # A save marked best while it is being kept: `best` is pointed at it once it is whole.
+        self._lock = threading.Lock()
+        self._pending: str | None = None
+        self._best: str | None = None
+
+    @property
+    def location(self) -> str:
+        return self.store.location
+
+    def fetch(self, found: tuple[Path, str, dict[str, Any]] | None) -> None:
+        """After the checkpoint to resume was found: a universal form rank 0 converted it to is kept for
+        the other nodes and brought by them (the checkpoint itself every node has)."""
+        self.published = on_rank0(lambda: _pointer(self.store, LATEST))
+        if found is None or not found[1].endswith(UNIVERSAL) or not self.store.staged:
+            return
+        tag, store = found[1], self.store
+        if self.rank == 0 and tag not in store.tags():
+            from dsgpt2.checkpoints.format import read_marker
+
+            files = store.put(tag, own_files(store.local / tag, 0))
+            store.complete(tag, {**(read_marker(store.local, tag) or {}), "files": files})
+        barrier()
+        on_each_node(lambda: (pull_index(store), pull(store, tag)))
+
+    def save(self, engine: Any, step: int, client_state: dict[str, Any], files: dict[str, str]) -> str:
+        """Save ``engine`` at ``step`` (``files``: text files beside its states, covered by the marker);
+        returns its tag. The step waits while the tensors are copied; where the ranks agree through the
+        store the files are written and kept meanwhile, and :meth:`settle` waits for them."""
+        self.settle()  # the last save is whole before this one's files are written
+        tag = tag_for(step)
+        if self.holds(tag):  # saved at this step already (an improvement, then the end)
+            log.info("%s is already saved and intact; kept as it is", where(self.store, tag))
+            return tag
+        writes = ds_checkpoint.QueuedWrites.install(engine) if self.through_store else None
+        ds_checkpoint.write(engine, self.store.local, tag, client_state, files)
+        if self.through_store:
+            self._pending = tag
+            wait = writes.wait if writes is not None else (lambda: None)
+            self._thread = threading.Thread(target=self._keep, args=(tag, step, wait), name=f"save {tag}")
+            self._thread.start()
+            log.info("saving checkpoint %s: writing %s while training goes on", where(self.store, tag),
+                     self.store.local / tag)  # fmt: skip
+            return tag
+        barrier()  # every rank's files are written
+        if self.rank == 0:
+            marker = merged_marker(step, time.time(), [file_digests(self.store.local / tag)])
+            self._publish(tag, marker)
+        barrier()
+        return tag
+
+    def settle(self) -> None:
+        """Wait for the last save (every rank: a collective); raise on every rank what failed in any.
+        Then, before the next save writes, check that no other run saved here meanwhile."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        errors = gather(self._error)
+        self._error = None
+        raise_shared(next((e for e in errors if e is not None), None))
+        on_rank0(self._check_sole_writer)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # this node's copy keeps what is stored, no more
+            drop_local_extras(self.store)
+
+    def holds(self, tag: str) -> bool:
+        """Whether ``tag`` is whole and intact in the store (every rank: a collective); where it is not,
+        what an attempt that died left of it is deleted first."""
+
+        def held() -> bool:
+            if tag in self.store.tags() and (self.store.staged or damage(self.store.local, tag) is None):
+                return True
+            self.store.delete(tag)
+            if self.store.staged:  # this node's copy of the attempt too
+                import shutil
+
+                shutil.rmtree(self.store.local / tag, ignore_errors=True)
+            return False
+
+        return bool(on_rank0(held))
+
+    def mark_best(self, tag: str) -> None:
+        """Point ``best`` at ``tag`` once it is whole (rank 0): now, or by the save still being kept,
+        without waiting for it."""
+        with self._lock:
+            if self._pending == tag:
+                self._best = tag
+                return
+        self.store.write(BEST, tag)
+
+    def _keep(self, tag: str, step: int, written: Callable[[], None]) -> None:
+        store = self.store
+        try:
+            written()
+            mine = store.put(tag, own_files(store.local / tag, self.rank))
+            store.write(f"{tag}/.rank{self.rank}.json", json.dumps(mine))
+            if self.rank == 0:
+                self._publish(tag, merged_marker(step, time.time(), self._manifests(tag)))
+        except DsGpt2Error as exc:
+            self._error = (type(exc).__name__, str(exc))
+        except Exception as exc:  # a bug, or the disk: its traceback in the log, and every rank stops
+            log.exception("saving %s failed", where(store, tag))
+            self._error = ("CheckpointError", f"saving {where(store, tag)} failed: {exc}")
+
+    def _publish(self, tag: str, marker: dict[str, Any]) -> None:
+        """Mark ``tag`` whole, move ``latest`` (and ``best``, marked meanwhile), prune (rank 0)."""
+        store = self.store
+        store.complete(tag, marker)
+        store.write(LATEST, tag)
+        self.published = tag
+        with self._lock:
+            self._pending, best, self._best = None, self._best, None
+        if best is not None:
+            store.write(BEST, best)
+        if store.staged:  # this node's copy marked as the stored one is (pull() brings the other ranks')
+            ds_checkpoint.complete(store.local, tag, marker)
+        self._prune(tag)
+        log.info("saved checkpoint %s", where(store, tag))
+
+    def _manifests(self, tag: str) -> list[dict[str, Any]]:
+        """Every rank's manifest of its files of ``tag``, waited for up to ``wait_s``."""
+        names = [f"{tag}/.rank{r}.json" for r in range(self.world)]
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            texts = [self.store.read(n) for n in names]
+            if all(t is not None for t in texts):
+                return [json.loads(t) for t in texts]  # type: ignore[arg-type]
+            if time.monotonic() > deadline:
+                missing = [r for r, t in enumerate(texts) if t is None]
+                raise CheckpointError(
+                    f"{where(self.store, tag)}: rank(s) {missing} did not keep their files within "
+                    f"{self.wait_s:.0f}s; latest stays {self.published or 'unset'}"
+                )
+            time.sleep(_POLL_S)
+
+    def _check_sole_writer(self) -> None:
+        """Refuse to save where another run saved since this one started (``latest`` is not the one this
+        run last saw): two runs sharing a location would write over each other's files."""
+        now = _pointer(self.store, LATEST)
+        if now != self.published:
+            raise CheckpointError(
+                f"another run saved {where(self.store, now or '')} since this one started (it saw "
+                f"{self.published or 'no checkpoint'}): two runs cannot share a location; give this run "
+                "its own --ckpt_dir"
+            )
+
+    def _prune(self, saved: str) -> None:
+        """Drop what ``--keep_last`` leaves behind, and the saves before this one that never finished (one
+        after it, left by a run that died past its resume point, is replaced when the run gets there)."""
+        store = self.store
+        ours = {
+            t: m for t, m in store.tags().items() if not t.endswith(UNIVERSAL)
+        }  # a form goes with its own
+        tags = sorted(ours, key=lambda t: ours[t].get("step", 0))
+        best = _pointer(store, BEST)
+        old = tags[: -self.keep_last] if self.keep_last > 0 else []
+        died = [t for t in store.started() if _step(t) < _step(saved)]
+        for tag in [*old, *died]:
+            if tag not in (saved, best):
+                store.delete(tag)
+                store.delete(tag + UNIVERSAL)
+                if tag in old:
+                    log.info("removed old checkpoint %s (keeping the last %d)", tag, self.keep_last)
+
+
+def _step(tag: str) -> int:
+    digits = "".join(c for c in tag.split(".")[0] if c.isdigit())
+    return int(digits) if digits else -1
+
+
+def _pointer(store: Store, name: str) -> str | None:
+    text = store.read(name)
+    tag = (text or "").strip()
+    return tag or None
+
+
+def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> Publisher:
+    """The publisher of the run whose ``--ckpt_dir`` is ``store`` (``ckpt``: its checkpoint options), the
+    checkpoint a resume would take brought to each node's copy by the node's first rank where the store
+    keeps copies. ``wait_s``: how long rank 0 waits for the other ranks' files of a save (the run's
+    ``--dist_timeout``).
+
+    Raises:
+        ConfigError: a ``--load_dir`` elsewhere than a stored ``--ckpt_dir``, or stored elsewhere than a
+            directory one.
+    """
+    from dsgpt2.checkpoints.copies import pull_resumable
+    from dsgpt2.checkpoints.format import CHECKPOINTS
+    from dsgpt2.errors import ConfigError
+
+    loading = split_location(ckpt.load_dir, CHECKPOINTS)
+    if (
+        ckpt.load_dir is not None
+        and (loading is not None or store.staged)
+        and loading != split_location(ckpt.ckpt_dir, CHECKPOINTS)
+    ):
+        raise ConfigError(
+            f"--load_dir {ckpt.load_dir} with --ckpt_dir {ckpt.ckpt_dir}: a run resumes from the database "
+            "where it saves there; pass --ckpt_dir gridfs:RUN (and --ckpt_id to pick a checkpoint)"
+        )
+    on_each_node(lambda: pull_resumable(store, ckpt.ckpt_id))
+    through = reaches_every_rank(store)
+    if not through:
+        log.info("%s is not one directory for every node: each save is written while the step waits",
+                 store.location)  # fmt: skip
+    return Publisher(store, ckpt.keep_last, rank=rank, world=world, wait_s=wait_s, through_store=through)
