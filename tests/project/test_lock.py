@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import re
 import subprocess
 from importlib import metadata
@@ -130,9 +131,12 @@ def test_this_environment_is_the_lock() -> None:
     """`make` installed exactly the lock: every locked package at its version, nothing unlocked (the
     torch build aside: TORCH_SPEC chooses it)."""
     pins = read_lock(LOCK.read_text(encoding="utf-8"))
+    # What is installed is what site-packages holds: a package that imported setuptools puts the copies it
+    # vendors (jaraco, zipp, wheel...) on sys.path for the rest of the process.
+    site = [p for p in sys.path if p.endswith("site-packages")]
     installed = {
         canonicalize_name(d.metadata["Name"]): Version(d.version)
-        for d in metadata.distributions()
+        for d in metadata.distributions(path=site)
         if d.metadata["Name"]
     }
     # Beside a torch that is not the lock's (kept in .venv), what it needs is its own (see the Makefile).
