@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 import re
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
