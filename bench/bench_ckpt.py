@@ -9,7 +9,7 @@ here from the model's own tensors rather than by training it. Timed:
   write and the download (checked against its SHA-256) before the read, as a ``--ckpt_dir gridfs:RUN``
   run and its resume do;
 - the step's stall for a save to the database: the part of a save the step waits for (the tensors
-  copied by :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`, the engine a ``gridfs:RUN`` run saves
+  copied by :class:`dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`, the engine a ``gridfs:RUN`` run saves
   through; the write and the upload run in threads) against the whole save.
 
 The local engine's times are not a MongoDB deployment's; the ratio says what the database adds here.
@@ -40,10 +40,10 @@ def _state() -> dict:
 def ckpt(results: Path, repeats: int = 2) -> list[Metric]:
     import torch
 
+    from dsgpt2.checkpoints.ds_checkpoint import QueuedWrites
     from dsgpt2.db.blobs import BlobStore
     from dsgpt2.db.client import Connection
     from dsgpt2.db.config import config_from_dict
-    from dsgpt2.train.ds_checkpoint import QueuedWrites
 
     work = results / "ckpt"
     work.mkdir(parents=True, exist_ok=True)

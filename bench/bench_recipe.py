@@ -239,7 +239,7 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dsgpt2.model.gpt2 import param_groups
-    from dsgpt2.train.muon import batched_muon_class, muon_param_groups
+    from dsgpt2.optim.muon import batched_muon_class, muon_param_groups
 
     def median_step(optimizer: Any, params: list[Any]) -> float:
         for p in params:

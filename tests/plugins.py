@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from dsgpt2.files import atomic_write_text, file_sha256
+from dsgpt2.optim.ds_config import EngineConfig
+from dsgpt2.optim.optimizer import RunOptimizer
+from dsgpt2.optim.optimizers import OPTIMIZERS
 from dsgpt2.stores.base import STORES, Artifact
-from dsgpt2.train.ds_config import EngineConfig
-from dsgpt2.train.optimizer import RunOptimizer
-from dsgpt2.train.optimizers import OPTIMIZERS
 
 
 @OPTIMIZERS.register("sgd")

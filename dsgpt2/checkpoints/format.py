@@ -3,7 +3,7 @@ checksums, ``latest``, the states file that holds dsgpt2's training state.
 
 ``ckpt_dir/TAG/`` holds DeepSpeed's files plus ``dsgpt2_complete.json``, written only after every rank
 has finished saving, with the size and SHA-256 of every file; ``ckpt_dir/latest`` is then replaced
-atomically (see :mod:`dsgpt2.train.publisher`). A file damaged since it was saved is found here
+atomically (see :mod:`dsgpt2.checkpoints.publisher`). A file damaged since it was saved is found here
 before anything loads it. Training, export and every inference command read checkpoints through this
 module.
 """
@@ -30,7 +30,7 @@ COMPLETE = "dsgpt2_complete.json"
 # What a store keeps of a run (dsgpt2.stores): its tags whole once this marker, with their step, is there.
 CHECKPOINTS = Artifact("checkpoints", COMPLETE, "step", "gridfs:gpt2-small/run1")
 _TAG = re.compile(r"^[A-Za-z0-9_.\-]+$")
-UNIVERSAL = ".universal"  # suffix of a checkpoint's universal form, beside it (dsgpt2.train.universal)
+UNIVERSAL = ".universal"  # suffix of a checkpoint's universal form, beside it (dsgpt2.checkpoints.universal)
 
 
 def tag_for(step: int) -> str:

@@ -7,7 +7,7 @@ stored (every file's size and SHA-256), and small files beside the tags (``lates
 manifests) are read and written whole. DeepSpeed writes and every reader reads a directory, the store's
 ``local``: the location itself for a directory, else this machine's copy, to which files travel by
 :meth:`Store.put` and :meth:`Store.get`. What is decided above a store is decided once for every kind:
-for checkpoints in :mod:`dsgpt2.train.publisher` (writing while training goes on, ``latest``, ``best``,
+for checkpoints in :mod:`dsgpt2.checkpoints.publisher` (writing while training goes on, ``latest``, ``best``,
 ``--keep_last``) and :mod:`dsgpt2.checkpoints.copies` (this machine's copy, what readers read); for
 tokenizers in :mod:`dsgpt2.tokenizer.stored`.
 

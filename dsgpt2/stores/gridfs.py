@@ -4,7 +4,7 @@ that share the database and no directory.
 
 Every machine works on a copy of its own, laid out as a checkpoint directory is: DeepSpeed saves into it
 as ever, each rank keeps the files it wrote (:meth:`GridFSStore.put`), and the marker is stored once
-every rank has (:mod:`dsgpt2.train.publisher`); a reader brings the files of the tag it reads, each
+every rank has (:mod:`dsgpt2.checkpoints.publisher`); a reader brings the files of the tag it reads, each
 checked against its SHA-256 (:mod:`dsgpt2.db.blobs`), and reads the copy as any directory.
 """
 

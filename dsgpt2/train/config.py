@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.checkpoints.options import CheckpointOptions
 from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
+from dsgpt2.optim.optimizers import OPTIMIZERS, OptimizerOptions
+from dsgpt2.optim.schedule import KINDS, check_warmup
 from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
 from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
@@ -33,8 +36,6 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
-from dsgpt2.train.optimizers import OPTIMIZERS, OptimizerOptions
-from dsgpt2.train.schedule import KINDS, check_warmup
 
 if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
 # The run's resolved configuration (flags, experiment file and defaults), in the run directory and in
 # every checkpoint: `ds_trainer.py --config` runs it again.
-RESOLVED = "config.yaml"
 # A learning rate, a device's peak throughput.
 ABOVE_ZERO = Range(float, 0, low_open=True)
 # A field declared with ``type=int`` or ``type=float`` beside its ``check=`` has a flag that takes any
@@ -267,7 +267,7 @@ class ComputeOptions(Checked):
 
 @dataclass
 class ScheduleOptions(Checked):
-    """The learning-rate schedule (see dsgpt2.train.schedule)."""
+    """The learning-rate schedule (see dsgpt2.optim.schedule)."""
 
     lr_schedule: str | None = option(
         None,
@@ -293,36 +293,6 @@ class ScheduleOptions(Checked):
     decay_fraction: float = option(
         0.2, "wsd: the share of --train_iters spent decaying", check=RATIO, serves=("lr_schedule", "wsd")
     )
-
-
-@dataclass
-class CheckpointOptions:
-    """Where checkpoints go, how many stay, and where a run resumes from."""
-
-    ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")
-    save_interval: int = option(500, "save every N steps", check=POSITIVE_INT)
-    keep_last: int = option(3, "keep the last K checkpoints (0: all)", check=NON_NEGATIVE_INT)
-    load_dir: Path | None = option(None, "resume from this directory (an error if it holds none)")
-    ckpt_id: str | None = option(None, "resume from this tag instead of `latest`")
-    no_resume: bool = option(
-        False, "never resume: a fresh run, refused where --ckpt_dir holds checkpoints (never overwritten)"
-    )
-    ignore_fingerprint: bool = option(
-        False, "resume although the corpus or tokenizer changed since the checkpoint"
-    )
-
-    def __post_init__(self) -> None:
-        self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
-        check_fields(self)
-        from dsgpt2.checkpoints.format import CHECKPOINTS  # not at import: it reads checkpoints with torch
-        from dsgpt2.stores.base import split_location
-
-        for location in (self.ckpt_dir, self.load_dir):  # a stored location is spelt right
-            split_location(location, CHECKPOINTS)
-        if self.ckpt_id and not self.load_dir:
-            self.load_dir = self.ckpt_dir
-        if self.no_resume and self.load_dir:
-            raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")
 
 
 @dataclass

@@ -27,11 +27,11 @@ from dsgpt2.model.gpt2 import (
     read_model_config,
 )
 from dsgpt2.model.loss import with_chunked_loss
+from dsgpt2.optim.ds_config import EngineConfig, zero_stage
+from dsgpt2.optim.schedule import ScheduledLR
 from dsgpt2.train.config import ComputeOptions, ModelOptions, OptimizerOptions
-from dsgpt2.train.ds_config import EngineConfig, zero_stage
 from dsgpt2.train.metrics import peak_flops
 from dsgpt2.train.microloop import gradients_in_params
-from dsgpt2.train.schedule import ScheduledLR
 
 log = logging.getLogger("dsgpt2.train.trainer")
 

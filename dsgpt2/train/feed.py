@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.data.cache import CachedChunks, prepare_cache
 from dsgpt2.data.dealing import ChunkOrders, ReadState, Stream, redeal_states, take_in
 from dsgpt2.data.mixture import Stage, mixture_stages
@@ -22,8 +23,7 @@ from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.errors import CheckpointError, ConfigError, CorpusError, DsGpt2Error
-from dsgpt2.train.collective import Rounds, barrier, gather, on_rank0, raise_shared
+from dsgpt2.errors import ConfigError, CorpusError, DsGpt2Error
 from dsgpt2.train.config import DataOptions
 
 log = logging.getLogger("dsgpt2.train.feed")
@@ -292,28 +292,3 @@ class Feed:
         from dsgpt2.corpus.marks import read_marks
 
         return tuple(on_rank0(lambda: read_marks(self.conn)))
-
-
-def check_saved_data(
-    conn: Connection, saved: dict[str, Any], marks: tuple[int, ...], where: Path
-) -> list[str]:
-    """Why the corpus no longer continues the checkpoint's run: its format, a shrunken or edited
-    trained prefix. Empty: it does (rank 0; reads a few documents).
-
-    Raises:
-        CheckpointError: a checkpoint without a data state (an older layout).
-    """
-    from dsgpt2.corpus.marks import prefix_problems
-
-    data = saved.get("data")
-    if not isinstance(data, dict) or "table" not in data:
-        raise CheckpointError(
-            f"{where} holds no data state this version reads (an older layout); start fresh with another "
-            "--ckpt_dir, or --no_resume"
-        )
-    problems = prefix_problems(conn, data.get("prefix") or {}, marks)
-    table_marks = ChunkTable.from_dict(data["table"]).marks
-    for name, mark, now in zip(conn.config.collections, table_marks, marks, strict=True):
-        if now < mark and not any(p.startswith(name) for p in problems):
-            problems.append(f"{name} holds {now} documents, fewer than the {mark} trained on")
-    return problems

@@ -47,7 +47,7 @@ def peak_flops(flag_tflops: float | None, device: str, ds_config: dict[str, Any]
         return None
     import torch
 
-    from dsgpt2.train.ds_config import precision
+    from dsgpt2.optim.ds_config import precision
 
     name = torch.cuda.get_device_name()
     peak = device_peak_tflops(name, precision(ds_config))

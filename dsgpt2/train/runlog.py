@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
+from dsgpt2.checkpoints.options import RESOLVED
 from dsgpt2.files import atomic_write_text
 from dsgpt2.progress import on_terminal
-from dsgpt2.train.config import RESOLVED, RunOptions
+from dsgpt2.train.config import RunOptions
 from dsgpt2.train.metrics import MetricsLog, plot_losses
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from dsgpt2.train.collective import all_sum
+from dsgpt2.collective import all_sum
 
 log = logging.getLogger("dsgpt2.train.trainer")
 

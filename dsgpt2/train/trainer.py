@@ -18,8 +18,23 @@ from typing import Any
 import torch
 
 from dsgpt2.accelerator import announce_cpu_op_build, prepare_deepspeed_environment, quiet_cached_op_load
+from dsgpt2.checkpoints.checkpointer import (
+    Checkpointer,
+    CheckpointSettings,
+    TrainState,
+    resumed_options,
+)
 from dsgpt2.checkpoints.copies import last_whole_in
-from dsgpt2.checkpoints.format import CHECKPOINTS, tag_for
+from dsgpt2.checkpoints.format import CHECKPOINTS, UNIVERSAL, tag_for
+from dsgpt2.checkpoints.publisher import stage
+from dsgpt2.collective import (
+    all_sum,
+    gather,
+    leave_process_group,
+    on_rank0,
+    peer_lost,
+    release_shared_buffer,
+)
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
@@ -31,25 +46,12 @@ from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import accuracies
+from dsgpt2.optim.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
+from dsgpt2.optim.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.stores.base import open_store
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.tokenizer.stored import fetch_tokenizer, stored_tokenizer
-from dsgpt2.train.checkpointer import (
-    Checkpointer,
-    CheckpointSettings,
-    TrainState,
-    resumed_options,
-)
-from dsgpt2.train.collective import (
-    all_sum,
-    gather,
-    leave_process_group,
-    on_rank0,
-    peer_lost,
-    release_shared_buffer,
-)
 from dsgpt2.train.config import TrainConfig, parse
-from dsgpt2.train.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
 from dsgpt2.train.engine import (
     Engine,
     EngineSettings,
@@ -63,8 +65,6 @@ from dsgpt2.train.engine import (
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
 from dsgpt2.train.microloop import MicroLoop
-from dsgpt2.train.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
-from dsgpt2.train.publisher import stage
 from dsgpt2.train.runlog import RunLog
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
@@ -185,7 +185,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         log.info("%s", line)
     feed.start(marks, found[2] if found else None)
     engine_settings = EngineSettings(cfg.model, cfg.compute, seed=cfg.data.seed, optim=cfg.optim)
-    resumed = ds.resuming(found[1] if found else None)
+    resumed = ds.resuming(found is not None and found[1].endswith(UNIVERSAL))
     engine = build_engine(engine_settings, resumed, spec, vocab_size, init=init, device=device, world=world)
     state = checkpointer.restore(
         engine.engine, found[:2] if found else None, feed.state.streams[0], ds.schedule

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from dsgpt2.checkpoints.format import CHECKPOINTS, COMPLETE, resolve
+from dsgpt2.checkpoints.publisher import Publisher
 from dsgpt2.errors import CheckpointError
 from dsgpt2.stores.base import DirectoryStore
-from dsgpt2.train.publisher import Publisher
 
 
 class FakeEngine:

@@ -440,13 +440,13 @@ OWNERS = {
     "dsgpt2/model/hellaswag.py": ["evaluate", "train"],
     "dsgpt2/checkpoints/lineage.py": ["lineage"],
     "dsgpt2/train/plan.py": ["plan"],
-    "dsgpt2/train/checkpointer.py": ["train"],
-    "dsgpt2/train/collective.py": ["train"],
-    "dsgpt2/train/ds_config.py": ["train"],
+    "dsgpt2/checkpoints/checkpointer.py": ["train"],
+    "dsgpt2/collective.py": ["train"],
+    "dsgpt2/optim/ds_config.py": ["train"],
     "dsgpt2/train/engine.py": ["train"],
     "dsgpt2/train/feed.py": ["train"],
     "dsgpt2/train/metrics.py": ["train"],
-    "dsgpt2/train/schedule.py": ["train"],
+    "dsgpt2/optim/schedule.py": ["train"],
     "dsgpt2/train/trainer.py": ["train"],
     "dsgpt2/train/validator.py": ["train"],
     "dsgpt2/data/mixture.py": ["train"],
@@ -497,7 +497,7 @@ def library_messages() -> list[tuple[str, int, str, list[str]]]:
 def test_the_library_reader_finds_the_messages() -> None:
     found = {(f, text) for f, _, text, _ in library_messages()}
     assert ("dsgpt2/cli/infer.py", "give PROMPT arguments or --prompts_file") in found
-    assert any(f == "dsgpt2/train/checkpointer.py" and "--no_resume" in t for f, t in found)
+    assert any(f == "dsgpt2/checkpoints/checkpointer.py" and "--no_resume" in t for f, t in found)
     assert len(found) > 60
 
 

@@ -238,7 +238,7 @@ def test_the_demo_trains_with_the_optimizer_its_recipe_names(
 
 
 def test_the_shipped_8_gpu_recipe_loads_and_steps_on_a_million_tokens(files: dict[str, Path]) -> None:
-    from dsgpt2.train.ds_config import precision
+    from dsgpt2.optim.ds_config import precision
 
     cfg = parse(
         ["--config", str(ROOT / "configs" / "recipes" / "112m_8gpu.toml"), "--vocab_dir", str(files["tok"])]

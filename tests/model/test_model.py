@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import PRESETS, build_model, gpt2_config, param_groups
-from dsgpt2.train.ds_config import build_ds_config, zero_stage
+from dsgpt2.optim.ds_config import build_ds_config, zero_stage
 from dsgpt2.train.plan import gpt2_parameters, plan
 
 DS_CONFIGS = sorted((ROOT / "configs").glob("ds_config*.json"))
@@ -145,7 +145,7 @@ def test_plan_prints_activations_and_the_largest_micro_batch_that_fits(tmp_path:
 
 
 def test_torch_autocast_is_a_precision_and_names_its_dtype(tmp_path: Path) -> None:
-    from dsgpt2.train.ds_config import precision
+    from dsgpt2.optim.ds_config import precision
 
     base = {"train_micro_batch_size_per_gpu": 1}
     bf16 = {**base, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}}

@@ -25,6 +25,7 @@ ORDER = [
     "tokenizer",
     "data",
     "model",
+    "optim",
     "checkpoints",
     "train",
     "infer",
@@ -92,14 +93,9 @@ def test_only_the_database_layer_talks_to_mongodb_and_only_training_to_deepspeed
         server = {"secantus"} if rel != "db/secantusd.py" else set()
         assert not roots & ({"mongomock"} | server), f"{rel}: the product imports no test double or server"
         if "deepspeed" in roots:
-            # The engine is training's; reading a ZeRO checkpoint's shards is the checkpoint format's.
-            readers = {"deepspeed.utils.zero_to_fp32"}
-            assert rel.startswith("train/") or (
-                rel.startswith("checkpoints/")
-                and {n for n in _imports(path) if n.startswith("deepspeed")}
-                <= readers
-                | {f"{r}.{n}" for r in readers for n in ("get_fp32_state_dict_from_zero_checkpoint",)}
-            ), rel
+            # The engine is training's, its optimizers optim/'s, its checkpoint engine and a ZeRO checkpoint's
+            # shards the checkpoints'.
+            assert rel.startswith(("train/", "optim/", "checkpoints/")), rel
     for path in sorted((PACKAGE / "model").rglob("*.py")):
         assert not {n.split(".")[0] for n in _imports(path)} & {"deepspeed", "pymongo"}, path
 

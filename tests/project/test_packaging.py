@@ -19,7 +19,7 @@ def test_every_shipped_gpu_config_steps_on_at_least_128k_tokens_per_gpu() -> Non
     """DeepSpeed's optimizer step costs a fixed time per step on a GPU: the GPU configs amortize it over
     at least 131,072 tokens per GPU at context 1,024, warm up as GPT-2's recipe does, and keep the
     schedule in the config consistent with the optimizer's rate."""
-    from dsgpt2.train.ds_config import precision
+    from dsgpt2.optim.ds_config import precision
 
     gpu = {}
     for path in sorted((ROOT / "configs").glob("ds_config*.json")):

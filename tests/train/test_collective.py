@@ -20,7 +20,7 @@ SCRIPT = """
 import datetime, os, signal, sys, time
 import torch.distributed as dist
 from dsgpt2.errors import PeerLostError
-from dsgpt2.train.collective import Rounds, peer_lost
+from dsgpt2.collective import Rounds, peer_lost
 
 rank, timeout, work, fault = int(os.environ["RANK"]), float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
@@ -94,7 +94,7 @@ def test_a_rank_unlinks_its_deepspeed_shm_buffer_only_where_all_ranks_share_the_
     to WORLD_SIZE), so that every rank takes the same barrier or none does."""
     from pathlib import Path
 
-    from dsgpt2.train.collective import SHM_BUFFER, release_shared_buffer
+    from dsgpt2.collective import SHM_BUFFER, release_shared_buffer
 
     port = str(os.getpid())
     env = {"MASTER_ADDR": "test-addr", "MASTER_PORT": port, "RANK": "1", "WORLD_SIZE": "2"}

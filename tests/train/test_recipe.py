@@ -13,10 +13,10 @@ import torch
 from conftest import ROOT
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import build_model, count_parameters, doc_position_ids, flops_per_token, gpt2_config
+from dsgpt2.optim.ds_config import EngineConfig, build_ds_config, check_attention, schedule_note
+from dsgpt2.optim.schedule import Schedule, ScheduledLR, lr_at
 from dsgpt2.train.config import OptimizerOptions, ScheduleOptions
-from dsgpt2.train.ds_config import EngineConfig, build_ds_config, check_attention, schedule_note
 from dsgpt2.train.metrics import device_peak_tflops
-from dsgpt2.train.schedule import Schedule, ScheduledLR, lr_at
 
 
 def test_cosine_warms_up_then_falls_to_the_floor() -> None:

@@ -136,8 +136,8 @@ def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
 ) -> None:
     from conftest import run_cli
     from dsgpt2.model.gpt2 import flops_per_token, gpt2_config
+    from dsgpt2.optim.schedule import Schedule, lr_at
     from dsgpt2.tokenizer.bpe import load_vocab_size
-    from dsgpt2.train.schedule import Schedule, lr_at
 
     flops = flops_per_token(gpt2_config("tiny", load_vocab_size(corpus["tok"]), 64, 0, 1), 64)
 

@@ -4,7 +4,7 @@ built once into what the engine is given (:func:`build_ds_config`).
 The checks are the batch-size arithmetic (micro × accumulation × world =
 global), the precision the device can run, and the scheduler's length. The learning rate has one
 source: ``--lr``, else the file's ``optimizer.params.lr``; the schedule is dsgpt2's (:class:`Schedule`)
-or the file's scheduler, and the optimizer of the run (:mod:`dsgpt2.train.optimizers`) says what else it
+or the file's scheduler, and the optimizer of the run (:mod:`dsgpt2.optim.optimizers`) says what else it
 needs of the config.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.train.schedule import Schedule
+from dsgpt2.optim.schedule import Schedule
 
 log = logging.getLogger(__name__)
 FLAG = "--deepspeed_config"
@@ -69,12 +69,10 @@ class EngineConfig:
     def grad_accum(self) -> int:
         return int(self.config["gradient_accumulation_steps"])
 
-    def resuming(self, tag: str | None) -> EngineConfig:
-        """The config an engine resuming from checkpoint ``tag`` is built with: told to read DeepSpeed's
-        universal form where the tag names one (see :mod:`dsgpt2.train.universal`)."""
-        from dsgpt2.checkpoints.format import UNIVERSAL  # not at import: the format reads with torch
-
-        if tag is None or not tag.endswith(UNIVERSAL):
+    def resuming(self, universal: bool) -> EngineConfig:
+        """The config an engine resuming from a checkpoint is built with: told to read DeepSpeed's
+        universal form where the checkpoint is one (see :mod:`dsgpt2.checkpoints.universal`)."""
+        if not universal:
             return self
         checkpoint = {**self.config.get("checkpoint", {}), "load_universal": True}
         return replace(self, config={**self.config, "checkpoint": checkpoint})
@@ -92,8 +90,8 @@ def build_ds_config(
     """The DeepSpeed config file at ``path`` checked and built into what the engine is given.
 
     Args:
-        schedule: the run's :class:`~dsgpt2.train.config.ScheduleOptions` (None: the file's scheduler).
-        optimizer: the run's :class:`~dsgpt2.train.optimizer.RunOptimizer` (None: the file as it is).
+        schedule: the run's ``ScheduleOptions`` (None: the file's scheduler).
+        optimizer: the run's :class:`~dsgpt2.optim.optimizer.RunOptimizer` (None: the file as it is).
 
     Raises:
         ConfigError: missing or malformed file, inconsistent batch sizes, a precision this device cannot
@@ -233,7 +231,7 @@ def precision(cfg: dict[str, Any]) -> str:
 
 
 def own_schedule(cfg: dict[str, Any], opts: Any, train_iters: int, peak: Any) -> Schedule:
-    """The schedule dsgpt2 drives for ``opts`` (a :class:`~dsgpt2.train.config.ScheduleOptions` of
+    """The schedule dsgpt2 drives for ``opts`` (a ``ScheduleOptions`` of
     cosine or wsd) peaking at ``peak`` (the run's learning rate), its warm-up the option's, else the file
     scheduler's (at most a tenth of the run), else 2 % of the run.
 

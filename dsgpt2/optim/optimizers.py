@@ -1,5 +1,5 @@
 """The optimizers a run can train with, in one registry (torchtitan's ``build_optimizers``): a new one
-is a :class:`~dsgpt2.train.optimizer.RunOptimizer` class and one line here; ``--optimizer``'s choices, a
+is a :class:`~dsgpt2.optim.optimizer.RunOptimizer` class and one line here; ``--optimizer``'s choices, a
 resume's checks and the engine's build all read :data:`OPTIMIZERS`. A plugin (or a test) registers its
 own the same way before the run is built::
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_SCALE, MUON_WEIGHT_DECAY, SCALES, Muon
+from dsgpt2.optim.optimizer import AdamW, RunOptimizer
 from dsgpt2.registry import Registry
 from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
-from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, MUON_SCALE, MUON_WEIGHT_DECAY, SCALES, Muon
-from dsgpt2.train.optimizer import AdamW, RunOptimizer
 
 OPTIMIZERS: Registry[type[RunOptimizer]] = Registry("optimizer", "--optimizer")
 OPTIMIZERS.register(AdamW.name)(AdamW)
@@ -32,8 +32,8 @@ MUON = ("optimizer", Muon.name)  # what Muon's own options serve
 
 @dataclass
 class OptimizerOptions(Checked):
-    """Which optimizer trains the weights (see dsgpt2.train.optimizers), and Muon's settings
-    (dsgpt2.train.muon)."""
+    """Which optimizer trains the weights (see dsgpt2.optim.optimizers), and Muon's settings
+    (dsgpt2.optim.muon)."""
 
     optimizer: str | None = option(
         None,

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from conftest import make_config
+from dsgpt2.checkpoints.checkpointer import resumed_options
 from dsgpt2.checkpoints.copies import resumable_tag
+from dsgpt2.checkpoints.ds_checkpoint import QueuedWrites
 from dsgpt2.checkpoints.format import CHECKPOINTS
+from dsgpt2.checkpoints.options import CheckpointOptions
+from dsgpt2.checkpoints.publisher import Publisher
 from dsgpt2.db.client import Connection
 from dsgpt2.stores.gridfs import GridFSStore
-from dsgpt2.train.checkpointer import resumed_options
-from dsgpt2.train.config import CheckpointOptions
-from dsgpt2.train.ds_checkpoint import QueuedWrites
-from dsgpt2.train.publisher import Publisher
 
 
 def _store(tmp_path: Path, name: str) -> GridFSStore:

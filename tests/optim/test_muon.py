@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_MOMENTUM_KEY, muon_param_groups
+from dsgpt2.optim.schedule import Schedule, ScheduledLR
 from dsgpt2.train.config import OptimizerOptions, ScheduleOptions, TrainConfig
-from dsgpt2.train.muon import MUON_LR, MUON_MOMENTUM, MUON_MOMENTUM_KEY, muon_param_groups
-from dsgpt2.train.schedule import Schedule, ScheduledLR
 from training import launch, steps, train, training_corpus
 
 MUON = ("--optimizer", "muon", "--lr_schedule", "wsd", "--muon_lr", "0.03")
@@ -91,7 +91,7 @@ def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_sam
     """The update is sized by the layer's (fan-out, fan-in), not by how its weight is stored."""
     import torch
 
-    from dsgpt2.train.muon import build_muon
+    from dsgpt2.optim.muon import build_muon
 
     torch.manual_seed(0)
     conv, linear = _Block.build(linear=False), _Block.build(linear=True)
@@ -401,7 +401,7 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
     from deepspeed.runtime.zero.muon import original_muon
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from dsgpt2.train.muon import batched_muon_class
+    from dsgpt2.optim.muon import batched_muon_class
 
     torch.manual_seed(0)
     model = tiny_model()
@@ -450,7 +450,7 @@ def test_the_adamw_part_steps_in_one_fused_call_as_the_per_tensor_one_would() ->
     import torch
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
-    from dsgpt2.train.muon import build_muon
+    from dsgpt2.optim.muon import build_muon
 
     torch.manual_seed(0)
     model = tiny_model()

@@ -29,8 +29,8 @@ import math
 from typing import Any, ClassVar
 
 from dsgpt2.model.gpt2 import param_groups
-from dsgpt2.train.ds_config import EngineConfig, zero_stage
-from dsgpt2.train.optimizer import RunOptimizer
+from dsgpt2.optim.ds_config import EngineConfig, zero_stage
+from dsgpt2.optim.optimizer import RunOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 MUON_LR = 0.02
 MUON_MOMENTUM = 0.95
 # The optimizer-state key DeepSpeed's MuonWithAuxAdam keeps a matrix's momentum under: the batched step
-# keeps it there too, and the universal form of a checkpoint carries it (dsgpt2.train.universal).
+# keeps it there too, and the universal form of a checkpoint carries it (dsgpt2.checkpoints.universal).
 MUON_MOMENTUM_KEY = "momentum_buffer"
 # How large each matrix's update is (see muon_scale); "storage" is DeepSpeed's rule on the weight as
 # stored, what runs trained before the choice existed used (their checkpoints resume with it).

@@ -1,10 +1,10 @@
 """What an optimizer is to the trainer (:class:`RunOptimizer`), and AdamW, the DeepSpeed config's own.
 
 An optimizer of a run says what it needs of the DeepSpeed config (:meth:`RunOptimizer.engine_config`,
-a new dict: the config is built once, :func:`dsgpt2.train.ds_config.build_ds_config`), why a config
+a new dict: the config is built once, :func:`dsgpt2.optim.ds_config.build_ds_config`), why a config
 cannot carry it (:meth:`RunOptimizer.unfit`), and what ``deepspeed.initialize`` is handed to train the
 model with it (:meth:`RunOptimizer.build`). They are registered by name in
-:mod:`dsgpt2.train.optimizers`, which ``--optimizer`` chooses from.
+:mod:`dsgpt2.optim.optimizers`, which ``--optimizer`` chooses from.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from dsgpt2.model.gpt2 import param_groups
 
 if TYPE_CHECKING:
-    from dsgpt2.train.ds_config import EngineConfig
+    from dsgpt2.optim.ds_config import EngineConfig
 
 
 class RunOptimizer:

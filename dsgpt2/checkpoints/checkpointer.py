@@ -1,5 +1,5 @@
 """The run's checkpoints: which one to resume from, verified against this run's data and ranks
-before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.train.ds_checkpoint`).
+before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.checkpoints.ds_checkpoint`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dsgpt2.checkpoints import ds_checkpoint, universal
 from dsgpt2.checkpoints.copies import resumable_tag
 from dsgpt2.checkpoints.format import (
     CheckpointError,
@@ -21,14 +22,14 @@ from dsgpt2.checkpoints.format import (
     read_client_state,
     resolve,
 )
+from dsgpt2.checkpoints.options import RESOLVED, CheckpointOptions
+from dsgpt2.checkpoints.publisher import Publisher
 from dsgpt2.data.dealing import Position
 from dsgpt2.data.sources import order_of
+from dsgpt2.data.table import ChunkTable
+from dsgpt2.db.client import Connection
 from dsgpt2.errors import TrainingAborted
 from dsgpt2.stores.base import Store, where
-from dsgpt2.train import ds_checkpoint, universal
-from dsgpt2.train.config import RESOLVED, CheckpointOptions
-from dsgpt2.train.feed import check_saved_data
-from dsgpt2.train.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +358,31 @@ class Checkpointer:
         """Name ``tag`` (saved) the run's best checkpoint."""
         assert self.publisher is not None
         self.publisher.mark_best(tag)
+
+
+def check_saved_data(
+    conn: Connection, saved: dict[str, Any], marks: tuple[int, ...], where: Path
+) -> list[str]:
+    """Why the corpus no longer continues the checkpoint's run: its format, a shrunken or edited
+    trained prefix. Empty: it does (rank 0; reads a few documents).
+
+    Raises:
+        CheckpointError: a checkpoint without a data state (an older layout).
+    """
+    from dsgpt2.corpus.marks import prefix_problems
+
+    data = saved.get("data")
+    if not isinstance(data, dict) or "table" not in data:
+        raise CheckpointError(
+            f"{where} holds no data state this version reads (an older layout); start fresh with another "
+            "--ckpt_dir, or --no_resume"
+        )
+    problems = prefix_problems(conn, data.get("prefix") or {}, marks)
+    table_marks = ChunkTable.from_dict(data["table"]).marks
+    for name, mark, now in zip(conn.config.collections, table_marks, marks, strict=True):
+        if now < mark and not any(p.startswith(name) for p in problems):
+            problems.append(f"{name} holds {now} documents, fewer than the {mark} trained on")
+    return problems
 
 
 def _model_flags(args: dict[str, Any], differ: dict[str, tuple[Any, Any]]) -> str:

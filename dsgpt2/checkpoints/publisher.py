@@ -3,10 +3,10 @@ of location: the step waits only while the tensors are copied, a checkpoint is m
 rank's files are kept, then ``latest`` (and ``best``) move, then ``--keep_last`` prunes.
 
 A save leaves the training step once its tensors are copied (DeepSpeed's checkpoint engine made one that
-queues its writes: :class:`dsgpt2.train.ds_checkpoint.QueuedWrites`); a thread of each rank then waits for
-its files to be written into the store's ``local`` directory, keeps them (an upload; nothing to move in a
-directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for every rank's
-manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The next save, and the
+queues its writes: :class:`~dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`); a thread of each rank
+waits for its files to be written into the store's ``local`` directory, keeps them (an upload; nothing to
+move in a directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for every
+rank's manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The next save, and the
 end of the run, wait for the last one first (on every rank, so that a save that failed stops every rank
 at once), and each node's copy then keeps only what is stored. The threads take no collective: the ranks
 agree through the store. Where they cannot (a directory the nodes do not share: each node's disk holds
@@ -26,14 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.checkpoints import ds_checkpoint
 from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index
 from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, tag_for
+from dsgpt2.collective import barrier, broadcast, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.errors import CheckpointError, DsGpt2Error
 from dsgpt2.stores.base import Store, split_location, where
-from dsgpt2.train import ds_checkpoint
-from dsgpt2.train.collective import barrier, broadcast, gather, on_each_node, on_rank0, raise_shared
 
-log = logging.getLogger("dsgpt2.train.checkpointer")
+log = logging.getLogger("dsgpt2.checkpoints.checkpointer")
 
 _POLL_S = 0.2
 

@@ -106,7 +106,7 @@ class ScheduledLR:
 
     def get_lr(self) -> list[float]:
         """Each group's rate: the curve's, times the group's ``lr_scale`` where it has one (Muon's
-        weights, whose peak is their own: :mod:`dsgpt2.train.optim`)."""
+        weights, whose peak is their own: :mod:`dsgpt2.optim.muon`)."""
         lr = lr_at(self.schedule, self.last_step)
         return [lr * group.get("lr_scale", 1.0) for group in self.optimizer.param_groups]
 

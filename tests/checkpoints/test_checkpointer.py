@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from conftest import make_config, seed
+from dsgpt2.checkpoints.checkpointer import Checkpointer, CheckpointSettings, TrainState
 from dsgpt2.checkpoints.format import CHECKPOINTS, LATEST, complete_tags, read_client_state
+from dsgpt2.checkpoints.options import RESOLVED, CheckpointOptions
+from dsgpt2.checkpoints.publisher import Publisher
 from dsgpt2.corpus.marks import prefix_record, read_marks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.sources import LAYOUTS
@@ -22,9 +25,6 @@ from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.errors import CheckpointError, TrainingAborted
 from dsgpt2.stores.base import DirectoryStore
-from dsgpt2.train.checkpointer import Checkpointer, CheckpointSettings, TrainState
-from dsgpt2.train.config import RESOLVED, CheckpointOptions
-from dsgpt2.train.publisher import Publisher
 
 SEED = 5
 FINGERPRINT = {"layout": LAYOUTS["spread"], "tokenizer": "t-one", "context": 32, "chunk_docs": 10}

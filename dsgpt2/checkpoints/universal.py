@@ -36,7 +36,7 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
-from dsgpt2.train.muon import MUON_MOMENTUM_KEY
+from dsgpt2.optim.muon import MUON_MOMENTUM_KEY
 
 log = logging.getLogger(__name__)
 

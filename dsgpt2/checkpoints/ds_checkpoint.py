@@ -1,6 +1,6 @@
 """Checkpoints: DeepSpeed's save and load, and the writes of a save moved off the training step.
 
-A checkpoint is marked complete only after every rank has saved (:mod:`dsgpt2.train.publisher`; see
+A checkpoint is marked complete only after every rank has saved (:mod:`dsgpt2.checkpoints.publisher`; see
 :mod:`dsgpt2.checkpoints.format` for the format and how it is read and verified). A crash during a save
 therefore leaves ``latest`` naming the previous complete checkpoint. ``client_state`` carries the
 training state (step, data position, RNG states, config, data fingerprint).
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dsgpt2.checkpoints import universal
 from dsgpt2.checkpoints.format import (
     COMPLETE,
     LATEST,
@@ -25,7 +26,6 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
-from dsgpt2.train import universal
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _copied(value: Any) -> Any:
 def write(engine: Any, local: Path, tag: str, client_state: dict[str, Any], files: dict[str, str]) -> None:
     """Write the states of every rank of ``engine`` as ``local/tag`` (``files``: text files, name →
     content, written beside them by rank 0); marking it whole is the caller's
-    (:class:`dsgpt2.train.publisher.Publisher`). With :class:`QueuedWrites` installed, the states' files
+    (:class:`dsgpt2.checkpoints.publisher.Publisher`). With :class:`QueuedWrites` installed, the states' files
     are still being written when this returns."""
     import torch.distributed as dist
 

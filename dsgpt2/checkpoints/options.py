@@ -1,0 +1,43 @@
+"""The checkpoint options of a run: where checkpoints go (a directory, or a location a store kind's
+scheme names: :mod:`dsgpt2.stores`), how many stay, where a run resumes from; and the name of the
+resolved configuration saved beside each checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, as_path, check_fields, option
+
+RESOLVED = "config.yaml"  # the run's resolved configuration, beside each checkpoint's files
+
+
+@dataclass
+class CheckpointOptions:
+    """Where checkpoints go, how many stay, and where a run resumes from."""
+
+    ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")
+    save_interval: int = option(500, "save every N steps", check=POSITIVE_INT)
+    keep_last: int = option(3, "keep the last K checkpoints (0: all)", check=NON_NEGATIVE_INT)
+    load_dir: Path | None = option(None, "resume from this directory (an error if it holds none)")
+    ckpt_id: str | None = option(None, "resume from this tag instead of `latest`")
+    no_resume: bool = option(
+        False, "never resume: a fresh run, refused where --ckpt_dir holds checkpoints (never overwritten)"
+    )
+    ignore_fingerprint: bool = option(
+        False, "resume although the corpus or tokenizer changed since the checkpoint"
+    )
+
+    def __post_init__(self) -> None:
+        self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
+        check_fields(self)
+        from dsgpt2.checkpoints.format import CHECKPOINTS  # not at import: it reads checkpoints with torch
+        from dsgpt2.stores.base import split_location
+
+        for location in (self.ckpt_dir, self.load_dir):  # a stored location is spelt right
+            split_location(location, CHECKPOINTS)
+        if self.ckpt_id and not self.load_dir:
+            self.load_dir = self.ckpt_dir
+        if self.no_resume and self.load_dir:
+            raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")
