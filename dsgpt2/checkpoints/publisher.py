@@ -2,16 +2,16 @@
 of location: the step waits only while the tensors are copied, a checkpoint is marked whole once every
 rank's files are kept, then ``latest`` (and ``best``) move, then ``--keep_last`` prunes.
 
-A save leaves the training step once its tensors are copied (DeepSpeed's checkpoint engine made one that
-queues its writes: :class:`~dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`); a thread of each rank
-waits for its files to be written into the store's ``local`` directory, keeps them (an upload; nothing to
-move in a directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for every
-rank's manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The next save, and the
-end of the run, wait for the last one first (on every rank, so that a save that failed stops every rank
-at once), and each node's copy then keeps only what is stored. The threads take no collective: the ranks
-agree through the store. Where they cannot (a directory the nodes do not share: each node's disk holds
-its own ranks' files), the step waits for the save and rank 0 marks it once every rank has written,
-agreed by barriers.
+A save leaves the training step once its tensors are copied (DeepSpeed's checkpoint engine made one
+that queues its writes: :class:`~dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`); a thread of each rank
+waits for its files to be written into the store's ``local`` directory, keeps them (an upload; nothing
+to move in a directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for
+every rank's manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The
+next save, and the end of the run, wait for the last one first (on every rank, so that a save that
+failed stops every rank at once), and each node's copy then keeps only what is stored. The threads
+take no collective: the ranks agree through the store. Where they cannot (a directory the nodes do not
+share: each node's disk holds its own ranks' files), the step waits for the save and rank 0 marks it
+once every rank has written, agreed by barriers.
 """
 
 from __future__ import annotations
