@@ -214,15 +214,11 @@ class Checkpointer:
                 f"resume it with --optimizer {theirs} (or without --optimizer), or train with {ours} in "
                 f"another --ckpt_dir (--init_from the exported model starts {ours} from its weights)"
             )
-        theirs = args.get("muon_scale") or "storage"  # saved before the choice: DeepSpeed's rule
-        ours = self.settings.args.get("muon_scale")
-        if ours and ours != theirs:
-            # Muon's weights are grouped by update size: the saved groups are not this run's.
-            raise CheckpointError(
-                f"{where} was trained with --muon_scale {theirs} and this run asks for --muon_scale {ours}: "
-                f"resume it with --muon_scale {theirs} (or without it), or train with {ours} in another "
-                "--ckpt_dir"
-            )
+        from dsgpt2.optim.optimizers import OPTIMIZERS
+
+        refusal = OPTIMIZERS[ours].resume_refusal(args, self.settings.args) if ours in OPTIMIZERS else None
+        if refusal:
+            raise CheckpointError(f"{where} {refusal}")
 
     def _check_data(self, saved: dict[str, Any], where: Path) -> None:
         problems = check_saved_data(self.conn, saved, self.marks, where)

@@ -150,5 +150,5 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
     if path is None or client_state is None:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
     if tag.endswith(UNIVERSAL):
-        universal.restore_muon_momentum(engine.optimizer, load_dir / tag)
+        universal.restore_whole_states(engine.optimizer, load_dir / tag)
     return client_state

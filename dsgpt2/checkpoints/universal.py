@@ -36,7 +36,6 @@ from dsgpt2.checkpoints.format import (
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
-from dsgpt2.optim.muon import MUON_MOMENTUM_KEY
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +125,10 @@ def convert(src: Path, dst: Path) -> None:
         fp32 = osd[SINGLE_PARTITION_OF_FP32_GROUPS]
         for group, mapping in enumerate(osd[PARAM_SLICE_MAPPINGS]):
             state = dict(base["state"].get(group, {}))
-            if (momentum := state.pop(MUON_MOMENTUM_KEY, None)) is not None:
-                for name, whole in _whole_tensors(momentum, mapping, shapes, path):
-                    whole_states[name].setdefault(MUON_MOMENTUM_KEY, whole)
+            for key in _whole_states():
+                if (kept := state.pop(key, None)) is not None:
+                    for name, whole in _whole_tensors(kept, mapping, shapes, path):
+                        whole_states[name].setdefault(key, whole)
             flat = {"fp32": fp32[group]}
             # Per-element state spans the partition (with its padding, at the end of the last rank's).
             flat.update(
@@ -166,6 +166,13 @@ def convert(src: Path, dst: Path) -> None:
             shutil.copy2(path, dst / path.name)
 
 
+def _whole_states() -> set[str]:
+    """The states the registered optimizers keep whole per parameter (Muon's momentum)."""
+    from dsgpt2.optim.optimizers import OPTIMIZERS
+
+    return {key for _, optimizer in OPTIMIZERS.items() for key in optimizer.whole_states}
+
+
 def _whole_tensors(
     buffer: torch.Tensor, mapping: dict[str, Any], shapes: dict[str, torch.Size], path: Path
 ) -> list[tuple[str, torch.Tensor]]:
@@ -182,21 +189,21 @@ def _whole_tensors(
     return out
 
 
-def restore_muon_momentum(optimizer: Any, folder: Path) -> None:
-    """After DeepSpeed loaded a universal form into a ZeRO 1/2 ``optimizer``: Muon's momentum laid out as
-    its step reads it (each parameter this rank's partition touches, whole: see :func:`_whole_tensors`),
-    where DeepSpeed's loader laid it out as the partition. A no-op without Muon groups."""
+def restore_whole_states(optimizer: Any, folder: Path) -> None:
+    """After DeepSpeed loaded a universal form into a ZeRO 1/2 ``optimizer``: the states an optimizer keeps
+    whole per parameter (Muon's momentum) laid out as its step reads them (each parameter this rank's
+    partition touches, whole: see :func:`_whole_tensors`), where DeepSpeed's loader laid them out as the
+    partition. A no-op where the groups hold none."""
     state = optimizer.optimizer.state
     for group, params in enumerate(getattr(optimizer, "params_in_partition", [])):
         flat = optimizer.optimizer.param_groups[group]["params"][0]
-        if MUON_MOMENTUM_KEY not in state.get(flat, {}):
-            continue
-        wholes = []
-        for p in params:
-            saved = folder / "zero" / optimizer.param_names[p] / f"{MUON_MOMENTUM_KEY}.pt"
-            wholes.append(torch.load(saved, map_location="cpu", weights_only=False)[PARAM].flatten())
-        held = state[flat][MUON_MOMENTUM_KEY]
-        state[flat][MUON_MOMENTUM_KEY] = torch.cat(wholes).to(dtype=held.dtype, device=held.device)
+        for key in _whole_states() & set(state.get(flat, {})):
+            wholes = []
+            for p in params:
+                saved = folder / "zero" / optimizer.param_names[p] / f"{key}.pt"
+                wholes.append(torch.load(saved, map_location="cpu", weights_only=False)[PARAM].flatten())
+            held = state[flat][key]
+            state[flat][key] = torch.cat(wholes).to(dtype=held.dtype, device=held.device)
 
 
 def _stage(osd: dict[str, Any]) -> int:

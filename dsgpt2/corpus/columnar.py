@@ -12,15 +12,12 @@ storable in MongoDB), each input read by the :class:`~dsgpt2.corpus.records.Read
 
 from __future__ import annotations
 
-import datetime
-import decimal
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.corpus.records import Reader, ReadOptions, Text
-from dsgpt2.documents import INGEST_FIELDS
+from dsgpt2.corpus.records import READERS, Reader, ReadOptions, Text, kept_as, storable
 from dsgpt2.errors import IngestError
 
 BATCH_ROWS = 1024
@@ -28,7 +25,6 @@ PARQUET_MAGIC = b"PAR1"
 ARROW_FILE_MAGIC = b"ARROW1"
 ARROW_STREAM_MAGIC = b"\xff\xff\xff\xff"  # an IPC stream's first message (a continuation marker)
 SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow"}
-INT64_MAX = 2**63 - 1
 
 
 def detect(path: Path) -> str | None:
@@ -52,31 +48,6 @@ def _head(path: Path, n: int) -> bytes:
             return f.read(n)
     except OSError:
         return b""
-
-
-def kept_as(keep: Sequence[str]) -> list[tuple[str, str]]:
-    """``--keep_fields``' entries as (column, the field it is stored as): ``url`` keeps ``url`` as
-    ``url``, ``source:src`` keeps the column ``source`` as ``src``."""
-    return [(k.partition(":")[0], k.partition(":")[2] if ":" in k else k) for k in keep]
-
-
-def check_keep_fields(keep: Sequence[str]) -> None:
-    """Refuse kept fields that would overwrite a document's own, naming them and the rename that
-    keeps the column."""
-    for entry, (column, name) in zip(keep, kept_as(keep), strict=True):
-        if not column or not name:
-            raise IngestError(f"--keep_fields {entry!r}: give COLUMN or COLUMN:NAME (e.g. source:src)")
-        safe = {"source": "src"}.get(name, name.strip("$").replace(".", "_") + "_kept")
-        if name in INGEST_FIELDS:
-            raise IngestError(
-                f"--keep_fields {entry}: {name!r} is a field of every document ({', '.join(INGEST_FIELDS)}: "
-                f"see the document schema); keep the column under another name: --keep_fields {column}:{safe}"
-            )
-        if name.startswith("$") or "." in name:
-            raise IngestError(
-                f"--keep_fields {entry}: a field name cannot start with '$' or hold '.'; keep the column "
-                f"under another name: --keep_fields {column}:{safe}"
-            )
 
 
 def dataset_files(path: Path) -> list[Path]:
@@ -265,18 +236,21 @@ class ColumnarReader(Reader):
         return self.table.where()
 
 
+@READERS.register("parquet")
 class ParquetReader(ColumnarReader):
     """A Parquet file, one row group at a time."""
 
     name = "parquet"
 
 
+@READERS.register("arrow")
 class ArrowReader(ColumnarReader):
     """An Arrow IPC file or stream (``.arrow``, ``.feather``)."""
 
     name = "arrow"
 
 
+@READERS.register("dataset")
 class DatasetReader(ColumnarReader):
     """A ``datasets`` ``save_to_disk`` directory: its Arrow files in order."""
 
@@ -290,27 +264,6 @@ def _ipc_batches(reader: Any) -> Iterator[Any]:
             yield reader.get_batch(i)
     else:
         yield from reader
-
-
-def storable(value: Any) -> Any:
-    """``value`` as BSON can hold it: dates become datetimes, decimals floats, integers past int64
-    strings, times and durations ISO strings; lists and structs converted inside."""
-    if value is None or isinstance(value, bool | str | float | bytes | datetime.datetime):
-        return value
-    if isinstance(value, int):
-        return value if -INT64_MAX - 1 <= value <= INT64_MAX else str(value)
-    if isinstance(value, datetime.date):
-        return datetime.datetime(value.year, value.month, value.day)
-    if isinstance(value, decimal.Decimal):
-        return float(value)
-    if isinstance(value, datetime.time | datetime.timedelta):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): storable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        # Arrow maps come as lists of (key, value) tuples.
-        return [storable(v) for v in value]
-    return str(value)
 
 
 def _first_line(exc: BaseException) -> str:

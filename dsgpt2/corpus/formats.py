@@ -1,5 +1,6 @@
 """The input formats ingest reads, in one registry: a format is a :class:`~dsgpt2.corpus.records.Reader`
-class and one line here. The command line's ``--format`` choices, ``auto``'s detection and
+class registered where it is defined (the built-in ones imported here, in the order ``--format`` lists
+them). The command line's ``--format`` choices, ``auto``'s detection and
 :func:`file_source` all read :data:`READERS`; a plugin (or a test) registers its own reader the same way
 before the command runs::
 
@@ -13,23 +14,14 @@ import codecs
 import os
 from pathlib import Path
 
-from dsgpt2.corpus import columnar, readers
-from dsgpt2.corpus.columnar import check_keep_fields, sniff_binary
-from dsgpt2.corpus.records import Reader, ReadOptions, Source, source_key
-from dsgpt2.errors import IngestError
-from dsgpt2.registry import Registry
+# isort: off
+from dsgpt2.corpus import readers  # noqa: F401  text, jsonl, csv, conversation
+from dsgpt2.corpus import columnar  # noqa: F401  parquet, arrow, dataset
 
-READERS: Registry[type[Reader]] = Registry("input format", "--format", IngestError)
-for _reader in (
-    readers.TextReader,
-    readers.JsonlReader,
-    readers.CsvReader,
-    readers.ConversationReader,
-    columnar.ParquetReader,
-    columnar.ArrowReader,
-    columnar.DatasetReader,
-):
-    READERS.register(_reader.name)(_reader)
+# isort: on
+from dsgpt2.corpus.columnar import sniff_binary
+from dsgpt2.corpus.records import READERS, ReadOptions, Source, check_keep_fields, source_key
+from dsgpt2.errors import IngestError
 
 # --format's choices: "auto" (the format told by the file's name and first bytes), then every reader.
 FORMATS = READERS.choices("auto")

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, ClassVar, TextIO
 
 from dsgpt2.corpus.builtin import SAMPLES, sample_version, stdlib_conversations, stdlib_documents
-from dsgpt2.corpus.columnar import kept_as, storable
 from dsgpt2.corpus.records import (
+    READERS,
     BadRecord,
     DecodeTally,
     Reader,
@@ -26,8 +26,10 @@ from dsgpt2.corpus.records import (
     Record,
     Source,
     Text,
+    kept_as,
     normalize_conversation,
     source_key,
+    storable,
 )
 from dsgpt2.errors import IngestError
 
@@ -50,6 +52,7 @@ class LineReader(Reader):
         return {"file": str(self.path), "line": self.line}
 
 
+@READERS.register("text")
 class TextReader(LineReader):
     """Plain text: one document per line, or per paragraph (``--split paragraph``)."""
 
@@ -62,6 +65,7 @@ class TextReader(LineReader):
             yield Text(text)
 
 
+@READERS.register("jsonl")
 class JsonlReader(LineReader):
     """JSON lines: the text in ``--field``, the ``--keep_fields`` keys beside it."""
 
@@ -74,6 +78,7 @@ class JsonlReader(LineReader):
         return _read_jsonl(self.path, self.options.field, self.tally, self.options.keep_fields, self)
 
 
+@READERS.register("csv")
 class CsvReader(LineReader):
     """CSV with a header: the text in ``--column``, the ``--keep_fields`` columns beside it."""
 
@@ -90,6 +95,7 @@ class CsvReader(LineReader):
         return _read_csv(self.path, self.options.column, self.tally, self.options.keep_fields, self)
 
 
+@READERS.register("conversation")
 class ConversationReader(LineReader):
     """JSON lines of conversations: ``{"turns": [{speaker, text}, ...]}`` or ``{"query", "reply"}``."""
 

@@ -10,16 +10,19 @@ registered by name in :mod:`dsgpt2.corpus.formats`.
 from __future__ import annotations
 
 import codecs
+import datetime
+import decimal
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 from dsgpt2.corpus.cleaning import clean_text
-from dsgpt2.documents import FORM, TEXT, TURNS, turns_text, utf8_encodable
+from dsgpt2.documents import FORM, INGEST_FIELDS, TEXT, TURNS, turns_text, utf8_encodable
 from dsgpt2.errors import IngestError
+from dsgpt2.registry import Registry
 from dsgpt2.settings.options import Checked, option
 
 # Speaker names given to query/reply pairs.
@@ -248,3 +251,58 @@ class Reader:
     def where(self) -> dict[str, Any]:
         """Where the record yielded last is (see :attr:`Source.locate`)."""
         return {"file": str(self.path)}
+
+
+# ---------------------------------------------------------------- kept fields
+INT64_MAX = 2**63 - 1
+
+
+def kept_as(keep: Sequence[str]) -> list[tuple[str, str]]:
+    """``--keep_fields``' entries as (column, the field it is stored as): ``url`` keeps ``url`` as
+    ``url``, ``source:src`` keeps the column ``source`` as ``src``."""
+    return [(k.partition(":")[0], k.partition(":")[2] if ":" in k else k) for k in keep]
+
+
+def check_keep_fields(keep: Sequence[str]) -> None:
+    """Refuse kept fields that would overwrite a document's own, naming them and the rename that
+    keeps the column."""
+    for entry, (column, name) in zip(keep, kept_as(keep), strict=True):
+        if not column or not name:
+            raise IngestError(f"--keep_fields {entry!r}: give COLUMN or COLUMN:NAME (e.g. source:src)")
+        safe = {"source": "src"}.get(name, name.strip("$").replace(".", "_") + "_kept")
+        if name in INGEST_FIELDS:
+            raise IngestError(
+                f"--keep_fields {entry}: {name!r} is a field of every document ({', '.join(INGEST_FIELDS)}: "
+                f"see the document schema); keep the column under another name: --keep_fields {column}:{safe}"
+            )
+        if name.startswith("$") or "." in name:
+            raise IngestError(
+                f"--keep_fields {entry}: a field name cannot start with '$' or hold '.'; keep the column "
+                f"under another name: --keep_fields {column}:{safe}"
+            )
+
+
+def storable(value: Any) -> Any:
+    """``value`` as BSON can hold it: dates become datetimes, decimals floats, integers past int64
+    strings, times and durations ISO strings; lists and structs converted inside."""
+    if value is None or isinstance(value, bool | str | float | bytes | datetime.datetime):
+        return value
+    if isinstance(value, int):
+        return value if -INT64_MAX - 1 <= value <= INT64_MAX else str(value)
+    if isinstance(value, datetime.date):
+        return datetime.datetime(value.year, value.month, value.day)
+    if isinstance(value, decimal.Decimal):
+        return float(value)
+    if isinstance(value, datetime.time | datetime.timedelta):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        # Arrow maps come as lists of (key, value) tuples.
+        return [storable(v) for v in value]
+    return str(value)
+
+
+# Every input format by its --format name: each Reader class registers itself where it is defined
+# (@READERS.register(name)); dsgpt2.corpus.formats imports the built-in ones, in the order --format lists.
+READERS: Registry[type[Reader]] = Registry("input format", "--format", IngestError)

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from dsgpt2.model.gpt2 import param_groups
 from dsgpt2.optim.ds_config import EngineConfig, zero_stage
-from dsgpt2.optim.optimizer import RunOptimizer
+from dsgpt2.optim.optimizer import OPTIMIZERS, RunOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +224,7 @@ def batched_muon_class() -> type:
     return BatchedMuon
 
 
+@OPTIMIZERS.register("muon")
 class Muon(RunOptimizer):
     """Muon on the blocks' 2-D weights, AdamW (the DeepSpeed config's settings, its peak the run's) on
     the others, in DeepSpeed's ``MuonWithAuxAdam`` (see the module doc)."""
@@ -236,6 +237,21 @@ class Muon(RunOptimizer):
     compiles = "Muon's Newton–Schulz iteration"
     # ZeRO 1 and 2 would clip the orthogonalised updates (see engine_config).
     trainer_clips = False
+    # Its momentum holds each parameter a partition touches whole (a matrix is orthogonalised whole).
+    whole_states = (MUON_MOMENTUM_KEY,)
+
+    @classmethod
+    def resume_refusal(cls, then: dict[str, Any], now: dict[str, Any]) -> str | None:
+        theirs = then.get("muon_scale") or cls.legacy["muon_scale"]
+        ours = now.get("muon_scale")
+        if ours and ours != theirs:
+            # Muon's weights are grouped by update size: the saved groups are not this run's.
+            return (
+                f"was trained with --muon_scale {theirs} and this run asks for --muon_scale {ours}: "
+                f"resume it with --muon_scale {theirs} (or without it), or train with {ours} in another "
+                "--ckpt_dir"
+            )
+        return None
 
     @classmethod
     def unfit(cls, ds_config: dict[str, Any]) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dsgpt2.model.gpt2 import param_groups
+from dsgpt2.registry import Registry
 
 if TYPE_CHECKING:
     from dsgpt2.optim.ds_config import EngineConfig
@@ -28,10 +29,13 @@ class RunOptimizer:
     - ``keys``: the optimizer options that are its own (refused with another optimizer), and
       ``legacy``: the values those of a checkpoint saved before they existed trained with;
     - ``compiles``: what its first step compiles, if anything (said before the wait);
-    - ``trainer_clips``: whether the trainer may take the DeepSpeed config's gradient clipping over.
+    - ``trainer_clips``: whether the trainer may take the DeepSpeed config's gradient clipping over;
+    - ``whole_states``: the names of its per-parameter states that it keeps whole for each parameter a
+      ZeRO partition touches, rather than cut as the partition (what a checkpoint's universal form
+      carries as they are laid out: :mod:`dsgpt2.checkpoints.universal`).
 
     and implements :meth:`build` (and, as it needs, :meth:`unfit`, :meth:`settle`,
-    :meth:`engine_config`).
+    :meth:`engine_config`, :meth:`resume_refusal`).
     """
 
     name: ClassVar[str]
@@ -40,6 +44,7 @@ class RunOptimizer:
     legacy: ClassVar[dict[str, Any]] = {}
     compiles: ClassVar[str | None] = None
     trainer_clips: ClassVar[bool] = True
+    whole_states: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, options: Any) -> None:
         self.options = options
@@ -57,17 +62,37 @@ class RunOptimizer:
         differs)."""
         return config
 
+    @classmethod
+    def resume_refusal(cls, then: dict[str, Any], now: dict[str, Any]) -> str | None:
+        """Why a run asking for the options ``now`` cannot take on the optimizer state of a checkpoint
+        trained with the options ``then`` (both by flag name; the same optimizer), as the end of a
+        sentence naming the checkpoint; None where it can."""
+        return None
+
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
         """What ``deepspeed.initialize`` is given to train ``model`` (``optimizer=`` or
         ``model_parameters=``)."""
         raise NotImplementedError
 
 
+# Every optimizer by its --optimizer name: each class registers itself where it is defined
+# (@OPTIMIZERS.register(name)); dsgpt2.optim.optimizers imports the built-in ones.
+OPTIMIZERS: Registry[type[RunOptimizer]] = Registry("optimizer", "--optimizer")
+
+
+@OPTIMIZERS.register("adamw")
 class AdamW(RunOptimizer):
     """The DeepSpeed config's optimizer (AdamW in every shipped config) on every weight, with decay on
     the matrices and embeddings only (:func:`dsgpt2.model.gpt2.param_groups`)."""
 
     name = "adamw"
+
+    @classmethod
+    def resume_refusal(cls, then: dict[str, Any], now: dict[str, Any]) -> str | None:
+        """Why a run asking for the options ``now`` cannot take on the optimizer state of a checkpoint
+        trained with the options ``then`` (both by flag name; the same optimizer), as the end of a
+        sentence naming the checkpoint; None where it can."""
+        return None
 
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
         decay = float(ds.optimizer_params.get("weight_decay", 0.0))

@@ -1,6 +1,7 @@
 """The optimizers a run can train with, in one registry (torchtitan's ``build_optimizers``): a new one
-is a :class:`~dsgpt2.optim.optimizer.RunOptimizer` class and one line here; ``--optimizer``'s choices, a
-resume's checks and the engine's build all read :data:`OPTIMIZERS`. A plugin (or a test) registers its
+is a :class:`~dsgpt2.optim.optimizer.RunOptimizer` class registered where it is defined (the built-in
+ones imported here); ``--optimizer``'s choices, a resume's checks and the engine's build all read
+:data:`OPTIMIZERS`. A plugin (or a test) registers its
 own the same way before the run is built::
 
     @OPTIMIZERS.register("sgd")
@@ -16,13 +17,8 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_SCALE, MUON_WEIGHT_DECAY, SCALES, Muon
-from dsgpt2.optim.optimizer import AdamW, RunOptimizer
-from dsgpt2.registry import Registry
+from dsgpt2.optim.optimizer import OPTIMIZERS, AdamW, RunOptimizer
 from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
-
-OPTIMIZERS: Registry[type[RunOptimizer]] = Registry("optimizer", "--optimizer")
-OPTIMIZERS.register(AdamW.name)(AdamW)
-OPTIMIZERS.register(Muon.name)(Muon)
 
 # A new run's optimizer, and the one it falls back to where the DeepSpeed config cannot carry it.
 DEFAULT = Muon.name
