@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, as_path, check_fields, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Freezable, as_path, check_fields, option
 
 RESOLVED = "config.yaml"  # the run's resolved configuration, beside each checkpoint's files
 
 
 @dataclass
-class CheckpointOptions:
+class CheckpointOptions(Freezable):
     """Where checkpoints go, how many stay, and where a run resumes from."""
 
     ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")

@@ -16,6 +16,7 @@ once every rank has written, agreed by barriers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from dsgpt2.stores.base import Store, split_location, where
 log = logging.getLogger("dsgpt2.checkpoints.checkpointer")
 
 _POLL_S = 0.2
+_FAILED = ".failed"  # in a rank's manifest: its save failed, and why
 
 
 def merged_marker(step: int, at: float, manifests: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -185,7 +187,7 @@ class Publisher:
         try:
             written()
             mine = store.put(tag, own_files(store.local / tag, self.rank))
-            store.write(f"{tag}/.rank{self.rank}.json", json.dumps(mine))
+            store.write(self._manifest(tag, self.rank), json.dumps(mine))
             if self.rank == 0:
                 self._publish(tag, merged_marker(step, time.time(), self._manifests(tag)))
         except DsGpt2Error as exc:
@@ -193,6 +195,14 @@ class Publisher:
         except Exception as exc:  # a bug, or the disk: its traceback in the log, and every rank stops
             log.exception("saving %s failed", where(store, tag))
             self._error = ("CheckpointError", f"saving {where(store, tag)} failed: {exc}")
+        if self._error is not None and self.rank != 0:
+            # Rank 0 waits for this rank's manifest: told at once that none is coming, and why.
+            with contextlib.suppress(Exception):
+                store.write(self._manifest(tag, self.rank), json.dumps({_FAILED: self._error[1]}))
+
+    @staticmethod
+    def _manifest(tag: str, rank: int) -> str:
+        return f"{tag}/.rank{rank}.json"
 
     def _publish(self, tag: str, marker: dict[str, Any]) -> None:
         """Mark ``tag`` whole, move ``latest`` (and ``best``, marked meanwhile), prune (rank 0)."""
@@ -211,12 +221,17 @@ class Publisher:
 
     def _manifests(self, tag: str) -> list[dict[str, Any]]:
         """Every rank's manifest of its files of ``tag``, waited for up to ``wait_s``."""
-        names = [f"{tag}/.rank{r}.json" for r in range(self.world)]
+        names = [self._manifest(tag, r) for r in range(self.world)]
         deadline = time.monotonic() + self.wait_s
         while True:
             texts = [self.store.read(n) for n in names]
             if all(t is not None for t in texts):
-                return [json.loads(t) for t in texts]  # type: ignore[arg-type]
+                manifests = [json.loads(t) for t in texts]  # type: ignore[arg-type]
+                failed = [(r, m[_FAILED]) for r, m in enumerate(manifests) if _FAILED in m]
+                if failed:
+                    rank, why = failed[0]
+                    raise CheckpointError(f"rank {rank} could not save {where(self.store, tag)}: {why}")
+                return manifests
             if time.monotonic() > deadline:
                 missing = [r for r, t in enumerate(texts) if t is None]
                 raise CheckpointError(

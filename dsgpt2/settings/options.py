@@ -376,7 +376,27 @@ def check_fields(settings: Any, prefix: str = "--") -> None:
             check_choice(name, value, meta["choices"])
 
 
-class Checked:
+class Freezable:
+    """Settings that a run resolves once (paths fetched, defaults settled), then freezes: assigning a
+    field afterwards raises, so that what the run records is what it uses."""
+
+    def freeze(self) -> None:
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def frozen(self) -> bool:
+        return bool(getattr(self, "_frozen", False))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_frozen", False):
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: the run's configuration is resolved and frozen; resolve it "
+                "again (TrainConfig.resolve) rather than assign into it"
+            )
+        super().__setattr__(name, value)
+
+
+class Checked(Freezable):
     """The base of a settings dataclass: checked on construction, each field against its ``check``
     range and its ``choices`` (:func:`check_fields`, naming the flag), then by the class's own
     :meth:`check` where its fields must agree with one another."""

@@ -214,6 +214,7 @@ class DirectoryStore:
             return None
 
     def write(self, name: str, text: str) -> None:
+        (self.local / name).parent.mkdir(parents=True, exist_ok=True)  # a rank's manifest may come first
         atomic_write_text(self.local / name, text)
 
     def delete(self, tag: str, files: Iterable[str] | None = None) -> int:

@@ -29,6 +29,7 @@ from dsgpt2.settings.options import (
     POSITIVE_INT,
     RATIO,
     Checked,
+    Freezable,
     Range,
     add_options,
     as_path,
@@ -51,7 +52,7 @@ ABOVE_ZERO = Range(float, 0, low_open=True)
 
 
 @dataclass
-class ModelOptions:
+class ModelOptions(Freezable):
     """Which network to train, and on what objective."""
 
     model_select: str = option("112m", "model size preset", choices=list(PRESETS))
@@ -94,7 +95,7 @@ class ModelOptions:
 
 
 @dataclass
-class DataOptions:
+class DataOptions(Freezable):
     """Where the documents come from and how they become blocks; the data fingerprint's inputs."""
 
     # None: the connection config is handed to the trainer's build in code (the demo's).
@@ -166,7 +167,7 @@ class DataOptions:
 
 
 @dataclass
-class RunOptions:
+class RunOptions(Freezable):
     """How long to train, and what to measure and log."""
 
     train_iters: int = option(1000, "optimizer steps", check=POSITIVE_INT)
@@ -296,7 +297,7 @@ class ScheduleOptions(Checked):
 
 
 @dataclass
-class EngineOptions:
+class EngineOptions(Freezable):
     """The DeepSpeed engine and the process group."""
 
     deepspeed_config: Path | None = option(None, "DeepSpeed config JSON (configs/ds_config*.json)")
@@ -336,7 +337,7 @@ def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     """Everything a training run is told."""
 
     data: DataOptions
@@ -350,6 +351,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.check()
+
+    def parts(self) -> tuple[Freezable, ...]:
+        """The sections, in the order the flags are listed and recorded."""
+        return (
+            self.model,
+            self.data,
+            self.run,
+            self.ckpt,
+            self.compute,
+            self.schedule,
+            self.optim,
+            self.engine,
+        )
+
+    def freeze(self) -> None:
+        """Freeze every section: the configuration :meth:`check_files` and :meth:`settle` resolved is the
+        one the run records and uses, never assigned afterwards."""
+        for part in self.parts():
+            part.freeze()
+        super().freeze()
 
     def check(self) -> None:
         """Refuse options that cannot train together (again once :meth:`settle` has filled them in).
@@ -433,9 +454,10 @@ class TrainConfig:
         from dataclasses import asdict
 
         out: dict[str, object] = {}
-        for part in (self.model, self.data, self.run, self.ckpt, self.compute, self.schedule, self.optim,
-                     self.engine):  # fmt: skip
+        for part in self.parts():
             for k, v in asdict(part).items():
+                # One flag per name: two sections declaring one would record one of them only.
+                assert k not in out, f"--{k} is declared by two sections of TrainConfig"
                 out[k] = str(v) if isinstance(v, Path) else v
         return out
 

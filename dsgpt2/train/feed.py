@@ -63,6 +63,7 @@ class FeedSettings:
     """What the feed is told of the run: its data options, and the few other settings it reads."""
 
     data: DataOptions
+    vocab_dir: Path  # the tokenizer as this node reads it (its copy of one kept in a store)
     cache_dir: Path  # the token cache of --data_mode cached (--cache_dir, else WORKSPACE/cache)
     ckpt_dir: Path  # named in meta_info's note of how far the run has read
     # --dist_timeout: ranks waiting for the token cache's builders check on them well within it.
@@ -159,7 +160,9 @@ class Feed:
         d, table = self.settings.data, self.schedule.table
         if d.data_mode == "streaming":
             return tuple(
-                StreamingChunks(self.mongo, table, d.vocab_dir, self.spec, s, streams=self.streams)
+                StreamingChunks(
+                    self.mongo, table, self.settings.vocab_dir, self.spec, s, streams=self.streams
+                )
                 for s in SPLITS
             )
         cache_dir = self.settings.cache_dir
@@ -191,7 +194,7 @@ class Feed:
         if sharing[0] == self.rank:
             try:
                 meta, added = prepare_cache(
-                    self.mongo, d.vocab_dir, self.spec, cache_dir, d.num_workers,
+                    self.mongo, self.settings.vocab_dir, self.spec, cache_dir, d.num_workers,
                     table=table, tick=rounds.tick,
                 )  # fmt: skip
                 state = f"{added} chunk(s) tokenized and added" if added else "up to date, reused"

@@ -131,6 +131,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     store = open_store(cfg.ckpt.ckpt_dir, CHECKPOINTS, conn=conn, copies=cfg.run.workspace)
     saved = resumed_options(cfg.ckpt, store)
     decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file))
+    cfg.freeze()  # resolved: what the run records below is what it uses
     # As given: a checkpoint or tokenizer location in the database is recorded as one, not as a node's copy.
     args, resolved = cfg.to_dict(), cfg.resolved()
     ensure_distributed_env()
@@ -139,8 +140,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # A tokenizer in the database (gridfs:NAME): the run reads this node's copy, and records the location.
     vocab_stored = str(args["vocab_dir"]) if stored_tokenizer(cfg.data.vocab_dir) else None
-    cfg.data.vocab_dir = fetch_tokenizer(str(cfg.data.vocab_dir), conn, cfg.run.workspace)
-    vocab_size = load_tokenizer(cfg.data.vocab_dir).get_vocab_size()
+    vocab_dir = fetch_tokenizer(str(cfg.data.vocab_dir), conn, cfg.run.workspace)
+    vocab_size = load_tokenizer(vocab_dir).get_vocab_size()
     check_attention(cfg.compute.attn_implementation, device)
     check_optimizer(cfg.optim, ds_file)
     ds = build_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device,
@@ -164,17 +165,17 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     publisher = stage(cfg.ckpt, store, rank=rank, world=world, wait_s=cfg.engine.dist_timeout)
     d = cfg.data
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
-    init = init_weights(cfg.model, vocab_size, cfg.data.vocab_dir)
+    init = init_weights(cfg.model, vocab_size, vocab_dir)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context)
     feed_settings = FeedSettings(
-        cfg.data, cache_dir=cfg.cache_dir, ckpt_dir=named, dist_timeout=cfg.engine.dist_timeout
+        cfg.data, vocab_dir, cache_dir=cfg.cache_dir, ckpt_dir=named, dist_timeout=cfg.engine.dist_timeout
     )
     feed = Feed(feed_settings, mongo, conn, spec, rank=rank, world=world)
-    fp = {**fingerprint(mongo, cfg.data.vocab_dir, spec), "mixture": bool(feed.stages)}
+    fp = {**fingerprint(mongo, vocab_dir, spec), "mixture": bool(feed.stages)}
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
     ckpt_settings = CheckpointSettings(
-        cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=cfg.data.vocab_dir, args=args,
+        cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=vocab_dir, args=args,
         resolved=resolved, vocab_stored=vocab_stored,
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
@@ -240,7 +241,7 @@ class Trainer:
         )  # fmt: skip
         eot = feed.spec.eot if cfg.compute.doc_mask else None
         self.validator = Validator(
-            cfg.run, feed.val_data, vocab_dir=cfg.data.vocab_dir, rank=self.rank, world=self.world,
+            cfg.run, feed.val_data, vocab_dir=feed.settings.vocab_dir, rank=self.rank, world=self.world,
             micro_batch=self.micro_batch, doc_mask_eot=eot, context=feed.spec.context,
         )  # fmt: skip
         self.runlog = RunLog(

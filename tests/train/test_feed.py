@@ -66,7 +66,7 @@ def settings(tmp_path: Path, tokenizer: Path, **data: Any) -> FeedSettings:
     options = DataOptions(
         config_train=tmp_path / "c.json", vocab_dir=tokenizer, seed=SEED, chunk_docs=40, num_workers=0, **data
     )
-    return FeedSettings(options, cache_dir=tmp_path / "cache", ckpt_dir=tmp_path / "ckpt")
+    return FeedSettings(options, tokenizer, cache_dir=tmp_path / "cache", ckpt_dir=tmp_path / "ckpt")
 
 
 def spec(tokenizer: Path) -> DataSpec:

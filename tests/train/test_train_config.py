@@ -174,6 +174,23 @@ def test_config_dump_holds_every_flag(files: dict[str, Path]) -> None:
     assert json.loads(json.dumps(dumped)) == dumped
 
 
+def test_the_resolved_configuration_is_frozen_and_each_flag_recorded_once(files: dict[str, Path]) -> None:
+    from dataclasses import fields
+
+    cfg = parse(argv(files, "--train_iters", "7"))
+    cfg.check_files()
+    said = cfg.settle(None)
+    assert cfg.optim.optimizer == "muon" and cfg.schedule.lr_schedule == "wsd" and said == []
+    cfg.freeze()
+    # Every section, and the whole: what the run recorded is what it uses.
+    for part, name in ((cfg.data, "vocab_dir"), (cfg.ckpt, "ckpt_dir"), (cfg.optim, "muon_scale"),
+                       (cfg.schedule, "lr_schedule"), (cfg, "data")):  # fmt: skip
+        with pytest.raises(AttributeError, match="resolved and frozen"):
+            setattr(part, name, None)
+    assert len(cfg.to_dict()) == sum(len(fields(part)) for part in cfg.parts())  # no flag in two sections
+    assert parse(argv(files)).ckpt.frozen is False  # a configuration parsed is not yet
+
+
 def test_arch_suffixes_deepspeed_cannot_read_are_made_plain() -> None:
     """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST=9.0a, on which DeepSpeed's FusedAdam build
     fails (seen on an H100); the plain arch builds the same ops."""
