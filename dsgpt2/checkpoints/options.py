@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Freezable, as_path, check_fields, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, as_path, option
 
 RESOLVED = "config.yaml"  # the run's resolved configuration, beside each checkpoint's files
 
 
 @dataclass
-class CheckpointOptions(Freezable):
+class CheckpointOptions(Checked):
     """Where checkpoints go, how many stay, and where a run resumes from."""
 
     ckpt_dir: Path = option(Path("runs/ckpt"), "where checkpoints are saved")
@@ -29,15 +29,16 @@ class CheckpointOptions(Freezable):
         False, "resume although the corpus or tokenizer changed since the checkpoint"
     )
 
-    def __post_init__(self) -> None:
+    def convert(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)
-        check_fields(self)
+        if self.ckpt_id and not self.load_dir:
+            self.load_dir = self.ckpt_dir
+
+    def check(self) -> None:
         from dsgpt2.checkpoints.format import CHECKPOINTS  # not at import: it reads checkpoints with torch
         from dsgpt2.stores.base import split_location
 
         for location in (self.ckpt_dir, self.load_dir):  # a stored location is spelt right
             split_location(location, CHECKPOINTS)
-        if self.ckpt_id and not self.load_dir:
-            self.load_dir = self.ckpt_dir
         if self.no_resume and self.load_dir:
             raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")

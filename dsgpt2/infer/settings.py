@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK
@@ -19,7 +19,6 @@ from dsgpt2.settings.options import (
     RATIO,
     Checked,
     Range,
-    check_fields,
     option,
 )
 
@@ -29,7 +28,7 @@ _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
 
 
 @dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(Checked):
     """How to sample. Checked on construction; the message names the setting and its range.
 
     Attributes:
@@ -67,8 +66,9 @@ class SamplingParams:
         0, "the same seed, prompt and model give the same text", type=int, check=Range(int, 0, 2**63 - 1)
     )
 
-    def __post_init__(self) -> None:
-        check_fields(self, prefix="")
+    flag_prefix: ClassVar[str] = ""  # named as a request's field
+
+    def check(self) -> None:
         if self.temperature == 0 and self.num_samples > 1:
             raise ConfigError(
                 "num_samples > 1 needs sampling: greedy decoding (temperature 0) gives one answer; "
@@ -144,7 +144,7 @@ EVAL_SPLITS = ("val", "train", "all")
 
 
 @dataclass
-class EvalRequest:
+class EvalRequest(Checked):
     """What to evaluate on, each field also a ``dsgpt2 evaluate`` flag; one left None comes from the
     model's training run."""
 
@@ -178,12 +178,13 @@ class EvalRequest:
         check=NON_NEGATIVE_INT,
     )
 
-    def __post_init__(self) -> None:
-        check_fields(self)
+    def convert(self) -> None:
         if self.collections is not None:
             self.collections = tuple(self.collections)
         if self.stop is not None and self.start is None:
             self.start = 0
+
+    def check(self) -> None:
         if self.start is not None and self.stop is not None and self.start >= self.stop:
             raise ConfigError(f"--start/--stop: need start < stop; got {self.start} and {self.stop}")
 

@@ -397,16 +397,21 @@ class Freezable:
 
 
 class Checked(Freezable):
-    """The base of a settings dataclass: checked on construction, each field against its ``check``
-    range and its ``choices`` (:func:`check_fields`, naming the flag), then by the class's own
-    :meth:`check` where its fields must agree with one another."""
+    """The base of a settings dataclass: on construction its fields are converted to their types
+    (:meth:`convert`: a path given as a string), each checked against its ``check`` range and its
+    ``choices`` (:func:`check_fields`, naming the flag), then by the class's own :meth:`check` where its
+    fields must agree with one another."""
 
     # How a message names a field: ``--`` and its flag (a config file's settings: its key as written).
     flag_prefix: ClassVar[str] = "--"
 
     def __post_init__(self) -> None:
+        self.convert()
         check_fields(self, self.flag_prefix)
         self.check()
+
+    def convert(self) -> None:
+        """Turn the fields given in another type into their own (none here)."""
 
     def check(self) -> None:
         """Checks across fields, after each field's own (none here).

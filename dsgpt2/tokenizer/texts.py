@@ -39,7 +39,7 @@ from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.ranges import even_ranges
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, check_fields, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, option
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,7 +49,7 @@ _SHARD_DOCS = 50_000
 
 
 @dataclass(frozen=True)
-class Draw:
+class Draw(Checked):
     """Which documents a vocabulary corpus holds: every one, or a seeded sample, each field a flag."""
 
     # Checked on construction (a plain float flag): `--fraction must be in (0, 1]`.
@@ -59,10 +59,9 @@ class Draw:
     count: int | None = option(None, "draw about this many documents", check=POSITIVE_INT)
     seed: int = option(0, "seed of the draw", check=NON_NEGATIVE_INT)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if self.fraction is not None and self.count is not None:
             raise ConfigError("give --fraction or --count, not both")
-        check_fields(self)
 
     @property
     def sampled(self) -> bool:

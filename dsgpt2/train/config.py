@@ -33,7 +33,6 @@ from dsgpt2.settings.options import (
     Range,
     add_options,
     as_path,
-    check_fields,
     from_namespace,
     option,
 )
@@ -52,7 +51,7 @@ ABOVE_ZERO = Range(float, 0, low_open=True)
 
 
 @dataclass
-class ModelOptions(Freezable):
+class ModelOptions(Checked):
     """Which network to train, and on what objective."""
 
     model_select: str = option("112m", "model size preset", choices=list(PRESETS))
@@ -74,9 +73,8 @@ class ModelOptions(Freezable):
         "bot", "conversation task: speakers whose turns the loss covers, comma-separated"
     )
 
-    def __post_init__(self) -> None:
+    def convert(self) -> None:
         self.model_config, self.init_from = as_path(self.model_config), as_path(self.init_from)
-        check_fields(self)
 
     def check_files(self) -> None:
         """The model config file reads as one and the weights to start from are there.
@@ -95,7 +93,7 @@ class ModelOptions(Freezable):
 
 
 @dataclass
-class DataOptions(Freezable):
+class DataOptions(Checked):
     """Where the documents come from and how they become blocks; the data fingerprint's inputs."""
 
     # None: the connection config is handed to the trainer's build in code (the demo's).
@@ -142,10 +140,9 @@ class DataOptions(Freezable):
         metavar="WEIGHTS",
     )
 
-    def __post_init__(self) -> None:
+    def convert(self) -> None:
         self.config_train, self.vocab_dir = as_path(self.config_train), as_path(self.vocab_dir)
         self.cache_dir = as_path(self.cache_dir)
-        check_fields(self)
 
     def check_files(self) -> None:
         """The connection config and the tokenizer named are there (a tokenizer left to the run's
@@ -167,7 +164,7 @@ class DataOptions(Freezable):
 
 
 @dataclass
-class RunOptions(Freezable):
+class RunOptions(Checked):
     """How long to train, and what to measure and log."""
 
     train_iters: int = option(1000, "optimizer steps", check=POSITIVE_INT)
@@ -212,10 +209,9 @@ class RunOptions(Freezable):
         None, "only the first N HellaSwag examples at each evaluation", check=POSITIVE_INT
     )
 
-    def __post_init__(self) -> None:
+    def convert(self) -> None:
         self.workspace, self.wandb_dir = Path(self.workspace), as_path(self.wandb_dir)
         self.hellaswag = as_path(self.hellaswag)
-        check_fields(self)
 
     def check_files(self) -> None:
         """The HellaSwag file reads as one: a bad file stops the run before it starts.
@@ -297,7 +293,7 @@ class ScheduleOptions(Checked):
 
 
 @dataclass
-class EngineOptions(Freezable):
+class EngineOptions(Checked):
     """The DeepSpeed engine and the process group."""
 
     deepspeed_config: Path | None = option(None, "DeepSpeed config JSON (configs/ds_config*.json)")
@@ -314,9 +310,8 @@ class EngineOptions(Freezable):
         check=POSITIVE_INT,
     )
 
-    def __post_init__(self) -> None:
+    def convert(self) -> None:
         self.deepspeed_config = as_path(self.deepspeed_config)
-        check_fields(self)
 
 
 def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
