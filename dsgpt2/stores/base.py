@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from dsgpt2.errors import CheckpointError, ConfigError
-from dsgpt2.files import atomic_write_text, file_digests, file_sha256, reader_cache
+from dsgpt2.files import atomic_write_text, file_sha256, reader_cache
 from dsgpt2.registry import Registry
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
@@ -195,8 +195,8 @@ class DirectoryStore:
         )
 
     def put(self, tag: str, names: Iterable[str]) -> dict[str, dict[str, Any]]:
-        digests = file_digests(self.local / tag)
-        return {name: digests[name] for name in names}
+        # The named files only: other ranks may be writing theirs beside them.
+        return {name: file_sha256(self.local / tag / name) for name in names}
 
     def get(self, tag: str, name: str) -> dict[str, Any]:
         path = self.local / tag / name
