@@ -25,6 +25,7 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import (
+    ABOVE_ZERO,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     POSITIVE_NUMBER,
@@ -32,9 +33,41 @@ from dsgpt2.settings.options import (
     Checked,
     Range,
     option,
+    option_as,
 )
 
 KINDS = ("deepspeed", "cosine", "wsd")
+
+
+@dataclass
+class ScheduleOptions(Checked):
+    """The learning-rate schedule's options, as the flags set them (a run's :class:`Schedule` is made of
+    them: :func:`dsgpt2.optim.ds_config.own_schedule`)."""
+
+    lr_schedule: str | None = option(
+        None,
+        "deepspeed: the DeepSpeed config's scheduler; cosine: warmup then cosine decay to --min_lr_ratio; "
+        "wsd: warmup, stable, then a linear decay over the last --decay_fraction (default: wsd under Muon, "
+        "deepspeed under AdamW; a resumed run keeps its own)",
+        choices=list(KINDS),
+    )
+    lr: float | None = option(
+        None,
+        "peak learning rate (default: the DeepSpeed config's optimizer lr)",
+        type=float,
+        check=ABOVE_ZERO,
+    )
+    warmup_iters: int | None = option(
+        None,
+        "warmup steps (default: the DeepSpeed config's, else 2%% of --train_iters)",
+        check=NON_NEGATIVE_INT,
+    )
+    min_lr_ratio: float = option(
+        0.1, "the learning rate at the end, as a share of the peak", type=float, check=Range(float, 0, 1)
+    )
+    decay_fraction: float = option(
+        0.2, "wsd: the share of --train_iters spent decaying", check=RATIO, serves=("lr_schedule", "wsd")
+    )
 
 
 @dataclass(frozen=True)
@@ -45,8 +78,8 @@ class Schedule(Checked):
     peak: float = option(flag="lr", check=POSITIVE_NUMBER)
     total: int = option(flag="train_iters", check=POSITIVE_INT)
     warmup: int = option(flag="warmup_iters", check=NON_NEGATIVE_INT)
-    min_ratio: float = option(0.1, flag="min_lr_ratio", check=Range(float, 0, 1))
-    decay_fraction: float = option(0.2, flag="decay_fraction", check=RATIO)
+    min_ratio: float = option_as(ScheduleOptions, "min_lr_ratio")
+    decay_fraction: float = option_as(ScheduleOptions, "decay_fraction")
 
     def check(self) -> None:
         check_warmup(self.warmup, self.total)

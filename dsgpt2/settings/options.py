@@ -118,6 +118,7 @@ class Range:
 POSITIVE_INT = Range(int, 1, name="a positive integer")
 NON_NEGATIVE_INT = Range(int, 0)
 POSITIVE_NUMBER = Range(float, 0, low_open=True, name="a positive number")
+ABOVE_ZERO = Range(float, 0, low_open=True)  # a float that must be positive (a rate)
 RATIO = Range(float, 0, 1, low_open=True, short="in (0, 1]")  # a share
 PORT = Range(int, 0, 65535)  # a TCP port; 0: any free one
 
@@ -222,6 +223,14 @@ def option(
     if isinstance(default, (list, dict, set)):
         return dataclasses.field(default_factory=default.copy, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+def option_as(owner: type, name: str) -> Any:
+    """The option ``name`` of the settings class ``owner`` declared again, as a field of a class of
+    resolved values named otherwise: the same default, check and flag (declared once, in ``owner``)."""
+    declared = owner.__dataclass_fields__[name]  # type: ignore[attr-defined]
+    meta = {**declared.metadata, "flag": declared.metadata.get("flag") or name}
+    return dataclasses.field(default=declared.default, metadata=meta)
 
 
 @functools.cache

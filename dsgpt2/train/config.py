@@ -22,9 +22,10 @@ from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
 from dsgpt2.optim.optimizers import OPTIMIZERS, OptimizerOptions
-from dsgpt2.optim.schedule import KINDS, check_warmup
+from dsgpt2.optim.schedule import ScheduleOptions, check_warmup
 from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
 from dsgpt2.settings.options import (
+    ABOVE_ZERO,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
@@ -44,7 +45,6 @@ DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
 # The run's resolved configuration (flags, experiment file and defaults), in the run directory and in
 # every checkpoint: `ds_trainer.py --config` runs it again.
 # A learning rate, a device's peak throughput.
-ABOVE_ZERO = Range(float, 0, low_open=True)
 # A field declared with ``type=int`` or ``type=float`` beside its ``check=`` has a flag that takes any
 # number: an out-of-range one is refused by the check on construction, in the words a setting made in
 # code gets (these flags always answered so), not by the parser.
@@ -259,36 +259,6 @@ class ComputeOptions(Checked):
         "the device's peak TFLOP/s for MFU (default: known GPUs at the run's precision; none on CPU)",
         type=float,
         check=ABOVE_ZERO,
-    )
-
-
-@dataclass
-class ScheduleOptions(Checked):
-    """The learning-rate schedule (see dsgpt2.optim.schedule)."""
-
-    lr_schedule: str | None = option(
-        None,
-        "deepspeed: the DeepSpeed config's scheduler; cosine: warmup then cosine decay to --min_lr_ratio; "
-        "wsd: warmup, stable, then a linear decay over the last --decay_fraction (default: wsd under Muon, "
-        "deepspeed under AdamW; a resumed run keeps its own)",
-        choices=list(KINDS),
-    )
-    lr: float | None = option(
-        None,
-        "peak learning rate (default: the DeepSpeed config's optimizer lr)",
-        type=float,
-        check=ABOVE_ZERO,
-    )
-    warmup_iters: int | None = option(
-        None,
-        "warmup steps (default: the DeepSpeed config's, else 2%% of --train_iters)",
-        check=NON_NEGATIVE_INT,
-    )
-    min_lr_ratio: float = option(
-        0.1, "the learning rate at the end, as a share of the peak", type=float, check=Range(float, 0, 1)
-    )
-    decay_fraction: float = option(
-        0.2, "wsd: the share of --train_iters spent decaying", check=RATIO, serves=("lr_schedule", "wsd")
     )
 
 
