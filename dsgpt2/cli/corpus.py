@@ -17,11 +17,11 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.corpus.formats import FORMATS
+from dsgpt2.corpus.records import ReadOptions
 from dsgpt2.curation.steps import ingest_switches
 from dsgpt2.db.config import collection_name_problem
 from dsgpt2.db.filters import conjoin
 from dsgpt2.db.summaries import count_numbered
-from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import (
     POSITIVE_INT,
     Checked,
@@ -58,26 +58,7 @@ class IngestSettings(Checked):
         "input format; auto goes by the file extension, and knows Parquet and Arrow by their first bytes",
         choices=FORMATS,
     )
-    field: str = option("text", "jsonl, parquet, arrow, dataset: the field holding the text")
-    keep_fields: tuple[str, ...] = option(
-        (),
-        "also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score; "
-        "COLUMN:NAME stores one under another name (source:src: `source` is a field of every document)",
-        type=comma_list,
-        metavar="A,B,...",
-    )
-    column: str = option("text", "csv: the column holding the text")
-    split: str = option(
-        "line",
-        "text files: one document per line or per blank-line separated paragraph",
-        choices=["line", "paragraph"],
-    )
     batch_size: int = option(1000, "documents per insert", check=POSITIVE_INT)
-    encoding: str = option(
-        "utf-8",
-        "encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become U+FFFD and "
-        "are counted",
-    )
     strict: bool = option(False, "stop at the first unusable record, naming its file and line")
     report: str | None = option(
         None,
@@ -163,7 +144,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from dsgpt2.corpus.readers import builtin_source
     from dsgpt2.db.client import connect
 
-    s = from_namespace(IngestSettings, args)
+    s, read = from_namespace(IngestSettings, args), from_namespace(ReadOptions, args)
     if not s.inputs and not s.sample:
         raise usage("ingest", "give input FILEs or --sample stdlib")
     if s.limit and not s.sample:
@@ -174,18 +155,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     if problem:
         raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
     sources = [builtin_source(s.sample, s.limit)] if s.sample else []
-    sources += [
-        file_source(
-            path,
-            s.format,
-            field=s.field,
-            column=s.column,
-            split=s.split,
-            encoding=s.encoding,
-            keep_fields=s.keep_fields,
-        )
-        for path in s.inputs
-    ]
+    sources += [file_source(path, s.format, read) for path in s.inputs]
     conn = connect(config)
     log.info("ingesting %d source(s) into %s.%s", len(sources), config.db, collection)
     report = ingest(
@@ -393,7 +363,7 @@ INGEST = Command(
     "      --keep_fields id,url,dump,language_score fineweb/data/CC-MAIN-2024-10/*.parquet\n"
     "  dsgpt2 ingest --config c.json --collection wiki wiki_saved/   # Dataset.save_to_disk\n"
     "  dsgpt2 ingest --config c.json --collection chats --format conversation chats.jsonl",
-    settings=(IngestSettings, step_switches, ProgressSettings),
+    settings=(IngestSettings, ReadOptions, step_switches, ProgressSettings),
     handler=cmd_ingest,
 )
 

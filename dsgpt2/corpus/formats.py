@@ -13,6 +13,7 @@ from __future__ import annotations
 import codecs
 import os
 from pathlib import Path
+from typing import Any
 
 # isort: off
 from dsgpt2.corpus import readers  # noqa: F401  text, jsonl, csv, conversation
@@ -20,7 +21,7 @@ from dsgpt2.corpus import columnar  # noqa: F401  parquet, arrow, dataset
 
 # isort: on
 from dsgpt2.corpus.columnar import sniff_binary
-from dsgpt2.corpus.records import READERS, ReadOptions, Source, check_keep_fields, source_key
+from dsgpt2.corpus.records import READERS, ReadOptions, Source, source_key
 from dsgpt2.errors import IngestError
 
 # --format's choices: "auto" (the format told by the file's name and first bytes), then every reader.
@@ -44,17 +45,10 @@ def _and_list(names: list[str]) -> str:
 
 
 def file_source(
-    path: str | os.PathLike[str],
-    fmt: str = "auto",
-    field: str = "text",
-    column: str = "text",
-    split: str = "line",
-    *,
-    encoding: str = "utf-8",
-    keep_fields: tuple[str, ...] = (),
+    path: str | os.PathLike[str], fmt: str = "auto", options: ReadOptions | None = None, **read: Any
 ) -> Source:
-    """A file (gzip transparently) or ``datasets`` directory read by the reader of ``fmt``.
-    ``keep_fields``: columns (jsonl: keys) stored on each document beside its text.
+    """A file (gzip transparently) or ``datasets`` directory read by the reader of ``fmt``, as
+    ``options`` say (else :class:`ReadOptions` of ``read``: ``field=``, ``keep_fields=``...).
 
     Raises:
         IngestError: the file is missing, binary where text is expected, or the format or its options
@@ -67,8 +61,8 @@ def file_source(
         raise IngestError(f"input file {str(p)!r} not found")
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    options = ReadOptions(field, column, split, encoding, tuple(keep_fields))
-    check_keep_fields(keep_fields)
+    options = options if options is not None else ReadOptions(**read)
+    keep_fields, encoding = options.keep_fields, options.encoding
     fmt = detect_format(p) if fmt == "auto" else fmt
     kind = READERS[fmt]
     if keep_fields and not kind.keeps_fields:

@@ -23,6 +23,7 @@ from dsgpt2.corpus.cleaning import clean_text
 from dsgpt2.documents import FORM, INGEST_FIELDS, TEXT, TURNS, turns_text, utf8_encodable
 from dsgpt2.errors import IngestError
 from dsgpt2.registry import Registry
+from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import Checked, option
 
 # Speaker names given to query/reply pairs.
@@ -188,19 +189,36 @@ TEXT_SPLITS = ("line", "paragraph")
 
 @dataclass(frozen=True)
 class ReadOptions(Checked):
-    """How ingest's flags say to read a file; each reader takes what concerns it."""
+    """How to read an input: ``dsgpt2 ingest``'s flags (declared here, once); each reader takes what
+    concerns it."""
 
-    field: str = "text"  # --field: the JSON key or column holding the text
-    column: str = "text"  # --column: the CSV column holding the text
-    split: str = option("line", choices=TEXT_SPLITS)  # one document per line or per paragraph of a text file
-    encoding: str = "utf-8"  # --encoding of a text file
-    keep_fields: tuple[str, ...] = ()  # --keep_fields: columns (keys) stored beside the text
+    field: str = option("text", "jsonl, parquet, arrow, dataset: the field holding the text")
+    keep_fields: tuple[str, ...] = option(
+        (),
+        "also store these columns (jsonl: keys) on each document, e.g. id,url,dump,language_score; "
+        "COLUMN:NAME stores one under another name (source:src: `source` is a field of every document)",
+        type=comma_list,
+        metavar="A,B,...",
+    )
+    column: str = option("text", "csv: the column holding the text")
+    split: str = option(
+        "line", "text files: one document per line or per blank-line separated paragraph", choices=TEXT_SPLITS
+    )
+    encoding: str = option(
+        "utf-8",
+        "encoding of the input files, e.g. latin-1 or cp1252; bytes not valid in it become U+FFFD and "
+        "are counted",
+    )
+
+    def convert(self) -> None:
+        object.__setattr__(self, "keep_fields", tuple(self.keep_fields))
 
     def check(self) -> None:
         try:
             codecs.lookup(self.encoding)
         except LookupError:
             raise IngestError(f"unknown --encoding {self.encoding!r}; e.g. utf-8, latin-1, cp1252") from None
+        check_keep_fields(self.keep_fields)
 
 
 class Reader:
