@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from dsgpt2.model.gpt2 import param_groups
 from dsgpt2.optim.ds_config import EngineConfig, zero_stage
 from dsgpt2.optim.optimizer import OPTIMIZERS, RunOptimizer
+from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +50,6 @@ SCALES = ("spectral", "rms", "storage")
 # both corpora at 4 x 128 (held-out perplexity 94.6 and 43.1 against spectral's 99.5 and 47.3).
 MUON_SCALE = "rms"
 MUON_WEIGHT_DECAY = 0.0
-
-
-MUON_KEYS = ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_scale")
 
 
 def layer_shape(module: Any) -> tuple[int, int] | None:
@@ -222,6 +221,50 @@ def batched_muon_class() -> type:
             return loss
 
     return BatchedMuon
+
+
+MUON = ("optimizer", "muon")  # what Muon's own options serve
+
+
+@dataclass
+class MuonOptions(Checked):
+    """Muon's own settings, as flags (refused with another optimizer; a resume keeps its checkpoint's)."""
+
+    muon_lr: float | None = option(
+        None,
+        f"muon: the peak learning rate of the Muon weights (default: --lr under --muon_scale rms, {MUON_LR} "
+        "under spectral or storage); --lr stays AdamW's",
+        type=float,
+        check=POSITIVE_NUMBER,
+        serves=MUON,
+    )
+    muon_momentum: float | None = option(
+        None,
+        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
+        type=float,
+        check=Range(float, 0, 1, high_open=True),
+        serves=MUON,
+    )
+    muon_weight_decay: float | None = option(
+        None,
+        "muon: decoupled weight decay of the Muon weights, p ← p·(1 − lr·decay) (default: the DeepSpeed "
+        f"config's AdamW decay under --muon_scale rms, {MUON_WEIGHT_DECAY} under spectral or storage)",
+        type=float,
+        check=Range(float, 0),
+        serves=MUON,
+    )
+    muon_scale: str | None = option(
+        None,
+        f"muon: each matrix's update size (default {MUON_SCALE}): rms, 0.2·sqrt(max(fan-out, fan-in)) of the "
+        "layer, Moonlight's, where AdamW's --lr and decay carry over; spectral, sqrt(max(1, fan-out / "
+        "fan-in)), the speedrun's; storage: DeepSpeed's rule on the weight as stored (runs before this "
+        "choice existed)",
+        choices=list(SCALES),
+        serves=MUON,
+    )
+
+
+MUON_KEYS = tuple(f.name for f in fields(MuonOptions))
 
 
 @OPTIMIZERS.register("muon")

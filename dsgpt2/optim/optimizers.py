@@ -16,20 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsgpt2.errors import ConfigError
-from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_SCALE, MUON_WEIGHT_DECAY, SCALES, Muon
+from dsgpt2.optim.muon import Muon, MuonOptions
 from dsgpt2.optim.optimizer import OPTIMIZERS, AdamW, RunOptimizer
-from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
+from dsgpt2.settings.options import Checked, option
 
 # A new run's optimizer, and the one it falls back to where the DeepSpeed config cannot carry it.
 DEFAULT = Muon.name
 FALLBACK = AdamW.name
-MUON = ("optimizer", Muon.name)  # what Muon's own options serve
 
 
 @dataclass
-class OptimizerOptions(Checked):
-    """Which optimizer trains the weights (see dsgpt2.optim.optimizers), and Muon's settings
-    (dsgpt2.optim.muon)."""
+class OptimizerChoice(Checked):
+    """Which optimizer trains the weights."""
 
     optimizer: str | None = option(
         None,
@@ -38,38 +36,12 @@ class OptimizerOptions(Checked):
         "AdamW on every weight. A resumed run without it continues with its checkpoint's",
         choices=OPTIMIZERS.choices(),
     )
-    muon_lr: float | None = option(
-        None,
-        f"muon: the peak learning rate of the Muon weights (default: --lr under --muon_scale rms, {MUON_LR} "
-        "under spectral or storage); --lr stays AdamW's",
-        type=float,
-        check=POSITIVE_NUMBER,
-        serves=MUON,
-    )
-    muon_momentum: float | None = option(
-        None,
-        f"muon: its momentum (default {MUON_MOMENTUM}, the Muon authors')",
-        type=float,
-        check=Range(float, 0, 1, high_open=True),
-        serves=MUON,
-    )
-    muon_weight_decay: float | None = option(
-        None,
-        "muon: decoupled weight decay of the Muon weights, p ← p·(1 − lr·decay) (default: the DeepSpeed "
-        f"config's AdamW decay under --muon_scale rms, {MUON_WEIGHT_DECAY} under spectral or storage)",
-        type=float,
-        check=Range(float, 0),
-        serves=MUON,
-    )
-    muon_scale: str | None = option(
-        None,
-        f"muon: each matrix's update size (default {MUON_SCALE}): rms, 0.2·sqrt(max(fan-out, fan-in)) of the "
-        "layer, Moonlight's, where AdamW's --lr and decay carry over; spectral, sqrt(max(1, fan-out / "
-        "fan-in)), the speedrun's; storage: DeepSpeed's rule on the weight as stored (runs before this "
-        "choice existed)",
-        choices=list(SCALES),
-        serves=MUON,
-    )
+
+
+@dataclass
+class OptimizerOptions(MuonOptions, OptimizerChoice):
+    """Which optimizer trains the weights, and the settings each optimizer declares as its own (Muon's:
+    :class:`~dsgpt2.optim.muon.MuonOptions`), as flags."""
 
     def check(self) -> None:
         self.check_own_flags()
