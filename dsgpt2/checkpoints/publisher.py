@@ -126,6 +126,10 @@ class Publisher:
         tag = tag_for(step)
         if self.holds(tag):  # saved at this step already (an improvement, then the end)
             log.info("%s is already saved and intact; kept as it is", where(self.store, tag))
+            if self.rank == 0 and self.published != tag:
+                # Whole, but `latest` was never moved to it (a run stopped between the two): now it is.
+                self.store.write(LATEST, tag)
+                self.published = tag
             return tag
         writes = ds_checkpoint.QueuedWrites.install(engine) if self.through_store else None
         ds_checkpoint.write(engine, self.store.local, tag, client_state, files)

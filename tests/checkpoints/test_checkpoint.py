@@ -92,6 +92,15 @@ def test_a_complete_checkpoint_is_never_written_again(tmp_path: Path) -> None:
     _states(tmp_path, 4).write_bytes(b"fu")
     checkpoint.save(FakeEngine(), tmp_path, 4, {}, keep_last=0)
     assert _states(tmp_path, 4).read_bytes() == b"full" and resolve(tmp_path, None) == "global_step4"
+    # Whole, and `latest` never moved to it (a run stopped between the two): the save that reaches it
+    # again moves `latest` without writing it.
+    checkpoint.save(FakeEngine(), tmp_path, 6, {}, keep_last=0)
+    (tmp_path / "latest").write_text("global_step4")
+    before = _states(tmp_path, 6).stat().st_mtime_ns
+    assert checkpoint.save(FakeEngine(die=True), tmp_path, 6, {}, keep_last=0) == "global_step6"
+    assert (tmp_path / "latest").read_text() == "global_step6" and _states(
+        tmp_path, 6
+    ).stat().st_mtime_ns == before
 
 
 @pytest.mark.parametrize(
