@@ -29,7 +29,7 @@ from typing import Any
 
 from dsgpt2.checkpoints import ds_checkpoint
 from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index
-from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, tag_for
+from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, read_marker, tag_for
 from dsgpt2.collective import barrier, broadcast, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.errors import CheckpointError, DsGpt2Error
 from dsgpt2.stores.base import Store, split_location, where
@@ -111,8 +111,6 @@ class Publisher:
             return
         tag, store = found[1], self.store
         if self.rank == 0 and tag not in store.tags():
-            from dsgpt2.checkpoints.format import read_marker
-
             files = store.put(tag, own_files(store.local / tag, 0))
             store.complete(tag, {**(read_marker(store.local, tag) or {}), "files": files})
         barrier()
