@@ -219,7 +219,7 @@ class Publisher:
         if store.staged:  # this node's copy marked as the stored one is (pull() brings the other ranks')
             ds_checkpoint.complete(store.local, tag, marker)
         self._prune(tag)
-        log.info("saved checkpoint %s", where(store, tag))
+        log.info("%s checkpoint %s", "stored" if store.staged else "saved", where(store, tag))
 
     def _manifests(self, tag: str) -> list[dict[str, Any]]:
         """Every rank's manifest of its files of ``tag``, waited for up to ``wait_s``."""
