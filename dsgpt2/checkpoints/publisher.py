@@ -1,17 +1,19 @@
 """Saving a run's checkpoints into its store (:mod:`dsgpt2.stores`), decided once for every kind
-of location: the step waits only while the tensors are copied, a checkpoint is marked whole once every
-rank's files are kept, then ``latest`` (and ``best``) move, then ``--keep_last`` prunes.
+of location: a checkpoint is marked whole once every rank's files are kept, then ``latest`` (and
+``best``) move, then ``--keep_last`` prunes.
 
-A save leaves the training step once its tensors are copied (DeepSpeed's checkpoint engine made one
-that queues its writes: :class:`~dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`); a thread of each rank
-waits for its files to be written into the store's ``local`` directory, keeps them (an upload; nothing
-to move in a directory) and writes a manifest of them (``TAG/.rankN.json``). Rank 0's thread waits for
-every rank's manifest, marks the checkpoint whole with them all, and only then moves ``latest``. The
-next save, and the end of the run, wait for the last one first (on every rank, so that a save that
-failed stops every rank at once), and each node's copy then keeps only what is stored. The threads
-take no collective: the ranks agree through the store. Where they cannot (a directory the nodes do not
-share: each node's disk holds its own ranks' files), the step waits for the save and rank 0 marks it
-once every rank has written, agreed by barriers.
+Where the store keeps copies (``gridfs:``, a plugin's kind: ``staged``), a save leaves the training
+step once its tensors are copied (DeepSpeed's checkpoint engine made one that queues its writes:
+:class:`~dsgpt2.checkpoints.ds_checkpoint.QueuedWrites`); a thread of each rank then waits for its files
+to be written into this node's copy, keeps them (an upload) and writes a manifest of them
+(``TAG/.rankN.json``). Rank 0's thread waits for every rank's manifest, marks the checkpoint whole with
+them all, and only then moves ``latest``. The next save, and the end of the run, wait for the last one
+first (on every rank, so that a save that failed stops every rank at once), and each node's copy then
+keeps only what is stored. The threads take no collective: the ranks agree through the store.
+
+In a directory the files written are the checkpoint: the step waits for the save, and rank 0 marks it
+whole once every rank has written (agreed by barriers), so that a run killed right after a save resumes
+from it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 from dsgpt2.checkpoints import ds_checkpoint
 from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index
 from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, read_marker, tag_for
-from dsgpt2.collective import barrier, broadcast, gather, on_each_node, on_rank0, raise_shared
+from dsgpt2.collective import barrier, gather, on_each_node, on_rank0, raise_shared
 from dsgpt2.errors import CheckpointError, DsGpt2Error
 from dsgpt2.stores.base import Store, split_location, where
 
@@ -48,26 +49,6 @@ def merged_marker(step: int, at: float, manifests: list[dict[str, dict[str, Any]
     return {"step": step, "time": at, "files": dict(sorted(files.items()))}
 
 
-def reaches_every_rank(store: Store) -> bool:
-    """Whether every rank reaches the same store (a collective): a kind with copies is one place for every
-    node; a directory is one if a file rank 0 writes there is seen by every rank."""
-    import torch.distributed as dist
-
-    if store.staged or not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    probe = [f".reach-{uuid.uuid4().hex[:12]}"]
-    broadcast(probe)
-    if int(os.environ.get("RANK", "0")) == 0:
-        store.local.mkdir(parents=True, exist_ok=True)
-        store.write(probe[0], "")
-    barrier()
-    seen = all(gather((store.local / probe[0]).is_file()))
-    barrier()
-    if int(os.environ.get("RANK", "0")) == 0:
-        (store.local / probe[0]).unlink(missing_ok=True)
-    return seen
-
-
 class Publisher:
     """Saves one run's checkpoints into ``store`` (see the module's doc).
 
@@ -75,8 +56,9 @@ class Publisher:
         keep_last: how many of the run's checkpoints stay (0: all).
         rank, world: this rank and the number of ranks.
         wait_s: how long rank 0 waits for the other ranks' files of a save (the run's ``--dist_timeout``).
-        through_store: the ranks agree through the store (:func:`reaches_every_rank`); else by barriers,
-            the step waiting for the save.
+        background: saves are kept by a thread while training goes on, the ranks agreeing through the
+            store (default: where the store keeps copies); else the step waits, the ranks agreeing by
+            barriers.
     """
 
     def __init__(
@@ -87,10 +69,11 @@ class Publisher:
         rank: int,
         world: int,
         wait_s: float,
-        through_store: bool = True,
+        background: bool | None = None,
     ) -> None:
         self.store, self.keep_last = store, keep_last
-        self.rank, self.world, self.wait_s, self.through_store = rank, world, wait_s, through_store
+        self.rank, self.world, self.wait_s = rank, world, wait_s
+        self.background = store.staged if background is None else background
         self.published: str | None = None  # the latest as this run last saw it
         self._thread: threading.Thread | None = None
         self._error: tuple[str, str] | None = None
@@ -118,8 +101,9 @@ class Publisher:
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], files: dict[str, str]) -> str:
         """Save ``engine`` at ``step`` (``files``: text files beside its states, covered by the marker);
-        returns its tag. The step waits while the tensors are copied; where the ranks agree through the
-        store the files are written and kept meanwhile, and :meth:`settle` waits for them."""
+        returns its tag. In the background, the step waits while the tensors are copied, the files are
+        written and kept meanwhile, and :meth:`settle` waits for them; else the save is whole when this
+        returns."""
         self.settle()  # the last save is whole before this one's files are written
         tag = tag_for(step)
         if self.holds(tag):  # saved at this step already (an improvement, then the end)
@@ -129,9 +113,9 @@ class Publisher:
                 self.store.write(LATEST, tag)
                 self.published = tag
             return tag
-        writes = ds_checkpoint.QueuedWrites.install(engine) if self.through_store else None
+        writes = ds_checkpoint.QueuedWrites.install(engine) if self.background else None
         ds_checkpoint.write(engine, self.store.local, tag, client_state, files)
-        if self.through_store:
+        if self.background:
             self._pending = tag
             wait = writes.wait if writes is not None else (lambda: None)
             self._thread = threading.Thread(target=self._keep, args=(tag, step, wait), name=f"save {tag}")
@@ -308,8 +292,4 @@ def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> P
             "where it saves there; pass --ckpt_dir gridfs:RUN (and --ckpt_id to pick a checkpoint)"
         )
     on_each_node(lambda: pull_resumable(store, ckpt.ckpt_id))
-    through = reaches_every_rank(store)
-    if not through:
-        log.info("%s is not one directory for every node: each save is written while the step waits",
-                 store.location)  # fmt: skip
-    return Publisher(store, ckpt.keep_last, rank=rank, world=world, wait_s=wait_s, through_store=through)
+    return Publisher(store, ckpt.keep_last, rank=rank, world=world, wait_s=wait_s)

@@ -284,13 +284,16 @@ class EngineOptions(Checked):
         self.deepspeed_config = as_path(self.deepspeed_config)
 
 
-def data_spec(data: DataOptions, model: ModelOptions, context: int) -> DataSpec:
+def data_spec(
+    data: DataOptions, model: ModelOptions, context: int, vocab_dir: Path | None = None
+) -> DataSpec:
     """The blocks a run of these options reads (the data fingerprint's settings): training's, and
-    ``dsgpt2 tokenize``'s cache for it."""
+    ``dsgpt2 tokenize``'s cache for it. ``vocab_dir``: the tokenizer as this node reads it (its copy of
+    one kept in a store; default ``--vocab_dir``)."""
     from dsgpt2.data.sources import make_spec
 
     return make_spec(
-        data.vocab_dir,
+        vocab_dir or data.vocab_dir,
         context=context,
         chunk_docs=data.chunk_docs,
         tr_ratio=data.tr_ratio,
@@ -406,9 +409,10 @@ class TrainConfig(Freezable):
         self.check()
         return said
 
-    def data_spec(self, context: int) -> DataSpec:
-        """The blocks this run reads (the data fingerprint's settings), for a model of ``context``."""
-        return data_spec(self.data, self.model, context)
+    def data_spec(self, context: int, vocab_dir: Path | None = None) -> DataSpec:
+        """The blocks this run reads (the data fingerprint's settings), for a model of ``context``
+        (``vocab_dir``: the tokenizer as this node reads it)."""
+        return data_spec(self.data, self.model, context, vocab_dir)
 
     @property
     def cache_dir(self) -> Path:

@@ -167,7 +167,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     marks = tuple(on_rank0(lambda: corpus_marks(mongo, conn, d.allow_corpus_problems, d.check_corpus)))
     init = init_weights(cfg.model, vocab_size, vocab_dir)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
-    spec = cfg.data_spec(context)
+    spec = cfg.data_spec(context, vocab_dir)
     feed_settings = FeedSettings(
         cfg.data, vocab_dir, cache_dir=cfg.cache_dir, ckpt_dir=named, dist_timeout=cfg.engine.dist_timeout
     )
