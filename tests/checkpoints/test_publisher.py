@@ -4,6 +4,7 @@ dropped; a save holds the step only while its tensors are copied."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections import defaultdict
@@ -21,6 +22,7 @@ from dsgpt2.checkpoints.format import CHECKPOINTS
 from dsgpt2.checkpoints.options import CheckpointOptions
 from dsgpt2.checkpoints.publisher import Publisher
 from dsgpt2.db.client import Connection
+from dsgpt2.errors import CheckpointError
 from dsgpt2.stores.gridfs import GridFSStore
 
 
@@ -160,3 +162,15 @@ def test_a_resume_reads_the_options_of_the_checkpoint_it_takes_and_a_dead_attemp
     publisher = Publisher(store, 2, rank=0, world=1, wait_s=1)
     assert publisher.holds("global_step6") and not publisher.holds("global_step8")
     assert not [n for n in store.blobs.names(store.name + "/") if "/global_step8/" in n]  # cleared
+
+
+def test_a_rank_whose_save_failed_tells_rank_0_at_once(tmp_path: Path) -> None:
+    store = _store(tmp_path, "failed")
+    store.write("global_step2/.rank0.json", json.dumps({"mp_rank_00_model_states.pt": {"size": 1}}))
+    store.write("global_step2/.rank1.json", json.dumps({".failed": "[Errno 28] No space left on device"}))
+    publisher = Publisher(store, 2, rank=0, world=2, wait_s=600)  # no waiting out the timeout
+    with pytest.raises(
+        CheckpointError, match=r"rank 1 could not save gridfs:failed\d+/global_step2: \[Errno 28\]"
+    ):
+        publisher._manifests("global_step2")
+    assert store.read("latest") is None
