@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import DsGpt2Error, PeerLostError
 
 
@@ -31,7 +30,7 @@ def raise_shared(error: tuple[str, str] | None) -> None:
         return
     import dsgpt2.errors as errors
 
-    kind = getattr(errors, error[0], None) or getattr(checkpoint, error[0], None) or DsGpt2Error
+    kind = getattr(errors, error[0], None) or DsGpt2Error
     raise kind(error[1])
 
 

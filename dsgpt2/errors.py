@@ -61,6 +61,10 @@ class LeaseHeld(CorpusError):
         self.holder, self.age = holder, age
 
 
+class LeaseContested(CorpusError):
+    """Other processes kept taking the lease while this one tried."""
+
+
 class LeaseLost(CorpusError):
     """Another process took the lease over: this one was silent for longer than the lease."""
 

@@ -1,5 +1,6 @@
 """The run's checkpoints: which one to resume from, verified against this run's data and ranks
-before any model is built; restoring it into the engine; saving (see :mod:`dsgpt2.checkpoints.ds_checkpoint`).
+before any model is built; restoring it into the engine; saving (into the run's store:
+:mod:`dsgpt2.checkpoints.publisher`).
 """
 
 from __future__ import annotations

@@ -38,7 +38,10 @@ class CheckpointOptions(Checked):
         from dsgpt2.checkpoints.format import CHECKPOINTS  # not at import: it reads checkpoints with torch
         from dsgpt2.stores.base import split_location
 
-        for location in (self.ckpt_dir, self.load_dir):  # a stored location is spelt right
-            split_location(location, CHECKPOINTS)
+        for flag, location in (("--ckpt_dir", self.ckpt_dir), ("--load_dir", self.load_dir)):
+            try:  # a stored location is spelt right
+                split_location(location, CHECKPOINTS)
+            except ConfigError as exc:
+                raise ConfigError(f"{flag} {exc}") from None
         if self.no_resume and self.load_dir:
             raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")

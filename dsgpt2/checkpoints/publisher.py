@@ -22,6 +22,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -29,16 +31,26 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.checkpoints import ds_checkpoint
-from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index
-from dsgpt2.checkpoints.format import BEST, LATEST, UNIVERSAL, damage, file_digests, read_marker, tag_for
+from dsgpt2.checkpoints.copies import drop_local_extras, own_files, pull, pull_index, pull_resumable
+from dsgpt2.checkpoints.format import (
+    BEST,
+    CHECKPOINTS,
+    LATEST,
+    UNIVERSAL,
+    damage,
+    file_digests,
+    read_marker,
+    tag_for,
+)
 from dsgpt2.collective import barrier, gather, on_each_node, on_rank0, raise_shared
-from dsgpt2.errors import CheckpointError, DsGpt2Error
+from dsgpt2.errors import CheckpointError, ConfigError, DsGpt2Error
 from dsgpt2.stores.base import Store, split_location, where
 
 log = logging.getLogger("dsgpt2.checkpoints.checkpointer")
 
 _POLL_S = 0.2
 _FAILED = ".failed"  # in a rank's manifest: its save failed, and why
+_CHECKPOINT = re.compile(r"global_step(\d+)")  # a checkpoint's tag (tag_for)
 
 
 def merged_marker(step: int, at: float, manifests: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
@@ -82,10 +94,6 @@ class Publisher:
         self._pending: str | None = None
         self._best: str | None = None
 
-    @property
-    def location(self) -> str:
-        return self.store.location
-
     def fetch(self, found: tuple[Path, str, dict[str, Any]] | None) -> None:
         """After the checkpoint to resume was found: a universal form rank 0 converted it to is kept for
         the other nodes and brought by them (the checkpoint itself every node has)."""
@@ -124,10 +132,14 @@ class Publisher:
                      self.store.local / tag)  # fmt: skip
             return tag
         barrier()  # every rank's files are written
-        if self.rank == 0:
-            marker = merged_marker(step, time.time(), [file_digests(self.store.local / tag)])
-            self._publish(tag, marker)
-        barrier()
+
+        def publish() -> None:
+            try:
+                self._publish(tag, merged_marker(step, time.time(), [file_digests(self.store.local / tag)]))
+            except OSError as exc:  # the disk: every rank stops with it, none waits out --dist_timeout
+                raise CheckpointError(f"saving {where(self.store, tag)} failed: {exc}") from None
+
+        on_rank0(publish)
         return tag
 
     def settle(self) -> None:
@@ -152,8 +164,6 @@ class Publisher:
                 return True
             self.store.delete(tag)
             if self.store.staged:  # this node's copy of the attempt too
-                import shutil
-
                 shutil.rmtree(self.store.local / tag, ignore_errors=True)
             return False
 
@@ -247,7 +257,8 @@ class Publisher:
         tags = sorted(ours, key=lambda t: ours[t].get("step", 0))
         best = _pointer(store, BEST)
         old = tags[: -self.keep_last] if self.keep_last > 0 else []
-        died = [t for t in store.started() if _step(t) < _step(saved)]
+        # Only a checkpoint's own folder: the location may hold others (a tokenizer, a nested run's).
+        died = [t for t in store.started() if _CHECKPOINT.fullmatch(t) and _step(t) < _step(saved)]
         for tag in [*old, *died]:
             if tag not in (saved, best):
                 store.delete(tag)
@@ -257,8 +268,8 @@ class Publisher:
 
 
 def _step(tag: str) -> int:
-    digits = "".join(c for c in tag.split(".")[0] if c.isdigit())
-    return int(digits) if digits else -1
+    found = _CHECKPOINT.fullmatch(tag.split(".")[0])
+    return int(found.group(1)) if found else -1
 
 
 def _pointer(store: Store, name: str) -> str | None:
@@ -274,13 +285,9 @@ def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> P
     ``--dist_timeout``).
 
     Raises:
-        ConfigError: a ``--load_dir`` elsewhere than a stored ``--ckpt_dir``, or stored elsewhere than a
-            directory one.
+        ConfigError: a ``--load_dir`` that is not ``--ckpt_dir`` where either is kept in a store with
+            copies (a run resumes from such a store only where it saves).
     """
-    from dsgpt2.checkpoints.copies import pull_resumable
-    from dsgpt2.checkpoints.format import CHECKPOINTS
-    from dsgpt2.errors import ConfigError
-
     loading = split_location(ckpt.load_dir, CHECKPOINTS)
     if (
         ckpt.load_dir is not None
@@ -288,8 +295,9 @@ def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> P
         and loading != split_location(ckpt.ckpt_dir, CHECKPOINTS)
     ):
         raise ConfigError(
-            f"--load_dir {ckpt.load_dir} with --ckpt_dir {ckpt.ckpt_dir}: a run resumes from the database "
-            "where it saves there; pass --ckpt_dir gridfs:RUN (and --ckpt_id to pick a checkpoint)"
+            f"--load_dir {ckpt.load_dir} with --ckpt_dir {ckpt.ckpt_dir}: a run resumes from a stored "
+            "location only where it saves, and saves only where it resumes from one: drop --load_dir "
+            "(--ckpt_id picks a checkpoint of --ckpt_dir), or name the stored location as --ckpt_dir"
         )
     on_each_node(lambda: pull_resumable(store, ckpt.ckpt_id))
     return Publisher(store, ckpt.keep_last, rank=rank, world=world, wait_s=wait_s)

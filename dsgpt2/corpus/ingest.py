@@ -44,7 +44,7 @@ from dsgpt2.db.leases import LEASE_SECONDS, Lease
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import count_where, last_numbered
 from dsgpt2.documents import HASH, ID, IDX, SOURCE, SOURCE_POS, document_hash
-from dsgpt2.errors import BadDocumentError, CorpusError, IngestError, LeaseHeld, LeaseLost
+from dsgpt2.errors import BadDocumentError, CorpusError, IngestError, LeaseContested, LeaseHeld, LeaseLost
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.settings.options import POSITIVE_INT
 
@@ -354,6 +354,10 @@ def _claim(conn: Connection, collection: str, source: Source) -> Lease:
             f"{source.label}: another dsgpt2 ingest ({held.holder}) is writing it into {collection!r} "
             "now, and one source has one writer; this run stops here; wait for that ingest to end, "
             "then re-run this command (what either has stored is not stored again)"
+        ) from None
+    except LeaseContested:
+        raise CorpusError(
+            f"{source.label}: other ingests keep taking it in {collection!r}; run one ingest of it at a time"
         ) from None
     if lease.taken_from:
         log.info("%s: taking over from %s, which stopped", source.label, lease.taken_from)

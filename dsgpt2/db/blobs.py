@@ -160,6 +160,17 @@ class BlobStore:
         """The complete files under ``prefix``: their size and SHA-256, by name."""
         return dict(self._listed(prefix))
 
+    def delete_file(self, name: str) -> int:
+        """Delete every version of the file ``name`` (that name only); returns how many."""
+        ids = with_retries(
+            lambda: [d["_id"] for d in self._files.find({"filename": name}, {"_id": 1})],
+            self.conn.config,
+            f"listing {name}",
+        )
+        for file_id in ids:
+            self._delete(file_id)
+        return len(ids)
+
     def delete(self, prefix: str) -> int:
         """Delete every file (complete or not) whose name starts with ``prefix``; returns how many."""
         ids = with_retries(

@@ -19,7 +19,7 @@ import uuid
 from typing import Any
 
 from dsgpt2.db.client import Connection, DatabaseError, with_retries
-from dsgpt2.errors import CorpusError, LeaseHeld, LeaseLost
+from dsgpt2.errors import LeaseContested, LeaseHeld, LeaseLost
 from dsgpt2.files import process_alive
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class Lease:
 
         Raises:
             LeaseHeld: a live process holds it.
-            CorpusError: other processes keep taking it while this one tries.
+            LeaseContested: other processes keep taking it while this one tries.
         """
         owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         meta = conn.meta
@@ -71,7 +71,7 @@ class Lease:
             )
             if took.modified_count == 1:
                 return cls(conn, collection, path, owner, str(holder) if holder else None)
-        raise CorpusError(f"{collection}: other processes keep taking {path!r}; run one at a time")
+        raise LeaseContested(f"{collection}: other processes keep taking {path!r}; run one at a time")
 
     def update(self, update: dict[str, Any]) -> None:
         """Apply ``update`` to the meta_info entry while this process holds the lease (each field of it

@@ -399,8 +399,8 @@ class Freezable:
     def __setattr__(self, name: str, value: Any) -> None:
         if getattr(self, "_frozen", False):
             raise AttributeError(
-                f"{type(self).__name__}.{name}: the run's configuration is resolved and frozen; resolve it "
-                "again (TrainConfig.resolve) rather than assign into it"
+                f"{type(self).__name__}.{name}: the run's configuration is resolved and frozen; build a new "
+                "one (parse, or the options' constructors) rather than assign into it"
             )
         super().__setattr__(name, value)
 

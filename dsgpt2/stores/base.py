@@ -18,6 +18,7 @@ A new kind is one module: a class of this protocol registered in :data:`STORES` 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections.abc import Iterable
@@ -28,6 +29,8 @@ from typing import Any, ClassVar, Protocol
 from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import atomic_write_text, file_sha256, reader_cache
 from dsgpt2.registry import Registry
+
+log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):(?!//)")
@@ -147,6 +150,9 @@ def open_store(
     """
     kind = split_location(location, artifact)
     if kind is None:
+        if _SCHEME.match(str(location)):  # a plugin's kind, not registered in this process?
+            log.warning("%s: no kind of location is registered as %s:, so it is a directory here (kinds: %s)",
+                        location, str(location).split(":")[0], ", ".join(STORES))  # fmt: skip
         return DirectoryStore(Path(location), artifact)
     scheme, name = kind
     cls = STORES[scheme]

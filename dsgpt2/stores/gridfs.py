@@ -59,7 +59,7 @@ class GridFSStore:
                     marker = json.loads(self.blobs.get_text(name, self._scratch(f"{tag}.marker")) or "")
                 except ValueError:
                     continue  # an unreadable marker: not whole, as on a disk
-                if isinstance(marker, dict):
+                if isinstance(marker, dict) and marker.get(self.artifact.holds) is not None:
                     out[tag] = marker
         return out
 
@@ -87,7 +87,7 @@ class GridFSStore:
         self.blobs.put_text(self._name(name), text, self._scratch("write.part"))
 
     def delete(self, tag: str, files: Iterable[str] | None = None) -> int:
-        self.blobs.delete(self._name(tag, self.artifact.marker))
+        self.blobs.delete_file(self._name(tag, self.artifact.marker))
         if files is None:
             return self.blobs.delete(self._name(tag) + "/")
-        return sum(self.blobs.delete(self._name(tag, name)) for name in files)
+        return sum(self.blobs.delete_file(self._name(tag, name)) for name in files)

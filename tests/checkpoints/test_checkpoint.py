@@ -52,14 +52,16 @@ def test_keep_last_prunes_older_complete_checkpoints_and_earlier_saves_that_died
     for step in (1, 2, 3, 4):
         checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=2)
     # Incomplete ones are not counted; one before the save can never finish, one after it may be the
-    # step a resumed run gets to: it is replaced then.
-    (tmp_path / "global_step3a").mkdir()
+    # step a resumed run gets to: it is replaced then. What is not a checkpoint is not touched.
+    (tmp_path / "global_step2").mkdir()
     (tmp_path / "global_step9").mkdir()
+    (tmp_path / "tokenizer").mkdir()
     checkpoint.save(FakeEngine(), tmp_path, 5, {}, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "global_step4",
         "global_step5",
         "global_step9",
+        "tokenizer",
     ]
     assert json.loads((tmp_path / "global_step5" / COMPLETE).read_text())["step"] == 5
 

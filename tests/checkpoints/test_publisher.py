@@ -48,15 +48,18 @@ def _stored(tmp_path: Path) -> GridFSStore:
         store.complete(tag, {"step": step, "files": {}})
     store.blobs.put(f"{store.name}/global_step3/f", store.local / "global_step2" / "f")  # a save that died
     store.blobs.put(f"{store.name}/global_step8/f", store.local / "global_step2" / "f")  # one after the last
+    store.blobs.put(
+        f"{store.name}/nested/f", store.local / "global_step2" / "f"
+    )  # another run's (NAME/nested)
     return store
 
 
 def test_keep_last_counts_the_runs_checkpoints_and_a_universal_form_goes_with_its_own(tmp_path: Path) -> None:
     store = _stored(tmp_path)
-    assert store.started() == ["global_step3", "global_step8"]
+    assert store.started() == ["global_step3", "global_step8", "nested"]
     Publisher(store, 2, rank=0, world=1, wait_s=1)._prune("global_step6")
     assert sorted(store.tags()) == ["global_step4", "global_step4.universal", "global_step6"]
-    assert store.started() == ["global_step8"]  # the step a resumed run may get to, replaced then
+    assert store.started() == ["global_step8", "nested"]  # the step a resumed run may get to; not ours
     Publisher(store, 1, rank=0, world=1, wait_s=1)._prune("global_step6")
     assert sorted(store.tags()) == ["global_step6"]
     assert store.blobs.names(store.name + "/global_step6") == [
