@@ -106,7 +106,7 @@ SKIP_REASONS = {
     "empty": "the text is empty or only whitespace",
     "too_long": "the text is longer than MAX_TEXT_CHARS",
     "invalid_unicode": "the text holds undecodable bytes or a lone surrogate",
-    "bad_json": "an input line is not a JSON object",
+    "bad_json": "an input line is not valid JSON, or not a JSON object",
     "bad_conversation": "not a list of {speaker, text} turns nor a query/reply pair",
     "unknown_speaker": "a turn's speaker has no <|speaker|> token in the vocabulary",
     "duplicate": "the text is already in the corpus (ingest --dedup)",

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from dsgpt2.db.config import ENV_URI, scrub
 from dsgpt2.errors import DsGpt2Error
+from dsgpt2.settings.runfile import name_file_values
 
 
 def run_command(prog: str, command: Callable[[], int]) -> int:
@@ -17,7 +18,8 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         return command()
     except DsGpt2Error as exc:
         # Messages are scrubbed where they are made; this is the last line of defence.
-        print(f"{prog}: error: {scrub(str(exc), os.environ.get(ENV_URI, ''))}", file=sys.stderr)
+        message = name_file_values(str(exc))
+        print(f"{prog}: error: {scrub(message, os.environ.get(ENV_URI, ''))}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.

@@ -50,6 +50,37 @@ def is_occupied(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
+def unwritable_dir(path: str | os.PathLike[str]) -> str | None:
+    """Why files cannot be written in a directory at ``path`` (made if it is not there), or None when they
+    can: found by making and removing an empty directory in its nearest existing ancestor, so nothing is
+    left behind and nothing is made that the work would not make.
+    """
+    path = Path(path)
+    there = path
+    while not os.path.lexists(there) and there.parent != there:
+        there = there.parent
+    if not there.is_dir():
+        return f"{there} is a file, not a directory" if there != path else "it is a file, not a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dsgpt2-probe-", dir=there))
+    except OSError as exc:
+        return f"nothing can be written in {there} ({exc.strerror})"
+    return None
+
+
+def check_writable_dir(path: str | os.PathLike[str], flag: str) -> None:
+    """Refuse, before the work, a directory the work would write in and could not.
+
+    Raises:
+        ConfigError: naming ``flag`` and why (:func:`unwritable_dir`).
+    """
+    from dsgpt2.errors import ConfigError
+
+    problem = unwritable_dir(path)
+    if problem is not None:
+        raise ConfigError(f"{flag} {path}: {problem}; give a directory that can be written")
+
+
 @contextlib.contextmanager
 def _directory_lock(directory: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``directory`` itself (nothing is left behind to clean up)."""

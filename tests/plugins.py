@@ -103,6 +103,10 @@ class MirrorStore:
                 path.unlink(missing_ok=True)
         return count
 
+    def holding(self, name: str) -> list[str]:
+        top = self.kept.parent
+        return sorted(f"mirror:{p.parent.relative_to(top)}" for p in top.rglob(name) if p.is_file())
+
 
 if __name__ == "__main__":
     from dsgpt2.cli.main import main

@@ -14,7 +14,7 @@ from pathlib import Path
 from dsgpt2.checkpoints.format import BEST, CHECKPOINTS, COMPLETE, LATEST, UNIVERSAL, peek_tag
 from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import file_digests
-from dsgpt2.stores.base import STORES, Store, open_store, split_location, where
+from dsgpt2.stores.base import STORES, Store, offered, open_store, split_location, where
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,13 @@ def resumable_tag(store: Store, ckpt_id: str | None) -> str | None:
     return named or None
 
 
-def readable(location: str | Path, ckpt_id: str | None, config: str | None, flag: str) -> Path:
+def readable(
+    location: str | Path, ckpt_id: str | None, config: str | None, flag: str, config_flag: str = "--config"
+) -> Path:
     """A checkpoint directory to read ``location``'s checkpoint from: ``location`` itself, or this
     machine's copy of the index and of the checkpoint ``ckpt_id`` (else the one ``latest`` names) of a
-    stored run, reached through the connection config ``config`` where its kind needs one.
+    stored run, reached through the connection config ``config`` (the command's ``config_flag``) where
+    its kind needs one.
 
     Raises:
         ConfigError: a stored location of a kind that needs a connection, without one.
@@ -140,7 +143,7 @@ def readable(location: str | Path, ckpt_id: str | None, config: str | None, flag
         if not config:
             raise ConfigError(
                 f"{flag} {location}: checkpoints in the database are read through its connection config; "
-                "add --config c.json (the one the run trained with)"
+                f"add {config_flag} c.json (the one the run trained with)"
             )
         from dsgpt2.db.client import connect
         from dsgpt2.db.config import load_config
@@ -152,7 +155,9 @@ def readable(location: str | Path, ckpt_id: str | None, config: str | None, flag
     pull_resumable(store, ckpt_id)
     if not any(store.local.glob(f"*/{COMPLETE}")):
         shown = f" in {conn.config.display_uri} ({conn.config.db})" if conn is not None else ""
-        raise CheckpointError(f"{location}: no checkpoint stored there{shown}")
+        raise CheckpointError(
+            f"{location}: no checkpoint stored there{shown}{offered(store, LATEST, 'runs')}"
+        )
     return store.local
 
 

@@ -135,8 +135,35 @@ def complete(ckpt_dir: Path, tag: str, marker: dict[str, Any]) -> None:
     atomic_write_text(ckpt_dir / LATEST, tag)
 
 
+# What a group of the optimizer holds that is not a setting of the run: its weights, its rate (the
+# schedule's, restored with it) and a step count kept there.
+_NOT_SETTINGS = frozenset({"params", "lr", "initial_lr", "step"})
+
+
+def group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """The settings of each group of ``optimizer`` (momentum, betas, weight decay...)."""
+    return [{k: v for k, v in group.items() if k not in _NOT_SETTINGS} for group in optimizer.param_groups]
+
+
+def keep_settings(optimizer: Any, settings: list[dict[str, Any]]) -> list[str]:
+    """Put ``settings`` (:func:`group_settings` of the optimizer as this run built it) back over those a
+    checkpoint's optimizer state brought: the run trains with the settings it was given. Returns the
+    names of those that differed."""
+    changed: dict[str, None] = {}
+    if len(settings) != len(optimizer.param_groups):
+        return []
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        for key, value in own.items():
+            if key in group and group[key] != value:
+                changed[key] = None
+            group[key] = value
+    return list(changed)
+
+
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
-    """Load model, optimizer and scheduler state; return the client state."""
+    """Load model, optimizer and scheduler state, the optimizer's settings kept as this run built them;
+    return the client state."""
+    built = group_settings(engine.optimizer) if engine.optimizer is not None else None
     try:
         path, client_state = engine.load_checkpoint(
             str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -151,4 +178,6 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
     if tag.endswith(UNIVERSAL):
         universal.restore_whole_states(engine.optimizer, load_dir / tag)
+    if built is not None and (changed := keep_settings(engine.optimizer, built)):
+        log.info("the optimizer's %s: this run's, not the checkpoint's", ", ".join(changed))
     return client_state

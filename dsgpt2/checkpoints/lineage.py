@@ -244,7 +244,7 @@ def parse_doc(text: str, names: Sequence[str]) -> tuple[int, int]:
 class RunLineage:
     """A run's lineage answer: the checkpoint replayed to, and each document's."""
 
-    ckpt_dir: Path
+    ckpt_dir: Path | str  # as the user named it (a stored run's location, not this machine's copy)
     tag: str
     step: int
     world: list[int]
@@ -313,7 +313,9 @@ def lineage(
     step = int(saved["step"])
     shapes = _Shapes(source)
     try:
-        wanted = [_place(d, parse_doc(d, list(table.names)), table, shapes, spec) for d in docs]
+        where = [parse_doc(d, list(table.names)) for d in docs]
+        _check_exist(mongo, docs, where, table)
+        wanted = [_place(d, w, table, shapes, spec) for d, w in zip(docs, where, strict=True)]
         _replay(data, shapes, wanted, step, tag, progress=progress)
     finally:
         source.close()
@@ -388,6 +390,33 @@ def _sighted(d: DocLineage, step: int, rank: int, block_id: BlockId) -> None:
         last.blocks.append(block)
     else:
         d.sightings.append(Sighting(step, rank, epoch, chunk, [block]))
+
+
+def _check_exist(
+    mongo: MongoConfig, docs: Sequence[str], where: Sequence[tuple[int, int]], table: Any
+) -> None:
+    """Refuse a document past the run's reading that its collection does not hold either (a typo in
+    an audit: a clean "never trained on" would answer it).
+
+    Raises:
+        ConfigError: naming the collection's range of idx.
+    """
+    past = [(d, c, idx) for d, (c, idx) in zip(docs, where, strict=True) if table.chunk_of(c, idx) is None]
+    if not past:
+        return
+    from dsgpt2.db.client import Connection
+    from dsgpt2.db.idx import idx_bounds
+
+    conn = Connection(mongo)
+    try:
+        for doc, c, idx in past:
+            name = table.names[c]
+            bounds = idx_bounds(conn, name)
+            if bounds is None or idx > bounds[1]:
+                held = "no numbered document" if bounds is None else f"idx {bounds[0]} to {bounds[1]}"
+                raise ConfigError(f"--doc {doc}: no such document; {name} holds {held}")
+    finally:
+        conn.close()
 
 
 def _place(
@@ -478,8 +507,8 @@ def lineage_lines(result: RunLineage) -> list[str]:
         saw = ", ".join(d.checkpoints) if d.checkpoints else "none kept"
         out.append(f"  checkpoints that saw it (step >= {first}): {saw}")
     ranks = "/".join(str(w) for w in dict.fromkeys(result.world))
+    replayed = f"{str(result.ckpt_dir).rstrip('/')}/{result.tag}"
     out.append(
-        f"replayed {result.step} step(s) on {ranks} rank(s) to {result.ckpt_dir / result.tag}: "
-        "its saved data position matches"
+        f"replayed {result.step} step(s) on {ranks} rank(s) to {replayed}: its saved data position matches"
     )
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import check_writable_dir
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, as_path, option
 
 RESOLVED = "config.yaml"  # the run's resolved configuration, beside each checkpoint's files
@@ -45,3 +46,15 @@ class CheckpointOptions(Checked):
                 raise ConfigError(f"{flag} {exc}") from None
         if self.no_resume and self.load_dir:
             raise ConfigError("--no_resume contradicts --load_dir/--ckpt_id; drop one")
+
+    def check_files(self) -> None:
+        """A checkpoint directory can be written (found before the first step, not at the first save).
+
+        Raises:
+            ConfigError: naming --ckpt_dir and why.
+        """
+        from dsgpt2.checkpoints.format import CHECKPOINTS
+        from dsgpt2.stores.base import split_location
+
+        if split_location(self.ckpt_dir, CHECKPOINTS) is None:
+            check_writable_dir(self.ckpt_dir, "--ckpt_dir")

@@ -1,4 +1,4 @@
-"""The corpus commands: ingest, index, dedup, curate, validate, info."""
+"""The corpus commands: ingest, index, validate, info, drop."""
 
 from __future__ import annotations
 
@@ -117,6 +117,46 @@ class InfoSettings:
     json: bool = option(False, "print as JSON")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DropSettings:
+    """``dsgpt2 drop``: which collections, and the confirmation."""
+
+    config: str = config_option()
+    verbose: bool = verbose_option()
+    collection: tuple[str, ...] = option(help="the collection to drop (repeatable)", repeat=True)
+    yes: bool = option(False, "drop them: without it the command says what it would drop, and drops nothing")
+
+
+def cmd_drop(args: argparse.Namespace) -> int:
+    from dsgpt2.db.client import EVAL_RESULTS, connect, require_collections
+    from dsgpt2.db.idx import largest_idx
+    from dsgpt2.db.meta import drop_collection, read_meta
+
+    s = from_namespace(DropSettings, args)
+    config = load_connection(s.config)
+    conn = connect(config, create=False)
+    names = list(dict.fromkeys(s.collection))
+    for name in names:
+        if name in (config.meta_collection, EVAL_RESULTS) or name.endswith((".files", ".chunks")):
+            raise usage("drop", f"--collection {name}: the toolkit's own records, not a corpus collection")
+    require_collections(conn, names)
+    meta = read_meta(conn, names)
+    held = []
+    for name in names:
+        top = largest_idx(conn, name, f"reading {name}: last idx")
+        trained = (meta.get(name) or {}).get("trained") or {}
+        by = f"; the run {trained['run']} trained on it" if trained.get("run") else ""
+        held.append(f"{name} ({0 if top is None else top + 1} documents{by})")
+    where = f"{config.display_uri} ({config.db})"
+    if not s.yes:
+        raise usage("drop", f"{', '.join(held)} in {where}: add --yes to drop them with their ingest records "
+                            "and marks (nothing can bring them back)")  # fmt: skip
+    for name, line in zip(names, held, strict=True):
+        drop_collection(conn, name)
+        print(f"dropped {line} from {where}")
+    return 0
+
+
 def cmd_index(args: argparse.Namespace) -> int:
     from dsgpt2.db.client import connect
     from dsgpt2.db.numbering import index_collection
@@ -170,7 +210,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     )
     for line in report.lines():
         print(line)
-    if collection not in config.collections:
+    if collection not in config.collections and report.count:
         print(f"note: {collection!r} is not in the COLLECTIONS of {s.config}; add it there to train on it")
     empty = [r.label for r in report.sources if r.read == 0 and not (r.already_done or r.resumed_at)]
     if empty:
@@ -400,4 +440,17 @@ INFO = Command(
     description="Show what the config points at: hosts, database, collections and meta_info.",
     settings=(InfoSettings,),
     handler=cmd_info,
+)
+
+
+DROP = Command(
+    "drop",
+    help="drop collections with their ingest records and marks",
+    description="Drop collections of the database with their meta_info entries (ingest history, counts, "
+    "curation records): what re-reading an input another way needs (another --encoding, --field or "
+    "--split into the same name). Without --yes it names what it would drop and drops nothing. Runs "
+    "that trained on a dropped collection cannot resume or replay their reading.",
+    epilog="example:\n  dsgpt2 drop --config c.json --collection news --yes",
+    settings=(DropSettings,),
+    handler=cmd_drop,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,10 @@ def cmd_db(args: argparse.Namespace) -> int:
         print(_compact(directory))
         return 0
     if settings.action == "stop":
+        if (state := embedded.running(directory)) is not None:
+            for pid, command in embedded.clients(state):
+                print(f"warning: pid {pid} ({command}) is connected to {where}: its reads and writes wait "
+                      "for the server, and its next retry starts it again", file=sys.stderr)  # fmt: skip
         stopped = embedded.stop(directory)
         if stopped is None:
             print(f"{where}: not running")

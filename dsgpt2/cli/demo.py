@@ -7,6 +7,7 @@ import logging
 
 from dsgpt2.cli.common import Command, load_connection
 from dsgpt2.cli.pipeline import DemoSettings
+from dsgpt2.files import check_writable_dir
 from dsgpt2.settings.options import from_namespace
 
 log = logging.getLogger("dsgpt2")
@@ -16,6 +17,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from dsgpt2.cli.pipeline import run_demo, summary_lines
 
     s = from_namespace(DemoSettings, args)
+    check_writable_dir(s.out, "--out")  # before the first stage, not at its first file
     server = load_connection(s.config) if s.config else None
     summary = run_demo(
         s.out,

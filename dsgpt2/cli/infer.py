@@ -85,7 +85,7 @@ class ModelSource:
         from dsgpt2.infer.loading import load_model
 
         db_config = self.db_config or config
-        where = readable(Path(self.model), self.ckpt_id, db_config, "--model")
+        where = readable(Path(self.model), self.ckpt_id, db_config, "--model", "--db_config")
         loaded = load_model(where, self.ckpt_id, self.vocab_dir, db_config=db_config)
         if where != Path(self.model):  # a stored checkpoint: named by its location, not this machine's copy
             loaded.name = f"{self.model.rstrip('/')}/{Path(loaded.name).name}"
@@ -217,6 +217,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+# How a sample ended (its finish_reason, as the OpenAI API names it), as the command's last line says it.
+_ENDED = {
+    "stop": "ended at <|endoftext|> or a stop text",
+    "length": "ended at --max_new_tokens",
+}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from dsgpt2.infer.generate import Generator
 
@@ -246,7 +253,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             write(prompt)
             c = generator.generate(prompt, params, on_text=write)[0]
             print()
-            print(f"--- {c.tokens} tokens, stopped by {c.finish_reason}", file=sys.stderr)
+            print(f"--- {c.tokens} tokens, {_ENDED.get(c.finish_reason, c.finish_reason)}", file=sys.stderr)
             continue
         completions = generator.generate(prompt, params)
         for i, c in enumerate(completions):
@@ -255,7 +262,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             else:
                 head = f"[{i + 1}/{len(completions)}] " if len(completions) > 1 else ""
                 print(f"{head}{prompt}{c.text}")
-                print(f"--- {c.tokens} tokens, stopped by {c.finish_reason}", file=sys.stderr)
+                print(
+                    f"--- {c.tokens} tokens, {_ENDED.get(c.finish_reason, c.finish_reason)}", file=sys.stderr
+                )
     return 0
 
 

@@ -78,6 +78,7 @@ COMMANDS: tuple[Command, ...] = (
     curation.DECONTAMINATE,
     corpus.VALIDATE,
     corpus.INFO,
+    corpus.DROP,
     curation.LANGID,
     curation.REDACT,
     vocab.VOCAB,

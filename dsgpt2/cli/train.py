@@ -78,6 +78,7 @@ def cmd_lineage(args: argparse.Namespace) -> int:
     mongo = load_config(s.config) if s.config else None
     ckpt_dir = readable(s.ckpt_dir, s.ckpt_id, s.config, "--ckpt_dir")
     result = lineage(ckpt_dir, list(s.doc), mongo, s.ckpt_id, s.vocab_dir)
+    result.ckpt_dir = str(s.ckpt_dir)  # a stored run by its location, not this machine's copy
     print(json.dumps(result.to_dict(), indent=1) if s.json else "\n".join(lineage_lines(result)))
     return 0
 

@@ -19,7 +19,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.settings.options import OneOf, from_namespace, option
-from dsgpt2.tokenizer.bpe import VocabSettings
+from dsgpt2.tokenizer.bpe import VocabSettings, tokenizer_digest
 from dsgpt2.tokenizer.texts import DownloadSettings, Draw
 
 log = logging.getLogger("dsgpt2")
@@ -74,9 +74,11 @@ class VocabPushSettings:
     verbose: bool = verbose_option()
 
 
-def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bool) -> Any:
-    """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken and not ``overwrite``;
-    None for a directory."""
+def _stored_out(
+    command: str, out: Path | str, config: str | None, overwrite: bool, pushed: Path | None = None
+) -> Any:
+    """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken (by another tokenizer than
+    the directory ``pushed``) and not ``overwrite``; None for a directory."""
     from dsgpt2.db.client import connect
     from dsgpt2.tokenizer.stored import stored_tokenizer, tokenizer_store
 
@@ -86,7 +88,12 @@ def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bo
         raise usage(command, f"--out {out} keeps the tokenizer in the database: add --config c.json")
     stored = tokenizer_store(out, connect(load_connection(config)))
     assert stored is not None
-    stored.check_free(overwrite)
+    if (
+        pushed is None
+        or not (pushed / "tokenizer.json").is_file()
+        or not stored.holds(tokenizer_digest(pushed))
+    ):
+        stored.check_free(overwrite)
     return stored
 
 
@@ -151,11 +158,16 @@ def _stored_line(what: str, location: str, digest: str) -> str:
 
 def cmd_vocab_push(args: argparse.Namespace) -> int:
     s = from_namespace(VocabPushSettings, args)
-    stored = _stored_out("vocab push", s.out, s.config, s.overwrite)
+    stored = _stored_out("vocab push", s.out, s.config, s.overwrite, pushed=s.directory)
     if stored is None:
         raise usage("vocab push", f"--out {s.out}: give where in the database, gridfs:NAME")
+    there = (
+        stored.holds(tokenizer_digest(s.directory)) if (s.directory / "tokenizer.json").is_file() else False
+    )
     digest = stored.push(s.directory, overwrite=s.overwrite)
-    print(_stored_line(str(s.directory), stored.location, digest))
+    print(
+        _stored_line(f"{s.directory} (already there)" if there else str(s.directory), stored.location, digest)
+    )
     return 0
 
 

@@ -38,10 +38,10 @@ from dsgpt2.corpus.cleaning import CLEANER_VERSION
 from dsgpt2.corpus.ingest_report import IngestReport, MissingField, SkipLog, SourceReport
 from dsgpt2.corpus.readers import DAMAGED_INPUT
 from dsgpt2.corpus.records import BadRecord, Source, located
-from dsgpt2.db.client import Connection, database_errors
+from dsgpt2.db.client import Connection, database_errors, existing_collections
 from dsgpt2.db.idx import ensure_idx_index, ensure_index, insert_batch, largest_idx
 from dsgpt2.db.leases import LEASE_SECONDS, Lease
-from dsgpt2.db.meta import read_meta
+from dsgpt2.db.meta import drop_collection, read_meta
 from dsgpt2.db.summaries import count_where, last_numbered
 from dsgpt2.documents import HASH, ID, IDX, SOURCE, SOURCE_POS, document_hash
 from dsgpt2.errors import BadDocumentError, CorpusError, IngestError, LeaseContested, LeaseHeld, LeaseLost
@@ -97,6 +97,7 @@ def ingest(
     skips = SkipLog(report_file)
     try:
         with database_errors(conn.config, f"ingest into {collection!r}", "re-run the same command to resume"):
+            made = collection not in existing_collections(conn)
             ensure_idx_index(conn, collection, f"indexing {collection}")
             # Built here, not only by `dedup --exact`: `ingest --dedup` asks it of every batch.
             ensure_index(conn, collection, HASH, f"indexing {collection}")
@@ -108,6 +109,8 @@ def ingest(
                                            steps=opened, skips=skips, lease=lease)  # fmt: skip
                     reports.append(report)
             top = largest_idx(conn, collection, f"reading {collection}: last idx")
+            if made and top is None and not read_meta(conn, [collection]).get(collection, {}).get("sources"):
+                drop_collection(conn, collection)  # made by this run, and no ingest stores in it
     finally:
         skips.close()
     count = 0 if top is None else top + 1
@@ -141,6 +144,14 @@ def _write_source(
     top = largest_idx(conn, collection, f"reading {collection}: last idx")
     next_idx = 0 if top is None else top + 1
     if state and state.get("complete"):
+        asked = source.decoding.encoding if source.decoding is not None else None
+        if asked and state.get("encoding", asked) != asked:
+            raise IngestError(
+                f"{source.label}: already ingested into {collection!r}, read as {state['encoding']}; reading "
+                f"it again as {asked} would store each of its documents twice: ingest it into a fresh "
+                f"collection (--collection NEW), or drop this one first (dsgpt2 drop --collection "
+                f"{collection})"
+            )
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
@@ -211,6 +222,11 @@ def _write_source(
                 f"{source.label}: none of its {missing.records} record(s) has the field named by "
                 f"{source.flag}; nothing was stored; {missing.advice(source)}"
             )
+        if report.read == 0 and not start and damage is None:
+            # An empty input: nothing is recorded of it (the command says so), as if never given.
+            skips.end_source(source, quiet=True)
+            _forget(lease, source)
+            return report
         skips.end_source(source)
         if damage is not None:
             raise IngestError(
@@ -316,6 +332,8 @@ def _record(
         "complete": complete,
         "heartbeat": time.time(),
     }
+    if source.decoding is not None:
+        state["encoding"] = source.decoding.encoding
     fields = {f"sources.{source.key}.{k}": v for k, v in state.items()}
     _held_update(lease, source, {
         "$set": {"cleaner_version": CLEANER_VERSION, **fields, "updated_at": time.time()},

@@ -13,7 +13,8 @@ is never imported here. The directory holds::
     dsgpt2-db.json   what this directory is (written when it is made)
     data/            WiredTiger's files
     secret           the password of the server's one user (mode 0600)
-    server.json      the running server: pid and port (gone, or naming a dead pid, when none runs)
+    server.json      the running server: pid and port (gone, or naming a stopped pid, when none runs:
+                     the next server takes that port again where it is free)
     server.lock      taken while a server is started or stopped
     server.log       the server's output
 """
@@ -185,12 +186,13 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
     with _locked(directory):
         state = _read_state(directory)
         if state is None or not _is_server(state.pid, directory):
-            with contextlib.suppress(FileNotFoundError):
-                (directory / "server.json").unlink()
+            if state is None:  # unreadable: no port to keep
+                with contextlib.suppress(FileNotFoundError):
+                    (directory / "server.json").unlink()
             return None
         _terminate(state.pid, timeout_s)
-        with contextlib.suppress(FileNotFoundError):
-            (directory / "server.json").unlink()
+        # server.json is kept, naming the stopped pid: the next server takes its port again where it is
+        # free, so that the clients of this one (a training's loader workers) find it where they retry.
         return state
 
 
@@ -214,6 +216,36 @@ def servers() -> list[Path]:
         database = data.parent
         if data.name == "data" and (database / MARKER).exists() and _is_server(int(entry.name), database):
             found.add(database)
+    return sorted(found)
+
+
+def clients(state: ServerState) -> list[tuple[int, str]]:
+    """The processes of this user connected to the server of ``state`` now, as ``(pid, command line)``,
+    read from /proc (none elsewhere)."""
+    sockets = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                # A client's end: established (01), its remote port the server's.
+                if (
+                    len(fields) > 9
+                    and fields[3] == "01"
+                    and int(fields[2].rsplit(":", 1)[1], 16) == state.port
+                ):
+                    sockets.add(f"socket:[{fields[9]}]")
+    found = []
+    for entry in Path("/proc").iterdir() if sockets else []:
+        if not entry.name.isdigit() or int(entry.name) in (state.pid, os.getpid()):
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            if any(os.readlink(fd) in sockets for fd in (entry / "fd").iterdir()):
+                words = (entry / "cmdline").read_bytes().split(b"\0")
+                found.append((int(entry.name), " ".join(os.fsdecode(w) for w in words if w)[:80]))
+        except OSError:
+            continue
     return sorted(found)
 
 

@@ -35,6 +35,12 @@ def write_meta(
     meta.update_one({"collection": name}, update, upsert=True)
 
 
+def drop_collection(conn: Connection, name: str) -> None:
+    """Drop the collection ``name`` and its meta_info entry (its ingest history and marks)."""
+    with_retries(lambda: conn.db.drop_collection(name), conn.config, f"dropping {name}")
+    with_retries(lambda: conn.meta.delete_many({"collection": name}), conn.config, f"dropping {name}")
+
+
 def record_eval(conn: Connection, result: dict[str, Any], collection: str = EVAL_RESULTS) -> Any:
     """Store an evaluation result in ``collection`` beside the corpus; return its id."""
     import uuid

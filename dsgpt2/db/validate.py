@@ -415,7 +415,10 @@ def require_valid(
             for p in r.problems
             if p.severity == "error"
         )
-        raise CorpusError(f"the corpus has problems: {details}. Run `dsgpt2 validate` for details{override}")
+        # A collection with no document has nothing to train past: going on anyway is no answer to it.
+        kinds = {p.kind for r in bad for p in r.problems if p.severity == "error"}
+        anyway = override if kinds - {"empty"} else ""
+        raise CorpusError(f"the corpus has problems: {details}. Run `dsgpt2 validate` for details{anyway}")
     return reports
 
 

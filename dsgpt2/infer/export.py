@@ -25,7 +25,7 @@ from dsgpt2.checkpoints.weights import (
     run_info,
 )
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, is_occupied, staged_dir
+from dsgpt2.files import atomic_write_text, check_writable_dir, is_occupied, staged_dir
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import local_tokenizer
 
@@ -42,6 +42,7 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
     """
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a directory for the model, such as runs/model")
+    check_writable_dir(out, "--out")
     resolved = out.resolve()
     for flag, other in (("the checkpoint directory --ckpt_dir", ckpt_dir), ("the tokenizer", vocab)):
         other = other.resolve()

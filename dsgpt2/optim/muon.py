@@ -297,15 +297,26 @@ class Muon(RunOptimizer):
         return None
 
     @classmethod
+    def resumed(cls, key: str, saved: dict[str, Any]) -> Any:
+        if key == "muon_weight_decay" and key not in saved and saved.get("muon_scale") == "rms":
+            # Saved with --muon_scale and before every setting was recorded: it trained with the
+            # default under rms, the DeepSpeed config's decay (settled from it).
+            return None
+        return super().resumed(key, saved)
+
+    @classmethod
     def unfit(cls, ds_config: dict[str, Any]) -> str | None:
         return muon_unfit(ds_config)
 
-    def settle(self) -> None:
+    def settle(self, ds_config: dict[str, Any]) -> None:
         o = self.options
         if o.muon_scale is None:
             o.muon_scale = MUON_SCALE
-        if o.muon_weight_decay is None and o.muon_scale != "rms":
-            o.muon_weight_decay = MUON_WEIGHT_DECAY  # recorded: a resume keeps it whatever the default
+        if o.muon_momentum is None:
+            o.muon_momentum = MUON_MOMENTUM
+        if o.muon_weight_decay is None:
+            adamw = (ds_config.get("optimizer") or {}).get("params") or {}
+            o.muon_weight_decay = default_weight_decay(o.muon_scale, adamw)
 
     def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` without its ``optimizer`` block (the engine is handed this one) and with gradient
@@ -325,6 +336,12 @@ class Muon(RunOptimizer):
                                         zero_stage(ds.config))}  # fmt: skip
 
 
+def default_weight_decay(scale: str, adamw: dict[str, Any]) -> float:
+    """Muon's decay where none is given: under Moonlight's rule (``rms``) the update's RMS is AdamW's, and
+    AdamW's decay (``adamw``: the DeepSpeed config's optimizer settings) carries over."""
+    return float(adamw.get("weight_decay", 0.0)) if scale == "rms" else MUON_WEIGHT_DECAY
+
+
 def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage: int = 0) -> Any:
     """The Muon optimizer of ``model`` at ZeRO ``stage``: AdamW's part from ``adamw`` (the DeepSpeed
     config's optimizer settings), ``lr`` its peak; Muon's from ``options``, their defaults where unset."""
@@ -332,10 +349,9 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
     from torch.optim import AdamW
 
     scale = options.muon_scale or MUON_SCALE
-    # Under Moonlight's rule the update's RMS is AdamW's: AdamW's rate and decay are the defaults.
     weight_decay = options.muon_weight_decay
     if weight_decay is None:
-        weight_decay = float(adamw.get("weight_decay", 0.0)) if scale == "rms" else MUON_WEIGHT_DECAY
+        weight_decay = default_weight_decay(scale, adamw)
     muon_lr = options.muon_lr if options.muon_lr is not None else lr if scale == "rms" else MUON_LR
     momentum = MUON_MOMENTUM if options.muon_momentum is None else options.muon_momentum
     groups = muon_param_groups(

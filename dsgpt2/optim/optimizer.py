@@ -9,6 +9,7 @@ model with it (:meth:`RunOptimizer.build`). They are registered by name in
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from dsgpt2.model.gpt2 import param_groups
@@ -16,6 +17,8 @@ from dsgpt2.registry import Registry
 
 if TYPE_CHECKING:
     from dsgpt2.optim.ds_config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 class RunOptimizer:
@@ -54,8 +57,9 @@ class RunOptimizer:
         """Why this optimizer cannot train under ``ds_config`` (the file as read); None where it can."""
         return None
 
-    def settle(self) -> None:
-        """Fill in the options of its own that the run left unset and a resume must keep."""
+    def settle(self, ds_config: dict[str, Any]) -> None:
+        """Fill in the options of its own that the run left unset with what it trains with (``ds_config``:
+        the DeepSpeed config file as read, for defaults taken from it): recorded, a resume keeps them."""
 
     def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The DeepSpeed config it trains under, from ``config`` (not changed: a new dict where it
@@ -68,6 +72,12 @@ class RunOptimizer:
         trained with the options ``then`` (both by flag name; the same optimizer), as the end of a
         sentence naming the checkpoint; None where it can."""
         return None
+
+    @classmethod
+    def resumed(cls, key: str, saved: dict[str, Any]) -> Any:
+        """The value of its option ``key`` that a checkpoint of the options ``saved`` trained with (None:
+        the default, settled by this run): the saved one, else ``legacy``'s."""
+        return saved.get(key, cls.legacy.get(key))
 
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
         """What ``deepspeed.initialize`` is given to train ``model`` (``optimizer=`` or
@@ -87,13 +97,20 @@ class AdamW(RunOptimizer):
 
     name = "adamw"
 
-    @classmethod
-    def resume_refusal(cls, then: dict[str, Any], now: dict[str, Any]) -> str | None:
-        """Why a run asking for the options ``now`` cannot take on the optimizer state of a checkpoint
-        trained with the options ``then`` (both by flag name; the same optimizer), as the end of a
-        sentence naming the checkpoint; None where it can."""
-        return None
-
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
-        decay = float(ds.optimizer_params.get("weight_decay", 0.0))
+        from dsgpt2.optim.ds_config import zero_stage
+
+        p = ds.optimizer_params
+        decay = float(p.get("weight_decay", 0.0))
+        clip = float(ds.config.get("gradient_clipping") or 0.0)
+        clipping = f"gradient clipping at {clip:g}" if clip else (
+            "no gradient clipping (the DeepSpeed config sets none; AdamW usually trains with "
+            '"gradient_clipping": 1.0)'
+        )  # fmt: skip
+        betas = ", ".join(f"{b:g}" for b in p.get("betas", (0.9, 0.999)))
+        log.info(
+            "optimizer: AdamW (lr %g, betas %s, eps %g, weight decay %g on the matrices and embeddings), %s; "
+            "ZeRO stage %d",
+            float(p.get("lr", 0.0)), betas, float(p.get("eps", 1e-8)), decay, clipping, zero_stage(ds.config),
+        )  # fmt: skip
         return {"model_parameters": param_groups(model, decay)}

@@ -84,13 +84,13 @@ class OptimizerOptions(MuonOptions, OptimizerChoice):
             cls = OPTIMIZERS[theirs]
             for key in cls.keys:
                 if getattr(self, key) is None:
-                    value = saved.get(key, cls.legacy.get(key))
+                    value = cls.resumed(key, saved)
                     setattr(self, key, value)
                     if value is not None:
                         taken.append(f"--{key} {value}")
         return taken
 
-    def settle(self, unfit: str | None) -> list[str]:
+    def settle(self, unfit: str | None, ds_config: dict[str, Any] | None = None) -> list[str]:
         """Choose the optimizer of a new run (the default, or the fallback where the DeepSpeed config
         cannot carry it, ``unfit`` saying why, and no option of the default's was given) and fill in
         its own settings. Returns what was decided, as lines for the log."""
@@ -99,7 +99,7 @@ class OptimizerOptions(MuonOptions, OptimizerChoice):
             self.optimizer = FALLBACK if unfit and not self.given(DEFAULT) else DEFAULT
             if self.optimizer == FALLBACK:
                 said.append(f"optimizer: AdamW, not Muon, under this DeepSpeed config: {unfit}")
-        self.chosen().settle()
+        self.chosen().settle(ds_config or {})
         self.check_own_flags()
         return said
 

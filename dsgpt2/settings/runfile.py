@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import logging
+import re
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +34,10 @@ log = logging.getLogger(__name__)
 SUFFIXES = (".yaml", ".yml", ".toml")
 YAML_WORDS = {False: "off", True: "on"}
 FLAG = "--config"
+
+# The flags (without their dashes) whose value came from the experiment file this process read, not
+# from the command line: an error quoting one names the file (:func:`name_file_values`).
+_FROM_FILE: dict[str, Path] = {}
 
 
 def is_run_file(value: str) -> bool:
@@ -175,6 +180,17 @@ def apply_run_file(
     return applied
 
 
+def name_file_values(message: str) -> str:
+    """``message`` with the experiment file named after it where it quotes a flag whose value the file
+    set (``--warmup_iters 40: must be below --train_iters 30`` from a recipe the user did not write)."""
+    quoted = [flag for flag in _FROM_FILE if re.search(rf"--{re.escape(flag)}(?![\w-])", message)]
+    if not quoted:
+        return message
+    files = dict.fromkeys(_FROM_FILE[flag] for flag in quoted)
+    flags = ", ".join(f"--{flag}" for flag in quoted)
+    return f"{message} ({flags} as set in {', '.join(map(str, files))})"
+
+
 def typed_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
     """The destinations of the options of ``parser`` that ``argv`` types."""
     typed = (action_of(parser, t.split("=", 1)[0]) for t in argv if t.startswith("-"))
@@ -300,6 +316,7 @@ def parse_args(
     """
     applied: dict[str, tuple[str, Any]] = {}
     target: argparse.ArgumentParser = parser
+    _FROM_FILE.clear()
     try:
         rest, path = find_run_file(argv)
         if aliases and "config" in aliases:
@@ -316,7 +333,11 @@ def parse_args(
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     args = parser.parse_args(rest)
     if path is not None:
-        for note in drop_unserved(target, args, applied, typed_dests(target, rest), path):
+        typed = typed_dests(target, rest)
+        for action in settable_actions(target):
+            if action.dest in applied and action.dest not in typed:
+                _FROM_FILE.update((f[2:], path) for f in action.option_strings if f.startswith("--"))
+        for note in drop_unserved(target, args, applied, typed, path):
             if process_rank() == 0:  # before logging is set up: the ranks of a launch all parse
                 log.warning(note)
     return args

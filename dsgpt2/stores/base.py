@@ -107,6 +107,11 @@ class Store(Protocol):
         or only ``files`` of it; how many files."""
         ...
 
+    def holding(self, name: str) -> list[str]:
+        """The locations of this kind and artifact that hold the small file ``name`` (``latest``: a run's
+        checkpoints), as a user names them: what a message lists where a location holds nothing."""
+        ...
+
 
 # The kinds of location by scheme; a directory (no scheme) is DirectoryStore, the default.
 STORES: Registry[type[Store]] = Registry("kind of location", "location scheme")
@@ -161,6 +166,20 @@ def open_store(
     if copies is None:  # the reader cache, shared by every database: one folder each
         copies = reader_cache() / (conn.config.db if conn is not None else "-")
     return cls.open(name, artifact, conn, copies / scheme / name)
+
+
+def offered(store: Store, name: str, what: str, location: str | None = None) -> str:
+    """The end of a message about a location (``store``'s, or ``location`` in it) that holds nothing: the
+    locations of its kind that hold ``name`` (``what`` they are), and the closest where one is close."""
+    import difflib
+
+    location = location or store.location
+    there = [s for s in store.holding(name) if s != location]
+    if not there:
+        return ""
+    close = difflib.get_close_matches(location, there, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"; the {what} stored there: {', '.join(there[:20])}{' ...' if len(there) > 20 else ''}{hint}"
 
 
 def where(store: Store, tag: str) -> str:
@@ -236,3 +255,6 @@ class DirectoryStore:
         count = sum(1 for p in path.rglob("*") if p.is_file())
         shutil.rmtree(path, ignore_errors=True)
         return count
+
+    def holding(self, name: str) -> list[str]:
+        return []  # a directory is named by its path: there is no list of others to offer

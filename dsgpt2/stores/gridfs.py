@@ -91,3 +91,7 @@ class GridFSStore:
         if files is None:
             return self.blobs.delete(self._name(tag) + "/")
         return sum(self.blobs.delete_file(self._name(tag, name)) for name in files)
+
+    def holding(self, name: str) -> list[str]:
+        ends = "/" + name
+        return [f"{SCHEME}:{n.removesuffix(ends)}" for n in self.blobs.names("") if n.endswith(ends)]

@@ -24,7 +24,7 @@ from typing import Any
 
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, file_digest, is_occupied, staged_dir
+from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, option
 from dsgpt2.tokenizer.texts import TextStream
@@ -154,6 +154,7 @@ def check_vocab_out(out: Path, overwrite: bool) -> None:
         ConfigError: ``out`` is a file, a directory of other files, or a tokenizer and not ``overwrite``.
     """
     if not is_occupied(out):
+        check_writable_dir(out, "--out")
         return
     if not out.is_dir() or not (out / "tokenizer.json").is_file():
         raise ConfigError(f"--out {out} holds files that are not a tokenizer; give an empty or new directory")

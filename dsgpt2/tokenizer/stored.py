@@ -24,7 +24,7 @@ from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import file_sha256, reader_cache
-from dsgpt2.stores.base import STORES, Artifact, Store, split_location
+from dsgpt2.stores.base import STORES, Artifact, Store, offered, split_location
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,18 @@ class StoredTokenizer:
         replaced is deleted first, its marker before its files: a reader meanwhile finds none, never new
         files under the old hash.
 
+        The same tokenizer stored under the name already is left as it is.
+
         Raises:
-            ConfigError: ``directory`` holds no tokenizer, or one is stored under the name already and
+            ConfigError: ``directory`` holds no tokenizer, or another is stored under the name already and
                 not ``overwrite``.
         """
         if not (directory / "tokenizer.json").is_file():
             raise ConfigError(f"{directory}: no tokenizer.json; train one first (dsgpt2 vocab train)")
-        replaced = self.check_free(overwrite)
         digest = tokenizer_digest(directory)
+        if self.holds(digest):
+            return digest  # the same tokenizer: nothing to replace
+        replaced = self.check_free(overwrite)
         names = sorted(p.name for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
         with self._store() as store:
             # Its files only: NAME/other may be another tokenizer.
@@ -111,6 +115,10 @@ class StoredTokenizer:
             files = store.put(self.tag, names)
             store.complete(self.tag, {"tokenizer": digest, "files": files})
         return digest
+
+    def holds(self, digest: str) -> bool:
+        """Whether the tokenizer of hash ``digest`` is the one stored under the name."""
+        return (self.marker() or {}).get("tokenizer") == digest
 
     def check_free(self, overwrite: bool) -> dict[str, Any] | None:
         """Refuse a name that holds a tokenizer already, unless ``overwrite``; the marker of the one
@@ -148,9 +156,11 @@ class StoredTokenizer:
         self.local.mkdir(parents=True, exist_ok=True)
         marker = self.marker()
         if marker is None:
+            with self._store() as store:
+                others = offered(store, MARKER, "tokenizers", self.location)
             raise ConfigError(
                 f"{self._where()}: no tokenizer stored there; store one with `dsgpt2 vocab train --out "
-                f"{self.location}` or `dsgpt2 vocab push DIR --out {self.location}` (with --config)"
+                f"{self.location}` or `dsgpt2 vocab push DIR --out {self.location}` (with --config){others}"
             )
         fetched = 0
         for name, want in marker["files"].items():

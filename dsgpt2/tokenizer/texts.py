@@ -36,7 +36,7 @@ from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, atomic_writer
+from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.ranges import even_ranges
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, option
@@ -225,15 +225,9 @@ def _check_foreign(out: Path, manifest: dict[str, Any] | None) -> None:
 
 
 def _check_out_dir(out: Path) -> None:
-    """Refuse, before any query, an ``--out`` that is (or sits in) a file."""
-    for path in (out, *out.parents):
-        if path.exists():
-            if not path.is_dir():
-                raise ConfigError(
-                    f"--out {out}: {path} is a file; give a directory for the shards, such as "
-                    "runs/vocab_corpus"
-                )
-            return
+    """Refuse, before any query, an ``--out`` that cannot hold the shards (a file, under one, or where
+    nothing can be written)."""
+    check_writable_dir(out, "--out")
 
 
 def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict[str, Any]]]:

@@ -13,13 +13,14 @@ import argparse
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.options import CheckpointOptions
 from dsgpt2.data.order import ORDERS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import check_writable_dir
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
 from dsgpt2.optim.optimizers import OPTIMIZERS, OptimizerOptions
 from dsgpt2.optim.schedule import ScheduleOptions, check_warmup
@@ -87,6 +88,16 @@ class ModelOptions(Checked):
                 raise ConfigError(f"--model_config {self.model_config}: file not found")
             read_model_config(self.model_config)
         if self.init_from is not None and not self.init_from.exists():
+            from dsgpt2.checkpoints.format import CHECKPOINTS
+            from dsgpt2.stores.base import split_location
+
+            if split_location(self.init_from, CHECKPOINTS) is not None:
+                raise ConfigError(
+                    f"--init_from {self.init_from}: a run starts from a model on this machine (an exported "
+                    f"one or a checkpoint directory), not from a stored run; export it here first: dsgpt2 "
+                    f"export --ckpt_dir {self.init_from} --config C.json --out runs/init_model, then "
+                    "--init_from runs/init_model"
+                )
             raise ConfigError(
                 f"--init_from {self.init_from}: not found (an exported model or a checkpoint dir)"
             )
@@ -214,11 +225,13 @@ class RunOptions(Checked):
         self.hellaswag = as_path(self.hellaswag)
 
     def check_files(self) -> None:
-        """The HellaSwag file reads as one: a bad file stops the run before it starts.
+        """The workspace can be written, and the HellaSwag file reads as one: a bad file stops the run
+        before it starts.
 
         Raises:
-            ConfigError: naming the flag and the line.
+            ConfigError: naming the flag (and the line).
         """
+        check_writable_dir(self.workspace, "--workspace")
         if self.hellaswag is not None:
             from dsgpt2.model.hellaswag import read_examples
 
@@ -368,6 +381,7 @@ class TrainConfig(Freezable):
         self.data.check_files()
         self.model.check_files()
         self.run.check_files()
+        self.ckpt.check_files()
         # DeepSpeed's parser adds --deepspeed_config, as an optional flag: it is required here.
         if not self.engine.deepspeed_config:
             raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")
@@ -386,11 +400,17 @@ class TrainConfig(Freezable):
                 )
             self.data.vocab_dir = vocab
 
-    def settle(self, saved: dict[str, object] | None, unfit: str | None = None) -> list[str]:
+    def settle(
+        self,
+        saved: dict[str, object] | None,
+        unfit: str | None = None,
+        ds_config: dict[str, Any] | None = None,
+    ) -> list[str]:
         """Decide what the options leave to the run: with ``saved`` (the options of the checkpoint this
         run resumes), its optimizer and Muon settings where none are given, and its schedule; a new run
         trains with Muon under WSD, or AdamW under the DeepSpeed config's scheduler where Muon cannot
-        train (``unfit``: why the default optimizer cannot). Returns what was decided, as lines for the log.
+        train (``unfit``: why the default optimizer cannot); ``ds_config``, the DeepSpeed config file as read,
+        gives the defaults taken from it. Returns what was decided, as lines for the log.
 
         Raises:
             ConfigError: the options so filled cannot train together.
@@ -403,7 +423,7 @@ class TrainConfig(Freezable):
         said = [
             f"the checkpoint to resume was trained with {', '.join(taken)}: this run continues with it"
         ] * bool(taken)
-        said += o.settle(unfit)
+        said += o.settle(unfit, ds_config)
         if s.lr_schedule is None:
             s.lr_schedule = "wsd" if o.chosen().own_rates else "deepspeed"
         self.check()

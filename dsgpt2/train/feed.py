@@ -148,6 +148,12 @@ class Feed:
             if n < self.world:
                 docs = sum(table.marks[c] for c in members)
                 what = ", ".join(self.mongo.collections[c] for c in members)
+                if not docs:
+                    name = what if len(members) == 1 else "NAME"
+                    raise ConfigError(
+                        f"{what}: no document to train on; ingest some first (dsgpt2 ingest --collection "
+                        f"{name} FILE...), or leave it out of the connection config's COLLECTIONS"
+                    )
                 size = self.spec.chunk_docs
                 raise ConfigError(
                     f"{what}: {docs} documents make {n} chunk(s) of --chunk_docs {size}, fewer than the "

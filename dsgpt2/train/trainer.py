@@ -130,7 +130,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     # Where the checkpoints are, chosen once from --ckpt_dir's scheme (a stored run's copy: the workspace's).
     store = open_store(cfg.ckpt.ckpt_dir, CHECKPOINTS, conn=conn, copies=cfg.run.workspace)
     saved = resumed_options(cfg.ckpt, store)
-    decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file))
+    decided = cfg.settle(saved, OPTIMIZERS[DEFAULT].unfit(ds_file), ds_file)
     cfg.freeze()  # resolved: what the run records below is what it uses
     # As given: a checkpoint or tokenizer location in the database is recorded as one, not as a node's copy.
     args, resolved = cfg.to_dict(), cfg.resolved()

@@ -56,8 +56,10 @@ def test_a_checkpoint_written_before_checkpoint_stores_resumes_and_exports(tmp_p
               if r["event"] == "train"}  # fmt: skip
     for step, loss in expected["losses"].items():
         assert losses[step] == pytest.approx(loss, rel=1e-6), (step, losses)
-    # The earlier version's checkpoint itself, exported as ever.
+    # The earlier version's checkpoint itself, exported as ever (its tokenizer is no longer where it was
+    # trained: given, as the refusal without it says).
     out = tmp_path / "hf"
-    exported = run_cli("export", "--ckpt_dir", str(BEFORE_STORES / "ckpt"), "--out", str(out))
+    exported = run_cli("export", "--ckpt_dir", str(BEFORE_STORES / "ckpt"), "--out", str(out),
+                       "--vocab_dir", str(BEFORE_STORES / "tok"))  # fmt: skip
     assert exported.returncode == 0, exported.stderr
     assert "exported" in exported.stdout and (out / "config.json").is_file()

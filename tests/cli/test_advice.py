@@ -337,6 +337,10 @@ CASES: list[tuple[str, list[str]]] = [
     # info
     ("info", ["--config", "NOPE"]),
     ("info", ["--config", "FILE"]),
+    # drop
+    ("drop", ["--config", "CFG", "--collection", "a"]),
+    ("drop", ["--config", "CFG", "--collection", "nope", "--yes"]),
+    ("drop", ["--config", "CFG", "--collection", "meta_info", "--yes"]),
     # vocab
     ("vocab download", ["--config", "CFG", "--out", "FILE"]),
     ("vocab download", ["--config", "NOPE", "--out", "OUT"]),
@@ -348,6 +352,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("vocab train", ["--from_mongo", "--config", "NOPE", "--out", "OUT"]),
     ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "MODEL"]),
     ("vocab train", ["--from_mongo", "--out", "gridfs:tok"]),
+    ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "FILE/tok"]),
     ("vocab push", ["TOK", "--config", "CFG", "--out", "OUT"]),
     ("vocab push", ["TOK", "--config", "CFG", "--out", "gridfs:a b"]),
     ("vocab push", ["MISSING", "--config", "CFG", "--out", "gridfs:tok"]),
@@ -365,6 +370,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("lineage", ["--config", "CFG", "--ckpt_dir", "DAMAGED", "--doc", "a:1"]),
     ("lineage", ["--config", "CFG", "--ckpt_dir", "EMPTY", "--doc", "nonsense"]),
     ("lineage", ["--config", "NOPE", "--ckpt_dir", "LATEST_BAD", "--doc", "nope:1"]),
+    ("lineage", ["--config", "CFG", "--ckpt_dir", "gridfs:none", "--doc", "a:1"]),
     # db
     ("db", ["--config", "CFG", "status"]),
     ("db", ["--config", "MISSING", "stop"]),
@@ -381,11 +387,13 @@ CASES: list[tuple[str, list[str]]] = [
     ("train", [*T, "--ckpt_dir", "LATEST_BAD"]),
     ("train", [*T, "--load_dir", "DAMAGED", "--ckpt_id", "best", "--ckpt_dir", "OUT"]),
     ("train", [*T, "--init_from", "EMPTY", "--ckpt_dir", "OUT"]),
+    ("train", [*T, "--init_from", "gridfs:run", "--ckpt_dir", "OUT"]),
+    ("train", [*T, "--ckpt_dir", "FILE/ckpt"]),
 ]
 # Commands the table must cover (every one the issue names, and the trainer).
 COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",
            "curate", "validate", "info", "vocab download", "vocab train", "vocab push", "tokenize", "plan",
-           "lineage", "db", "redact", "decontaminate"}  # fmt: skip
+           "lineage", "db", "redact", "decontaminate", "drop"}  # fmt: skip
 
 
 def test_the_table_covers_every_command() -> None:

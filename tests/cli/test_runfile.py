@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_cli, store_config
+from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import COMMANDS, SECTIONS
 from dsgpt2.cli.main import build_parser as cli_parser
 from dsgpt2.settings.options import command_names, subcommands
@@ -282,6 +282,22 @@ def test_a_flag_typed_after_the_file_switches_its_choice_and_drops_the_keys_serv
     # What the user typed is never dropped: a Muon flag beside --optimizer adamw is one line, exit 2.
     with pytest.raises(Exception, match="--muon_scale set the Muon optimizer"):
         parse(["--config", str(run), "--optimizer", "adamw", "--muon_scale", "rms"])
+
+
+def test_an_error_about_a_value_the_file_set_names_the_file(tmp_path: Path, files: dict[str, Path]) -> None:
+    """A recipe's value the user never typed (its warmup, against a shorter --train_iters typed after it):
+    the one line names the file it came from; the same value typed is the user's own, and named alone."""
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:9", MONGO_CONNECTION_DB="d",
+                       COLLECTIONS=["a"])  # fmt: skip
+    ds = ROOT / "configs" / "ds_config_cpu.json"
+    run = yaml_run(tmp_path, files | {"mongo": cfg, "ds": ds}, "warmup_iters: 40\n")
+    from_file = run_cli("train", "--config", str(run), "--train_iters", "30")
+    assert from_file.returncode == 2 and "Traceback" not in from_file.stderr
+    assert from_file.stderr.strip().endswith(
+        f"--warmup_iters 40: must be below --train_iters 30 (--warmup_iters as set in {run})"
+    ), from_file.stderr
+    typed = run_cli("train", "--config", str(run), "--train_iters", "30", "--warmup_iters", "35")
+    assert typed.returncode == 2 and typed.stderr.strip().endswith("must be below --train_iters 30")
 
 
 def test_the_shipped_fast_recipe_trains_with_adamw_by_one_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_MOMENTUM_KEY, muon_param_groups
@@ -192,12 +195,19 @@ def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpo
 
     new = settled()
     o = new.optim
-    assert (o.optimizer, new.schedule.lr_schedule, o.muon_scale, o.muon_weight_decay) == (
+    # Every Muon setting recorded as it trains: a resume keeps it whatever the defaults become.
+    assert (o.optimizer, new.schedule.lr_schedule, o.muon_scale, o.muon_momentum, o.muon_weight_decay) == (
         "muon",
         "wsd",
         "rms",
-        None,
+        MUON_MOMENTUM,
+        0.0,
     )
+    # Under rms the decay is the DeepSpeed config's AdamW decay, recorded as such.
+    adamw_decay = {"optimizer": {"type": "AdamW", "params": {"weight_decay": 0.1}}}
+    cfg = TrainConfig(DataOptions(None))
+    cfg.settle(None, None, adamw_decay)
+    assert cfg.optim.muon_weight_decay == 0.1 and cfg.to_dict()["muon_weight_decay"] == 0.1
     assert new.to_dict()["optimizer"] == "muon" and MUON_LR == 0.02 and MUON_MOMENTUM == 0.95
     # Where Muon cannot train (ZeRO 3), a new run takes AdamW, and says why.
     cfg = TrainConfig(DataOptions(None))
@@ -217,6 +227,13 @@ def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpo
     assert (legacy.optim.optimizer, legacy.optim.muon_scale, legacy.optim.muon_weight_decay) == (
         "muon", "storage", 0.0)  # fmt: skip
     assert settled({"optimizer": "muon", "muon_scale": "rms"}, optimizer="muon").optim.muon_scale == "rms"
+    # Saved under rms by a version that left the decay unrecorded: it trained with the DeepSpeed config's
+    # decay, not the 0.0 of the checkpoints before the option, and a resume says nothing of it.
+    unrecorded = TrainConfig(DataOptions(None))
+    said = unrecorded.settle(
+        {"optimizer": "muon", "lr_schedule": "wsd", "muon_scale": "rms"}, None, adamw_decay
+    )
+    assert unrecorded.optim.muon_weight_decay == 0.1 and not any("weight_decay" in line for line in said)
     assert settled({"optimizer": "muon"}, muon_scale="spectral").optim.muon_scale == "spectral"
     assert settled(muon_scale="spectral").optim.muon_weight_decay == 0.0  # recorded, whatever the default
     # A checkpoint of AdamW with Muon's flags typed: AdamW was asked for by the checkpoint, in one line.
@@ -289,11 +306,26 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
 
     if stage == 1:
         return
+    typed = tmp_path / "typed"
+    shutil.copytree(tmp_path / "ckpt", typed / "ckpt")  # the step-6 checkpoint, for another resume below
     # Without --optimizer, the resume continues with Muon, and says so.
     again = train(staged, tmp_path, "--train_iters", "7", "--save_interval", "3")
-    said = "trained with --optimizer muon, --muon_lr 0.03, --muon_scale rms"
+    said = (
+        "trained with --optimizer muon, --muon_lr 0.03, --muon_momentum 0.95, --muon_weight_decay 0.1, "
+        "--muon_scale rms"
+    )  # every setting, recorded by the run that wrote the checkpoint
     assert said in again.stderr and "--lr_schedule wsd: this run continues with it" in again.stderr
     assert "optimizer: Muon (lr 0.03," in again.stderr and sorted(steps(tmp_path)) == list(range(1, 8))
+    # Muon's settings typed at a resume take effect over those the checkpoint's optimizer state brings:
+    # from the same checkpoint, the same step trains other weights, and the log says whose settings train.
+    changed = train(staged, typed, "--train_iters", "7", "--save_interval", "3", "--muon_momentum", "0.5",
+                    "--muon_weight_decay", "0.7")  # fmt: skip
+    assert "the optimizer's momentum, weight_decay: this run's, not the checkpoint's" in changed.stderr
+    assert "this run's, not the checkpoint's" not in again.stderr
+    recorded = yaml.safe_load((typed / "ckpt" / "global_step7" / "config.yaml").read_text())
+    assert (recorded["muon_momentum"], recorded["muon_weight_decay"]) == (0.5, 0.7)
+    ours, theirs = (_weights(d / "ckpt" / "global_step7") for d in (typed, tmp_path))
+    assert ours.keys() == theirs.keys() and any(not torch.equal(ours[k], theirs[k]) for k in ours)
     # The checkpoint holds Muon's state: AdamW cannot resume it, in one line.
     other = train(staged, tmp_path, "--optimizer", "adamw", "--lr_schedule", "wsd", *RUN, check=False)
     assert other.returncode == 2, other.stderr[-2000:]
@@ -306,6 +338,11 @@ def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
     assert len(lines) == 1, other.stderr[-3000:]
     line = lines[0]
     assert "was trained with --muon_scale rms and this run asks for --muon_scale spectral" in line
+
+
+def _weights(tag: Path) -> dict[str, Any]:
+    """The model's weights as a checkpoint of ZeRO 0-2 holds them."""
+    return torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
 
 
 @pytest.mark.slow
@@ -477,3 +514,23 @@ def test_the_adamw_part_steps_in_one_fused_call_as_the_per_tensor_one_would() ->
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         if not getattr(p, "use_muon", False):
             assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_a_resume_keeps_the_optimizer_settings_the_run_was_given() -> None:
+    """A checkpoint's optimizer state carries its groups' settings (momentum, betas, decay): put back as
+    this run built them, the rate and the state left as loaded."""
+    from dsgpt2.checkpoints.ds_checkpoint import group_settings, keep_settings
+
+    weights = [torch.nn.Parameter(torch.ones(3))]
+    then = torch.optim.AdamW(weights, lr=0.1, betas=(0.8, 0.9), weight_decay=0.5)
+    weights[0].grad = torch.ones(3)
+    then.step()
+    now = torch.optim.AdamW(weights, lr=0.2, betas=(0.9, 0.95), weight_decay=0.1)
+    built = group_settings(now)
+    now.load_state_dict(then.state_dict())
+    assert now.param_groups[0]["betas"] == (0.8, 0.9)  # what loading alone leaves
+    assert keep_settings(now, built) == ["betas", "weight_decay"]
+    group = now.param_groups[0]
+    assert (group["betas"], group["weight_decay"], group["lr"]) == ((0.9, 0.95), 0.1, 0.1)
+    assert int(now.state[weights[0]]["step"]) == 1
+    assert keep_settings(now, built) == []
