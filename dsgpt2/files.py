@@ -60,7 +60,7 @@ def unwritable_dir(path: str | os.PathLike[str]) -> str | None:
     while not os.path.lexists(there) and there.parent != there:
         there = there.parent
     if not there.is_dir():
-        return f"{there} is a file, not a directory" if there != path else "it is a file, not a directory"
+        return f"{there} is a file, not a directory"
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dsgpt2-probe-", dir=there))
     except OSError as exc:

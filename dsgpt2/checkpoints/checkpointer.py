@@ -145,7 +145,7 @@ class Checkpointer:
             if c.no_resume:
                 raise CheckpointError(
                     f"--no_resume: {self.store.location} holds checkpoints already; a fresh run there would "
-                    "overwrite them. Choose another --ckpt_dir (or remove them), or drop --no_resume"
+                    "overwrite them. Choose another --ckpt_dir (or remove them), or leave out --no_resume"
                 )
             load_dir = self.store.local
         if load_dir is None:

@@ -163,7 +163,8 @@ def keep_settings(optimizer: Any, settings: list[dict[str, Any]]) -> list[str]:
 def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
     """Load model, optimizer and scheduler state, the optimizer's settings kept as this run built them;
     return the client state."""
-    built = group_settings(engine.optimizer) if engine.optimizer is not None else None
+    optimizer = getattr(engine, "optimizer", None)  # none where the engine was built to infer
+    built = group_settings(optimizer) if optimizer is not None else None
     try:
         path, client_state = engine.load_checkpoint(
             str(load_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
@@ -178,6 +179,6 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
         raise CheckpointError(f"DeepSpeed could not load {load_dir / tag}")
     if tag.endswith(UNIVERSAL):
         universal.restore_whole_states(engine.optimizer, load_dir / tag)
-    if built is not None and (changed := keep_settings(engine.optimizer, built)):
+    if built is not None and (changed := keep_settings(optimizer, built)):
         log.info("the optimizer's %s: this run's, not the checkpoint's", ", ".join(changed))
     return client_state

@@ -296,7 +296,7 @@ def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> P
     ):
         raise ConfigError(
             f"--load_dir {ckpt.load_dir} with --ckpt_dir {ckpt.ckpt_dir}: a run resumes from a stored "
-            "location only where it saves, and saves only where it resumes from one: drop --load_dir "
+            "location only where it saves, and saves only where it resumes from one: leave out --load_dir "
             "(--ckpt_id picks a checkpoint of --ckpt_dir), or name the stored location as --ckpt_dir"
         )
     on_each_node(lambda: pull_resumable(store, ckpt.ckpt_id))

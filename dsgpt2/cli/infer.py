@@ -242,7 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise usage("generate", "give PROMPT arguments or --prompts_file")
     params = from_namespace(SamplingParams, args)
     if s.stream and (s.json or params.num_samples > 1):
-        raise usage("generate", "--stream prints one text as it comes: drop --json and keep --num_samples 1")
+        raise usage(
+            "generate", "--stream prints one text as it comes: leave out --json and keep --num_samples 1"
+        )
     generator = Generator(from_namespace(ModelSource, args).load())
 
     def write(text: str) -> None:

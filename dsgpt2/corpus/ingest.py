@@ -144,14 +144,7 @@ def _write_source(
     top = largest_idx(conn, collection, f"reading {collection}: last idx")
     next_idx = 0 if top is None else top + 1
     if state and state.get("complete"):
-        asked = source.decoding.encoding if source.decoding is not None else None
-        if asked and state.get("encoding", asked) != asked:
-            raise IngestError(
-                f"{source.label}: already ingested into {collection!r}, read as {state['encoding']}; reading "
-                f"it again as {asked} would store each of its documents twice: ingest it into a fresh "
-                f"collection (--collection NEW), or drop this one first (dsgpt2 drop --collection "
-                f"{collection})"
-            )
+        _check_read_alike(source, state, collection)
         report.already_done = True
         log.info("%s: already ingested into %s", source.label, collection)
         return report
@@ -214,18 +207,7 @@ def _write_source(
         next_idx = _flush(conn, collection, source, report, batch=batch, records=max(pos + 1, start),
                           next_idx=next_idx, steps=steps, lease=lease, places=places,
                           skips=skips)  # fmt: skip
-        if missing.records and not missing.with_field and not report.inserted and damage is None:
-            # Nothing stored: the source is forgotten, so that the run with the right field starts clean.
-            skips.end_source(source, quiet=True)
-            _forget(lease, source)
-            raise IngestError(
-                f"{source.label}: none of its {missing.records} record(s) has the field named by "
-                f"{source.flag}; nothing was stored; {missing.advice(source)}"
-            )
-        if report.read == 0 and not start and damage is None:
-            # An empty input: nothing is recorded of it (the command says so), as if never given.
-            skips.end_source(source, quiet=True)
-            _forget(lease, source)
+        if damage is None and _forgotten(source, report, missing, skips, lease, begun=start > 0):
             return report
         skips.end_source(source)
         if damage is not None:
@@ -239,6 +221,45 @@ def _write_source(
     finally:
         bar.close()
     return report
+
+
+def _forgotten(
+    source: Source, report: SourceReport, missing: MissingField, skips: SkipLog, lease: Lease, *, begun: bool
+) -> bool:
+    """Forget a source that stored nothing, as if never given, so that a run with the right input or
+    field starts clean: an empty input (True: the command says so), or one whose records all lack the
+    field (refused). False: the source stored something.
+
+    Raises:
+        IngestError: no record has the text field.
+    """
+    unfielded = missing.records and not missing.with_field and not report.inserted
+    if not unfielded and (report.read or begun):
+        return False
+    skips.end_source(source, quiet=True)
+    _forget(lease, source)
+    if unfielded:
+        raise IngestError(
+            f"{source.label}: none of its {missing.records} record(s) has the field named by "
+            f"{source.flag}; nothing was stored; {missing.advice(source)}"
+        )
+    return True
+
+
+def _check_read_alike(source: Source, state: dict[str, Any], collection: str) -> None:
+    """Refuse to call ``source`` ingested when it was read in another encoding than the one asked now
+    (the hint after replaced bytes, followed into the same collection).
+
+    Raises:
+        IngestError: naming both encodings and the two ways on.
+    """
+    asked = source.decoding.encoding if source.decoding is not None else None
+    if asked and state.get("encoding", asked) != asked:
+        raise IngestError(
+            f"{source.label}: already ingested into {collection!r}, read as {state['encoding']}; reading it "
+            f"again as {asked} would store each of its documents twice: ingest it into a fresh collection "
+            f"(--collection NEW), or drop this one first (dsgpt2 drop --collection {collection})"
+        )
 
 
 def _starting_point(

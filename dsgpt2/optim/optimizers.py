@@ -66,9 +66,10 @@ class OptimizerOptions(MuonOptions, OptimizerChoice):
         for owner, cls in OPTIMIZERS.items():
             given = self.given(owner)
             if owner != self.optimizer and given:
+                named = " and ".join(given)
                 raise ConfigError(
-                    f"{' and '.join(given)} set the {cls.__name__} optimizer, and this run trains with "
-                    f"--optimizer {self.optimizer}: add --optimizer {owner}, or drop {' and '.join(given)}"
+                    f"{named} set the {cls.__name__} optimizer, and this run trains with --optimizer "
+                    f"{self.optimizer}: add --optimizer {owner}, or leave out {named}"
                 )
 
     def take_resumed(self, saved: dict[str, object]) -> list[str]:

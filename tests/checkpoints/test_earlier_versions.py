@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,22 @@ def test_a_checkpoint_written_before_checkpoint_stores_resumes_and_exports(tmp_p
               if r["event"] == "train"}  # fmt: skip
     for step, loss in expected["losses"].items():
         assert losses[step] == pytest.approx(loss, rel=1e-6), (step, losses)
+    # An audit of the run: a document the collection does not hold is one line naming its range, not a
+    # clean "never trained on".
+    audit = (
+        "lineage",
+        "--ckpt_dir",
+        str(ckpt),
+        "--config",
+        str(cfg),
+        "--vocab_dir",
+        str(BEFORE_STORES / "tok"),
+    )
+    typo = run_cli(*audit, "--doc", "stdlib:99999")
+    assert typo.returncode == 2 and "Traceback" not in typo.stderr, typo.stderr[-2000:]
+    last = typo.stderr.strip().splitlines()[-1]
+    assert re.search(r"--doc stdlib:99999: no such document; stdlib holds idx 0 to \d+$", last), last
+    assert run_cli(*audit, "--doc", "stdlib:1").returncode == 0
     # The earlier version's checkpoint itself, exported as ever (its tokenizer is no longer where it was
     # trained: given, as the refusal without it says).
     out = tmp_path / "hf"

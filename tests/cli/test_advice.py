@@ -212,7 +212,8 @@ def world(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> 
         "CFG": str(cfg), "NOPE": str(nope), "TYPO": str(typo), "UNINDEXED": str(unindexed),
         "MODEL": str(model), "PLAIN": str(plain), "TOK": str(base / "chat" / "tok"),
         "EMPTY": str(base / "empty"),
-        "FILE": str(base / "file.txt"), "MISSING": str(base / "missing"), "LATEST_BAD": str(latest),
+        "FILE": str(base / "file.txt"), "UNDER_FILE": str(base / "file.txt" / "out"),
+        "MISSING": str(base / "missing"), "LATEST_BAD": str(latest),
         "DAMAGED": str(damaged.parent), "OUT": str(base / "out"),
         "BASE": str(base), "DS": str(ROOT / "configs" / "ds_config_cpu.json"),
     }  # fmt: skip
@@ -352,7 +353,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("vocab train", ["--from_mongo", "--config", "NOPE", "--out", "OUT"]),
     ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "MODEL"]),
     ("vocab train", ["--from_mongo", "--out", "gridfs:tok"]),
-    ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "FILE/tok"]),
+    ("vocab train", ["--from_mongo", "--config", "CFG", "--out", "UNDER_FILE"]),
     ("vocab push", ["TOK", "--config", "CFG", "--out", "OUT"]),
     ("vocab push", ["TOK", "--config", "CFG", "--out", "gridfs:a b"]),
     ("vocab push", ["MISSING", "--config", "CFG", "--out", "gridfs:tok"]),
@@ -388,7 +389,7 @@ CASES: list[tuple[str, list[str]]] = [
     ("train", [*T, "--load_dir", "DAMAGED", "--ckpt_id", "best", "--ckpt_dir", "OUT"]),
     ("train", [*T, "--init_from", "EMPTY", "--ckpt_dir", "OUT"]),
     ("train", [*T, "--init_from", "gridfs:run", "--ckpt_dir", "OUT"]),
-    ("train", [*T, "--ckpt_dir", "FILE/ckpt"]),
+    ("train", [*T, "--ckpt_dir", "UNDER_FILE"]),
 ]
 # Commands the table must cover (every one the issue names, and the trainer).
 COVERED = {"export", "evaluate", "generate", "chat", "serve", "train", "ingest", "index", "dedup", "langid",

@@ -287,8 +287,8 @@ def test_a_flag_typed_after_the_file_switches_its_choice_and_drops_the_keys_serv
 def test_an_error_about_a_value_the_file_set_names_the_file(tmp_path: Path, files: dict[str, Path]) -> None:
     """A recipe's value the user never typed (its warmup, against a shorter --train_iters typed after it):
     the one line names the file it came from; the same value typed is the user's own, and named alone."""
-    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:9", MONGO_CONNECTION_DB="d",
-                       COLLECTIONS=["a"])  # fmt: skip
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:9",
+                       MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
     ds = ROOT / "configs" / "ds_config_cpu.json"
     run = yaml_run(tmp_path, files | {"mongo": cfg, "ds": ds}, "warmup_iters: 40\n")
     from_file = run_cli("train", "--config", str(run), "--train_iters", "30")

@@ -382,6 +382,10 @@ def test_an_empty_file_exits_2_and_a_collection_training_ignores_is_named(tmp_pa
     line = done.stderr.strip().splitlines()[-1]
     assert "empty.jsonl (jsonl: text): no record in it; nothing was read" in line
     assert "Traceback" not in done.stderr
+    # Refused, it leaves nothing behind: no collection made for it, no ingest record calling it complete.
+    conn = Connection(make_config(["news"], **db_for(store)))
+    assert "news" not in conn.db.list_collection_names() and read_meta(conn, ["news"]) == {}
+    assert "COLLECTIONS" not in done.stdout
     # Into a collection the config does not train on: stored, and a line says how to train on it.
     f = tmp_path / "k.jsonl"
     f.write_text("".join(json.dumps({"text": f"story {i}"}) + "\n" for i in range(5)))
@@ -390,6 +394,38 @@ def test_an_empty_file_exits_2_and_a_collection_training_ignores_is_named(tmp_pa
     assert f"note: 'k' is not in the COLLECTIONS of {cfg}; add it there to train on it" in done.stdout
     assert "COLLECTIONS" not in run_cli("ingest", "--config", str(cfg), "--no_progress", str(f)).stdout
     assert _texts(Connection(make_config(["k"], **db_for(store))), "k") == [f"story {i}" for i in range(5)]
+
+
+def test_a_file_read_again_in_another_encoding_is_refused_and_a_dropped_collection_takes_it(
+    tmp_path: Path,
+) -> None:
+    """The encoding hint followed into the same collection: reading the file again would store every
+    document twice, so it is refused in one line naming the way out; `dsgpt2 drop` is that way."""
+    cfg, store = store_config(tmp_path, ["news"])
+    f = tmp_path / "latin.txt"
+    f.write_bytes("caf\xe9 au lait\n\nna\xefve\n".encode("latin-1"))
+    first = run_cli("ingest", "--config", str(cfg), "--no_progress", "--split", "paragraph", str(f))
+    assert first.returncode == 0 and "--encoding" in first.stdout, first.stdout
+    again = run_cli("ingest", "--config", str(cfg), "--no_progress", "--split", "paragraph", "--encoding",
+                    "latin-1", str(f))  # fmt: skip
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr
+    (line,) = again.stderr.strip().splitlines()[-1:]
+    assert "already ingested into 'news', read as utf-8; reading it again as latin-1 would store" in line
+    assert "dsgpt2 drop --collection news" in line
+    conn = Connection(make_config(["news"], **db_for(store)))
+    assert _texts(conn, "news") == ["caf\ufffd au lait", "na\ufffdve"]  # nothing added
+    # drop names what it would drop and drops nothing without --yes; with it, the collection and its records.
+    asked = run_cli("drop", "--config", str(cfg), "--collection", "news")
+    assert asked.returncode == 2 and "news (2 documents) in" in asked.stderr and "--yes" in asked.stderr
+    assert _texts(conn, "news") == ["caf\ufffd au lait", "na\ufffdve"]
+    assert run_cli("drop", "--config", str(cfg), "--collection", "meta_info", "--yes").returncode == 2
+    dropped = run_cli("drop", "--config", str(cfg), "--collection", "news", "--yes")
+    assert dropped.returncode == 0 and "dropped news (2 documents)" in dropped.stdout, dropped.stderr
+    assert "news" not in conn.db.list_collection_names() and read_meta(conn, ["news"]) == {}
+    right = run_cli("ingest", "--config", str(cfg), "--no_progress", "--split", "paragraph", "--encoding",
+                    "latin-1", str(f))  # fmt: skip
+    assert right.returncode == 0, right.stderr
+    assert _texts(conn, "news") == ["café au lait", "naïve"]
 
 
 def test_each_skipped_record_is_located_in_the_report_and_the_first_in_the_log(tmp_path: Path) -> None:

@@ -66,15 +66,30 @@ def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(
     assert listed.returncode == 0 and f"local://{directory}: running (pid {pid}," in listed.stdout
     assert [d["pid"] for d in json.loads(run_cli("db", "status", "--json").stdout)
             if d["database"] == f"local://{directory}"] == [pid]  # fmt: skip
-    stopped = run_cli("db", "stop", "--config", str(cfg))
+    # A process connected to it (a training's loader, here a client that waits): stop names it.
+    client = subprocess.Popen(
+        [sys.executable, "-c", "import pymongo, sys, time; c = pymongo.MongoClient(port=int(sys.argv[1])); "
+         "c.admin.command('ping'); print('up', flush=True); time.sleep(120)", str(state.port)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout is not None and client.stdout.readline().strip() == "up"
+        stopped = run_cli("db", "stop", "--config", str(cfg))
+    finally:
+        client.kill()
+        client.wait()
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    assert f"warning: pid {client.pid} (" in stopped.stderr and "is connected to" in stopped.stderr
     assert embedded.running(directory) is None
     again = run_cli("db", "stop", str(directory))  # a second stop: nothing to do, no traceback
     assert again.returncode == 0 and "not running" in again.stdout
     assert f"local://{directory}" not in run_cli("db", "status").stdout
-    # The next command starts it again, on the same data.
+    # The next command starts it again, on the same data and the same port (where the clients of the
+    # stopped one retry).
     info = run_cli("info", "--config", str(cfg), "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["documents"] == 300
+    restarted = embedded.running(directory)
+    assert restarted is not None and restarted.pid != pid and restarted.port == state.port
 
 
 def test_a_killed_server_is_started_again_with_everything_committed(local: Any) -> None:

@@ -77,6 +77,21 @@ def test_training_refuses_a_broken_corpus() -> None:
     assert [r.name for r in require_valid(conn)] == ["a"]
 
 
+def test_an_empty_collection_is_not_offered_a_way_past_it() -> None:
+    """Training past a problem skips bad documents; a collection with none has nothing to skip to."""
+    anyway = ", or train on it anyway with --allow_corpus_problems"
+    conn = _conn("a", "b")
+    seed(conn, "a", ["x", "y"])
+    conn.db.create_collection("b")
+    with pytest.raises(CorpusError) as refused:
+        require_valid(conn, full=False, override=anyway)
+    assert "b: empty" in str(refused.value) and "--allow_corpus_problems" not in str(refused.value)
+    conn.db["a"].delete_one({"idx": 1})
+    conn.db["a"].insert_one({"idx": 3, "filt_text": "z"})
+    with pytest.raises(CorpusError, match="--allow_corpus_problems"):
+        require_valid(conn, override=anyway)
+
+
 def _break(conn: Connection, how: str) -> None:
     a, meta = conn.db["a"], conn.db["meta_info"]
     if how == "no index":

@@ -72,6 +72,19 @@ def test_a_run_saves_to_the_database_and_resumes_from_it_on_a_machine_without_it
     assert json.loads((tmp_path / "eval.json").read_text())["model"] == f"gridfs:{run}/global_step8"
     lacking = run_cli("export", *read, "--out", str(tmp_path / "hf2"), env=env)
     assert lacking.returncode == 2 and "add --config" in lacking.stderr.strip().splitlines()[-1]
+    # A typo in the name lists the runs stored there.
+    typo = run_cli("export", "--ckpt_dir", f"gridfs:{run}x", "--config", str(corpus["config"]), "--out",
+                   str(tmp_path / "hf2"), env=env)  # fmt: skip
+    last = typo.stderr.strip().splitlines()[-1]
+    assert (
+        typo.returncode == 2 and "the runs stored there: " in last and f"did you mean gridfs:{run}?" in last
+    )
+    # The replay of its reading names the run where it is stored, not this machine's copy.
+    doc = f"{load_config(corpus['config']).collections[0]}:1"
+    traced = run_cli("lineage", *read, "--config", str(corpus["config"]), "--doc", doc, env=env)
+    assert traced.returncode == 0 and f"to gridfs:{run}/global_step8: " in traced.stdout, traced.stderr[
+        -2000:
+    ]
     # The stored tokenizer replaced: the model is pinned to the one it trained with.
     other = tmp_path / "other"
     shutil.copytree(corpus["tok"], other)

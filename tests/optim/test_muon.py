@@ -165,9 +165,9 @@ def test_the_schedule_scales_each_groups_rate() -> None:
         ({"optimizer": "sgd"}, "--optimizer"),
         ({"optimizer": "adamw", "muon_lr": 0.01},
          "--muon_lr set the Muon optimizer, and this run trains with --optimizer adamw"),
-        ({"optimizer": "adamw", "muon_momentum": 0.9}, "add --optimizer muon, or drop --muon_momentum"),
-        ({"optimizer": "adamw", "muon_weight_decay": 0.1}, "drop --muon_weight_decay"),
-        ({"optimizer": "adamw", "muon_scale": "rms"}, "drop --muon_scale"),
+        ({"optimizer": "adamw", "muon_momentum": 0.9}, "add --optimizer muon, or leave out --muon_momentum"),
+        ({"optimizer": "adamw", "muon_weight_decay": 0.1}, "leave out --muon_weight_decay"),
+        ({"optimizer": "adamw", "muon_scale": "rms"}, "leave out --muon_scale"),
         ({"optimizer": "muon", "muon_lr": -0.1}, "--muon_lr"),
         ({"optimizer": "muon", "muon_lr": 0.0}, "--muon_lr"),
         ({"optimizer": "muon", "muon_momentum": -0.5}, "--muon_momentum"),
@@ -534,3 +534,19 @@ def test_a_resume_keeps_the_optimizer_settings_the_run_was_given() -> None:
     assert (group["betas"], group["weight_decay"], group["lr"]) == ((0.9, 0.95), 0.1, 0.1)
     assert int(now.state[weights[0]]["step"]) == 1
     assert keep_settings(now, built) == []
+
+
+def test_an_adamw_run_logs_its_optimizer_and_whether_it_clips(caplog: pytest.LogCaptureFixture) -> None:
+    from dsgpt2.optim.ds_config import EngineConfig
+    from dsgpt2.optim.optimizer import AdamW
+
+    params = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    with caplog.at_level("INFO", logger="dsgpt2"):
+        AdamW(OptimizerOptions()).build(tiny_model(), EngineConfig({"gradient_clipping": 1.0}, params, None))
+        AdamW(OptimizerOptions()).build(tiny_model(), EngineConfig({}, params, None))
+    clipped, unclipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer:")]
+    assert clipped == (
+        "optimizer: AdamW (lr 0.003, betas 0.9, 0.95, eps 1e-08, weight decay 0.1 on the matrices and "
+        "embeddings), gradient clipping at 1; ZeRO stage 0"
+    )
+    assert "no gradient clipping (the DeepSpeed config sets none" in unclipped

@@ -67,8 +67,21 @@ def test_a_name_taken_is_refused_unless_overwritten_and_a_replacement_leaves_no_
         (corpus["tok"] / "tokenizer.json").read_text().replace("<|pad|>", "<|p|>")
     )
     stored.push(corpus["tok"])
+    # The same tokenizer again is recognised as there: nothing refused, nothing replaced.
+    assert stored.push(corpus["tok"]) == tokenizer_digest(corpus["tok"])
+    again = run_cli(
+        "vocab", "push", str(corpus["tok"]), "--out", "gridfs:t", "--config", str(corpus["config"])
+    )
+    assert again.returncode == 0 and "(already there) is in the database as gridfs:t" in again.stdout, (
+        again.stderr
+    )
     with pytest.raises(ConfigError, match=r"holds a tokenizer .* pass --overwrite"):
         stored.push(other)
+    # A typo in the name lists what is stored, the closest named.
+    with pytest.raises(
+        ConfigError, match=r"no tokenizer stored there; .* the tokenizers stored there: .*gridfs:t\b"
+    ):
+        fetch_tokenizer("gridfs:tt", conn, tmp_path)
     assert stored.push(other, overwrite=True) == tokenizer_digest(other)
     assert BlobStore(conn, BUCKET).names("t/") == ["t/tokenizer.complete.json", "t/tokenizer.json"]
     assert json.loads(BlobStore(conn, BUCKET).get_text(f"t/{MARKER}", tmp_path / "m") or "")["tokenizer"] == (

@@ -1,0 +1,85 @@
+"""Every location a command writes is checked before its work starts: a directory that cannot be made or
+written there (under a file, on a file system that takes none) is one line, exit 2, and nothing is left
+behind; a stored location that holds nothing lists what is stored."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_cli, store_config, write_config
+from dsgpt2.errors import ConfigError
+from dsgpt2.files import check_writable_dir, unwritable_dir
+
+BEFORE_STORES = ROOT / "tests" / "fixtures" / "before-stores"
+
+
+def test_a_directory_that_cannot_be_written_is_found_without_leaving_anything(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert unwritable_dir(tmp_path / "new" / "deeper") is None
+    assert unwritable_dir(tmp_path) is None
+    assert sorted(os.listdir(tmp_path)) == ["file"]  # the probe is gone, nothing was made
+    assert unwritable_dir(tmp_path / "file" / "out") == f"{tmp_path / 'file'} is a file, not a directory"
+    assert unwritable_dir(tmp_path / "file") == f"{tmp_path / 'file'} is a file, not a directory"
+    if Path("/proc").is_dir():
+        assert "nothing can be written in /proc" in (unwritable_dir("/proc/dsgpt2-out") or "")
+    with pytest.raises(
+        ConfigError, match=r"^--out .*/file/out: .* is a file, not a directory; give a directory"
+    ):
+        check_writable_dir(tmp_path / "file" / "out", "--out")
+
+
+@pytest.fixture
+def blocked(tmp_path: Path) -> Path:
+    """A file where a command's output directory would go."""
+    (tmp_path / "file").write_text("x")
+    return tmp_path / "file"
+
+
+def _one_line(result, flag: str) -> str:
+    assert result.returncode == 2, (result.stdout[-1000:], result.stderr[-2000:])
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"{flag} " in line and "is a file, not a directory; give a directory that can be written" in line
+    return line
+
+
+def test_export_and_vocab_refuse_an_output_under_a_file(blocked: Path, tmp_path: Path) -> None:
+    exported = run_cli("export", "--ckpt_dir", str(BEFORE_STORES / "ckpt"), "--vocab_dir",
+                       str(BEFORE_STORES / "tok"), "--out", str(blocked / "model"))  # fmt: skip
+    _one_line(exported, "--out")
+    cfg, _ = store_config(tmp_path, ["a"])
+    shards = run_cli("vocab", "download", "--config", str(cfg), "--out", str(blocked / "shards"))
+    _one_line(shards, "--out")
+    vocab = run_cli("vocab", "train", "--input", str(BEFORE_STORES), "--out", str(blocked / "tok"))
+    _one_line(vocab, "--out")
+    demo = run_cli("demo", "--out", str(blocked / "demo"))
+    _one_line(demo, "--out")
+
+
+def test_a_training_whose_checkpoints_or_workspace_cannot_be_written_stops_before_its_first_step(
+    blocked: Path, tmp_path: Path
+) -> None:
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:9",
+                       MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
+    flags = ["--config_train", str(cfg), "--vocab_dir", str(BEFORE_STORES / "tok"), "--deepspeed_config",
+             str(ROOT / "configs" / "ds_config_cpu.json"), "--model_select", "tiny"]  # fmt: skip
+    ckpt = run_cli("train", *flags, "--ckpt_dir", str(blocked / "ckpt"), "--workspace", str(tmp_path / "ws"))
+    _one_line(ckpt, "--ckpt_dir")
+    ws = run_cli("train", *flags, "--ckpt_dir", str(tmp_path / "ckpt"), "--workspace", str(blocked / "ws"))
+    _one_line(ws, "--workspace")
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ws").exists()
+    # A stored run is no model to start from: the refusal says how to bring one here.
+    stored = run_cli("train", *flags, "--init_from", "gridfs:run1", "--ckpt_dir", str(tmp_path / "ckpt"))
+    assert stored.returncode == 2 and "dsgpt2 export --ckpt_dir gridfs:run1" in stored.stderr, stored.stderr
+
+
+def test_a_stored_model_without_a_connection_names_the_commands_own_flag() -> None:
+    for command in (["generate", "--model", "gridfs:run1", "hello"], ["chat", "--model", "gridfs:run1"]):
+        done = run_cli(*command)
+        assert done.returncode == 2 and "Traceback" not in done.stderr
+        assert "add --db_config c.json" in done.stderr and "--config" not in done.stderr.replace(
+            "--db_config", ""
+        )
