@@ -67,7 +67,7 @@ $(STAMP): pyproject.toml $(LOCK)
 	fi
 	$(PY) -c "$$CONSTRAINTS_BESIDE_TORCH" $(LOCK) > $(VENV)/constraints.txt
 	$(PIP) install -q -c $(VENV)/constraints.txt --build-constraint $(VENV)/build-constraints.txt setuptools -e ".[dev]"
-	@echo "building DeepSpeed's CPU communication op (once per environment, 1-4 minutes; cached in ~/.cache/torch_extensions)"
+	@echo "building DeepSpeed's CPU communication op (once per environment, under a minute on two cores; cached in ~/.cache/torch_extensions)"
 	$(PY) -c "$$BUILD_DEEPSPEED_OPS" > $(VENV)/deepspeed-ops.log 2>&1 || echo "not built now ($(VENV)/deepspeed-ops.log); the first DeepSpeed run builds it"
 	touch $(STAMP)
 
