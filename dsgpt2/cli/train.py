@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsgpt2.cli.common import Command, Flags, config_option, no_progress_option, verbose_option
+from dsgpt2.files import check_writable_dir
 from dsgpt2.settings.options import (
     MISSING,
     POSITIVE_INT,
@@ -92,6 +93,8 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
     data = from_namespace(DataOptions, args)
     data.check_files()
+    if data.cache_dir is not None and not (data.cache_dir / "cache.json").is_file():
+        check_writable_dir(data.cache_dir, "--cache_dir")  # before any query
     model, settings = from_namespace(ModelOptions, args), from_namespace(TokenizeSettings, args)
     context = run_context(model)
     spec = data_spec(data, model, context)

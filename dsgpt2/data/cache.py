@@ -41,7 +41,7 @@ from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, atomic_writer, is_occupied
+from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir, is_occupied
 from dsgpt2.progress import progress as progress_display
 
 FORMAT = 2  # the files' layout: 2 = tokens per document (1 held packed blocks per chunk and split)
@@ -60,6 +60,7 @@ def check_cache_dir(cache_dir: Path, fp: dict[str, Any], overwrite: bool) -> Non
         ConfigError: as above.
     """
     if not is_occupied(cache_dir):
+        check_writable_dir(cache_dir, "--cache_dir")
         return
     if not cache_dir.is_dir() or any(
         p.name not in _FILES and not p.name.startswith(".") for p in cache_dir.iterdir()

@@ -382,6 +382,8 @@ class TrainConfig(Freezable):
         self.model.check_files()
         self.run.check_files()
         self.ckpt.check_files()
+        if self.data.data_mode == "cached" and not (self.cache_dir / "cache.json").is_file():
+            check_writable_dir(self.cache_dir, "--cache_dir")  # the run builds it: refused now, not later
         # DeepSpeed's parser adds --deepspeed_config, as an optional flag: it is required here.
         if not self.engine.deepspeed_config:
             raise ConfigError("--deepspeed_config is required (the shipped ones are configs/ds_config*.json)")

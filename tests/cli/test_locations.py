@@ -57,6 +57,9 @@ def test_export_and_vocab_refuse_an_output_under_a_file(blocked: Path, tmp_path:
     _one_line(vocab, "--out")
     demo = run_cli("demo", "--out", str(blocked / "demo"))
     _one_line(demo, "--out")
+    cache = run_cli("tokenize", "--config_train", str(cfg), "--vocab_dir", str(BEFORE_STORES / "tok"),
+                    "--cache_dir", str(blocked / "cache"))  # fmt: skip
+    _one_line(cache, "--cache_dir")
 
 
 def test_a_training_whose_checkpoints_or_workspace_cannot_be_written_stops_before_its_first_step(
@@ -70,6 +73,9 @@ def test_a_training_whose_checkpoints_or_workspace_cannot_be_written_stops_befor
     _one_line(ckpt, "--ckpt_dir")
     ws = run_cli("train", *flags, "--ckpt_dir", str(tmp_path / "ckpt"), "--workspace", str(blocked / "ws"))
     _one_line(ws, "--workspace")
+    places = ("--ckpt_dir", str(tmp_path / "ckpt"), "--workspace", str(tmp_path / "ws"))
+    cached = run_cli("train", *flags, *places, "--data_mode", "cached", "--cache_dir", str(blocked / "cache"))
+    _one_line(cached, "--cache_dir")
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ws").exists()
     # A stored run is no model to start from: the refusal says how to bring one here.
     stored = run_cli("train", *flags, "--init_from", "gridfs:run1", "--ckpt_dir", str(tmp_path / "ckpt"))
