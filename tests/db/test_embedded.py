@@ -67,17 +67,16 @@ def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(
     assert [d["pid"] for d in json.loads(run_cli("db", "status", "--json").stdout)
             if d["database"] == f"local://{directory}"] == [pid]  # fmt: skip
     # A process connected to it (a training's loader, here a client that waits): stop names it.
-    client = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", "import pymongo, sys, time; c = pymongo.MongoClient(port=int(sys.argv[1])); "
          "c.admin.command('ping'); print('up', flush=True); time.sleep(120)", str(state.port)],
         stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert client.stdout is not None and client.stdout.readline().strip() == "up"
-        stopped = run_cli("db", "stop", "--config", str(cfg))
-    finally:
-        client.kill()
-        client.wait()
+    ) as client:  # fmt: skip
+        try:
+            assert client.stdout is not None and client.stdout.readline().strip() == "up"
+            stopped = run_cli("db", "stop", "--config", str(cfg))
+        finally:
+            client.kill()
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
     assert f"warning: pid {client.pid} (" in stopped.stderr and "is connected to" in stopped.stderr
     assert embedded.running(directory) is None
