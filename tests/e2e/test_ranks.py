@@ -262,6 +262,7 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
 
     import yaml
 
+    from dsgpt2.optim.ds_config import read_ds_config
     from dsgpt2.train.config import parse
 
     flags = trainer_args(corpus, tmp_path, "--train_iters", "50", "--save_interval", "2")
@@ -296,7 +297,9 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
     # The resolved file runs the same configuration again.
     again = parse(["--config", str(resolved)])
     from_file = parse(["--config", str(run_file), "--train_iters", "4"])
-    from_file.settle(None)  # what the run decided of what the file left open (Muon, WSD), as it did
+    # What the run decided of what the file left open (Muon, WSD, their settings), as it did: from the
+    # DeepSpeed config it read.
+    from_file.settle(None, None, read_ds_config(corpus["ds"]))
     assert again.to_dict() == from_file.to_dict()
 
 
