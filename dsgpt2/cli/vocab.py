@@ -74,11 +74,9 @@ class VocabPushSettings:
     verbose: bool = verbose_option()
 
 
-def _stored_out(
-    command: str, out: Path | str, config: str | None, overwrite: bool, pushed: Path | None = None
-) -> Any:
-    """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken (by another tokenizer than
-    the directory ``pushed``) and not ``overwrite``; None for a directory."""
+def _stored_out(command: str, out: Path | str, config: str | None, overwrite: bool) -> Any:
+    """The stored tokenizer ``out`` names (``gridfs:NAME``), refused if taken and not ``overwrite``;
+    None for a directory."""
     from dsgpt2.db.client import connect
     from dsgpt2.tokenizer.stored import stored_tokenizer, tokenizer_store
 
@@ -88,12 +86,7 @@ def _stored_out(
         raise usage(command, f"--out {out} keeps the tokenizer in the database: add --config c.json")
     stored = tokenizer_store(out, connect(load_connection(config)))
     assert stored is not None
-    if (
-        pushed is None
-        or not (pushed / "tokenizer.json").is_file()
-        or not stored.holds(tokenizer_digest(pushed))
-    ):
-        stored.check_free(overwrite)
+    stored.check_free(overwrite)
     return stored
 
 
@@ -158,16 +151,14 @@ def _stored_line(what: str, location: str, digest: str) -> str:
 
 def cmd_vocab_push(args: argparse.Namespace) -> int:
     s = from_namespace(VocabPushSettings, args)
-    stored = _stored_out("vocab push", s.out, s.config, s.overwrite, pushed=s.directory)
+    # Refused by push itself where another tokenizer holds the name: the same one is already there.
+    stored = _stored_out("vocab push", s.out, s.config, overwrite=True)
     if stored is None:
         raise usage("vocab push", f"--out {s.out}: give where in the database, gridfs:NAME")
-    there = (
-        stored.holds(tokenizer_digest(s.directory)) if (s.directory / "tokenizer.json").is_file() else False
-    )
+    there = (s.directory / "tokenizer.json").is_file() and stored.holds(tokenizer_digest(s.directory))
     digest = stored.push(s.directory, overwrite=s.overwrite)
-    print(
-        _stored_line(f"{s.directory} (already there)" if there else str(s.directory), stored.location, digest)
-    )
+    pushed = f"{s.directory} (already there)" if there else str(s.directory)
+    print(_stored_line(pushed, stored.location, digest))
     return 0
 
 
