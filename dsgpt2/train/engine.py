@@ -143,6 +143,7 @@ def build_engine(
     # ZeRO 3 gathers the head's weight around its own forward, which the loss never calls: there
     # the loss stays eager, outside the graph.
     compiled = compiles(c.compile, device)
+    compile_stance(compiled)
     model = with_chunked_loss(model, c.loss_chunk, compiled=compiled and zero_stage(ds.config) != 3)
     if c.activation_checkpointing:
         checkpoint_activations(model)
@@ -195,6 +196,13 @@ def compiles(option: bool | None, device: str) -> bool:
     the device (compiled is the fast path there, 1.3x eager at 112m; on a CPU compiling a short run costs
     more than it saves)."""
     return option if option is not None else device == "cuda"
+
+
+def compile_stance(compiled: bool) -> None:
+    """What DeepSpeed compiles for itself (Muon's Newton–Schulz iteration, ``torch.compile``-decorated at
+    import) follows the run: without --compile it runs eagerly. On a CPU the eager iteration is within 5 %
+    of the compiled one at 112m's shapes, where compiling costs 7–9 s a shape before the first step."""
+    torch.compiler.set_stance("default" if compiled else "force_eager")
 
 
 def trainer_clips(engine: Any) -> float:

@@ -534,9 +534,9 @@ def announce_compiles(cfg: TrainConfig, device: str, step: int) -> None:
 
 def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
     """What torch compiles on a run's first step (None: nothing): the model with --compile, and what the
-    optimizer's step compiles (under Muon the Newton–Schulz iteration DeepSpeed compiles for its
-    matrices)."""
-    own = OPTIMIZERS[optimizer].compiles if optimizer else None
+    optimizer's step compiles with it (under Muon the Newton–Schulz iteration DeepSpeed compiles for its
+    matrices; without --compile that runs eagerly)."""
+    own = OPTIMIZERS[optimizer].compiles if optimizer and compiled else None
     what = ["the model (--compile)"] * compiled + [own] * bool(own)
     return " and ".join(what) or None
 

@@ -28,8 +28,16 @@ def test_a_compiled_run_falls_as_the_eager_one_step_by_step(
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     common = ("--deepspeed_config", str(tmp_path / "ds.json"), "--optimizer", optimizer,
               "--train_iters", "6", "--save_interval", "100")  # fmt: skip
-    train(corpus, tmp_path / "eager", *common, "--no_compile")
-    train(corpus, tmp_path / "compiled", *common, "--compile")
+    eager_run = train(corpus, tmp_path / "eager", *common, "--no_compile")
+    compiled_run = train(corpus, tmp_path / "compiled", *common, "--compile")
+    # The first step's compile (tens of seconds on a CPU) is said before it starts, not left silent;
+    # without --compile nothing compiles, Muon's Newton–Schulz iteration included.
+    compiling = "the first step compiles the model (--compile)" + " and Muon's Newton–Schulz iteration" * (
+        optimizer == "muon"
+    )
+    said = compiled_run.stderr
+    assert said.index(compiling + ": it takes longer") < said.index("step 1/"), said[-3000:]
+    assert "the first step compiles" not in eager_run.stderr
     eager, compiled = steps(tmp_path / "eager"), steps(tmp_path / "compiled")
     assert sorted(compiled) == sorted(eager) == list(range(1, 7))
     for k in eager:

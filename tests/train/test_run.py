@@ -54,8 +54,8 @@ def test_loss_falls_and_validation_is_reported(corpus: dict[str, Path], tmp_path
     # The communication op loaded from the cache (the suite built it first) is no news: no "built" line.
     assert "built successfully" not in result.stdout + result.stderr
     assert "communication op compiled" not in result.stderr
-    # Muon, the default: its compile on the first step is said before it (eager on a CPU: not the model's).
-    assert "the first step compiles Muon's Newton–Schulz iteration: it takes" in result.stderr
+    # Muon, the default, without --compile (a CPU's default): its Newton–Schulz iteration runs eagerly.
+    assert "the first step compiles" not in result.stderr
     # Validation and training blocks never overlap: the split is decided per document.
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"
 
