@@ -1,6 +1,8 @@
 """Several ranks and nodes: two CPU ranks (gloo) under the `deepspeed` launcher and `dsgpt2 launch`,
 simulated nodes with disks of their own, a node lost mid-run, a resume on another number of ranks,
-an experiment file under the launcher, HellaSwag scored across ZeRO-3 ranks."""
+an experiment file under the launcher, HellaSwag scored across ZeRO-3 ranks. Each launch costs a few
+processes' start-up (torch, DeepSpeed and transformers imported in each): one run serves every check
+it can."""
 
 from __future__ import annotations
 
@@ -42,30 +44,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
 
 
-def test_two_ranks_under_the_deepspeed_launcher_share_one_cache(
-    corpus: dict[str, Path], tmp_path: Path
-) -> None:
-    """Two CPU ranks (gloo) started by the `deepspeed` launcher in cached mode: one token cache built
-    by rank 0 for both, one verdict on the corpus, disjoint chunks (streaming: the elastic test)."""
-    result = launch(corpus, tmp_path, 2, "--train_iters", "6", "--save_interval", "100",
-                     "--num_workers", "1", "--data_mode", "cached")  # fmt: skip
-    assert "2 rank(s)" in result.stdout + result.stderr
-    chunks = []
-    for rank in range(2):
-        records = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
-        assert [r["step"] for r in records] == list(range(1, 7))
-        chunks.append({c for r in records for _, c, _ in r["block_ids"]})
-    assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
-    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step6"
-    assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
-
-
 def test_a_nan_on_one_rank_of_two_is_skipped_by_both_and_trains_the_same_model_at_zero_0_and_1(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
     """Micro-batch 3 of 4 is NaN on rank 1 only. Both ranks skip it, in order, and draw another; at ZeRO 0
     the step drops its gradients and recomputes micro-batches 1 and 2 (no hook), at ZeRO 1 the guard's
-    hooks zero it: the same losses, nothing non-finite in the weights."""
+    hooks zero it: the same losses, nothing non-finite in the weights; each checkpoint resumes on one
+    rank."""
     runs = {}
     for stage in (0, 1):
         ds = json.loads(corpus["ds"].read_text())
@@ -87,6 +72,15 @@ def test_a_nan_on_one_rank_of_two_is_skipped_by_both_and_trains_the_same_model_a
         assert a["block_ids"] == b["block_ids"], step
         for x, y in zip(a["losses"], b["losses"], strict=True):
             assert math.isfinite(x) and abs(x - y) <= 1e-5, (step, x, y)
+    # Each checkpoint resumes on one rank: at ZeRO 0 every rank held the whole Muon state; ZeRO 1 cut
+    # it per rank, and the resume converts it to DeepSpeed's universal form first.
+    for stage in (0, 1):
+        where = tmp_path / f"zero{stage}"
+        resumed = train(dict(corpus, ds=where / "ds.json"), where, "--train_iters", "4", "--save_interval",
+                        "100", "--num_workers", "1")  # fmt: skip
+        assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
+        assert ("global_step3.universal" in resumed.stderr) == (stage == 1), resumed.stderr[-3000:]
+        assert sorted(steps(where)) == [1, 2, 3, 4] and math.isfinite(steps(where)[4]["loss"])
 
 
 def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_one_process_then_resumes(
@@ -124,34 +118,35 @@ def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_on
     assert f"stopped: SIGTERM at step {max(steps(tmp_path))}" in out
 
 
-@pytest.mark.parametrize("mode", ["streaming", "cached"])
 def test_two_nodes_each_with_its_own_disk_read_the_epoch_once(
-    corpus: dict[str, Path], tmp_path: Path, mode: str
+    corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    """Two nodes (1 + 2 ranks), each with its own cache directory (node-local disks): one cache per
-    node, built by the node's first rank; across the 3 ranks, epoch 0's blocks are exactly those of
-    a one-rank run's epoch 0, none twice."""
+    """Two nodes (1 + 2 ranks), streaming and cached, each with its own cache directory (node-local
+    disks): one cache per node, built by the node's first rank; across the 3 ranks, epoch 0's blocks
+    are exactly those of a one-rank run's epoch 0, none twice."""
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
     small = dict(corpus, config=cfg)
-    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1", "--data_mode", mode)
-    train(small, tmp_path / "one", "--train_iters", "40", *common[:-2])
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
+    train(small, tmp_path / "one", "--train_iters", "40", *common)
     whole = [tuple(b) for r in read_metrics(tmp_path / "one" / "ws" / "block_ids_rank0.jsonl")
              for b in r["block_ids"] if b[0] == 0]  # fmt: skip
-    caches = [tmp_path / "node0-disk", tmp_path / "node1-disk"]
-    out = [o for o, _ in launch_nodes(small, tmp_path / "two", [["--cache_dir", str(c)] for c in caches],
-                                       "--train_iters", "24", *common)]  # fmt: skip
-    read = []
-    for rank in range(3):
-        records = read_metrics(tmp_path / "two" / "ws" / f"block_ids_rank{rank}.jsonl")
-        assert records[-1]["block_ids"][-1][0] >= 1, f"rank {rank} did not finish epoch 0"
-        read += [tuple(b) for r in records for b in r["block_ids"] if b[0] == 0]
-    assert len(read) == len(set(read)), "a block was read twice"
-    assert set(read) == set(whole)
-    if mode == "cached":
-        assert all((c / "cache.json").is_file() for c in caches)
-        assert "2 cache directories, built by ranks 0, 1" in out[0]
-        assert not list(caches[1].glob(".rank-*"))
+    for mode in ("streaming", "cached"):
+        caches = [tmp_path / mode / "node0-disk", tmp_path / mode / "node1-disk"]
+        run = tmp_path / mode / "two"
+        out = [o for o, _ in launch_nodes(small, run, [["--cache_dir", str(c)] for c in caches],
+                                           "--train_iters", "24", *common, "--data_mode", mode)]  # fmt: skip
+        read = []
+        for rank in range(3):
+            records = read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")
+            assert records[-1]["block_ids"][-1][0] >= 1, f"{mode}: rank {rank} did not finish epoch 0"
+            read += [tuple(b) for r in records for b in r["block_ids"] if b[0] == 0]
+        assert len(read) == len(set(read)), f"{mode}: a block was read twice"
+        assert set(read) == set(whole), mode
+        if mode == "cached":
+            assert all((c / "cache.json").is_file() for c in caches)
+            assert "2 cache directories, built by ranks 0, 1" in out[0]
+            assert not list(caches[1].glob(".rank-*"))
 
 
 # Three two-node launches, two of them waiting out a 60 s --dist_timeout: beside another suite on the
@@ -204,60 +199,12 @@ def test_a_lost_node_ends_the_other_within_dist_timeout_and_both_resume_exactly(
     assert "stops at start-up: only 1 of 3 ranks joined the run within --dist_timeout 10 s" in errors[0]
 
 
-def test_resume_on_another_number_of_ranks_reads_every_block_once(
-    corpus: dict[str, Path], tmp_path: Path
-) -> None:
-    """Two ZeRO 1 ranks stop mid-epoch; one rank resumes (from the checkpoint's universal form): the
-    epoch's blocks, set-wise, are exactly those of a one-rank straight run, none twice; then two ranks
-    again, from the one rank's checkpoint."""
-    cfg, _ = store_config(tmp_path, ["small"])
-    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
-    ds = json.loads(corpus["ds"].read_text())
-    ds["zero_optimization"] = {"stage": 1}
-    (tmp_path / "ds.json").write_text(json.dumps(ds))
-    small = dict(corpus, config=cfg, ds=tmp_path / "ds.json")
-    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1")
-
-    def epoch0(run: Path, rank: int = 0, after: int = 0) -> list[tuple[int, int, int]]:
-        records = read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")
-        return [tuple(b) for r in records if r["step"] > after for b in r["block_ids"] if b[0] == 0]
-
-    train(small, tmp_path / "straight", "--train_iters", "40", *common)
-    whole = epoch0(tmp_path / "straight")
-    assert len(whole) == len(set(whole))
-    last = read_metrics(tmp_path / "straight" / "ws" / "block_ids_rank0.jsonl")[-1]
-    assert last["block_ids"][-1][0] == 1  # the straight run got past epoch 0
-
-    launch(small, tmp_path / "elastic", 2, "--train_iters", "4", *common)
-    ranks = [epoch0(tmp_path / "elastic", 0), epoch0(tmp_path / "elastic", 1)]
-    assert ranks[0] and ranks[1] and {c for _, c, _ in ranks[0]}.isdisjoint({c for _, c, _ in ranks[1]})
-    before = ranks[0] + ranks[1]
-    partitioned = tmp_path / "zero1"
-    shutil.copytree(tmp_path / "elastic" / "ckpt", partitioned / "ckpt")
-    resumed = train(small, tmp_path / "elastic", "--train_iters", "40", *common)
-    assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
-    assert "converted" in resumed.stderr and "global_step4.universal" in resumed.stderr
-    both = before + epoch0(tmp_path / "elastic", 0, after=4)
-    assert len(both) == len(set(both)), "a block was trained twice"
-    assert set(both) == set(whole), "a block was skipped"
-    # Two ranks, then one, the leftovers of their epoch dealt anew: replayed as they were read.
-    check_lineage(tmp_path / "elastic" / "ckpt", tmp_path / "elastic" / "ws", cfg, {"small": 150}, ranks=2)
-    grown = launch(small, tmp_path / "elastic", 2, "--train_iters", "42", *common)  # one rank to two
-    assert "global_step40.universal" in grown.stdout + grown.stderr and 42 in steps(tmp_path / "elastic")
-
-    # A damaged shard of the partitioned optimizer state: one line, before any conversion.
-    (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    refused = train(small, partitioned, "--train_iters", "8", *common, check=False)
-    assert refused.returncode == 2 and "Traceback" not in refused.stderr
-    last = refused.stderr.strip().splitlines()[-1]
-    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is truncated or grown" in last, last
-
-
 def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_the_resolved_one(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    """`deepspeed --module dsgpt2 train --config run.toml` on two ranks: the file's flags, the command
-    line over them; the resolved configuration in the run directory and the checkpoint runs again."""
+    """`deepspeed --module dsgpt2 train --config run.toml` on two ranks in cached mode: the file's flags,
+    the command line over them; the resolved configuration in the run directory and the checkpoint runs
+    again; one token cache for both ranks."""
     import socket
 
     import yaml
@@ -265,19 +212,20 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
     from dsgpt2.optim.ds_config import read_ds_config
     from dsgpt2.train.config import parse
 
-    flags = trainer_args(corpus, tmp_path, "--train_iters", "50", "--save_interval", "2")
-    lines, i = [], 0
-    while i < len(flags):  # `--name value` / `--name` pairs, the TOML a user would write
+    flags = trainer_args(corpus, tmp_path, "--train_iters", "50", "--save_interval", "2",
+                         "--num_workers", "1", "--data_mode", "cached")  # fmt: skip
+    lines, i = {}, 0
+    while i < len(flags):  # `--name value` / `--name` pairs, the TOML a user would write (the last wins)
         name = flags[i][2:]
         if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
             value = flags[i + 1]
-            lines.append(f"{name} = {value if value.isdigit() else json.dumps(value)}")
+            lines[name] = f"{name} = {value if value.isdigit() else json.dumps(value)}"
             i += 2
         else:
-            lines.append(f"{name} = true")
+            lines[name] = f"{name} = true"
             i += 1
     run_file = tmp_path / "run.toml"
-    run_file.write_text("\n".join(lines) + "\n")
+    run_file.write_text("\n".join(lines.values()) + "\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -287,8 +235,17 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
         cwd=ROOT, capture_output=True, text=True, timeout=deadline(300),
     )  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "2 rank(s)" in result.stdout + result.stderr
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"  # 4 from the command line
-    assert [r["step"] for r in read_metrics(tmp_path / "ws" / "block_ids_rank1.jsonl")] == [1, 2, 3, 4]
+    # Cached mode: one token cache built by rank 0 for both, one verdict on the corpus, disjoint chunks
+    # (streaming: the elastic test).
+    chunks = []
+    for rank in range(2):
+        records = read_metrics(tmp_path / "ws" / f"block_ids_rank{rank}.jsonl")
+        assert [r["step"] for r in records] == [1, 2, 3, 4]
+        chunks.append({c for r in records for _, c, _ in r["block_ids"]})
+    assert chunks[0] and chunks[1] and chunks[0].isdisjoint(chunks[1])
+    assert (tmp_path / "ws" / "cache" / "cache.json").is_file()
     resolved = tmp_path / "ws" / "config.yaml"
     values = yaml.safe_load(resolved.read_text())
     assert values["train_iters"] == 4 and values["save_interval"] == 2 and values["context_length"] == 64
@@ -337,43 +294,70 @@ def test_hellaswag_at_each_evaluation_on_two_zero3_ranks_equals_evaluating_the_c
     assert metrics["hellaswag_acc_norm"] == evals[-1]["hellaswag_acc_norm"]
 
 
-def test_a_zero_2_muon_checkpoint_resumes_on_another_number_of_ranks_from_its_universal_form(
+def test_a_zero_2_run_resumes_on_another_number_of_ranks_from_its_universal_form_reading_every_block_once(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    """ZeRO 1 and 2 cut the optimizer state per rank: a resume on another number of ranks converts the
-    checkpoint to DeepSpeed's universal form once (beside it) and loads that, 2 → 1 and 1 → 2 (ZeRO 1
-    and AdamW: the test above). The form carries the weights and every optimizer state (Muon's momentum,
-    laid out as Muon reads it, and the AdamW moments of the other weights): resumed from it on the same
-    two ranks, a run takes the same steps as one resumed from the checkpoint itself."""
+    """ZeRO 1 and 2 cut the optimizer state per rank (ZeRO 1: the NaN test's checkpoint). Two ZeRO 2 Muon
+    ranks stop mid-epoch; one rank resumes, from the checkpoint's universal form, converted once beside
+    it: the epoch's blocks, set-wise, are exactly those of a one-rank straight run, none twice; then two
+    ranks again, from the one rank's checkpoint. The form carries the weights and every optimizer state
+    (Muon's momentum, laid out as Muon reads it, and the AdamW moments of the other weights): resumed from
+    it on the same two ranks, a run takes the same steps as one resumed from the checkpoint itself. A
+    damaged shard: one line, before any conversion."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
     ds = json.loads(corpus["ds"].read_text())
     ds["zero_optimization"] = {"stage": 2}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
-    staged = dict(corpus, ds=tmp_path / "ds.json")
-    common = ("--save_interval", "100", "--num_workers", "1", "--optimizer", "muon")
-    two = tmp_path / "two"
-    launch(staged, two, 2, "--train_iters", "3", *common)
-    for name in ("one", "native", "universal"):
-        shutil.copytree(two / "ckpt", tmp_path / name / "ckpt")
+    small = dict(corpus, config=cfg, ds=tmp_path / "ds.json")
+    common = ("--chunk_docs", "10", "--save_interval", "1000", "--num_workers", "1", "--optimizer", "muon")
 
-    one = train(staged, tmp_path / "one", "--train_iters", "5", *common)
-    converted = [line for line in one.stderr.splitlines() if "universal form" in line]
-    assert len(converted) == 1 and "global_step3.universal" in converted[0], one.stderr[-3000:]
-    assert sorted(steps(tmp_path / "one")) == [4, 5]
-    assert (tmp_path / "one" / "ckpt" / "latest").read_text() == "global_step5"
+    def epoch0(run: Path, rank: int = 0, after: int = 0) -> list[tuple[int, int, int]]:
+        records = read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")
+        return [tuple(b) for r in records if r["step"] > after for b in r["block_ids"] if b[0] == 0]
+
+    train(small, tmp_path / "straight", "--train_iters", "40", *common)
+    whole = epoch0(tmp_path / "straight")
+    assert len(whole) == len(set(whole))
+    last = read_metrics(tmp_path / "straight" / "ws" / "block_ids_rank0.jsonl")[-1]
+    assert last["block_ids"][-1][0] == 1  # the straight run got past epoch 0
+
+    elastic = tmp_path / "elastic"
+    launch(small, elastic, 2, "--train_iters", "4", *common)
+    ranks = [epoch0(elastic, 0), epoch0(elastic, 1)]
+    assert ranks[0] and ranks[1] and {c for _, c, _ in ranks[0]}.isdisjoint({c for _, c, _ in ranks[1]})
+    before = ranks[0] + ranks[1]
+    for name in ("native", "partitioned"):
+        shutil.copytree(elastic / "ckpt", tmp_path / name / "ckpt")
+    resumed = train(small, elastic, "--train_iters", "40", *common)
+    assert "was saved by 2 rank(s); this run has 1" in resumed.stderr
+    converted = [line for line in resumed.stderr.splitlines() if "universal form" in line]
+    assert len(converted) == 1 and "global_step4.universal" in converted[0], resumed.stderr[-3000:]
+    both = before + epoch0(elastic, 0, after=4)
+    assert len(both) == len(set(both)), "a block was trained twice"
+    assert set(both) == set(whole), "a block was skipped"
+    # Two ranks, then one, the leftovers of their epoch dealt anew: replayed as they were read.
+    check_lineage(elastic / "ckpt", elastic / "ws", cfg, {"small": 150}, ranks=2)
 
     # The same two ranks, from the checkpoint and from its universal form.
-    shutil.copytree(tmp_path / "one" / "ckpt" / "global_step3.universal",
-                    tmp_path / "universal" / "ckpt" / "global_step3.universal")  # fmt: skip
-    launch(staged, tmp_path / "native", 2, "--train_iters", "5", *common)
-    from_form = ("--ckpt_id", "global_step3.universal")
-    launch(staged, tmp_path / "universal", 2, "--train_iters", "5", *from_form, *common)
+    shutil.copytree(elastic / "ckpt" / "global_step4.universal",
+                    tmp_path / "universal" / "ckpt" / "global_step4.universal")  # fmt: skip
+    launch(small, tmp_path / "native", 2, "--train_iters", "6", *common)
+    from_form = ("--ckpt_id", "global_step4.universal")
+    launch(small, tmp_path / "universal", 2, "--train_iters", "6", *from_form, *common)
     native, universal = steps(tmp_path / "native"), steps(tmp_path / "universal")
-    for step in (4, 5):  # step 5's loss is of the weights step 4's optimizer state moved
+    for step in (5, 6):  # step 6's loss is of the weights step 5's optimizer state moved
         assert native[step]["block_ids"] == universal[step]["block_ids"]
         for a, b in zip(native[step]["losses"], universal[step]["losses"], strict=True):
             assert abs(a - b) <= 1e-5, (step, a, b)
 
-    solo = tmp_path / "solo"  # one rank to two
-    train(staged, solo, "--train_iters", "2", *common)
-    grown = launch(staged, solo, 2, "--train_iters", "4", *common)
-    assert "global_step2.universal" in grown.stdout + grown.stderr and sorted(steps(solo)) == [1, 2, 3, 4]
+    grown = launch(small, elastic, 2, "--train_iters", "42", *common)  # one rank to two
+    assert "global_step40.universal" in grown.stdout + grown.stderr and 42 in steps(elastic)
+
+    # A damaged shard of the partitioned optimizer state: one line, before any conversion.
+    partitioned = tmp_path / "partitioned"
+    (partitioned / "ckpt" / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    refused = train(small, partitioned, "--train_iters", "8", *common, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is truncated or grown" in last, last
