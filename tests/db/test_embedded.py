@@ -453,3 +453,51 @@ def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(
     assert embedded.running(directory) is None
     monkeypatch.undo()
     assert Connection(config).db["web"].find_one({}, {"_id": 0}) == {"idx": 0, "filt_text": "kept"}
+
+
+@pytest.mark.slow
+def test_db_stop_under_a_running_training_warns_and_its_loader_starts_the_server_again(
+    local: Any, tmp_path: Path
+) -> None:
+    """`dsgpt2 db stop` while a training streams from the server: the stop names the training's processes
+    as connected clients; the loader's next retry starts the server again on the same data and port,
+    and the run trains every step to its end, exit 0."""
+    from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
+    from dsgpt2.tokenizer.texts import mongo_texts
+    from dsgpt2.train.metrics import read_metrics
+
+    cfg, directory = local
+    assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "300").returncode == 0
+    texts, reader = mongo_texts(load_config(cfg))
+    train_vocab(texts, tmp_path / "tok", VocabSettings(vocab_size=320), "test", progress=False)
+    reader.connection.close()
+    port = embedded.running(directory).port
+    iters = 400
+    command = [
+        sys.executable, "-m", "dsgpt2", "train", "--config_train", str(cfg),
+        "--vocab_dir", str(tmp_path / "tok"), "--deepspeed_config", "configs/ds_config_cpu.json",
+        "--model_select", "tiny", "--context_length", "32",
+        "--chunk_docs", "2", "--num_workers", "1", "--train_iters", str(iters), "--eval_interval", "100000",
+        "--save_interval", "100000", "--log_interval", "1", "--wandb", "off",
+        "--ckpt_dir", str(tmp_path / "ckpt"), "--workspace", str(tmp_path / "ws"),
+    ]  # fmt: skip
+    metrics = tmp_path / "ws" / "metrics.jsonl"
+    with subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            wait_for(
+                lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "step 2", proc
+            )
+            stopped = run_cli("db", "stop", str(directory))
+            assert stopped.returncode == 0, stopped.stderr
+            _, err = proc.communicate(timeout=deadline(300))
+        finally:
+            proc.kill()
+    assert stopped.stderr.count("is connected to local://") >= 2, stopped.stderr  # the trainer and its loader
+    assert "its next retry starts it again" in stopped.stderr
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    assert "its server had stopped; started it again" in err and f"port {port}) on the same data" in err
+    trained = [r["step"] for r in read_metrics(metrics) if r["event"] == "train"]
+    assert trained == list(range(1, iters + 1)), "the run did not train every step once"
+    assert embedded.running(directory).port == port
