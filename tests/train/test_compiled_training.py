@@ -38,6 +38,12 @@ def test_a_compiled_run_falls_as_the_eager_one_step_by_step(
     said = compiled_run.stderr
     assert said.index(compiling + ": it takes longer") < said.index("step 1/"), said[-3000:]
     assert "the first step compiles" not in eager_run.stderr
+    if optimizer == "adamw":  # what the run trains with, said once as Muon's is
+        said = (
+            "optimizer: AdamW (lr 0.003, betas 0.9, 0.999, eps 1e-08, weight decay 0.1 on the matrices and "
+        )
+        said += "embeddings), gradient clipping at 1; ZeRO stage 0"
+        assert eager_run.stderr.count(said) == 1, eager_run.stderr[-3000:]
     eager, compiled = steps(tmp_path / "eager"), steps(tmp_path / "compiled")
     assert sorted(compiled) == sorted(eager) == list(range(1, 7))
     for k in eager:
