@@ -505,6 +505,7 @@ def _numbered(n: int, tag: str, path: Path) -> list[str]:
     return texts
 
 
+@pytest.mark.slow
 def test_two_ingests_at_once_into_one_local_store_lose_nothing(tmp_path: Path) -> None:
     """Two `dsgpt2 ingest` processes at the same moment into one local:// store (whose server the first
     to come starts): into two collections, into one; the same source twice is refused while its

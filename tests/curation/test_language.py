@@ -73,6 +73,7 @@ def _ingest(cfg: Path, tmp_path: Path, name: str, texts: list[str]) -> None:
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.slow
 def test_langid_labels_counts_filters_and_labels_later_documents(tmp_path: Path) -> None:
     cfg, store = store_config(tmp_path, ["docs"])
     codes = ["en", "de", "fr", "en", "es", "ru", "ja", "en"]

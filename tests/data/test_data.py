@@ -509,6 +509,7 @@ def test_the_feed_bench_counts_epoch_boundaries_and_replays_the_same_blocks(sour
     assert r.tokens <= r.micro_batches * MICRO * spec.context and r.tokens_per_s > 0 and r.cpu > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_train_on_every_training_document_once_an_epoch(source, tokenizer: Path) -> None:
     """Spread order, two ranks: the blocks the ranks' streams hand out in an epoch are every block of
     the epoch's chunks once, and through the chunks' packing every training document once; a

@@ -37,6 +37,7 @@ def _pid(directory: Path) -> int:
     return int(json.loads((directory / "server.json").read_text())["pid"])
 
 
+@pytest.mark.slow
 def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(local: Any) -> None:
     cfg, directory = local
     done = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "300", "--no_progress")
@@ -107,6 +108,7 @@ def test_a_killed_server_is_started_again_with_everything_committed(local: Any) 
     assert "running" in status.stdout
 
 
+@pytest.mark.slow
 def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local: Any, tmp_path: Path) -> None:
     """SIGKILL of the embedded server mid-ingest: the ingest starts it again on the same data and port,
     says so in one line, and ends with every record once (no retries exhausted, no topology dump)."""
@@ -362,6 +364,7 @@ def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes
     assert again.returncode == 0 and again.stdout.count("\n") == 1, again.stdout
 
 
+@pytest.mark.slow
 def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
     local: Any, monkeypatch: Any
 ) -> None:
@@ -395,6 +398,7 @@ def _small_disk(path: Path, size: str) -> bool:
     return made.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small disk (tmpfs) needs root")
 def test_an_ingest_that_fills_the_disk_is_one_line_and_resumes_once_there_is_room(tmp_path: Path) -> None:
     disk = tmp_path / "disk"

@@ -304,6 +304,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow
 def test_a_transaction_its_client_abandoned_stops_holding_its_documents_within_seconds() -> None:
     """A pass killed mid-batch leaves its transaction open on the server (a session outlives its
     connections). Run again, the pass writes the same documents: it waits for that transaction to be

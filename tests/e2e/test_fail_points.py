@@ -81,6 +81,7 @@ def test_ingest_past_its_retries_ends_with_one_line_and_resumes_exactly(corpus: 
     assert [d["idx"] for d in _docs(cfg)] == list(range(N))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("code", [189, 11600])
 def test_curation_passes_go_on_through_transient_errors(corpus: Any, code: int) -> None:
     cfg, lines, uri = corpus
