@@ -31,7 +31,8 @@ class RunOptimizer:
       the DeepSpeed config's one-rate scheduler is refused with it); None: one rate serves;
     - ``keys``: the optimizer options that are its own (refused with another optimizer), and
       ``legacy``: the values those of a checkpoint saved before they existed trained with;
-    - ``compiles``: what its first step compiles, if anything (said before the wait);
+    - ``compiles``: what its first step compiles under --compile, if anything (said before the wait;
+      without --compile it runs eagerly);
     - ``trainer_clips``: whether the trainer may take the DeepSpeed config's gradient clipping over;
     - ``whole_states``: the names of its per-parameter states that it keeps whole for each parameter a
       ZeRO partition touches, rather than cut as the partition (what a checkpoint's universal form
