@@ -1,4 +1,5 @@
 # dsgpt2: make demo | make test | make bench | make lint | make test-floor | make test-latest | make lock
+#         | make image | make test-image
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,12 +25,8 @@ PYTEST_WORKERS ?= 3
 # DeepSpeed compiles its CPU communication op at its first initialize on a machine: done here, with the
 # install, rather than inside the first run (or test) that needs it. Nothing to do where CUDA is the device.
 define BUILD_DEEPSPEED_OPS
-from dsgpt2.accelerator import prepare_deepspeed_environment, extensions_dir
-prepare_deepspeed_environment()
-print("into", extensions_dir())
-from deepspeed.accelerator import get_accelerator
-if get_accelerator().device_name() == "cpu":
-    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+from dsgpt2.accelerator import build_cpu_ops
+print("built", build_cpu_ops() or "nothing: the device is not the CPU")
 endef
 export BUILD_DEEPSPEED_OPS
 
@@ -49,7 +46,7 @@ print("\n".join(line for line in lines if line.startswith("#") or name(line) not
 endef
 export CONSTRAINTS_BESIDE_TORCH
 
-.PHONY: venv test test-fast test-floor test-latest latest lock demo bench lint docs reference clean
+.PHONY: venv test test-fast test-floor test-latest latest lock demo bench lint docs reference clean image test-image
 
 # pip and setuptools first, at their locked versions: setuptools is also the build backend, held by
 # --build-constraint in pip's isolated build environment.
@@ -127,10 +124,19 @@ $(BENCH_ANCHORS)/.installed: $(STAMP)
 bench: $(STAMP) $(BENCH_ANCHORS)/.installed
 	PYTHONPATH=$(BENCH_ANCHORS) $(PY) -m bench
 
+# The image, with docker or podman; where no registry answers, on a Debian base made by debootstrap and
+# from a wheelhouse of the lock (made with .venv's pip: docker/image.sh runs make venv for it).
+image:
+	bash docker/image.sh
+
+# The built image run as a user runs it: the pipeline in a container, then the compose stack.
+test-image: image
+	bash docker/test-image.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/shellcheck pipelines/*.sh .ci/run
+	$(VENV)/bin/shellcheck pipelines/*.sh docker/*.sh .ci/run
 
 # The documentation site (docs/, mkdocs.yml) into site/; strict: a warning (a broken link or anchor, a page
 # outside the navigation) fails the build. The reference pages are written from the parsers as it builds.

@@ -1,9 +1,10 @@
-"""``dsgpt2 db status|stop|compact``: the embedded database server of a ``local://DIR`` database."""
+"""``dsgpt2 db status|stop|compact|serve``: the embedded database server of a ``local://DIR`` database."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -11,14 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import Command, config_option, load_connection, usage, verbose_option
-from dsgpt2.settings.options import Checked, from_namespace, option
+from dsgpt2.settings.options import PORT, Checked, from_namespace, option
 
 
 @dataclass(frozen=True, kw_only=True)
 class DbSettings(Checked):
     """``dsgpt2 db``: what to do, to which embedded database."""
 
-    action: str = option(help="what to do", positional=True, choices=("status", "stop", "compact"))
+    action: str = option(help="what to do", positional=True, choices=("status", "stop", "compact", "serve"))
     database: str | None = option(
         None, "the database (local://DIR or DIR); or give --config", positional=True, metavar="local://DIR"
     )
@@ -26,7 +27,21 @@ class DbSettings(Checked):
         "a connection config whose MONGO_CONNECTION_STRING is local://", required=False
     )
     json: bool = option(False, "print the status as JSON")
+    host: str = option("127.0.0.1", "serve: the address to listen on (0.0.0.0: every interface)")
+    port: int = option(27017, "serve: the port to listen on", check=PORT)
+    advertise: str | None = option(
+        None, "serve: the host name clients reach it by (default: --host, or this machine's name for 0.0.0.0)"
+    )
+    user: str | None = option(
+        None, "serve: a user to create (or give the password), besides the database's own"
+    )
+    password_env: str = option(
+        "MONGO_PASSWORD", "serve: the environment variable holding --user's password", metavar="VAR"
+    )
     verbose: bool = verbose_option()
+
+
+SERVE_ONLY = ("host", "port", "advertise", "user", "password_env")
 
 
 def _directory(settings: DbSettings) -> Path:
@@ -59,6 +74,10 @@ def cmd_db(args: argparse.Namespace) -> int:
     from dsgpt2.db import embedded
 
     settings = from_namespace(DbSettings, args)
+    fields = DbSettings.__dataclass_fields__
+    given = [f"--{f}" for f in SERVE_ONLY if getattr(settings, f) != fields[f].default]
+    if settings.action != "serve" and given:
+        raise usage("db", f"{', '.join(given)}: only for dsgpt2 db serve")
     if settings.action == "status" and not (settings.database or settings.config):
         found = [_status(directory) for directory in embedded.servers()]
         if settings.json:
@@ -70,6 +89,8 @@ def cmd_db(args: argparse.Namespace) -> int:
         return 0
     directory = _directory(settings)
     where = f"{embedded.PREFIX}{directory}"
+    if settings.action == "serve":  # a new directory becomes a database, as ingest makes one
+        return _serve(directory, settings)
     if not (directory / embedded.MARKER).exists():
         raise usage("db", f"{where} is not a dsgpt2 database (no {embedded.MARKER} there)")
     if settings.action == "compact":
@@ -89,6 +110,20 @@ def cmd_db(args: argparse.Namespace) -> int:
     info = _status(directory)
     print(json.dumps(info) if settings.json else _status_line(info))
     return 0
+
+
+def _serve(directory: Path, settings: DbSettings) -> int:
+    from dsgpt2.db.serving import serve
+
+    password = None
+    if settings.user is not None:
+        password = os.environ.get(settings.password_env, "")
+        if not password:
+            raise usage(
+                "db",
+                f"--user {settings.user} needs its password in ${settings.password_env} (--password_env)",
+            )
+    serve(directory, settings.host, settings.port, settings.user, password, settings.advertise)
 
 
 def _compact(directory: Path) -> str:
@@ -152,13 +187,16 @@ def _since(directory: Path) -> str:
 
 DB = Command(
     "db",
-    help="show, stop or compact the embedded database server of a local:// database",
+    help="show, stop, compact or serve the embedded database server of a local:// database",
     description="The embedded database (MONGO_CONNECTION_STRING local://DIR) runs a server that the first "
     "command needing it starts and that later commands share. `status` shows it (with no database "
     "named: every one this user runs), `stop` ends it (the next command that needs it starts it "
     "again, on the same data), `compact` gives the space of rewritten documents back to the file system "
     "(curation passes rewrite every document they mark; WiredTiger reuses that space but keeps it; "
-    "other commands may run meanwhile).",
+    "other commands may run meanwhile). `serve` runs the server in the foreground, as a container runs "
+    "mongod: on --host and --port, authentication on, with --user (its password from $MONGO_PASSWORD) "
+    "besides the database's own; it never stops when idle (docker/compose.embedded.yaml runs it as the "
+    "compose stack's mongo service).",
     settings=(DbSettings,),
     handler=cmd_db,
 )

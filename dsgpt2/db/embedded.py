@@ -113,11 +113,11 @@ def ensure(directory: Path, create: bool = True) -> str:
             "MONGO_CONNECTION_STRING (a relative local:// path starts at the working directory, "
             f"{os.getcwd()}), or make the database with dsgpt2 ingest"
         )
-    _check_directory(directory)
+    check_directory(directory)
     state = running(directory)
     if state is not None:
         return uri_of(directory, state)
-    with _locked(directory):
+    with locked(directory):
         state = running(directory)  # another process may have started it while this one waited
         if state is None:
             state = _start(directory)
@@ -145,7 +145,7 @@ def revive(uri: str) -> ServerState | None:
     directory = local_dir(uri)
     if not (directory / MARKER).exists() or running(directory) is not None:
         return None
-    with _locked(directory):
+    with locked(directory):
         if running(directory) is not None:  # another process started it meanwhile
             return None
         state = _start(directory)
@@ -183,7 +183,7 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
     or None when none was running. A stale server file is removed."""
     if not (directory / MARKER).exists():
         return None
-    with _locked(directory):
+    with locked(directory):
         state = _read_state(directory)
         if state is None or not _is_server(state.pid, directory):
             if state is None:  # unreadable: no port to keep
@@ -313,7 +313,7 @@ def server_command() -> list[str]:
     return [*words, "-c", _RUN_SHIM, str(SHIM)]
 
 
-def _check_directory(directory: Path) -> None:
+def check_directory(directory: Path) -> None:
     where = f"{PREFIX}{directory}"
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"{where} is a file, not a directory; name a directory for the database")
@@ -348,13 +348,13 @@ def _check_directory(directory: Path) -> None:
         raise ConfigError(
             f"{where} holds files that are not a dsgpt2 database ({shown}); name a new or empty directory"
         )
-    with _locked(directory):
+    with locked(directory):
         if not marker.exists():
             atomic_write_text(marker, json.dumps({"engine": ENGINE, "format": 1}) + "\n")
 
 
 @contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
+def locked(directory: Path) -> Iterator[None]:
     """Hold the directory's start/stop lock (released by the kernel if this process dies)."""
     with open(directory / "server.lock", "a+") as f:
         deadline = time.monotonic() + START_TIMEOUT_S * 2
@@ -418,7 +418,7 @@ def _start(directory: Path) -> ServerState:
     command = server_command()
     previous = _read_state(directory)
     if not (directory / "secret").exists():
-        _provision(directory, command)
+        provision(directory, command)
     # The port of the last server if it is free, so that clients of a restarted server find it again.
     port = previous.port if previous is not None and _port_free(previous.port) else 0
     state = _launch(directory, command, port, auth=True)
@@ -426,52 +426,65 @@ def _start(directory: Path) -> ServerState:
     return state
 
 
-def _provision(directory: Path, command: list[str]) -> None:
-    """First start: a server without auth, on loopback, long enough to create the user."""
+def provision(directory: Path, command: list[str], users: dict[str, str] | None = None) -> None:
+    """A server without auth, on loopback, long enough to create (or update) its users: the directory's
+    own, with a new password kept in ``secret``, where it has none yet; and ``users`` (name: password),
+    the directory's own among them if named (its ``secret`` then holds that password)."""
     import pymongo
 
-    password = secrets.token_urlsafe(24)
+    own = {} if (directory / "secret").exists() else {USER: secrets.token_urlsafe(24)}
+    wanted = {**own, **(users or {})}
+    if not wanted:
+        return
     state = _launch(directory, command, 0, auth=False)
     try:
         client = pymongo.MongoClient(
             host=state.host, port=state.port, serverSelectionTimeoutMS=int(START_TIMEOUT_S * 1000)
         )
         try:
-            if USER not in {u["user"] for u in client.admin.command("usersInfo")["users"]}:
-                client.admin.command(
-                    "createUser", USER, pwd=password, roles=[{"role": "root", "db": "admin"}]
-                )
-            else:
-                client.admin.command("updateUser", USER, pwd=password)
+            known = {u["user"] for u in client.admin.command("usersInfo")["users"]}
+            for name, password in wanted.items():
+                if name not in known:
+                    client.admin.command(
+                        "createUser", name, pwd=password, roles=[{"role": "root", "db": "admin"}]
+                    )
+                else:
+                    client.admin.command("updateUser", name, pwd=password)
         finally:
             client.close()
     finally:
         _terminate(state.pid, STOP_TIMEOUT_S)
+    if USER not in wanted:
+        return
     path = directory / "secret"
     fd = os.open(path.with_suffix(".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(password + "\n")
+        f.write(wanted[USER] + "\n")
     os.replace(path.with_suffix(".tmp"), path)
+
+
+def server_args(directory: Path, command: list[str], host: str, port: int, auth: bool) -> list[str]:
+    """The server's command line on ``directory`` (its data and an empty config file of its own)."""
+    (directory / "data").mkdir(exist_ok=True)
+    config = directory / "secantusd.toml"
+    if not config.exists():  # named so that no secantusd.toml of the working directory or home applies
+        atomic_write_text(config, "# dsgpt2 passes its settings as flags\n")
+    return [
+        *command, "--config", str(config), "--host", host, "--port", str(port),
+        "--storage-path", str(directory / "data"), *SERVER_FLAGS, *(["--auth"] if auth else []),
+    ]  # fmt: skip
 
 
 def _launch(directory: Path, command: list[str], port: int, auth: bool) -> ServerState:
     """Run the server detached (it outlives this process) and wait until it listens."""
-    data = directory / "data"
-    data.mkdir(exist_ok=True)
-    config = directory / "secantusd.toml"
-    if not config.exists():  # named so that no secantusd.toml of the working directory or home applies
-        atomic_write_text(config, "# dsgpt2 passes its settings as flags\n")
     log_path = directory / "server.log"
     start = log_path.stat().st_size if log_path.exists() else 0
-    args = [
-        *command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-        "--storage-path", str(data), *SERVER_FLAGS, *(["--auth"] if auth else []),
-    ]  # fmt: skip
+    args = server_args(directory, command, "127.0.0.1", port, auth)
     with open(log_path, "ab") as log:
         try:
             proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True, cwd=directory, env=_server_environment(),
+                start_new_session=True, close_fds=True, cwd=directory, env=server_environment(),
             )  # fmt: skip
         except OSError as exc:
             raise ConfigError(
@@ -511,7 +524,7 @@ def idle_stop_s() -> float:
     return env_seconds(ENV_IDLE_STOP, IDLE_STOP_S, "never stop")
 
 
-def _server_environment() -> dict[str, str]:
+def server_environment() -> dict[str, str]:
     """The server's environment: when it stops itself, and glibc's malloc with two arenas, not one per
     thread. Each connection is a thread of the server, and memory freed in a thread's arena stays with
     the process: after every pass of the scale benchmark at 2,000 documents, 172 MB resident, not 250."""

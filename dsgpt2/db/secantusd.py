@@ -23,6 +23,9 @@ index built over existing documents is written in key order (:func:`build_indexe
 transaction idle for :data:`TRANSACTION_IDLE_S` is aborted; ``compact`` gives the space of rewritten
 records back to the file system (:func:`serve_compact`).
 
+With ``DSGPT2_DB_ADVERTISE`` in its environment, the server names that host as its address in its
+``hello`` replies (it listens on every interface; other hosts reach it by that name).
+
 With ``DSGPT2_DB_IDLE_STOP`` seconds in its environment (``embedded`` passes it on), the server stops
 itself, as ``dsgpt2 db stop`` would, once no client has been connected for that long: every process
 of the machine that uses the database holds a connection while it runs.
@@ -402,6 +405,14 @@ class Server(SecantusDBServer):
         if idle_s > 0:
             watch = threading.Thread(target=self._stop_when_idle, args=(idle_s,), daemon=True)
             watch.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The address the server names as its replica set's one member (``hello``'s ``hosts``, ``me``
+        and ``primary``), where drivers connect after their first reply: ``DSGPT2_DB_ADVERTISE`` where
+        set (the name other hosts reach a server listening on every interface by), else the bound one."""
+        host, port = super().address
+        return os.environ.get("DSGPT2_DB_ADVERTISE") or host, port
 
     def _stop_when_idle(self, idle_s: float) -> None:
         quiet_since = time.monotonic()
