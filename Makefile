@@ -25,7 +25,7 @@ PYTEST_WORKERS ?= 3
 # DeepSpeed compiles its CPU communication op at its first initialize on a machine: done here, with the
 # install, rather than inside the first run (or test) that needs it. Nothing to do where CUDA is the device.
 define BUILD_DEEPSPEED_OPS
-from dsgpt2.accelerator import build_cpu_ops
+from dsgpt2.train.engine import build_cpu_ops
 print("built", build_cpu_ops() or "nothing: the device is not the CPU")
 endef
 export BUILD_DEEPSPEED_OPS

@@ -65,19 +65,6 @@ def announce_cpu_op_build() -> None:
         )
 
 
-def build_cpu_ops() -> str | None:
-    """Compile DeepSpeed's CPU communication op now (as ``make`` does at the install and the image at its
-    build), rather than inside the first run that needs it; the op's path, or None where the device is
-    not the CPU (nothing to build)."""
-    prepare_deepspeed_environment()
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return None
-    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
-    return shm_op_path()
-
-
 def shm_op_path() -> str:
     """Where DeepSpeed's compiled CPU communication op is cached for this environment."""
     return os.path.join(extensions_dir(), "deepspeed_shm_comm", "deepspeed_shm_comm.so")

@@ -123,7 +123,14 @@ def _serve(directory: Path, settings: DbSettings) -> int:
                 "db",
                 f"--user {settings.user} needs its password in ${settings.password_env} (--password_env)",
             )
-    serve(directory, settings.host, settings.port, settings.user, password, settings.advertise)
+    serve(
+        directory,
+        settings.host,
+        settings.port,
+        user=settings.user,
+        password=password,
+        advertise=settings.advertise,
+    )
 
 
 def _compact(directory: Path) -> str:

@@ -94,7 +94,9 @@ class ServerState:
 def uri_of(directory: Path, state: ServerState) -> str:
     """The connection string of a running server (it carries the password: never show it)."""
     password = urllib.parse.quote_plus(_secret(directory))
-    return f"mongodb://{USER}:{password}@{state.host}:{state.port}/?authSource=admin"
+    # Direct: the server names itself by the address other hosts reach it by where `dsgpt2 db serve`
+    # runs it (a compose service's name); this machine reaches it where server.json says.
+    return f"mongodb://{USER}:{password}@{state.host}:{state.port}/?authSource=admin&directConnection=true"
 
 
 def ensure(directory: Path, create: bool = True) -> str:

@@ -30,6 +30,7 @@ def serve(
     directory: Path,
     host: str,
     port: int,
+    *,
     user: str | None = None,
     password: str | None = None,
     advertise: str | None = None,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsgpt2.accelerator import prepare_deepspeed_environment
+from dsgpt2.accelerator import prepare_deepspeed_environment, shm_op_path
 from dsgpt2.data.sources import DataSpec
 from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import (
@@ -246,3 +246,16 @@ def _quiet_scheduler_start() -> Iterator[None]:
         yield
     finally:
         ds_logger.removeFilter(quiet)
+
+
+def build_cpu_ops() -> str | None:
+    """Compile DeepSpeed's CPU communication op now (as ``make`` does at the install and the image at its
+    build), rather than inside the first run that needs it; the op's path, or None where the device is
+    not the CPU (nothing to build)."""
+    prepare_deepspeed_environment()
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return None
+    get_accelerator().create_op_builder("ShareMemCommBuilder").load()
+    return shm_op_path()

@@ -156,7 +156,7 @@ def test_the_installs_read_the_lock() -> None:
     assert re.search(r"install -q -c \$\(VENV\)/constraints.txt --build-constraint", makefile)
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text(encoding="utf-8")
     assert "COPY requirements.lock" in dockerfile
-    assert re.search(r"pip install [^\n]*-c /tmp/constraints.txt[^\n]* \.", dockerfile)
+    assert re.search(r"pip install [^\n]*-c /tmp/constraints.txt[^\n]* \"?\.", dockerfile)
 
 
 # A stand-in for an environment's python: records its calls, answers `import torch` with $FAKE_TORCH.
