@@ -111,12 +111,12 @@ class _Sampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from dsgpt2.db import embedded
+        from dsgpt2.db import embedded, processes
 
         while not self._stop.wait(0.2):
             state = embedded.running(self.directory)
             if state is not None:
-                self.peak = max(self.peak, embedded.rss_bytes(state.pid) or 0)
+                self.peak = max(self.peak, processes.rss_bytes(state.pid) or 0)
 
     def __enter__(self) -> _Sampler:
         self._thread.start()
@@ -128,10 +128,10 @@ class _Sampler:
 
 
 def _rss(directory: Path) -> int:
-    from dsgpt2.db import embedded
+    from dsgpt2.db import embedded, processes
 
     state = embedded.running(directory)
-    return (embedded.rss_bytes(state.pid) or 0) if state else 0
+    return (processes.rss_bytes(state.pid) or 0) if state else 0
 
 
 def _feed_epoch(config: Path, tokenizer: Path, epochs: int = 1) -> None:

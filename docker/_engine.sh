@@ -44,6 +44,10 @@ if [[ "$ENGINE" == podman && -z "${CONTAINERS_CONF:-}" ]] && command -v runc >/d
     > "$CONTAINERS_CONF"
   export CONTAINERS_CONF
 fi
+# The Dockerfile's wheelhouse mount (RUN --mount) needs BuildKit, which docker before 23 leaves off.
+if [[ "$ENGINE" == docker ]]; then
+  export DOCKER_BUILDKIT=1
+fi
 # podman builds on the host's network (its build network may not reach the package mirrors).
 # (read by the scripts that source this file)
 build_network=()

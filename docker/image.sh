@@ -13,6 +13,7 @@
 #                                                  localhost/debian:bookworm (made here by debootstrap)
 #   WHEELS        index or wheelhouse              index where the base could be pulled, else wheelhouse
 #   PYTHON        makes the wheelhouse (3.11)      .venv/bin/python (make venv)
+#   DEBIAN_MIRROR debootstrap's mirror             http://deb.debian.org/debian
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +22,7 @@ cd "$root"
 source docker/_engine.sh
 DEBIAN_BASE="localhost/debian:bookworm"
 PULLED_BASE="docker.io/library/python:3.11-slim"
+DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
 # The base: the user's; python:3.11-slim where a registry answers; else a Debian bookworm of our own.
 make_debian_base() {
@@ -33,11 +35,11 @@ make_debian_base() {
   [[ "$(id -u)" -eq 0 ]] || die "no registry answered; debootstrap needs root: run as root, or give BASE_IMAGE"
   local dir
   dir="$(mktemp -d -t dsgpt2-rootfs.XXXXXX)"
+  cleanups+=("rm -rf '$dir' '$dir.log'")
   echo "== base: debootstrap --variant=minbase bookworm (about a minute), imported as $DEBIAN_BASE"
-  debootstrap --variant=minbase bookworm "$dir" http://deb.debian.org/debian > "$dir.log" 2>&1 \
-    || { tail -5 "$dir.log" >&2; die "debootstrap failed (log: $dir.log)"; }
+  debootstrap --variant=minbase bookworm "$dir" "$DEBIAN_MIRROR" > "$dir.log" 2>&1 \
+    || { tail -5 "$dir.log" >&2; die "debootstrap failed"; }
   tar -C "$dir" -c . | "$ENGINE" import - "$DEBIAN_BASE" >/dev/null
-  rm -rf "$dir" "$dir.log"
 }
 
 if [[ -z "${BASE_IMAGE:-}" ]]; then
@@ -65,20 +67,20 @@ make_wheelhouse() {
   [[ "$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" == 3.11 ]] \
     || die "the wheelhouse needs a Python 3.11 (the base's): PYTHON=$python is not; give PYTHON=/path/to/python3.11"
   constraints="$(mktemp -t dsgpt2-constraints.XXXXXX)"
+  log="$(mktemp -t dsgpt2-wheelhouse.XXXXXX)"
+  cleanups+=("rm -f '$constraints' '$log'")
   grep -v '^torch==' requirements.lock > "$constraints"
   torch_spec="torch==$(sed -n 's/^torch==//p' requirements.lock)"
   torch_index="https://download.pytorch.org/whl/cpu"
   echo "== wheelhouse: the lock's packages for the image, into docker/wheelhouse/"
   # The CPU build of torch from its index (PyPI's would be a CUDA build of several GB).
-  log="$(mktemp -t dsgpt2-wheelhouse.XXXXXX)"
   if ! "$python" -m pip wheel -q --retries 1 -c "$constraints" --build-constraint "$constraints" \
     --index-url "$torch_index" --extra-index-url https://pypi.org/simple \
     -w docker/wheelhouse "$torch_spec" pip setuptools ".[local]" > "$log" 2>&1; then
     grep -v -e "is ignored: it is neither a file nor a directory" -e "^WARNING: Retrying" "$log" | tail -20 >&2
-    die "pip could not make the wheelhouse (log: $log)"
+    die "pip could not make the wheelhouse"
   fi
-  rm -f "$log"
-  rm -f "$constraints" docker/wheelhouse/dsgpt2-*.whl
+  rm -f docker/wheelhouse/dsgpt2-*.whl
 }
 
 build() {

@@ -53,9 +53,10 @@ run_in_image() {
   local runs="$1" user_ns=()
   shift
   if [[ "$ENGINE" == podman && "$(id -u)" -ne 0 ]]; then
-    user_ns=(--userns keep-id)  # rootless podman: the mount's files stay the user's
+    user_ns=(--userns "keep-id:uid=1000,gid=1000")  # rootless podman: the mount's files stay the user's
   fi
-  "$ENGINE" run --rm "${user_ns[@]}" --shm-size 1g -v "$runs:/app/runs" "$@"
+  # Bounded: a run that hangs must not hang CI (its container is removed by name when named).
+  timeout 1200 "$ENGINE" run --rm "${user_ns[@]}" --shm-size 1g -v "$runs:/app/runs" "$@"
 }
 
 # check_outputs RUNS LOG: what pipelines/all.sh leaves in RUNS/pipeline, and its evaluation line in LOG.
@@ -66,7 +67,11 @@ check_outputs() {
     "checkpoint: $run/ckpt/global_step$ITERS, complete"
   check "[[ -s '$run/eval/report.json' ]]" "evaluation report: $run/eval/report.json"
   line="$(sed -n '/== evaluate/,/== stages/p' "$log" | grep -E -m1 'loss [0-9.]+, perplexity [0-9.]+' || true)"
-  check "[[ -n '$line' ]]" "the evaluation's line: ${line#*| }"
+  if [[ -z "$line" ]]; then
+    echo "test-image.sh: FAIL: no evaluation line in $log" >&2
+    exit 1
+  fi
+  echo "ok: the evaluation's line: ${line#*| }"
   # The untrained model is at about the vocabulary's size (8,192); the sample's unigrams at ~950.
   check "python3 -c \"import json, sys; sys.exit(json.load(open('$run/eval/report.json'))['metrics']['perplexity'] >= 2000)\"" \
     "the model learned: perplexity $(python3 -c "import json; print(round(json.load(open('$run/eval/report.json'))['metrics']['perplexity'], 1))") < 2,000"
@@ -85,7 +90,9 @@ check "grep -q '^usage: dsgpt2' '$work/help.txt'" "dsgpt2 --help in the image"
 run_in_image "$runs" "$IMAGE" id -u > "$work/uid.txt"
 check "[[ \$(cat '$work/uid.txt') != 0 ]]" "the container runs as a non-root user (uid $(cat "$work/uid.txt"))"
 echo "== pipelines/all.sh in a container (local:// in the mounted runs/; 1-2 minutes on two cores)"
-if ! run_in_image "$runs" "$IMAGE" bash pipelines/all.sh > "$work/container.log" 2>&1; then
+pipeline="dsgpt2-test-image-$$"
+cleanups+=("$ENGINE rm -f $pipeline > /dev/null 2>&1")
+if ! run_in_image "$runs" --name "$pipeline" "$IMAGE" bash pipelines/all.sh > "$work/container.log" 2>&1; then
   tail -30 "$work/container.log" >&2
   die "pipelines/all.sh failed in the container (log: $work/container.log)"
 fi
@@ -131,6 +138,7 @@ if [[ ${#compose[@]} -gt 0 ]]; then
     podman system service --time=0 "unix://$socket" > "$project/podman-service.log" 2>&1 &
     cleanups+=("kill $!")
     for _ in $(seq 100); do [[ -S "$socket" ]] && break; sleep 0.1; done
+    [[ -S "$socket" ]] || die "podman system service did not start (log: $project/podman-service.log)"
     export DOCKER_HOST="unix://$socket"
     # Without systemd podman runs no health check by itself: run each container's, as the engine would.
     (while true; do
@@ -141,8 +149,9 @@ if [[ ${#compose[@]} -gt 0 ]]; then
     done) &
     cleanups+=("kill $!")
   fi
+  # Every compose call bounded: one waiting on a health check that never passes must not hang CI.
   stack() {
-    (cd "$project" && "${compose[@]}" --env-file "$project/.env" -p "$name" "${files[@]}" "$@")
+    (cd "$project" && timeout 900 "${compose[@]}" --env-file "$project/.env" -p "$name" "${files[@]}" "$@")
   }
   cleanups+=("stack down -v --timeout 60 > '$project/down.log' 2>&1")
   echo "== compose up: the database healthy, then the pipeline against it (2-3 minutes on two cores)"
@@ -158,7 +167,9 @@ if [[ ${#compose[@]} -gt 0 ]]; then
     "the mongo service served the stack"
   check_outputs "$project/runs" "$project/compose.log"
   check "[[ ! -e '$project/runs/db' ]]" "the data lives in the database's volume, not in runs/"
-  check "! grep -rqF -- '$password' '$project/compose.log' '$project/up.log' '$project/runs'" \
+  # Read from a file: a pattern on grep's command line would show the password to ps.
+  printf '%s\n' "$password" > "$project/password"
+  check "! grep -rqF -f '$project/password' --exclude=password --exclude=.env '$project'" \
     "the password appears in no log and no output"
 fi
 

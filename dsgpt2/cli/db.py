@@ -45,7 +45,7 @@ SERVE_ONLY = ("host", "port", "advertise", "user", "password_env")
 
 
 def _directory(settings: DbSettings) -> Path:
-    from dsgpt2.db import embedded
+    from dsgpt2.db import embedded, processes
 
     if settings.database and settings.config:
         raise usage("db", "give the database or --config, not both")
@@ -57,7 +57,7 @@ def _directory(settings: DbSettings) -> Path:
             )
         return embedded.local_dir(config.uri)
     if not settings.database:
-        running = [f"{embedded.PREFIX}{d}" for d in embedded.servers()]
+        running = [f"{embedded.PREFIX}{d}" for d in processes.servers()]
         now = f"; running now: {', '.join(running)}" if running else "; none runs now"
         raise usage(
             "db", f"name the database: dsgpt2 db {settings.action} local://runs/db (or --config FILE){now}"
@@ -71,7 +71,7 @@ def _directory(settings: DbSettings) -> Path:
 
 
 def cmd_db(args: argparse.Namespace) -> int:
-    from dsgpt2.db import embedded
+    from dsgpt2.db import embedded, processes
 
     settings = from_namespace(DbSettings, args)
     fields = DbSettings.__dataclass_fields__
@@ -79,7 +79,7 @@ def cmd_db(args: argparse.Namespace) -> int:
     if settings.action != "serve" and given:
         raise usage("db", f"{', '.join(given)}: only for dsgpt2 db serve")
     if settings.action == "status" and not (settings.database or settings.config):
-        found = [_status(directory) for directory in embedded.servers()]
+        found = [_status(directory) for directory in processes.servers()]
         if settings.json:
             print(json.dumps(found))
         for info in [] if settings.json else found:
@@ -98,7 +98,7 @@ def cmd_db(args: argparse.Namespace) -> int:
         return 0
     if settings.action == "stop":
         if (state := embedded.running(directory)) is not None:
-            for pid, command in embedded.clients(state):
+            for pid, command in processes.clients(state):
                 print(f"warning: pid {pid} ({command}) is connected to {where}: its reads and writes wait "
                       "for the server, and its next retry starts it again", file=sys.stderr)  # fmt: skip
         stopped = embedded.stop(directory)
@@ -115,9 +115,12 @@ def cmd_db(args: argparse.Namespace) -> int:
 def _serve(directory: Path, settings: DbSettings) -> int:
     from dsgpt2.db.serving import serve
 
+    if settings.port == 0:
+        raise usage("db", "--port 0: a served database needs a fixed port, the one its clients name")
     password = None
     if settings.user is not None:
-        password = os.environ.get(settings.password_env, "")
+        # Taken out of the environment: the server this process becomes does not inherit it.
+        password = os.environ.pop(settings.password_env, "")
         if not password:
             raise usage(
                 "db",
@@ -153,7 +156,7 @@ def _compact(directory: Path) -> str:
 
 
 def _status(directory: Path) -> dict[str, Any]:
-    from dsgpt2.db import embedded
+    from dsgpt2.db import embedded, processes
 
     state = embedded.running(directory)
     info: dict[str, Any] = {
@@ -165,7 +168,7 @@ def _status(directory: Path) -> dict[str, Any]:
         info |= {
             "pid": state.pid,
             "address": f"{state.host}:{state.port}",
-            "rss_bytes": embedded.rss_bytes(state.pid),
+            "rss_bytes": processes.rss_bytes(state.pid),
             "since": _since(directory),
         }
     return info

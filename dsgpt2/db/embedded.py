@@ -120,10 +120,23 @@ def ensure(directory: Path, create: bool = True) -> str:
     if state is not None:
         return uri_of(directory, state)
     with locked(directory):
-        state = running(directory)  # another process may have started it while this one waited
+        # Another process may have started it while this one waited (or be opening it: a served one).
+        state = running(directory) or _opening(directory)
         if state is None:
             state = _start(directory)
     return uri_of(directory, state)
+
+
+def _opening(directory: Path) -> ServerState | None:
+    """The server of ``directory`` once it listens, where its process runs but does not listen yet
+    (``dsgpt2 db serve`` released the lock and became the server, which is opening its data); None
+    where no server process runs."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while working(directory) and time.monotonic() < deadline:
+        if (state := running(directory)) is not None:
+            return state
+        time.sleep(0.1)
+    return None
 
 
 _ERRORS = [0]  # transient errors this process met on an embedded server (Connection._server_moved)
@@ -148,7 +161,7 @@ def revive(uri: str) -> ServerState | None:
     if not (directory / MARKER).exists() or running(directory) is not None:
         return None
     with locked(directory):
-        if running(directory) is not None:  # another process started it meanwhile
+        if (running(directory) or _opening(directory)) is not None:  # another process started it meanwhile
             return None
         state = _start(directory)
     log.warning("%s%s: its server had stopped; started it again (pid %d, port %d) on the same data",
@@ -159,7 +172,7 @@ def revive(uri: str) -> ServerState | None:
 def running(directory: Path) -> ServerState | None:
     """The server running on ``directory``, or None (no server file, a dead pid, nothing listening)."""
     state = _read_state(directory)
-    if state is None or not _is_server(state.pid, directory):
+    if state is None or not is_server(state.pid, directory):
         return None
     try:
         with socket.create_connection((state.host, state.port), timeout=2):
@@ -172,7 +185,7 @@ def working(directory: Path) -> bool:
     """Whether the server of ``directory`` runs and is not stopped (SIGSTOP): it may be too busy to
     answer at once (one process serves every connection), but it is at work."""
     state = _read_state(directory)
-    if state is None or not _is_server(state.pid, directory):
+    if state is None or not is_server(state.pid, directory):
         return False
     try:
         return Path(f"/proc/{state.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX"
@@ -187,7 +200,7 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
         return None
     with locked(directory):
         state = _read_state(directory)
-        if state is None or not _is_server(state.pid, directory):
+        if state is None or not is_server(state.pid, directory):
             if state is None:  # unreadable: no port to keep
                 with contextlib.suppress(FileNotFoundError):
                     (directory / "server.json").unlink()
@@ -198,59 +211,6 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
         return state
 
 
-def servers() -> list[Path]:
-    """The database directories whose servers this user runs now, read from /proc (none elsewhere)."""
-    found: set[Path] = set()
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            if entry.stat().st_uid != os.getuid():
-                continue
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ours = any(os.path.basename(a) in (EXECUTABLE.encode(), SHIM.name.encode()) for a in args)
-        if not ours or b"--storage-path" not in args[:-1]:
-            continue
-        data = Path(os.fsdecode(args[args.index(b"--storage-path") + 1]))
-        database = data.parent
-        if data.name == "data" and (database / MARKER).exists() and _is_server(int(entry.name), database):
-            found.add(database)
-    return sorted(found)
-
-
-def clients(state: ServerState) -> list[tuple[int, str]]:
-    """The processes of this user connected to the server of ``state`` now, as ``(pid, command line)``,
-    read from /proc (none elsewhere)."""
-    sockets = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError):
-            for line in Path(table).read_text().splitlines()[1:]:
-                fields = line.split()
-                # A client's end: established (01), its remote port the server's.
-                if (
-                    len(fields) > 9
-                    and fields[3] == "01"
-                    and int(fields[2].rsplit(":", 1)[1], 16) == state.port
-                ):
-                    sockets.add(f"socket:[{fields[9]}]")
-    found = []
-    for entry in Path("/proc").iterdir() if sockets else []:
-        if not entry.name.isdigit() or int(entry.name) in (state.pid, os.getpid()):
-            continue
-        try:
-            if entry.stat().st_uid != os.getuid():
-                continue
-            if any(os.readlink(fd) in sockets for fd in (entry / "fd").iterdir()):
-                words = (entry / "cmdline").read_bytes().split(b"\0")
-                found.append((int(entry.name), " ".join(os.fsdecode(w) for w in words if w)[:80]))
-        except OSError:
-            continue
-    return sorted(found)
-
-
 def disk_bytes(directory: Path) -> int:
     """Bytes the database's files take on disk."""
     total = 0
@@ -259,17 +219,6 @@ def disk_bytes(directory: Path) -> int:
             if path.is_file():
                 total += path.stat().st_blocks * 512
     return total
-
-
-def rss_bytes(pid: int) -> int | None:
-    """Resident memory of a process (Linux), or None where it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def executable() -> list[str]:
@@ -387,7 +336,7 @@ def _read_state(directory: Path) -> ServerState | None:
         return None
 
 
-def _is_server(pid: int, directory: Path) -> bool:
+def is_server(pid: int, directory: Path) -> bool:
     """Whether ``pid`` is alive and, where /proc tells, the server of this directory (not a reused pid)."""
     try:
         os.kill(pid, 0)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from conftest import ROOT, run_cli, write_config
-from dsgpt2.db import embedded
+from dsgpt2.db import embedded, processes
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
 from dsgpt2.errors import ConfigError
@@ -311,7 +311,7 @@ def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
     conn.client.admin.command("fsync")  # a checkpoint: what the history holds is written out
     history = directory / "data" / "WiredTigerHS.wt"
     assert not history.exists() or history.stat().st_size < 1_000_000, history.stat().st_size
-    assert embedded.servers().count(directory) == 1  # the server runs under the shim, and is listed
+    assert processes.servers().count(directory) == 1  # the server runs under the shim, and is listed
     # Two malloc arenas, not one per connection thread (each keeps what its thread freed).
     assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{_pid(directory)}/environ").read_bytes().split(b"\0")
 

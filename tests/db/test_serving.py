@@ -25,6 +25,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_serve_runs_the_server_in_the_foreground_with_the_deployments_user(tmp_path: Path) -> None:
     import pymongo
 
@@ -104,5 +105,34 @@ def test_serve_refuses_a_user_without_a_password_and_its_flags_elsewhere(tmp_pat
     )
     assert other.returncode == 2 and "needs its password in $STACK_PW" in other.stderr
     assert not directory.exists()  # refused before anything was made
+    anywhere = run_cli("db", "serve", f"local://{directory}", "--port", "0")
+    assert anywhere.returncode == 2 and "--port 0: a served database needs a fixed port" in anywhere.stderr
     flags = run_cli("db", "status", f"local://{directory}", "--port", "27018", "--advertise", "x")
     assert flags.returncode == 2 and "--port, --advertise: only for dsgpt2 db serve" in flags.stderr
+
+
+def test_a_command_waits_for_a_served_database_still_opening_its_data(tmp_path: Path) -> None:
+    """Between `dsgpt2 db serve` becoming the server and the server listening (WiredTiger opening the
+    data), a command that needs the database finds its process and waits for it, rather than start a
+    second server on the same data."""
+    directory = tmp_path / "db"
+    made = "import sys\nfrom pathlib import Path\nfrom dsgpt2.db import embedded\nd = Path(sys.argv[1])\n"
+    made += "embedded.ensure(d)\nembedded.stop(d)\n"
+    subprocess.run([sys.executable, "-c", made, str(directory)], check=True, timeout=deadline(60))
+    port = _free_port()
+    opening = (
+        "import socket, sys, time\n"
+        "time.sleep(1.5)\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
+        "time.sleep(60)\n"
+    )
+    # A process whose command line names the database's data, as the server's does.
+    with subprocess.Popen([sys.executable, "-c", opening, str(port), str(directory / "data")]) as server:
+        try:
+            (directory / "server.json").write_text(json.dumps({"pid": server.pid, "port": port}))
+            uri = embedded.ensure(directory)
+            assert f"@127.0.0.1:{port}/" in uri
+            assert json.loads((directory / "server.json").read_text())["pid"] == server.pid
+        finally:
+            server.kill()
