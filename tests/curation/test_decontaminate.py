@@ -95,6 +95,7 @@ def test_every_layout_is_read(tmp_path: Path) -> None:
     assert (s.name, s.items, len(s.grams), s.short) == ("both", 3, len(gold.split()) - 12, 2)
 
 
+@pytest.mark.slow
 def test_planted_overlaps_are_marked_and_hard_negatives_are_not(tmp_path: Path) -> None:
     """Through the command: marks, FILTER, a second set, a run after an ingest, `curate report`."""
     items = eval_items(1, 8)
@@ -290,6 +291,7 @@ def _corpus(tmp_path: Path, copies: int) -> tuple[Path, Path, Path, dict[int, st
     return cfg, store, hs, marked
 
 
+@pytest.mark.slow
 def test_a_pass_killed_with_sigkill_ends_as_a_straight_one(tmp_path: Path) -> None:
     """The command killed without warning once some documents are checked, then run again."""
     import signal

@@ -241,6 +241,7 @@ def test_the_bands_index_is_built_once_the_bands_are_written(monkeypatch: pytest
     assert "lsh_1" in {i["name"] for i in conn.db["articles"].list_indexes()}
 
 
+@pytest.mark.slow
 def test_split_passes_by_workers_and_parts_end_as_a_straight_one(tmp_path: Path) -> None:
     assert Split(workers=3).ranges((0, 9)) == [(0, 3), (3, 6), (6, 10)]
     assert Split(workers=4).ranges((5, 6)) == [(5, 6), (6, 7)]  # fewer idx values than workers

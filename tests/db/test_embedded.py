@@ -266,6 +266,7 @@ def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local: A
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "50").returncode == 0
 
 
+@pytest.mark.slow
 def test_two_ingests_into_one_collection_at_once_both_land(local: Any, tmp_path: Path) -> None:
     """Two writers on one database: every record of both files once, idx contiguous, the count whole."""
     cfg, _ = local
@@ -316,6 +317,7 @@ def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
     assert b"MALLOC_ARENA_MAX=2" in Path(f"/proc/{_pid(directory)}/environ").read_bytes().split(b"\0")
 
 
+@pytest.mark.slow
 def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes_on(local: Any) -> None:
     """Documents rewritten longer, as the passes' marks do: their old space stays in the files until
     ``dsgpt2 db compact``, which shrinks them while another client writes; nothing is lost."""

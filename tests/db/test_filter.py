@@ -194,6 +194,7 @@ def test_a_query_the_server_refuses_or_a_bad_filter_is_one_line(tmp_path: Path) 
     assert len(done.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_filter_the_server_refuses_stops_every_reading_command_before_any_work(tmp_path: Path) -> None:
     """A typo'd operator: one line naming the key and the operator, exit 2, from every command that
     reads; nothing written (no shard, cache, tokenizer, mark or checkpoint)."""
