@@ -136,13 +136,18 @@ def complete(ckpt_dir: Path, tag: str, marker: dict[str, Any]) -> None:
 
 
 # What a group of the optimizer holds that is not a setting of the run: its weights, its rate (the
-# schedule's, restored with it) and a step count kept there.
+# schedule's, restored with it) and a step count kept there; and its momentum where the schedule warms
+# it up (its peak, ``momentum_peak``, is the setting).
 _NOT_SETTINGS = frozenset({"params", "lr", "initial_lr", "step"})
 
 
 def group_settings(optimizer: Any) -> list[dict[str, Any]]:
     """The settings of each group of ``optimizer`` (momentum, betas, weight decay...)."""
-    return [{k: v for k, v in group.items() if k not in _NOT_SETTINGS} for group in optimizer.param_groups]
+    return [
+        {k: v for k, v in group.items()
+         if k not in _NOT_SETTINGS and not (k == "momentum" and group.get("momentum_warmup"))}
+        for group in optimizer.param_groups
+    ]  # fmt: skip
 
 
 def keep_settings(optimizer: Any, settings: list[dict[str, Any]]) -> list[str]:
@@ -155,7 +160,7 @@ def keep_settings(optimizer: Any, settings: list[dict[str, Any]]) -> list[str]:
     for group, own in zip(optimizer.param_groups, settings, strict=True):
         for key, value in own.items():
             if key in group and group[key] != value:
-                changed[key] = None
+                changed[key.removesuffix("_peak")] = None  # momentum_peak: the momentum
             group[key] = value
     return list(changed)
 

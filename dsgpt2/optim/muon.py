@@ -24,15 +24,18 @@ gradient, as AdamW and the Muon authors apply it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
+from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import param_groups
 from dsgpt2.optim.ds_config import EngineConfig, zero_stage
 from dsgpt2.optim.optimizer import OPTIMIZERS, RunOptimizer
-from dsgpt2.settings.options import POSITIVE_NUMBER, Checked, Range, option
+from dsgpt2.optim.schedule import MOMENTUM_START, momentum_at
+from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_NUMBER, Checked, Range, option
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,10 @@ SCALES = ("spectral", "rms", "storage")
 # both corpora at 4 x 128 (held-out perplexity 94.6 and 43.1 against spectral's 99.5 and 47.3).
 MUON_SCALE = "rms"
 MUON_WEIGHT_DECAY = 0.0
+# The orthogonalisation (--muon_ns): DeepSpeed's fixed quintic, or Polar Express (dsgpt2.optim.muon_update),
+# by the ``ns_method`` a Muon group carries.
+NS_METHODS = {"quintic": "gram", "polar_express": "polar_express"}
+MUON_NS = "quintic"
 
 
 def layer_shape(module: Any) -> tuple[int, int] | None:
@@ -117,13 +124,18 @@ def muon_param_groups(
     momentum: float,
     weight_decay: float = MUON_WEIGHT_DECAY,
     scale: str = MUON_SCALE,
+    ns: str = MUON_NS,
+    cautious: bool = False,
+    momentum_warmup: int = 0,
 ) -> list[dict[str, Any]]:
     """``MuonWithAuxAdam``'s groups: every other weight under AdamW (``adamw``: the DeepSpeed config's
     ``optimizer.params``; ``lr``: its peak; decay on the embeddings only, as :func:`param_groups`), then
     the hidden matrices under Muon (``muon_lr``, ``momentum``, ``weight_decay``), one group per update
     factor of ``scale`` (:func:`scale_factors`), in the order of the model's first weight of each.
-    Each group's ``lr_scale`` is its peak ÷ ``lr``: the schedule sets ``lr × curve × lr_scale``.
-    Tied weights appear once."""
+    Each group's ``lr_scale`` is its peak ÷ ``lr``: the schedule sets ``lr × curve × lr_scale``, and
+    where ``momentum_warmup`` is set, the momentum (from 0.85 to ``momentum`` over that many steps).
+    ``ns`` names the orthogonalisation (:data:`dsgpt2.optim.muon_update.NS_METHODS`); ``cautious``
+    decays a weight only where the update and the weight agree in sign. Tied weights appear once."""
     hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p)}
     betas = tuple(adamw.get("betas", (0.9, 0.999)))
     eps = float(adamw.get("eps", 1e-8))
@@ -140,7 +152,9 @@ def muon_param_groups(
         by_factor.setdefault(round(factor, 12), []).append(p)
     for factor, params in by_factor.items():
         # The decay divided by the factor: p ← p·(1 − lr·wd) decays each matrix at muon_lr × wd.
-        groups.append({"params": params, "use_muon": True, "lr": muon_lr * factor, "momentum": momentum,
+        groups.append({"params": params, "use_muon": True, "lr": muon_lr * factor,
+                       "momentum": momentum_at(momentum, momentum_warmup, 0), "momentum_peak": momentum,
+                       "momentum_warmup": momentum_warmup, "ns_method": NS_METHODS[ns], "cautious": cautious,
                        "weight_decay": weight_decay / factor, "lr_scale": muon_lr * factor / lr,
                        "muon_factor": factor})  # fmt: skip
     # ZeRO 1 and 2 ask each parameter, not its group, whether Muon steps it.
@@ -160,25 +174,55 @@ def muon_unfit(ds_config: dict[str, Any]) -> str | None:
     return None
 
 
+def decayed_step(params: Any, update: Any, lr: float, weight_decay: float, cautious: bool) -> None:
+    """``params ← params − lr·(update + decay·params)``, the decay (decoupled, as AdamW's) only where
+    ``update`` and the weight agree in sign under ``cautious`` (Chen et al., 2025: "Cautious Weight
+    Decay"; the speedrun's and nanochat's Muon): a weight the update already pulls towards zero is not
+    pulled twice. ``params``: a tensor, or a list of them whose update is ``update`` stacked."""
+    import torch
+
+    stacked = torch.stack(params) if isinstance(params, list) else params
+    if cautious:
+        step = update + weight_decay * stacked * ((update * stacked) >= 0)
+    else:
+        step = update + weight_decay * stacked
+    if isinstance(params, list):
+        torch._foreach_add_(params, list(step.unbind(0)), alpha=-lr)
+    else:
+        params.add_(step, alpha=-lr)
+
+
+@functools.cache
 def batched_muon_class() -> type:
     """DeepSpeed's ``MuonWithAuxAdam`` whose step orthogonalises the whole matrices of one shape together:
     one batched Newton–Schulz per shape and group (GPT-2's 48 hidden matrices at 112m in 4 calls rather
     than 48), and their decay and update applied by multi-tensor ops. DeepSpeed's iteration takes a batch
     as it is (``zeropower_via_*`` orthogonalise each matrix of it), and scales by each matrix's own
     shape. Under ZeRO 1 and 2 DeepSpeed has orthogonalised each gradient before the step and hands it
-    flat: those take DeepSpeed's own path."""
+    flat: only the decay and the update are left. Its groups' ``cautious`` chooses the decay
+    (:func:`decayed_step`), at every stage; ZeRO 1 and 2 know it as DeepSpeed's own (it is one)."""
     import warnings
     from collections import defaultdict
 
     import torch
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    from dsgpt2.optim import muon_update
 
     # Inductor lowers DeepSpeed's compiled Newton–Schulz through a torch helper that warns of its own
     # deprecation, once per run on the user's screen: not the user's to act on.
     warnings.filterwarnings("ignore", r"`torch\._prims_common\.check` is deprecated", FutureWarning)
-    from deepspeed.runtime.zero.muon import original_muon
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
     class BatchedMuon(MuonWithAuxAdam):  # type: ignore[misc]
+        def __init__(self, param_groups: list[dict[str, Any]], **kwargs: Any) -> None:
+            # DeepSpeed's constructor admits its own methods only: --muon_ns's is set once it is built.
+            methods = [g.pop("ns_method", None) for g in param_groups]
+            super().__init__(param_groups, **kwargs)
+            for group, method in zip(self.param_groups, methods, strict=True):
+                if method is not None:
+                    group["ns_method"] = method
+
         @torch.no_grad()
         def step(self, closure: Any = None, step_id: Any = None) -> Any:
             loss = None
@@ -192,8 +236,8 @@ def batched_muon_class() -> type:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     if p.dim() < 2:  # a flat ZeRO partition: its gradient holds the update already
-                        p.mul_(1 - group["lr"] * group["weight_decay"])
-                        p.add_(p.grad.reshape(p.shape), alpha=-group["lr"])
+                        decayed_step(p, p.grad.reshape(p.shape), group["lr"], group["weight_decay"],
+                                     group.get("cautious", False))  # fmt: skip
                     else:
                         shapes[tuple(p.shape)].append(p)
                 for params in shapes.values():
@@ -205,12 +249,12 @@ def batched_muon_class() -> type:
                         buffers.append(state[MUON_MOMENTUM_KEY])
                     momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
                     grads = torch.stack([p.grad for p in params])
-                    update = original_muon.muon_update(
+                    update = muon_update.muon_update(
                         grads, momentum, beta=group["momentum"], ns_method=method
                     )
                     torch._foreach_copy_(buffers, list(momentum.unbind(0)))
-                    torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-                    torch._foreach_add_(params, list(update.unbind(0)), alpha=-group["lr"])
+                    cautious = group.get("cautious", False)
+                    decayed_step(params, update, group["lr"], group["weight_decay"], cautious)
             # AdamW's part as DeepSpeed steps it, shown only its own groups.
             every = self.param_groups
             self.param_groups = [g for g in every if not g["use_muon"]]
@@ -220,6 +264,8 @@ def batched_muon_class() -> type:
                 self.param_groups = every
             return loss
 
+    if BatchedMuon not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(BatchedMuon)
     return BatchedMuon
 
 
@@ -262,6 +308,26 @@ class MuonOptions(Checked):
         choices=list(SCALES),
         serves=MUON,
     )
+    muon_ns: str | None = option(
+        None,
+        f"muon: the orthogonalisation (default {MUON_NS}): quintic, five Newton–Schulz iterations of the "
+        "Muon authors' fixed quintic (DeepSpeed's); polar_express, Polar Express's five, each with its own "
+        "coefficients (the speedrun's since 2025)",
+        choices=list(NS_METHODS),
+        serves=MUON,
+    )
+    muon_cautious: bool | None = option(
+        None,
+        "muon: cautious weight decay: decay a weight only where its update has the same sign (default off)",
+        serves=MUON,
+    )
+    muon_momentum_warmup: int | None = option(
+        None,
+        f"muon: raise the momentum linearly from {MOMENTUM_START} to --muon_momentum over this many first "
+        "steps (default 0: none)",
+        check=NON_NEGATIVE_INT,
+        serves=MUON,
+    )
 
 
 MUON_KEYS = tuple(f.name for f in fields(MuonOptions))
@@ -276,7 +342,13 @@ class Muon(RunOptimizer):
     own_rates = "Muon (--optimizer muon, the default for a new run), whose weights take their own (--muon_lr)"
     keys = MUON_KEYS
     # What checkpoints saved before these settings existed trained with.
-    legacy: ClassVar[dict[str, Any]] = {"muon_scale": "storage", "muon_weight_decay": 0.0}
+    legacy: ClassVar[dict[str, Any]] = {
+        "muon_scale": "storage",
+        "muon_weight_decay": 0.0,
+        "muon_ns": "quintic",
+        "muon_cautious": False,
+        "muon_momentum_warmup": 0,
+    }
     compiles = "Muon's Newton–Schulz iteration"
     # ZeRO 1 and 2 would clip the orthogonalised updates (see engine_config).
     trainer_clips = False
@@ -317,6 +389,18 @@ class Muon(RunOptimizer):
         if o.muon_weight_decay is None:
             adamw = (ds_config.get("optimizer") or {}).get("params") or {}
             o.muon_weight_decay = default_weight_decay(o.muon_scale, adamw)
+        if o.muon_ns is None:
+            o.muon_ns = MUON_NS
+        if o.muon_cautious is None:
+            o.muon_cautious = False
+        if o.muon_momentum_warmup is None:
+            o.muon_momentum_warmup = 0
+        if o.muon_momentum_warmup and o.muon_momentum <= MOMENTUM_START:
+            raise ConfigError(
+                f"--muon_momentum_warmup raises the momentum from {MOMENTUM_START} to --muon_momentum, and "
+                f"--muon_momentum is {o.muon_momentum}: give a momentum above {MOMENTUM_START}, or leave out "
+                "--muon_momentum_warmup"
+            )
 
     def engine_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """``config`` without its ``optimizer`` block (the engine is handed this one) and with gradient
@@ -345,8 +429,9 @@ def default_weight_decay(scale: str, adamw: dict[str, Any]) -> float:
 def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage: int = 0) -> Any:
     """The Muon optimizer of ``model`` at ZeRO ``stage``: AdamW's part from ``adamw`` (the DeepSpeed
     config's optimizer settings), ``lr`` its peak; Muon's from ``options``, their defaults where unset."""
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
     from torch.optim import AdamW
+
+    from dsgpt2.optim import muon_update
 
     scale = options.muon_scale or MUON_SCALE
     weight_decay = options.muon_weight_decay
@@ -354,20 +439,26 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
         weight_decay = default_weight_decay(scale, adamw)
     muon_lr = options.muon_lr if options.muon_lr is not None else lr if scale == "rms" else MUON_LR
     momentum = MUON_MOMENTUM if options.muon_momentum is None else options.muon_momentum
-    groups = muon_param_groups(
-        model, adamw, lr, muon_lr=muon_lr, momentum=momentum, weight_decay=weight_decay, scale=scale
-    )
-    # ZeRO 1 and 2 orthogonalise each gradient themselves, and accept Muon by its exact class.
-    muon = batched_muon_class() if stage == 0 else MuonWithAuxAdam
+    ns, cautious = options.muon_ns or MUON_NS, bool(options.muon_cautious)
+    warmup = options.muon_momentum_warmup or 0
+    groups = muon_param_groups(model, adamw, lr, muon_lr=muon_lr, momentum=momentum,
+                               weight_decay=weight_decay, scale=scale, ns=ns, cautious=cautious,
+                               momentum_warmup=warmup)  # fmt: skip
+    # ZeRO 1 and 2 orthogonalise each gradient themselves, through DeepSpeed's muon_update: --muon_ns's.
+    muon_update.install()
+    muon = batched_muon_class()
     # AdamW's part in one fused kernel per group, as DeepSpeed's own AdamW steps alone: torch's default
     # on a CPU steps each tensor by itself, half a dozen host ops for each of GPT-2's ~100 small ones.
     optimizer = muon(groups, adam_optimizer=AdamW, adam_optimizer_kwargs={"fused": True})
     n_muon = sum(p.numel() for g in groups if g["use_muon"] for p in g["params"])
     n_all = sum(p.numel() for g in groups for p in g["params"])
     factors = ", ".join(f"{g['muon_factor']:.3g}" for g in groups if g["use_muon"])
+    warmed = f" (from {MOMENTUM_START} over {warmup} steps)" if warmup else ""
     log.info(
-        "optimizer: Muon (lr %g, momentum %g, weight decay %g, %s scale: ×%s) on %.1fM weights of the "
-        "blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
-        muon_lr, momentum, weight_decay, scale, factors, n_muon / 1e6, lr, (n_all - n_muon) / 1e6, stage,
+        "optimizer: Muon (lr %g, momentum %g%s, weight decay %g%s, %s scale: ×%s; %s) on %.1fM weights of "
+        "the blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
+        muon_lr, momentum, warmed, weight_decay, " (cautious)" if cautious else "", scale, factors,
+        "Polar Express" if ns == "polar_express" else "quintic Newton–Schulz", n_muon / 1e6, lr,
+        (n_all - n_muon) / 1e6, stage,
     )  # fmt: skip
     return optimizer

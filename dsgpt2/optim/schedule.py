@@ -115,8 +115,24 @@ def lr_at(s: Schedule, step: int) -> float:
     return s.peak - (s.peak - low) * (step - start) / max(1, s.total - start)
 
 
+# Where a warmed-up momentum starts (``--muon_momentum_warmup``): the modded-nanogpt speedrun's and
+# nanochat's 0.85, raised linearly to the group's own over the warmup's steps.
+MOMENTUM_START = 0.85
+
+
+def momentum_at(peak: float, warmup: int, step: int) -> float:
+    """The momentum of optimizer step ``step + 1`` (``step`` steps done) of a group whose momentum rises
+    from :data:`MOMENTUM_START` to ``peak`` over its first ``warmup`` steps."""
+    if warmup <= 0 or step >= warmup:
+        return peak
+    frac = step / warmup
+    return (1 - frac) * MOMENTUM_START + frac * peak
+
+
 class ScheduledLR:
-    """Sets the optimizer's learning rate from :func:`lr_at` after each applied optimizer step.
+    """Sets the optimizer's learning rate from :func:`lr_at` after each applied optimizer step, and the
+    momentum of the groups that warm theirs up (``momentum_warmup`` steps to ``momentum_peak``:
+    :func:`momentum_at`).
 
     DeepSpeed calls :meth:`step` after every step it applies (not after an fp16 step it skips
     for overflow) and saves :meth:`state_dict` in checkpoints.
@@ -132,6 +148,8 @@ class ScheduledLR:
     def _apply(self) -> None:
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
+            if warmup := group.get("momentum_warmup"):
+                group["momentum"] = momentum_at(group["momentum_peak"], warmup, self.last_step)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.last_step += 1

@@ -1,6 +1,6 @@
 """What runs under ``torch.compile`` computes what eager does: the model paths the trainer compiles
 (``--doc_mask``, activation checkpointing; the chunked loss inside and beside the graph is
-``test_lmloss.py``'s) and Muon's compiled Newton–Schulz update. Marked ``floor``: ``make test-floor``
+``test_lmloss.py``'s) and Muon's compiled update (either iteration). Marked ``floor``: ``make test-floor``
 runs them on every torch ``pyproject.toml`` admits (under torch 2.11 the compiled chunked loss once gave
 zero gradients while 2.13 gave the eager ones).
 """
@@ -114,20 +114,26 @@ def test_a_compiled_model_has_the_eager_loss_and_gradients(path: str) -> None:
 
 
 @pytest.mark.slow  # compiles the Newton–Schulz iteration
-def test_muons_compiled_update_is_the_eager_one() -> None:
-    """Muon's update (momentum and the Gram Newton–Schulz iteration the trainer runs, in float32, compiled
-    by DeepSpeed whatever --compile says) on a batch of matrices of one shape, compiled and with torch's
-    compiler stood down."""
+@pytest.mark.parametrize("method", ["gram", "polar_express"])
+def test_muons_compiled_update_is_the_eager_one_and_a_warming_momentum_compiles_once(method: str) -> None:
+    """Muon's update (momentum, then the iteration of --muon_ns: DeepSpeed's Gram Newton–Schulz or Polar
+    Express, in float32, compiled whatever --compile says) on a batch of matrices of one shape, compiled
+    and with torch's compiler stood down; a momentum that changes at every step (--muon_momentum_warmup)
+    does not compile it again."""
     from dsgpt2.accelerator import prepare_deepspeed_environment
 
     prepare_deepspeed_environment()
-    from deepspeed.runtime.zero.muon import original_muon
+    from dsgpt2.optim.muon_update import muon_update
 
     torch.manual_seed(0)
     grads, momentum = torch.randn(3, 48, 16), torch.randn(3, 48, 16)
     torch._dynamo.reset()
-    with torch.compiler.set_stance("force_eager"):
-        want = original_muon.muon_update(grads.clone(), momentum.clone(), beta=0.95, ns_method="gram")
-    got = original_muon.muon_update(grads.clone(), momentum.clone(), beta=0.95, ns_method="gram")
-    assert want.abs().sum() > 0
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    graphs = []
+    for beta in (0.85, 0.9, 0.95):
+        with torch.compiler.set_stance("force_eager"):
+            want = muon_update(grads.clone(), momentum.clone(), beta=beta, ns_method=method)
+        got = muon_update(grads.clone(), momentum.clone(), beta=beta, ns_method=method)
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2, graphs

@@ -1,5 +1,5 @@
 """A compiled run trains the eager run's model, step by step: the same blocks, the same losses, and a loss
-that falls (AdamW at ZeRO 0, Muon at ZeRO 1). Marked ``floor``: ``make test-floor`` runs it on every torch
+that falls (AdamW at ZeRO 0, Muon at ZeRO 1, Muon with the speedrun's options at ZeRO 2). Marked ``floor``: ``make test-floor`` runs it on every torch
 ``pyproject.toml`` admits, where a compiled loss with no gradient once trained nothing at full speed."""
 
 from __future__ import annotations
@@ -19,15 +19,21 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
 
 
-@pytest.mark.parametrize(("optimizer", "stage"), [("adamw", 0), ("muon", 1)])
+# Muon's options from the speedrun (Polar Express, cautious decay, a warmed-up momentum) at ZeRO 2.
+VARIANTS = ("--muon_ns", "polar_express", "--muon_cautious", "--muon_momentum_warmup", "3")
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "stage", "options"), [("adamw", 0, ()), ("muon", 1, ()), ("muon", 2, VARIANTS)]
+)
 def test_a_compiled_run_falls_as_the_eager_one_step_by_step(
-    corpus: dict[str, Path], tmp_path: Path, optimizer: str, stage: int
+    corpus: dict[str, Path], tmp_path: Path, optimizer: str, stage: int, options: tuple[str, ...]
 ) -> None:
     ds = json.loads(corpus["ds"].read_text())
     ds["zero_optimization"] = {"stage": stage}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     common = ("--deepspeed_config", str(tmp_path / "ds.json"), "--optimizer", optimizer,
-              "--train_iters", "6", "--save_interval", "100")  # fmt: skip
+              "--train_iters", "6", "--save_interval", "100", *options)  # fmt: skip
     eager_run = train(corpus, tmp_path / "eager", *common, "--no_compile")
     compiled_run = train(corpus, tmp_path / "compiled", *common, "--compile")
     # The first step's compile (tens of seconds on a CPU) is said before it starts, not left silent;

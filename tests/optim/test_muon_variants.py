@@ -1,0 +1,205 @@
+"""Muon's options from the speedrun and nanochat: Polar Express (``--muon_ns polar_express``), cautious
+weight decay (``--muon_cautious``) and a momentum warmed up from 0.85 (``--muon_momentum_warmup``): each
+update against a reference written here for a small matrix, and all three at once trained at ZeRO 0, 1
+and 2 (the same model) and resumed in the middle of the warmup exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsgpt2.errors import ConfigError
+from dsgpt2.optim.muon import batched_muon_class, decayed_step, muon_param_groups
+from dsgpt2.optim.schedule import Schedule, ScheduledLR, momentum_at
+from dsgpt2.train.config import OptimizerOptions
+from training import steps, train, training_corpus
+
+pytestmark = [
+    # Inductor imports torch.utils.mkldnn, which warns of its own torch.jit use: torch's warning, not ours.
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning"),
+]
+
+# The five (a, b, c) of Polar Express (Amsel et al., 2025, as the modded-nanogpt speedrun prints them).
+PUBLISHED = [
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+]
+
+
+def _deepspeed() -> Any:
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    prepare_deepspeed_environment()
+    from deepspeed.runtime.zero.muon import original_muon
+
+    return original_muon
+
+
+def _reference_polar(g: torch.Tensor) -> torch.Tensor:
+    """Polar Express in float64, written out: wide side last, ÷ (1.02·‖g‖_F), X ← aX + (bA + cA²)X."""
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (torch.linalg.matrix_norm(x) * 1.02 + 1e-6)
+    for a, b, c in PUBLISHED:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (8, 16), (24, 24)])
+def test_polar_express_is_the_published_iteration_and_nearer_the_polar_factor_than_the_quintic(
+    shape: tuple[int, int],
+) -> None:
+    from dsgpt2.optim.muon_update import polar_express
+
+    torch.manual_seed(0)
+    g = torch.randn(*shape)
+    with torch.compiler.set_stance("force_eager"):
+        ours = polar_express(g).double()
+        quintic = _deepspeed().zeropower_via_gram_newtonschulz(g, 5).double()
+    torch.testing.assert_close(ours, _reference_polar(g), rtol=0, atol=2e-4)
+    u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    exact = u @ vh
+    assert (ours - exact).abs().max() < (quintic - exact).abs().max()
+    singular = torch.linalg.svdvals(ours)
+    assert singular.min() > 0.8 and singular.max() < 1.2, singular  # the quintic's fall to 0.68
+    assert torch.linalg.svdvals(quintic).min() < 0.75
+
+
+def test_the_polar_update_is_nesterov_momentum_then_polar_express_sized_as_deepspeeds() -> None:
+    from dsgpt2.optim.muon_update import muon_update
+
+    torch.manual_seed(1)
+    grad, momentum = torch.randn(2, 12, 4), torch.randn(2, 12, 4)  # two tall matrices of one shape
+    beta = 0.9
+    want_momentum = beta * momentum + (1 - beta) * grad
+    nesterov = (1 - beta) * grad + beta * want_momentum
+    want = torch.stack([_reference_polar(m) for m in nesterov]) * (12 / 4) ** 0.5  # DeepSpeed's size
+    with torch.compiler.set_stance("force_eager"):
+        got = muon_update(grad.clone(), momentum, beta=beta, ns_method="polar_express")
+    torch.testing.assert_close(momentum, want_momentum, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-4)
+    # A non-finite gradient leaves the momentum alone and comes back as the update (the loss scaler's cue).
+    grad[0, 0, 0] = float("inf")
+    kept = momentum.clone()
+    with torch.compiler.set_stance("force_eager"):
+        got = muon_update(grad.clone(), momentum, beta=beta, ns_method="polar_express")
+    assert torch.equal(momentum, kept) and not torch.isfinite(got).all()
+
+
+def test_cautious_decay_decays_only_where_the_update_agrees_with_the_weight_in_sign() -> None:
+    p = torch.tensor([[1.0, -1.0], [2.0, -2.0]])
+    update = torch.tensor([[0.5, 0.5], [-0.5, 0.0]])
+    lr, wd = 0.1, 0.5
+    plain, cautious = p.clone(), p.clone()
+    decayed_step(plain, update, lr, wd, cautious=False)
+    decayed_step(cautious, update, lr, wd, cautious=True)
+    # p − lr·(u + wd·p) everywhere; cautious: the decay only at (0, 0) (both +) and (1, 1) (u = 0).
+    torch.testing.assert_close(
+        plain, torch.tensor([[1 - 0.1 * 1.0, -1 - 0.1 * 0.0], [2 + 0.1 * -0.5, -2 + 0.1 * 1.0]])
+    )
+    torch.testing.assert_close(
+        cautious, torch.tensor([[1 - 0.1 * 1.0, -1 - 0.1 * 0.5], [2 + 0.1 * 0.5, -2 + 0.1 * 1.0]])
+    )
+    # A batch of matrices (the stacked step of ZeRO 0) takes the same step as each alone.
+    batch = [p.clone(), -p.clone()]
+    decayed_step(batch, torch.stack([update, update]), lr, wd, cautious=True)
+    assert torch.equal(batch[0], cautious)
+    alone = -p.clone()
+    decayed_step(alone, update, lr, wd, cautious=True)
+    assert torch.equal(batch[1], alone)
+
+
+def _model() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+
+
+def test_the_momentum_warms_up_from_085_to_its_own_and_the_schedule_sets_it_each_step() -> None:
+    assert [momentum_at(0.95, 4, s) for s in range(6)] == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95, 0.95])
+    assert momentum_at(0.95, 0, 0) == 0.95  # no warmup
+    model = _model()
+    groups = muon_param_groups(model, {}, 1e-3, muon_lr=1e-3, momentum=0.95, momentum_warmup=4)
+    optimizer = batched_muon_class()(groups, adam_optimizer=torch.optim.AdamW)
+    scheduler = ScheduledLR(optimizer, Schedule(kind="wsd", peak=1e-3, total=10, warmup=0))
+    muon = [g for g in optimizer.param_groups if g["use_muon"]]
+    seen = []
+    for _ in range(5):
+        seen.append(muon[0]["momentum"])
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        with torch.compiler.set_stance("force_eager"):
+            optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.85, 0.875, 0.9, 0.925, 0.95])
+    assert all(g["momentum"] == pytest.approx(0.95) for g in muon)
+    # The AdamW groups have no momentum of this kind.
+    assert all("momentum" not in g for g in optimizer.param_groups if not g["use_muon"])
+
+
+def test_a_warmup_to_a_momentum_below_its_start_is_refused() -> None:
+    options = OptimizerOptions(optimizer="muon", muon_momentum=0.8, muon_momentum_warmup=100)
+    with pytest.raises(ConfigError, match=r"--muon_momentum_warmup raises the momentum from 0.85"):
+        options.settle(None, {})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return training_corpus(tmp_path_factory)
+
+
+def _staged(corpus: dict[str, Path], where: Path, stage: int) -> dict[str, Path]:
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": stage}
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "ds.json").write_text(json.dumps(ds))
+    return dict(corpus, ds=where / "ds.json")
+
+
+VARIANTS = ("--optimizer", "muon", "--lr_schedule", "wsd", "--muon_lr", "0.03", "--muon_ns", "polar_express",
+            "--muon_cautious", "--muon_momentum_warmup", "4")  # fmt: skip
+RUN = ("--train_iters", "6", "--save_interval", "3")
+
+
+@pytest.mark.slow
+def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup_exactly(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    straight = train(_staged(corpus, tmp_path / "z0", 0), tmp_path / "z0", *VARIANTS, *RUN)
+    said = "(lr 0.03, momentum 0.95 (from 0.85 over 4 steps), weight decay 0.1 (cautious), rms scale: ×"
+    assert said in straight.stderr, straight.stderr[-3000:]
+    plain = train(_staged(corpus, tmp_path / "plain", 0), tmp_path / "plain", *VARIANTS[:6], *RUN)
+    a, p = steps(tmp_path / "z0"), steps(tmp_path / "plain")
+    assert a[6]["loss"] < a[1]["loss"] - 0.3  # it learns
+    assert a[2]["loss"] != p[2]["loss"]  # and the options change what it learns
+    assert "; Polar Express) on 0.1M weights" in straight.stderr
+    assert "; quintic Newton–Schulz) on 0.1M weights" in plain.stderr
+    for stage in (1, 2):
+        run = tmp_path / f"z{stage}"
+        staged = _staged(corpus, run, stage)
+        crashed = train(staged, run, *VARIANTS, *RUN, check=False, faults=("--exit_after", "5"))
+        assert crashed.returncode == 17
+        assert (run / "ckpt" / "latest").read_text() == "global_step3"  # in the middle of the warmup
+        resumed = train(
+            staged, run, "--train_iters", "6", "--save_interval", "3"
+        )  # the options from the checkpoint
+        assert "--muon_ns polar_express, --muon_cautious True, --muon_momentum_warmup 4" in resumed.stderr
+        assert "this run's, not the checkpoint's" not in resumed.stderr
+        b = steps(run)
+        assert sorted(b) == list(range(1, 7))
+        for step in range(1, 7):
+            assert a[step]["block_ids"] == b[step]["block_ids"], step
+            for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
+                assert abs(x - y) <= 1e-5, (stage, step, x, y)
