@@ -18,6 +18,13 @@ a wider one (4 layers of 128) that still trains on two cores in minutes.
 ``BENCH_RECIPE_STEPS`` (1,000), ``BENCH_RECIPE_SEEDS`` (1,2,3), ``BENCH_RECIPE_SHAPES`` (tiny,wide) and
 ``BENCH_RECIPE_CORPORA`` (stdlib,prose) choose a shorter run: the whole is 24 trainings (about an hour
 and a half on two cores).
+
+A screen of the fast recipe's options: ``BENCH_RECIPE_VARIANTS`` names variants, each the fast recipe with
+flags typed after it (``polar=--muon_ns polar_express|all=--muon_ns polar_express --muon_cautious``), each
+measured as the fast recipe is, against AdamW and against the fast recipe as shipped.
+``BENCH_RECIPE_REUSE=1`` reads back a training whose run folder holds its result (``result.json``) rather
+than training it again: two processes (each one thread, ``OMP_NUM_THREADS=1``) given other seeds share
+the work, and a last one with every seed prints the table.
 """
 
 from __future__ import annotations
@@ -39,6 +46,13 @@ SEEDS = tuple(int(s) for s in os.environ.get("BENCH_RECIPE_SEEDS", "1,2,3").spli
 SHAPES = tuple(os.environ.get("BENCH_RECIPE_SHAPES", "tiny,wide").split(","))
 CORPORA = tuple(os.environ.get("BENCH_RECIPE_CORPORA", "stdlib,prose").split(","))
 RECIPES = {"adamw": "adamw.yaml", "fast": "fast.yaml"}
+VARIANTS = {
+    name.strip(): tuple(flags.split())
+    for name, _, flags in (
+        v.partition("=") for v in os.environ.get("BENCH_RECIPE_VARIANTS", "").split("|") if v
+    )
+}
+REUSE = os.environ.get("BENCH_RECIPE_REUSE") == "1"
 WIDE = {
     "n_layer": 4,
     "n_embd": 128,
@@ -84,13 +98,14 @@ def prose_texts(limit: int = 4000) -> list[str]:
 
 
 def _recipe(name: str) -> Any:
+    """The recipe ``name`` as parsed: a shipped one, or a variant (the fast recipe and its flags)."""
     from dsgpt2.settings.runfile import parse_args
     from dsgpt2.settings.shipped import shipped_config
     from dsgpt2.train.config import TRAIN_ALIASES, trainer_parser
 
-    path = Path(shipped_config(f"recipes/{RECIPES[name]}"))
-    return parse_args(trainer_parser(), ["--config", str(path)], command=["train"], sections=None,
-                      aliases=TRAIN_ALIASES)  # fmt: skip
+    path = Path(shipped_config(f"recipes/{RECIPES.get(name, RECIPES['fast'])}"))
+    argv = ["--config", str(path), *VARIANTS.get(name, ())]
+    return parse_args(trainer_parser(), argv, command=["train"], sections=None, aliases=TRAIN_ALIASES)
 
 
 def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run: Path) -> dict[str, Any]:
@@ -112,6 +127,9 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import build
 
+    if REUSE and (run / "result.json").exists():
+        got = json.loads((run / "result.json").read_text())
+        return {**got, "evals": {int(k): v for k, v in got["evals"].items()}}
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "recipe",
@@ -145,7 +163,9 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     validations = [r for r in records if r.get("event") == "eval" and r.get("val_loss")]
     evals = {r["step"]: r["val_loss"] for r in validations}
     rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > 10]
-    return {"evals": evals, "bpb": validations[-1]["val_bpb"], "tokens_per_s": statistics.median(rates)}
+    got = {"evals": evals, "bpb": validations[-1]["val_bpb"], "tokens_per_s": statistics.median(rates)}
+    (run / "result.json").write_text(json.dumps(got))
+    return got
 
 
 def steps_to_reach(evals: dict[int, float], target: float) -> float:
@@ -190,9 +210,9 @@ def recipe(texts: list[str], results: Path) -> list[Metric]:
         if not (tokenizer / "tokenizer.json").exists():
             train_vocab(docs, tokenizer, VocabSettings(vocab_size=8192), "recipe", progress=False)
         for shape in SHAPES:
-            runs: dict[str, list[dict[str, Any]]] = {"adamw": [], "fast": []}
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ("adamw", "fast", *VARIANTS)}
             for seed in SEEDS:
-                for name in ("adamw", "fast"):
+                for name in runs:
                     got = _train(store, name, shape, seed, tokenizer, work / f"{shape}-{name}-{seed}")
                     runs[name].append(got)
                     final = got["evals"][max(got["evals"])]
@@ -200,31 +220,43 @@ def recipe(texts: list[str], results: Path) -> list[Metric]:
                     print(f"   recipe {corpus} {shape} seed {seed} {name}: held-out ppl {np.exp(final):.2f} "
                           f"at step {max(got['evals'])}, {rate:,.0f} tokens/s", flush=True)  # fmt: skip
             metrics += _metrics(corpus, shape, len(docs), runs)
+            for name in VARIANTS:
+                metrics += _metrics(corpus, shape, len(docs), runs, name)
         embedded.stop(work / "db")
     return metrics + muon_step_cost()
 
 
-def _metrics(corpus: str, shape: str, documents: int, runs: dict[str, list[dict[str, Any]]]) -> list[Metric]:
-    final = {name: [r["evals"][max(r["evals"])] for r in rs] for name, rs in runs.items()}
-    ppl = {name: float(np.exp(np.mean(losses))) for name, losses in final.items()}  # geometric mean
+def _metrics(
+    corpus: str, shape: str, documents: int, runs: dict[str, list[dict[str, Any]]], name: str = "fast"
+) -> list[Metric]:
+    """The lines of one recipe (``name``: the fast one, or a variant of it) against AdamW, and a variant's
+    held-out perplexity against the fast recipe as shipped."""
+    final = {n: [r["evals"][max(r["evals"])] for r in rs] for n, rs in runs.items()}
+    ppl = {n: float(np.exp(np.mean(losses))) for n, losses in final.items()}  # geometric mean
     reach = [steps_to_reach(f["evals"], target) / max(a["evals"])
-             for f, a, target in zip(runs["fast"], runs["adamw"], final["adamw"], strict=True)]  # fmt: skip
-    rate = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
-    bpb = {name: float(np.mean([r["bpb"] for r in rs])) for name, rs in runs.items()}
+             for f, a, target in zip(runs[name], runs["adamw"], final["adamw"], strict=True)]  # fmt: skip
+    rate = {n: statistics.median(r["tokens_per_s"] for r in rs) for n, rs in runs.items()}
+    bpb = {n: float(np.mean([r["bpb"] for r in rs])) for n, rs in runs.items()}
     where = (f"{corpus}, {shape} ({'2 x 64' if shape == 'tiny' else '4 x 128'}), {documents} documents, "
              f"{STEPS} steps of 16 x 128 tokens, seeds {', '.join(map(str, SEEDS))}")  # fmt: skip
     mean_reach = float(np.mean(reach))
     reach_note = ", ".join("never" if not np.isfinite(x) else f"{x:.2f}" for x in reach)
-    return [
-        Metric(f"recipe: held-out ppl, fast ÷ AdamW ({corpus}, {shape})", ppl["fast"], ppl["adamw"], "ppl",
-               "<= 0.9", ppl["fast"] <= 0.9 * ppl["adamw"], where),
-        Metric(f"recipe: held-out bpb, fast ÷ AdamW ({corpus}, {shape})", bpb["fast"], bpb["adamw"], "bpb",
+    label = "fast" if name == "fast" else f"fast {name} ({' '.join(VARIANTS[name])})"
+    lines = [
+        Metric(f"recipe: held-out ppl, {label} ÷ AdamW ({corpus}, {shape})", ppl[name], ppl["adamw"], "ppl",
+               "<= 0.9", ppl[name] <= 0.9 * ppl["adamw"], where),
+        Metric(f"recipe: held-out bpb, {label} ÷ AdamW ({corpus}, {shape})", bpb[name], bpb["adamw"], "bpb",
                "info", True, "final validation bits per byte, mean over the seeds"),
-        Metric(f"recipe: steps to AdamW's final loss ({corpus}, {shape})", mean_reach * STEPS, STEPS, "steps",
-               "<= 0.7", mean_reach <= 0.7, f"per seed: {reach_note}"),
-        Metric(f"recipe: seconds per token, fast ÷ AdamW ({corpus}, {shape})", 1 / rate["fast"],
+        Metric(f"recipe: steps to AdamW's final loss, {label} ({corpus}, {shape})", mean_reach * STEPS, STEPS,
+               "steps", "<= 0.7", mean_reach <= 0.7, f"per seed: {reach_note}"),
+        Metric(f"recipe: seconds per token, {label} ÷ AdamW ({corpus}, {shape})", 1 / rate[name],
                1 / rate["adamw"], "s/token", "info", True, "median tokens/s of the logged steps"),
     ]  # fmt: skip
+    if name != "fast":
+        seeds = ", ".join(f"{np.exp(v - f):.3f}" for v, f in zip(final[name], final["fast"], strict=True))
+        lines.append(Metric(f"recipe: held-out ppl, {label} ÷ fast ({corpus}, {shape})", ppl[name],
+                            ppl["fast"], "ppl", "info", True, f"per seed: {seeds}"))  # fmt: skip
+    return lines
 
 
 def muon_step_cost(repeats: int = 30) -> list[Metric]:
@@ -264,19 +296,32 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
         params = list(model.parameters())
         adamw = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3)
         settings: dict[str, Any] = {"muon_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1, "scale": "rms"}
-        batched = batched_muon_class()(  # as the trainer builds it: AdamW's part fused
-            muon_param_groups(model, {}, 1e-3, **settings),
-            adam_optimizer=torch.optim.AdamW,
-            adam_optimizer_kwargs={"fused": True},
-        )
+
+        def batched(model: Any = model, settings: dict[str, Any] = settings, **extra: Any) -> Any:
+            # as the trainer builds it: AdamW's part fused
+            return batched_muon_class()(
+                muon_param_groups(model, {}, 1e-3, **settings, **extra),
+                adam_optimizer=torch.optim.AdamW,
+                adam_optimizer_kwargs={"fused": True},
+            )
+
         each = MuonWithAuxAdam(
             muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
         )
         anchor = median_step(adamw, params)
-        ours, theirs = median_step(batched, params), median_step(each, params)
+        variants = {
+            "batched per shape": batched(),
+            "DeepSpeed's, matrix by matrix": each,
+            "batched, --muon_ns polar_express": batched(ns="polar_express"),
+            "batched, --muon_cautious": batched(cautious=True),
+            "batched, polar_express, cautious, momentum warmup": batched(
+                ns="polar_express", cautious=True, momentum_warmup=300
+            ),
+        }
         where = f"{shape} ({dims['n_layer']} x {dims['n_embd']}), vocabulary 8,192, median of {repeats} steps"
         metrics += [
-            Metric(f"recipe: Muon step ÷ AdamW step ({shape}, {how})", took, anchor, "s", "info", True, where)
-            for how, took in (("batched per shape", ours), ("DeepSpeed's, matrix by matrix", theirs))
+            Metric(f"recipe: Muon step ÷ AdamW step ({shape}, {how})", median_step(optimizer, params), anchor,
+                   "s", "info", True, where)
+            for how, optimizer in variants.items()
         ]  # fmt: skip
     return metrics

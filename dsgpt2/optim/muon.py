@@ -127,6 +127,7 @@ def muon_param_groups(
     ns: str = MUON_NS,
     cautious: bool = False,
     momentum_warmup: int = 0,
+    normuon: bool = False,
 ) -> list[dict[str, Any]]:
     """``MuonWithAuxAdam``'s groups: every other weight under AdamW (``adamw``: the DeepSpeed config's
     ``optimizer.params``; ``lr``: its peak; decay on the embeddings only, as :func:`param_groups`), then
@@ -134,8 +135,9 @@ def muon_param_groups(
     factor of ``scale`` (:func:`scale_factors`), in the order of the model's first weight of each.
     Each group's ``lr_scale`` is its peak ÷ ``lr``: the schedule sets ``lr × curve × lr_scale``, and
     where ``momentum_warmup`` is set, the momentum (from 0.85 to ``momentum`` over that many steps).
-    ``ns`` names the orthogonalisation (:data:`dsgpt2.optim.muon_update.NS_METHODS`); ``cautious``
-    decays a weight only where the update and the weight agree in sign. Tied weights appear once."""
+    ``ns`` names the orthogonalisation (:data:`NS_METHODS`); ``cautious`` decays a weight only where the
+    update and the weight agree in sign; ``normuon`` evens out the update's rows (ZeRO 0 only).
+    Tied weights appear once."""
     hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p)}
     betas = tuple(adamw.get("betas", (0.9, 0.999)))
     eps = float(adamw.get("eps", 1e-8))
@@ -155,6 +157,7 @@ def muon_param_groups(
         groups.append({"params": params, "use_muon": True, "lr": muon_lr * factor,
                        "momentum": momentum_at(momentum, momentum_warmup, 0), "momentum_peak": momentum,
                        "momentum_warmup": momentum_warmup, "ns_method": NS_METHODS[ns], "cautious": cautious,
+                       "normuon": normuon,
                        "weight_decay": weight_decay / factor, "lr_scale": muon_lr * factor / lr,
                        "muon_factor": factor})  # fmt: skip
     # ZeRO 1 and 2 ask each parameter, not its group, whether Muon steps it.
@@ -223,6 +226,27 @@ def batched_muon_class() -> type:
                 if method is not None:
                     group["ns_method"] = method
 
+        def _states(self, params: list[Any], key: str, make: Any) -> list[Any]:
+            """The state ``key`` of each of ``params``, made by ``make(p)`` where it is not yet."""
+            for p in params:
+                if key not in self.state[p]:
+                    self.state[p][key] = make(p)
+            return [self.state[p][key] for p in params]
+
+        def _step_shape(self, group: dict[str, Any], params: list[Any]) -> None:
+            """One step of the whole matrices ``params`` of ``group``, all of one shape, as one batch."""
+            buffers = self._states(params, MUON_MOMENTUM_KEY, torch.zeros_like)
+            momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
+            grads = torch.stack([p.grad for p in params])
+            update = muon_update.muon_update(grads, momentum, beta=group["momentum"], ns_method=method)
+            torch._foreach_copy_(buffers, list(momentum.unbind(0)))
+            if group.get("normuon"):
+                seconds = self._states(params, muon_update.NORMUON_KEY, muon_update.normuon_state)
+                second = torch.stack(seconds)
+                update = muon_update.normuon(update, second)
+                torch._foreach_copy_(seconds, list(second.unbind(0)))
+            decayed_step(params, update, group["lr"], group["weight_decay"], group.get("cautious", False))
+
         @torch.no_grad()
         def step(self, closure: Any = None, step_id: Any = None) -> Any:
             loss = None
@@ -241,20 +265,7 @@ def batched_muon_class() -> type:
                     else:
                         shapes[tuple(p.shape)].append(p)
                 for params in shapes.values():
-                    buffers = []
-                    for p in params:
-                        state = self.state[p]
-                        if MUON_MOMENTUM_KEY not in state:
-                            state[MUON_MOMENTUM_KEY] = torch.zeros_like(p)
-                        buffers.append(state[MUON_MOMENTUM_KEY])
-                    momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
-                    grads = torch.stack([p.grad for p in params])
-                    update = muon_update.muon_update(
-                        grads, momentum, beta=group["momentum"], ns_method=method
-                    )
-                    torch._foreach_copy_(buffers, list(momentum.unbind(0)))
-                    cautious = group.get("cautious", False)
-                    decayed_step(params, update, group["lr"], group["weight_decay"], cautious)
+                    self._step_shape(group, params)
             # AdamW's part as DeepSpeed steps it, shown only its own groups.
             every = self.param_groups
             self.param_groups = [g for g in every if not g["use_muon"]]
@@ -321,6 +332,12 @@ class MuonOptions(Checked):
         "muon: cautious weight decay: decay a weight only where its update has the same sign (default off)",
         serves=MUON,
     )
+    muon_normuon: bool | None = option(
+        None,
+        "muon: NorMuon: each row of an orthogonalised update divided by its running RMS, the update's size "
+        "kept (default off; ZeRO 0 only)",
+        serves=MUON,
+    )
     muon_momentum_warmup: int | None = option(
         None,
         f"muon: raise the momentum linearly from {MOMENTUM_START} to --muon_momentum over this many first "
@@ -347,6 +364,7 @@ class Muon(RunOptimizer):
         "muon_weight_decay": 0.0,
         "muon_ns": "quintic",
         "muon_cautious": False,
+        "muon_normuon": False,
         "muon_momentum_warmup": 0,
     }
     compiles = "Muon's Newton–Schulz iteration"
@@ -393,6 +411,14 @@ class Muon(RunOptimizer):
             o.muon_ns = MUON_NS
         if o.muon_cautious is None:
             o.muon_cautious = False
+        if o.muon_normuon is None:
+            o.muon_normuon = False
+        if o.muon_normuon and (stage := zero_stage(ds_config)) != 0:
+            raise ConfigError(
+                f"--muon_normuon keeps a second moment for each row of a matrix, which ZeRO stage {stage}'s "
+                "partitioned Muon has no place for: train it under a ZeRO 0 config (configs/ds_config.json), "
+                "or leave out --muon_normuon"
+            )
         if o.muon_momentum_warmup is None:
             o.muon_momentum_warmup = 0
         if o.muon_momentum_warmup and o.muon_momentum <= MOMENTUM_START:
@@ -439,11 +465,15 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
         weight_decay = default_weight_decay(scale, adamw)
     muon_lr = options.muon_lr if options.muon_lr is not None else lr if scale == "rms" else MUON_LR
     momentum = MUON_MOMENTUM if options.muon_momentum is None else options.muon_momentum
-    ns, cautious = options.muon_ns or MUON_NS, bool(options.muon_cautious)
+    ns, cautious, normuon = (
+        options.muon_ns or MUON_NS,
+        bool(options.muon_cautious),
+        bool(options.muon_normuon),
+    )
     warmup = options.muon_momentum_warmup or 0
     groups = muon_param_groups(model, adamw, lr, muon_lr=muon_lr, momentum=momentum,
                                weight_decay=weight_decay, scale=scale, ns=ns, cautious=cautious,
-                               momentum_warmup=warmup)  # fmt: skip
+                               momentum_warmup=warmup, normuon=normuon)  # fmt: skip
     # ZeRO 1 and 2 orthogonalise each gradient themselves, through DeepSpeed's muon_update: --muon_ns's.
     muon_update.install()
     muon = batched_muon_class()
@@ -458,7 +488,9 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
         "optimizer: Muon (lr %g, momentum %g%s, weight decay %g%s, %s scale: ×%s; %s) on %.1fM weights of "
         "the blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
         muon_lr, momentum, warmed, weight_decay, " (cautious)" if cautious else "", scale, factors,
-        "Polar Express" if ns == "polar_express" else "quintic Newton–Schulz", n_muon / 1e6, lr,
+        ("Polar Express" if ns == "polar_express" else "quintic Newton–Schulz")
+        + (", NorMuon" if normuon else ""),
+        n_muon / 1e6, lr,
         (n_all - n_muon) / 1e6, stage,
     )  # fmt: skip
     return optimizer

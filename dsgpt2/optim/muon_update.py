@@ -77,6 +77,38 @@ def _polar_update(grad: torch.Tensor, momentum: torch.Tensor, beta: torch.Tensor
     return torch.where(finite, update.to(dtype), grad.to(dtype))
 
 
+# NorMuon: the decay of the second moment of each row of an orthogonalised update (nanochat's).
+NORMUON_BETA2 = 0.95
+NORMUON_KEY = "normuon_second_moment"  # the optimizer state that holds it, per matrix
+
+
+def normuon_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of NorMuon's second moment of a matrix (or a batch) of ``shape``: one value per row of its
+    longer side (the neurons of its wider layer side, whatever the layout of the weight)."""
+    rows, cols = shape[-2], shape[-1]
+    return (*shape[:-2], rows, 1) if rows >= cols else (*shape[:-2], 1, cols)
+
+
+def normuon_state(p: torch.Tensor) -> torch.Tensor:
+    """NorMuon's second moment of the weight ``p``, before its first step (float32, zeros)."""
+    return torch.zeros(normuon_shape(tuple(p.shape)), dtype=torch.float32, device=p.device)
+
+
+@torch.compile
+def normuon(update: torch.Tensor, second: torch.Tensor, beta2: float = NORMUON_BETA2) -> torch.Tensor:
+    """NorMuon (Li et al., 2025): each row of the orthogonalised ``update`` (a row of its longer side)
+    divided by the root of its mean square's running average ``second`` (updated in place), then the
+    whole rescaled to the Frobenius norm it had: the rows' sizes evened out, the update's size kept."""
+    along = -1 if update.size(-2) >= update.size(-1) else -2
+    mean_square = update.float().square().mean(dim=along, keepdim=True)
+    second.lerp_(mean_square.to(second.dtype), 1 - beta2)
+    step = second.float().clamp_min(1e-10).rsqrt()
+    count = update.size(along)
+    before = (mean_square.sum(dim=(-2, -1), keepdim=True) * count).sqrt()
+    after = (mean_square * step.square()).sum(dim=(-2, -1), keepdim=True).mul(count).sqrt()
+    return (update.float() * step * (before / after.clamp_min(1e-10))).to(update.dtype)
+
+
 def _beta(beta: Any, like: torch.Tensor) -> Any:
     """The momentum as a 0-d tensor of ``like``'s dtype and device (kept: the warmup's are few)."""
     if isinstance(beta, torch.Tensor):

@@ -137,3 +137,19 @@ def test_muons_compiled_update_is_the_eager_one_and_a_warming_momentum_compiles_
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2, graphs
+
+
+def test_normuons_compiled_step_is_the_eager_one() -> None:
+    """NorMuon's evening out of an update's rows (--muon_normuon), compiled and eager, over three steps."""
+    from dsgpt2.optim.muon_update import normuon, normuon_state
+
+    torch.manual_seed(0)
+    updates = [torch.randn(3, 48, 16) for _ in range(3)]
+    torch._dynamo.reset()
+    eager_state, compiled_state = (torch.stack([normuon_state(u) for u in updates[0]]) for _ in range(2))
+    for update in updates:
+        with torch.compiler.set_stance("force_eager"):
+            want = normuon(update, eager_state)
+        got = normuon(update, compiled_state)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled_state, eager_state, rtol=1e-4, atol=1e-6)

@@ -120,6 +120,35 @@ def test_cautious_decay_decays_only_where_the_update_agrees_with_the_weight_in_s
     assert torch.equal(batch[1], alone)
 
 
+@pytest.mark.parametrize("shape", [(6, 3), (3, 6)])
+def test_normuon_evens_out_the_rows_of_the_longer_side_and_keeps_the_updates_size(
+    shape: tuple[int, int],
+) -> None:
+    from dsgpt2.optim.muon_update import normuon, normuon_state
+
+    torch.manual_seed(2)
+    update = torch.randn(1, *shape) * torch.arange(1.0, shape[0] + 1).view(1, -1, 1)
+    second = normuon_state(update[0]).unsqueeze(0)
+    assert second.shape == ((1, 6, 1) if shape == (6, 3) else (1, 1, 6))
+    # Written out, one row (of the longer side) at a time: v ← 0.95·v + 0.05·mean(row²); row ÷ sqrt(v);
+    # then the whole times ‖update‖ ÷ ‖result‖.
+    lines = update[0] if shape[0] >= shape[1] else update[0].T
+    v = [0.05 * float((row**2).mean()) for row in lines]
+    evened = torch.stack([row / v_i**0.5 for row, v_i in zip(lines, v, strict=True)])
+    evened = evened * (torch.linalg.matrix_norm(lines) / torch.linalg.matrix_norm(evened))
+    want = evened if shape[0] >= shape[1] else evened.T
+    with torch.compiler.set_stance("force_eager"):
+        got = normuon(update, second)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second.flatten(), torch.tensor(v), rtol=1e-5, atol=1e-7)
+    # After the first step every row of the longer side has the same size, and the whole keeps its own.
+    norms = torch.linalg.vector_norm(got[0] if shape[0] >= shape[1] else got[0].T, dim=1)
+    torch.testing.assert_close(norms, torch.full_like(norms, float(norms.mean())), rtol=1e-5, atol=1e-6)
+    assert torch.linalg.matrix_norm(got[0]) == pytest.approx(
+        float(torch.linalg.matrix_norm(update[0])), rel=1e-5
+    )
+
+
 def _model() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -203,3 +232,25 @@ def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup
             assert a[step]["block_ids"] == b[step]["block_ids"], step
             for x, y in zip(a[step]["losses"], b[step]["losses"], strict=True):
                 assert abs(x - y) <= 1e-5, (stage, step, x, y)
+
+
+@pytest.mark.slow
+def test_normuon_trains_at_zero_0_resumes_exactly_and_is_refused_at_zero_1(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    normuon = (*VARIANTS[:6], "--muon_normuon")
+    straight = train(_staged(corpus, tmp_path / "a", 0), tmp_path / "a", *normuon, *RUN)
+    assert "; quintic Newton–Schulz, NorMuon) on 0.1M weights" in straight.stderr, straight.stderr[-3000:]
+    staged = _staged(corpus, tmp_path / "b", 0)
+    crashed = train(staged, tmp_path / "b", *normuon, *RUN, check=False, faults=("--exit_after", "5"))
+    assert crashed.returncode == 17
+    resumed = train(staged, tmp_path / "b", "--train_iters", "6", "--save_interval", "3")
+    assert "--muon_normuon True" in resumed.stderr
+    a, b = steps(tmp_path / "a"), steps(tmp_path / "b")
+    assert a[6]["loss"] < a[1]["loss"] - 0.3
+    for step in range(1, 7):
+        assert a[step]["losses"] == pytest.approx(b[step]["losses"], abs=1e-5), step
+    refused = train(_staged(corpus, tmp_path / "c", 1), tmp_path / "c", *normuon, *RUN, check=False)
+    assert refused.returncode == 2
+    (line,) = refused.stderr.strip().splitlines()
+    assert "--muon_normuon keeps a second moment for each row of a matrix, which ZeRO stage 1's" in line
