@@ -146,27 +146,35 @@ def test_what_the_first_step_compiles_is_said() -> None:
     assert first_step_compiles("muon", True) == "the model (--compile) and Muon's Newton–Schulz iteration"
 
 
-def test_without_compile_the_newton_schulz_iteration_runs_eagerly() -> None:
-    """DeepSpeed decorates Muon's update with torch.compile at import: a run without --compile (a CPU's
-    default) runs it eagerly, nothing traced, and the update is the same."""
+@pytest.mark.parametrize("method", ["gram", "polar_express"])
+def test_without_compile_the_newton_schulz_iteration_runs_eagerly(method: str) -> None:
+    """DeepSpeed decorates Muon's update with torch.compile at import, and dsgpt2 its Polar Express one: a
+    run without --compile (a CPU's default) runs either eagerly, nothing traced, and the update is the
+    same."""
     import warnings
 
     from dsgpt2.train.engine import compile_stance
 
     with warnings.catch_warnings():  # torch's own deprecations, at the import of its compiler
         warnings.simplefilter("ignore", DeprecationWarning)
-        from deepspeed.runtime.zero.muon import original_muon
         from torch._dynamo.utils import counters
+
+        from dsgpt2.optim import muon_update
 
     torch.manual_seed(0)
     grad = torch.randn(2, 8, 32)
+    beta = torch.tensor(0.95)
+    compiled = muon_update._polar_update if method == "polar_express" else muon_update._deepspeed()
     try:
         compile_stance(False)
         before = sum(counters["frames"].values())
-        update = original_muon.muon_update(grad.clone(), torch.zeros_like(grad))
+        update = muon_update.muon_update(grad.clone(), torch.zeros_like(grad), beta, ns_method=method)
         assert sum(counters["frames"].values()) == before
-        inner = original_muon.muon_update._torchdynamo_orig_callable
-        reference = inner(grad.clone(), torch.zeros_like(grad))
+        inner = compiled._torchdynamo_orig_callable
+        if method == "polar_express":
+            reference = inner(grad.clone(), torch.zeros_like(grad), beta, 5, True)
+        else:
+            reference = inner(grad.clone(), torch.zeros_like(grad), beta, ns_method=method)
         assert torch.equal(update, reference)
     finally:
         compile_stance(True)
@@ -447,9 +455,9 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
     import copy
 
     import torch
-    from deepspeed.runtime.zero.muon import original_muon
     from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
 
+    from dsgpt2.optim import muon_update
     from dsgpt2.optim.muon import batched_muon_class
 
     torch.manual_seed(0)
@@ -461,7 +469,7 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
     )
     theirs = MuonWithAuxAdam(muon_param_groups(twin, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW)
     calls: list[tuple[int, ...]] = []
-    real = original_muon.muon_update
+    real = muon_update.muon_update
 
     def counted(grad: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(tuple(grad.shape))
@@ -473,9 +481,9 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
             for p, g in zip(m.parameters(), grads, strict=True):
                 p.grad = g.clone()
             if opt is ours:
-                monkeypatch.setattr(original_muon, "muon_update", counted)
+                monkeypatch.setattr(muon_update, "muon_update", counted)
             opt.step()
-            monkeypatch.setattr(original_muon, "muon_update", real)
+            monkeypatch.setattr(muon_update, "muon_update", real)
         for a, b in zip(model.parameters(), twin.parameters(), strict=True):
             assert torch.allclose(a, b, atol=1e-6), step
     # 8 matrices of 4 shapes (each its own group here): 4 calls a step, each on a batch of 2.
