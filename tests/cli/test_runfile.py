@@ -3,6 +3,7 @@ override it, one line for a bad key or value, tables per command, the shipped ex
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -315,6 +316,27 @@ def test_the_recipe_bench_reads_both_shipped_recipes() -> None:
     fast, adamw = _recipe("fast"), _recipe("adamw")
     assert (fast.optimizer, fast.lr_schedule, fast.muon_scale) == ("muon", "wsd", "rms")
     assert (adamw.optimizer, adamw.lr_schedule) == ("adamw", "cosine")
+
+
+def test_the_recipe_bench_screens_variants_of_the_fast_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``BENCH_RECIPE_VARIANTS``: each variant is the fast recipe with its flags typed after the file, a
+    recipe key of YAML (muon_cautious: true) and a flag alike."""
+    from bench import bench_recipe
+
+    variants = (
+        "polar=--muon_ns polar_express|all=--muon_ns polar_express --muon_cautious --muon_momentum_warmup 300"
+    )
+    monkeypatch.setenv("BENCH_RECIPE_VARIANTS", variants)
+    reread = importlib.reload(bench_recipe)
+    try:
+        assert list(reread.VARIANTS) == ["polar", "all"]
+        polar, both = reread._recipe("polar"), reread._recipe("all")
+        assert (polar.optimizer, polar.muon_ns, polar.muon_cautious) == ("muon", "polar_express", None)
+        assert (both.muon_ns, both.muon_cautious, both.muon_momentum_warmup) == ("polar_express", True, 300)
+        assert both.muon_scale == "rms" and both.lr_schedule == "wsd"  # the rest as fast.yaml has it
+    finally:
+        monkeypatch.delenv("BENCH_RECIPE_VARIANTS")
+        importlib.reload(bench_recipe)
 
 
 def test_the_fast_recipe_is_the_demos_in_a_workspace_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
