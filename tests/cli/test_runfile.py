@@ -319,8 +319,7 @@ def test_the_recipe_bench_reads_both_shipped_recipes() -> None:
 
 
 def test_the_recipe_bench_screens_variants_of_the_fast_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``BENCH_RECIPE_VARIANTS``: each variant is the fast recipe with its flags typed after the file, a
-    recipe key of YAML (muon_cautious: true) and a flag alike."""
+    """``BENCH_RECIPE_VARIANTS``: each variant is the fast recipe with its flags typed after the file."""
     from bench import bench_recipe
 
     variants = (
@@ -337,6 +336,22 @@ def test_the_recipe_bench_screens_variants_of_the_fast_recipe(monkeypatch: pytes
     finally:
         monkeypatch.delenv("BENCH_RECIPE_VARIANTS")
         importlib.reload(bench_recipe)
+
+
+def test_muons_speedrun_options_are_recipe_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The four options of Muon from the speedrun, as keys of an experiment file over the fast recipe."""
+    monkeypatch.chdir(ROOT)
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((ROOT / "configs/recipes/fast.yaml").read_text() + "muon_ns: polar_express\n"
+                      "muon_cautious: true\nmuon_normuon: true\nmuon_momentum_warmup: 300\n")  # fmt: skip
+    cfg = parse(["--config", str(recipe)])
+    o = cfg.optim
+    assert (o.muon_ns, o.muon_cautious, o.muon_normuon, o.muon_momentum_warmup) == (
+        "polar_express",
+        True,
+        True,
+        300,
+    )
 
 
 def test_the_fast_recipe_is_the_demos_in_a_workspace_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
