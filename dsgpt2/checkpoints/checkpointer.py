@@ -235,7 +235,7 @@ class Checkpointer:
     def _check_fingerprint(self, saved: dict[str, Any], where: Path) -> None:
         if saved == self.fingerprint:
             return
-        changed = sorted(k for k in self.fingerprint if saved.get(k) != self.fingerprint[k])
+        changed = sorted(k for k in {*self.fingerprint, *saved} if saved.get(k) != self.fingerprint.get(k))
         if changed == ["layout"]:
             # Only the reading order differs: the run goes on in its own order, never another one.
             theirs = order_of(saved)

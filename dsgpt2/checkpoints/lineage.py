@@ -33,6 +33,7 @@ from dsgpt2.checkpoints.weights import check_tokenizer, run_info
 from dsgpt2.data.dealing import ChunkOrders, ReadState, redeal_states, take_in
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.mixture import Stage
+from dsgpt2.data.packing import tokens_in_spans
 from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
@@ -78,7 +79,12 @@ class _Shapes:
                      tokens - (n - 1) * context if n else 0)  # fmt: skip
         lengths = [end - first for first, end in spans.values()]
         colls = np.array([c for c, _ in spans], dtype=np.int64)
-        return self.source.chunks.finish(key, item, lengths, colls)
+        if not self.source.chunks.aligned:
+            return self.source.chunks.finish(key, item, lengths, colls)
+        # BOS-aligned blocks: the real tokens of each block and its shares, from where each document lies.
+        placed = np.array(list(spans.values()), dtype=np.int64).reshape(-1, 2)
+        item.real = tokens_in_spans(placed, np.zeros(len(placed), dtype=np.int64), context, n, 1)[:, 0]
+        return self.source.chunks.finish(key, item, lengths, colls, placed)
 
 
 @dataclass

@@ -26,7 +26,6 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from dsgpt2.data.loader import start_loader
-from dsgpt2.data.packing import pack_flat
 from dsgpt2.data.sources import (
     Chunk,
     Chunks,
@@ -169,14 +168,9 @@ class CachedChunks(ChunkSource):
         total = int(lengths.sum())
         first = np.cumsum(lengths) - lengths
         gather = np.repeat(starts - first, lengths) + np.arange(total, dtype=np.int64)
-        blocks, last = pack_flat(self._tokens[gather], self.spec.context, self.spec.pad)
-        loss = None
-        if self._loss is not None:
-            loss = np.zeros(blocks.size, dtype=bool)
-            loss[:total] = self._loss[gather]
-            loss = loss.reshape(blocks.shape)
-        item = Chunk(self.chunks.chunk_id(key), blocks, last, loss=loss)
-        return self.chunks.finish(key, item, lengths, colls)
+        loss = self._loss[gather] if self._loss is not None else None
+        item, spans = self.chunks.pack(self._tokens[gather], lengths, loss)
+        return self.chunks.finish(key, item, lengths, colls, spans)
 
 
 class _DocumentTokens(Dataset):

@@ -1,19 +1,95 @@
 """Packing documents into fixed-length training blocks. Pure numpy: no torch, no database.
 
-A chunk's documents are concatenated end to end, each followed by the
-end-of-text token, and cut into blocks of ``context`` tokens. A long document
-runs on into the next blocks (nothing is truncated) and short ones share a
-block. Only the last block of a chunk can be short; it is padded, and its
-padding is masked out of the loss and the attention.
+``end_to_end`` (the default): a chunk's documents are concatenated end to end, each followed by the
+end-of-text token, and cut into blocks of ``context`` tokens. A long document runs on into the next
+blocks (nothing is truncated) and short ones share a block. Only the last block of a chunk can be short;
+it is padded, and its padding is masked out of the loss and the attention.
+
+``bos`` (:func:`aligned_spans`, nanochat's BOS-aligned packing without its cropping): every document
+starts a block or follows whole documents in one, so the model sees each short document from its first
+token. A long document fills whole blocks from its first token, its tail opens the block after them;
+the short ones are fitted best-first (the longest first, each into the block with the least room that
+holds it) into the room the tails leave, and into new blocks. Nothing is truncated: each block's unused
+end is padding, masked out as the last block's is.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
 
 IGNORE = -100  # the label value the loss skips (transformers' convention)
+PACKINGS = ("end_to_end", "bos")  # --packing
+
+
+def aligned_spans(lengths: np.ndarray, context: int) -> tuple[np.ndarray, int]:
+    """BOS-aligned places (``bos``: see the module doc) of documents of ``lengths`` (end-of-text
+    included; 0: a document without tokens).
+
+    Returns:
+        ``(spans, n)``: ``(len(lengths), 2)`` int64, each document's first token and end in the ``n``
+        blocks laid end to end (a document of length 0: an empty span), each document's tokens
+        contiguous there.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    spans = np.zeros((len(lengths), 2), dtype=np.int64)
+    room: list[tuple[int, int]] = []  # (free tokens, block) of the blocks with room, sorted
+    n = 0
+    for d in np.flatnonzero(lengths >= context).tolist():  # long ones: whole blocks, then the tail
+        length = int(lengths[d])
+        spans[d] = (n * context, n * context + length)
+        n += -(-length // context)
+        if length % context:
+            bisect.insort(room, (context - length % context, n - 1))
+    short = np.flatnonzero((lengths > 0) & (lengths < context))
+    for d in short[np.argsort(-lengths[short], kind="stable")].tolist():  # longest first
+        length = int(lengths[d])
+        at = bisect.bisect_left(room, (length, -1))  # the least room that holds it
+        if at < len(room):
+            free, block = room.pop(at)
+        else:
+            free, block, n = context, n, n + 1
+        first = block * context + context - free
+        spans[d] = (first, first + length)
+        if free > length:
+            bisect.insort(room, (free - length, block))
+    return spans, n
+
+
+def place_in_blocks(
+    flat: np.ndarray, lengths: np.ndarray, spans: np.ndarray, n: int, context: int, fill: int
+) -> np.ndarray:
+    """``(n, context)``: the documents laid end to end in ``flat`` (each of ``lengths``) put at their
+    ``spans`` (:func:`aligned_spans`), ``fill`` elsewhere."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    out = np.full(n * context, fill, dtype=flat.dtype)
+    starts = np.cumsum(lengths) - lengths
+    total = int(lengths.sum())
+    out[np.repeat(spans[:, 0] - starts, lengths) + np.arange(total, dtype=np.int64)] = flat[:total]
+    return out.reshape(n, context)
+
+
+def tokens_in_spans(spans: np.ndarray, groups: np.ndarray, context: int, n: int, n_groups: int) -> np.ndarray:
+    """``(n, n_groups)``: how many of each block's tokens come from documents of each group, for
+    documents at ``spans`` (first token, end) in ``n`` blocks laid end to end."""
+    out = np.zeros((n + 1, n_groups), dtype=np.int64)
+    if n == 0:
+        return out[:0]
+    first, end = spans[:, 0], spans[:, 1]
+    keep = end > first
+    first, end, groups = first[keep], end[keep], np.asarray(groups, dtype=np.int64)[keep]
+    fb, lb = first // context, (end - 1) // context
+    one = fb == lb
+    np.add.at(out, (fb[one], groups[one]), (end - first)[one])
+    many = ~one
+    np.add.at(out, (fb[many], groups[many]), ((fb + 1) * context - first)[many])
+    np.add.at(out, (lb[many], groups[many]), (end - lb * context)[many])
+    middle = np.zeros_like(out)  # the whole blocks between: +context from fb + 1 up to lb
+    np.add.at(middle, (fb[many] + 1, groups[many]), context)
+    np.add.at(middle, (lb[many], groups[many]), -context)
+    return (out + np.cumsum(middle, axis=0))[:n]
 
 
 def pack(docs: Sequence[Sequence[int]], context: int, eot: int, pad: int) -> tuple[np.ndarray, int]:
@@ -91,13 +167,20 @@ def pack_with_loss(
     """
     blocks, last = pack(docs, context, eot, pad)
     flat = np.zeros(blocks.size, dtype=bool)
-    pos = 0
+    flags = loss_flags(docs, loss)
+    flat[: len(flags)] = flags
+    return blocks, flat.reshape(blocks.shape), last
+
+
+def loss_flags(docs: Sequence[Sequence[int]], loss: Sequence[Sequence[bool]]) -> np.ndarray:
+    """The per-token loss flags of ``docs`` laid end to end (``len(loss[i]) == len(docs[i]) + 1``, the
+    last flag for the end-of-text token)."""
     for d, flags in zip(docs, loss, strict=True):
         if len(flags) != len(d) + 1:
             raise ValueError(f"loss flags: expected {len(d) + 1}, got {len(flags)}")
-        flat[pos : pos + len(flags)] = flags
-        pos += len(flags)
-    return blocks, flat.reshape(blocks.shape), last
+    if not loss:
+        return np.zeros(0, dtype=bool)
+    return np.concatenate([np.asarray(f, dtype=bool) for f in loss])
 
 
 def labels_and_mask(

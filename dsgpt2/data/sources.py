@@ -21,7 +21,15 @@ import torch
 from torch.utils.data import Dataset
 
 from dsgpt2.data.order import ReadOrder
-from dsgpt2.data.packing import lay_end_to_end, pack, pack_with_loss, tokens_per_block
+from dsgpt2.data.packing import (
+    aligned_spans,
+    lay_end_to_end,
+    loss_flags,
+    pack_flat,
+    place_in_blocks,
+    tokens_in_spans,
+    tokens_per_block,
+)
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
@@ -47,6 +55,7 @@ class DataSpec:
     task: str = "lm"  # "conversation": the documents' turns, loss on the replies only
     reply_speakers: str = "bot"  # comma-separated; used by the conversation task
     order: str = "spread"  # which documents a training chunk holds: see dsgpt2.data.order
+    packing: str = "end_to_end"  # how training blocks are packed: see dsgpt2.data.packing
 
     @property
     def replies(self) -> frozenset[str]:
@@ -63,6 +72,7 @@ def make_spec(
     task: str = "lm",
     reply_speakers: str = "bot",
     order: str = "spread",
+    packing: str = "end_to_end",
 ) -> DataSpec:
     """The data spec of a run, with end-of-text and pad ids read from the tokenizer.
 
@@ -89,8 +99,9 @@ def make_spec(
                 "with `dsgpt2 vocab train --speakers ...`"
             )
     return DataSpec(
-        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers, order
-    )
+        context, chunk_docs, tr_ratio, seed, eot, eot if pad is None else pad, task, reply_speakers, order,
+        packing,
+    )  # fmt: skip
 
 
 # How documents become chunks, per reading order: another layout gives other batches. Layout 2 is
@@ -103,6 +114,7 @@ def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dic
     :mod:`dsgpt2.data.table`); a checkpoint or cache made under another one is stale."""
     settings = asdict(spec)
     order = settings.pop("order")  # said by the layout
+    packing = settings.pop("packing")  # said only where it is not the default (and earlier runs')
     return {
         "layout": LAYOUTS[order],
         "db": config.db,
@@ -112,6 +124,7 @@ def fingerprint(config: MongoConfig, tokenizer_dir: Path, spec: DataSpec) -> dic
         **settings,
         # Only when set: the fingerprints of runs without a FILTER stay what they were.
         **({"filter": config.filter} if config.filter else {}),
+        **({"packing": packing} if packing != "end_to_end" else {}),
     }
 
 
@@ -140,10 +153,13 @@ class Chunk:
     loss: np.ndarray | None = None  # (n, T) bool: tokens the loss covers (None: all real ones)
     order: np.ndarray | None = None  # the order its blocks go out in training (None: as packed)
     shares: np.ndarray | None = None  # (n, C) real tokens of each collection in each block
+    real: np.ndarray | None = None  # (n,) real tokens of each block, where others than the last have padding
 
     @property
     def valid(self) -> np.ndarray:
-        """Real tokens per block: all of them but in the last."""
+        """Real tokens per block: all of them but in the last (end to end), or as packed (``real``)."""
+        if self.real is not None:
+            return self.real
         v = np.full(len(self.blocks), self.blocks.shape[1], dtype=np.int64)
         if len(v):
             v[-1] = self.last
@@ -177,6 +193,33 @@ class Chunks:
     def chunk_id(self, key: Key) -> int:
         return int(key[1]) if isinstance(key, tuple) else int(key)
 
+    @property
+    def aligned(self) -> bool:
+        """Whether blocks are packed BOS-aligned (``--packing bos``: training's; validation reads its
+        blocks end to end whatever the packing, so that runs of either validate alike)."""
+        return self.spec.packing == "bos" and self.split == "train"
+
+    def pack(
+        self, flat: np.ndarray, lengths: np.ndarray, loss: np.ndarray | None = None
+    ) -> tuple[Chunk, Any]:
+        """The blocks of documents of ``lengths`` (end-of-text included) laid end to end in ``flat`` (and
+        their loss flags, ``loss``), as this split packs them: a :class:`Chunk` without its chunk id, and
+        the documents' spans in them (None: end to end)."""
+        context, pad = self.spec.context, self.spec.pad
+        if not self.aligned:
+            blocks, last = pack_flat(flat, context, pad)
+            flags = None
+            if loss is not None:
+                flags = np.zeros(blocks.size, dtype=bool)
+                flags[: len(loss)] = loss
+                flags = flags.reshape(blocks.shape)
+            return Chunk(-1, blocks, last, loss=flags), None
+        spans, n = aligned_spans(lengths, context)
+        blocks = place_in_blocks(flat, lengths, spans, n, context, pad)
+        flags = place_in_blocks(loss, lengths, spans, n, context, False) if loss is not None else None
+        real = tokens_in_spans(spans, np.zeros(len(spans), dtype=np.int64), context, n, 1)[:, 0]
+        return Chunk(-1, blocks, int(real[-1]) if n else 0, loss=flags, real=real), spans
+
     def wanted(self, key: Key) -> tuple[np.ndarray, np.ndarray]:
         """(collection, idx) of the documents of this split that ``key`` reads, in reading order."""
         if self.spread(key):
@@ -197,14 +240,25 @@ class Chunks:
             keep = ~keep
         return colls[keep], idxs[keep]
 
-    def finish(self, key: Key, item: Chunk, lengths: Sequence[int], colls: np.ndarray) -> Chunk:
+    def finish(
+        self,
+        key: Key,
+        item: Chunk,
+        lengths: Sequence[int],
+        colls: np.ndarray,
+        spans: np.ndarray | None = None,
+    ) -> Chunk:
         """``item`` with its training block order and its tokens per collection per block, from the
-        packed documents' ``lengths`` (end-of-text included) and collections."""
+        packed documents' ``lengths`` (end-of-text included) and collections (and their ``spans`` in
+        the blocks where they are not end to end)."""
         n = len(item.blocks)
+        item.chunk = self.chunk_id(key)
         if isinstance(key, tuple):
             item.order = self.reading.block_order(int(key[0]), int(key[1]), n)
         if len(self.names) == 1:
             item.shares = item.valid[:, None]
+        elif spans is not None:
+            item.shares = tokens_in_spans(spans, colls, item.blocks.shape[1], n, len(self.names))
         else:
             item.shares = tokens_per_block(np.asarray(lengths, dtype=np.int64), colls, item.blocks.shape[1],
                                            len(self.names))  # fmt: skip
@@ -336,18 +390,20 @@ class StreamingChunks(ChunkSource):
 
     def __getitem__(self, key: Key) -> Chunk:
         docs, colls, skipped = self._documents(key)
-        chunk = self.chunks.chunk_id(key)
         if self.spec.task != "conversation":
             ids = self._encode([d.text for d in docs])
-            blocks, last = pack(ids, self.spec.context, *self._ids())
-            item = Chunk(chunk, blocks, last, len(docs), skipped)
-            return self.chunks.finish(key, item, [len(x) + 1 for x in ids], colls)
+            lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+            item, spans = self.chunks.pack(lay_end_to_end(ids, self.spec.eot), lengths)
+            item.documents, item.skipped = len(docs), skipped
+            return self.chunks.finish(key, item, lengths, colls, spans)
         ids, flags, kept = self._conversations(docs)
         if len(ids) < len(docs):
             skipped["unknown_speaker"] = len(docs) - len(ids)
-        blocks, loss, last = pack_with_loss(ids, flags, self.spec.context, *self._ids())
-        item = Chunk(chunk, blocks, last, len(ids), skipped, loss)
-        return self.chunks.finish(key, item, [len(x) + 1 for x in ids], colls[np.array(kept, dtype=bool)])
+        lengths = np.array([len(x) + 1 for x in ids], dtype=np.int64)
+        loss = loss_flags(ids, flags)
+        item, spans = self.chunks.pack(lay_end_to_end(ids, self.spec.eot), lengths, loss)
+        item.documents, item.skipped = len(ids), skipped
+        return self.chunks.finish(key, item, lengths, colls[np.array(kept, dtype=bool)], spans)
 
     def document_tokens(self, chunk: int) -> DocTokens:
         """Every document of ``chunk`` as it lies (all splits), tokenized with its end-of-text: what
@@ -382,6 +438,10 @@ class StreamingChunks(ChunkSource):
             ids, _, kept = self._conversations(docs)
             it = iter(ids)
             lengths = [len(next(it)) + 1 if k else 0 for k in kept]
+        if self.chunks.aligned:
+            spans, _ = aligned_spans(np.asarray(lengths, dtype=np.int64), self.spec.context)
+            placed = zip(docs, colls.tolist(), lengths, spans.tolist(), strict=True)
+            return {(c, d.index - offsets[c]): (first, end) for d, c, n, (first, end) in placed if n}
         out, at = {}, 0
         for d, c, n in zip(docs, colls.tolist(), lengths, strict=True):
             if n:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints.options import CheckpointOptions
 from dsgpt2.data.order import ORDERS
+from dsgpt2.data.packing import PACKINGS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import check_writable_dir
@@ -129,6 +130,13 @@ class DataOptions(Checked):
         "corpus by a keyed permutation: one $in query per collection per chunk) or ranges (consecutive "
         "documents, one range query: the order of runs saved before spread reading)",
         choices=list(ORDERS),
+    )
+    packing: str = option(
+        "end_to_end",
+        "how training blocks are packed: end_to_end (documents one after the other, cut into blocks) or bos "
+        "(every block starts at a document's first token; short documents fitted best-first into the room "
+        "left, padding the rest; validation stays end to end)",
+        choices=list(PACKINGS),
     )
     num_workers: int = option(2, "DataLoader workers per rank", check=NON_NEGATIVE_INT)
     allow_corpus_problems: bool = option(False, "train even if the corpus check finds problems")
@@ -314,6 +322,7 @@ def data_spec(
         task=model.task,
         reply_speakers=model.reply_speakers,
         order=data.read_order,
+        packing=data.packing,
     )
 
 

@@ -209,16 +209,19 @@ def test_a_stream_dropped_mid_epoch_stops_its_workers_at_once(source, tokenizer:
     assert not any(p.is_alive() for p in workers) and time.monotonic() - started < deadline(3)
 
 
-@pytest.mark.parametrize("order", ["spread", "ranges"])
+@pytest.mark.parametrize(
+    ("order", "packing"), [("spread", "end_to_end"), ("ranges", "end_to_end"), ("spread", "bos")]
+)
 def test_cache_gives_the_same_blocks_as_streaming(
-    source, tokenizer: Path, tmp_path: Path, order: str
+    source, tokenizer: Path, tmp_path: Path, order: str, packing: str
 ) -> None:
     """Chunks as they lie (evaluation) and as each epoch reads them (training), both splits: the
-    same blocks, block order and tokens per collection from the token files as from the database."""
+    same blocks, block order and tokens per collection from the token files as from the database
+    (``--packing bos``: training's blocks BOS-aligned, validation's end to end)."""
     from dataclasses import replace
 
     conn, counts, spec = source
-    spec = replace(spec, order=order)
+    spec = replace(spec, order=order, packing=packing)
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
     fp = fingerprint(conn.config, tokenizer, spec)
     totals = build_cache(
@@ -231,7 +234,10 @@ def test_cache_gives_the_same_blocks_as_streaming(
         for key in [*range(len(cached)), *((e, c) for e in (0, 3) for c in range(len(cached)))]:
             a, b = streaming[split][key], cached[key]
             assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
+            assert np.array_equal(a.valid, b.valid)
             assert np.array_equal(a.shares, b.shares) and a.shares.sum() == a.valid.sum()
+            padded = (a.valid < spec.context)[:-1].any()  # blocks before the last with padding
+            assert padded == (packing == "bos" and split == "train"), (split, key)
             assert (a.order is None) == (b.order is None) and (
                 a.order is None or np.array_equal(a.order, b.order)
             )
@@ -240,12 +246,17 @@ def test_cache_gives_the_same_blocks_as_streaming(
     assert [x.block_ids for x in va] == [x.block_ids for x in vb]
 
 
-def test_layout_places_each_document_where_its_chunk_packs_it(source, tokenizer: Path) -> None:
+@pytest.mark.parametrize("packing", ["end_to_end", "bos"])
+def test_layout_places_each_document_where_its_chunk_packs_it(source, tokenizer: Path, packing: str) -> None:
     """Each training document's span in its chunk's blocks holds its tokens and its end-of-text;
-    the spans tile the chunk; documents of the other split are absent (what lineage relies on)."""
+    the spans tile the chunk (end to end; BOS-aligned: each starts a block or follows whole documents,
+    the rest is padding); documents of the other split are absent (what lineage relies on)."""
+    from dataclasses import replace
+
     from dsgpt2.tokenizer.bpe import load_tokenizer
 
     conn, counts, spec = source
+    spec = replace(spec, packing=packing)
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     tok = load_tokenizer(tokenizer)
     names = ("s", "t")
@@ -254,14 +265,21 @@ def test_layout_places_each_document_where_its_chunk_packs_it(source, tokenizer:
         where, flat = data.layout(key), data[key].blocks.reshape(-1)
         assert list(where) == list(zip(colls.tolist(), idxs.tolist(), strict=True))  # in reading order
         assert all(split_mask(np.array([i]), spec.tr_ratio, spec.seed, names[c])[0] for c, i in where)
-        at = 0
+        at, covered = 0, np.zeros(len(flat), dtype=bool)
         for c, idx in where:
             first, end = where[(c, idx)]
             text = conn.db[names[c]].find_one({"idx": idx})["filt_text"]
-            assert first == at and flat[end - 1] == spec.eot
+            assert first == at or packing == "bos"  # BOS-aligned: placed best-first, not in reading order
+            assert packing == "end_to_end" or end - first >= 32 or first // 32 == (end - 1) // 32  # one block
+            assert flat[end - 1] == spec.eot and not covered[first:end].any()
             assert flat[first : end - 1].tolist() == tok.encode(text, add_special_tokens=False).ids
+            covered[first:end] = True
             at = end
-        assert at == data[key].valid.sum()
+        assert covered.sum() == data[key].valid.sum()
+        if packing == "bos":  # each block's documents from its first token on, padding after them
+            rows = covered.reshape(-1, spec.context)
+            assert all(row[: row.sum()].all() for row in rows) and rows[:, 0].all()
+            assert (flat[~covered] == spec.pad).all()
 
 
 def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokenizer: Path) -> None:

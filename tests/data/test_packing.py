@@ -131,3 +131,44 @@ def test_elastic_resume_of_a_mixture_redeals_each_stream_once() -> None:
         assert all(st.streams[s].epoch == last + 1 and st.streams[s].chunk == 0 for st in three)
     assert [st.stage for st in three] == [1, 1, 1] and [st.micro for st in three] == [9, 9, 9]
     assert three[0].tokens == {0: 550, 1: 250} and three[1].tokens == three[2].tokens == {}
+
+
+def test_bos_packing_starts_every_block_at_a_document_and_fits_short_ones_best_first() -> None:
+    """``--packing bos`` on a hand-made chunk (context 4; each document's length with its end-of-text):
+    a long document fills whole blocks from its first token and its tail opens the next block; short
+    ones go longest first into the block with the least room that holds them, else a new block; no
+    token is lost, padding fills the rest."""
+    from dsgpt2.data.packing import aligned_spans, lay_end_to_end, place_in_blocks, tokens_in_spans
+
+    docs = [[31, 32], [41] * 9, [51], [61, 62, 63, 64], [], [71, 72, 73], []]  # lengths 3, 10, 2, 5, 1, 4, 1
+    lengths = np.array([len(d) + 1 for d in docs])
+    spans, n = aligned_spans(lengths, 4)
+    blocks = place_in_blocks(lay_end_to_end(docs, EOT), lengths, spans, n, 4, PAD)
+    assert blocks.tolist() == [
+        [41, 41, 41, 41],  # the 10-token document: two whole blocks from its first token,
+        [41, 41, 41, 41],
+        [41, EOT, 51, EOT],  # its tail, then the 2-token document in the room it leaves (2: exactly)
+        [61, 62, 63, 64],  # the 5-token one: a whole block,
+        [EOT, 31, 32, EOT],  # its tail, and the 3-token document in the 3 left
+        [71, 72, 73, EOT],  # 4 tokens: a whole block of its own
+        [EOT, EOT, PAD, PAD],  # the two 1-token documents (an empty text is its end-of-text)
+    ]
+    # Each document's tokens lie contiguous at its span, every short document within one block.
+    assert spans.tolist() == [[17, 20], [0, 10], [10, 12], [12, 17], [24, 25], [20, 24], [25, 26]]
+    for (first, end), length in zip(spans.tolist(), lengths.tolist(), strict=True):
+        assert end - first == length and (length >= 4 or first // 4 == (end - 1) // 4)
+    shares = tokens_in_spans(spans, np.array([0, 1, 0, 1, 0, 0, 1]), 4, n, 2)
+    assert shares.tolist() == [[0, 4], [0, 4], [2, 2], [0, 4], [3, 1], [4, 0], [1, 1]]
+    assert shares.sum() == lengths.sum()
+
+
+def test_tokens_in_spans_of_documents_end_to_end_are_tokens_per_block() -> None:
+    from dsgpt2.data.packing import tokens_in_spans, tokens_per_block
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 40, size=50)
+    groups = rng.integers(0, 3, size=50)
+    ends = np.cumsum(lengths)
+    n = -(-int(ends[-1]) // 16)
+    spans = np.stack([ends - lengths, ends], axis=1)
+    assert np.array_equal(tokens_in_spans(spans, groups, 16, n, 3), tokens_per_block(lengths, groups, 16, 3))

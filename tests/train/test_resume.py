@@ -236,3 +236,33 @@ def test_early_stopping_keeps_the_best_checkpoint_and_survives_a_resume(
     assert (tmp_path / "resumed" / "ckpt" / "best").read_text() == "global_step2"
     again = train(corpus, tmp_path / "resumed", *flags)  # the same command once more: nothing to train
     assert "stopped: early at step 6" in again.stdout
+
+
+def test_a_bos_packed_run_resumes_exactly_and_its_lineage_holds(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """``--packing bos``: a crashed and resumed run retraces a straight one, lineage names the steps that
+    read each document, validation reads the blocks an end-to-end run validates on, and a resume
+    without the flag is other data, said in one line."""
+    bos = (*CRASH_RUN, "--packing", "bos")
+    straight = train(corpus, tmp_path / "straight", *bos)
+    assert straight.returncode == 0
+    crashed = train(corpus, tmp_path / "split", *bos, check=False, faults=("--exit_after", "6"))
+    assert crashed.returncode == 17
+    train(corpus, tmp_path / "split", *bos)
+    a, b = steps(tmp_path / "straight"), steps(tmp_path / "split")
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    for step in range(1, 9):
+        assert a[step]["block_ids"] == b[step]["block_ids"], step
+        assert a[step]["losses"] == pytest.approx(b[step]["losses"], abs=1e-6), step
+    check_lineage(tmp_path / "split" / "ckpt", tmp_path / "split" / "ws", corpus["config"], {"stdlib": 2000})
+    # Other blocks than end to end: an end-to-end run of the same steps trains on other batches.
+    plain = train(corpus, tmp_path / "plain", *CRASH_RUN)
+    assert plain.returncode == 0 and steps(tmp_path / "plain")[1]["loss"] != a[1]["loss"]
+    evals = [read_metrics(tmp_path / d / "ws" / "metrics.jsonl") for d in ("straight", "plain")]
+    tokens = [[r["val_tokens"] for r in m if r.get("event") == "eval"] for m in evals]
+    assert tokens[0] == tokens[1] and tokens[0], tokens  # the same validation blocks
+    other = train(corpus, tmp_path / "split", *CRASH_RUN, "--train_iters", "9", check=False)
+    assert other.returncode == 2
+    (line,) = other.stderr.strip().splitlines()
+    assert "was saved for other data (packing changed)" in line, line
