@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -59,7 +60,7 @@ def aligned_spans(lengths: np.ndarray, context: int) -> tuple[np.ndarray, int]:
 
 
 def place_in_blocks(
-    flat: np.ndarray, lengths: np.ndarray, spans: np.ndarray, n: int, context: int, fill: int
+    flat: np.ndarray, lengths: np.ndarray, spans: np.ndarray, n: int, context: int, *, fill: Any
 ) -> np.ndarray:
     """``(n, context)``: the documents laid end to end in ``flat`` (each of ``lengths``) put at their
     ``spans`` (:func:`aligned_spans`), ``fill`` elsewhere."""

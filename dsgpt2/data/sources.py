@@ -215,8 +215,8 @@ class Chunks:
                 flags = flags.reshape(blocks.shape)
             return Chunk(-1, blocks, last, loss=flags), None
         spans, n = aligned_spans(lengths, context)
-        blocks = place_in_blocks(flat, lengths, spans, n, context, pad)
-        flags = place_in_blocks(loss, lengths, spans, n, context, False) if loss is not None else None
+        blocks = place_in_blocks(flat, lengths, spans, n, context, fill=pad)
+        flags = place_in_blocks(loss, lengths, spans, n, context, fill=False) if loss is not None else None
         real = tokens_in_spans(spans, np.zeros(len(spans), dtype=np.int64), context, n, 1)[:, 0]
         return Chunk(-1, blocks, int(real[-1]) if n else 0, loss=flags, real=real), spans
 

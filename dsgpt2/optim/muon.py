@@ -260,6 +260,8 @@ def batched_muon_class() -> type:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     if p.dim() < 2:  # a flat ZeRO partition: its gradient holds the update already
+                        if group.get("normuon"):
+                            raise RuntimeError("NorMuon steps whole matrices, not a flat partition")
                         decayed_step(p, p.grad.reshape(p.shape), group["lr"], group["weight_decay"],
                                      group.get("cautious", False))  # fmt: skip
                     else:
@@ -413,11 +415,11 @@ class Muon(RunOptimizer):
             o.muon_cautious = False
         if o.muon_normuon is None:
             o.muon_normuon = False
-        if o.muon_normuon and (stage := zero_stage(ds_config)) != 0:
+        if o.muon_normuon and (why := normuon_unfit(ds_config)):
             raise ConfigError(
-                f"--muon_normuon keeps a second moment for each row of a matrix, which ZeRO stage {stage}'s "
-                "partitioned Muon has no place for: train it under a ZeRO 0 config (configs/ds_config.json), "
-                "or leave out --muon_normuon"
+                f"--muon_normuon keeps a second moment for each row of a matrix, which {why} has no place "
+                "for: train it under a ZeRO 0 config in fp32 or torch_autocast (configs/ds_config.json), or "
+                "leave out --muon_normuon"
             )
         if o.muon_momentum_warmup is None:
             o.muon_momentum_warmup = 0
@@ -444,6 +446,17 @@ class Muon(RunOptimizer):
         assert ds.schedule is not None
         return {"optimizer": build_muon(model, ds.optimizer_params, ds.schedule.peak, self.options,
                                         zero_stage(ds.config))}  # fmt: skip
+
+
+def normuon_unfit(ds_config: dict[str, Any]) -> str | None:
+    """What in ``ds_config`` steps Muon's matrices as flat partitions, where NorMuon's rows are not
+    (ZeRO 1 and 2; DeepSpeed's own bf16 or fp16 optimizer at ZeRO 0); None where it can train."""
+    if (stage := zero_stage(ds_config)) != 0:
+        return f"ZeRO stage {stage}'s partitioned Muon"
+    for section in ("bf16", "bfloat16", "fp16"):
+        if (ds_config.get(section) or {}).get("enabled"):
+            return f"DeepSpeed's {section} optimizer (the config's {section} section)"
+    return None
 
 
 def default_weight_decay(scale: str, adamw: dict[str, Any]) -> float:

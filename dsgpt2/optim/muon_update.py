@@ -22,7 +22,9 @@ own methods through DeepSpeed's function and ``polar_express`` through this modu
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,7 +63,14 @@ def polar_express(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return X.mT if tall else X
 
 
-@torch.compile
+@functools.cache
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile``, made at its first call rather than at import (compiling imports
+    torch._dynamo, which sets an environment variable importing dsgpt2 must leave alone); eager where
+    the run does not compile (:func:`dsgpt2.train.engine.compile_stance`)."""
+    return torch.compile(fn)
+
+
 def _polar_update(grad: torch.Tensor, momentum: torch.Tensor, beta: torch.Tensor, ns_steps: int,
                   nesterov: bool) -> torch.Tensor:  # fmt: skip
     """DeepSpeed's ``muon_update`` with the Polar Express iteration: a non-finite gradient leaves the
@@ -94,8 +103,12 @@ def normuon_state(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(normuon_shape(tuple(p.shape)), dtype=torch.float32, device=p.device)
 
 
-@torch.compile
 def normuon(update: torch.Tensor, second: torch.Tensor, beta2: float = NORMUON_BETA2) -> torch.Tensor:
+    """NorMuon (see :func:`_normuon`), compiled."""
+    return compiled(_normuon)(update, second, beta2)
+
+
+def _normuon(update: torch.Tensor, second: torch.Tensor, beta2: float) -> torch.Tensor:
     """NorMuon (Li et al., 2025): each row of the orthogonalised ``update`` (a row of its longer side)
     divided by the root of its mean square's running average ``second`` (updated in place), then the
     whole rescaled to the Frobenius norm it had: the rows' sizes evened out, the update's size kept."""
@@ -125,6 +138,7 @@ def muon_update(
     grad: torch.Tensor,
     momentum: torch.Tensor,
     beta: Any = 0.95,
+    *,
     ns_steps: int = 5,
     nesterov: bool = True,
     ns_method: str = "gram",
@@ -137,8 +151,9 @@ def muon_update(
     if ns_method == POLAR_METHOD:
         if num_heads is not None:
             raise ValueError("Polar Express does not orthogonalise attention heads one by one")
-        return _polar_update(grad, momentum, beta, ns_steps, nesterov)
-    return _deepspeed()(grad, momentum, beta, ns_steps, nesterov, ns_method, is_expert_group, num_heads)
+        return compiled(_polar_update)(grad, momentum, beta, ns_steps, nesterov)
+    return _deepspeed()(grad, momentum, beta, ns_steps=ns_steps, nesterov=nesterov, ns_method=ns_method,
+                        is_expert_group=is_expert_group, num_heads=num_heads)  # fmt: skip
 
 
 def _deepspeed() -> Any:

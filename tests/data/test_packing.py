@@ -143,7 +143,7 @@ def test_bos_packing_starts_every_block_at_a_document_and_fits_short_ones_best_f
     docs = [[31, 32], [41] * 9, [51], [61, 62, 63, 64], [], [71, 72, 73], []]  # lengths 3, 10, 2, 5, 1, 4, 1
     lengths = np.array([len(d) + 1 for d in docs])
     spans, n = aligned_spans(lengths, 4)
-    blocks = place_in_blocks(lay_end_to_end(docs, EOT), lengths, spans, n, 4, PAD)
+    blocks = place_in_blocks(lay_end_to_end(docs, EOT), lengths, spans, n, 4, fill=PAD)
     assert blocks.tolist() == [
         [41, 41, 41, 41],  # the 10-token document: two whole blocks from its first token,
         [41, 41, 41, 41],

@@ -6,6 +6,7 @@ and 2 (the same model) and resumed in the middle of the warmup exactly."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,21 @@ def test_a_warmup_to_a_momentum_below_its_start_is_refused() -> None:
     options = OptimizerOptions(optimizer="muon", muon_momentum=0.8, muon_momentum_warmup=100)
     with pytest.raises(ConfigError, match=r"--muon_momentum_warmup raises the momentum from 0.85"):
         options.settle(None, {})
+
+
+@pytest.mark.parametrize(
+    ("ds", "said"),
+    [
+        ({"zero_optimization": {"stage": 2}}, "ZeRO stage 2's partitioned Muon"),
+        ({"bf16": {"enabled": True}}, "DeepSpeed's bf16 optimizer (the config's bf16 section)"),
+        ({"fp16": {"enabled": True}}, "DeepSpeed's fp16 optimizer"),
+    ],
+)
+def test_normuon_is_refused_where_muons_matrices_step_as_flat_partitions(ds: dict, said: str) -> None:
+    options = OptimizerOptions(optimizer="muon", muon_normuon=True)
+    with pytest.raises(ConfigError, match=f"--muon_normuon keeps a second moment .*which {re.escape(said)}"):
+        options.settle(None, ds)
+    OptimizerOptions(optimizer="muon", muon_normuon=True).settle(None, {"torch_autocast": {"enabled": True}})
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """A compiled run trains the eager run's model, step by step: the same blocks, the same losses, and a loss
-that falls (AdamW at ZeRO 0, Muon at ZeRO 1, Muon with the speedrun's options at ZeRO 2). Marked ``floor``: ``make test-floor`` runs it on every torch
-``pyproject.toml`` admits, where a compiled loss with no gradient once trained nothing at full speed."""
+that falls (AdamW at ZeRO 0, Muon at ZeRO 1, Muon with the speedrun's options at ZeRO 2). Marked
+``floor``: ``make test-floor`` runs it on every torch ``pyproject.toml`` admits, where a compiled loss with
+no gradient once trained nothing at full speed."""
 
 from __future__ import annotations
 
