@@ -52,6 +52,10 @@ VARIANTS = {
         v.partition("=") for v in os.environ.get("BENCH_RECIPE_VARIANTS", "").split("|") if v
     )
 }
+if taken := sorted(set(VARIANTS) & set(RECIPES)):
+    raise SystemExit(
+        f"BENCH_RECIPE_VARIANTS: {', '.join(taken)}: a shipped recipe's name; name the variant otherwise"
+    )
 REUSE = os.environ.get("BENCH_RECIPE_REUSE") == "1"
 WIDE = {
     "n_layer": 4,
@@ -127,9 +131,11 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import build
 
+    made = {"steps": STEPS, "flags": list(VARIANTS.get(recipe, ()))}  # what a result to reuse must be of
     if REUSE and (run / "result.json").exists():
         got = json.loads((run / "result.json").read_text())
-        return {**got, "evals": {int(k): v for k, v in got["evals"].items()}}
+        if {k: got.get(k) for k in made} == made:
+            return {**got, "evals": {int(k): v for k, v in got["evals"].items()}}
     shutil.rmtree(run, ignore_errors=True)
     run.mkdir(parents=True)
     mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "recipe",
@@ -163,7 +169,12 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     validations = [r for r in records if r.get("event") == "eval" and r.get("val_loss")]
     evals = {r["step"]: r["val_loss"] for r in validations}
     rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > 10]
-    got = {"evals": evals, "bpb": validations[-1]["val_bpb"], "tokens_per_s": statistics.median(rates)}
+    got = {
+        "evals": evals,
+        "bpb": validations[-1]["val_bpb"],
+        "tokens_per_s": statistics.median(rates),
+        **made,
+    }
     (run / "result.json").write_text(json.dumps(got))
     return got
 

@@ -186,4 +186,7 @@ def load(engine: Any, load_dir: Path, tag: str) -> dict[str, Any]:
         universal.restore_whole_states(engine.optimizer, load_dir / tag)
     if built is not None and (changed := keep_settings(optimizer, built)):
         log.info("the optimizer's %s: this run's, not the checkpoint's", ", ".join(changed))
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if hasattr(scheduler, "apply"):  # dsgpt2's schedule: its rates from this run's settings, from this step
+        scheduler.apply()
     return client_state

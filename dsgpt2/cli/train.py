@@ -22,8 +22,8 @@ from dsgpt2.train.config import ComputeOptions, DataOptions, ModelOptions
 
 log = logging.getLogger("dsgpt2")
 # The training run's own data flags, so that a token cache matches the run that reads it.
-CACHE_DATA = ("config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "read_order", "packing",
-              "cache_dir", "num_workers")  # fmt: skip
+CACHE_DATA = ("config_train", "vocab_dir", "tr_ratio", "seed", "chunk_docs", "read_order", "cache_dir",
+              "num_workers")  # fmt: skip
 CACHE_MODEL = ("model_select", "context_length", "task", "reply_speakers")
 
 

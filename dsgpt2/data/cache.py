@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,13 +98,19 @@ class CachedChunks(ChunkSource):
     """
 
     def __init__(
-        self, cache_dir: Path, split: str, table: ChunkTable, streams: Sequence[Sequence[int]] | None = None
+        self,
+        cache_dir: Path,
+        split: str,
+        table: ChunkTable,
+        streams: Sequence[Sequence[int]] | None = None,
+        packing: str = "end_to_end",
     ) -> None:
         self.cache_dir = cache_dir
         self.split = split
         meta = _meta(cache_dir) or {}
         fp = meta["fingerprint"]
-        self.spec = spec_of(fp)
+        # The files hold each document's tokens; how they are packed is the reading run's.
+        self.spec = replace(spec_of(fp), packing=packing)
         self.chunks = Chunks(table, fp["collections"], self.spec, split, streams)
         self.dtype = np.dtype(meta["dtype"])
         rows = np.load(cache_dir / "chunks.npy")[: int(meta["chunks"])].reshape(-1, 3)
@@ -125,7 +132,7 @@ class CachedChunks(ChunkSource):
 
     def grown(self, table: ChunkTable) -> CachedChunks:
         """The cache (appended to since) read through ``table``."""
-        return CachedChunks(self.cache_dir, self.split, table, self.chunks.streams)
+        return CachedChunks(self.cache_dir, self.split, table, self.chunks.streams, self.spec.packing)
 
     def _map(self, name: str, dtype: Any, n: int) -> np.ndarray:
         if not n:
@@ -294,7 +301,7 @@ def prepare_cache(
 
     if table is None:
         table = ChunkTable.initial(config.collections, MongoWrapper(config).counts, spec.chunk_docs)
-    fp = fingerprint(config, tokenizer_dir, spec)
+    fp = fingerprint(config, tokenizer_dir, cached_spec(spec))
     if overwrite is not None:
         check_cache_dir(cache_dir, fp, overwrite or force)
     if force:
@@ -305,6 +312,12 @@ def prepare_cache(
                 progress=progress)  # fmt: skip
     meta = _meta(cache_dir) or {}
     return meta, int(meta["chunks"]) - int(before)
+
+
+def cached_spec(spec: DataSpec) -> DataSpec:
+    """What of ``spec`` a token cache depends on: all but the packing (it holds each document's tokens,
+    and packs them as the run that reads it does)."""
+    return replace(spec, packing="end_to_end")
 
 
 def cache_fingerprint(cache_dir: Path) -> dict[str, Any] | None:

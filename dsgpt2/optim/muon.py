@@ -184,12 +184,18 @@ def decayed_step(params: Any, update: Any, lr: float, weight_decay: float, cauti
     pulled twice. ``params``: a tensor, or a list of them whose update is ``update`` stacked."""
     import torch
 
-    stacked = torch.stack(params) if isinstance(params, list) else params
-    if cautious:
-        step = update + weight_decay * stacked * ((update * stacked) >= 0)
-    else:
-        step = update + weight_decay * stacked
-    if isinstance(params, list):
+    batch = isinstance(params, list)
+    if not cautious:  # in place, no copy of the weights: p·(1 − lr·decay) − lr·update
+        if batch:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+            torch._foreach_add_(params, list(update.unbind(0)), alpha=-lr)
+        else:
+            params.mul_(1 - lr * weight_decay)
+            params.add_(update, alpha=-lr)
+        return
+    stacked = torch.stack(params) if batch else params
+    step = update + weight_decay * stacked * ((update * stacked) >= 0)
+    if batch:
         torch._foreach_add_(params, list(step.unbind(0)), alpha=-lr)
     else:
         params.add_(step, alpha=-lr)

@@ -123,14 +123,15 @@ def _normuon(update: torch.Tensor, second: torch.Tensor, beta2: float) -> torch.
 
 
 def _beta(beta: Any, like: torch.Tensor) -> Any:
-    """The momentum as a 0-d tensor of ``like``'s dtype and device (kept: the warmup's are few)."""
+    """The momentum as a 0-d float32 tensor on ``like``'s device (kept: the warmup's are few). float32
+    whatever the momentum buffer's dtype (bf16 or fp16 at ZeRO 1 and 2): 0.95 in bf16 is 0.9492."""
     if isinstance(beta, torch.Tensor):
         return beta
-    key = (float(beta), like.dtype, like.device)
+    key = (float(beta), torch.float32, like.device)
     if key not in _betas:
         if len(_betas) > 256:
             _betas.clear()
-        _betas[key] = torch.tensor(float(beta), dtype=like.dtype, device=like.device)
+        _betas[key] = torch.tensor(float(beta), dtype=torch.float32, device=like.device)
     return _betas[key]
 
 

@@ -143,9 +143,11 @@ class ScheduledLR:
         self.schedule = schedule
         self.last_step = 0
         self.resumed_from: dict[str, Any] | None = None
-        self._apply()
+        self.apply()
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Set each group's rate (and warmed-up momentum) for the next step; a resume calls it again once
+        the run's own settings are back over the checkpoint's."""
         for group, lr in zip(self.optimizer.param_groups, self.get_lr(), strict=True):
             group["lr"] = lr
             if warmup := group.get("momentum_warmup"):
@@ -153,7 +155,7 @@ class ScheduledLR:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.last_step += 1
-        self._apply()
+        self.apply()
 
     def get_lr(self) -> list[float]:
         """Each group's rate: the curve's, times the group's ``lr_scale`` where it has one (Muon's
@@ -181,4 +183,4 @@ class ScheduledLR:
         else:  # saved by one of DeepSpeed's schedulers
             self.last_step = int(state.get("last_batch_iteration", -1)) + 1
         self.resumed_from = state.get("schedule")
-        self._apply()
+        self.apply()

@@ -173,7 +173,7 @@ class Feed:
             )
         cache_dir = self.settings.cache_dir
         self._prepare_caches(cache_dir, table)
-        return tuple(CachedChunks(cache_dir, s, table, self.streams) for s in SPLITS)
+        return tuple(CachedChunks(cache_dir, s, table, self.streams, self.spec.packing) for s in SPLITS)
 
     def _prepare_caches(self, cache_dir: Path, table: ChunkTable) -> None:
         """Make every rank's ``cache_dir`` hold the table's chunks: one builder per directory,

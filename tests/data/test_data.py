@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, make_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
-from dsgpt2.data.cache import CachedChunks, build_cache
+from dsgpt2.data.cache import CachedChunks, build_cache, cached_spec
 from dsgpt2.data.dealing import ChunkOrders, Position, ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
@@ -223,14 +223,14 @@ def test_cache_gives_the_same_blocks_as_streaming(
     conn, counts, spec = source
     spec = replace(spec, order=order, packing=packing)
     streaming = {s: StreamingChunks(conn.config, counts, tokenizer, spec, s) for s in ("train", "val")}
-    fp = fingerprint(conn.config, tokenizer, spec)
+    fp = fingerprint(conn.config, tokenizer, cached_spec(spec))  # a cache serves either packing
     totals = build_cache(
         StreamingChunks(conn.config, counts, tokenizer, spec, "all"), tmp_path, fp, 400, workers=0
     )
     assert totals["train"] > 4 * totals["val"] > 0
     assert (tmp_path / "tokens.bin").stat().st_size == (totals["train"] + totals["val"]) * 2
     for split in ("train", "val"):
-        cached = CachedChunks(tmp_path, split, streaming[split].table)
+        cached = CachedChunks(tmp_path, split, streaming[split].table, packing=packing)
         for key in [*range(len(cached)), *((e, c) for e in (0, 3) for c in range(len(cached)))]:
             a, b = streaming[split][key], cached[key]
             assert np.array_equal(a.blocks, b.blocks) and a.last == b.last
