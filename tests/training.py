@@ -57,6 +57,15 @@ def training_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     return _CORPORA[key]
 
 
+def at_stage(corpus: dict[str, Path], where: Path, stage: int) -> dict[str, Path]:
+    """``corpus`` with its DeepSpeed config at ZeRO ``stage`` (a copy written in ``where``)."""
+    ds = json.loads(corpus["ds"].read_text())
+    ds["zero_optimization"] = {"stage": stage}
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "ds.json").write_text(json.dumps(ds))
+    return dict(corpus, ds=where / "ds.json")
+
+
 def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
     """ds_trainer.py's flags for the tiny preset on ``corpus``, checkpoints and workspace in ``run``, a
     metrics record and the block ids of every step; ``extra`` after them."""

@@ -17,7 +17,7 @@ from dsgpt2.errors import ConfigError
 from dsgpt2.optim.muon import MUON_LR, MUON_MOMENTUM, MUON_MOMENTUM_KEY, muon_param_groups
 from dsgpt2.optim.schedule import Schedule, ScheduledLR
 from dsgpt2.train.config import OptimizerOptions, ScheduleOptions, TrainConfig
-from training import steps, train, training_corpus
+from training import at_stage, steps, train, training_corpus
 
 MUON = ("--optimizer", "muon", "--lr_schedule", "wsd", "--muon_lr", "0.03")
 RUN = ("--train_iters", "6", "--save_interval", "3")
@@ -298,19 +298,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
 
 
-def _staged(corpus: dict[str, Path], where: Path, stage: int) -> dict[str, Path]:
-    ds = json.loads(corpus["ds"].read_text())
-    ds["zero_optimization"] = {"stage": stage}
-    where.mkdir(parents=True, exist_ok=True)
-    (where / "ds.json").write_text(json.dumps(ds))
-    return dict(corpus, ds=where / "ds.json")
-
-
 @pytest.fixture(scope="module")
 def straight(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six Muon steps at ZeRO 0 without a stop."""
     run = tmp_path_factory.mktemp("muon_straight")
-    done = train(_staged(corpus, run, 0), run, *MUON, *RUN)
+    done = train(at_stage(corpus, run, 0), run, *MUON, *RUN)
     assert "optimizer: Muon (lr 0.03, momentum 0.95, weight decay 0.1, rms scale" in done.stderr
     assert "gradient clipping (1.0 in the DeepSpeed config) is off" in done.stderr
     assert (
@@ -327,7 +319,7 @@ def straight(corpus: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
 def test_muon_trains_the_same_model_at_each_zero_stage_and_resumes_exactly(
     corpus: dict[str, Path], straight: Path, tmp_path: Path, stage: int
 ) -> None:
-    staged = _staged(corpus, tmp_path, stage)
+    staged = at_stage(corpus, tmp_path, stage)
     crashed = train(staged, tmp_path, *MUON, *RUN, check=False, faults=("--exit_after", "5"))
     assert crashed.returncode == 17
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
@@ -386,7 +378,7 @@ def _weights(tag: Path) -> dict[str, Any]:
 def test_muon_under_zero_3_or_with_bad_flags_is_refused_before_the_model_is_built(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    staged = _staged(corpus, tmp_path, 3)
+    staged = at_stage(corpus, tmp_path, 3)
     for extra, said in (
         (MUON, "--optimizer muon cannot train under this DeepSpeed config: ZeRO stage 3"),
         (("--muon_lr", "0.01"), "--optimizer muon cannot train under this DeepSpeed config: ZeRO stage 3"),

@@ -5,7 +5,6 @@ and 2 (the same model) and resumed in the middle of the warmup exactly."""
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from dsgpt2.errors import ConfigError
 from dsgpt2.optim.muon import batched_muon_class, decayed_step, muon_param_groups
 from dsgpt2.optim.schedule import Schedule, ScheduledLR, momentum_at
 from dsgpt2.train.config import OptimizerOptions
-from training import steps, train, training_corpus
+from training import at_stage, steps, train, training_corpus
 
 pytestmark = [
     # Inductor imports torch.utils.mkldnn, which warns of its own torch.jit use: torch's warning, not ours.
@@ -205,14 +204,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
 
 
-def _staged(corpus: dict[str, Path], where: Path, stage: int) -> dict[str, Path]:
-    ds = json.loads(corpus["ds"].read_text())
-    ds["zero_optimization"] = {"stage": stage}
-    where.mkdir(parents=True, exist_ok=True)
-    (where / "ds.json").write_text(json.dumps(ds))
-    return dict(corpus, ds=where / "ds.json")
-
-
 VARIANTS = ("--optimizer", "muon", "--lr_schedule", "wsd", "--muon_lr", "0.03", "--muon_ns", "polar_express",
             "--muon_cautious", "--muon_momentum_warmup", "4")  # fmt: skip
 RUN = ("--train_iters", "6", "--save_interval", "3")
@@ -222,10 +213,10 @@ RUN = ("--train_iters", "6", "--save_interval", "3")
 def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup_exactly(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
-    straight = train(_staged(corpus, tmp_path / "z0", 0), tmp_path / "z0", *VARIANTS, *RUN)
+    straight = train(at_stage(corpus, tmp_path / "z0", 0), tmp_path / "z0", *VARIANTS, *RUN)
     said = "(lr 0.03, momentum 0.95 (from 0.85 over 4 steps), weight decay 0.1 (cautious), rms scale: ×"
     assert said in straight.stderr, straight.stderr[-3000:]
-    plain = train(_staged(corpus, tmp_path / "plain", 0), tmp_path / "plain", *VARIANTS[:6], *RUN)
+    plain = train(at_stage(corpus, tmp_path / "plain", 0), tmp_path / "plain", *VARIANTS[:6], *RUN)
     a, p = steps(tmp_path / "z0"), steps(tmp_path / "plain")
     assert a[6]["loss"] < a[1]["loss"] - 0.3  # it learns
     assert a[2]["loss"] != p[2]["loss"]  # and the options change what it learns
@@ -233,7 +224,7 @@ def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup
     assert "; quintic Newton–Schulz) on 0.1M weights" in plain.stderr
     for stage in (1, 2):
         run = tmp_path / f"z{stage}"
-        staged = _staged(corpus, run, stage)
+        staged = at_stage(corpus, run, stage)
         crashed = train(staged, run, *VARIANTS, *RUN, check=False, faults=("--exit_after", "5"))
         assert crashed.returncode == 17
         assert (run / "ckpt" / "latest").read_text() == "global_step3"  # in the middle of the warmup
@@ -256,9 +247,9 @@ def test_normuon_trains_at_zero_0_resumes_exactly_and_is_refused_at_zero_1(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
     normuon = (*VARIANTS[:6], "--muon_normuon")
-    straight = train(_staged(corpus, tmp_path / "a", 0), tmp_path / "a", *normuon, *RUN)
+    straight = train(at_stage(corpus, tmp_path / "a", 0), tmp_path / "a", *normuon, *RUN)
     assert "; quintic Newton–Schulz, NorMuon) on 0.1M weights" in straight.stderr, straight.stderr[-3000:]
-    staged = _staged(corpus, tmp_path / "b", 0)
+    staged = at_stage(corpus, tmp_path / "b", 0)
     crashed = train(staged, tmp_path / "b", *normuon, *RUN, check=False, faults=("--exit_after", "5"))
     assert crashed.returncode == 17
     resumed = train(staged, tmp_path / "b", "--train_iters", "6", "--save_interval", "3")
@@ -267,7 +258,7 @@ def test_normuon_trains_at_zero_0_resumes_exactly_and_is_refused_at_zero_1(
     assert a[6]["loss"] < a[1]["loss"] - 0.3
     for step in range(1, 7):
         assert a[step]["losses"] == pytest.approx(b[step]["losses"], abs=1e-5), step
-    refused = train(_staged(corpus, tmp_path / "c", 1), tmp_path / "c", *normuon, *RUN, check=False)
+    refused = train(at_stage(corpus, tmp_path / "c", 1), tmp_path / "c", *normuon, *RUN, check=False)
     assert refused.returncode == 2
     (line,) = refused.stderr.strip().splitlines()
     assert "--muon_normuon keeps a second moment for each row of a matrix, which ZeRO stage 1's" in line
