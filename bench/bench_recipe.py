@@ -112,12 +112,19 @@ def _recipe(name: str) -> Any:
     return parse_args(trainer_parser(), argv, command=["train"], sections=None, aliases=TRAIN_ALIASES)
 
 
+def _ds_config(path: str) -> Path:
+    """A recipe's DeepSpeed config: a shipped one (``configs/...``) wherever dsgpt2 is installed, else
+    the file a variant names."""
+    from dsgpt2.settings.shipped import shipped_config_named
+
+    return shipped_config_named(path) if Path(path).parts[0] == "configs" else Path(path)
+
+
 def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run: Path) -> dict[str, Any]:
     """One training of ``recipe`` (as shipped, for STEPS steps): its validation losses by step, its final
     validation bits per byte and its median tokens/s."""
     from dsgpt2.db.config import config_from_dict
     from dsgpt2.settings.options import from_namespace
-    from dsgpt2.settings.shipped import shipped_config_named
     from dsgpt2.train.config import (
         CheckpointOptions,
         DataOptions,
@@ -162,7 +169,7 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
         ckpt=from_namespace(CheckpointOptions, r, ckpt_dir=run / "ckpt", save_interval=STEPS, no_resume=True),
         schedule=from_namespace(ScheduleOptions, r, warmup_iters=warmup),
         optim=from_namespace(OptimizerOptions, r),
-        engine=EngineOptions(deepspeed_config=shipped_config_named(r.deepspeed_config)),
+        engine=from_namespace(EngineOptions, r, deepspeed_config=_ds_config(r.deepspeed_config)),
     )
     build(cfg, mongo=mongo).train()
     records = read_metrics(run / "train" / "metrics.jsonl")

@@ -34,6 +34,7 @@ from dsgpt2.data.dealing import ChunkOrders, ReadState, redeal_states, take_in
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.mixture import Stage
 from dsgpt2.data.packing import tokens_in_spans
+from dsgpt2.data.ramp import BatchRamp
 from dsgpt2.data.sources import Chunk, DataSpec, Key, StreamingChunks, order_of, spec_of
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
@@ -129,10 +130,11 @@ class Replay:
                 for s, items in mine.items():
                     state.streams[s].queue.extend(items)
         stages = [Stage(int(s), tuple(w)) for s, w in launch["stages"]]
-        mb, accum = int(launch["micro_batch"]), int(launch["grad_accum"])
+        mb = int(launch["micro_batch"])
+        ramp = BatchRamp(int(launch["grad_accum"]), int(launch.get("batch_ramp", 0)))
         readers = [
             BlockStream(self.shapes, self.schedule, r, world, mb, state=self.states[r], workers=0,
-                        stages=stages, grad_accum=accum)
+                        stages=stages, ramp=ramp)
             for r in range(world)
         ]  # fmt: skip
         batches = [iter(b) for b in readers]
@@ -140,7 +142,7 @@ class Replay:
             for step in range(start + 1, stop + 1):
                 ids: list[list[BlockId]] = [[] for _ in range(world)]
                 trained = 0
-                while trained < accum:
+                while trained < ramp.accum(step - 1):
                     self.micro += 1
                     drawn = [next(b) for b in batches]
                     if self.micro in self.skipped:

@@ -25,8 +25,11 @@ from torch.utils.data import DataLoader, Dataset
 from dsgpt2.data.dealing import ChunkOrders, Position, ReadState, eval_chunks
 from dsgpt2.data.mixture import Stage, pick, stage_at
 from dsgpt2.data.packing import labels_and_mask
+from dsgpt2.data.ramp import BatchRamp
 from dsgpt2.data.sources import Chunk
 from dsgpt2.errors import CorpusError
+
+NO_RAMP = BatchRamp(1)  # one micro-batch a step, throughout
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +205,7 @@ class BlockStream:
     ``state`` always names the next block of each stream not yet handed out, so that a
     checkpoint taken between two batches resumes with the very next one. With several streams
     (mixture weights), each block comes from the stream :func:`~dsgpt2.data.mixture.pick` names
-    under the stage in force at the batch's step (micro-batches read // ``grad_accum``).
+    under the stage in force at the batch's step (``ramp``'s step of the micro-batches read).
 
     Args:
         dataset, schedule: the training split's chunks, and the order each epoch deals them.
@@ -210,7 +213,7 @@ class BlockStream:
         micro_batch: blocks per batch.
         state: where the reading resumes (default: the start).
         workers: DataLoader workers, shared among the streams.
-        stages, grad_accum: the mixture's stages, and the micro-batches per step they are counted in.
+        stages, ramp: the mixture's stages, and the micro-batches per step they are counted in.
     """
 
     def __init__(
@@ -224,7 +227,7 @@ class BlockStream:
         state: ReadState | None = None,
         workers: int = 2,
         stages: Sequence[Stage] = (),
-        grad_accum: int = 1,
+        ramp: BatchRamp = NO_RAMP,
     ) -> None:
         self.dataset = dataset
         self.schedule = schedule
@@ -235,7 +238,7 @@ class BlockStream:
         n = len(schedule.streams)
         self.workers = workers if n == 1 or workers == 0 else max(1, workers // n)
         self.stages = list(stages)
-        self.grad_accum = grad_accum
+        self.ramp = ramp
         self.documents = 0
         self.skipped: dict[str, int] = {}
         self._readers: list[Any] = []
@@ -294,7 +297,7 @@ class BlockStream:
     def _choose(self, context: int) -> int:
         if len(self.schedule.streams) == 1:
             return 0
-        stage = stage_at(self.stages, self.state.micro // self.grad_accum)
+        stage = stage_at(self.stages, self.ramp.step_of(self.state.micro))
         if stage != self.state.stage:
             self.state.stage, self.state.taken = stage, [0] * len(self.state.taken)
         return pick(self.state.taken, self.stages[stage].weights, context)

@@ -288,6 +288,13 @@ class EngineOptions(Checked):
     """The DeepSpeed engine and the process group."""
 
     deepspeed_config: Path | None = option(None, "DeepSpeed config JSON (configs/ds_config*.json)")
+    batch_ramp: int = option(
+        0,
+        "a batch-size ramp: the first N steps take from 1 up to fewer than the DeepSpeed config's "
+        "gradient_accumulation_steps micro-batches each, in equal stages, the full batch after; 0: none",
+        check=NON_NEGATIVE_INT,
+        metavar="N",
+    )
     distributed_backend: str | None = option(
         None, "torch.distributed backend (default: nccl on GPU, gloo on CPU)"
     )
@@ -500,6 +507,7 @@ def trainer_parser(prog: str = "ds_trainer.py") -> OneLineErrorParser:
     )
     for title, cls in GROUPS:
         add_options(p.add_argument_group(title), cls)
+    add_options(p.add_argument_group("batch"), EngineOptions, only=["batch_ramp"])
     g = p.add_argument_group("distributed")
     add_options(g, EngineOptions, only=["distributed_backend", "local_rank", "dist_timeout"])
     prepare_deepspeed_environment()

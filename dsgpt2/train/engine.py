@@ -28,6 +28,7 @@ from dsgpt2.model.gpt2 import (
 )
 from dsgpt2.model.loss import with_chunked_loss
 from dsgpt2.optim.ds_config import EngineConfig, zero_stage
+from dsgpt2.optim.optimizers import OPTIMIZERS
 from dsgpt2.optim.schedule import ScheduledLR
 from dsgpt2.train.config import ComputeOptions, ModelOptions, OptimizerOptions
 from dsgpt2.train.metrics import peak_flops
@@ -259,3 +260,20 @@ def build_cpu_ops() -> str | None:
         return None
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
     return shm_op_path()
+
+
+def announce_compiles(cfg: Any, device: str, step: int) -> None:
+    """A line before a first step that compiles (tens of seconds on a CPU, with nothing else on screen)."""
+    what = first_step_compiles(cfg.optim.optimizer, compiles(cfg.compute.compile, device))
+    if what and step < cfg.run.train_iters:
+        log.info("the first step compiles %s: it takes longer than the others (tens of seconds on a CPU, "
+                 "less once torch has cached the compiled code)", what)  # fmt: skip
+
+
+def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
+    """What torch compiles on a run's first step (None: nothing): the model with --compile, and what the
+    optimizer's step compiles with it (under Muon the Newton–Schulz iteration DeepSpeed compiles for its
+    matrices; without --compile that runs eagerly)."""
+    own = OPTIMIZERS[optimizer].compiles if optimizer and compiled else None
+    what = ["the model (--compile)"] * compiled + [own] * bool(own)
+    return " and ".join(what) or None

@@ -19,6 +19,7 @@ from dsgpt2.collective import Rounds, barrier, gather, on_rank0, raise_shared
 from dsgpt2.data.cache import CachedChunks, prepare_cache
 from dsgpt2.data.dealing import ChunkOrders, ReadState, Stream, redeal_states, take_in
 from dsgpt2.data.mixture import Stage, mixture_stages
+from dsgpt2.data.ramp import BatchRamp
 from dsgpt2.data.sources import SPLITS, DataSpec, StreamingChunks
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
@@ -237,13 +238,15 @@ class Feed:
             self.train_data, _ = self._datasets()
         return dealt[self.rank]
 
-    def note_launch(self, step: int, micro: int, micro_batch: int, grad_accum: int) -> None:
+    def note_launch(self, step: int, micro: int, micro_batch: int, ramp: BatchRamp) -> None:
         """Record in the run's history (kept in every checkpoint after) that a launch of ``world``
-        ranks starts at ``step``, how it reads, and whether it deals growth at once."""
+        ranks starts at ``step``, how it reads (``ramp``: its micro-batches per step), and whether it
+        deals growth at once."""
         self.launches.append({
             "step": step, "micro": micro, "world": self.world, "micro_batch": micro_batch,
-            "grad_accum": grad_accum, "stages": [[s.step, list(s.weights)] for s in self.stages],
+            "grad_accum": ramp.grad_accum, "stages": [[s.step, list(s.weights)] for s in self.stages],
             "follow": self.settings.data.follow,
+            **({"batch_ramp": ramp.steps} if ramp.ramping else {}),
         })  # fmt: skip
 
     def record_growth(

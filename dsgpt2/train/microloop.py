@@ -102,10 +102,13 @@ class MicroLoop:
         draw: Callable[[], tuple[int, Any, torch.Tensor]],
         skipped: Callable[[int], None],
         kept: Callable[[], None],
+        *,
         before_update: Callable[[], None] = lambda: None,
         forward: Callable[[Any], torch.Tensor] | None = None,
+        accum: int | None = None,
     ) -> list[Micro]:
-        """Draw micro-batches until ``grad_accum`` finite ones have gone backward, then step.
+        """Draw micro-batches until ``accum`` (default ``grad_accum``) finite ones have gone backward,
+        then step.
 
         ``draw()``: the next micro-batch's number, batch and loss. ``skipped(number)``/``kept()``: called
         in micro-batch order as each loss is known to be non-finite/finite. ``before_update()``: after
@@ -113,10 +116,15 @@ class MicroLoop:
         again (unguarded engines recompute with it after a non-finite loss). Returns the step's
         micro-batches.
         """
+        if accum is not None and accum != self.engine.gradient_accumulation_steps():
+            # A step of a batch ramp (dsgpt2.data.ramp): DeepSpeed divides each loss by this number.
+            e = self.engine
+            e.set_train_batch_size(accum * e.train_micro_batch_size_per_gpu() * e.dp_world_size)
+        accum = accum or self.grad_accum
         done: list[Micro] = []
         while True:
             number, batch, loss = draw()
-            if len(done) < self.grad_accum - 1:
+            if len(done) < accum - 1:
                 flag = None if self.guard is None else finite_on_every_rank(loss)
                 self._backward(loss, flag, boundary=False)
                 self.engine.step()
@@ -145,7 +153,7 @@ class MicroLoop:
                 skipped(number)
                 continue
             kept()
-            last = len(done) == self.grad_accum - 1
+            last = len(done) == accum - 1
             self._backward(loss, None, boundary=last)
             done.append(Micro(number, batch, loss.detach(), read=True))
             if last:

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 from dsgpt2.checkpoints.options import RESOLVED
+from dsgpt2.documents import SkipTally
 from dsgpt2.files import atomic_write_text
+from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.progress import on_terminal
 from dsgpt2.train.config import RunOptions
 from dsgpt2.train.metrics import MetricsLog, plot_losses
@@ -162,3 +164,27 @@ class RunLog:
         self.metrics.close()
         plot = plot_losses(self.metrics.path, self.run.workspace / "loss.png")
         return str(plot) if plot else None
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    lines = [
+        f"stopped: {summary['stopped']} at step {summary['step']}, {summary['tokens']:,} tokens "
+        f"({summary['tokens_per_s']:,.0f} tokens/s)",
+    ]
+    if summary.get("val_loss") is not None:
+        bpb = f", bpb {summary['val_bpb']:.3f}" if summary.get("val_bpb") is not None else ""
+        lines.append(
+            f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}{bpb} on "
+            f"{summary['val_tokens']:,} tokens, the first {summary['eval_iters']} batches of the split per "
+            "rank (--eval_iters; `dsgpt2 evaluate` reads all of it, so its figure differs)"
+        )
+    if summary.get("hellaswag_examples"):
+        lines.append(f"HellaSwag: {accuracies(summary)}")
+    lines.append(f"checkpoint: {summary['checkpoint']}")
+    if summary.get("plot"):
+        lines.append(f"loss plot: {summary['plot']}")
+    if summary.get("nonfinite"):
+        lines.append(f"non-finite losses skipped: {summary['nonfinite']}")
+    if summary.get("skipped_documents"):
+        lines.append(f"documents read: {SkipTally(summary['skipped_documents']).summary()}")
+    return lines

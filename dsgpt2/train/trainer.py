@@ -38,9 +38,9 @@ from dsgpt2.collective import (
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
 from dsgpt2.data.packing import IGNORE
+from dsgpt2.data.ramp import BatchRamp, check_ramp
 from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
-from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
 from dsgpt2.log import setup_logging
@@ -55,6 +55,7 @@ from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.engine import (
     Engine,
     EngineSettings,
+    announce_compiles,
     build_engine,
     compiles,
     init_context,
@@ -65,7 +66,7 @@ from dsgpt2.train.engine import (
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
 from dsgpt2.train.microloop import MicroLoop
-from dsgpt2.train.runlog import RunLog
+from dsgpt2.train.runlog import RunLog, summary_lines
 from dsgpt2.train.signals import StopRequest
 from dsgpt2.train.validator import Validator
 
@@ -148,6 +149,8 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
                          schedule=cfg.schedule, optimizer=cfg.optim.chosen())  # fmt: skip
     check_attention(cfg.compute.attn_implementation, device, ds.config)
     decided += ds.notes
+    if (ramp := check_ramp(cfg.engine.batch_ramp, ds.grad_accum, cfg.engine.deepspeed_config)).ramping:
+        decided += (ramp.describe(ds.micro_batch, world),)
     prepare_deepspeed_environment()
     import deepspeed
 
@@ -234,10 +237,11 @@ class Trainer:
         self.micro_batch, self.grad_accum = engine.micro_batch, engine.grad_accum
         self.micro_loop = MicroLoop(self.engine, self.grad_accum)
         self.rank, self.world = feed.rank, feed.world
-        feed.note_launch(state.step, state.micro, self.micro_batch, self.grad_accum)
+        self.ramp = BatchRamp(self.grad_accum, cfg.engine.batch_ramp)
+        feed.note_launch(state.step, state.micro, self.micro_batch, self.ramp)
         self.stream = BlockStream(
             feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, state=feed.state,
-            workers=cfg.data.num_workers, stages=feed.stages, grad_accum=self.grad_accum,
+            workers=cfg.data.num_workers, stages=feed.stages, ramp=self.ramp,
         )  # fmt: skip
         eot = feed.spec.eot if cfg.compute.doc_mask else None
         self.validator = Validator(
@@ -301,8 +305,8 @@ class Trainer:
         return self.finish(state)
 
     def train_step(self, state: TrainState, batches: Any) -> tuple[list[torch.Tensor], list[Any]]:
-        """One optimizer step over ``grad_accum`` micro-batches; non-finite ones skipped, with one wait on
-        the device per step (:mod:`dsgpt2.train.microloop`).
+        """One optimizer step over its micro-batches (``grad_accum``, fewer on a ramp); non-finite ones
+        skipped, with one wait on the device per step (:mod:`dsgpt2.train.microloop`).
 
         Returns the micro-batches' losses, still on the device (reading them waits for it:
         :meth:`log_step` does at log intervals only), and their block ids with --log_block_ids.
@@ -337,8 +341,10 @@ class Trainer:
                 scale = scaler.get_scale() if scaler is not None else 1.0
                 self._hand_norm = grad_norm(self.engine.module) / scale
 
-        micros = self.micro_loop.step(draw, lambda micro: self._skip_nonfinite(state, micro), kept,
-                                      before_update, forward=self._forward)  # fmt: skip
+        micros = self.micro_loop.step(
+            draw, lambda micro: self._skip_nonfinite(state, micro), kept, before_update=before_update,
+            forward=self._forward, accum=self.ramp.accum(state.step),
+        )  # fmt: skip
         ids: list[Any] = []
         for m in micros:
             state.tokens += m.batch.tokens * self.world
@@ -387,7 +393,8 @@ class Trainer:
         grad_norm = self._read_grad_norm()
         check_learns(state.step, device_losses, grad_norm, self.compiled)
         # A collective: every rank takes part.
-        by_collection = self._collection_tokens() if len(self.mongo.collections) > 1 else None
+        names, device = self.mongo.collections, self.engine.device
+        by_collection = collection_tokens(self.stream.state, names, device) if len(names) > 1 else None
         self.runlog.log_train(
             state.step, state.tokens, device_losses, ids, self._step_lr,
             grad_norm=grad_norm, collection_tokens=by_collection,
@@ -399,12 +406,6 @@ class Trainer:
         if norm is None:
             norm, self._hand_norm = self._hand_norm, None
         return None if norm is None else float(norm)
-
-    def _collection_tokens(self) -> dict[str, int]:
-        """Tokens read from each collection so far, by all ranks (a collective)."""
-        mine = self.stream.state.tokens
-        counts = all_sum([mine.get(c, 0) for c in range(len(self.mongo.collections))], self.engine.device)
-        return dict(zip(self.mongo.collections, counts, strict=True))
 
     def maybe_evaluate(self, state: TrainState) -> None:
         if not self.validator.should_validate(state.step):
@@ -524,45 +525,10 @@ def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
     }
 
 
-def announce_compiles(cfg: TrainConfig, device: str, step: int) -> None:
-    """A line before a first step that compiles (tens of seconds on a CPU, with nothing else on screen)."""
-    what = first_step_compiles(cfg.optim.optimizer, compiles(cfg.compute.compile, device))
-    if what and step < cfg.run.train_iters:
-        log.info("the first step compiles %s: it takes longer than the others (tens of seconds on a CPU, "
-                 "less once torch has cached the compiled code)", what)  # fmt: skip
-
-
-def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
-    """What torch compiles on a run's first step (None: nothing): the model with --compile, and what the
-    optimizer's step compiles with it (under Muon the Newton–Schulz iteration DeepSpeed compiles for its
-    matrices; without --compile that runs eagerly)."""
-    own = OPTIMIZERS[optimizer].compiles if optimizer and compiled else None
-    what = ["the model (--compile)"] * compiled + [own] * bool(own)
-    return " and ".join(what) or None
-
-
-def summary_lines(summary: dict[str, Any]) -> list[str]:
-    lines = [
-        f"stopped: {summary['stopped']} at step {summary['step']}, {summary['tokens']:,} tokens "
-        f"({summary['tokens_per_s']:,.0f} tokens/s)",
-    ]
-    if summary.get("val_loss") is not None:
-        bpb = f", bpb {summary['val_bpb']:.3f}" if summary.get("val_bpb") is not None else ""
-        lines.append(
-            f"validation: loss {summary['val_loss']:.4f}, perplexity {summary['val_ppl']:.2f}{bpb} on "
-            f"{summary['val_tokens']:,} tokens, the first {summary['eval_iters']} batches of the split per "
-            "rank (--eval_iters; `dsgpt2 evaluate` reads all of it, so its figure differs)"
-        )
-    if summary.get("hellaswag_examples"):
-        lines.append(f"HellaSwag: {accuracies(summary)}")
-    lines.append(f"checkpoint: {summary['checkpoint']}")
-    if summary.get("plot"):
-        lines.append(f"loss plot: {summary['plot']}")
-    if summary.get("nonfinite"):
-        lines.append(f"non-finite losses skipped: {summary['nonfinite']}")
-    if summary.get("skipped_documents"):
-        lines.append(f"documents read: {SkipTally(summary['skipped_documents']).summary()}")
-    return lines
+def collection_tokens(read: ReadState, names: Sequence[str], device: Any) -> dict[str, int]:
+    """Tokens read from each collection so far (``read``: this rank's reading), by all ranks: a collective."""
+    counts = all_sum([read.tokens.get(c, 0) for c in range(len(names))], device)
+    return dict(zip(names, counts, strict=True))
 
 
 def main(

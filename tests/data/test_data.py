@@ -18,6 +18,7 @@ from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.cache import CachedChunks, build_cache, cached_spec
 from dsgpt2.data.dealing import ChunkOrders, Position, ReadState
 from dsgpt2.data.loader import BlockStream, eval_batches
+from dsgpt2.data.ramp import BatchRamp
 from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
@@ -299,7 +300,9 @@ def test_a_replay_retraces_the_ranks_and_refuses_to_end_elsewhere(source, tokeni
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
     streams, stages = [(0,), (1,)], [Stage(0, (0.5, 0.5)), Stage(3, (0.9, 0.1))]
     schedule = ChunkOrders(data.table, streams, 5)
-    ranks = [BlockStream(data, schedule, r, 2, 3, workers=0, stages=stages, grad_accum=2) for r in (0, 1)]
+    ranks = [
+        BlockStream(data, schedule, r, 2, 3, workers=0, stages=stages, ramp=BatchRamp(2)) for r in (0, 1)
+    ]
     readers = [iter(b) for b in ranks]
     logged, micro = [], 0
     for _ in range(5):  # the trainer's steps: micro-batch 3 is drawn, then left out

@@ -138,7 +138,7 @@ def test_a_conv1d_model_and_a_linear_model_holding_the_same_weights_take_the_sam
 
 
 def test_what_the_first_step_compiles_is_said() -> None:
-    from dsgpt2.train.trainer import first_step_compiles
+    from dsgpt2.train.engine import first_step_compiles
 
     assert first_step_compiles("adamw", False) is None
     assert first_step_compiles("muon", False) is None
