@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import check_lineage
-from training import at_stage, steps, train, training_corpus
+from dsgpt2.train.metrics import read_metrics
+from training import at_stage, launch, steps, train, training_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,22 @@ def test_a_ramped_run_takes_fewer_micro_batches_first_and_resumes_mid_ramp_exact
         assert a[step]["block_ids"] == b[step]["block_ids"], step
         assert a[step]["loss"] == pytest.approx(b[step]["loss"], abs=1e-6), step
     check_lineage(tmp_path / "split" / "ckpt", tmp_path / "split" / "ws", corpus["config"], {"stdlib": 2000})
+
+
+def test_two_ranks_ramp_together_at_zero_2_and_the_lineage_names_each_rank(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Two gloo ranks under the launcher, ZeRO 2: each rank's steps 1 and 2 take one micro-batch (4
+    blocks), steps 3 and 4 two; the run's tokens a step double with them; lineage replays both ranks."""
+    staged = at_stage(corpus, tmp_path / "cfg", 2)
+    run = tmp_path / "run"
+    launch(staged, run, 2, "--train_iters", "4", "--batch_ramp", "2")
+    for rank in (0, 1):
+        ids = {r["step"]: r["block_ids"] for r in read_metrics(run / "ws" / f"block_ids_rank{rank}.jsonl")}
+        assert [len(ids[s]) for s in (1, 2, 3, 4)] == [4, 4, 8, 8], rank
+    tokens = [r["tokens"] for _, r in sorted(steps(run).items())]
+    assert tokens[3] - tokens[2] == 2 * tokens[0] == 2 * (tokens[1] - tokens[0]), tokens
+    check_lineage(run / "ckpt", run / "ws", corpus["config"], {"stdlib": 2000}, ranks=2)
 
 
 def _one_micro_batch_a_step(corpus: dict[str, Path], where: Path) -> dict[str, Path]:
