@@ -20,8 +20,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
 
 
-# Muon's options from the speedrun (Polar Express, cautious decay, a warmed-up momentum) at ZeRO 2.
+# The speedrun's options (Polar Express, cautious decay, a warmed-up momentum, a batch ramp) at ZeRO 2.
 VARIANTS = ("--muon_ns", "polar_express", "--muon_cautious", "--muon_momentum_warmup", "3")
+VARIANTS += ("--batch_ramp", "3")
 
 
 @pytest.mark.parametrize(
