@@ -131,7 +131,7 @@ class Replay:
                     state.streams[s].queue.extend(items)
         stages = [Stage(int(s), tuple(w)) for s, w in launch["stages"]]
         mb = int(launch["micro_batch"])
-        ramp = BatchRamp(int(launch["grad_accum"]), int(launch.get("batch_ramp", 0)))
+        ramp = BatchRamp(int(launch["grad_accum"]), int(launch.get("batch_ramp", 0))).at(start, self.micro)
         readers = [
             BlockStream(self.shapes, self.schedule, r, world, mb, state=self.states[r], workers=0,
                         stages=stages, ramp=ramp)

@@ -13,33 +13,41 @@ taken): the mixture's stages and the lineage's replay map one to the other here.
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 from dsgpt2.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class BatchRamp:
-    """Micro-batches per optimizer step over a run (module doc). ``steps`` 0: no ramp."""
+    """Micro-batches per optimizer step over a run (module doc). ``steps`` 0: no ramp. ``offset``: what
+    the run's micro-batch count lags the ramp's own (:meth:`at`)."""
 
     grad_accum: int
     steps: int = 0
-    _ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    offset: int = 0
+    # The first step of each stage (stage j: j + 1 micro-batches a step), then the ramp's end.
+    _starts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.grad_accum < 1 or self.steps < 0:
             raise ValueError(f"a batch ramp of {self.steps} steps to {self.grad_accum} micro-batches")
-        ends, total = [], 0
-        for step in range(self.ramping):
-            total += self.accum(step)
-            ends.append(total)
-        object.__setattr__(self, "_ends", tuple(ends))
+        stages = self.grad_accum - 1 if self.steps else 0
+        starts = tuple(-(-j * self.steps // stages) for j in range(stages + 1)) if stages else ()
+        object.__setattr__(self, "_starts", starts)
 
     @property
     def ramping(self) -> int:
         """The steps that take fewer than ``grad_accum`` micro-batches."""
-        return self.steps if self.grad_accum > 1 else 0
+        return self._starts[-1] if self._starts else 0
+
+    def _stages(self) -> Iterator[tuple[int, int, int]]:
+        """(first step, steps, micro-batches a step) of each stage that has steps."""
+        for j, (start, end) in enumerate(itertools.pairwise(self._starts)):
+            if end > start:
+                yield start, end - start, j + 1
 
     def accum(self, step: int) -> int:
         """The micro-batches of optimizer step ``step + 1`` (``step`` steps taken)."""
@@ -49,24 +57,29 @@ class BatchRamp:
 
     def micros_before(self, step: int) -> int:
         """The micro-batches the first ``step`` optimizer steps take."""
-        if step <= 0:
-            return 0
-        ramped = min(step, self.ramping)
-        done = self._ends[ramped - 1] if ramped else 0
-        return done + (step - ramped) * self.grad_accum
+        done = sum(k * max(0, min(n, step - first)) for first, n, k in self._stages())
+        return done + max(0, step - self.ramping) * self.grad_accum
 
     def step_of(self, micro: int) -> int:
-        """The steps taken when micro-batch ``micro + 1`` is read (``micro`` read before it)."""
-        if self.ramping and micro < self._ends[-1]:
-            return bisect.bisect_right(self._ends, micro)
-        return self.ramping + (micro - self.micros_before(self.ramping)) // self.grad_accum
+        """The steps taken when the run's micro-batch ``micro + 1`` is read (``micro`` read before it)."""
+        micro += self.offset
+        for first, n, k in self._stages():
+            if micro < n * k:
+                return first + micro // k
+            micro -= n * k
+        return self.ramping + micro // self.grad_accum
+
+    def at(self, step: int, micro: int) -> BatchRamp:
+        """This ramp for a launch that starts with ``step`` steps taken and ``micro`` micro-batches read
+        (a resume): its steps counted from there, whatever earlier launches read a step."""
+        return replace(self, offset=self.micros_before(step) - micro)
 
     def describe(self, micro_batch: int, world: int) -> str:
         """The ramp in one line, in sequences a step (every rank's)."""
         first, full = micro_batch * world, micro_batch * world * self.grad_accum
         return (
-            f"batch ramp: {first} sequences a step at first, rising in {self.grad_accum - 1} stage(s) to "
-            f"{full} from step {self.ramping + 1} (--batch_ramp {self.steps})"
+            f"batch ramp: {first} sequences a step at first, {len(list(self._stages()))} stage(s) below the "
+            f"full {full}, which step {self.ramping + 1} on take (--batch_ramp {self.steps})"
         )
 
 

@@ -288,10 +288,11 @@ class EngineOptions(Checked):
     """The DeepSpeed engine and the process group."""
 
     deepspeed_config: Path | None = option(None, "DeepSpeed config JSON (configs/ds_config*.json)")
-    batch_ramp: int = option(
-        0,
+    batch_ramp: int | None = option(
+        None,
         "a batch-size ramp: the first N steps take from 1 up to fewer than the DeepSpeed config's "
-        "gradient_accumulation_steps micro-batches each, in equal stages, the full batch after; 0: none",
+        "gradient_accumulation_steps micro-batches each, in equal stages, the full batch after (default: "
+        "a resumed run's own, else 0: none)",
         check=NON_NEGATIVE_INT,
         metavar="N",
     )
@@ -425,10 +426,10 @@ class TrainConfig(Freezable):
         ds_config: dict[str, Any] | None = None,
     ) -> list[str]:
         """Decide what the options leave to the run: with ``saved`` (the options of the checkpoint this
-        run resumes), its optimizer and Muon settings where none are given, and its schedule; a new run
-        trains with Muon under WSD, or AdamW under the DeepSpeed config's scheduler where Muon cannot
-        train (``unfit``: why the default optimizer cannot); ``ds_config``, the DeepSpeed config file as read,
-        gives the defaults taken from it. Returns what was decided, as lines for the log.
+        run resumes), its optimizer and Muon settings where none are given, its schedule and its batch
+        ramp; a new run trains with Muon under WSD, or AdamW under the DeepSpeed config's scheduler where
+        Muon cannot train (``unfit``: why the default optimizer cannot); ``ds_config``, the DeepSpeed
+        config file as read, gives the defaults taken from it. Returns what was decided, as lines for the log.
 
         Raises:
             ConfigError: the options so filled cannot train together.
@@ -438,6 +439,9 @@ class TrainConfig(Freezable):
         if saved is not None and s.lr_schedule is None and saved.get("lr_schedule"):
             s.lr_schedule = str(saved["lr_schedule"])
             taken.append(f"--lr_schedule {s.lr_schedule}")
+        if self.engine.batch_ramp is None:
+            self.engine.batch_ramp = int((saved or {}).get("batch_ramp") or 0)
+            taken += [f"--batch_ramp {self.engine.batch_ramp}"] * bool(self.engine.batch_ramp)
         said = [
             f"the checkpoint to resume was trained with {', '.join(taken)}: this run continues with it"
         ] * bool(taken)

@@ -237,7 +237,7 @@ class Trainer:
         self.micro_batch, self.grad_accum = engine.micro_batch, engine.grad_accum
         self.micro_loop = MicroLoop(self.engine, self.grad_accum)
         self.rank, self.world = feed.rank, feed.world
-        self.ramp = BatchRamp(self.grad_accum, cfg.engine.batch_ramp)
+        self.ramp = BatchRamp(self.grad_accum, cfg.engine.batch_ramp).at(state.step, state.micro)
         feed.note_launch(state.step, state.micro, self.micro_batch, self.ramp)
         self.stream = BlockStream(
             feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, state=feed.state,

@@ -16,7 +16,8 @@ def test_the_speedrun_ramp_rises_in_equal_stages_to_the_full_batch() -> None:
     assert ramp.micros_before(300) == 300 and ramp.micros_before(600) == 900
     assert ramp.micros_before(601) == 903
     assert ramp.describe(8, 1) == (
-        "batch ramp: 8 sequences a step at first, rising in 2 stage(s) to 24 from step 601 (--batch_ramp 600)"
+        "batch ramp: 8 sequences a step at first, 2 stage(s) below the full 24, which step 601 on take "
+        "(--batch_ramp 600)"
     )
 
 
@@ -32,6 +33,28 @@ def test_each_micro_batch_falls_in_the_step_that_takes_it(grad_accum: int, steps
             assert ramp.step_of(micro) == step, (step, micro)
             micro += 1
     assert sum(ramp.accum(s) for s in range(steps)) == ramp.micros_before(steps)
+
+
+def test_a_resumed_launch_counts_its_steps_from_where_it_started() -> None:
+    """A launch that starts at step 1,000 after 2,095 micro-batches (five skipped as non-finite before):
+    its first micro-batch falls in step 1,000 (0-based: 1,000 taken) whatever the earlier launches read a
+    step; and a run resumed without its ramp (or with another) counts from its start, not from step 0."""
+    ramp = BatchRamp(3, 600).at(1000, 2095)
+    assert ramp.step_of(2095) == 1000 and ramp.step_of(2098) == 1001
+    plain = BatchRamp(3).at(1000, 2100)
+    assert plain.step_of(2100) == 1000 and BatchRamp(3).step_of(2100) == 700
+    assert BatchRamp(2, 10).at(4, 4).step_of(4) == 4 and BatchRamp(2, 10).at(4, 4).accum(4) == 1
+
+
+def test_a_ramp_shorter_than_its_stages_and_a_long_one() -> None:
+    """32 micro-batches over 10 steps: 10 stages of one step each (the values in between skipped); a
+    ramp of a billion steps costs nothing to make."""
+    short = BatchRamp(32, 10)
+    assert [short.accum(s) for s in range(11)] == [1, 4, 7, 10, 13, 16, 19, 22, 25, 28, 32]
+    assert "10 stage(s) below the full 128" in short.describe(4, 1)
+    assert [short.step_of(m) for m in (0, 1, 4, 5)] == [0, 1, 1, 2]
+    huge = BatchRamp(8, 10**9)
+    assert huge.step_of(huge.micros_before(10**8)) == 10**8 and huge.accum(10**9) == 8
 
 
 def test_no_ramp_is_the_plain_accumulation() -> None:

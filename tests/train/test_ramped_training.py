@@ -6,6 +6,7 @@ runs of the tiny preset on CPU, through ds_trainer.py as a user starts it."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_ramped_run_takes_fewer_micro_batches_first_and_resumes_mid_ramp_exactly(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
+    """Steps 1-6 read 4 blocks, 7 and 8 read 8, their tokens in proportion; killed after step 6 and
+    resumed from step 4 without the flag, the run retraces the straight one and lineage replays it."""
     straight = train(corpus, tmp_path / "straight", *RAMP)
-    assert "batch ramp: 4 sequences a step at first, rising in 1 stage(s) to 8 from step 7" in straight.stderr
+    assert "batch ramp: 4 sequences a step at first, 1 stage(s) below the full 8, which step 7 on take" in (
+        straight.stderr
+    )
     a = steps(tmp_path / "straight")
     assert [len(a[s]["block_ids"]) for s in range(1, 9)] == [4] * 6 + [8] * 2
     tokens = [a[s]["tokens"] - (a[s - 1]["tokens"] if s > 1 else 0) for s in range(1, 9)]
@@ -38,7 +43,9 @@ def test_a_ramped_run_takes_fewer_micro_batches_first_and_resumes_mid_ramp_exact
 
     crashed = train(corpus, tmp_path / "split", *RAMP, check=False, faults=("--exit_after", "6"))
     assert crashed.returncode == 17
-    train(corpus, tmp_path / "split", *RAMP)
+    # Resumed without the flag: the checkpoint's ramp goes on, said in one line.
+    resumed = train(corpus, tmp_path / "split", *RAMP[:-2])
+    assert re.search(r"the checkpoint to resume was trained with .*--batch_ramp 6: this run", resumed.stderr)
     b = steps(tmp_path / "split")
     assert sorted(b) == list(range(1, 9))
     for step in range(1, 9):
