@@ -50,6 +50,8 @@ class TrainState:
     best: float | None = None
     best_step: int = 0
     stale: int = 0
+    # --ema_tail: the weights' tail average (dsgpt2.train.average), once it has begun.
+    average: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,8 @@ class Checkpointer:
         ds_checkpoint.set_rng_state(saved["rng"])
         early = saved.get("early") or {}
         state = TrainState(saved["step"], saved["tokens"], saved["micro"], saved["nonfinite"],
-                           early.get("best"), early.get("best_step", 0), early.get("stale", 0))  # fmt: skip
+                           early.get("best"), early.get("best_step", 0), early.get("stale", 0),
+                           saved.get("average"))  # fmt: skip
         named = (
             self.where(tag) if self.publisher is not None and load_dir == self.store.local else load_dir / tag
         )
@@ -330,6 +333,7 @@ class Checkpointer:
                 **({"vocab_copy": str(s.vocab_dir.resolve())} if s.vocab_stored else {}),
                 "args": dict(s.args),
                 "mongo": mongo.to_dict(),
+                **({"average": state.average} if state.average is not None else {}),
             }
         }
         assert self.publisher is not None

@@ -166,7 +166,8 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
 
 
 def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The full fp32 weights of a checkpoint and its dsgpt2 client state."""
+    """The full fp32 weights of a checkpoint (its tail average's, where it holds one) and its dsgpt2
+    client state."""
     blob = checkpoint.load_states(ckpt_dir, tag)
     client = blob["dsgpt2"]
     if checkpoint.is_partitioned(ckpt_dir, tag):
@@ -176,4 +177,14 @@ def checkpoint_state(ckpt_dir: Path, tag: str) -> tuple[dict[str, torch.Tensor],
         weights = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     else:
         weights = {k: v.float() for k, v in blob["module"].items()}
-    return weights, client
+    return with_average(weights, client.get("average")), client
+
+
+def with_average(weights: dict[str, torch.Tensor], average: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """A checkpoint's full weights, its tail average (``--ema_tail``; where it holds one) in place of the
+    raw ones: the model the run ends on."""
+    if not average:
+        return weights
+    held = {n: t.float().cpu() for n, t in average["weights"].items()}
+    held.update({alias: held[name] for alias, name in average.get("aliases", {}).items()})
+    return {**weights, **{n: t for n, t in held.items() if n in weights}}

@@ -193,6 +193,13 @@ class RunOptions(Checked):
     eval_batch_size: int | None = option(
         None, "validation micro-batch (default: training's)", check=POSITIVE_INT
     )
+    ema_tail: int = option(
+        0,
+        "over the last N steps, an exponential moving average of the weights (span N): the run's last "
+        "validation, its export and evaluation use it; training steps the raw weights; 0: none",
+        check=NON_NEGATIVE_INT,
+        metavar="N",
+    )
     log_interval: int = option(10, "log metrics every N steps", check=POSITIVE_INT)
     log_block_ids: bool = option(False, "record every batch's block ids in metrics")
     max_nonfinite: int = option(5, "abort after this many non-finite losses in a row", check=POSITIVE_INT)

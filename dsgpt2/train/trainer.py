@@ -51,6 +51,7 @@ from dsgpt2.optim.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.stores.base import open_store
 from dsgpt2.tokenizer.bpe import load_tokenizer
 from dsgpt2.tokenizer.stored import fetch_tokenizer, stored_tokenizer
+from dsgpt2.train.average import TailAverage, check_average
 from dsgpt2.train.config import TrainConfig, parse
 from dsgpt2.train.engine import (
     Engine,
@@ -148,9 +149,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     ds = build_ds_config(cfg.engine.deepspeed_config, world, cfg.run.train_iters, device,
                          schedule=cfg.schedule, optimizer=cfg.optim.chosen())  # fmt: skip
     check_attention(cfg.compute.attn_implementation, device, ds.config)
-    decided += ds.notes
-    if (ramp := check_ramp(cfg.engine.batch_ramp, ds.grad_accum, cfg.engine.deepspeed_config)).ramping:
-        decided += (ramp.describe(ds.micro_batch, world),)
+    decided += [*ds.notes, *batch_and_average(cfg, ds, world)]
     prepare_deepspeed_environment()
     import deepspeed
 
@@ -238,6 +237,7 @@ class Trainer:
         self.micro_loop = MicroLoop(self.engine, self.grad_accum)
         self.rank, self.world = feed.rank, feed.world
         self.ramp = BatchRamp(self.grad_accum, cfg.engine.batch_ramp).at(state.step, state.micro)
+        self.average = TailAverage(self.engine.module, cfg.run.ema_tail, cfg.run.train_iters)
         feed.note_launch(state.step, state.micro, self.micro_batch, self.ramp)
         self.stream = BlockStream(
             feed.train_data, feed.schedule, self.rank, self.world, self.micro_batch, state=feed.state,
@@ -290,6 +290,7 @@ class Trainer:
                     and not self.stop.agreed(self.engine.device)
                 ):
                     losses, ids = self.train_step(state, self.batches)
+                    self.average.after_step(state)
                     boundary = (replace(state), self.stream.state.copy())
                     self.log_step(state, losses, ids)
                     self.maybe_evaluate(state)
@@ -299,7 +300,7 @@ class Trainer:
                     if self.hooks.after_step is not None:
                         self.hooks.after_step(state.step)
             except MongoUnavailableError as exc:
-                self._abort_on_lost_database(exc, *boundary)
+                abort_on_lost_database(self, exc, *boundary)
             finally:
                 self.stream.close()
         return self.finish(state)
@@ -410,13 +411,16 @@ class Trainer:
     def maybe_evaluate(self, state: TrainState) -> None:
         if not self.validator.should_validate(state.step):
             return
-        measured = self.validator.validate(self.engine)
+        # The run's last validation measures the model it ends on: the weights' tail average, if any.
+        with self.average.applied(state, state.step == self.cfg.run.train_iters) as averaged:
+            measured = self.validator.validate(self.engine)
+            hellaswag = self.validator.hellaswag(self.engine)
         self.last_val, self.last_bpb, self.last_val_tokens = measured or (None, None, 0)
-        hellaswag = self.validator.hellaswag(self.engine)
         record: dict[str, Any] = {"event": "eval", "step": state.step}
         if self.last_val is not None:
             record.update(val_loss=self.last_val, val_ppl=perplexity(self.last_val), val_bpb=self.last_bpb,
-                          val_tokens=self.last_val_tokens, eval_iters=self.cfg.run.eval_iters)  # fmt: skip
+                          val_tokens=self.last_val_tokens, eval_iters=self.cfg.run.eval_iters,
+                          **({"averaged": True} if averaged else {}))  # fmt: skip
         if hellaswag is not None:
             self.last_hellaswag = hellaswag
             record.update(hellaswag)
@@ -472,19 +476,6 @@ class Trainer:
             self.save(state, self.stream.state)
             self.feed.note_trained(state.step)
 
-    def _abort_on_lost_database(self, exc: Exception, state: TrainState, position: ReadState) -> None:
-        # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
-        reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
-        saved = ""
-        if state.step > self.started:
-            try:
-                self.save(state, position)
-                self.checkpointer.settle()
-                saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
-            except DsGpt2Error as lost:  # checkpoints stored in the database it lost
-                saved = f"; no checkpoint could be stored ({lost}): re-run to resume from the last one"
-        raise TrainingAborted(f"{reason}{saved}") from None
-
     def finish(self, state: TrainState) -> dict[str, Any]:
         """The final checkpoint, the end record and plot; the summary."""
         if state.step > self.started:
@@ -505,6 +496,21 @@ class Trainer:
         return self.checkpointer.save(self.engine, state, data, self.model_config, self.mongo)
 
 
+def abort_on_lost_database(t: Trainer, exc: Exception, state: TrainState, position: ReadState) -> None:
+    """End the run on a lost database: a checkpoint of the last whole step where it can be stored."""
+    # Raised in a DataLoader worker, it arrives with the worker's traceback as its text.
+    reason = str(exc).strip().splitlines()[-1].removeprefix("dsgpt2.errors.MongoUnavailableError: ")
+    saved = ""
+    if state.step > t.started:
+        try:
+            t.save(state, position)
+            t.checkpointer.settle()
+            saved = f"; a checkpoint at step {state.step} was saved: re-run to resume"
+        except DsGpt2Error as lost:  # checkpoints stored in the database it lost
+            saved = f"; no checkpoint could be stored ({lost}): re-run to resume from the last one"
+    raise TrainingAborted(f"{reason}{saved}") from None
+
+
 def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
     """What a finished run reports of itself (printed, and in the end record)."""
 
@@ -523,6 +529,14 @@ def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
         "checkpoint": t.checkpointer.where(tag_for(state.step)),
         **t.last_hellaswag,
     }
+
+
+def batch_and_average(cfg: TrainConfig, ds: Any, world: int) -> list[str]:
+    """The batch ramp and the weights' tail average checked against the DeepSpeed config: the lines that
+    say what they do."""
+    ramp = check_ramp(cfg.engine.batch_ramp, ds.grad_accum, cfg.engine.deepspeed_config)
+    average = check_average(cfg.run.ema_tail, cfg.run.train_iters, zero_stage(ds.config))
+    return [ramp.describe(ds.micro_batch, world)] * bool(ramp.ramping) + [average] * bool(average)
 
 
 def collection_tokens(read: ReadState, names: Sequence[str], device: Any) -> dict[str, int]:
