@@ -138,7 +138,15 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     from dsgpt2.train.metrics import read_metrics
     from dsgpt2.train.trainer import build
 
-    made = {"steps": STEPS, "flags": list(VARIANTS.get(recipe, ()))}  # what a result to reuse must be of
+    r = _recipe(recipe)
+    # What a result to reuse must be of: the steps, the flags, and the recipe's options as parsed now
+    # (a shipped recipe that changed since is trained again).
+    options = {
+        k: v
+        for k, v in sorted(vars(r).items())
+        if k != "config" and isinstance(v, (bool, int, float, str, type(None)))
+    }
+    made = {"steps": STEPS, "flags": list(VARIANTS.get(recipe, ())), "options": options}
     if REUSE and (run / "result.json").exists():
         got = json.loads((run / "result.json").read_text())
         if {k: got.get(k) for k in made} == made:
@@ -147,7 +155,6 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     run.mkdir(parents=True)
     mongo = config_from_dict({"MONGO_CONNECTION_STRING": store, "MONGO_CONNECTION_DB": "recipe",
                               "COLLECTIONS": ["docs"]}, env={})  # fmt: skip
-    r = _recipe(recipe)
     model: dict[str, Any] = {"model_select": "tiny"}
     if shape == "wide":
         (run / "model.json").write_text(json.dumps({"model_type": "gpt2", **WIDE}))

@@ -339,11 +339,12 @@ def test_the_recipe_bench_screens_variants_of_the_fast_recipe(monkeypatch: pytes
 
 
 def test_muons_speedrun_options_are_recipe_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The four options of Muon from the speedrun, as keys of an experiment file over the fast recipe."""
+    """The four options of Muon from the speedrun, as keys of an experiment file."""
     monkeypatch.chdir(ROOT)
     recipe = tmp_path / "mine.yaml"
-    recipe.write_text((ROOT / "configs/recipes/fast.yaml").read_text() + "muon_ns: polar_express\n"
-                      "muon_cautious: true\nmuon_normuon: true\nmuon_momentum_warmup: 300\n")  # fmt: skip
+    keys = ("config: configs/sample.json", "optimizer: muon", "muon_ns: polar_express", "muon_cautious: true",
+            "muon_normuon: true", "muon_momentum_warmup: 300")  # fmt: skip
+    recipe.write_text("\n".join(keys) + "\n")
     cfg = parse(["--config", str(recipe)])
     o = cfg.optim
     assert (o.muon_ns, o.muon_cautious, o.muon_normuon, o.muon_momentum_warmup) == (
@@ -362,4 +363,7 @@ def test_the_fast_recipe_is_the_demos_in_a_workspace_of_its_own(monkeypatch: pyt
     assert fast.optim == demo.optim and fast.schedule == demo.schedule and fast.model == demo.model
     assert fast.data == demo.data and fast.engine == demo.engine
     assert (fast.optim.muon_momentum, fast.schedule.decay_fraction) == (0.95, 0.2)
+    # The speedrun's options that won the screen at both shapes (docs/training/speedrun.md).
+    o = fast.optim
+    assert (o.muon_ns, o.muon_momentum_warmup, o.muon_cautious) == ("polar_express", 300, None)
     assert fast.run.workspace != demo.run.workspace and fast.ckpt.ckpt_dir != demo.ckpt.ckpt_dir
