@@ -169,6 +169,7 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
             train_iters=STEPS,
             eval_interval=max(1, STEPS // EVALS),
             eval_iters=16,
+            eval_batch_size=16,  # every variant validates on the same blocks, whatever its micro-batch
             log_interval=10,
             workspace=run / "train",
             wandb="off",
