@@ -14,6 +14,7 @@ from dsgpt2.corpus.marks import prefix_record
 from dsgpt2.data.cache import CachedChunks
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.mixture import Stage
+from dsgpt2.data.ramp import BatchRamp
 from dsgpt2.data.sources import DataSpec, StreamingChunks, make_spec
 from dsgpt2.db.client import Connection
 from dsgpt2.db.meta import read_meta
@@ -96,7 +97,7 @@ def test_a_fresh_feed_starts_at_the_marks_and_keeps_what_a_checkpoint_needs(
     trained = read_meta(corpus, ["a", "b"])
     assert [trained[n]["trained"]["mark"] for n in "ab"] == [200, 80]
     assert trained["a"]["trained"]["run"] == str(tmp_path / "ckpt")
-    f.note_launch(0, 0, 4, 2)
+    f.note_launch(0, 0, 4, BatchRamp(2))
     f.skipped_micro.append(3)
     kept = f.state_dict(f.state)
     assert kept["launches"] == [
@@ -115,7 +116,7 @@ def test_a_mixture_reads_each_collection_as_a_stream_of_its_own(
     assert f.streams == [(0,), (1,)]
     assert f.stages == [Stage(0, (0.75, 0.25)), Stage(10, (0.5, 0.5))]
     assert len(f.state.streams) == 2
-    f.note_launch(0, 0, 4, 1)
+    f.note_launch(0, 0, 4, BatchRamp(1))
     assert f.launches[-1]["stages"] == [[0, [0.75, 0.25]], [10, [0.5, 0.5]]]
 
 
@@ -139,7 +140,7 @@ def saved_at_start(tmp_path: Path, tokenizer: Path, conn: Connection) -> dict[st
     """What a checkpoint of a fresh run at marks (200, 80) keeps of the data, after one launch."""
     first = feed(settings(tmp_path, tokenizer), conn, tokenizer)
     first.start((200, 80), None)
-    first.note_launch(0, 0, 4, 2)
+    first.note_launch(0, 0, 4, BatchRamp(2))
     return first.state_dict(first.state)
 
 
