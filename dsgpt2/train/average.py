@@ -53,6 +53,7 @@ class TailAverage:
     def __init__(self, module: torch.nn.Module, tail: int, train_iters: int) -> None:
         self.start = train_iters - tail if tail else None
         self.share = 2.0 / (tail + 1)  # the weight of each step taken in
+        self.on_device = False
         kept: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
         self.named: list[tuple[str, torch.nn.Parameter]] = []
@@ -72,10 +73,12 @@ class TailAverage:
         if state.step == self.start + 1 or state.average is None:
             weights = {n: p.detach().float().clone() for n, p in self.named}
             state.average = {"weights": weights, "aliases": dict(self.aliases)}
+            self.on_device = True
             return
         held = state.average["weights"]
-        if any(held[n].device != p.device for n, p in self.named):  # read back from a checkpoint
+        if not self.on_device:  # once: an average read back from a checkpoint is on the CPU
             held.update({n: held[n].to(p.device, torch.float32) for n, p in self.named})
+            self.on_device = True
         torch._foreach_lerp_([held[n] for n, _ in self.named], [p.detach().float() for _, p in self.named],
                              self.share)  # fmt: skip
 
