@@ -157,6 +157,20 @@ class WireServer:
         """SIGSTOP: connections stay open but nothing answers (a hung server)."""
         os.kill(self.pid, signal.SIGSTOP)
 
+    def wait_stopped(self, timeout: float = 5.0) -> bool:
+        """Whether the server's process is stopped (a SIGSTOP reaches it asynchronously), waiting up to
+        ``timeout`` seconds for it."""
+        until = time.monotonic() + timeout
+        while time.monotonic() < until:
+            try:
+                state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return True  # no /proc here: trust the signal
+            if state in ("T", "t"):
+                return True
+            time.sleep(0.01)
+        return False
+
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
 
