@@ -128,6 +128,7 @@ def muon_param_groups(
     cautious: bool = False,
     momentum_warmup: int = 0,
     normuon: bool = False,
+    soap: bool = False,
 ) -> list[dict[str, Any]]:
     """``MuonWithAuxAdam``'s groups: every other weight under AdamW (``adamw``: the DeepSpeed config's
     ``optimizer.params``; ``lr``: its peak; decay on the embeddings only, as :func:`param_groups`), then
@@ -136,7 +137,8 @@ def muon_param_groups(
     Each group's ``lr_scale`` is its peak ÷ ``lr``: the schedule sets ``lr × curve × lr_scale``, and
     where ``momentum_warmup`` is set, the momentum (from 0.85 to ``momentum`` over that many steps).
     ``ns`` names the orthogonalisation (:data:`NS_METHODS`); ``cautious`` decays a weight only where the
-    update and the weight agree in sign; ``normuon`` evens out the update's rows (ZeRO 0 only).
+    update and the weight agree in sign; ``normuon`` evens out the update's rows, ``soap``
+    preconditions the momentum as SOAP does before it is orthogonalised (both ZeRO 0 only).
     Tied weights appear once."""
     hidden = {id(p) for name, p in model.named_parameters() if p.requires_grad and is_hidden_matrix(name, p)}
     betas = tuple(adamw.get("betas", (0.9, 0.999)))
@@ -157,7 +159,7 @@ def muon_param_groups(
         groups.append({"params": params, "use_muon": True, "lr": muon_lr * factor,
                        "momentum": momentum_at(momentum, momentum_warmup, 0), "momentum_peak": momentum,
                        "momentum_warmup": momentum_warmup, "ns_method": NS_METHODS[ns], "cautious": cautious,
-                       "normuon": normuon,
+                       "normuon": normuon, "soap": soap,
                        "weight_decay": weight_decay / factor, "lr_scale": muon_lr * factor / lr,
                        "muon_factor": factor})  # fmt: skip
     # ZeRO 1 and 2 ask each parameter, not its group, whether Muon steps it.
@@ -199,6 +201,28 @@ def decayed_step(params: Any, update: Any, lr: float, weight_decay: float, cauti
         torch._foreach_add_(params, list(step.unbind(0)), alpha=-lr)
     else:
         params.add_(step, alpha=-lr)
+
+
+def soap_step(states: list[dict[str, Any]], grads: Any, momentum: Any, beta: Any, ns_method: str) -> Any:
+    """SOAP-Muon's update of the matrices of one shape whose optimizer states are ``states`` (made
+    where they are not yet), ``grads`` and ``momentum`` stacked (the momentum updated in place)."""
+    import torch
+
+    from dsgpt2.optim import muon_update
+
+    for state in states:
+        if muon_update.SOAP_STEP_KEY not in state:
+            first = muon_update.soap_state(grads[0])
+            state.update({key: first[key].clone() for key in muon_update.SOAP_KEYS})
+            state[muon_update.SOAP_STEP_KEY] = 0
+    stacked = {key: torch.stack([state[key] for state in states]) for key in muon_update.SOAP_KEYS}
+    step = int(states[0][muon_update.SOAP_STEP_KEY])
+    update = muon_update.soap_muon_update(grads, momentum, beta, stacked, step, ns_method=ns_method)
+    for key, value in stacked.items():
+        torch._foreach_copy_([state[key] for state in states], list(value.unbind(0)))
+    for state in states:
+        state[muon_update.SOAP_STEP_KEY] = step + 1
+    return update
 
 
 @functools.cache
@@ -244,7 +268,11 @@ def batched_muon_class() -> type:
             buffers = self._states(params, MUON_MOMENTUM_KEY, torch.zeros_like)
             momentum, method = torch.stack(buffers), group.get("ns_method", "gram")
             grads = torch.stack([p.grad for p in params])
-            update = muon_update.muon_update(grads, momentum, beta=group["momentum"], ns_method=method)
+            if group.get("soap"):
+                states = [self.state[p] for p in params]
+                update = soap_step(states, grads, momentum, group["momentum"], method)
+            else:
+                update = muon_update.muon_update(grads, momentum, beta=group["momentum"], ns_method=method)
             torch._foreach_copy_(buffers, list(momentum.unbind(0)))
             if group.get("normuon"):
                 seconds = self._states(params, muon_update.NORMUON_KEY, muon_update.normuon_state)
@@ -266,8 +294,8 @@ def batched_muon_class() -> type:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
                     if p.dim() < 2:  # a flat ZeRO partition: its gradient holds the update already
-                        if group.get("normuon"):
-                            raise RuntimeError("NorMuon steps whole matrices, not a flat partition")
+                        if group.get("normuon") or group.get("soap"):
+                            raise RuntimeError("NorMuon and SOAP step whole matrices, not a flat partition")
                         decayed_step(p, p.grad.reshape(p.shape), group["lr"], group["weight_decay"],
                                      group.get("cautious", False))  # fmt: skip
                     else:
@@ -346,6 +374,12 @@ class MuonOptions(Checked):
         "kept (default off; ZeRO 0 only)",
         serves=MUON,
     )
+    muon_soap: bool | None = option(
+        None,
+        "muon: SOAP-Muon: the momentum preconditioned as SOAP does (Adam in the eigenbasis of the "
+        "gradient's Shampoo factors) before it is orthogonalised (default off; ZeRO 0 only)",
+        serves=MUON,
+    )
     muon_momentum_warmup: int | None = option(
         None,
         f"muon: raise the momentum linearly from {MOMENTUM_START} to --muon_momentum over this many first "
@@ -373,6 +407,7 @@ class Muon(RunOptimizer):
         "muon_ns": "quintic",
         "muon_cautious": False,
         "muon_normuon": False,
+        "muon_soap": False,
         "muon_momentum_warmup": 0,
     }
     compiles = "Muon's Newton–Schulz iteration"
@@ -421,12 +456,15 @@ class Muon(RunOptimizer):
             o.muon_cautious = False
         if o.muon_normuon is None:
             o.muon_normuon = False
-        if o.muon_normuon and (why := normuon_unfit(ds_config)):
-            raise ConfigError(
-                f"--muon_normuon keeps a second moment for each row of a matrix, which {why} has no place "
-                "for: train it under a ZeRO 0 config in fp32 or torch_autocast (configs/ds_config.json), or "
-                "leave out --muon_normuon"
-            )
+        if o.muon_soap is None:
+            o.muon_soap = False
+        for flag, keeps in (("normuon", "a second moment for each row of a matrix"),
+                            ("soap", "two factors and a second moment for each whole matrix")):  # fmt: skip
+            if getattr(o, f"muon_{flag}") and (why := normuon_unfit(ds_config)):
+                raise ConfigError(
+                    f"--muon_{flag} keeps {keeps}, which {why} has no place for: train it under a ZeRO 0 "
+                    f"config in fp32 or torch_autocast (configs/ds_config.json), or leave out --muon_{flag}"
+                )
         if o.muon_momentum_warmup is None:
             o.muon_momentum_warmup = 0
         if o.muon_momentum_warmup and o.muon_momentum <= MOMENTUM_START:
@@ -484,15 +522,16 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
         weight_decay = default_weight_decay(scale, adamw)
     muon_lr = options.muon_lr if options.muon_lr is not None else lr if scale == "rms" else MUON_LR
     momentum = MUON_MOMENTUM if options.muon_momentum is None else options.muon_momentum
-    ns, cautious, normuon = (
+    ns, cautious, normuon, soap = (
         options.muon_ns or MUON_NS,
         bool(options.muon_cautious),
         bool(options.muon_normuon),
+        bool(options.muon_soap),
     )
     warmup = options.muon_momentum_warmup or 0
     groups = muon_param_groups(model, adamw, lr, muon_lr=muon_lr, momentum=momentum,
                                weight_decay=weight_decay, scale=scale, ns=ns, cautious=cautious,
-                               momentum_warmup=warmup, normuon=normuon)  # fmt: skip
+                               momentum_warmup=warmup, normuon=normuon, soap=soap)  # fmt: skip
     # ZeRO 1 and 2 orthogonalise each gradient themselves, through DeepSpeed's muon_update: --muon_ns's.
     muon_update.install()
     muon = batched_muon_class()
@@ -508,7 +547,7 @@ def build_muon(model: Any, adamw: dict[str, Any], lr: float, options: Any, stage
         "the blocks' matrices, AdamW (lr %g) on the other %.1fM; ZeRO stage %d",
         muon_lr, momentum, warmed, weight_decay, " (cautious)" if cautious else "", scale, factors,
         ("Polar Express" if ns == "polar_express" else "quintic Newton–Schulz")
-        + (", NorMuon" if normuon else ""),
+        + (", NorMuon" if normuon else "") + (", SOAP" if soap else ""),
         n_muon / 1e6, lr,
         (n_all - n_muon) / 1e6, stage,
     )  # fmt: skip

@@ -122,6 +122,90 @@ def _normuon(update: torch.Tensor, second: torch.Tensor, beta2: float) -> torch.
     return (update.float() * step * (before / after.clamp_min(1e-10))).to(update.dtype)
 
 
+# SOAP-Muon: Shampoo's two factors of each matrix's gradient, and Adam's second moment in their eigenbasis,
+# in front of the orthogonalisation (SOAP's defaults: both averages decay by 0.95, the bases are made
+# again every 10 steps).
+SOAP_BETA = 0.95
+SOAP_EVERY = 10
+SOAP_EPS = 1e-8
+SOAP_KEYS = ("soap_left", "soap_right", "soap_left_basis", "soap_right_basis", "soap_second")
+SOAP_STEP_KEY = "soap_step"  # the steps a matrix has taken under SOAP-Muon (an int)
+
+
+def soap_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """SOAP-Muon's state of the weight ``p`` (rows × cols), before its first step: the factors
+    ``E[G Gᵀ]`` (rows × rows) and ``E[Gᵀ G]`` (cols × cols), their eigenbases, and the second moment of
+    the gradient turned into those bases (rows × cols); float32."""
+    rows, cols = p.shape[-2], p.shape[-1]
+    f32 = {"dtype": torch.float32, "device": p.device}
+    return {
+        "soap_left": torch.zeros(rows, rows, **f32),
+        "soap_right": torch.zeros(cols, cols, **f32),
+        "soap_left_basis": torch.eye(rows, **f32),
+        "soap_right_basis": torch.eye(cols, **f32),
+        "soap_second": torch.zeros(rows, cols, **f32),
+    }
+
+
+def soap_muon_update(grad: torch.Tensor, momentum: torch.Tensor, beta: Any, state: dict[str, torch.Tensor],
+                     step: int, *, ns_method: str = "gram") -> torch.Tensor:  # fmt: skip
+    """SOAP-Muon's update of ``grad`` (a matrix or a batch of one shape): the Nesterov momentum
+    (``momentum`` updated in place) preconditioned as SOAP preconditions it — turned into the eigenbases
+    of the gradient's two Shampoo factors, divided there by the root of Adam's second moment, turned back
+    — then orthogonalised by ``ns_method`` and sized as Muon's. ``state`` (:func:`soap_state`, stacked
+    as ``grad`` is) is updated in place; the bases are made again (an eigendecomposition, eager) at
+    every ``SOAP_EVERY``-th ``step``, counted from 0. The first step, as SOAP's, only starts the factors and
+    their bases (a single gradient turned into them is diagonal, and Adam's division of it a matter of
+    rounding): its update is plain Muon's. Adam's bias correction is left out: it scales every entry
+    alike, and the orthogonalisation undoes any scale."""
+    beta = _beta(beta, momentum)
+    update = compiled(_soap_factors)(grad, momentum, beta, state["soap_left"], state["soap_right"])
+    if step % SOAP_EVERY == 0:
+        for factor, basis in (("soap_left", "soap_left_basis"), ("soap_right", "soap_right_basis")):
+            state[basis].copy_(torch.linalg.eigh(state[factor]).eigenvectors)
+    if step == 0:  # one gradient in the bases of its own factors is diagonal: nothing for Adam yet
+        return orthogonalise(update, ns_method).to(grad.dtype)
+    update = compiled(_soap_precondition)(grad, update, state["soap_left_basis"], state["soap_right_basis"],
+                                          state["soap_second"])  # fmt: skip
+    return orthogonalise(update, ns_method).to(grad.dtype)
+
+
+def _soap_factors(grad: torch.Tensor, momentum: torch.Tensor, beta: torch.Tensor, left: torch.Tensor,
+                  right: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The momentum and the two factors updated with ``grad``; the Nesterov update returned."""
+    momentum.lerp_(grad, 1 - beta)
+    g = grad.float()
+    left.lerp_(g @ g.mT, 1 - SOAP_BETA)
+    right.lerp_(g.mT @ g, 1 - SOAP_BETA)
+    return grad.lerp(momentum, beta).float()
+
+
+def _soap_precondition(grad: torch.Tensor, update: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                       second: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``update`` divided by the root of the gradient's second moment in the bases ``left``, ``right``."""
+    turned = left.mT @ grad.float() @ right
+    second.lerp_(turned.square(), 1 - SOAP_BETA)
+    return left @ ((left.mT @ update @ right) / (second.sqrt() + SOAP_EPS)) @ right.mT
+
+
+def orthogonalise(update: torch.Tensor, ns_method: str) -> torch.Tensor:
+    """``update`` (a matrix or a batch of one shape) orthogonalised by ``ns_method`` (Polar Express, or
+    DeepSpeed's Newton–Schulz: ``gram`` or ``standard``) and sized as DeepSpeed sizes Muon's."""
+    rows, cols = update.size(-2), update.size(-1)
+    if ns_method == POLAR_METHOD:
+        out = compiled(polar_express)(update)
+    else:
+        from deepspeed.runtime.zero.muon import original_muon
+
+        fn = (
+            original_muon.zeropower_via_gram_newtonschulz
+            if ns_method == "gram"
+            else (original_muon.zeropower_via_newtonschulz5)
+        )
+        out = fn(update, steps=5)
+    return out * (math.sqrt(rows / cols) if rows > cols else 1.0)
+
+
 def _beta(beta: Any, like: torch.Tensor) -> Any:
     """The momentum as a 0-d float32 tensor on ``like``'s device (kept: the warmup's are few). float32
     whatever the momentum buffer's dtype (bf16 or fp16 at ZeRO 1 and 2): 0.95 in bf16 is 0.9492."""

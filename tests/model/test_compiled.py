@@ -153,3 +153,26 @@ def test_normuons_compiled_step_is_the_eager_one() -> None:
         got = normuon(update, compiled_state)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(compiled_state, eager_state, rtol=1e-4, atol=1e-6)
+
+
+def test_soap_muons_compiled_update_is_the_eager_one() -> None:
+    """SOAP-Muon's update (--muon_soap: the Shampoo factors, Adam in their eigenbasis, the orthogonalisation),
+    compiled and eager, over three steps past its first, its state alike."""
+    from dsgpt2.optim.muon_update import SOAP_KEYS, soap_muon_update, soap_state
+
+    torch.manual_seed(0)
+    # Square: a tall matrix's first factor has a null space, whose basis eigh may choose either way.
+    base = torch.randn(3, 24, 24)
+    grads = [1e-2 * (base + torch.randn(3, 24, 24)) for _ in range(4)]
+    torch._dynamo.reset()
+    states = [{k: torch.stack([soap_state(g)[k] for g in grads[0]]) for k in SOAP_KEYS} for _ in range(2)]
+    momenta = [torch.zeros(3, 24, 24) for _ in range(2)]
+    for step, grad in enumerate(grads):
+        with torch.compiler.set_stance("force_eager"):
+            want = soap_muon_update(
+                grad.clone(), momenta[0], 0.95, states[0], step, ns_method="polar_express"
+            )
+        got = soap_muon_update(grad.clone(), momenta[1], 0.95, states[1], step, ns_method="polar_express")
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+    for key in SOAP_KEYS:
+        torch.testing.assert_close(states[1][key], states[0][key], rtol=1e-4, atol=1e-6, msg=key)

@@ -149,6 +149,71 @@ def test_normuon_evens_out_the_rows_of_the_longer_side_and_keeps_the_updates_siz
     )
 
 
+def _reference_soap(
+    grads: list[torch.Tensor], bases: dict[int, tuple[torch.Tensor, torch.Tensor]], beta: float = 0.95
+) -> list[torch.Tensor]:
+    """SOAP-Muon written out for one matrix in float64: Nesterov momentum; Shampoo's factors L ← 0.95·L +
+    0.05·G Gᵀ and R ← 0.95·R + 0.05·Gᵀ G, their eigenvectors taken at steps 0 and 10; from step 1,
+    Adam's second moment of the gradient turned into them, v ← 0.95·v + 0.05·(Q_Lᵀ G Q_R)²; the
+    momentum turned in, divided by √v + 1e-8, turned back; then Polar Express, sized √(rows / cols)
+    where taller than wide. ``bases``: the eigenvectors to take at a step, where a factor's are not
+    unique (a tall matrix's first Gram matrix has a null space, any basis of which is as good); each is
+    checked to be the factor's."""
+    rows, cols = grads[0].shape
+    m = torch.zeros(rows, cols, dtype=torch.float64)
+    left, right = torch.zeros(rows, rows, dtype=torch.float64), torch.zeros(cols, cols, dtype=torch.float64)
+    v = torch.zeros(rows, cols, dtype=torch.float64)
+    out = []
+    for t, g in enumerate(g.double() for g in grads):
+        m = beta * m + (1 - beta) * g
+        nesterov = (1 - beta) * g + beta * m
+        left, right = 0.95 * left + 0.05 * g @ g.T, 0.95 * right + 0.05 * g.T @ g
+        if t % 10 == 0:
+            ql, qr = (torch.linalg.eigh(left).eigenvectors, torch.linalg.eigh(right).eigenvectors)
+            if t in bases:
+                ql, qr = (q.double() for q in bases[t])
+            for factor, q in ((left, ql), (right, qr)):  # eigenvectors of the factor, orthonormal
+                torch.testing.assert_close(q.T @ q, torch.eye(len(q), dtype=q.dtype), rtol=0, atol=1e-5)
+                turned = q.T @ factor @ q
+                assert (turned - torch.diag(turned.diagonal())).abs().max() < 1e-5 * factor.abs().max()
+        if t == 0:  # the first step starts the factors only: plain Muon
+            out.append(_reference_polar(nesterov) * max(1.0, rows / cols) ** 0.5)
+            continue
+        v = 0.95 * v + 0.05 * (ql.T @ g @ qr) ** 2
+        preconditioned = ql @ ((ql.T @ nesterov @ qr) / (v.sqrt() + 1e-8)) @ qr.T
+        out.append(_reference_polar(preconditioned) * max(1.0, rows / cols) ** 0.5)
+    return out
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (12, 8)])
+def test_soap_muon_is_adam_in_shampoos_eigenbasis_then_polar_express(shape: tuple[int, int]) -> None:
+    from dsgpt2.optim.muon_update import SOAP_KEYS, soap_muon_update, soap_state
+
+    torch.manual_seed(3)
+    # A gradient's scale and a fixed direction under the noise, as a layer's are: the preconditioner has
+    # something to learn, and its bases, made again at step 10, change.
+    base = torch.randn(*shape)
+    grads = [1e-2 * (base + torch.randn(*shape)) for _ in range(12)]
+    momentum = torch.zeros(1, *shape)
+    state = {key: value.unsqueeze(0) for key, value in soap_state(grads[0]).items()}
+    assert set(state) == set(SOAP_KEYS)
+    got, bases = [], {}
+    with torch.compiler.set_stance("force_eager"):
+        for step, grad in enumerate(grads):
+            update = soap_muon_update(
+                grad.unsqueeze(0).clone(), momentum, 0.95, state, step, ns_method="polar_express"
+            )
+            got.append(update[0].double())
+            bases[step] = (state["soap_left_basis"][0].clone(), state["soap_right_basis"][0].clone())
+    square = shape[0] == shape[1]  # its first factors have no null space: its bases are unique
+    want = _reference_soap(grads, {} if square else {0: bases[0], 10: bases[10]})
+    for step, (ours, expected) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=2e-3, msg=f"step {step}")
+    # Not plain Muon: the preconditioner turns the update (the same momentum, orthogonalised alone).
+    plain = _reference_polar(momentum[0] * 0.95 + 0.05 * grads[-1]) * max(1.0, shape[0] / shape[1]) ** 0.5
+    assert (got[-1] - plain).abs().max() > 0.05
+
+
 def _model() -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -192,11 +257,15 @@ def test_a_warmup_to_a_momentum_below_its_start_is_refused() -> None:
         ({"fp16": {"enabled": True}}, "DeepSpeed's fp16 optimizer"),
     ],
 )
-def test_normuon_is_refused_where_muons_matrices_step_as_flat_partitions(ds: dict, said: str) -> None:
-    options = OptimizerOptions(optimizer="muon", muon_normuon=True)
-    with pytest.raises(ConfigError, match=f"--muon_normuon keeps a second moment .*which {re.escape(said)}"):
+@pytest.mark.parametrize("flag", ["normuon", "soap"])
+def test_normuon_and_soap_are_refused_where_muons_matrices_step_as_flat_partitions(
+    ds: dict, said: str, flag: str
+) -> None:
+    options = OptimizerOptions(optimizer="muon", **{f"muon_{flag}": True})
+    with pytest.raises(ConfigError, match=f"--muon_{flag} keeps .*, which {re.escape(said)}"):
         options.settle(None, ds)
-    OptimizerOptions(optimizer="muon", muon_normuon=True).settle(None, {"torch_autocast": {"enabled": True}})
+    autocast = {"torch_autocast": {"enabled": True}}
+    OptimizerOptions(optimizer="muon", **{f"muon_{flag}": True}).settle(None, autocast)
 
 
 @pytest.fixture(scope="module")
@@ -243,25 +312,32 @@ def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup
 
 
 @pytest.mark.slow
-def test_normuon_trains_at_zero_0_resumes_exactly_and_is_refused_at_zero_1(
-    corpus: dict[str, Path], tmp_path: Path
+@pytest.mark.parametrize(
+    ("flag", "named", "keeps"),
+    [
+        ("normuon", "NorMuon", "a second moment for each row of a matrix"),
+        ("soap", "SOAP", "two factors and a second moment for each whole matrix"),
+    ],
+)
+def test_normuon_and_soap_train_at_zero_0_resume_exactly_and_are_refused_at_zero_1(
+    corpus: dict[str, Path], tmp_path: Path, flag: str, named: str, keeps: str
 ) -> None:
-    normuon = (*VARIANTS[:6], "--muon_normuon")
-    straight = train(at_stage(corpus, tmp_path / "a", 0), tmp_path / "a", *normuon, *RUN)
-    assert "; quintic Newton–Schulz, NorMuon) on 0.1M weights" in straight.stderr, straight.stderr[-3000:]
+    variant = (*VARIANTS[:6], f"--muon_{flag}")
+    straight = train(at_stage(corpus, tmp_path / "a", 0), tmp_path / "a", *variant, *RUN)
+    assert f"; quintic Newton–Schulz, {named}) on 0.1M weights" in straight.stderr, straight.stderr[-3000:]
     staged = at_stage(corpus, tmp_path / "b", 0)
-    crashed = train(staged, tmp_path / "b", *normuon, *RUN, check=False, faults=("--exit_after", "5"))
+    crashed = train(staged, tmp_path / "b", *variant, *RUN, check=False, faults=("--exit_after", "5"))
     assert crashed.returncode == 17
     resumed = train(staged, tmp_path / "b", "--train_iters", "6", "--save_interval", "3")
-    assert "--muon_normuon True" in resumed.stderr
+    assert f"--muon_{flag} True" in resumed.stderr
     a, b = steps(tmp_path / "a"), steps(tmp_path / "b")
     assert a[6]["loss"] < a[1]["loss"] - 0.3
     for step in range(1, 7):
         assert a[step]["losses"] == pytest.approx(b[step]["losses"], abs=1e-5), step
-    refused = train(at_stage(corpus, tmp_path / "c", 1), tmp_path / "c", *normuon, *RUN, check=False)
+    refused = train(at_stage(corpus, tmp_path / "c", 1), tmp_path / "c", *variant, *RUN, check=False)
     assert refused.returncode == 2
     (line,) = refused.stderr.strip().splitlines()
-    assert "--muon_normuon keeps a second moment for each row of a matrix, which ZeRO stage 1's" in line
+    assert f"--muon_{flag} keeps {keeps}, which ZeRO stage 1's" in line
 
 
 def test_the_momentum_reaches_the_update_in_float32_whatever_the_buffers_dtype() -> None:
