@@ -288,8 +288,9 @@ def _metrics(
 def muon_step_cost(repeats: int = 30) -> list[Metric]:
     """The optimizer step alone, on random gradients, at the tiny preset and at 4 x 128: Muon as the
     trainer builds it at ZeRO 0 (one batched Newton–Schulz per shape, AdamW's part fused) and DeepSpeed's
-    own, matrix by matrix, each ÷ AdamW (torch's, as the CPU configs run it). Median of ``repeats`` steps
-    after three warm-up steps (the Newton–Schulz compile)."""
+    own, matrix by matrix, each ÷ AdamW (torch's, as the CPU configs run it). The mean of ``repeats``
+    steps after three warm-up steps (the Newton–Schulz compile): SOAP-Muon's eigendecompositions, one
+    step in ten, count at their share."""
     import time
 
     import torch
@@ -299,16 +300,15 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
     from dsgpt2.model.gpt2 import param_groups
     from dsgpt2.optim.muon import batched_muon_class, muon_param_groups
 
-    def median_step(optimizer: Any, params: list[Any]) -> float:
+    def mean_step(optimizer: Any, params: list[Any]) -> float:
         for p in params:
             p.grad = torch.randn_like(p)
-        times = []
-        for i in range(repeats + 3):
-            start = time.perf_counter()
+        for _ in range(3):
             optimizer.step()
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            optimizer.step()
+        return (time.perf_counter() - start) / repeats
 
     metrics = []
     shapes = {
@@ -334,7 +334,8 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
         each = MuonWithAuxAdam(
             muon_param_groups(model, {}, 1e-3, **settings), adam_optimizer=torch.optim.AdamW
         )
-        anchor = median_step(adamw, params)
+        anchor = mean_step(adamw, params)
+        recipe: dict[str, Any] = {"ns": "polar_express", "momentum_warmup": 300}
         variants = {
             "batched per shape": batched(),
             "DeepSpeed's, matrix by matrix": each,
@@ -343,10 +344,13 @@ def muon_step_cost(repeats: int = 30) -> list[Metric]:
             "batched, polar_express, cautious, momentum warmup": batched(
                 ns="polar_express", cautious=True, momentum_warmup=300
             ),
+            "batched, the recipe's (polar_express, momentum warmup)": batched(**recipe),
+            "batched, the recipe's, --muon_normuon": batched(**recipe, normuon=True),
+            "batched, the recipe's, --muon_soap": batched(**recipe, soap=True),
         }
-        where = f"{shape} ({dims['n_layer']} x {dims['n_embd']}), vocabulary 8,192, median of {repeats} steps"
+        where = f"{shape} ({dims['n_layer']} x {dims['n_embd']}), vocabulary 8,192, mean of {repeats} steps"
         metrics += [
-            Metric(f"recipe: Muon step ÷ AdamW step ({shape}, {how})", median_step(optimizer, params), anchor,
+            Metric(f"recipe: Muon step ÷ AdamW step ({shape}, {how})", mean_step(optimizer, params), anchor,
                    "s", "info", True, where)
             for how, optimizer in variants.items()
         ]  # fmt: skip

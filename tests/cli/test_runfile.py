@@ -339,16 +339,17 @@ def test_the_recipe_bench_screens_variants_of_the_fast_recipe(monkeypatch: pytes
 
 
 def test_muons_speedrun_options_are_recipe_keys(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The four options of Muon from the speedrun, as keys of an experiment file."""
+    """The five options of Muon from the speedrun, as keys of an experiment file."""
     monkeypatch.chdir(ROOT)
     recipe = tmp_path / "mine.yaml"
     keys = ("config: configs/sample.json", "optimizer: muon", "muon_ns: polar_express", "muon_cautious: true",
-            "muon_normuon: true", "muon_momentum_warmup: 300")  # fmt: skip
+            "muon_normuon: true", "muon_soap: true", "muon_momentum_warmup: 300")  # fmt: skip
     recipe.write_text("\n".join(keys) + "\n")
     cfg = parse(["--config", str(recipe)])
     o = cfg.optim
-    assert (o.muon_ns, o.muon_cautious, o.muon_normuon, o.muon_momentum_warmup) == (
+    assert (o.muon_ns, o.muon_cautious, o.muon_normuon, o.muon_soap, o.muon_momentum_warmup) == (
         "polar_express",
+        True,
         True,
         True,
         300,
