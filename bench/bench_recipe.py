@@ -183,6 +183,8 @@ def _train(store: str, recipe: str, shape: str, seed: int, tokenizer: Path, run:
     records = read_metrics(run / "train" / "metrics.jsonl")
     validations = [r for r in records if r.get("event") == "eval" and r.get("val_loss")]
     evals = {r["step"]: r["val_loss"] for r in validations}
+    if max(evals, default=0) != STEPS:  # stopped early (a signal saves and ends a run): no result to keep
+        raise SystemExit(f"{run}: the training ended at step {max(evals, default=0)} of {STEPS}")
     rates = [r["tokens_per_s"] for r in records if r.get("event") == "train" and r["step"] > 10]
     got = {
         "evals": evals,
