@@ -293,11 +293,13 @@ def _add_field(
         help_text = f"{help_text} (default: {shown})"
     if kind is bool and optional:
         pair = parser.add_mutually_exclusive_group()
-        pair.add_argument(
+        on = pair.add_argument(
             f"--{dest}", dest=dest, action="store_const", const=True, default=default, help=help_text
         )
         no = argparse.SUPPRESS if meta.get("hidden") else f"the opposite of --{dest}"
-        pair.add_argument(f"--no_{dest}", dest=dest, action="store_const", const=False, help=no)
+        off = pair.add_argument(f"--no_{dest}", dest=dest, action="store_const", const=False, help=no)
+        if meta.get("serves"):
+            on.serves = off.serves = meta["serves"]  # type: ignore[attr-defined]
         return
     kwargs: dict[str, Any] = {"help": help_text}
     if kind is bool:

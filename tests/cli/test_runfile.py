@@ -306,6 +306,7 @@ def test_the_shipped_fast_recipe_trains_with_adamw_by_one_flag(monkeypatch: pyte
     monkeypatch.chdir(ROOT)
     cfg = parse(["--config", "configs/recipes/fast.yaml", "--optimizer", "adamw"])
     assert cfg.optim.optimizer == "adamw" and cfg.optim.muon_scale is None and cfg.optim.muon_momentum is None
+    assert cfg.optim.muon_normuon is None  # a switch the file set goes with the others
 
 
 def test_the_recipe_bench_reads_both_shipped_recipes() -> None:
@@ -366,5 +367,11 @@ def test_the_fast_recipe_is_the_demos_in_a_workspace_of_its_own(monkeypatch: pyt
     assert (fast.optim.muon_momentum, fast.schedule.decay_fraction) == (0.95, 0.2)
     # The speedrun's options that won the screen at both shapes (docs/training/speedrun.md).
     o = fast.optim
-    assert (o.muon_ns, o.muon_momentum_warmup, o.muon_cautious) == ("polar_express", 300, None)
+    assert (o.muon_ns, o.muon_momentum_warmup, o.muon_normuon, o.muon_cautious, o.muon_soap) == (
+        "polar_express",
+        300,
+        True,
+        None,
+        None,
+    )
     assert fast.run.workspace != demo.run.workspace and fast.ckpt.ckpt_dir != demo.ckpt.ckpt_dir

@@ -422,7 +422,7 @@ def test_the_fast_recipe_exports_a_plain_model_that_evaluates_as_trained(
     done = train(corpus, tmp_path, "--config", str(recipe), "--train_iters", "8", "--eval_interval", "8",
                  "--eval_iters", "4", "--save_interval", "8", "--warmup_iters", "2")  # fmt: skip
     said = "optimizer: Muon (lr 0.003, momentum 0.95 (from 0.85 over 300 steps), weight decay 0.1, rms scale"
-    assert said in done.stderr and "; Polar Express) on" in done.stderr
+    assert said in done.stderr and "; Polar Express, NorMuon) on" in done.stderr
     last = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "eval"][-1]
     assert last["step"] == 8
     # As a user's shell runs it: no DS_ACCELERATOR (the test process may have set one).
