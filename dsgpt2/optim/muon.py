@@ -212,8 +212,7 @@ def soap_step(states: list[dict[str, Any]], grads: Any, momentum: Any, beta: Any
 
     for state in states:
         if muon_update.SOAP_STEP_KEY not in state:
-            first = muon_update.soap_state(grads[0])
-            state.update({key: first[key].clone() for key in muon_update.SOAP_KEYS})
+            state.update(muon_update.soap_state(grads[0]))
             state[muon_update.SOAP_STEP_KEY] = 0
     stacked = {key: torch.stack([state[key] for state in states]) for key in muon_update.SOAP_KEYS}
     step = int(states[0][muon_update.SOAP_STEP_KEY])
