@@ -89,15 +89,11 @@ def muon_scale(rule: str, fan_out: int, fan_in: int) -> float:
     raise ValueError(f"no Muon scale {rule!r}")
 
 
-def _deepspeed_scale(stored: tuple[int, ...]) -> float:
-    """What DeepSpeed's ``muon_update`` multiplies an update by: its rule on the stored shape."""
-    rows, cols = stored[-2], stored[-1]
-    return math.sqrt(rows / cols) if rows > cols else 1.0
-
-
 def scale_factors(model: Any, params: list[Any], rule: str) -> list[float]:
     """Per weight of ``params``: the factor its learning rate takes so that DeepSpeed's update, times it,
     is sized by ``rule`` for the weight's layer (1.0 everywhere under ``storage``)."""
+    from dsgpt2.optim.muon_update import deepspeed_scale
+
     if rule == "storage":
         return [1.0] * len(params)
     shapes = {id(m.weight): shape for m in model.modules() if (shape := layer_shape(m)) is not None}
@@ -105,7 +101,7 @@ def scale_factors(model: Any, params: list[Any], rule: str) -> list[float]:
     for p in params:
         if id(p) not in shapes:
             raise ValueError(f"a Muon weight of shape {tuple(p.shape)} is not a linear layer's")
-        factors.append(muon_scale(rule, *shapes[id(p)]) / _deepspeed_scale(tuple(p.shape)))
+        factors.append(muon_scale(rule, *shapes[id(p)]) / deepspeed_scale(p.shape[-2], p.shape[-1]))
     return factors
 
 

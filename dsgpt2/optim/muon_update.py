@@ -63,6 +63,12 @@ def polar_express(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return X.mT if tall else X
 
 
+def deepspeed_scale(rows: int, cols: int) -> float:
+    """What DeepSpeed's ``muon_update`` multiplies an orthogonalised update of ``rows`` × ``cols`` (the
+    weight's stored shape) by: ``sqrt(max(1, rows / cols))``."""
+    return math.sqrt(rows / cols) if rows > cols else 1.0
+
+
 @functools.cache
 def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` under ``torch.compile``, made at its first call rather than at import (compiling imports
@@ -82,7 +88,7 @@ def _polar_update(grad: torch.Tensor, momentum: torch.Tensor, beta: torch.Tensor
     if update.ndim == 4:  # a convolution's filters, as one matrix each
         update = update.view(len(update), -1)
     rows, cols = grad.size(-2), grad.size(-1)
-    update = polar_express(update, ns_steps) * (math.sqrt(rows / cols) if rows > cols else 1.0)
+    update = polar_express(update, ns_steps) * deepspeed_scale(rows, cols)
     return torch.where(finite, update.to(dtype), grad.to(dtype))
 
 
@@ -203,7 +209,7 @@ def orthogonalise(update: torch.Tensor, ns_method: str) -> torch.Tensor:
             else (original_muon.zeropower_via_newtonschulz5)
         )
         out = fn(update, steps=5)
-    return out * (math.sqrt(rows / cols) if rows > cols else 1.0)
+    return out * deepspeed_scale(rows, cols)
 
 
 def _beta(beta: Any, like: torch.Tensor) -> Any:
