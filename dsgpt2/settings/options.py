@@ -115,11 +115,29 @@ class Range:
         return value
 
 
+@dataclasses.dataclass(frozen=True)
+class StepsOrShare(Range):
+    """A length in steps, or a share of the run: 0, a whole number (steps), or a number in (0, 1) (that
+    share of ``--train_iters``). A flag's text parses as an integer where it spells one."""
+
+    def holds(self, value: Any) -> bool:
+        if not self._of_kind(value):
+            return False
+        return value == 0 or 0 < value < 1 or (value >= 1 and float(value).is_integer())
+
+    def parse(self, text: str) -> Any:
+        try:
+            return int(text)
+        except ValueError:
+            return super().parse(text)
+
+
 POSITIVE_INT = Range(int, 1, name="a positive integer")
 NON_NEGATIVE_INT = Range(int, 0)
 POSITIVE_NUMBER = Range(float, 0, low_open=True, name="a positive number")
 ABOVE_ZERO = Range(float, 0, low_open=True)  # a float that must be positive (a rate)
 RATIO = Range(float, 0, 1, low_open=True, short="in (0, 1]")  # a share
+STEPS_OR_SHARE = StepsOrShare(float, 0, name="0, a whole number of steps or a share in (0, 1)")
 PORT = Range(int, 0, 65535)  # a TCP port; 0: any free one
 
 

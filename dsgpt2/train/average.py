@@ -1,5 +1,5 @@
-"""A tail average of the weights (``--ema_tail N``): over a run's last N steps, an exponential moving
-average of the weights, the model the run ends on.
+"""A tail average of the weights (``--ema_tail N``): over a run's last N steps (or, N in (0, 1), that
+share of the run's), an exponential moving average of the weights, the model the run ends on.
 
 The modded-nanogpt speedrun's record evaluates such an average rather than the last step's weights: late
 in a run each step still moves the weights around a minimum, and their average sits nearer its bottom.
@@ -16,6 +16,7 @@ the same one (ZeRO 0, 1 and 2 hold whole weights on every rank; ZeRO 3 is refuse
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +25,13 @@ import torch
 from dsgpt2.errors import ConfigError
 
 
-def check_average(tail: int, train_iters: int, stage: int) -> str | None:
+def tail_steps(tail: float, train_iters: int) -> int:
+    """The steps ``--ema_tail`` averages over: ``tail`` itself, or, in (0, 1), that share of
+    ``train_iters`` (rounded up)."""
+    return math.ceil(tail * train_iters) if 0 < tail < 1 else int(tail)
+
+
+def check_average(tail: float, train_iters: int, stage: int) -> str | None:
     """The line that says where the average starts, or None without one.
 
     Raises:
@@ -32,16 +39,18 @@ def check_average(tail: int, train_iters: int, stage: int) -> str | None:
     """
     if not tail:
         return None
-    if tail > train_iters:
+    steps = tail_steps(tail, train_iters)
+    if steps > train_iters:
         raise ConfigError(f"--ema_tail {tail}: must be at most --train_iters {train_iters}")
     if stage == 3:
         raise ConfigError(
             f"--ema_tail {tail}: ZeRO stage 3 holds a slice of each weight on each rank, where the "
             "average needs whole ones; use ZeRO 0, 1 or 2, or leave --ema_tail out"
         )
+    share = f" {tail} of {train_iters} steps" if tail < 1 else ""
     return (
-        f"weight average: from step {train_iters - tail + 1}, an EMA of span {tail} (--ema_tail); the "
-        "run's last validation, its export and evaluation use it"
+        f"weight average: from step {train_iters - steps + 1}, an EMA of span {steps} (--ema_tail{share}); "
+        "the run's last validation, its export and evaluation use it"
     )
 
 
@@ -50,7 +59,8 @@ class TailAverage:
     kept in ``state.average`` (a :class:`~dsgpt2.checkpoints.checkpointer.TrainState`, so that each
     checkpoint saves it): ``{"weights": name → fp32 tensor, "aliases": tied name → the name kept}``."""
 
-    def __init__(self, module: torch.nn.Module, tail: int, train_iters: int) -> None:
+    def __init__(self, module: torch.nn.Module, tail: float, train_iters: int) -> None:
+        tail = tail_steps(tail, train_iters)
         self.start = train_iters - tail if tail else None
         self.share = 2.0 / (tail + 1)  # the weight of each step taken in
         self.on_device = False

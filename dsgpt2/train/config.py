@@ -31,6 +31,7 @@ from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
+    STEPS_OR_SHARE,
     Checked,
     Freezable,
     Range,
@@ -193,11 +194,12 @@ class RunOptions(Checked):
     eval_batch_size: int | None = option(
         None, "validation micro-batch (default: training's)", check=POSITIVE_INT
     )
-    ema_tail: int = option(
+    ema_tail: float = option(
         0,
-        "over the last N steps, an exponential moving average of the weights (span N): the run's last "
-        "validation, its export and evaluation use it; training steps the raw weights; 0: none",
-        check=NON_NEGATIVE_INT,
+        "over the last N steps (N in (0, 1): that share of --train_iters), an exponential moving average "
+        "of the weights (span N): the run's last validation, its export and evaluation use it; training "
+        "steps the raw weights; 0: none",
+        check=STEPS_OR_SHARE,
         metavar="N",
     )
     log_interval: int = option(10, "log metrics every N steps", check=POSITIVE_INT)

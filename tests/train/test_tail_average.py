@@ -10,7 +10,8 @@ import torch
 
 from dsgpt2.checkpoints.weights import with_average
 from dsgpt2.errors import ConfigError
-from dsgpt2.train.average import TailAverage, check_average
+from dsgpt2.settings.options import STEPS_OR_SHARE
+from dsgpt2.train.average import TailAverage, check_average, tail_steps
 
 
 class Tied(torch.nn.Module):
@@ -22,12 +23,14 @@ class Tied(torch.nn.Module):
         self.norm = torch.nn.LayerNorm(3)
 
 
-def test_the_average_of_the_last_three_of_six_steps_is_an_ema_of_span_three() -> None:
-    """Tail 3 of 6: the average is the weights after step 4, then each later step's taken in at 2 / (3 + 1);
-    the tied head is one weight (an alias), not averaged twice; steps before the tail are not seen."""
+@pytest.mark.parametrize("tail", [3, 0.5])
+def test_the_average_of_the_last_three_of_six_steps_is_an_ema_of_span_three(tail: float) -> None:
+    """Tail 3 of 6 (``--ema_tail 3``, or half the run: ``0.5``): the average is the weights after step 4,
+    then each later step's taken in at 2 / (3 + 1); the tied head is one weight (an alias), not averaged
+    twice; steps before the tail are not seen."""
     torch.manual_seed(0)
     model = Tied()
-    average = TailAverage(model, 3, 6)
+    average = TailAverage(model, tail, 6)
     state = SimpleNamespace(step=0, average=None)
     seen = {}
     for step in range(1, 7):
@@ -79,3 +82,19 @@ def test_a_tail_longer_than_the_run_or_under_zero_3_is_refused() -> None:
         check_average(11, 10, 0)
     with pytest.raises(ConfigError, match=r"--ema_tail 3: ZeRO stage 3 holds a slice"):
         check_average(3, 10, 3)
+
+
+def test_a_tail_is_steps_or_a_share_of_the_run_rounded_up() -> None:
+    """``--ema_tail`` reads a whole number as steps and a number in (0, 1) as that share of
+    ``--train_iters`` (a recipe's tail follows a shortened run); anything else is refused as it is typed."""
+    assert [tail_steps(t, 1000) for t in (200, 0.2, 0.0005, 1)] == [200, 200, 1, 1]
+    assert tail_steps(0.2, 7) == 2
+    assert "from step 241, an EMA of span 60 (--ema_tail 0.2 of 300 steps)" in str(check_average(0.2, 300, 0))
+    assert [STEPS_OR_SHARE.parse(t) for t in ("200", "0.2", "0")] == [200, 0.2, 0]
+    assert type(STEPS_OR_SHARE.parse("200")) is int
+    for bad in (1.5, -1, float("nan"), True, 200.5):
+        assert not STEPS_OR_SHARE.holds(bad), bad
+    with pytest.raises(
+        ConfigError, match=r"--ema_tail must be 0, a whole number of steps or a share in \(0, 1\), got 1.5"
+    ):
+        STEPS_OR_SHARE.check("--ema_tail", 1.5)
