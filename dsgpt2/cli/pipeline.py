@@ -349,7 +349,8 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
     vocab_dir = model.pop("vocab_dir", None)
     recipe = demo_recipe()
     ds_config = shipped_config("ds_config_cpu.json")
-    # Finetuning on conversations: AdamW under the CPU config's scheduler, as the demo has always done.
+    # Finetuning on conversations: AdamW under the CPU config's scheduler, as the demo has always done,
+    # ending on its last step's weights.
     model_options, schedule = ModelOptions(**model), ScheduleOptions(lr_schedule="deepspeed")
     optim = OptimizerOptions(optimizer="adamw")
     if pretrain:
@@ -365,7 +366,12 @@ def train_config(run: Path, steps: int, pretrain: bool = False, **model: Any) ->
         data=from_namespace(DataOptions, recipe, config_train=None, vocab_dir=vocab_dir),
         model=model_options,
         run=from_namespace(
-            RunOptions, recipe, train_iters=steps, eval_interval=every_eval, workspace=run / "train"
+            RunOptions,
+            recipe,
+            train_iters=steps,
+            eval_interval=every_eval,
+            workspace=run / "train",
+            ema_tail=recipe.ema_tail if pretrain else 0,  # the tail average: pretraining's
         ),
         ckpt=from_namespace(
             CheckpointOptions, recipe, ckpt_dir=run / "ckpt", save_interval=every_save, no_resume=True

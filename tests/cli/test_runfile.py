@@ -177,8 +177,8 @@ def test_a_command_added_to_the_table_is_a_command_everywhere(
 
 def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path: Path) -> None:
     """The demo reads its pretraining recipe from configs/recipes/demo.yaml (as shipped in the package):
-    its model, split, schedule and DeepSpeed config, and its evaluations and checkpoints spread over the
-    demo's steps."""
+    its model, split, schedule, tail average and DeepSpeed config, and its evaluations and checkpoints
+    spread over the demo's steps."""
     from dsgpt2.cli.pipeline import DEMO_RECIPE, demo_recipe, train_config
     from dsgpt2.data.split import DEFAULT_CHUNK_DOCS
     from dsgpt2.settings.shipped import shipped_config
@@ -201,7 +201,7 @@ def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path:
     assert cfg.model == recipe.model and cfg.schedule == recipe.schedule and cfg.compute == recipe.compute
     assert cfg.optim == recipe.optim
     assert cfg.data.tr_ratio == recipe.data.tr_ratio and cfg.data.config_train is None
-    same = ("train_iters", "eval_interval", "eval_iters", "wandb", "hellaswag")
+    same = ("train_iters", "eval_interval", "eval_iters", "wandb", "hellaswag", "ema_tail")
     assert [getattr(cfg.run, k) for k in same] == [getattr(recipe.run, k) for k in same]
     assert cfg.ckpt.save_interval == recipe.ckpt.save_interval and cfg.ckpt.no_resume
     assert cfg.run.workspace == tmp_path / "train" and cfg.ckpt.ckpt_dir == tmp_path / "ckpt"
@@ -213,6 +213,8 @@ def test_the_demo_trains_by_the_shipped_recipe(files: dict[str, Path], tmp_path:
     chat = train_config(tmp_path, 6, init_from=files["tok"], task="conversation", vocab_dir=files["tok"])
     assert chat.data.tr_ratio == recipe.data.tr_ratio and chat.schedule.lr_schedule == "deepspeed"
     assert chat.engine.deepspeed_config.name == "ds_config_cpu.json" and chat.model.task == "conversation"
+    # The recipe's tail average is pretraining's: the finetuning ends on its last step's weights.
+    assert recipe.run.ema_tail == cfg.run.ema_tail == 0.2 and chat.run.ema_tail == 0
 
 
 def test_the_demo_trains_with_the_optimizer_its_recipe_names(
