@@ -45,6 +45,19 @@ def corpus(server_uri: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
+def vocab(corpus: Corpus) -> Path:
+    """The corpus's vocabulary, ``corpus.base / "tok"`` (where ``Corpus.train`` reads it), trained from
+    the server once per module and worker: a test that trains needs it whichever worker ran the
+    vocabulary's own test."""
+    tok = corpus.base / "tok"
+    if not (tok / "vocab.json").exists():
+        made = corpus.cli("vocab", "train", "--from_mongo", "--config", str(corpus.config), "--out", str(tok),
+                          "--vocab_size", "400", "--no_progress")  # fmt: skip
+        assert made.returncode == 0, made.stderr
+    return tok
+
+
+@pytest.fixture
 def scratch(server_uri: str) -> Iterator[Connection]:
     """An empty database of its own on the server."""
     cfg = make_config(
@@ -122,18 +135,16 @@ def test_vocab_download_and_train_from_the_cli(corpus: Corpus) -> None:
                        "--vocab_size", "400", "--no_progress")  # fmt: skip
     assert train.returncode == 0, train.stderr
     streamed = corpus.cli("vocab", "train", "--from_mongo", "--config", str(corpus.config),
-                          "--out", str(corpus.base / "tok"), "--vocab_size", "400",
+                          "--out", str(corpus.base / "tok_streamed"), "--vocab_size", "400",
                           "--no_progress")  # fmt: skip
     assert streamed.returncode == 0, streamed.stderr
     # The same texts, from the shards or straight from the server: the same vocabulary.
-    assert (corpus.base / "tok" / "vocab.json").read_text() == (
+    assert (corpus.base / "tok_streamed" / "vocab.json").read_text() == (
         corpus.base / "tok_shards" / "vocab.json"
     ).read_text()
 
 
-def test_training_streaming_and_cached_evaluate_and_record(corpus: Corpus) -> None:
-    if not (corpus.base / "tok").exists():
-        pytest.skip("needs the vocabulary of test_vocab_download_and_train_from_the_cli")
+def test_training_streaming_and_cached_evaluate_and_record(corpus: Corpus, vocab: Path) -> None:
     streaming = corpus.train(corpus.base / "streaming", "--train_iters", "8")
     cached = corpus.train(corpus.base / "cached", "--train_iters", "8", "--data_mode", "cached")
     assert "stopped: done at step 8" in streaming.stdout
@@ -231,11 +242,11 @@ def test_reads_follow_read_preference_and_name_their_server(
     assert len(said) == 1 and host in said[0] and "secondaryPreferred" in said[0], said
 
 
-def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_path: Path) -> None:
+def test_follow_takes_in_documents_ingested_during_the_run(
+    corpus: Corpus, vocab: Path, tmp_path: Path
+) -> None:
     """Another process ingests while the run trains on the server; --follow deals the new chunks;
     info then shows the mark the run reached and what came after it."""
-    if not (corpus.base / "tok").exists():
-        pytest.skip("needs the vocabulary of test_vocab_download_and_train_from_the_cli")
     from dsgpt2.corpus.builtin import stdlib_documents
 
     live = Corpus(corpus.uri, tmp_path)
@@ -247,7 +258,7 @@ def test_follow_takes_in_documents_ingested_during_the_run(corpus: Corpus, tmp_p
             texts = list(stdlib_documents(docs.stop))[docs.start :]
             (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         ingest = f"{sys.executable} -m dsgpt2 ingest --config {live.config} --format jsonl --no_progress"
-        (tmp_path / "tok").symlink_to(corpus.base / "tok")
+        (tmp_path / "tok").symlink_to(vocab)
         live.train(tmp_path / "run", "--train_iters", "6", "--follow", "2", "--log_block_ids",
                    faults=("--after", f"3={ingest} {tmp_path / 'more.jsonl'}"))  # fmt: skip
         metrics = read_metrics(tmp_path / "run" / "ws" / "metrics.jsonl")
