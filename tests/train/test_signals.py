@@ -76,6 +76,8 @@ def test_a_process_forked_from_the_rank_ignores_the_inherited_handler(
         stop._stop(signal.SIGTERM, None)
         assert stop.name == "SIGTERM"
     finally:
+        if stop._timer is not None:  # its announcement, due in a second, would land in another test
+            stop._timer.cancel()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
