@@ -16,6 +16,8 @@ STAMP := $(VENV)/.installed
 # The floor lane: the oldest torch pyproject.toml admits and the GPU image's, each in an environment of
 # its own beside the lock's other packages, where what runs under torch.compile must train as eager.
 FLOOR_TORCH ?= 2.7.0 2.11.0
+FLOOR_DISK_GB ?= 10
+FLOOR_KEEP ?= 1
 # Fresh environments with the newest versions the ranges allow: the drift lane, and where a new lock comes from.
 LATEST_VENV ?= .venv-latest
 # Four workers on two cores: part of the suite's time is spent waiting on processes, servers and
@@ -81,12 +83,22 @@ test-fast: $(STAMP)
 # Each release of FLOOR_TORCH in .venv-torch<version> (the lock's other packages, torch's own pins), running
 # the tests marked floor: compiled against eager on every model path, and a short compiled training
 # (DSGPT2_FLOOR_LANE: what is speed, not correctness, such as how many graphs the model compiles into, is
-# the lock's torch's to show).
+# the lock's torch's to show). PyPI's Linux torch is a CUDA build: an environment takes about 6.5 GB, and
+# its install needs FLOOR_DISK_GB free (the wheels unpacked beside it; pip's cache is left out); checked
+# first, so a short disk is one line rather than pip's OSError half-way. FLOOR_KEEP=0 removes each
+# environment once its tests pass (CI: one at a time on the disk, not both).
 test-floor:
 	@for v in $(FLOOR_TORCH); do \
-	  $(MAKE) --no-print-directory venv VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
+	  if [ ! -e .venv-torch$$v/.installed ]; then \
+	    free=$$(df -Pk . | awk 'NR == 2 { print int($$4 / 1048576) }'); \
+	    if [ "$$free" -lt $(FLOOR_DISK_GB) ]; then \
+	      echo "test-floor: installing torch $$v (PyPI's CUDA build) needs about $(FLOOR_DISK_GB) GB free here; $$free GB are"; exit 2; \
+	    fi; \
+	  fi; \
+	  PIP_NO_CACHE_DIR=1 $(MAKE) --no-print-directory venv VENV=.venv-torch$$v TORCH_SPEC=torch==$$v || exit 1; \
 	  echo "torch $$v: the floor tests"; \
 	  DSGPT2_FLOOR_LANE=1 .venv-torch$$v/bin/python -m pytest -x -q -n $(PYTEST_WORKERS) --dist loadfile -m floor -p no:cacheprovider || exit 1; \
+	  if [ "$(FLOOR_KEEP)" = 0 ]; then rm -rf .venv-torch$$v; fi; \
 	done
 
 # New environments, nothing reused, no lock: what a `pip install dsgpt2` would get today.
