@@ -8,6 +8,9 @@ SIGINT (a SIGTERM's announcement waits that long for it) and goes on; later, it 
 The ranks decide together (:meth:`StopRequest.agreed`): one that got no signal, or got it a moment
 after the others looked, stops at the same step as they do; its own signal, landing after it took the
 others' stop, is that same stop (announced, not a second Ctrl-C).
+
+A signal after the last step (while the final checkpoint is written) changes nothing but its
+announcement; when the run returns, the handlers it replaced are back, and no announcement is left due.
 """
 
 from __future__ import annotations
@@ -38,12 +41,33 @@ class StopRequest:
         self._told = False
         self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
+        self._over = False  # the training loop has ended: a signal now stops nothing
+        self.took_effect = False  # the ranks agreed on the stop and training ended on it
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process from now on."""
+        """Handle SIGTERM and SIGINT in this process until :meth:`restore`."""
         self._pid = os.getpid()
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous.setdefault(signum, signal.signal(signum, self._stop))
+
+    def over(self) -> None:
+        """The training loop has ended (the final checkpoint is next): a stop still waiting for its
+        announcement is announced now, and a later signal is told it changes nothing."""
+        self._over = True
+        if self.name is not None:
+            self._announce()
+
+    def restore(self) -> None:
+        """The handlers :meth:`install` replaced, back; no announcement left due."""
+        with self._lock:
+            self._told = True
+        if self._timer is not None:
+            self._timer.cancel()
+        if os.getpid() == self._pid:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+        self._previous.clear()
 
     def _stop(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:
@@ -81,7 +105,11 @@ class StopRequest:
             self._told = True
         if self._timer is not None:
             self._timer.cancel()
-        log.warning("%s: saving a checkpoint after the current step, then exiting", self.name)
+        if self._over and not self.took_effect:
+            log.warning("%s after the last step: the run ends as it would have, its final checkpoint written",
+                        self.name)  # fmt: skip
+        else:
+            log.warning("%s: saving a checkpoint after the current step, then exiting", self.name)
 
     def agreed(self, device: Any) -> bool:
         """Whether any rank was asked to stop; every rank calls it at the same step (a collective). A rank
@@ -99,4 +127,5 @@ class StopRequest:
             self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
             self._adopted = True
             log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)
+        self.took_effect = True
         return True

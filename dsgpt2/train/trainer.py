@@ -270,9 +270,16 @@ class Trainer:
         self.batches: Iterator[Any] = iter(())  # the stream's batches, from train() on
 
     def train(self) -> dict[str, Any]:
-        """Train until --train_iters, a stop signal or a lost database; return the summary."""
-        r, state = self.cfg.run, self.state
+        """Train until --train_iters, a stop signal or a lost database; return the summary. SIGTERM and
+        SIGINT are the run's (:class:`StopRequest`) until it returns."""
         self.stop.install()
+        try:
+            return self._train()
+        finally:
+            self.stop.restore()
+
+    def _train(self) -> dict[str, Any]:
+        r, state = self.cfg.run, self.state
         self.batches = iter(self.stream)
         # The state and data position after the last whole step: what a checkpoint written when the
         # database goes away mid-accumulation must hold.
@@ -302,6 +309,7 @@ class Trainer:
             except MongoUnavailableError as exc:
                 abort_on_lost_database(self, exc, *boundary)
             finally:
+                self.stop.over()
                 self.stream.close()
         return self.finish(state)
 
@@ -525,7 +533,7 @@ def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
         "eval_iters": t.cfg.run.eval_iters,
         "nonfinite": state.nonfinite,
         "skipped_documents": t.stream.skipped,
-        "stopped": t.stop.name or ("early" if t.stopped_early else "done"),
+        "stopped": t.stop.name if t.stop.took_effect else ("early" if t.stopped_early else "done"),
         "checkpoint": t.checkpointer.where(tag_for(state.step)),
         **t.last_hellaswag,
     }

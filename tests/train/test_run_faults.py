@@ -64,6 +64,21 @@ def test_stop_signal_saves_and_exits_then_resumes(
     assert f"--train_iters {last + 2} where the checkpoint's run had 100000" in resumed.stderr
 
 
+def test_a_sigterm_after_the_last_step_ends_the_run_as_it_would_have(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A SIGTERM that lands during the last step stops nothing: the run ends done, its final checkpoint
+    written, and says the signal changed nothing rather than that it is stopping."""
+    result = train(corpus, tmp_path, "--train_iters", "3", "--save_interval", "100000",
+                   faults=("--after", "3=kill -TERM $PPID"))  # fmt: skip
+    assert "SIGTERM after the last step: the run ends as it would have" in result.stderr
+    assert "saving a checkpoint after the current step" not in result.stderr
+    end = [r for r in read_metrics(tmp_path / "ws" / "metrics.jsonl") if r["event"] == "end"][-1]
+    assert end["stopped"] == "done" and end["step"] == 3
+    assert "stopped: done at step 3" in result.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
+
+
 def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path: Path) -> None:
     result = train(
         corpus,

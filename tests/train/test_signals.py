@@ -76,10 +76,7 @@ def test_a_process_forked_from_the_rank_ignores_the_inherited_handler(
         stop._stop(signal.SIGTERM, None)
         assert stop.name == "SIGTERM"
     finally:
-        if stop._timer is not None:  # its announcement, due in a second, would land in another test
-            stop._timer.cancel()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stop.restore()  # its announcement, due in a second, would land in another test
 
 
 def test_a_ctrl_c_whose_relayed_sigterm_comes_first_is_named_sigint_and_not_a_second_ctrl_c(
@@ -119,3 +116,52 @@ def test_a_sigterm_alone_is_announced_without_waiting_for_the_step(
     while "SIGTERM: saving a checkpoint" not in caplog.text and time.monotonic() < deadline:
         time.sleep(0.01)
     assert caplog.text.count("SIGTERM: saving a checkpoint") == 1 and stop.name == "SIGTERM"
+
+
+@pytest.mark.parametrize("ends", ["returning", "raising"])
+def test_the_trainer_gives_the_signals_back_and_leaves_no_announcement_due(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, ends: str
+) -> None:
+    """Trained in-process (a notebook, ``bench host``), the run's handlers end with it, however it ends:
+    a Ctrl-C afterwards is the caller's again, and a SIGTERM of the last step is not announced later
+    into whatever runs next."""
+    import time
+
+    from dsgpt2.train.trainer import Trainer
+
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    monkeypatch.setattr(signals, "PAIRED", 0.2)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    trainer = Trainer.__new__(Trainer)  # its loop alone stands in for the run
+    trainer.stop = StopRequest()
+
+    def loop() -> dict:
+        assert signal.getsignal(signal.SIGTERM) == trainer.stop._stop
+        trainer.stop._stop(signal.SIGTERM, None)  # during the last step: its announcement due in PAIRED
+        if ends == "raising":
+            raise RuntimeError("the run failed")
+        return {"stopped": "done"}
+
+    monkeypatch.setattr(trainer, "_train", loop)
+    if ends == "raising":
+        with pytest.raises(RuntimeError):
+            trainer.train()
+    else:
+        assert trainer.train() == {"stopped": "done"}
+    assert {s: signal.getsignal(s) for s in before} == before
+    time.sleep(3 * signals.PAIRED)
+    assert "saving a checkpoint" not in caplog.text
+    assert trainer.stop.took_effect is False
+
+
+def test_a_stop_left_pending_by_the_last_step_is_announced_as_changing_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    stop = StopRequest()
+    stop._stop(signal.SIGTERM, None)
+    stop.over()  # the loop ended on --train_iters before the ranks compared
+    assert caplog.text.count("SIGTERM after the last step: the run ends as it would have") == 1
+    stop._stop(signal.SIGTERM, None)  # the launcher relaying it: nothing more said
+    stop.restore()
+    assert caplog.text.count("SIGTERM") == 1 and stop.took_effect is False
