@@ -1,5 +1,6 @@
 """A compiled run trains the eager run's model, step by step: the same blocks, the same losses, and a loss
-that falls (AdamW at ZeRO 0, Muon at ZeRO 1, Muon with the speedrun's options at ZeRO 2). Marked
+that falls (AdamW at ZeRO 0, Muon at ZeRO 1, Muon with the speedrun's options at ZeRO 2), and a checkpoint
+that exports as an eager one does. Marked
 ``floor``: ``make test-floor`` runs it on every torch ``pyproject.toml`` admits, where a compiled loss with
 no gradient once trained nothing at full speed."""
 
@@ -60,3 +61,8 @@ def test_a_compiled_run_falls_as_the_eager_one_step_by_step(
         assert compiled[k]["grad_norm"] == pytest.approx(eager[k]["grad_norm"], rel=1e-2), k
     # It learns: six steps take the tiny model well below where it started (ln 512 = 6.24).
     assert compiled[6]["loss"] < compiled[1]["loss"] - 0.2, [round(compiled[k]["loss"], 3) for k in compiled]
+    if stage == 0:
+        # The checkpoint holds the plain model's parameter names: it exports like any other.
+        from dsgpt2.infer.export import export
+
+        assert export(tmp_path / "compiled" / "ckpt", tmp_path / "model")["step"] == 6

@@ -187,21 +187,6 @@ def test_a_run_in_the_ranges_order_resumes_in_it_and_only_in_it(
     assert len(chunks) <= 2  # 8 micro-batches of 4 blocks from one or two chunks: the ranges order
 
 
-def test_a_compiled_model_trains_as_the_eager_one(
-    corpus: dict[str, Path], straight_run: Path, tmp_path: Path
-) -> None:
-    """--compile (torch.compile of the model inside the engine) changes the speed, not the training."""
-    train(corpus, tmp_path, "--train_iters", "3", "--data_mode", "streaming", "--compile")
-    compiled, eager = steps(tmp_path), steps(straight_run)
-    for k in (1, 2, 3):
-        assert compiled[k]["block_ids"] == eager[k]["block_ids"]
-        assert compiled[k]["loss"] == pytest.approx(eager[k]["loss"], rel=1e-4)
-    # The checkpoint holds the plain model's parameter names: it exports like any other.
-    from dsgpt2.infer.export import export
-
-    assert export(tmp_path / "ckpt", tmp_path / "model")["step"] == 3
-
-
 def test_early_stopping_keeps_the_best_checkpoint_and_survives_a_resume(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
