@@ -55,7 +55,7 @@ class StopRequest:
         """The training loop has ended (the final checkpoint is next): a stop still waiting for its
         announcement is announced now, and a later signal is told it changes nothing."""
         self._over = True
-        if self.name is not None:
+        if self.name is not None and not self.took_effect:  # taken, it was said (or the others' was)
             self._announce()
 
     def restore(self) -> None:

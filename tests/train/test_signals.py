@@ -29,10 +29,15 @@ def test_a_signal_landing_during_the_agreement_counts_at_the_next_step(
     assert stop.agreed("cpu") is True and reported[1] == [1, 0]
 
 
-def test_a_rank_without_a_signal_takes_the_others_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_rank_without_a_signal_takes_the_others_name(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="dsgpt2.train.trainer")
     stop = StopRequest()
     monkeypatch.setattr(signals, "all_sum", lambda values, device: [0, 1])  # another rank got SIGTERM
     assert stop.agreed("cpu") is True and stop.name == "SIGTERM"
+    stop.over()  # the loop ended on it: said as the others' stop, and only so
+    assert "stopping with the other ranks (SIGTERM)" in caplog.text and "SIGTERM: saving" not in caplog.text
     monkeypatch.setattr(signals, "all_sum", lambda values, device: values)
     assert StopRequest().agreed("cpu") is False
 
