@@ -34,28 +34,40 @@ class StopRequest:
     """Which signal asked the run to stop (``name``: None until one did)."""
 
     def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._pid = os.getpid()
+        self._previous: dict[int, Any] = {}
+        self._reset()
+
+    def _reset(self) -> None:
         self.name: str | None = None
         self._adopted = False  # the name came from the other ranks, not from a signal to this one
-        self._pid = os.getpid()
         self._at = 0.0
         self._told = False
-        self._lock = threading.RLock()
         self._timer: threading.Timer | None = None
-        self._previous: dict[int, Any] = {}
         self._over = False  # the training loop has ended: a signal now stops nothing
-        self.took_effect = False  # the ranks agreed on the stop and training ended on it
+        self.stopped_by: str | None = None  # the stop the ranks agreed on, which ended the training
 
     def install(self) -> None:
-        """Handle SIGTERM and SIGINT in this process until :meth:`restore`."""
+        """Handle SIGTERM and SIGINT in this process until :meth:`restore`, a stop not yet asked."""
+        self._reset()
         self._pid = os.getpid()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            self._previous.setdefault(signum, signal.signal(signum, self._stop))
+            previous = signal.signal(signum, self._stop)
+            # None: a handler not set from Python; the default stands for it.
+            self._previous.setdefault(signum, signal.SIG_DFL if previous is None else previous)
 
     def over(self) -> None:
-        """The training loop has ended (the final checkpoint is next): a stop still waiting for its
-        announcement is announced now, and a later signal is told it changes nothing."""
+        """The training loop has ended on --train_iters or an early stop (the final checkpoint is next):
+        a signal of the last step, or one from now on, is said to change nothing."""
         self._over = True
-        if self.name is not None and not self.took_effect:  # taken, it was said (or the others' was)
+        if self.name is None or self.stopped_by is not None:  # taken, it was said (or the others' was)
+            return
+        with self._lock:
+            told = self._told
+        if told:  # announced as a stop: it came with the last step
+            log.warning("%s came with the last step: the run ends as it would have", self.name)
+        else:
             self._announce()
 
     def restore(self) -> None:
@@ -105,7 +117,7 @@ class StopRequest:
             self._told = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._over and not self.took_effect:
+        if self._over and self.stopped_by is None:
             log.warning("%s after the last step: the run ends as it would have, its final checkpoint written",
                         self.name)  # fmt: skip
         else:
@@ -127,5 +139,5 @@ class StopRequest:
             self.name = next(n for n, count in zip(_NAMES, seen, strict=True) if count)
             self._adopted = True
             log.info("stopping with the other ranks (%s): saving a checkpoint", self.name)
-        self.took_effect = True
+        self.stopped_by = self.name
         return True

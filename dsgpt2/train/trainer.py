@@ -306,10 +306,10 @@ class Trainer:
                     self.maybe_save(state)
                     if self.hooks.after_step is not None:
                         self.hooks.after_step(state.step)
+                self.stop.over()
             except MongoUnavailableError as exc:
                 abort_on_lost_database(self, exc, *boundary)
             finally:
-                self.stop.over()
                 self.stream.close()
         return self.finish(state)
 
@@ -533,7 +533,7 @@ def _summary_of(t: Trainer, state: TrainState) -> dict[str, Any]:
         "eval_iters": t.cfg.run.eval_iters,
         "nonfinite": state.nonfinite,
         "skipped_documents": t.stream.skipped,
-        "stopped": t.stop.name if t.stop.took_effect else ("early" if t.stopped_early else "done"),
+        "stopped": t.stop.stopped_by or ("early" if t.stopped_early else "done"),
         "checkpoint": t.checkpointer.where(tag_for(state.step)),
         **t.last_hellaswag,
     }

@@ -129,13 +129,10 @@ def test_the_trainer_gives_the_signals_back_and_leaves_no_announcement_due(
 ) -> None:
     """Trained in-process (a notebook, ``bench host``), the run's handlers end with it, however it ends:
     a Ctrl-C afterwards is the caller's again, and a SIGTERM of the last step is not announced later
-    into whatever runs next."""
-    import time
-
+    into whatever runs next (nor as the run's end when the run failed)."""
     from dsgpt2.train.trainer import Trainer
 
     caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
-    monkeypatch.setattr(signals, "PAIRED", 0.2)
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     trainer = Trainer.__new__(Trainer)  # its loop alone stands in for the run
     trainer.stop = StopRequest()
@@ -154,9 +151,11 @@ def test_the_trainer_gives_the_signals_back_and_leaves_no_announcement_due(
     else:
         assert trainer.train() == {"stopped": "done"}
     assert {s: signal.getsignal(s) for s in before} == before
-    time.sleep(3 * signals.PAIRED)
-    assert "saving a checkpoint" not in caplog.text
-    assert trainer.stop.took_effect is False
+    timer = trainer.stop._timer
+    assert timer is not None
+    timer.join(10)  # cancelled, it ends at once; due, it would have logged in PAIRED
+    assert not timer.is_alive() and "SIGTERM" not in caplog.text
+    assert trainer.stop.stopped_by is None
 
 
 def test_a_stop_left_pending_by_the_last_step_is_announced_as_changing_nothing(
@@ -169,4 +168,44 @@ def test_a_stop_left_pending_by_the_last_step_is_announced_as_changing_nothing(
     assert caplog.text.count("SIGTERM after the last step: the run ends as it would have") == 1
     stop._stop(signal.SIGTERM, None)  # the launcher relaying it: nothing more said
     stop.restore()
-    assert caplog.text.count("SIGTERM") == 1 and stop.took_effect is False
+    assert caplog.text.count("SIGTERM") == 1 and stop.stopped_by is None
+
+
+def test_a_ctrl_c_announced_during_the_last_step_is_then_said_to_change_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    stop = StopRequest()
+    stop._stop(signal.SIGINT, None)  # said at once, as a stop
+    stop.over()
+    assert "SIGINT: saving a checkpoint after the current step" in caplog.text
+    assert "SIGINT came with the last step: the run ends as it would have" in caplog.text
+    assert stop.stopped_by is None
+
+
+def test_a_handler_not_set_from_python_comes_back_as_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    set_to: list[tuple[int, object]] = []
+
+    def fake_signal(signum: int, handler: object) -> object:
+        set_to.append((signum, handler))
+        return None  # what signal.signal says of a handler installed outside Python
+
+    monkeypatch.setattr(signals.signal, "signal", fake_signal)
+    stop = StopRequest()
+    stop.install()
+    stop.restore()
+    assert set_to[2:] == [(signal.SIGTERM, signal.SIG_DFL), (signal.SIGINT, signal.SIG_DFL)]
+
+
+def test_a_request_installed_again_starts_with_no_stop() -> None:
+    stop = StopRequest()
+    stop.install()
+    try:
+        stop._stop(signal.SIGINT, None)
+    finally:
+        stop.restore()
+    stop.install()
+    try:
+        assert stop.name is None and stop.agreed("cpu") is False
+    finally:
+        stop.restore()
