@@ -22,7 +22,8 @@ FLOOR_KEEP ?= 1
 LATEST_VENV ?= .venv-latest
 # Four workers on two cores: part of the suite's time is spent waiting on processes, servers and
 # sockets (two workers left the cores idle for it: 17 minutes against 11 and a half; on the same tree,
-# idle, three took 13 min 59 s and four 13 min 4 s, the cores 92 % and 90 % busy).
+# idle, three took 13 min 59 s and four 13 min 4 s, the cores 92 % and 90 % busy; on a fresh clone, four
+# took 15 min 19 s and six 15 min 57 s, the cores 92 % busy: more workers only share the same cores).
 PYTEST_WORKERS ?= 4
 
 # DeepSpeed compiles its CPU communication op at its first initialize on a machine: done here, with the
