@@ -2,7 +2,9 @@
 orthogonalisation ``--muon_ns`` chooses.
 
 - ``quintic``: DeepSpeed's ``muon_update`` as it is, five Newton–Schulz iterations of the fixed quintic
-  (3.4445, −4.7750, 2.0315) of the Muon authors (DeepSpeed's Gram form, in fp32 on a CPU).
+  (3.4445, −4.7750, 2.0315) of the Muon authors (DeepSpeed's Gram form, in the dtype its
+  ``ns_compute_dtype`` gives: fp16 where the device multiplies fp16 matrices, a GPU or a CPU with
+  AVX512-FP16 or AMX; fp32 on other CPUs).
 - ``polar_express``: the Polar Express iteration (Amsel, Persson, Musco and Gower, 2025), five quintics
   whose coefficients change from step to step, each the optimal one for the interval the singular
   values are in by then: closer to the polar factor in the same five steps. The matrix is divided by
