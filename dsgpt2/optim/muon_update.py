@@ -2,9 +2,8 @@
 orthogonalisation ``--muon_ns`` chooses.
 
 - ``quintic``: DeepSpeed's ``muon_update`` as it is, five Newton–Schulz iterations of the fixed quintic
-  (3.4445, −4.7750, 2.0315) of the Muon authors (DeepSpeed's Gram form, in the dtype its
-  ``ns_compute_dtype`` gives: fp16 where the device multiplies fp16 matrices, a GPU or a CPU with
-  AVX512-FP16 or AMX; fp32 on other CPUs).
+  (3.4445, −4.7750, 2.0315) of the Muon authors (DeepSpeed's Gram form: in fp16 on a GPU, in fp32 on
+  a CPU, where :func:`install` sets it).
 - ``polar_express``: the Polar Express iteration (Amsel, Persson, Musco and Gower, 2025), five quintics
   whose coefficients change from step to step, each the optimal one for the interval the singular
   values are in by then: closer to the polar factor in the same five steps. The matrix is divided by
@@ -259,11 +258,27 @@ def _deepspeed() -> Any:
     return _deepspeed_update
 
 
+def fp32_iteration(ns_method: str = "gram") -> torch.dtype:
+    """What DeepSpeed's ``ns_compute_dtype`` answers on a CPU once :func:`install` ran: fp32, for every
+    method."""
+    return torch.float32
+
+
 def install() -> None:
     """Put :func:`muon_update` where ZeRO 1 and 2 look DeepSpeed's up (once; DeepSpeed's methods still
-    run DeepSpeed's function)."""
+    run DeepSpeed's function); on a CPU, DeepSpeed's iterations in fp32.
+
+    DeepSpeed runs its Gram iteration in fp16 wherever the accelerator multiplies fp16 matrices, a CPU
+    with AVX512-FP16 or AMX-FP16 included, and its standard one in bf16 on any CPU. On such a CPU fp16
+    was no faster (one thread, a batch of each of a preset's four shapes: the tiny preset's 1.9 times fp32's
+    time, 4 × 128's 1.1 times, 112m's 0.93-0.99; bench/results/ns-dtype-cpu-2026-12-06.txt), and a
+    run's model would depend on the CPU it ran on.
+    """
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.muon import original_muon
 
     if original_muon.muon_update is not muon_update:
         muon_update.deepspeed_update = _deepspeed()  # type: ignore[attr-defined]
         original_muon.muon_update = muon_update
+    if get_accelerator().device_name() == "cpu":
+        original_muon.ns_compute_dtype = fp32_iteration

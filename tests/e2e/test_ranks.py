@@ -24,7 +24,6 @@ from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
 from dsgpt2.train.metrics import read_metrics
 from pace import deadline
-from precision import losses_atol
 from training import (
     launch,
     launch_and_stop,
@@ -72,7 +71,7 @@ def test_a_nan_on_one_rank_of_two_is_skipped_by_both_and_trains_the_same_model_a
         a, b = runs[0][step], runs[1][step]
         assert a["block_ids"] == b["block_ids"], step
         for x, y in zip(a["losses"], b["losses"], strict=True):
-            assert math.isfinite(x) and abs(x - y) <= losses_atol(), (step, x, y)  # Muon at either stage
+            assert math.isfinite(x) and abs(x - y) <= 1e-5, (step, x, y)
     # Each checkpoint resumes on one rank: at ZeRO 0 every rank held the whole Muon state; ZeRO 1 cut
     # it per rank, and the resume converts it to DeepSpeed's universal form first.
     for stage in (0, 1):
