@@ -144,8 +144,9 @@ def test_muons_compiled_update_is_the_eager_one_and_a_warming_momentum_compiles_
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2, graphs
-    # In the dtype this machine iterates in (fp16 where the CPU multiplies it), as close as its rounding
-    # lets two orders of the same sums come: a few hundredths of a unit-RMS update.
+    # In the dtype DeepSpeed's iteration takes in this process (fp16 where the device multiplies it, as a
+    # GPU does, unless a Muon run here set fp32 for the CPU), as close as the half type's rounding lets
+    # two orders of the same sums come: a few hundredths of a unit-RMS update.
     torch._dynamo.reset()
     got, want = updates(0.95)
     if ns_dtype(method) == torch.float32:
