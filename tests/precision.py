@@ -39,8 +39,10 @@ def ns_in_fp32() -> Iterator[None]:
     asks two computations for the same numbers rather than numbers as close as the half type allows."""
     from deepspeed.runtime.zero.muon import original_muon
 
+    from dsgpt2.optim.muon_update import fp32_iteration
+
     real = original_muon.ns_compute_dtype
-    original_muon.ns_compute_dtype = lambda ns_method="gram": torch.float32
+    original_muon.ns_compute_dtype = fp32_iteration
     torch._dynamo.reset()  # nothing compiled for the other dtype runs inside
     try:
         yield
