@@ -44,6 +44,16 @@ if [[ "$ENGINE" == podman && -z "${CONTAINERS_CONF:-}" ]] && command -v runc >/d
     > "$CONTAINERS_CONF"
   export CONTAINERS_CONF
 fi
+# podman's network backend netavark sets up each container's network with the host's firewall
+# (iptables, or nftables where it is built for it); without either every `podman run` ends in
+# "netavark: No such file or directory". Prints what to install, and fails, where it is missing.
+# shellcheck disable=SC2034  # read by the scripts that source this file
+NO_FIREWALL="podman's network (netavark) needs a firewall to start containers: install iptables (Debian: apt-get install iptables)"
+containers_can_run() {
+  [[ "$ENGINE" != podman ]] || command -v iptables >/dev/null 2>&1 || command -v nft >/dev/null 2>&1 \
+    || [[ -x /usr/sbin/iptables || -x /usr/sbin/nft ]] \
+    || [[ "$(podman info --format '{{.Host.NetworkBackend}}' 2>/dev/null)" != netavark ]]
+}
 # The Dockerfile's wheelhouse mount (RUN --mount) needs BuildKit, which docker before 23 leaves off.
 if [[ "$ENGINE" == docker ]]; then
   export DOCKER_BUILDKIT=1

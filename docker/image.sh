@@ -20,6 +20,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 # shellcheck source=docker/_engine.sh
 source docker/_engine.sh
+containers_can_run || echo "image.sh: the image builds, but no container will start here: $NO_FIREWALL" >&2
 DEBIAN_BASE="localhost/debian:bookworm"
 PULLED_BASE="docker.io/library/python:3.11-slim"
 DEBIAN_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"

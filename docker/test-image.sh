@@ -28,6 +28,7 @@ cd "$root"
 source docker/_engine.sh
 
 ITERS=300  # pipelines/all.sh's TRAIN_ITERS, which compose.yaml leaves as it is
+containers_can_run || die "$NO_FIREWALL"
 has_image "$IMAGE" || die "no image $IMAGE: build it first (make image)"
 work="${TEST_RUNS:-$(mktemp -d -t dsgpt2-test-image.XXXXXX)}"
 mkdir -p "$work"

@@ -431,38 +431,46 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
     log_path = directory / "server.log"
     start = log_path.stat().st_size if log_path.exists() else 0
     args = server_args(directory, command, "127.0.0.1", port, auth)
-    with open(log_path, "ab") as log:
-        try:
-            proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, close_fds=True, cwd=directory, env=server_environment(),
-            )  # fmt: skip
-        except OSError as exc:
-            raise ConfigError(
-                f"{PREFIX}{directory}: cannot run {command[0]} ({exc.strerror}); {EXTRA}"
-            ) from None
-    # The server outlives this process on purpose; held here, its Popen is not reported as a leak.
-    _STARTED.append(proc)
+    pid = _spawn_detached(args, log_path, directory)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         listening = _listening_port(log_path, start)
         if listening is not None:
-            return ServerState(pid=proc.pid, port=listening)
-        if proc.poll() is not None:
+            return ServerState(pid=pid, port=listening)
+        if not _alive(pid):
             if port != 0 and "in use" in _log_tail(log_path, start):
                 return _launch(directory, command, 0, auth)  # the old port was taken meanwhile
             raise ConfigError(
                 f"{PREFIX}{directory}: the database server did not start: {_log_tail(log_path, start)}"
             )
         time.sleep(0.05)
-    _terminate(proc.pid, 5)
+    _terminate(pid, 5)
     raise ConfigError(
         f"{PREFIX}{directory}: the database server did not listen within {START_TIMEOUT_S:.0f} s; "
         f"see {log_path}"
     )
 
 
-_STARTED: list[subprocess.Popen[bytes]] = []
+# The server outlives this process on purpose, so it is no child of it: a shell starts it in a session
+# of its own and exits, leaving no child to reap and no Popen to report as a leak.
+_DETACH = 'log=$1; shift; "$@" </dev/null >>"$log" 2>&1 & echo $!'
+
+
+def _spawn_detached(args: list[str], log_path: Path, directory: Path) -> int:
+    """Start ``args`` as a daemon (its output appended to ``log_path``); its pid."""
+    try:
+        if shutil.which(args[0]) is None:
+            raise FileNotFoundError(2, os.strerror(2))
+        out = subprocess.run(
+            ["/bin/sh", "-c", _DETACH, "sh", str(log_path), *args], stdin=subprocess.DEVNULL,
+            capture_output=True, start_new_session=True, close_fds=True, cwd=directory,
+            env=server_environment(), check=True, timeout=30,
+        )  # fmt: skip
+    except OSError as exc:
+        raise ConfigError(f"{PREFIX}{directory}: cannot run {args[0]} ({exc.strerror}); {EXTRA}") from None
+    except subprocess.SubprocessError as exc:
+        raise ConfigError(f"{PREFIX}{directory}: cannot start the database server ({exc})") from None
+    return int(out.stdout.split()[-1])
 
 
 def idle_stop_s() -> float:

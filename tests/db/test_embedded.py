@@ -231,6 +231,29 @@ def test_a_server_that_cannot_start_is_one_line(tmp_path: Path, monkeypatch: Any
         embedded.ensure(tmp_path / "db")
 
 
+def test_the_server_is_no_child_of_the_process_that_started_it(tmp_path: Path) -> None:
+    """The server outlives the command that started it: that command holds no child for it, so it leaves
+    no zombie to reap and says nothing about a subprocess still running when it exits (warnings on)."""
+    directory = tmp_path / "db"
+    code = (
+        "import os, sys; from pathlib import Path; from dsgpt2.db import embedded; d = Path(sys.argv[1]); "
+        "embedded.ensure(d); print(embedded.running(d).pid, os.getpid(), flush=True)"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-W", "error", "-X", "dev", "-c", code, str(directory)],
+            capture_output=True, text=True, timeout=deadline(120), cwd=ROOT,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "ResourceWarning" not in done.stderr and "still running" not in done.stderr, done.stderr
+        pid, starter = map(int, done.stdout.split())
+        assert alive(pid)
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert ppid != starter and ppid != os.getpid()
+    finally:
+        embedded.stop(directory)
+
+
 def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
     cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://h:1", MONGO_CONNECTION_DB="d",
                        COLLECTIONS=["a"])  # fmt: skip
