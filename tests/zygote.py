@@ -84,12 +84,14 @@ def serve(kind: str) -> None:
     from dsgpt2.accelerator import prepare_deepspeed_environment
 
     prepare_deepspeed_environment()  # as the trainer does before it imports DeepSpeed
+    gc.disable()  # no full passes over the imports; collected once and frozen after them
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     for name in PRELOAD[kind]:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()  # the forks' collections leave the preloaded objects' pages shared
+    gc.enable()
     reply.write("ready\n")
     reply.flush()
     for line in sys.stdin:

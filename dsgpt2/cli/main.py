@@ -11,6 +11,7 @@ from dsgpt2 import __version__
 from dsgpt2.cli import corpus, curation, db, demo, infer, train, vocab
 from dsgpt2.cli.common import Command, section_names
 from dsgpt2.exits import run_command
+from dsgpt2.heap import start_up
 from dsgpt2.log import setup_logging
 from dsgpt2.progress import interval_seconds
 from dsgpt2.settings.argtypes import OneLineErrorParser, accept_hyphen_spellings
@@ -42,7 +43,8 @@ Typical first steps:
 def run_trainer(argv: Sequence[str], prog: str = "dsgpt2 train") -> int:
     """``dsgpt2 train`` and ``ds_trainer.py``: the trainer's own parser (it imports DeepSpeed, so only
     when asked for), which knows the other commands' tables of an experiment file."""
-    from dsgpt2.train.trainer import main as train
+    with start_up():  # torch and the trainer's modules: see dsgpt2.heap
+        from dsgpt2.train.trainer import main as train
 
     return train(list(argv), prog=prog, sections=SECTIONS)
 

@@ -43,6 +43,7 @@ from dsgpt2.data.sources import fingerprint
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.errors import ConfigError, DsGpt2Error, MongoUnavailableError, TrainingAborted
 from dsgpt2.exits import run_command
+from dsgpt2.heap import start_up
 from dsgpt2.log import setup_logging
 from dsgpt2.model.gpt2 import batch_inputs, perplexity, to_device
 from dsgpt2.model.hellaswag import accuracies
@@ -571,7 +572,8 @@ def main(
         cfg = parse(argv, prog, sections)
         trainer = None
         try:
-            trainer = build(cfg, hooks=Hooks(on_loss, after_step))
+            with start_up():  # imports and building without the collector's full passes
+                trainer = build(cfg, hooks=Hooks(on_loss, after_step))
             summary = trainer.train()
             leave_process_group()
         except RuntimeError as exc:

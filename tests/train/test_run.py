@@ -187,3 +187,29 @@ def test_a_finished_run_leaves_its_process_group(corpus: dict[str, Path], tmp_pa
                             timeout=deadline(300), cwd=ROOT)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "group open after the run: False" in result.stdout
+
+
+def test_a_run_builds_without_the_collectors_full_passes_and_trains_with_its_start_up_frozen(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Between the start of a run (DeepSpeed, transformers and the model imported, the engine built)
+    and its first step the cyclic collector makes one full pass, not one per few hundred thousand new
+    objects; what the start-up made is frozen, and the collector is on for the training loop."""
+    code = (
+        "import gc, sys; from dsgpt2.train import trainer; full = []; seen = []\n"
+        "gc.callbacks.append(lambda phase, info: full.append(1) if phase == 'start' and "
+        "info['generation'] == 2 else None)\n"
+        "frozen = gc.get_freeze_count()\n"
+        "def after_step(step):\n"
+        "    if step == 1: seen.extend([len(full), gc.get_freeze_count() - frozen, gc.isenabled()])\n"
+        "rc = trainer.main(sys.argv[1:], after_step=after_step); print('seen:', *seen); sys.exit(rc)"
+    )
+    args = trainer_args(corpus, tmp_path, "--train_iters", "2")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                            timeout=deadline(300), cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("seen:")]
+    passes, frozen, enabled = line.split()[1:]
+    assert int(passes) == 1, line
+    assert int(frozen) > 500_000, line
+    assert enabled == "True", line
