@@ -174,6 +174,18 @@ def test_wsd_run_logs_its_recipe_and_an_extended_resume_follows_the_new_curve(
     assert reports["--doc_mask"]["metrics"]["loss"] != reports["--no_doc_mask"]["metrics"]["loss"]
 
 
+def _trainer_main_in_a_fresh_process(
+    code: str, corpus: dict[str, Path], tmp_path: Path
+) -> subprocess.CompletedProcess:
+    """``code`` (which calls ``trainer.main(sys.argv[1:])``) in a new interpreter, not a zygote fork, on
+    a two-step run of ``corpus``; its exit checked."""
+    args = trainer_args(corpus, tmp_path, "--train_iters", "2")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                            timeout=deadline(300), cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_a_finished_run_leaves_its_process_group(corpus: dict[str, Path], tmp_path: Path) -> None:
     """The group is closed at the end of a run, not left to the interpreter's exit (where NCCL warns
     of it and gloo may abort a process that trained well)."""
@@ -182,10 +194,7 @@ def test_a_finished_run_leaves_its_process_group(corpus: dict[str, Path], tmp_pa
         "rc = trainer.main(sys.argv[1:]); print('group open after the run:', dist.is_initialized()); "
         "sys.exit(rc)"
     )
-    args = trainer_args(corpus, tmp_path, "--train_iters", "2")
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                            timeout=deadline(300), cwd=ROOT)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _trainer_main_in_a_fresh_process(code, corpus, tmp_path)
     assert "group open after the run: False" in result.stdout
 
 
@@ -204,10 +213,7 @@ def test_a_run_builds_without_the_collectors_full_passes_and_trains_with_its_sta
         "    if step == 1: seen.extend([len(full), gc.get_freeze_count() - frozen, gc.isenabled()])\n"
         "rc = trainer.main(sys.argv[1:], after_step=after_step); print('seen:', *seen); sys.exit(rc)"
     )
-    args = trainer_args(corpus, tmp_path, "--train_iters", "2")
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                            timeout=deadline(300), cwd=ROOT)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _trainer_main_in_a_fresh_process(code, corpus, tmp_path)
     [line] = [line for line in result.stdout.splitlines() if line.startswith("seen:")]
     passes, frozen, enabled = line.split()[1:]
     assert int(passes) == 1, line
