@@ -25,7 +25,7 @@ from zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# tests/ holds the shared helpers (this file, zygote, wire_server, inject, pace, and corpora, training,
+# tests/ holds the shared helpers (this file, zygote, forks, wire_server, inject, pace, and corpora, training,
 # serving, delivery for what tests of several files share); the tests live in one folder per room of the
 # package, plus e2e/ and project/. pytest puts this file's folder on sys.path, so every test module
 # imports the helpers by name.

@@ -53,7 +53,6 @@ MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", 
 def _child(request: dict[str, Any]) -> None:
     """In the fork: become ``python SCRIPT``/``python -m MODULE``; SystemExit leaves through the server's
     frames to the interpreter's own exit."""
-    import runpy
 
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
                            (2, request["err"], os.O_WRONLY)):  # fmt: skip
@@ -65,7 +64,13 @@ def _child(request: dict[str, Any]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
+    run_main(request["argv"])
+
+
+def run_main(argv: list[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``__main__``, as ``python ARGV`` would; then exit."""
+    import runpy
+
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
@@ -77,7 +82,8 @@ def _child(request: dict[str, Any]) -> None:
     raise SystemExit(0)
 
 
-def serve(kind: str) -> None:
+def _preload(kind: str) -> Any:
+    """Import ``kind``'s modules; returns the server's reply stream (its stdout; fd 1 is /dev/null then)."""
     import gc
     import importlib
 
@@ -92,6 +98,11 @@ def serve(kind: str) -> None:
     gc.collect()
     gc.freeze()  # the forks' collections leave the preloaded objects' pages shared
     gc.enable()
+    return reply
+
+
+def serve(kind: str) -> None:
+    reply = _preload(kind)
     reply.write("ready\n")
     reply.flush()
     for line in sys.stdin:
@@ -112,15 +123,16 @@ def serve(kind: str) -> None:
 class Zygote:
     """The test process's side: one server, one command at a time."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *args: str) -> None:
         self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, kind],
+            [sys.executable, __file__, kind, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.errors,
             text=True,
+            start_new_session=True,  # a process group its forks may signal without reaching the tests
             cwd=Path(__file__).resolve().parent.parent,
         )
         self.lock = threading.Lock()
@@ -189,4 +201,9 @@ def run_python(
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    if sys.argv[1] == "forks":
+        from forks import serve_forks
+
+        serve_forks(Path(sys.argv[2]), _preload("model"))
+    else:
+        serve(sys.argv[1])

@@ -25,6 +25,7 @@ from dsgpt2.db.config import load_config
 from dsgpt2.train.metrics import read_metrics
 from pace import deadline
 from training import (
+    deepspeed_command,
     launch,
     launch_and_stop,
     launch_nodes,
@@ -229,7 +230,7 @@ def test_dsgpt2_train_under_the_launcher_reads_an_experiment_file_and_records_th
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    launcher = [*deepspeed_command(), "--num_gpus", "2", "--master_port", str(port)]
     result = subprocess.run(
         [*launcher, "--module", "dsgpt2", "train", "--config", str(run_file), "--train_iters", "4"],
         cwd=ROOT, capture_output=True, text=True, timeout=deadline(300),

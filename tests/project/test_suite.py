@@ -1,5 +1,5 @@
-"""The suite's own guarantees: a hung test fails instead of holding CI; a command forked from the
-pre-imported interpreter behaves as a fresh process."""
+"""The suite's own guarantees: a hung test fails instead of holding CI; a command or a launcher's process
+forked from the pre-imported interpreter behaves as a fresh process."""
 
 from __future__ import annotations
 
@@ -67,6 +67,56 @@ def test_a_forked_command_is_the_process_a_user_starts(tmp_path: Path) -> None:
         run_python([str(script), "hang"], cwd=tmp_path, env=env, timeout=2)
     assert time.monotonic() - started < deadline(30)
     assert run_python([str(script), "0"], cwd=tmp_path, env=env).returncode == 0  # the server goes on
+
+
+def test_a_launch_process_is_a_fork_that_ends_as_the_process_its_parent_started(tmp_path: Path) -> None:
+    """tests/forks.py's ``python``: the script or module runs in a fork of the server with the caller's
+    argv, environment, directory, stdin, stdout and stderr; the fork's ``sys.executable`` forks again;
+    the caller exits with the fork's code, passes SIGINT and SIGTERM on and ends as the fork did; a
+    caller killed takes its fork with it; other command lines run the real interpreter."""
+    import os
+
+    from forks import _server, python_that_forks
+
+    python = python_that_forks()
+    server = _server[0].proc.pid
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *_: sys.exit(5))\n"
+        "print(os.getpid(), os.getppid(), sys.argv[1:], os.getcwd(), os.environ.get('PROBE'),"
+        " sys.stdin.read(), sys.executable, flush=True)\n"
+        "print('to stderr', file=sys.stderr)\n"
+        "if sys.argv[1] == 'nested':\n"
+        "    sys.exit(subprocess.run([sys.executable, '-u', __file__, '7']).returncode)\n"
+        "if sys.argv[1] == 'wait': time.sleep(600)\n"
+        "sys.exit(int(sys.argv[1]))\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PROBE": "yes"}
+    got = subprocess.run([python, "-u", str(probe), "3"], input="typed", capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=deadline(60))  # fmt: skip
+    _, parent, *rest = got.stdout.split()
+    assert got.returncode == 3 and got.stderr == "to stderr\n"
+    assert int(parent) == server and rest == ["['3']", str(tmp_path), "yes", "typed", python]
+    nested = subprocess.run([python, str(probe), "nested"], capture_output=True, text=True, cwd=tmp_path,
+                            env=env, timeout=deadline(60))  # fmt: skip
+    lines = nested.stdout.splitlines()
+    assert nested.returncode == 7 and len(lines) == 2 and int(lines[1].split()[1]) == server, nested.stdout
+    module = subprocess.run([python, "-m", "dsgpt2", "--version"], capture_output=True, text=True, env=env,
+                            timeout=deadline(60))  # fmt: skip
+    assert module.returncode == 0 and module.stdout.startswith("dsgpt2 ")
+    real = subprocess.run([python, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
+    assert int(real.stdout) == os.getpid()  # -c: the interpreter itself, a child of this process
+    for sig, code in ((signal.SIGINT, 5), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, None)):
+        with subprocess.Popen([python, str(probe), "wait"], stdout=subprocess.PIPE, text=True,
+                              env=env) as caller:  # fmt: skip
+            fork = int(caller.stdout.readline().split()[0])  # type: ignore[union-attr]
+            caller.send_signal(sig)
+            assert caller.wait(deadline(30)) == (code if code is not None else -signal.SIGKILL)
+        end = time.monotonic() + deadline(15)
+        while _alive(fork) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _alive(fork), sig
 
 
 def test_ci_lints_and_tests_as_the_readme_says() -> None:

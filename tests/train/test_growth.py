@@ -24,6 +24,7 @@ from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
 from pace import deadline
+from training import deepspeed_command
 from zygote import run_python
 
 pytestmark = pytest.mark.slow
@@ -274,7 +275,7 @@ def test_two_ranks_follow_growth_with_a_mixture_from_one_cache(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(port)]
+    launcher = [*deepspeed_command(), "--num_gpus", "2", "--master_port", str(port)]
     inject = [str(ROOT / "tests" / "inject.py"), "--after", f"3={ingest_command(cfg, corpus)}", "--"]
     args = [
         "--deepspeed_config", str(corpus["ds"]), "--config_train", str(cfg),
