@@ -536,9 +536,11 @@ def test_two_ranks_train_on_every_training_document_once_an_epoch(source, tokeni
     the epoch's chunks once, and through the chunks' packing every training document once; a
     step's blocks come from all over both collections, never a run of neighbours."""
     from collections import Counter
+    from functools import cache
 
     conn, counts, spec = source
     data = StreamingChunks(conn.config, counts, tokenizer, spec, "train")
+    layout = cache(data.layout)  # a chunk's documents read and tokenized once, not once per block
     schedule = pooled(data, spec.seed)
     got: Counter = Counter()
     spans: dict[tuple[int, int], set[int]] = {}
@@ -552,12 +554,12 @@ def test_two_ranks_train_on_every_training_document_once_an_epoch(source, tokeni
         got.update(ids)
         steps = [ids[i : i + 8] for i in range(0, len(ids) - 8, 8)]
         for step in steps[:5]:
-            docs = {d for e, c, b in step for d, (first, end) in data.layout((e, c)).items()
+            docs = {d for e, c, b in step for d, (first, end) in layout((e, c)).items()
                     if first < (b + 1) * spec.context and end > b * spec.context}  # fmt: skip
             assert len({i // 25 for c, i in docs}) >= 4  # spread over buckets of 25 documents
     assert max(got.values()) == 1
     for e, c, b in got:
-        for d, (first, end) in data.layout((e, c)).items():
+        for d, (first, end) in layout((e, c)).items():
             if first < (b + 1) * spec.context and end > b * spec.context:
                 spans.setdefault(d, set()).add(b)
     names = ("s", "t")
