@@ -128,8 +128,7 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
         return {r["step"]: r for r in read_metrics(run / "ws" / "metrics.jsonl") if r["event"] == "train"}
 
     env = env_for(up.uri())
-    straight = subprocess.run(command(tmp_path / "straight"), cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=deadline(300))  # fmt: skip
+    straight = run_python(command(tmp_path / "straight")[1:], cwd=ROOT, env=env)
     assert straight.returncode == 0, straight.stderr[-3000:]
 
     run = tmp_path / "killed"
@@ -150,9 +149,7 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
     assert (run / "ckpt" / "latest").read_text() == f"global_step{saved}"
 
     up.start()  # the same port and data file
-    again = subprocess.run(
-        command(run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
-    )
+    again = run_python(command(run)[1:], cwd=ROOT, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {run / 'ckpt' / f'global_step{saved}'}" in again.stderr
     a, b = steps(tmp_path / "straight"), steps(run)
