@@ -175,7 +175,9 @@ def python_that_forks() -> str:
 
         from zygote import Zygote
 
-        directory = Path(tempfile.mkdtemp(prefix="dsgpt2-forks-"))
+        # A UNIX socket's path holds at most 107 bytes: a long TMPDIR is passed over for /tmp.
+        where = None if len(tempfile.gettempdir()) < 64 else "/tmp"
+        directory = Path(tempfile.mkdtemp(prefix="dsgpt2-forks-", dir=where))
         _server.append(Zygote("forks", str(directory)))
 
         def close() -> None:
