@@ -163,7 +163,7 @@ def serve_forks(directory: Path, reply: Any) -> None:
                 conn.close()
 
 
-_server: list[Any] = []
+_server: list[Any] = []  # the server (tests/zygote.py Zygote), its python
 
 
 def python_that_forks() -> str:
@@ -178,11 +178,11 @@ def python_that_forks() -> str:
         # A UNIX socket's path holds at most 107 bytes: a long TMPDIR is passed over for /tmp.
         where = None if len(tempfile.gettempdir()) < 64 else "/tmp"
         directory = Path(tempfile.mkdtemp(prefix="dsgpt2-forks-", dir=where))
-        _server.append(Zygote("forks", str(directory)))
+        _server.extend((Zygote("forks", str(directory)), directory / "bin" / "python"))
 
         def close() -> None:
             _server[0].close()
             shutil.rmtree(directory, ignore_errors=True)
 
         atexit.register(close)
-    return str(Path(_server[0].proc.args[3]) / "bin" / "python")
+    return str(_server[1])

@@ -130,11 +130,11 @@ def wait_for_steps(run: Path, count: int, proc: subprocess.Popen, after: int = 0
     wait_for(done, 240, f"{count} training step(s)", proc)
 
 
-def deepspeed_command(faults: Any = ()) -> list[str]:
+def deepspeed_command(*faults: str) -> list[str]:
     """The `deepspeed` launcher as a user types it, its processes forks of tests/forks.py's server;
     real processes where ``faults`` kill a process group (tests/inject.py's --kill_group_after)."""
     script = str(Path(sys.executable).parent / "deepspeed")
-    if any("kill" in str(flag) for flag in faults):
+    if "--kill_group_after" in faults:
         return [script]
     return [python_that_forks(), script]
 
@@ -149,7 +149,7 @@ def launch(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    launcher = [*deepspeed_command(faults), "--num_gpus", str(ranks), "--master_port", str(port)]
+    launcher = [*deepspeed_command(*faults), "--num_gpus", str(ranks), "--master_port", str(port)]
     script = [str(ROOT / "tests" / "inject.py"), *faults, "--"] if faults else [str(ROOT / "ds_trainer.py")]
     result = subprocess.run([*launcher, *script, *trainer_args(corpus, run, *extra)],
                             cwd=ROOT, capture_output=True, text=True, timeout=deadline(300))  # fmt: skip
@@ -235,7 +235,8 @@ def launch_nodes(
     hostfile = run / "hostfile"
     run.mkdir(parents=True, exist_ok=True)
     hostfile.write_text("node0 slots=1\nnode1 slots=2\n")
-    launcher = [*deepspeed_command(faults or ()), "--hostfile", str(hostfile), "--no_ssh",
+    every_fault = [flag for node in faults or () for flag in node]
+    launcher = [*deepspeed_command(*every_fault), "--hostfile", str(hostfile), "--no_ssh",
                 "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
     nodes, logs = [], []
     for rank, own in enumerate(per_node):

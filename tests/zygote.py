@@ -53,7 +53,6 @@ MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", 
 def _child(request: dict[str, Any]) -> None:
     """In the fork: become ``python SCRIPT``/``python -m MODULE``; SystemExit leaves through the server's
     frames to the interpreter's own exit."""
-
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
                            (2, request["err"], os.O_WRONLY)):  # fmt: skip
         target = os.open(path, mode)
