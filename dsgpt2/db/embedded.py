@@ -13,8 +13,8 @@ is never imported here. The directory holds::
     dsgpt2-db.json   what this directory is (written when it is made)
     data/            WiredTiger's files
     secret           the password of the server's one user (mode 0600)
-    server.json      the running server: pid and port (gone, or naming a stopped pid, when none runs:
-                     the next server takes that port again where it is free)
+    server.json      the running server: pid, its start time and port (gone, or naming a stopped pid,
+                     when none runs: the next server takes that port again where it is free)
     server.lock      taken while a server is started or stopped
     server.log       the server's output
 """
@@ -35,7 +35,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dsgpt2.errors import ConfigError, MongoUnavailableError
@@ -89,6 +89,13 @@ class ServerState:
     pid: int
     port: int
     host: str = "127.0.0.1"
+    # The process's start time (/proc's clock ticks since boot): a pid names the server only while it
+    # names the process that started then. None where /proc does not tell, or in an older server.json.
+    started: int | None = None
+
+    def record(self) -> str:
+        """The server.json that names this server."""
+        return json.dumps(asdict(self)) + "\n"
 
 
 def uri_of(directory: Path, state: ServerState) -> str:
@@ -172,7 +179,7 @@ def revive(uri: str) -> ServerState | None:
 def running(directory: Path) -> ServerState | None:
     """The server running on ``directory``, or None (no server file, a dead pid, nothing listening)."""
     state = _read_state(directory)
-    if state is None or not is_server(state.pid, directory):
+    if state is None or not is_server(state.pid, directory, state.started):
         return None
     try:
         with socket.create_connection((state.host, state.port), timeout=2):
@@ -185,7 +192,7 @@ def working(directory: Path) -> bool:
     """Whether the server of ``directory`` runs and is not stopped (SIGSTOP): it may be too busy to
     answer at once (one process serves every connection), but it is at work."""
     state = _read_state(directory)
-    if state is None or not is_server(state.pid, directory):
+    if state is None or not is_server(state.pid, directory, state.started):
         return False
     try:
         return Path(f"/proc/{state.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX"
@@ -200,7 +207,7 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
         return None
     with locked(directory):
         state = _read_state(directory)
-        if state is None or not is_server(state.pid, directory):
+        if state is None or not is_server(state.pid, directory, state.started):
             if state is None:  # unreadable: no port to keep
                 with contextlib.suppress(FileNotFoundError):
                     (directory / "server.json").unlink()
@@ -329,28 +336,53 @@ def locked(directory: Path) -> Iterator[None]:
 def _read_state(directory: Path) -> ServerState | None:
     try:
         data = json.loads((directory / "server.json").read_text(encoding="utf-8"))
+        started = data.get("started")
         return ServerState(
-            pid=int(data["pid"]), port=int(data["port"]), host=str(data.get("host", "127.0.0.1"))
-        )
+            pid=int(data["pid"]), port=int(data["port"]), host=str(data.get("host", "127.0.0.1")),
+            started=None if started is None else int(started),
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def is_server(pid: int, directory: Path) -> bool:
-    """Whether ``pid`` is alive and, where /proc tells, the server of this directory (not a reused pid)."""
+def is_server(pid: int, directory: Path, started: int | None = None) -> bool:
+    """Whether ``pid`` is alive and, where /proc tells, the server of this directory (not a reused pid):
+    the process that started at ``started`` where that is known, else one whose command line names the
+    directory's data. The start time holds across the exec of `dsgpt2 db serve` into the server, while
+    the command line names the data only after it (and is empty for a moment during it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass
+    stat = _stat(pid)
+    if stat is None:  # no /proc here
+        return True
+    if stat[0] in "ZX":
+        return False
+    if started is not None:
+        return int(stat[19]) == started
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return True
-    if not cmdline:  # a zombie
-        return False
     return str(directory / "data").encode() in cmdline
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state first, start time at [19])."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields if len(fields) > 19 else None
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` in /proc's clock ticks since boot, None where /proc does not tell."""
+    stat = _stat(pid)
+    return None if stat is None else int(stat[19])
 
 
 def _secret(directory: Path) -> str:
@@ -373,7 +405,8 @@ def _start(directory: Path) -> ServerState:
     # The port of the last server if it is free, so that clients of a restarted server find it again.
     port = previous.port if previous is not None and _port_free(previous.port) else 0
     state = _launch(directory, command, port, auth=True)
-    atomic_write_text(directory / "server.json", json.dumps({"pid": state.pid, "port": state.port}) + "\n")
+    state = replace(state, started=start_time(state.pid))
+    atomic_write_text(directory / "server.json", state.record())
     return state
 
 
@@ -548,7 +581,5 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:  # a zombie has let go of everything
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    stat = _stat(pid)  # a zombie has let go of everything
+    return stat is None or stat[0] != "Z"

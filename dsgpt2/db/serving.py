@@ -10,7 +10,6 @@ idle. Commands of the same machine that name ``local://DIR`` find it as they fin
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
@@ -59,9 +58,8 @@ def serve(
         embedded.provision(directory, command, {user: password} if user and password else None)
         # This process becomes the server: its pid is the server's, and loopback reaches any address.
         local = "127.0.0.1" if host in WILDCARDS or host.startswith("127.") else host
-        atomic_write_text(
-            directory / "server.json", json.dumps({"pid": os.getpid(), "port": port, "host": local}) + "\n"
-        )
+        serving = embedded.ServerState(os.getpid(), port, local, embedded.start_time(os.getpid()))
+        atomic_write_text(directory / "server.json", serving.record())
     args = embedded.server_args(directory, command, host, port, auth=True)
     named = advertise or (socket.gethostname() if host in WILDCARDS else host)
     env = {**embedded.server_environment(), embedded.ENV_IDLE_STOP: "0", ADVERTISE: named}

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,28 @@ def test_serve_refuses_a_user_without_a_password_and_its_flags_elsewhere(tmp_pat
     assert flags.returncode == 2 and "--port, --advertise: only for dsgpt2 db serve" in flags.stderr
 
 
+def test_a_server_is_its_pid_and_start_time_not_a_reused_pid(tmp_path: Path) -> None:
+    here = os.getpid()
+    started = embedded.start_time(here)
+    assert started is not None and started > 0
+    assert embedded.is_server(here, tmp_path, started)
+    # The pid now names another process (a reused pid): one started at another time.
+    assert not embedded.is_server(here, tmp_path, started + 1)
+    # A server file without the start time (written before it was recorded): the command line decides.
+    assert not embedded.is_server(here, tmp_path)
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path / "data")]
+    with subprocess.Popen(sleeper) as old:
+        try:
+            until = time.monotonic() + deadline(30)
+            while not embedded.is_server(old.pid, tmp_path) and time.monotonic() < until:
+                time.sleep(0.01)  # its command line is the new one once its exec is through
+            assert embedded.is_server(old.pid, tmp_path)
+        finally:
+            old.kill()
+        old.wait()
+    assert not embedded.is_server(old.pid, tmp_path, started)
+
+
 def test_a_command_waits_for_a_served_database_still_opening_its_data(tmp_path: Path) -> None:
     """Between `dsgpt2 db serve` becoming the server and the server listening (WiredTiger opening the
     data), a command that needs the database finds its process and waits for it, rather than start a
@@ -127,10 +150,12 @@ def test_a_command_waits_for_a_served_database_still_opening_its_data(tmp_path: 
         "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\n"
         "time.sleep(60)\n"
     )
-    # A process whose command line names the database's data, as the server's does.
-    with subprocess.Popen([sys.executable, "-c", opening, str(port), str(directory / "data")]) as server:
+    # A process whose command line does not name the data, as `dsgpt2 db serve`'s does not before its
+    # exec into the server: the server file names it by its pid and start time, as that command writes it.
+    with subprocess.Popen([sys.executable, "-c", opening, str(port)]) as server:
         try:
-            (directory / "server.json").write_text(json.dumps({"pid": server.pid, "port": port}))
+            state = embedded.ServerState(server.pid, port, started=embedded.start_time(server.pid))
+            (directory / "server.json").write_text(state.record())
             uri = embedded.ensure(directory)
             assert f"@127.0.0.1:{port}/" in uri
             assert json.loads((directory / "server.json").read_text())["pid"] == server.pid
