@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import random
-import tempfile
+from pathlib import Path
 from typing import Any
 
 import pymongo
@@ -21,7 +21,9 @@ INDEXES = {"idx": {"unique": True}, "lsh": {}, "h": {}, "q": {"partialFilterExpr
            "sub.a": {"sparse": True}}  # fmt: skip
 
 
-def test_an_update_rewrites_only_the_index_entries_that_change(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_update_rewrites_only_the_index_entries_that_change(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """In the server's process (here, this one): which indexes each write removes and writes entries of."""
     for name in ("_delete_index_entries", "_write_index_entries", "_delete_doc_row"):
         monkeypatch.setattr(engine.Storage, name, getattr(engine.Storage, name))  # put back afterwards
@@ -40,7 +42,7 @@ def test_an_update_rewrites_only_the_index_entries_that_change(monkeypatch: pyte
     monkeypatch.setattr(secantusd, "_write_entries", writing)
     monkeypatch.setattr(secantusd, "_delete_entries", removing)
     secantusd.keep_unchanged_index_entries()
-    store = engine.Storage(tempfile.mkdtemp())
+    store = engine.Storage(str(tmp_path))
     for field, options in INDEXES.items():
         store.create_index("d", "c", f"{field}_1", {field: 1}, options)
     store.insert("d", "c", [{"idx": i, "lsh": [i, 100 + i], "h": i, "q": 1, "keep": True, "sub": {"a": 1},
@@ -142,7 +144,7 @@ def _entries(store: engine.Storage, name: str) -> list[bytes]:
 
 
 def test_an_index_built_over_documents_holds_the_stock_builds_entries(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """In the server's process: an index made after the documents (multikey, mixed types, sparse, partial,
     descending, compound) holds exactly the entries and catalog options of the stock build, written in key
@@ -158,7 +160,7 @@ def test_an_index_built_over_documents_holds_the_stock_builds_entries(
             for i in range(60)]  # fmt: skip
     specs = {"lsh_1": ({"lsh": 1}, {}), "h_-1": ({"h": -1}, {}), "sub.a_1": ({"sub.a": 1}, {"sparse": True}),
              "keep_h": ({"keep": 1, "h": 1}, {"partialFilterExpression": {"keep": True}})}  # fmt: skip
-    stock, ours = engine.Storage(tempfile.mkdtemp()), engine.Storage(tempfile.mkdtemp())
+    stock, ours = engine.Storage(str(tmp_path / "stock")), engine.Storage(str(tmp_path / "ours"))
     for store in (stock, ours):
         store.insert("d", "c", [dict(d) for d in docs])
     leftover = ours._cursor(engine._IDX_ENTRIES_TABLE)
