@@ -74,8 +74,7 @@ def _stdio(unbuffered: bool) -> None:
 
 
 def _forked(conn: socket.socket, request: dict[str, Any], fds: list[int], python: Path) -> None:
-    """In the fork: become ``python ARGV``; SystemExit leaves through the server's frames to the
-    interpreter's own exit (atexit hooks, exit code, a traceback and 1 on an uncaught exception)."""
+    """In the fork: become ``python ARGV``, then end as that interpreter would (zygote.run_main)."""
     import fcntl
     import select
 

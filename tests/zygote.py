@@ -4,9 +4,9 @@ A trainer process spends ~5 of its ~6 s on a tiny run importing torch, DeepSpeed
 the suite starts about a hundred. The server below imports them once per test worker; each command is
 a fork of it that runs the script or module as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would:
 its own argv, environment, working directory, stdin from /dev/null, stdout and stderr to files, default
-signal handlers, and the interpreter's normal exit (atexit hooks, exit code, a traceback and 1 on an
-uncaught exception). Tests that signal, kill or time a process, and the deepspeed launcher's ranks, still
-start real processes.
+signal handlers, and the interpreter's exit (non-daemon threads joined, atexit hooks, exit code, a
+traceback and 1 on an uncaught exception) short of tearing the interpreter down. Tests that signal,
+kill or time a process still start real processes; the deepspeed launcher's fork from tests/forks.py.
 
     python tests/zygote.py model|corpus   # a server: one JSON request per line on stdin, replies on stdout
 """
@@ -28,8 +28,7 @@ from typing import Any
 from pace import deadline, note_launch
 
 # Two servers per test worker: commands that build or run a model fork from one holding torch, DeepSpeed
-# and transformers; the others (ingest, vocab, dedup, info, ...) from one holding only what they import,
-# which a fork also leaves faster (an exit tears down every module the process holds).
+# and transformers; the others (ingest, vocab, dedup, info, ...) from one holding only what they import.
 PRELOAD = {
     "model": (
         "torch",
@@ -51,8 +50,7 @@ MODEL_COMMANDS = {"train", "tokenize", "plan", "lineage", "export", "evaluate", 
 
 
 def _child(request: dict[str, Any]) -> None:
-    """In the fork: become ``python SCRIPT``/``python -m MODULE``; SystemExit leaves through the server's
-    frames to the interpreter's own exit."""
+    """In the fork: become ``python SCRIPT``/``python -m MODULE``, then end as that interpreter would."""
     for fd, path, mode in ((0, os.devnull, os.O_RDONLY), (1, request["out"], os.O_WRONLY),
                            (2, request["err"], os.O_WRONLY)):  # fmt: skip
         target = os.open(path, mode)
@@ -67,18 +65,56 @@ def _child(request: dict[str, Any]) -> None:
 
 
 def run_main(argv: list[str]) -> None:
-    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``__main__``, as ``python ARGV`` would; then exit."""
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``__main__``, as ``python ARGV`` would, then end as
+    its interpreter ends (``end``): never returns."""
     import runpy
 
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path[0] = str(Path(argv[0]).resolve().parent)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        end(stop.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        end(1, interrupted=True)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        end(1)
+    end(0)
+
+
+def end(code: object, interrupted: bool = False) -> None:
+    """End this fork as Python ends a process, save the teardown: non-daemon threads joined, atexit
+    hooks (logging's flush, weakref finalizers, multiprocessing's children), stdout and stderr flushed,
+    the exit status Python gives ``sys.exit(code)`` (a message printed and 1), or the death by SIGINT of
+    an unhandled Ctrl-C. Tearing the interpreter down would touch every preloaded object, copying pages
+    the fork shares with its server: a quarter of a second a command."""
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
     else:
-        sys.argv = list(argv)
-        sys.path[0] = str(Path(argv[0]).resolve().parent)
-        runpy.run_path(argv[0], run_name="__main__")
-    raise SystemExit(0)
+        print(code, file=sys.stderr)
+        status = 1
+    threading._shutdown()  # type: ignore[attr-defined]
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream, failed in ((sys.stdout, 120), (sys.stderr, status)):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            status = status or failed
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(status & 0xFF)
 
 
 def _preload(kind: str) -> Any:
@@ -114,8 +150,8 @@ def serve(kind: str) -> None:
             _child(request)
         reply.write(json.dumps({"pid": pid}) + "\n")
         reply.flush()
-        _, status = os.waitpid(pid, 0)
-        reply.write(json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n")
+        _, status, usage = os.wait4(pid, 0)
+        reply.write(json.dumps({"code": os.waitstatus_to_exitcode(status), "faults": usage.ru_minflt}) + "\n")
         reply.flush()
 
 
@@ -135,6 +171,8 @@ class Zygote:
             cwd=Path(__file__).resolve().parent.parent,
         )
         self.lock = threading.Lock()
+        self._pending = b""
+        self.faults = 0
         ready = self._read(600)
         self.errors.seek(0)
         said = self.errors.read().decode()
@@ -146,10 +184,21 @@ class Zygote:
             note_launch(time.monotonic() - started)
 
     def _read(self, timeout: float) -> str | None:
+        """The server's next reply line; None if none came within ``timeout``. Read from the pipe itself,
+        as a buffered reader could hold a second reply (a fork that ended at once) that select()
+        would not see."""
         assert self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], timeout)[0]:
-            return None
-        return self.proc.stdout.readline().strip()
+        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return ""
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
     def run(
         self, argv: list[str], cwd: Path | str, env: dict[str, str], timeout: float
@@ -168,7 +217,9 @@ class Zygote:
                 os.kill(pid, signal.SIGKILL)
                 self._read(deadline(60))
                 raise subprocess.TimeoutExpired(argv, timeout, out.read_text(), err.read_text())
-            return json.loads(done)["code"], out.read_text(), err.read_text()
+            ended = json.loads(done)
+            self.faults = int(ended["faults"])  # the fork's page faults: pages it copied or touched
+            return ended["code"], out.read_text(), err.read_text()
 
     def close(self) -> None:
         if self.proc.stdin:
