@@ -3,6 +3,7 @@ forked from the pre-imported interpreter behaves as a fresh process."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -93,8 +94,6 @@ def test_a_launch_process_is_a_fork_that_ends_as_the_process_its_parent_started(
     argv, environment, directory, stdin, stdout and stderr; the fork's ``sys.executable`` forks again;
     the caller exits with the fork's code, passes SIGINT and SIGTERM on and ends as the fork did; a
     caller killed takes its fork with it; other command lines run the real interpreter."""
-    import os
-
     from forks import _server, python_that_forks
 
     python = python_that_forks()
@@ -150,7 +149,9 @@ def test_ci_lints_and_tests_as_the_readme_says() -> None:
 
 
 @pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_test_process_ended_by_a_signal_takes_its_servers_with_it(how: signal.Signals) -> None:
+def test_a_test_process_ended_by_a_signal_takes_its_servers_with_it(
+    how: signal.Signals, tmp_path: Path
+) -> None:
     """A test run stopped by SIGTERM (no atexit runs) or SIGKILL leaves no test server behind."""
     from wire_server import unavailable_reason
 
@@ -165,7 +166,12 @@ def test_a_test_process_ended_by_a_signal_takes_its_servers_with_it(how: signal.
         "time.sleep(600)\n"
     )
     with subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT
+        # Its server's log in this test's directory: the process killed does not remove it.
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     ) as test_process:
         try:
             server = int(test_process.stdout.readline())  # type: ignore[union-attr]
