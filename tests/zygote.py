@@ -13,6 +13,7 @@ kill or time a process still start real processes; the deepspeed launcher's fork
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -106,11 +107,12 @@ def end(code: object, interrupted: bool = False) -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    for stream, failed in ((sys.stdout, 120), (sys.stderr, status)):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            status = status or failed
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # Python's exit status where stdout cannot take what is left
+        status = status or 120
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
@@ -188,9 +190,9 @@ class Zygote:
         as a buffered reader could hold a second reply (a fork that ended at once) that select()
         would not see."""
         assert self.proc.stdout is not None
-        fd, end = self.proc.stdout.fileno(), time.monotonic() + timeout
+        fd, until = self.proc.stdout.fileno(), time.monotonic() + timeout
         while b"\n" not in self._pending:
-            left = end - time.monotonic()
+            left = until - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
                 return None
             chunk = os.read(fd, 1 << 16)

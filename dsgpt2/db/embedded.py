@@ -194,10 +194,8 @@ def working(directory: Path) -> bool:
     state = _read_state(directory)
     if state is None or not is_server(state.pid, directory, state.started):
         return False
-    try:
-        return Path(f"/proc/{state.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "TtZX"
-    except (OSError, IndexError):
-        return False
+    stat = _stat(state.pid)
+    return stat is not None and stat[0] not in "TtZX"
 
 
 def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | None:
