@@ -99,9 +99,10 @@ def test_the_trainer_is_measured_with_the_plain_loops_optimizer(
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_the_profiled_busy_run_runs_on_a_cpu(tmp_path_factory: pytest.TempPathFactory) -> None:
     """``bench train_gpu``'s ``busy`` run (the trainer profiled in process) on a CPU, as on a GPU: its
-    preset and its DeepSpeed config, the loss at its first and last step (no kernels to time here)."""
+    preset and its DeepSpeed config, the loss at its first and last step (no kernels to time here). At the
+    micro-batch and context of the other compiled runs (test_compiled_training.py), whose graph it is."""
     corpus = training_corpus(tmp_path_factory)
-    s = replace(bench_gpu.CPU, warmup=1, steps=2)
+    s = replace(bench_gpu.CPU, context=64, micro=4, accum=2, warmup=1, steps=2)
     result = bench_gpu._busy(s, corpus["tok"], corpus["config"], tmp_path_factory.mktemp("busy"))
     assert result["busy"] is None and result["tokens_per_s"] > 0
     assert loss_fell(result["first_loss"], result["last_loss"]), result
