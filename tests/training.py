@@ -27,6 +27,9 @@ from zygote import run_python
 _CORPORA: dict[Path, dict[str, Path]] = {}
 
 
+CONTEXT = 64  # the tiny preset's context in the training tests (trainer_args)
+
+
 def training_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """2,000 sample documents in a file-backed store, a 512-token vocabulary and a DeepSpeed config for
     the tiny preset on CPU: {"config", "tok", "ds", "base"}, built once per test process."""
@@ -80,7 +83,7 @@ def trainer_args(corpus: dict[str, Path], run: Path, *extra: str) -> list[str]:
         "--model_select",
         "tiny",
         "--context_length",
-        "64",
+        str(CONTEXT),
         "--tr_ratio",
         "0.9",
         "--chunk_docs",

@@ -497,10 +497,9 @@ def test_the_matrices_of_one_shape_are_orthogonalised_together_and_step_as_one_b
             )
 
 
-# DeepSpeed's import and its compiled Newton–Schulz warn about torch APIs it calls (not ours): run first in
-# its process (the quick lane), this test is the one that meets the warnings.
+# DeepSpeed's import warns about a torch API it calls (not ours): run first in its process (the quick
+# lane), this test is the one that meets the warning.
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-@pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning")
 def test_the_adamw_part_steps_in_one_fused_call_as_the_per_tensor_one_would(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -5,6 +5,7 @@ throughput figure of a run whose loss did not fall passes."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from bench import bench_gpu, bench_host
 from bench.bench_host import covered, dispatched, outside_compiled
 from bench.common import learnt, loss_column, loss_fell
-from training import training_corpus
+from training import CONTEXT, training_corpus
 
 
 def test_busy_time_is_the_union_of_the_kernels_intervals() -> None:
@@ -102,7 +103,9 @@ def test_the_profiled_busy_run_runs_on_a_cpu(tmp_path_factory: pytest.TempPathFa
     preset and its DeepSpeed config, the loss at its first and last step (no kernels to time here). At the
     micro-batch and context of the other compiled runs (test_compiled_training.py), whose graph it is."""
     corpus = training_corpus(tmp_path_factory)
-    s = replace(bench_gpu.CPU, context=64, micro=4, accum=2, warmup=1, steps=2)
+    ds = json.loads(corpus["ds"].read_text())
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    s = replace(bench_gpu.CPU, context=CONTEXT, micro=micro, accum=accum, warmup=1, steps=2)
     result = bench_gpu._busy(s, corpus["tok"], corpus["config"], tmp_path_factory.mktemp("busy"))
     assert result["busy"] is None and result["tokens_per_s"] > 0
     assert loss_fell(result["first_loss"], result["last_loss"]), result
