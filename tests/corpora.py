@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 import uuid
 from itertools import islice
 from pathlib import Path
@@ -18,7 +17,7 @@ from conftest import ROOT, run_cli, store_config
 from dsgpt2.corpus.builtin import stdlib_documents
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import ENV_URI, MongoConfig, load_config, redact_uri
-from pace import deadline
+from zygote import run_python
 
 # --- exact copies: `dedup --exact` ----------------------------------------------------------------
 
@@ -196,7 +195,7 @@ class Corpus:
     def train(self, run: Path, *extra: str, faults: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
         script = ["tests/inject.py", *faults, "--"] if faults else ["ds_trainer.py"]
         args = [
-            sys.executable, *script,
+            *script,
             "--deepspeed_config", "configs/ds_config_cpu.json",
             "--config_train", str(self.config),
             "--vocab_dir", str(self.base / "tok"),
@@ -209,9 +208,7 @@ class Corpus:
         import os
 
         env = {k: v for k, v in os.environ.items() if k != ENV_URI} | self.env
-        result = subprocess.run(
-            args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=deadline(300)
-        )
+        result = run_python(args, cwd=ROOT, env=env)  # a fork of the pre-imported interpreter
         self.check_no_secret(result)
         assert result.returncode == 0, result.stderr[-3000:]
         return result

@@ -30,16 +30,29 @@ HERE = Path(__file__).resolve().parent
 
 
 def _mirror_bin(directory: Path, sock: Path) -> Path:
-    """``directory/bin``: the environment's bin (links) with tests/forked_python.py as its Pythons; the
-    code that looks beside ``sys.executable`` (ninja, the embedded database server) finds its files."""
+    """``directory/bin``: the environment's bin with tests/forked_python.py as its Pythons; the code that
+    looks beside ``sys.executable`` (ninja, the embedded database server) finds its files. Its console
+    scripts (``dsgpt2``, ``deepspeed``, ...) start with this ``python``: on ``PATH`` (a pipeline's
+    commands), they are forks too. Everything else is a link."""
     own = Path(sys.executable).parent
     bin_dir = directory / "bin"
     bin_dir.mkdir(parents=True)
     client = f"#!{sys.executable} -S\nSOCKET = {str(sock)!r}\nPYTHON = {sys.executable!r}\n"
     client += (HERE / "forked_python.py").read_text()
     pythons = {"python", "python3", f"python3.{sys.version_info.minor}"}
+    shebangs = {f"#!{own / name}\n".encode() for name in pythons}
     for entry in own.iterdir():
-        if entry.name not in pythons:
+        if entry.name in pythons:
+            continue
+        first = b""
+        if entry.is_file():
+            with open(entry, "rb") as f:
+                first = f.readline(200)
+        if first in shebangs:
+            script = entry.read_bytes().split(b"\n", 1)[1]
+            (bin_dir / entry.name).write_bytes(f"#!{bin_dir / 'python'}\n".encode() + script)
+            (bin_dir / entry.name).chmod(0o755)
+        else:
             (bin_dir / entry.name).symlink_to(entry)
     for name in pythons:
         (bin_dir / name).write_text(client)

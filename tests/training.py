@@ -162,16 +162,23 @@ def launch(
     return result
 
 
-def ctrl_c(proc: subprocess.Popen) -> None:
+def ctrl_c(proc: subprocess.Popen, run: Path) -> None:
     """SIGINT to the launch's process group, as a terminal's Ctrl-C sends it."""
     os.killpg(proc.pid, signal.SIGINT)
 
 
-def stop_rank_1(proc: subprocess.Popen) -> None:
-    """SIGTERM to rank 1 alone (a scheduler that signals one process)."""
+def stop_rank_1(proc: subprocess.Popen, run: Path) -> None:
+    """SIGTERM to rank 1 of the launch training into ``run`` alone (a scheduler that signals one process):
+    the process its node launcher started, a real one or tests/forked_python.py passing it on to a fork."""
     import psutil
 
-    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "--local_rank=1" in p.cmdline()]
+    def rank_1(p: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            line = p.cmdline()
+            return "--local_rank=1" in line and str(run / "ws") in line
+        return False
+
+    ranks = [p for p in psutil.process_iter() if rank_1(p)]
     [rank] = [p for p in ranks if p.parent() not in ranks]  # not its DataLoader workers
     rank.send_signal(signal.SIGTERM)
 
@@ -197,7 +204,7 @@ def launch_and_stop(
 
     try:
         wait_for_steps(run, 2, proc, after=after)
-        stop(proc)
+        stop(proc, run)
         # Every rank and the launcher hold the pipe: it closes when the last of them ends.
         out = proc.communicate(timeout=deadline(120))[0]
     finally:

@@ -17,6 +17,7 @@ import pytest
 from conftest import ROOT, db_for, write_config
 from dsgpt2.db.client import EVAL_RESULTS, Connection
 from dsgpt2.db.config import load_config
+from forks import python_that_forks
 from pace import deadline, wait_for
 
 pytestmark = pytest.mark.slow
@@ -25,9 +26,13 @@ STAGES = ["ingest", "vocab-download", "vocab-train", "train", "export", "evaluat
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The pipeline's settings, and an environment whose ``dsgpt2`` and ``python`` are forks of the test
+    process's pre-imported interpreter (tests/forks.py: the stages' commands, not their start-up)."""
     env = {k: v for k, v in os.environ.items() if k != "MONGO_CONNECTION_STRING"}
+    forks = Path(python_that_forks()).parent
     env.update(
-        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        PATH=f"{forks}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=str(forks.parent),  # active: pipelines/_env.sh leaves PATH as it is
         CONFIG=str(tmp_path / "c.json"),
         RUN_DIR=str(tmp_path / "run"),
         SAMPLE_LIMIT="500",

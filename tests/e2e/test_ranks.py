@@ -23,6 +23,7 @@ from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
 from dsgpt2.train.metrics import read_metrics
+from forks import python_that_forks
 from pace import deadline
 from training import (
     deepspeed_command,
@@ -108,7 +109,8 @@ def test_ctrl_c_under_the_launcher_saves_every_rank_names_sigint_and_exits_as_on
     # itself, or, when its node launcher ended first, exits with the launcher's 1.
     assert proc.returncode in (-signal.SIGINT, 1), proc.returncode
 
-    launch = [sys.executable, "-m", "dsgpt2", "launch"]
+    # The signal to one process alone, not to a group: its launch may be made of forks (tests/forks.py).
+    launch = [python_that_forks(), "-m", "dsgpt2", "launch"]
     proc, out, stops = launch_and_stop(launch, corpus, tmp_path, after=second, stop=stop_rank_1)
     assert proc.returncode == 0, out[-3000:]
     said = {("[rank 1]" in s, s.split("dsgpt2.train.trainer: ")[1]) for s in stops}
