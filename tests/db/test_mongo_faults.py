@@ -33,6 +33,7 @@ from dsgpt2.errors import MongoUnavailableError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from forks import python_that_forks
 from pace import deadline, wait_for
 from wire_server import PASSWORD, Proxy, WireServer
 from zygote import run_python
@@ -115,7 +116,7 @@ def test_server_killed_mid_training_checkpoints_exits_3_and_resumes_exactly(
 
     def command(run: Path) -> list[str]:
         return [
-            sys.executable, "ds_trainer.py",
+            python_that_forks(), "ds_trainer.py",  # a fork of the pre-imported interpreter
             "--deepspeed_config", "configs/ds_config_cpu.json", "--config_train", str(config),
             "--vocab_dir", str(tmp_path / "tok"), "--model_select", "tiny", "--context_length", "32",
             "--tr_ratio", "0.9", "--chunk_docs", "2", "--num_workers", "1", "--seed", "3",

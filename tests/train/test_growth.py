@@ -23,6 +23,7 @@ from dsgpt2.db.config import load_config
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
+from forks import python_that_forks
 from pace import deadline
 from training import deepspeed_command
 from zygote import run_python
@@ -320,7 +321,7 @@ def test_an_ingest_and_a_curate_pass_beside_follow_training_all_land(
     in its metrics."""
     cfg = own_store(corpus, tmp_path)
     trainer = subprocess.Popen(
-        [sys.executable, str(ROOT / "ds_trainer.py"), "--deepspeed_config", str(corpus["ds"]),
+        [python_that_forks(), str(ROOT / "ds_trainer.py"), "--deepspeed_config", str(corpus["ds"]),
          "--config_train", str(cfg), "--vocab_dir", str(corpus["tok"]), "--model_select", "tiny",
          "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "100", "--num_workers", "1",
          "--seed", "3", "--wandb", "off", "--eval_interval", "1000", "--eval_iters", "1",

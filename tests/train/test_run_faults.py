@@ -18,6 +18,7 @@ import pytest
 
 from conftest import ROOT, check_lineage
 from dsgpt2.train.metrics import read_metrics
+from forks import python_that_forks
 from pace import deadline
 from training import steps, train, trainer_args, training_corpus, wait_for_steps
 from wire_server import fail_point
@@ -241,7 +242,7 @@ def test_lost_database_saves_then_exits_non_zero(corpus: dict[str, Path], tmp_pa
         dict(corpus, config=flaky), tmp_path, "--train_iters", "100000", "--save_interval", "100000", *reads
     )
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        [python_that_forks(), str(ROOT / "ds_trainer.py"), *args], cwd=ROOT, stderr=subprocess.PIPE, text=True
     )
     try:
         wait_for_steps(tmp_path, 2, proc)
