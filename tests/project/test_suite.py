@@ -123,6 +123,12 @@ def test_a_launch_process_is_a_fork_that_ends_as_the_process_its_parent_started(
     module = subprocess.run([python, "-m", "dsgpt2", "--version"], capture_output=True, text=True, env=env,
                             timeout=deadline(60))  # fmt: skip
     assert module.returncode == 0 and module.stdout.startswith("dsgpt2 ")
+    # The environment's console scripts beside it start with it (a pipeline's `dsgpt2` on PATH forks).
+    console = Path(python).with_name("dsgpt2")
+    assert console.read_text().splitlines()[0] == f"#!{python}" and not console.is_symlink()
+    script = subprocess.run([str(console), "--version"], capture_output=True, text=True, env=env,
+                            timeout=deadline(60))  # fmt: skip
+    assert script.returncode == 0 and script.stdout == module.stdout
     real = subprocess.run([python, "-c", "import os; print(os.getppid())"], capture_output=True, text=True)
     assert int(real.stdout) == os.getpid()  # -c: the interpreter itself, a child of this process
     for sig, code in ((signal.SIGINT, 5), (signal.SIGTERM, -signal.SIGTERM), (signal.SIGKILL, None)):
