@@ -34,6 +34,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"),
     pytest.mark.filterwarnings("ignore:`torch._prims_common.check` is deprecated:FutureWarning"),
+    # torch 2.11's profiler, at its end.
+    pytest.mark.filterwarnings("ignore:.*Profiler clears events at the end of each cycle:UserWarning"),
     pytest.mark.filterwarnings(
         "ignore:Skipping serialization of skipfiles_inline_module_allowlist:UserWarning"
     ),
