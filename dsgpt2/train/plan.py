@@ -9,8 +9,10 @@ states only: activations come on top and grow with micro-batch and context.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
+from unittest import mock
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.model.gpt2 import PRESETS
@@ -139,10 +141,10 @@ def activations(
 ) -> Activations:
     """The activation memory of one micro-batch of ``micro_batch`` × ``context`` tokens in bf16 (eager).
 
-    Measured, not modelled: the bytes autograd keeps for backward are counted on the CPU for the
-    preset's own blocks (1 and 2 layers, ``probe_tokens`` and twice as many tokens), then scaled
-    linearly to its layers and the micro-batch's tokens; the recomputed layer (checkpointing) and the
-    chunked loss's logits (``loss_chunk`` tokens × vocabulary, in bf16 and float32) come on top.
+    Measured, not modelled: the bytes autograd keeps for backward are counted (on fake tensors: nothing
+    is computed) for the preset's own blocks (1 and 2 layers, ``probe_tokens`` and twice as many tokens),
+    then scaled linearly to its layers and the micro-batch's tokens; the recomputed layer (checkpointing)
+    and the chunked loss's logits (``loss_chunk`` tokens × vocabulary, in bf16 and float32) come on top.
     torch.compile keeps fewer tensors than eager.
     """
     layers = PRESETS[preset].n_layer
@@ -174,8 +176,13 @@ def _saved_bytes(
     preset: str, vocab: int, layers: int, tokens: int, checkpointing: bool, *, chunk: int, rows: int = 1
 ) -> float:
     """Bytes of the tensors autograd keeps for backward after one forward of ``rows`` sequences of
-    ``tokens`` tokens through ``preset``'s width with ``layers`` blocks (bf16, parameters not counted)."""
+    ``tokens`` tokens through ``preset``'s width with ``layers`` blocks (bf16, parameters not counted).
+
+    The forward runs on fake tensors: every operator is dispatched as on the CPU (the same attention
+    kernel, the same tensors saved), but only shapes and dtypes are computed, so a probe costs the same
+    on a CPU without fast bf16 arithmetic as on one with it."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dsgpt2.model.gpt2 import build_model, checkpoint_activations, gpt2_config
     from dsgpt2.model.loss import with_chunked_loss
@@ -183,21 +190,40 @@ def _saved_bytes(
     cfg = gpt2_config(preset, vocab, tokens, 0, 0)
     cfg.n_layer = layers
     cfg._attn_implementation = "sdpa"
-    model = build_model(cfg).to(torch.bfloat16)
+    with torch.device("meta"):  # shapes only: no weights drawn
+        model = build_model(cfg).to(torch.bfloat16)
     with_chunked_loss(model, chunk)
     if checkpointing:
         checkpoint_activations(model)
     model.train()
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
+    with FakeTensorMode():
+        on_cpu: dict[int, torch.Tensor] = {}  # one per tensor: the tied head and embedding stay one
+        for t in model.state_dict(keep_vars=True).values():
+            like = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+            on_cpu.setdefault(id(t), like.requires_grad_(t.requires_grad))
+        state = {name: on_cpu[id(t)] for name, t in model.state_dict(keep_vars=True).items()}
+        params = {on_cpu[id(p)].untyped_storage()._cdata for p in model.parameters()}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                kept[storage._cdata] = storage.nbytes()
+            return t
 
-    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(0))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+        ids = torch.zeros(rows, tokens, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _one_sequence_per_row():
+            # No attention mask: transformers drops an all-ones one after reading it, which fake tensors
+            # cannot, and would keep the (tokens × tokens) mask a causal kernel does without.
+            torch.func.functional_call(model, state, (), {"input_ids": ids, "labels": ids})
     return float(sum(kept.values()))
+
+
+def _one_sequence_per_row() -> contextlib.AbstractContextManager:
+    """transformers looks for sequences packed in a row in the position ids, and cannot read fake ones: it
+    would build the (tokens × tokens) mask that real ids, one sequence a row, let it leave out."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return contextlib.nullcontext()
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)

@@ -127,6 +127,38 @@ def test_plan_activations_match_what_autograd_keeps_at_full_depth(checkpointing:
     assert est.total > est.saved > 0 and est.fixed >= 0
 
 
+@pytest.mark.floor  # fake tensors are torch.compile's machinery: the count holds on every torch admitted
+@pytest.mark.parametrize(("checkpointing", "chunk"), [(False, 0), (True, 0), (False, 64)])
+def test_the_plans_fake_forward_counts_the_bytes_a_real_one_keeps(checkpointing: bool, chunk: int) -> None:
+    """The plan counts on fake tensors; a real bf16 forward of the same model keeps the same bytes."""
+    import torch
+
+    from dsgpt2.model.gpt2 import checkpoint_activations
+    from dsgpt2.model.loss import with_chunked_loss
+    from dsgpt2.train.plan import _saved_bytes
+
+    cfg = gpt2_config("tiny", 512, 96, 0, 0)
+    cfg._attn_implementation = "sdpa"
+    model = build_model(cfg).to(torch.bfloat16)
+    with_chunked_loss(model, chunk)
+    if checkpointing:
+        checkpoint_activations(model)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, 512, (3, 96))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+    fake = _saved_bytes("tiny", 512, PRESETS["tiny"].n_layer, 96, checkpointing, chunk=chunk, rows=3)
+    assert fake == sum(kept.values())
+
+
 def test_plan_prints_activations_and_the_largest_micro_batch_that_fits(tmp_path: Path) -> None:
     from conftest import run_cli
 
