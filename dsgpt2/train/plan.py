@@ -213,9 +213,11 @@ def _saved_bytes(
 
         ids = torch.zeros(rows, tokens, dtype=torch.long)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _one_sequence_per_row():
-            # No attention mask: transformers drops an all-ones one after reading it, which fake tensors
-            # cannot, and would keep the (tokens × tokens) mask a causal kernel does without.
-            torch.func.functional_call(model, state, (), {"input_ids": ids, "labels": ids})
+            # As the trainer calls it (model.gpt2.batch_inputs): no cache, no attention mask (transformers
+            # drops an all-ones one after reading it, which fake tensors cannot: it would keep the
+            # (tokens × tokens) mask a causal kernel does without).
+            inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+            torch.func.functional_call(model, state, (), inputs)
     return float(sum(kept.values()))
 
 

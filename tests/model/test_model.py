@@ -131,9 +131,11 @@ def test_plan_activations_match_what_autograd_keeps_at_full_depth(checkpointing:
 @pytest.mark.parametrize(("checkpointing", "chunk"), [(False, 0), (True, 0), (False, 64)])
 def test_the_plans_fake_forward_counts_the_bytes_a_real_one_keeps(checkpointing: bool, chunk: int) -> None:
     """The plan counts on fake tensors; a real bf16 forward of the same model keeps the same bytes."""
+    from types import SimpleNamespace
+
     import torch
 
-    from dsgpt2.model.gpt2 import checkpoint_activations
+    from dsgpt2.model.gpt2 import batch_inputs, checkpoint_activations
     from dsgpt2.model.loss import with_chunked_loss
     from dsgpt2.train.plan import _saved_bytes
 
@@ -153,8 +155,9 @@ def test_the_plans_fake_forward_counts_the_bytes_a_real_one_keeps(checkpointing:
         return t
 
     ids = torch.randint(0, 512, (3, 96))
+    inputs = batch_inputs(SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids)), "cpu")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))
+        model(**inputs, labels=ids)  # as the trainer calls it
     fake = _saved_bytes("tiny", 512, PRESETS["tiny"].n_layer, 96, checkpointing, chunk=chunk, rows=3)
     assert fake == sum(kept.values())
 
