@@ -199,10 +199,12 @@ def _saved_bytes(
     kept: dict[int, int] = {}
     with FakeTensorMode():
         on_cpu: dict[int, torch.Tensor] = {}  # one per tensor: the tied head and embedding stay one
-        for t in model.state_dict(keep_vars=True).values():
-            like = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-            on_cpu.setdefault(id(t), like.requires_grad_(t.requires_grad))
-        state = {name: on_cpu[id(t)] for name, t in model.state_dict(keep_vars=True).items()}
+        state = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) not in on_cpu:
+                like = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+                on_cpu[id(t)] = like.requires_grad_(t.requires_grad)
+            state[name] = on_cpu[id(t)]
         params = {on_cpu[id(p)].untyped_storage()._cdata for p in model.parameters()}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
