@@ -11,7 +11,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ import pytest
 
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import MongoConfig, config_from_dict
+from pace import LAUNCH_ENV, measure_launch
 from wire_server import WireServer, shared_server, shared_started, unavailable_reason
 from zygote import run_python
 
@@ -46,17 +47,22 @@ if get_accelerator().device_name() == "cpu":
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """DeepSpeed's CPU communication op, built once in a process of its own before any test runs (the
-    controller, under xdist): the first DeepSpeed runs of a fresh clone then never race each other, or a
-    forked command, for its build, and no test's deadline pays for it. The quick lane runs none."""
+    """Before any test runs, in a process of its own (the controller's, under xdist): the reference
+    launch that paces the deadlines (tests/pace.py), timed once for every test process; and DeepSpeed's
+    CPU communication op, built once, so that the first DeepSpeed runs of a fresh clone never race each
+    other, or a forked command, for its build, and no test's deadline pays for it (the quick lane runs
+    none)."""
     import subprocess
 
     config = session.config
-    if hasattr(config, "workerinput") or "not slow" in (config.option.markexpr or ""):
+    if hasattr(config, "workerinput"):
         return
-    # A failed build is not the suite's verdict: the first test to need the op then builds it, as before.
-    with contextlib.suppress(subprocess.SubprocessError, OSError):
-        subprocess.run([sys.executable, "-c", BUILD_OPS], cwd=ROOT, capture_output=True, timeout=900)
+    quick = "not slow" in (config.option.markexpr or "")
+    workers = int(getattr(config.option, "numprocesses", None) or 1)
+    # A failed launch or build is not the suite's verdict: each test process then times its own launch,
+    # and the first test to need the op builds it, as before.
+    with contextlib.suppress(subprocess.SubprocessError, OSError, RuntimeError):
+        os.environ[LAUNCH_ENV] = str(measure_launch(workers, then="" if quick else BUILD_OPS))
 
 
 _SESSION_START = time.time()
@@ -107,10 +113,18 @@ def _fresh_db(prefix: str) -> Iterator[None]:
     yield
     _DEFAULT_DB[0] = before
     if shared_started():
-        import pymongo
+        _dropper().drop_database(name)
 
-        with pymongo.MongoClient(shared_server(), serverSelectionTimeoutMS=10000) as client:
-            client.drop_database(name)
+
+_DROPPER: dict[int, pymongo.MongoClient] = {}
+
+
+def _dropper() -> pymongo.MongoClient:
+    """This process's client for dropping the tests' databases: one for all of them (a client made
+    and closed for each drop cost the worker and the server 8 ms of CPU apiece, against 1)."""
+    if os.getpid() not in _DROPPER:
+        _DROPPER[os.getpid()] = pymongo.MongoClient(shared_server(), serverSelectionTimeoutMS=10000)
+    return _DROPPER[os.getpid()]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -200,6 +214,31 @@ def sample_corpus(base: Path, documents: int = 2000, vocab_size: int = 512) -> d
     texts, _ = mongo_texts(conn.config)
     train_vocab(texts, base / "tok", VocabSettings(vocab_size=vocab_size), "test", progress=False)
     return {"config": cfg, "tok": base / "tok"}
+
+
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]
+) -> tuple[Path, bool]:
+    """``build(directory)`` once per test run, for what several test processes need and none changes (a
+    module fixture rebuilt by every pytest-xdist worker that runs one of the module's tests): the first
+    process to ask builds it, holding a lock; the others wait for it and share the directory. The
+    directory, and whether this process built it (a database it filled is its own server's)."""
+    import fcntl
+    import shutil
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the run's directory, above each worker's own
+    where = root / f"once-{name}"
+    with open(root / f"once-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (where / ".built").is_file():
+            return where, False
+        shutil.rmtree(where, ignore_errors=True)  # a build that failed half-way
+        where.mkdir()
+        build(where)
+        (where / ".built").touch()
+        return where, True
 
 
 def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index: bool = True) -> None:

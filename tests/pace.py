@@ -13,6 +13,7 @@ larger of
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -38,11 +39,35 @@ ids = torch.randint(0, 512, (4, 64))
 model(input_ids=ids, labels=ids).loss.backward()
 """
 
+# The reference launch's seconds as the test run's controller measured them, once for every worker (see
+# ``measure_launch``); unset, each test process times its own on first use.
+LAUNCH_ENV = "DSGPT2_TEST_LAUNCH_S"
+
 _measured: list[float] = []
+with contextlib.suppress(ValueError):
+    _measured.append(float(os.environ.get(LAUNCH_ENV, "")))
+
+
+def measure_launch(workers: int, then: str = "") -> float:
+    """The reference launch timed once, before any test process starts (a fresh interpreter importing
+    torch, DeepSpeed and transformers in each of several workers cost 9 CPU-seconds apiece), as it runs
+    among ``workers`` test processes sharing the cores: its idle time times the workers per core. The
+    script ``then`` runs after it in the same interpreter, untimed (whether it fails or not)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = dict(os.environ, OMP_NUM_THREADS="1") if workers > 1 else None
+    timed = "import time\n_start = time.monotonic()\n{}\nprint('launch', time.monotonic() - _start)\n"
+    script = timed.format(LAUNCH)
+    done = subprocess.run([sys.executable, "-c", script + then], cwd=ROOT, capture_output=True, text=True,
+                          env=env, timeout=900)  # fmt: skip
+    said = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("launch ")]
+    if not said:
+        raise RuntimeError(f"the reference launch failed: {done.stderr[-2000:]}")
+    return float(said[0]) * max(1.0, workers / cores)
 
 
 def launch_seconds() -> float:
-    """How long the reference launch took in this test process (timed on the first call)."""
+    """How long the reference launch takes in this test process (timed on the first call, where the
+    test run's controller did not)."""
     if not _measured:
         start = time.monotonic()
         subprocess.run([sys.executable, "-c", LAUNCH], cwd=ROOT, capture_output=True, check=True)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, db_for, run_cli, write_config
+from conftest import ROOT, built_once, db_for, run_cli, write_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.loader import iter_eval_batches
@@ -66,26 +66,27 @@ def _train(base: Path, name: str, config: Path, *extra: str) -> Path:
     return base / name / "model"
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """A pretrained tiny model and its conversation finetune, both exported.
-
-    The store holds 2,000 sample documents (``stdlib``) and 800 sample conversations (``chat``).
-    """
-    base = tmp_path_factory.mktemp("inference")
+def _stores(base: Path, where: Path) -> tuple[Path, Path]:
+    """The two configurations in ``where``, on this process's server, and their collections filled:
+    2,000 sample documents (``stdlib``) and 800 sample conversations (``chat``)."""
     store = db_for(base / "db.mongo")
-    lm = write_config(base / "lm.json", **store, COLLECTIONS=["stdlib"])
-    chat = write_config(base / "chat.json", **store, COLLECTIONS=["chat"])
+    lm = write_config(where / "lm.json", **store, COLLECTIONS=["stdlib"])
+    chat = write_config(where / "chat.json", **store, COLLECTIONS=["chat"])
     conn = Connection(load_config(lm))
     ingest(conn, "stdlib", [builtin_source("stdlib", 2000)])
     ingest(conn, "chat", [builtin_source("stdlib-chat", 800)])
-    texts, _ = mongo_texts(conn.config)
+    return lm, chat
+
+
+def _build(base: Path) -> None:
+    lm, chat = _stores(base, base)
+    texts, _ = mongo_texts(load_config(lm))
     train_vocab(texts, base / "tok", VocabSettings(vocab_size=512), "test", progress=False)
     (base / "ds.json").write_text(json.dumps(DS))
     pre = _train(base, "lm", lm, "--vocab_dir", str(base / "tok"), "--model_select", "tiny",
                  "--train_iters", "100", "--save_interval", "1000")  # fmt: skip
-    fine = _train(base, "chat", chat, "--init_from", str(pre), "--task", "conversation",
-                  "--train_iters", "80", "--save_interval", "1000")  # fmt: skip
+    _train(base, "chat", chat, "--init_from", str(pre), "--task", "conversation",
+           "--train_iters", "80", "--save_interval", "1000")  # fmt: skip
     fresh = base / "fresh"
     model = load_model(pre).model
     torch.manual_seed(0)
@@ -94,7 +95,19 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for f in pre.iterdir():
         if f.name.startswith(("tokenizer", "vocab", "merges", "special")):
             (fresh / f.name).write_bytes(f.read_bytes())
-    return {"lm": pre, "chat": fine, "fresh": fresh, "lm_config": lm, "chat_config": chat, "base": base}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A pretrained tiny model and its conversation finetune, both exported, trained once per test run
+    (the test processes share them); the corpus in this process's own database."""
+    base, built = built_once(tmp_path_factory, "inference", _build)
+    if built:
+        lm, chat = base / "lm.json", base / "chat.json"
+    else:
+        lm, chat = _stores(base, tmp_path_factory.mktemp("inference-db"))
+    return {"lm": base / "lm" / "model", "chat": base / "chat" / "model", "fresh": base / "fresh",
+            "lm_config": lm, "chat_config": chat, "base": base}  # fmt: skip
 
 
 def _evaluate(model: Path, config: Path, **request: object) -> dict:

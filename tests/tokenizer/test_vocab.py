@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, make_config, run_cli, seed, store_config
+from conftest import ROOT, built_once, make_config, run_cli, seed, store_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.client import Connection
@@ -43,11 +43,7 @@ def _sample_conn(limit: int | None = None) -> Connection:
     return conn
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Sample corpus → shards (2 workers) → a 4,000-token vocabulary with 2 reserved tokens."""
-
-    base = tmp_path_factory.mktemp("vocab")
+def _train(base: Path) -> None:
     conn = _sample_conn()
     report = download(conn.config, base / "shards", workers=2, shards=4, progress=False)
     assert report.documents == 9199 or report.documents > 5000
@@ -58,6 +54,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         source="test",
         progress=False,
     )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Sample corpus → shards (2 workers) → a 4,000-token vocabulary with 2 reserved tokens, made once
+    per test run (the test processes share them)."""
+    base, _ = built_once(tmp_path_factory, "vocab", _train)
     return {"shards": base / "shards", "tok": base / "tok"}
 
 
