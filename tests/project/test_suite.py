@@ -1,5 +1,6 @@
 """The suite's own guarantees: a hung test fails instead of holding CI; a command or a launcher's process
-forked from the pre-imported interpreter behaves as a fresh process."""
+forked from the pre-imported interpreter behaves as a fresh process; what several test processes need is
+built once."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, pyproject
+import pace
+from conftest import ROOT, built_once, pyproject
 from pace import deadline
 from zygote import run_python
 
@@ -199,3 +202,46 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_fixture_built_once_is_built_by_the_first_process_to_ask_while_the_others_wait(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Three askers at once (each its own open file, as each test process has): one builds, the others
+    wait for it and get the same directory; a build that failed half-way is made again, whole."""
+    calls: list[Path] = []
+
+    def build(where: Path) -> None:
+        calls.append(where)
+        time.sleep(0.3)
+        (where / "made").write_text("whole")
+
+    name = f"probe-{os.getpid()}-{time.monotonic_ns()}"
+    tmp_path_factory.getbasetemp()  # made before the threads ask: its first making is not theirs to race
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: built_once(tmp_path_factory, name, build), range(3)))
+    assert len(calls) == 1 and sorted(built for _, built in results) == [False, False, True]
+    assert {(where / "made").read_text() for where, _ in results} == {"whole"}
+
+    def broken(where: Path) -> None:
+        (where / "half").write_text("")
+        raise RuntimeError("the build failed")
+
+    with pytest.raises(RuntimeError):
+        built_once(tmp_path_factory, f"{name}-b", broken)
+    where, built = built_once(tmp_path_factory, f"{name}-b", build)
+    assert built and (where / "made").is_file() and not (where / "half").exists()
+
+
+def test_the_reference_launch_is_timed_once_for_the_whole_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the suite's workers the controller timed it before they started: no worker times its own."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("the launch is timed by pytest-xdist's controller")
+    given = float(os.environ[pace.LAUNCH_ENV])
+    assert 0 < given < 600
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a worker timed a reference launch of its own")
+
+    monkeypatch.setattr(pace.subprocess, "run", no_launch)
+    assert pace.launch_seconds() == given
