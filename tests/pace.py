@@ -4,9 +4,10 @@ A test waits for the event itself (a line, a file, a step, a process's exit); th
 hang from a slow machine. ``deadline(base)`` is ``base`` (seconds on an idle two-core machine) times the
 suite's pace: how much slower than that a launch is now, measured in this test run. The pace is the
 larger of
-- a reference launch timed once per test process, on first use: a fresh interpreter that imports torch,
-  DeepSpeed and transformers and takes one step of a tiny GPT-2 (what every rank and command does
-  before its first step), against ``REFERENCE_LAUNCH_S``;
+- a reference launch, against ``REFERENCE_LAUNCH_S``: a fresh interpreter that imports torch, DeepSpeed
+  and transformers and takes one step of a tiny GPT-2 (what every rank and command does before its
+  first step), timed once per run by pytest's controller before the workers start (scaled by workers
+  per core), or by a test process of its own on first use;
 - the load now: runnable processes per core (a second ``make test`` beside this one doubles it), as
   the reference launch measured once cannot follow a load that comes later.
 """
