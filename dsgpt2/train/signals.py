@@ -9,8 +9,9 @@ The ranks decide together (:meth:`StopRequest.agreed`): one that got no signal, 
 after the others looked, stops at the same step as they do; its own signal, landing after it took the
 others' stop, is that same stop (announced, not a second Ctrl-C).
 
-A signal after the last step (while the final checkpoint is written) changes nothing but its
-announcement; when the run returns, the handlers it replaced are back, and no announcement is left due.
+A signal during the last step, or after it (while the final checkpoint is written), changes nothing but
+its announcement, worded by when the signal came, not by when the announcement is made; when the run
+returns, the handlers it replaced are back, and no announcement is left due.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class StopRequest:
         self._at = 0.0
         self._told = False
         self._timer: threading.Timer | None = None
-        self._over = False  # the training loop has ended: a signal now stops nothing
+        self._last = False  # the last step has started: a signal now stops nothing
+        self._over = False  # the training loop has ended
+        self._late: str | None = None  # "with"/"after" the last step, where the signal came then
         self.stopped_by: str | None = None  # the stop the ranks agreed on, which ended the training
 
     def install(self) -> None:
@@ -57,6 +60,10 @@ class StopRequest:
             # None: a handler not set from Python; the default stands for it.
             self._previous.setdefault(signum, signal.SIG_DFL if previous is None else previous)
 
+    def last_step(self) -> None:
+        """The run's last step (by --train_iters) starts: a signal from now on stops nothing."""
+        self._last = True
+
     def over(self) -> None:
         """The training loop has ended on --train_iters or an early stop (the final checkpoint is next):
         a signal of the last step, or one from now on, is said to change nothing."""
@@ -65,9 +72,9 @@ class StopRequest:
             return
         with self._lock:
             told = self._told
-        if told:  # announced as a stop: it came with the last step
+        if told and self._late is None:  # announced as a stop: it came with the last step
             log.warning("%s came with the last step: the run ends as it would have", self.name)
-        else:
+        elif not told:
             self._announce()
 
     def restore(self) -> None:
@@ -92,6 +99,7 @@ class StopRequest:
         if self.name is None or self._adopted:
             self._adopted = False
             self.name, self._at = name, now
+            self._late = "after" if self._over else "with" if self._last else None
             if signum == signal.SIGINT:
                 self._announce()
             else:
@@ -117,9 +125,10 @@ class StopRequest:
             self._told = True
         if self._timer is not None:
             self._timer.cancel()
-        if self._over and self.stopped_by is None:
-            log.warning("%s after the last step: the run ends as it would have, its final checkpoint written",
-                        self.name)  # fmt: skip
+        late = self._late or ("after" if self._over else None)
+        if late is not None and self.stopped_by is None:
+            log.warning("%s %s the last step: the run ends as it would have, its final checkpoint written",
+                        self.name, "came with" if late == "with" else late)  # fmt: skip
         else:
             log.warning("%s: saving a checkpoint after the current step, then exiting", self.name)
 

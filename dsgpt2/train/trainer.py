@@ -297,6 +297,8 @@ class Trainer:
                     and not self.stopped_early
                     and not self.stop.agreed(self.engine.device)
                 ):
+                    if state.step + 1 >= r.train_iters:
+                        self.stop.last_step()
                     losses, ids = self.train_step(state, self.batches)
                     self.average.after_step(state)
                     boundary = (replace(state), self.stream.state.copy())

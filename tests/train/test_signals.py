@@ -171,6 +171,27 @@ def test_a_stop_left_pending_by_the_last_step_is_announced_as_changing_nothing(
     assert caplog.text.count("SIGTERM") == 1 and stop.stopped_by is None
 
 
+def test_a_sigterm_of_the_last_step_is_said_to_change_nothing_whenever_its_announcement_comes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its announcement waits for a paired SIGINT; on a loaded machine the loop may end before or after
+    that wait: either way the words are the same, said once."""
+    caplog.set_level("WARNING", logger="dsgpt2.train.trainer")
+    said = "SIGTERM came with the last step: the run ends as it would have, its final checkpoint written"
+    for announced_first in (True, False):
+        caplog.clear()
+        stop = StopRequest()
+        stop.last_step()
+        stop._stop(signal.SIGTERM, None)
+        if announced_first:
+            assert stop._timer is not None
+            stop._timer.join(10)
+        stop.over()
+        stop.restore()
+        assert caplog.text.count("SIGTERM") == 1 and said in caplog.text, caplog.text
+        assert stop.stopped_by is None
+
+
 def test_a_ctrl_c_announced_during_the_last_step_is_then_said_to_change_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
