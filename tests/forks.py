@@ -5,7 +5,9 @@ importing torch and DeepSpeed, and the ranks transformers too: ~20 of the ~28 CP
 launch costs. ``python_that_forks()`` names a ``python`` (tests/forked_python.py) that has a fork of this
 server run each of them as that interpreter would: its own arguments, environment, working directory,
 stdin/stdout/stderr, signals and exit. Given as the launcher's interpreter
-(``[python_that_forks(), deepspeed_script, ...]``), every process of the launch is a fork.
+(``[python_that_forks(), deepspeed_script, ...]``), every process of the launch is a fork. The model
+commands of ``zygote.run_python`` and the ``dsgpt2 serve`` servers of tests/serving.py are forks of the
+same server: one interpreter holding torch per test worker.
 
 Launches that kill process groups (a node lost, ``--kill_group_after``) or look processes up by
 parent keep real ones: a fork belongs to this server's group, not the launch's.

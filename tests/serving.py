@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,11 +43,15 @@ MODELS: dict[str, Path] = {}  # server URL → the model it serves
 
 
 def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -> Iterator[str]:
-    """A ``dsgpt2 serve`` subprocess on a free port of 127.0.0.1 for a fixture; its URL."""
+    """A ``dsgpt2 serve`` process on a free port of 127.0.0.1 for a fixture (a fork of tests/forks.py's
+    server: torch and transformers already imported); its URL."""
+    from forks import python_that_forks
+
     port = free_port()
     log = open(base / "server.log", "w")  # noqa: SIM115
+    serve = ["-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags]
     proc = subprocess.Popen(
-        tied([sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port), *flags]),
+        tied([python_that_forks(), *serve]),
         cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -1,14 +1,18 @@
-"""An interpreter with torch, DeepSpeed and transformers imported once, forked for each Python command.
+"""An interpreter with what a command imports imported once, forked for each Python command.
 
 A trainer process spends ~5 of its ~6 s on a tiny run importing torch, DeepSpeed and transformers, and
-the suite starts about a hundred. The server below imports them once per test worker; each command is
-a fork of it that runs the script or module as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would:
-its own argv, environment, working directory, stdin from /dev/null, stdout and stderr to files, default
-signal handlers, and the interpreter's exit (non-daemon threads joined, atexit hooks, exit code, a
-traceback and 1 on an uncaught exception) short of tearing the interpreter down. Tests that signal,
-kill or time a process still start real processes; the deepspeed launcher's fork from tests/forks.py.
+the suite starts about a hundred. ``run_python`` runs each command as a fork of a server that imported
+them once per test worker, as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would: its own argv,
+environment, working directory, stdin from /dev/null, stdout and stderr captured, default signal
+handlers, and the interpreter's exit (non-daemon threads joined, atexit hooks, exit code, a traceback
+and 1 on an uncaught exception) short of tearing the interpreter down. Commands that build or run a
+model fork from tests/forks.py's server (torch, DeepSpeed, transformers: the one the deepspeed
+launcher's processes and ``dsgpt2 serve`` fork from too); the others (ingest, vocab, dedup, info, ...)
+from the lighter one below, one command at a time. Tests that signal a process group, or look a
+process up by its parent, still start real processes.
 
-    python tests/zygote.py model|corpus   # a server: one JSON request per line on stdin, replies on stdout
+    python tests/zygote.py corpus      # a server: one JSON request per line on stdin, replies on stdout
+    python tests/zygote.py forks DIR   # tests/forks.py's
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 from pace import deadline, note_launch
 
 # Two servers per test worker: commands that build or run a model fork from one holding torch, DeepSpeed
-# and transformers; the others (ingest, vocab, dedup, info, ...) from one holding only what they import.
+# and transformers (tests/forks.py's); the others from one holding only what they import.
 PRELOAD = {
     "model": (
         "torch",
@@ -181,7 +185,7 @@ class Zygote:
         # A warning printed while importing would reach no test's stderr: none may be printed.
         if ready != "ready" or said.strip():
             raise RuntimeError(f"zygote did not start cleanly: {ready!r} {said[-3000:]}")
-        if kind == "model":
+        if kind == "forks":
             # A fresh interpreter importing what a launch imports: the suite's pace measured for free.
             note_launch(time.monotonic() - started)
 
@@ -236,18 +240,26 @@ _zygotes: dict[str, Zygote] = {}
 def run_python(
     args: list[str], cwd: Path | str, env: dict[str, str] | None = None, timeout: float | None = None
 ) -> subprocess.CompletedProcess:
-    """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` through the
-    server (each kind started on first use, once per test worker); ``timeout``: by default 300 s at
-    the suite's pace (tests/pace.py)."""
+    """``subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)`` as a fork of
+    the server of its kind (each started on first use, once per test worker); ``timeout``: by default
+    300 s at the suite's pace (tests/pace.py)."""
     # ``-m dsgpt2 COMMAND`` or ``-m bench.audit OUT train|dsgpt2 COMMAND``
     model = args[0] != "-m" or bool(MODEL_COMMANDS.intersection(args[2:5]))
-    kind = "model" if model else "corpus"
+    limit = deadline(300) if timeout is None else timeout
+    if model:  # a fork of the server the launches fork from: one interpreter holding torch per worker
+        from forks import python_that_forks
+
+        done = subprocess.run(
+            [python_that_forks(), *args], cwd=cwd, env=os.environ if env is None else env,
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=limit,
+        )  # fmt: skip
+        return subprocess.CompletedProcess([sys.executable, *args], done.returncode, done.stdout, done.stderr)
+    kind = "corpus"
     if kind not in _zygotes:
         import atexit
 
         _zygotes[kind] = Zygote(kind)
         atexit.register(_zygotes[kind].close)
-    limit = deadline(300) if timeout is None else timeout
     code, out, err = _zygotes[kind].run(list(args), cwd, dict(os.environ if env is None else env), limit)
     return subprocess.CompletedProcess([sys.executable, *args], code, out, err)
 

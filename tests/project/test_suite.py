@@ -91,7 +91,7 @@ def test_a_forked_command_is_the_process_a_user_starts(tmp_path: Path) -> None:
     assert run_python([str(script), "0"], cwd=tmp_path, env=env).returncode == 0  # the server goes on
 
 
-@pytest.mark.slow  # a second pre-imported server, as only the launches (slow) use it
+@pytest.mark.slow  # launches, as the rank tests (slow) do
 def test_a_launch_process_is_a_fork_that_ends_as_the_process_its_parent_started(tmp_path: Path) -> None:
     """tests/forks.py's ``python``: the script or module runs in a fork of the server with the caller's
     argv, environment, directory, stdin, stdout and stderr; the fork's ``sys.executable`` forks again;
