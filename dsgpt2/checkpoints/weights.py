@@ -60,8 +60,51 @@ def init_tokenizer_dir(path: Path) -> Path:
 
 
 def export_run(path: Path) -> dict[str, Any]:
-    """What an export records of its training run (empty for a model exported elsewhere)."""
-    return json.loads((path / RUN_INFO).read_text()) if (path / RUN_INFO).is_file() else {}
+    """What an export records of its training run (empty for a model exported elsewhere).
+
+    Raises:
+        ConfigError: the record is damaged.
+    """
+    if not (path / RUN_INFO).is_file():
+        return {}
+    try:
+        run = json.loads((path / RUN_INFO).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise damaged_export(path, RUN_INFO, exc) from exc
+    if not isinstance(run, dict):
+        raise damaged_export(path, RUN_INFO, ValueError("not a JSON object"))
+    return run
+
+
+def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
+    """The GPT-2 config and weights of the export at ``path``.
+
+    Raises:
+        ConfigError: one of its files is damaged (cut short, not JSON, values of the wrong type).
+    """
+    from safetensors.torch import load_file
+    from transformers import GPT2Config
+
+    name = "config.json"
+    try:
+        config = GPT2Config.from_pretrained(str(path))
+        weights: dict[str, Any] = {}
+        for f in sorted(path.glob("*.safetensors")):
+            name = f.name
+            weights.update(load_file(str(f)))
+    except Exception as exc:  # transformers', huggingface_hub's and safetensors' own errors of a bad file
+        raise damaged_export(path, name, exc) from exc
+    return config, weights
+
+
+def damaged_export(path: Path, name: str, exc: BaseException) -> ConfigError:
+    # The first line, and the second where the first only introduces it ("Validation error for ...:").
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
+    return ConfigError(
+        f"model {path}: {name} cannot be read ({said[:200]}): the export is damaged; export it again from "
+        "its checkpoint (`dsgpt2 export --ckpt_dir DIR --out DIR`)"
+    )
 
 
 def run_info(client: dict[str, Any], where: Path) -> dict[str, Any]:
@@ -125,15 +168,9 @@ def load_weights(path: Path, tag: str | None = None) -> tuple[Any, dict[str, Any
     if not path.exists():
         raise ConfigError(f"model {path}: not found; give an exported model or a checkpoint directory")
     if is_export(path):
-        from safetensors.torch import load_file
-
         if tag is not None:
             raise ConfigError(f"--ckpt_id {tag}: {path} is an exported model, not a checkpoint directory")
-        config = GPT2Config.from_pretrained(str(path))
-        weights: dict[str, Any] = {}
-        for f in sorted(path.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
-        return config, weights, path, export_run(path)
+        return (*read_export(path), path, export_run(path))
     if not checkpoint.has_checkpoints(path) and not (path / checkpoint.COMPLETE).exists() and tag is None:
         raise ConfigError(
             f"model {path}: neither an exported model (config.json + *.safetensors) nor a checkpoint "

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, built_once, db_for, run_cli, write_config
+from conftest import ROOT, built_once, db_for, run_cli, tiny_export, write_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.loader import iter_eval_batches
@@ -223,6 +225,37 @@ def test_evaluate_bad_input_is_one_line(
         capsys, "evaluate", "--model", str(models["lm"]), "--config", config, "--report", str(tmp_path)
     )
     assert "is a directory" in line
+
+
+@pytest.fixture(scope="module")
+def plain_export(tmp_path_factory: pytest.TempPathFactory, sample_texts: list[str]) -> Path:
+    return tiny_export(tmp_path_factory.mktemp("plain"), sample_texts[:200])
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "said"),
+    [
+        ("model.safetensors", lambda b: b[:1000], "Error while deserializing header"),
+        ("model.safetensors", lambda b: b"", "Error while deserializing header"),
+        ("config.json", lambda b: b'{"n_embd": ', "is not a valid JSON file"),
+        ("config.json", lambda b: b'{"n_embd": "wide"}', "Field 'n_embd' expected int"),
+        ("dsgpt2_run.json", lambda b: b"[1", "Expecting"),
+    ],
+    ids=["weights cut short", "weights empty", "config not JSON", "config wrong type", "run record garbled"],
+)
+def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
+    plain_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, damage: Any, said: str
+) -> None:
+    """A file of an export cut short, garbled or holding a value of the wrong type: whichever command
+    loads it says which file and how to get a whole export back, not the parser's traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(plain_export, model)
+    path = model / name
+    path.write_bytes(damage(path.read_bytes() if path.exists() else b""))
+    line = _error_line(capsys, "generate", "--model", str(model), "def")
+    assert f"model {model}: {name} cannot be read (" in line and said in line, line
+    assert line.endswith("the export is damaged; export it again from its checkpoint "
+                         "(`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
 
 
 def test_generation_is_deterministic_per_seed_and_bounded(models: dict[str, Path]) -> None:
