@@ -66,7 +66,13 @@ class MetricsLog:
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        torn = _ends_mid_record(self.path)
         self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (open for the whole run)
+        if torn:
+            # A run killed while writing a record: that part stays, a line of its own that readers skip.
+            log.warning("%s ends mid-record (a run stopped while writing it): this run's records start on "
+                        "the next line", self.path)  # fmt: skip
+            self._f.write("\n")
         self._wandb: Any = None
         if wandb_mode != "off":
             self._wandb = _start_wandb(wandb_mode, wandb_dir or run_dir, config)
@@ -102,9 +108,34 @@ def _start_wandb(mode: str, directory: Path, config: dict[str, Any]) -> Any:
         return None
 
 
+def _ends_mid_record(path: Path) -> bool:
+    if not path.is_file() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of ``path``; a line that is no whole record (a run killed while writing it) is
+    skipped, with a warning that names it."""
+    records, damaged = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                damaged.append(number)
+    if damaged:
+        lines = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+        log.warning("%s: %d line(s) that are no whole record skipped (line %s)", path, len(damaged), lines)
+    return records
 
 
 def plot_losses(metrics_path: Path, out: Path) -> Path | None:

@@ -46,3 +46,29 @@ def test_the_validation_curve_is_labelled_with_its_last_bits_per_byte(
     older = [{k: v for k, v in r.items() if k != "val_bpb"} for r in records]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in older))
     assert _legend(monkeypatch, metrics, tmp_path / "old.png")[1] == "validation loss"
+
+
+def test_a_record_cut_short_by_a_killed_run_is_kept_apart_and_skipped_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run killed while writing a record leaves a line with no end; the resumed run's records start on
+    a line of their own, and reading the file (its loss plot, the demo's summary) skips the torn line
+    with a warning instead of ending the finished run in a traceback."""
+    from dsgpt2.train.metrics import MetricsLog, read_metrics
+
+    caplog.set_level("WARNING", logger="dsgpt2.train.metrics")
+    metrics = tmp_path / "metrics.jsonl"
+    whole = json.dumps({"event": "train", "step": 1, "loss": 6.0})
+    metrics.write_text(whole + "\n" + whole.replace("1", "2")[:25])
+    log = MetricsLog(tmp_path, "off", None, {})
+    log.write({"event": "train", "step": 2, "loss": 5.0})
+    log.close()
+    assert "ends mid-record" in caplog.text
+    lines = metrics.read_text().splitlines()
+    assert lines[1] == whole.replace("1", "2")[:25] and json.loads(lines[2])["step"] == 2
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
+    assert f"{metrics}: 1 line(s) that are no whole record skipped (line 2)" in caplog.text
+    assert _legend(monkeypatch, metrics, tmp_path / "loss.png") == ["train loss"]
+    caplog.clear()
+    MetricsLog(tmp_path, "off", None, {}).close()  # a whole file: nothing said, nothing added
+    assert caplog.text == "" and len(metrics.read_text().splitlines()) == 3
