@@ -52,6 +52,7 @@ EXECUTABLE = "secantusd-py"
 USER = "dsgpt2"
 MARKER = "dsgpt2-db.json"
 ENGINE = "secantusdb"
+MARKER_RECORD = {"engine": ENGINE, "format": 1}
 START_TIMEOUT_S = 60.0
 # A server with no client for this long stops itself (the next command starts it again): a database
 # left behind does not hold its memory for ever. $DSGPT2_DB_IDLE_STOP sets it, in seconds; 0: never.
@@ -284,9 +285,15 @@ def check_directory(directory: Path) -> None:
         try:
             engine = json.loads(marker.read_text(encoding="utf-8")).get("engine")
         except (OSError, ValueError, AttributeError):
-            engine = None
+            raise ConfigError(
+                f"{where}: {MARKER} is damaged (not the JSON {PREFIX} writes); if the directory holds its "
+                f"database, write the file back as {json.dumps(MARKER_RECORD)}"
+            ) from None
         if engine != ENGINE:
-            raise ConfigError(f"{where}: {MARKER} is damaged or names another engine ({engine!r})")
+            raise ConfigError(
+                f"{where}: {MARKER} names the engine {engine!r}, not {ENGINE}: the directory holds another "
+                "engine's database; name a new or empty directory"
+            )
         return
     # What processes starting at the same moment write first: the lock, and the marker being written.
     entries = sorted(
@@ -306,7 +313,7 @@ def check_directory(directory: Path) -> None:
         )
     with locked(directory):
         if not marker.exists():
-            atomic_write_text(marker, json.dumps({"engine": ENGINE, "format": 1}) + "\n")
+            atomic_write_text(marker, json.dumps(MARKER_RECORD) + "\n")
 
 
 @contextlib.contextmanager

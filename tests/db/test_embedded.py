@@ -167,11 +167,18 @@ def test_a_directory_that_cannot_hold_the_database_is_one_line(tmp_path: Path) -
     (tmp_path / "busy" / "notes.txt").write_text("mine")
     (tmp_path / "mongod").mkdir()
     (tmp_path / "mongod" / "mongod.lock").write_text("")
+    for name, marker in (("damaged", '{"engine": "secan'), ("other", '{"engine": "wiredtiger-x"}')):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / embedded.MARKER).write_text(marker)
     cases = {
         "file": "is a file, not a directory",
         "busy": "holds files that are not a dsgpt2 database (notes.txt)",
         "mongod": "holds a mongod data directory",
         "file/sub": "cannot create the database directory",
+        # A marker cut short: the way back in the line; another engine's: another directory.
+        "damaged": f"{embedded.MARKER} is damaged (not the JSON local:// writes); if the directory holds its "
+        f'database, write the file back as {{"engine": "secantusdb", "format": 1}}',
+        "other": f"{embedded.MARKER} names the engine 'wiredtiger-x', not secantusdb",
     }
     for name, says in cases.items():
         cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{tmp_path / name}",
