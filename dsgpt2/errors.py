@@ -20,6 +20,13 @@ class ConfigError(DsGpt2Error):
     """A configuration file, flag or environment variable is invalid."""
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """What a library's exception says, for one line of ours: its first line, and the second where the
+    first only introduces it ("Validation error for field 'n_embd':"); its type where it says nothing."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    return (" ".join(lines[:2]) if lines[0].endswith(":") else lines[0])[:limit]
+
+
 def usage_error(command: str, message: str) -> ConfigError:
     """A command's one-line usage error, worded as every ``dsgpt2`` command words it."""
     return ConfigError(f"dsgpt2 {command}: {message} (see `dsgpt2 {command} --help`)")

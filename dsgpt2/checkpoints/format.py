@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsgpt2.errors import CheckpointError
+from dsgpt2.errors import CheckpointError, first_line
 from dsgpt2.files import file_digests as digests
 from dsgpt2.stores.base import Artifact
 
@@ -214,8 +214,7 @@ def load_states(ckpt_dir: Path, tag: str, mmap: bool = False) -> dict[str, Any]:
     try:
         blob = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as exc:  # a damaged file fails in torch's zip reader or in unpickling
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise _broken(f"{path} cannot be read ({first})", ckpt_dir, tag) from None
+        raise _broken(f"{path} cannot be read ({first_line(exc)})", ckpt_dir, tag) from None
     if not isinstance(blob, dict) or "dsgpt2" not in blob:
         raise CheckpointError(f"{ckpt_dir / tag} was not written by dsgpt2 (no training state in it)")
     return blob

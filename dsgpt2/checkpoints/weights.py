@@ -18,7 +18,7 @@ import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints import format as checkpoint
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.model.gpt2 import causal_lm_loss
 from dsgpt2.tokenizer.stored import stored_tokenizer
 
@@ -98,12 +98,9 @@ def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
 
 
 def damaged_export(path: Path, name: str, exc: BaseException) -> ConfigError:
-    # The first line, and the second where the first only introduces it ("Validation error for ...:").
-    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
-    said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]
     return ConfigError(
-        f"model {path}: {name} cannot be read ({said[:200]}): the export is damaged; export it again from "
-        "its checkpoint (`dsgpt2 export --ckpt_dir DIR --out DIR`)"
+        f"model {path}: {name} cannot be read ({first_line(exc)}): the export is damaged; export it again "
+        "from its checkpoint (`dsgpt2 export --ckpt_dir DIR --out DIR`)"
     )
 
 

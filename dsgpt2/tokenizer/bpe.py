@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, option
@@ -38,10 +38,21 @@ _SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
 def load_tokenizer(tokenizer_dir: Path) -> Any:
-    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text."""
+    """The fast tokenizer of ``tokenizer_dir``, reading special-token text as plain text.
+
+    Raises:
+        ConfigError: its tokenizer.json is missing or damaged.
+    """
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    try:
+        tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    except Exception as exc:  # the tokenizers library's own error of a file it cannot parse
+        said = "not found" if not (tokenizer_dir / "tokenizer.json").is_file() else first_line(exc)
+        raise ConfigError(
+            f"tokenizer {tokenizer_dir}: tokenizer.json cannot be read ({said}); give a whole tokenizer "
+            "directory (--vocab_dir), or train one again with `dsgpt2 vocab train`"
+        ) from None
     # A document that contains the text "<|endoftext|>" must not inject the real token.
     tok.encode_special_tokens = True
     return tok

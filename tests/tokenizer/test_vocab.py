@@ -97,6 +97,26 @@ def test_special_tokens_have_fixed_ids_and_survive_save_load(
     assert again.pad_token == PAD and again.eos_token == EOT
 
 
+def test_a_damaged_or_missing_tokenizer_file_is_one_line_with_the_way_out(
+    trained: dict[str, Path], tmp_path: Path
+) -> None:
+    """A tokenizer.json cut short (a copy that stopped, a disk that filled) is refused by name by what
+    loads it (training, tokenize, evaluation), not with the tokenizers library's bare exception."""
+    from dsgpt2.tokenizer.bpe import load_tokenizer
+
+    damaged = tmp_path / "tok"
+    damaged.mkdir()
+    (damaged / "tokenizer.json").write_bytes((trained["tok"] / "tokenizer.json").read_bytes()[:500])
+    way_out = "give a whole tokenizer directory (--vocab_dir), or train one again with `dsgpt2 vocab train`"
+    with pytest.raises(ConfigError) as cut:
+        load_tokenizer(damaged)
+    assert str(cut.value).startswith(f"tokenizer {damaged}: tokenizer.json cannot be read (EOF while parsing")
+    assert str(cut.value).endswith(way_out) and "\n" not in str(cut.value)
+    with pytest.raises(ConfigError, match=r"tokenizer.json cannot be read \(not found\)"):
+        load_tokenizer(tmp_path)
+    assert load_tokenizer(trained["tok"]).get_vocab_size() > 0
+
+
 def test_round_trip_including_non_ascii_and_emoji(trained: dict[str, Path]) -> None:
     tok = _load(trained["tok"])
     texts = ODD_TEXTS + [r["text"] for r in _records(trained["shards"])[:300]]
