@@ -45,6 +45,27 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         f.write(text)
 
 
+def open_records(path: Path) -> IO[str]:
+    """``path``, a file of one JSON record per line, opened to append records. Where a killed run left
+    its last record cut short, that part stays a line of its own (a warning says so) and the new
+    records start on the next."""
+    torn = False
+    if path.is_file() and path.stat().st_size > 0:
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+    f = open(path, "a", encoding="utf-8")  # noqa: SIM115  (the caller's, for its run)
+    if torn:
+        import logging
+
+        logging.getLogger("dsgpt2.files").warning(
+            "%s ends mid-record (a run stopped while writing it): this run's records start on the next line",
+            path,
+        )
+        f.write("\n")
+    return f
+
+
 def is_occupied(path: Path) -> bool:
     """Whether ``path`` is a file or a directory holding anything."""
     return path.is_file() or (path.is_dir() and any(path.iterdir()))

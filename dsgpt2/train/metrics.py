@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.files import open_records
+
 log = logging.getLogger(__name__)
 
 
@@ -66,13 +68,7 @@ class MetricsLog:
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        torn = _ends_mid_record(self.path)
-        self._f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115  (open for the whole run)
-        if torn:
-            # A run killed while writing a record: that part stays, a line of its own that readers skip.
-            log.warning("%s ends mid-record (a run stopped while writing it): this run's records start on "
-                        "the next line", self.path)  # fmt: skip
-            self._f.write("\n")
+        self._f = open_records(self.path)  # open for the whole run; a torn last line, one readers skip
         self._wandb: Any = None
         if wandb_mode != "off":
             self._wandb = _start_wandb(wandb_mode, wandb_dir or run_dir, config)
@@ -106,14 +102,6 @@ def _start_wandb(mode: str, directory: Path, config: dict[str, Any]) -> Any:
     except Exception as exc:  # wandb is optional to a run: its failure must not end training
         log.warning("wandb disabled: %s", exc)
         return None
-
-
-def _ends_mid_record(path: Path) -> bool:
-    if not path.is_file() or path.stat().st_size == 0:
-        return False
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import torch
 
 from dsgpt2.checkpoints.options import RESOLVED
 from dsgpt2.documents import SkipTally
-from dsgpt2.files import atomic_write_text
+from dsgpt2.files import atomic_write_text, open_records
 from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.progress import on_terminal
 from dsgpt2.train.config import RunOptions
@@ -79,7 +79,7 @@ class RunLog:
             if self.run.log_block_ids:
                 self.run.workspace.mkdir(parents=True, exist_ok=True)
                 path = self.run.workspace / f"block_ids_rank{self.rank}.jsonl"
-                self.blocks = stack.enter_context(open(path, "a"))
+                self.blocks = stack.enter_context(open_records(path))
             try:
                 yield self
             finally:

@@ -56,7 +56,7 @@ def test_a_record_cut_short_by_a_killed_run_is_kept_apart_and_skipped_by_the_nex
     with a warning instead of ending the finished run in a traceback."""
     from dsgpt2.train.metrics import MetricsLog, read_metrics
 
-    caplog.set_level("WARNING", logger="dsgpt2.train.metrics")
+    caplog.set_level("WARNING")
     metrics = tmp_path / "metrics.jsonl"
     whole = json.dumps({"event": "train", "step": 1, "loss": 6.0})
     metrics.write_text(whole + "\n" + whole.replace("1", "2")[:25])
