@@ -35,7 +35,7 @@ from dsgpt2.db.client import require_collections
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.ranges import even_ranges
@@ -296,14 +296,32 @@ def _exclusive(out: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _read_manifest(out: Path) -> dict[str, Any] | None:
+def _load_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of a download directory; None where it has none.
+
+    Raises:
+        ValueError: it is damaged (what is wrong with it).
+    """
     path = out / MANIFEST
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        log.warning("%s is unreadable; starting the download over", path)
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(first_line(exc)) from None
+    plan = manifest.get("plan") if isinstance(manifest, dict) else None
+    if not (isinstance(plan, dict) and isinstance(plan.get("shards"), list)
+            and isinstance(manifest.get("done"), dict)):  # fmt: skip
+        raise ValueError("not the manifest `dsgpt2 vocab download` writes")
+    return manifest
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest a download goes on from; a damaged one, none (the download starts over)."""
+    try:
+        return _load_manifest(out)
+    except ValueError as exc:
+        log.warning("%s is damaged (%s); starting the download over", out / MANIFEST, exc)
         return None
 
 
@@ -373,11 +391,17 @@ def shard_texts(
 
 def _check_download(directory: Path) -> None:
     """Refuse shards of an unfinished download, or ones cut short since (sizes in the manifest)."""
-    manifest = _read_manifest(directory)
+    rerun = "re-run `dsgpt2 vocab download` with the same options to finish it"
+    try:
+        manifest = _load_manifest(directory)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{directory / MANIFEST} is damaged ({exc}): whether every shard is whole cannot be checked; "
+            f"{rerun} (it starts over), or remove {MANIFEST} to train on the shards as they are"
+        ) from None
     if manifest is None:
         return
     planned, done = len(manifest["plan"]["shards"]), manifest["done"]
-    rerun = "re-run `dsgpt2 vocab download` with the same options to finish it"
     if len(done) < planned:
         raise ConfigError(f"{directory}: the download is unfinished ({len(done)}/{planned} shards); {rerun}")
     for k, entry in done.items():

@@ -212,6 +212,31 @@ def test_training_refuses_an_unfinished_download(tmp_path: Path, monkeypatch: py
         list(shard_texts(tmp_path))
 
 
+def test_a_damaged_manifest_is_refused_by_training_and_started_over_by_the_download(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The manifest is what says every shard is whole: cut short or of another shape, training refuses
+    the shards in one line with both ways out; the download, run again, starts over and finishes."""
+    conn = _sample_conn(limit=300)
+    download(conn.config, tmp_path, workers=1, shards=2, chunk=100, progress=False)
+    whole = len(list(shard_texts(tmp_path)))
+    manifest = tmp_path / "manifest.json"
+    for damaged, said in ((manifest.read_text()[:40], "line 4 column 3"), ("[]", "not the manifest")):
+        manifest.write_text(damaged)
+        with pytest.raises(ConfigError) as refused:
+            list(shard_texts(tmp_path))
+        line = str(refused.value)
+        assert line.startswith(f"{manifest} is damaged (") and said in line, line
+        assert line.endswith("(it starts over), or remove manifest.json to train on the shards as they are")
+    caplog.set_level("WARNING")
+    download(conn.config, tmp_path, workers=1, shards=2, chunk=100, progress=False)
+    assert (
+        "manifest.json is damaged (not the manifest" in caplog.text
+        and "starting the download over" in caplog.text
+    )
+    assert len(list(shard_texts(tmp_path))) == whole
+
+
 def test_sampling_is_deterministic_per_seed(tmp_path: Path) -> None:
     conn = _sample_conn(limit=2000)
 
