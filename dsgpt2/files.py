@@ -66,6 +66,16 @@ def open_records(path: Path) -> IO[str]:
     return f
 
 
+def parses_as_toml(path: Path) -> bool:
+    import tomllib
+
+    try:
+        tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return True
+
+
 def is_occupied(path: Path) -> bool:
     """Whether ``path`` is a file or a directory holding anything."""
     return path.is_file() or (path.is_dir() and any(path.iterdir()))

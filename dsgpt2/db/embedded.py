@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dsgpt2.errors import ConfigError, MongoUnavailableError
-from dsgpt2.files import atomic_write_text
+from dsgpt2.files import atomic_write_text, parses_as_toml
 from dsgpt2.settings.environment import env_seconds
 
 log = logging.getLogger(__name__)
@@ -456,6 +456,9 @@ def server_args(directory: Path, command: list[str], host: str, port: int, auth:
     """The server's command line on ``directory`` (its data and an empty config file of its own)."""
     (directory / "data").mkdir(exist_ok=True)
     config = directory / "secantusd.toml"
+    if config.exists() and not parses_as_toml(config):
+        log.warning("%s is damaged: written again (dsgpt2 gives the server its settings as flags)", config)
+        config.unlink()
     if not config.exists():  # named so that no secantusd.toml of the working directory or home applies
         atomic_write_text(config, "# dsgpt2 passes its settings as flags\n")
     return [
