@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.data.packing import IGNORE
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,25 @@ def gpt2_config(
     return cfg
 
 
+def check_model_sizes(cfg: Any, where: str) -> None:
+    """Refuse a layer count, width, head count or dropout a GPT-2 cannot have (zero layers trains
+    nothing but the embeddings, silently).
+
+    Raises:
+        ConfigError: the first such setting, named with its value.
+    """
+    for key in ("n_layer", "n_head", "n_embd", "n_positions", "n_inner"):
+        value = getattr(cfg, key, None)
+        if key == "n_inner" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: {key} must be a whole number of at least 1, not {value!r}")
+    for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_first_dropout"):
+        value = getattr(cfg, key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 1:
+            raise ConfigError(f"{where}: {key} must be a probability in [0, 1), not {value!r}")
+
+
 # Written by save_pretrained beside the architecture's own keys; not settings.
 _BOOKKEEPING = ("architectures", "transformers_version", "model_type", "dtype", "torch_dtype")
 
@@ -84,7 +103,8 @@ def read_model_config(path: Path) -> dict[str, Any]:
     """The settings of a GPT-2 config JSON (``--model_config``), checked.
 
     Raises:
-        ConfigError: unreadable, not a JSON object, or a key GPT2Config does not know.
+        ConfigError: unreadable, not a JSON object, a key GPT2Config does not know, a value of the wrong
+            type or a size a GPT-2 cannot have.
     """
     from transformers import GPT2Config
 
@@ -104,7 +124,13 @@ def read_model_config(path: Path) -> dict[str, Any]:
             f"--model_config {path}: unknown key(s) {', '.join(unknown)}; GPT-2 configs have "
             f"{', '.join(valid)}"
         )
-    return {k: v for k, v in data.items() if k not in _BOOKKEEPING}
+    settings = {k: v for k, v in data.items() if k not in _BOOKKEEPING}
+    try:
+        made = GPT2Config(**settings)
+    except Exception as exc:  # huggingface_hub's validation of a value of the wrong type
+        raise ConfigError(f"--model_config {path}: {first_line(exc)}") from None
+    check_model_sizes(made, f"--model_config {path}")
+    return settings
 
 
 def build_model(cfg: Any) -> Any:

@@ -132,6 +132,11 @@ def test_a_config_made_in_code_needs_no_connection_config_file(files: dict[str, 
         ("{not json", "not valid JSON"),
         ("[1, 2]", "expected a JSON object"),
         ('{"n_layer": 2, "n_layers": 4}', "unknown key(s) n_layers; GPT-2 configs have"),
+        # Zero layers trained the embeddings alone, silently; a width as text ended in a traceback.
+        ('{"n_layer": 0}', "n_layer must be a whole number of at least 1, not 0"),
+        ('{"n_head": -2}', "n_head must be a whole number of at least 1, not -2"),
+        ('{"n_embd": "wide"}', "Validation error for field 'n_embd': TypeError: Field 'n_embd' expected int"),
+        ('{"attn_pdrop": 1.0}', "attn_pdrop must be a probability in [0, 1), not 1.0"),
     ],
 )
 def test_model_config_is_one_clear_line(
