@@ -2,7 +2,9 @@
 built once into what the engine is given (:func:`build_ds_config`).
 
 The checks are the batch-size arithmetic (micro × accumulation × world =
-global), the precision the device can run, and the scheduler's length. The learning rate has one
+global), the precision the device can run, the values of the sections DeepSpeed reads once the model is
+built (ZeRO stage, clipping, the optimizer's type and settings, the scheduler's type: refused as the file
+is read, not in a traceback after the build), and the scheduler's length. The learning rate has one
 source: ``--lr``, else the file's ``optimizer.params.lr``; the schedule is dsgpt2's (:class:`Schedule`)
 or the file's scheduler, and the optimizer of the run (:mod:`dsgpt2.optim.optimizers`) says what else it
 needs of the config.
@@ -40,7 +42,68 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{FLAG} {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{FLAG} {p}: expected a JSON object")
+    check_sections(cfg, p)
     return cfg
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_sections(cfg: dict[str, Any], p: Path) -> None:
+    """Refuse, in one line, the values of the sections DeepSpeed and dsgpt2 read (ZeRO, clipping, the
+    optimizer's type and settings, the scheduler's type) that would end the run in a traceback once
+    its model is built, or train it in ways nobody asked for.
+
+    Raises:
+        ConfigError: the first such value, named with the fix.
+    """
+    for section in ("zero_optimization", "optimizer", "scheduler"):
+        if section in cfg and not isinstance(cfg[section], dict):
+            raise ConfigError(f'{FLAG} {p}: "{section}" must be a JSON object, not {cfg[section]!r}')
+    stage = cfg.get("zero_optimization", {}).get("stage", 0)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise ConfigError(f"{FLAG} {p}: zero_optimization.stage must be 0, 1, 2 or 3, not {stage!r}")
+    clip = cfg.get("gradient_clipping", 0.0)
+    if not _number(clip) or clip < 0:
+        raise ConfigError(f"{FLAG} {p}: gradient_clipping must be a number ≥ 0 (0: none), not {clip!r}")
+    block = cfg.get("optimizer") or {}
+    kind = block.get("type")
+    if "type" in block and (not isinstance(kind, str) or not _known_optimizer(kind)):
+        raise ConfigError(
+            f"{FLAG} {p}: optimizer type {kind!r} is not one DeepSpeed has; use AdamW (or leave the "
+            "optimizer section out and choose one with --optimizer)"
+        )
+    params = block.get("params") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{FLAG} {p}: optimizer.params must be a JSON object, not {params!r}")
+    for key, low in (("lr", 0.0), ("eps", 0.0), ("weight_decay", 0.0)):
+        if key in params and (not _number(params[key]) or params[key] < low):
+            raise ConfigError(f"{FLAG} {p}: optimizer.params.{key} must be a number ≥ 0, not {params[key]!r}")
+    betas = params.get("betas", [0.9, 0.999])
+    if not (isinstance(betas, list) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
+        raise ConfigError(f"{FLAG} {p}: optimizer.params.betas must be two numbers in [0, 1), not {betas!r}")
+    scheduler = (cfg.get("scheduler") or {}).get("type")
+    if "scheduler" in cfg and scheduler not in SCHEDULERS:
+        raise ConfigError(
+            f"{FLAG} {p}: scheduler type {scheduler!r} is not one DeepSpeed has: use one of "
+            f"{', '.join(SCHEDULERS)}, or leave the scheduler out and choose a schedule with --lr_schedule"
+        )
+
+
+# DeepSpeed's learning-rate schedulers (deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES).
+SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+
+
+def _known_optimizer(kind: str) -> bool:
+    """DeepSpeed's test: one of its own optimizers, or one of torch.optim by name."""
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    prepare_deepspeed_environment()
+    import torch
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    return kind.lower() in DEEPSPEED_OPTIMIZERS or getattr(torch.optim, kind, None) is not None
 
 
 @dataclass(frozen=True)

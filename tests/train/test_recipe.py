@@ -135,6 +135,35 @@ def test_the_deepspeed_config_is_built_once_with_the_schedule_replaced_or_kept(t
     assert ds.optimizer_params == {"lr": 6e-4}
 
 
+@pytest.mark.parametrize(
+    ("section", "said"),
+    [
+        ({"zero_optimization": {"stage": 5}}, "zero_optimization.stage must be 0, 1, 2 or 3, not 5"),
+        ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage must be 0, 1, 2 or 3, not '2'"),
+        ({"zero_optimization": []}, '"zero_optimization" must be a JSON object, not []'),
+        ({"gradient_clipping": "x"}, "gradient_clipping must be a number ≥ 0 (0: none), not 'x'"),
+        ({"optimizer": {"type": "Lamb2"}}, "optimizer type 'Lamb2' is not one DeepSpeed has; use AdamW"),
+        ({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
+         "optimizer.params.betas must be two numbers in [0, 1), not [0.9]"),
+        ({"optimizer": {"type": "AdamW", "params": {"lr": -1}}}, "optimizer.params.lr must be a number ≥ 0"),
+        ({"optimizer": {"type": "AdamW", "params": {"eps": "tiny"}}}, "optimizer.params.eps must be a"),
+        ({"scheduler": {"type": "Nope"}}, "scheduler type 'Nope' is not one DeepSpeed has: use one of "
+         "LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR, or leave the scheduler out"),
+    ],
+)  # fmt: skip
+def test_a_deepspeed_config_value_that_would_fail_after_the_build_is_one_line_first(
+    tmp_path: Path, section: dict, said: str
+) -> None:
+    """Each of these ended a run in DeepSpeed's or our own traceback once the model was built (an
+    assertion, a pydantic error, an unpacking, an index out of range): refused as the file is read."""
+    with pytest.raises(ConfigError) as refused:
+        _built(tmp_path, section, ScheduleOptions(lr_schedule="wsd", lr=1e-3), 10)
+    assert str(refused.value).startswith(f"--deepspeed_config {tmp_path / 'ds.json'}: ")
+    assert said in str(refused.value)
+    # What DeepSpeed takes, torch.optim's optimizers by name included, stays accepted.
+    _built(tmp_path, {"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, ScheduleOptions(lr=1e-3), 10)
+
+
 def test_presets_pretrain_without_dropout_and_a_model_config_keeps_its_own(tmp_path) -> None:
     for preset in ("tiny", "112m"):
         cfg = gpt2_config(preset, 100, 32, 0, 1)

@@ -48,7 +48,10 @@ def test_deepspeed_config_problems_are_one_line_errors(corpus: dict[str, Path], 
     bad.write_text('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4}')
     malformed = tmp_path / "malformed.json"
     malformed.write_text("{nope")
-    for path, needle in ((bad, "train_batch_size 10"), (malformed, "not valid JSON")):
+    stage = tmp_path / "stage.json"
+    stage.write_text('{"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 5}}')
+    cases = ((bad, "train_batch_size 10"), (malformed, "not valid JSON"), (stage, "stage must be"))
+    for path, needle in cases:
         result = train(dict(corpus, ds=path), tmp_path, check=False)
         assert result.returncode == 2, result.stderr
         assert needle in result.stderr and "--deepspeed_config" in result.stderr
