@@ -17,6 +17,7 @@ leaves the cache as it was before.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -44,6 +45,8 @@ from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir, is_occupied
 from dsgpt2.progress import progress as progress_display
 
+log = logging.getLogger(__name__)
+_DAMAGED: set[Path] = set()  # cache.json files said to be damaged, once each
 FORMAT = 2  # the files' layout: 2 = tokens per document (1 held packed blocks per chunk and split)
 _FORMER = ("train.bin", "val.bin", "train.loss.bin", "val.loss.bin", "train.offsets.npy",
            "val.offsets.npy", "train.last.npy", "val.last.npy")  # fmt: skip
@@ -82,7 +85,16 @@ def _meta(cache_dir: Path) -> dict[str, Any] | None:
     path = cache_dir / "cache.json"
     if not path.exists():
         return None
-    meta = json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        meta = None
+    if not isinstance(meta, dict):
+        # Written whole or not at all (atomically): damaged since, it stands for no complete chunk.
+        if path not in _DAMAGED:
+            _DAMAGED.add(path)
+            log.warning("%s is damaged: the cache is built again from its first chunk", path)
+        return None
     return meta if meta.get("format") == FORMAT else None
 
 

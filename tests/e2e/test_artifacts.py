@@ -186,6 +186,13 @@ def test_tokenize_refuses_the_cache_of_other_data_unless_told(
     assert "context" in line and "--overwrite" in line and (cache / "cache.json").read_text() == meta
     assert main([*common, "--context_length", "16", "--overwrite"]) == 0
     assert json.loads((cache / "cache.json").read_text())["fingerprint"]["context"] == 16
+    # Its record damaged since (written whole or not at all, so by something else): the cache is built
+    # again, with a warning, not a traceback.
+    (cache / "cache.json").write_text('{"format": 2, "fingerp')
+    capsys.readouterr()
+    assert main([*common, "--context_length", "16"]) == 0
+    assert f"{cache / 'cache.json'} is damaged: the cache is built again" in capsys.readouterr().err
+    assert json.loads((cache / "cache.json").read_text())["fingerprint"]["context"] == 16
 
 
 def test_a_writer_killed_mid_write_leaves_the_earlier_artifact_whole(tmp_path: Path) -> None:
