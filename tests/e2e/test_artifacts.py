@@ -4,6 +4,7 @@ by every command that loads it against the run; writers refuse a target that hol
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -173,7 +174,7 @@ def test_writers_refuse_a_directory_of_other_files_even_when_told_to_overwrite(
 
 
 def test_tokenize_refuses_the_cache_of_other_data_unless_told(
-    run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     cache = tmp_path / "cache"
     common = ["tokenize", "--config_train", str(run["config"]), "--vocab_dir", str(run["tok"]),
@@ -189,9 +190,13 @@ def test_tokenize_refuses_the_cache_of_other_data_unless_told(
     # Its record damaged since (written whole or not at all, so by something else): the cache is built
     # again, with a warning, not a traceback.
     (cache / "cache.json").write_text('{"format": 2, "fingerp')
-    capsys.readouterr()
-    assert main([*common, "--context_length", "16"]) == 0
-    assert f"{cache / 'cache.json'} is damaged: the cache is built again" in capsys.readouterr().err
+    logger = logging.getLogger("dsgpt2.data.cache")  # caught here whatever the CLI did to logging before
+    logger.addHandler(caplog.handler)
+    try:
+        assert main([*common, "--context_length", "16"]) == 0
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert f"{cache / 'cache.json'} is damaged: the cache is built again" in caplog.text
     assert json.loads((cache / "cache.json").read_text())["fingerprint"]["context"] == 16
 
 
