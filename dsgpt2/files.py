@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -56,12 +59,8 @@ def open_records(path: Path) -> IO[str]:
             torn = f.read(1) != b"\n"
     f = open(path, "a", encoding="utf-8")  # noqa: SIM115  (the caller's, for its run)
     if torn:
-        import logging
-
-        logging.getLogger("dsgpt2.files").warning(
-            "%s ends mid-record (a run stopped while writing it): this run's records start on the next line",
-            path,
-        )
+        log.warning("%s ends mid-record (a run stopped while writing it): this run's records start on the "
+                    "next line", path)  # fmt: skip
         f.write("\n")
     return f
 

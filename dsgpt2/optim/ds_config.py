@@ -77,22 +77,18 @@ def check_sections(cfg: dict[str, Any], p: Path) -> None:
     params = block.get("params") or {}
     if not isinstance(params, dict):
         raise ConfigError(f"{FLAG} {p}: optimizer.params must be a JSON object, not {params!r}")
-    for key, low in (("lr", 0.0), ("eps", 0.0), ("weight_decay", 0.0)):
-        if key in params and (not _number(params[key]) or params[key] < low):
+    for key in ("lr", "eps", "weight_decay"):
+        if key in params and (not _number(params[key]) or params[key] < 0):
             raise ConfigError(f"{FLAG} {p}: optimizer.params.{key} must be a number ≥ 0, not {params[key]!r}")
     betas = params.get("betas", [0.9, 0.999])
     if not (isinstance(betas, list) and len(betas) == 2 and all(_number(b) and 0 <= b < 1 for b in betas)):
         raise ConfigError(f"{FLAG} {p}: optimizer.params.betas must be two numbers in [0, 1), not {betas!r}")
     scheduler = (cfg.get("scheduler") or {}).get("type")
-    if "scheduler" in cfg and scheduler not in SCHEDULERS:
+    if "scheduler" in cfg and scheduler not in (schedulers := _deepspeed_schedulers()):
         raise ConfigError(
             f"{FLAG} {p}: scheduler type {scheduler!r} is not one DeepSpeed has: use one of "
-            f"{', '.join(SCHEDULERS)}, or leave the scheduler out and choose a schedule with --lr_schedule"
+            f"{', '.join(schedulers)}, or leave the scheduler out and choose a schedule with --lr_schedule"
         )
-
-
-# DeepSpeed's learning-rate schedulers (deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES).
-SCHEDULERS = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 
 def _known_optimizer(kind: str) -> bool:
@@ -104,6 +100,15 @@ def _known_optimizer(kind: str) -> bool:
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
 
     return kind.lower() in DEEPSPEED_OPTIMIZERS or getattr(torch.optim, kind, None) is not None
+
+
+def _deepspeed_schedulers() -> list[str]:
+    from dsgpt2.accelerator import prepare_deepspeed_environment
+
+    prepare_deepspeed_environment()
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+
+    return list(VALID_LR_SCHEDULES)
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class StopRequest:
         self._timer: threading.Timer | None = None
         self._last = False  # the last step has started: a signal now stops nothing
         self._over = False  # the training loop has ended
-        self._late: str | None = None  # "with"/"after" the last step, where the signal came then
+        self._late: str | None = None  # "came with"/"after" the last step, where the signal came then
         self.stopped_by: str | None = None  # the stop the ranks agreed on, which ended the training
 
     def install(self) -> None:
@@ -99,7 +99,7 @@ class StopRequest:
         if self.name is None or self._adopted:
             self._adopted = False
             self.name, self._at = name, now
-            self._late = "after" if self._over else "with" if self._last else None
+            self._late = "after" if self._over else "came with" if self._last else None
             if signum == signal.SIGINT:
                 self._announce()
             else:
@@ -128,7 +128,7 @@ class StopRequest:
         late = self._late or ("after" if self._over else None)
         if late is not None and self.stopped_by is None:
             log.warning("%s %s the last step: the run ends as it would have, its final checkpoint written",
-                        self.name, "came with" if late == "with" else late)  # fmt: skip
+                        self.name, late)  # fmt: skip
         else:
             log.warning("%s: saving a checkpoint after the current step, then exiting", self.name)
 
