@@ -73,7 +73,10 @@ def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -
     proc.terminate()
     proc.wait(timeout=deadline(30))
     log.close()
-    assert f"Uvicorn running on {url}" in (base / "server.log").read_text()
+    text = (base / "server.log").read_text()
+    assert f"Uvicorn running on {url}" in text
+    # SIGTERM (docker stop, systemd) ends the server as Ctrl-C does: shut down, exit 0.
+    assert proc.returncode == 0 and "stopped by SIGTERM" in text, (proc.returncode, text[-2000:])
 
 
 def sse(response: httpx.Response) -> list[Any]:

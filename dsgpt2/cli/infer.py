@@ -23,7 +23,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
-from dsgpt2.settings.options import PORT, Checked, from_namespace, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, PORT, Checked, from_namespace, option
 from dsgpt2.train.config import RunOptions
 
 log = logging.getLogger("dsgpt2")
@@ -137,6 +137,11 @@ class ServeSettings(Checked):
 
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "port", check=PORT)
+    shutdown_grace: int = option(
+        30,
+        "seconds the requests in flight get to finish after Ctrl-C or SIGTERM; then they are cut off",
+        check=NON_NEGATIVE_INT,
+    )
     api_key: str | None = option(
         None, f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)"
     )
@@ -309,7 +314,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("loading the model %s (the server answers once it is loaded)", source.model)
     app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
     log.info("model loaded in %.1f s", time.monotonic() - started)
-    serve(app, s.host, s.port, authenticated=api_key is not None)
+    serve(app, s.host, s.port, authenticated=api_key is not None, grace=s.shutdown_grace)
     return 0
 
 
@@ -389,8 +394,11 @@ SERVE = Command(
     settings=(
         ModelSource,
         Flags(ServeSettings, only=["host", "port"]),
-        Flags(ServeLimits, only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch"]),
-        Flags(ServeSettings, only=["api_key"]),
+        Flags(
+            ServeLimits,
+            only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch", "max_sequences"],
+        ),
+        Flags(ServeSettings, only=["api_key", "shutdown_grace"]),
         # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
         Flags(SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None}, group="sampling"),
     ),

@@ -283,9 +283,10 @@ class Decoder:
         rank = torch.arange(values.shape[1], device=logits.device)[None]
         values = values.masked_fill(rank >= ks, float("-inf"))
         probs = values.softmax(-1)
-        # Nucleus: keep the likeliest tokens until their mass reaches top_p (at least one).
+        # Nucleus: keep the likeliest tokens until their mass reaches top_p, and the likeliest one
+        # always (a top_p below float32's smallest number is 0 here, and would leave none to draw).
         before = probs.cumsum(-1) - probs
-        probs = probs.masked_fill(before >= top_p, 0.0)
+        probs = probs.masked_fill((before >= top_p) & (rank > 0), 0.0)
         # Back in vocabulary order, so that a row's draw does not depend on how wide the other
         # rows' filters made this tensor.
         probs = torch.zeros_like(scaled).scatter_(1, order, probs)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dsgpt2.documents import text_problem
+from dsgpt2.documents import text_problem, utf8_encodable
 from dsgpt2.errors import ConfigError, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits
@@ -96,6 +96,11 @@ def check_keys(body: dict[str, Any], allowed: set[str]) -> None:
 def check_model(body: dict[str, Any], served: str, aliases: Sequence[str] = ()) -> None:
     """A request may name the served model or one of its aliases (or none)."""
     model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError(f"model must be a string, got {model!r}", "model")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise RequestError(f"user must be a string, got {user!r}", "user")
     if model is not None and model != served and model not in aliases:
         also = f" (also as {', '.join(repr(a) for a in aliases)})" if aliases else ""
         raise RequestError(
@@ -158,6 +163,8 @@ def stop_sequences(body: dict[str, Any]) -> list[str]:
         raise RequestError("stop must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP:
         raise RequestError(f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+    if not all(utf8_encodable(s) for s in stops):
+        raise RequestError("stop holds invalid text (a lone surrogate)", "stop")
     return stops
 
 
@@ -190,6 +197,12 @@ def _completion(body: dict[str, Any], limits: ServeLimits, defaults: SamplingPar
     for p in prompts:
         _check_text(p, limits, "prompt")
     params = sampling(body, limits, defaults, DEFAULT_MAX_TOKENS)
+    if len(prompts) * params.num_samples > limits.max_sequences:
+        raise RequestError(
+            f"{len(prompts)} prompts times n {params.num_samples} is more sequences than this server decodes "
+            f"for one request ({limits.max_sequences}); send fewer prompts or a smaller n",
+            "prompt",
+        )
     return ApiRequest(prompts, [], params, stop_sequences(body), *_stream(body))
 
 
@@ -204,10 +217,14 @@ def _chat(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -
         if isinstance(content, list):  # content parts: only text applies
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p.get("text"), str) for p in content):
+                raise RequestError(f"messages[{i}].content: a text part needs a string text", "messages")
+            content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise RequestError(f"messages[{i}] needs a role and a string content", "messages")
         _check_text(content, limits, "messages")
+        if not isinstance(role, str):
+            raise RequestError(f"messages[{i}].role must be a string, got {role!r}", "messages")
         if role in ("system", "developer"):
             system.append(content)
         elif role in ROLES:
@@ -238,7 +255,7 @@ def _check_text(text: str, limits: ServeLimits, param: str) -> None:
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     """Whether to stream, and whether to end the stream with the usage."""
     stream = body.get("stream", False)
-    if stream not in (True, False, None):
+    if stream is not None and not isinstance(stream, bool):
         raise RequestError("stream must be true or false", "stream")
     options = body.get("stream_options")
     if options is None:

@@ -24,11 +24,14 @@ import errno
 import hmac
 import json
 import logging
+import signal
+import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from pathlib import PurePath
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -80,6 +83,11 @@ def parse_request(
         limits.check_length(params.max_new_tokens)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
+    if params.num_samples > limits.max_sequences:
+        raise RequestError(
+            f"num_samples {params.num_samples} is more than this server decodes for one request "
+            f"({limits.max_sequences})"
+        )
     return prompt, params
 
 
@@ -124,7 +132,8 @@ def make_app(
     ``/health`` must carry (none: no authentication); ``name``: the model's name in the API (default:
     where it was loaded from), the checkpoint it came from being an alias."""
     service = Service(generator, limits, defaults, api_key is not None, name)
-    middleware = [Middleware(AccessLog)] + ([Middleware(BearerAuth, api_key=api_key)] if api_key else [])
+    middleware = [Middleware(AccessLog)]
+    middleware += [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     return Starlette(
         routes=[
             Route("/generate", service.get_generate, methods=["GET"]),
@@ -184,7 +193,12 @@ class Service:
         )
 
     async def get_generate(self, request: Request) -> JSONResponse:
-        return await self.generate(request, "sentence", dict(request.query_params))
+        try:
+            # Starlette decodes the query leniently; undecodable bytes are refused as in a body.
+            query = parse_qsl(request.scope["query_string"].decode("latin-1"), errors="strict")
+        except UnicodeDecodeError:
+            return _error("the query string holds bytes that are not UTF-8", 400, api=False)
+        return await self.generate(request, "sentence", dict(query))
 
     async def post_generate(self, request: Request) -> JSONResponse:
         body = await _read_body(request, self.limits.max_body_bytes)
@@ -199,7 +213,10 @@ class Service:
         generator = self.generator
         try:
             api = api_request(body, chat, self.served, self.limits, self.defaults, aliases=self.aliases)
-            decodes = _chat_decodes(generator, api) if chat else _completion_decodes(generator, api)
+            if chat:
+                decodes = _chat_decodes(generator, api, self.served)
+            else:
+                decodes = _completion_decodes(generator, api)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
@@ -277,7 +294,7 @@ def _completion_decodes(generator: Generator, api: ApiRequest) -> list[DecodeReq
     return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
 
 
-def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
+def _chat_decodes(generator: Generator, api: ApiRequest, served: str) -> list[DecodeRequest]:
     from dsgpt2.infer.chat import ChatSession
 
     try:
@@ -289,7 +306,7 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
             if task not in (None, "conversation")
             else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
         )
-        raise RequestError(f"{generator.loaded.name} {why}; use /v1/completions", "messages") from None
+        raise RequestError(f"{served} {why}; use /v1/completions", "messages") from None
     ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
@@ -297,7 +314,10 @@ def _chat_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
 
 class AccessLog:
     """One line per request once its answer is sent (a stream: at its end): the method, the path (not
-    the query, which holds the prompt), the status, the tokens generated and the milliseconds taken."""
+    the query, which holds the prompt), the status, the tokens generated and the milliseconds taken.
+
+    A request still running when the shutdown's grace ends is cancelled: it ends with a 503 (or, its
+    answer begun, with the end of its body) and a line saying so, not a traceback."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -307,7 +327,7 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        status = 500  # an answer never started: the server failed it
+        status = None
 
         async def sending(message: Any) -> None:
             nonlocal status
@@ -317,10 +337,21 @@ class AccessLog:
 
         try:
             await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            log.warning("%s %s cut off by the shutdown (--shutdown_grace)", scope["method"], scope["path"])
+            with contextlib.suppress(Exception):
+                if status is None:
+                    closing = {"Connection": "close"}
+                    await JSONResponse({"error": "the server is shutting down"}, 503, closing)(
+                        scope, receive, sending
+                    )
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             decodes = scope.get("state", {}).get("decodes") or []
             tokens = sum(len(sample.ids) for d in decodes for sample in d.samples)
-            log.info("%s %s %d, %d tokens, %.0f ms", scope["method"], scope["path"], status, tokens,
+            # No answer started: the server failed it.
+            log.info("%s %s %d, %d tokens, %.0f ms", scope["method"], scope["path"], status or 500, tokens,
                      1000 * (time.monotonic() - started))  # fmt: skip
 
 
@@ -329,12 +360,14 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # The scheme's case is free (RFC 9110); the key is compared in constant time.
+            matches = hmac.compare_digest(given.strip(), self.expected)
+            if scheme.lower() != b"bearer" or not matches:
                 error = RequestError(
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     status=401,
@@ -429,16 +462,22 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
         log.warning("%s disconnected after %d bytes of its request body; request dropped", peer, size)
         return JSONResponse({"error": "client disconnected"}, status_code=400)
     try:
-        body = json.loads(b"".join(chunks) or b"null")
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+        # JSON between systems is UTF-8 (RFC 8259): no guessing of UTF-16 from the first bytes.
+        body = json.loads(b"".join(chunks).decode("utf-8-sig") or "null")
+    except UnicodeDecodeError:
+        return JSONResponse({"error": "the body is not UTF-8 text"}, status_code=400)
+    except json.JSONDecodeError as exc:
+        return JSONResponse({"error": f"the body is not valid JSON ({exc})"}, status_code=400)
+    except RecursionError:
+        return JSONResponse({"error": "the body's JSON is nested too deeply"}, status_code=400)
     if not isinstance(body, dict):
         return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
     return body
 
 
-def serve(app: Starlette, host: str, port: int, authenticated: bool = False) -> None:
-    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM)."""
+def serve(app: Starlette, host: str, port: int, authenticated: bool = False, grace: int = 30) -> None:
+    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM: the requests in flight get ``grace``
+    seconds to finish, then are cut off), and return."""
     import uvicorn
 
     check_bind(host, port)
@@ -448,7 +487,24 @@ def serve(app: Starlette, host: str, port: int, authenticated: bool = False) -> 
             "$DSGPT2_API_KEY)",
             host,
         )
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    with _sigterm_returns():
+        uvicorn.run(
+            app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=grace
+        )
+
+
+@contextlib.contextmanager
+def _sigterm_returns() -> Iterator[None]:
+    """uvicorn shuts down on SIGTERM, then raises it again for the handler it found: this one, so
+    that the command ends as after Ctrl-C (exit 0) where the default handler would kill it (143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: log.info("stopped by SIGTERM"))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_bind(host: str, port: int) -> None:

@@ -128,6 +128,11 @@ class ServeLimits(Checked):
         check=POSITIVE_INT,
     )  # fmt: skip
     max_batch: int = option(8, "sequences decoded together in one batch (samples count)", check=POSITIVE_INT)
+    max_sequences: int = option(
+        MAX_SAMPLES,
+        "sequences one request may ask for (its prompts times n); more get a 400",
+        check=POSITIVE_INT,
+    )
     max_body_bytes: int = option(64_000, "largest request body", check=POSITIVE_INT)
 
     def check_length(self, asked: int, name: str = "max_new_tokens") -> None:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -96,9 +97,17 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(
 
 
 def test_malformed_bodies_get_400(server: str) -> None:
-    for body in (b"{not json", b"[1, 2]", b"\xff\xfe", b"", b"[" * 50_000):
+    for body, reason in (
+        (b"{not json", "not valid JSON (Expecting property name"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"", "must be a JSON object"),
+        (b"\xff\xfe", "not UTF-8 text"),
+        (b"[" * 50_000, "nested too deeply"),
+    ):
         r = httpx.post(f"{server}/generate", content=body, timeout=deadline(10))
-        assert r.status_code == 400, body
+        assert r.status_code == 400 and reason in r.json()["error"], (body[:10], r.text)
+    r = httpx.get(f"{server}/generate?sentence=%ff%fe&max_new_tokens=2", timeout=deadline(10))
+    assert r.status_code == 400 and "not UTF-8" in r.json()["error"], r.text
     r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=deadline(10))
     assert r.status_code == 400 and "invalid text" in r.json()["error"]
     r = httpx.post(
@@ -106,6 +115,29 @@ def test_malformed_bodies_get_400(server: str) -> None:
     )
     assert r.status_code == 413
     assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
+
+
+def test_a_top_p_below_float32s_range_keeps_the_likeliest_token_and_spoils_no_other_request(
+    server: str,
+) -> None:
+    """A top_p of 1e-300 is 0 as a float32: the nucleus keeps the likeliest token all the same (the
+    greedy text), where it had left nothing to draw and failed every request in the batch with it."""
+    prompt = {"prompt": "Return the", "max_new_tokens": 6}
+    greedy = httpx.post(f"{server}/generate", json={**prompt, "temperature": 0}, timeout=deadline(30))
+    tiny = {**prompt, "temperature": 1.5, "top_p": 1e-300, "seed": 3}
+    other = {**prompt, "temperature": 1.0, "seed": 5}
+
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(f"{server}/generate", json=body, timeout=deadline(30))
+
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(post, (other, tiny, other)))
+    assert [a.status_code for a in answers] == [200] * 3, [a.text for a in answers]
+    assert answers[1].json()["generated"] == greedy.json()["generated"]
+    assert answers[0].json()["generated"] == answers[2].json()["generated"]
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": "Return", "max_tokens": 3, "top_p": 1e-300},
+                   timeout=deadline(30))  # fmt: skip
+    assert r.status_code == 200, r.text
 
 
 def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
@@ -298,13 +330,30 @@ def test_api_defaults_and_field_mapping() -> None:
         ({"prompt": "a", "n": 2, "temperature": 0}, "n"),
         ({"prompt": ["a", 3]}, "prompt"),
         ({"prompt": "a\ud800"}, "prompt"),
+        ({"prompt": "a", "stream": 1}, "stream"),
+        ({"prompt": "a", "model": 5}, "model"),
+        ({"prompt": "a", "user": 5}, "user"),
+        ({"prompt": "a", "stop": ["\ud800"]}, "stop"),
+        # More sequences than one request may decode (--max_sequences, 16): 9 prompts × 2 samples.
+        ({"prompt": ["a"] * 9, "n": 2}, "prompt"),
     ):
         with pytest.raises(RequestError) as caught:
             api_request(body, False, "m", limits, defaults)
         assert caught.value.param == param, (body, caught.value)
-    for messages in ([], [{"role": "assistant", "content": "x"}], [{"role": "tool", "content": "x"}]):
-        with pytest.raises(RequestError, match=r"messages|last message|role"):
+    for messages in (
+        [],
+        [{"role": "assistant", "content": "x"}],
+        [{"role": "tool", "content": "x"}],
+        [{"role": ["user"], "content": "x"}],
+        [{"role": {}, "content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}],
+        [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+    ):
+        with pytest.raises(RequestError, match=r"messages|last message|role") as caught:
             api_request({"messages": messages}, True, "m", limits, defaults)
+        assert caught.value.param == "messages"
+    sixteen = api_request({"prompt": ["a"] * 8, "n": 2}, False, "m", limits, defaults)
+    assert len(sixteen.prompts) * sixteen.params.num_samples == limits.max_sequences == 16
 
 
 @pytest.fixture(scope="module")
@@ -351,3 +400,23 @@ def test_each_request_is_one_access_log_line_and_loading_is_said(quiet_server: s
     if streamed_tokens is not None:
         assert shown[2] == f"POST /v1/completions 200, {streamed_tokens} tokens, N ms", lines
     assert "secret" not in log.read_text()[before:]  # the prompt is not logged
+
+
+def test_sigterm_gives_the_requests_in_flight_the_grace_then_ends_0(tmp_path: Path, pretrained: Path) -> None:
+    """A client stalled mid-body held the shutdown for as long as it stayed: --shutdown_grace bounds
+    it, and the server still ends 0 (start_server checks the exit code and the line)."""
+    gen = iter(start_server(tmp_path, pretrained, "--shutdown_grace", "1"))
+    url = next(gen)
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as stalled:
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt"'
+        )
+        time.sleep(0.3)
+        started = time.monotonic()
+        next(gen, None)  # SIGTERM, then the exit code and the line checked
+        assert time.monotonic() - started < deadline(15)
+    text = LOGS[url].read_text()
+    assert "timeout graceful shutdown exceeded" in text and "Traceback" not in text, text[-3000:]
+    assert "POST /v1/completions cut off by the shutdown" in text and "POST /v1/completions 503" in text

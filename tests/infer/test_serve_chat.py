@@ -74,10 +74,14 @@ def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
     )
     assert r.status_code == 401
     assert httpx.get(f"{chat_server}/health", timeout=deadline(10)).json()["auth"] is True
-    ok = httpx.get(
-        f"{chat_server}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=deadline(10)
-    )
-    assert ok.status_code == 200
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme's case is free (RFC 9110)
+        ok = httpx.get(
+            f"{chat_server}/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=deadline(10)
+        )
+        assert ok.status_code == 200
+    for header in (f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer{KEY}"):
+        r = httpx.get(f"{chat_server}/v1/models", headers={"Authorization": header}, timeout=deadline(10))
+        assert r.status_code == 401, header
     assert KEY not in LOGS[chat_server].read_text()
 
 
@@ -165,6 +169,7 @@ def test_chat_on_a_model_pretrained_on_text_is_refused_though_its_tokenizer_has_
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "messages" and "was trained on text (task lm)" in error["message"]
+        assert error["message"].startswith(f"{model} was trained")  # the served name, not its checkpoint
         assert error["message"].endswith("use /v1/completions")
         done = httpx.post(
             f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 3}, timeout=deadline(30)
