@@ -21,6 +21,11 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         message = name_file_values(str(exc))
         print(f"{prog}: error: {scrub(message, os.environ.get(ENV_URI, ''))}", file=sys.stderr)
         return exc.exit_code
+    except PermissionError as exc:
+        # The machine's, not the command's: a file or directory this user may not read or write.
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"{prog}: error: cannot use{where}: {exc.strerror}; check its owner and mode", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -45,7 +45,18 @@ def read_marker(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
         return None
     if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
         return None
+    files = marker.get("files")
+    if files is not None and not _listing(files):
+        return None  # a marker edited or damaged by hand: its checkpoint cannot be checked
     return marker
+
+
+def _listing(files: Any) -> bool:
+    """A marker's ``files``: {relative path: {"size": int, "sha256": str}}."""
+    return isinstance(files, dict) and all(
+        isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
+        for f in files.values()
+    )
 
 
 def is_complete(ckpt_dir: Path, tag: str) -> bool:

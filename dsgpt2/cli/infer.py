@@ -299,7 +299,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsgpt2.infer.generate import Generator
-    from dsgpt2.infer.serve import check_bind, make_app, serve
+    from dsgpt2.infer.serve import make_app, serve
+    from dsgpt2.listen import check_bind
 
     s, limits = from_namespace(ServeSettings, args), from_namespace(ServeLimits, args)
     source = from_namespace(ModelSource, args)

@@ -444,7 +444,7 @@ class Connection:
                 appname="dsgpt2",
                 connect=False,
             )
-        except ConfigurationError as exc:
+        except (ConfigurationError, ValueError) as exc:  # ValueError: a port that is not a number
             raise ConfigError(
                 f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: "
                 f"{self.config.scrub(first_line(exc))}"

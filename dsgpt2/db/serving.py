@@ -19,6 +19,7 @@ from typing import NoReturn
 from dsgpt2.db import embedded
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text
+from dsgpt2.listen import check_bind
 
 WILDCARDS = ("0.0.0.0", "::", "")
 # Read by the server's entry point (db/secantusd.py): the host it names as its address in ``hello``.
@@ -47,6 +48,7 @@ def serve(
     if (user is None) != (password is None):
         raise ConfigError(f"{where}: a user needs a password and a password a user")
     embedded.check_directory(directory)
+    check_bind(host, port)
     with embedded.locked(directory):
         state = embedded.running(directory)
         if state is not None:

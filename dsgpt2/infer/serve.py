@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import hmac
 import json
 import logging
@@ -54,6 +53,7 @@ from dsgpt2.infer.openai_api import (
     now,
 )
 from dsgpt2.infer.settings import ServeLimits
+from dsgpt2.listen import check_bind
 
 log = logging.getLogger(__name__)
 
@@ -505,32 +505,3 @@ def _sigterm_returns() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def check_bind(host: str, port: int) -> None:
-    """Fail with one line where uvicorn could not listen (a busy port, an address not of this host).
-
-    Raises:
-        ConfigError: the address cannot be bound, naming it and the fix.
-    """
-    import socket
-
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        # As uvicorn binds: SO_REUSEADDR, so a port in TIME_WAIT is free, one with a listener is not.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise ConfigError(
-                    f"--port {port} on {host} is in use by another program; choose another --port"
-                ) from None
-            raise ConfigError(
-                f"--host {host} --port {port}: cannot listen there ({exc.strerror}); use an address of "
-                "this machine (127.0.0.1 by default) and a port above 1023"
-            ) from None

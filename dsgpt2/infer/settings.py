@@ -175,7 +175,7 @@ class EvalRequest(Checked):
     )
     batch_size: int = option(8, "blocks per forward pass", check=POSITIVE_INT)
     max_batches: int | None = option(None, "stop after this many batches (default: all)", check=POSITIVE_INT)
-    workers: int = option(2, "tokenizing worker processes", check=NON_NEGATIVE_INT, flag="num_workers")
+    workers: int = option(2, "tokenizing worker processes", check=Range(int, 0, 256), flag="num_workers")
     doc_mask: bool | None = option(None, "attention within documents only (default: as the model trained)")
     loss_chunk: int = option(
         DEFAULT_LOSS_CHUNK,

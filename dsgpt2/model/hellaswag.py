@@ -33,7 +33,17 @@ def read_examples(path: Path, limit: int | None = None) -> list[Example]:
     """The examples of a HellaSwag JSONL file; a malformed file is one line naming the line."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--hellaswag {path}: file not found")
+        why = "a directory, not a file" if path.is_dir() else "file not found"
+        raise ConfigError(f"--hellaswag {path}: {why}")
+    try:
+        return _read(path, limit)
+    except UnicodeDecodeError:
+        raise ConfigError(f"--hellaswag {path}: not JSON lines (its bytes are not UTF-8 text)") from None
+    except OSError as exc:
+        raise ConfigError(f"--hellaswag {path}: cannot read it ({exc.strerror})") from None
+
+
+def _read(path: Path, limit: int | None) -> list[Example]:
     out: list[Example] = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, 1):

@@ -40,6 +40,10 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
         ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{FLAG} {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{FLAG} {p}: not a JSON file (its bytes are not UTF-8 text)") from None
+    except OSError as exc:
+        raise ConfigError(f"{FLAG} {p}: cannot read it ({exc.strerror})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{FLAG} {p}: expected a JSON object")
     check_sections(cfg, p)

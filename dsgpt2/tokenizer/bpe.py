@@ -26,7 +26,7 @@ from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir
 from dsgpt2.settings.argtypes import comma_list
-from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, option
+from dsgpt2.settings.options import POSITIVE_INT, Checked, Range, option
 from dsgpt2.tokenizer.texts import TextStream
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,7 @@ EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 DEFAULT_SPEAKERS = ("user", "bot")
 VOCAB_META = "dsgpt2_vocab.json"
+MAX_VOCAB = 1 << 20
 _SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
 
@@ -81,12 +82,15 @@ class VocabSettings(Checked):
         context_length: the model's context, recorded as ``model_max_length``.
     """
 
-    vocab_size: int = option(50257, "vocabulary size, special tokens included", check=POSITIVE_INT)
+    # Above a million tokens no corpus has the merges, and the trainer allocates for the size asked.
+    vocab_size: int = option(
+        50257, "vocabulary size, special tokens included", check=Range(int, 1, MAX_VOCAB)
+    )
     min_frequency: int = option(2, "minimum pair count", check=POSITIVE_INT)
     speakers: tuple[str, ...] = option(
         DEFAULT_SPEAKERS, "conversation speakers, comma-separated", type=comma_list, metavar="A,B"
     )
-    reserved: int = option(0, "number of <unusedN> tokens to reserve", check=NON_NEGATIVE_INT)
+    reserved: int = option(0, "number of <unusedN> tokens to reserve", check=Range(int, 0, MAX_VOCAB))
     lowercase: bool = option(False, "lowercase texts first (default: keep case)")
     context_length: int = option(1024, "model context length", check=POSITIVE_INT)
 

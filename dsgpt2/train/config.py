@@ -52,6 +52,10 @@ DEFAULT_VOCAB_DIR = Path("runs/tokenizer")
 # number: an out-of-range one is refused by the check on construction, in the words a setting made in
 # code gets (these flags always answered so), not by the parser.
 
+# A block longer than a million tokens: no GPT-2 trains at it, and its position table is allocated
+# whole before the first step.
+MAX_CONTEXT = 1 << 20
+
 
 @dataclass
 class ModelOptions(Checked):
@@ -60,7 +64,9 @@ class ModelOptions(Checked):
     model_select: str = option("112m", "model size preset", choices=list(PRESETS))
     model_config: Path | None = option(None, "a GPT-2 config JSON instead of a preset")
     loss_type: str = option("lm_loss", "training objective", choices=["lm_loss"])
-    context_length: int | None = option(None, "tokens per block (default: the preset's)", check=POSITIVE_INT)
+    context_length: int | None = option(
+        None, "tokens per block (default: the preset's)", check=Range(int, 1, MAX_CONTEXT)
+    )
     init_from: Path | None = option(
         None,
         "start from these weights (an export or a checkpoint directory): finetuning; the model "

@@ -77,6 +77,15 @@ def test_resolve_errors(tmp_path: Path) -> None:
         resolve(tmp_path, None)
     checkpoint.save(FakeEngine(), tmp_path, 7, {}, keep_last=0)
     assert resolve(tmp_path, None) == "global_step7"
+    # A marker edited by hand (its file listing not one): incomplete, as an unreadable one is.
+    marker = tmp_path / "global_step7" / COMPLETE
+    saved = marker.read_text()
+    for files in (3, {"model.pt": 3}, {"model.pt": {"size": "big", "sha256": "x"}}):
+        marker.write_text(json.dumps({"step": 7, "files": files}))
+        with pytest.raises(CheckpointError, match="missing or incomplete"):
+            resolve(tmp_path, None)
+    marker.write_text(saved)
+    assert resolve(tmp_path, None) == "global_step7"
 
 
 def _states(ckpt: Path, step: int) -> Path:

@@ -322,3 +322,60 @@ def test_a_misspelt_flag_or_command_gets_a_suggestion_from_every_command(
     with pytest.raises(SystemExit):
         train_parser().parse_args(["--config_train", "c.json", "--train_iter", "300"])
     assert "unrecognized arguments: --train_iter 300; did you mean --train_iters?" in capsys.readouterr().err
+
+
+def test_bad_ports_garbage_files_and_huge_numbers_are_one_line(tmp_path: Path) -> None:
+    """What had ended in a traceback, a Rust panic or the kernel's OOM killer: a connection string's
+    port that is not a number (its password never printed), a binary DeepSpeed config or HellaSwag
+    file, a directory as the HellaSwag file, sizes no machine holds."""
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])
+    for uri in ("mongodb://alice:S3cretPW@dbhost:27x17/", "mongodb://alice:S3cretPW@dbhost:99999/"):
+        result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
+        _one_line_error(result, "invalid MONGO_CONNECTION_STRING", "alice:***@dbhost")
+        assert "S3cretPW" not in result.stdout + result.stderr
+    garbage = tmp_path / "garbage.json"
+    garbage.write_bytes(bytes(range(128, 256)) * 4)
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.optim.ds_config import read_ds_config
+
+    with pytest.raises(ConfigError, match=r"--deepspeed_config .*garbage.json: not a JSON file"):
+        read_ds_config(garbage)
+    from dsgpt2.model.hellaswag import read_examples
+
+    for hellaswag, why in (
+        (garbage, "not JSON lines .its bytes are not UTF-8"),
+        (tmp_path, "a directory, not"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            read_examples(hellaswag)
+    for args, needles in (
+        (["dedup", "--config", str(cfg), "--near", "--num_perm", "100000000000"], ["--num_perm", "8192"]),
+        (["vocab", "train", "--out", str(tmp_path / "v"), "--vocab_size", "99999999999"], ["--vocab_size"]),
+        (["vocab", "train", "--out", str(tmp_path / "v"), "--reserved", "99999999999"], ["--reserved"]),
+        (["evaluate", "--model", str(tmp_path), "--num_workers", "99999"], ["--num_workers", "256"]),
+        (
+            ["train", "--config_train", str(cfg), "--context_length", "99999999"],
+            ["--context_length", "1048576"],
+        ),
+    ):
+        _one_line_error(run_cli(*args), *needles)
+
+
+def test_a_path_this_user_may_not_use_is_one_line(tmp_path: Path) -> None:
+    """A PermissionError anywhere (a read-only database directory, an unreadable checkpoint file)
+    names the path and exits 2, as the commands that check their paths first do."""
+    from dsgpt2.exits import run_command
+
+    def denied() -> int:
+        raise PermissionError(13, "Permission denied", str(tmp_path / "db" / "server.lock"))
+
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert run_command("dsgpt2", denied) == 2
+    assert err.getvalue() == (
+        f"dsgpt2: error: cannot use {tmp_path / 'db' / 'server.lock'}: Permission denied; "
+        "check its owner and mode\n"
+    )

@@ -485,5 +485,5 @@ def test_a_range_open_at_its_top_is_declared_not_checked_by_hand() -> None:
         momentum.convert("1")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["dedup", "--config", "c.json", "--near", "--num_perm", "1"])
-    with pytest.raises(ConfigError, match="--num_perm must be an integer of at least 2, got 1"):
+    with pytest.raises(ConfigError, match="--num_perm must be an integer between 2 and 8192, got 1"):
         LshParams(num_perm=1)

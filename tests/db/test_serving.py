@@ -72,6 +72,10 @@ def test_serve_runs_the_server_in_the_foreground_with_the_deployments_user(tmp_p
             twice = run_cli("db", "serve", f"local://{directory}", "--port", str(_free_port()))
             assert twice.returncode == 2 and len(twice.stderr.strip().splitlines()) == 1, twice.stderr
             assert f"a server already runs on it (pid {proc.pid}, port {port})" in twice.stderr
+            # Another directory on the port it holds: one line before anything starts, not a traceback.
+            busy = run_cli("db", "serve", f"local://{tmp_path / 'other'}", "--port", str(port))
+            assert busy.returncode == 2 and len(busy.stderr.strip().splitlines()) == 1, busy.stderr
+            assert f"--port {port} on 127.0.0.1 is in use by another program" in busy.stderr
             proc.send_signal(signal.SIGTERM)
             proc.wait(deadline(30))
         finally:

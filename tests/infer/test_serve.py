@@ -181,7 +181,7 @@ def test_busy_port_or_foreign_address_is_one_line(tmp_path: Path) -> None:
     import socket
 
     from dsgpt2.errors import ConfigError
-    from dsgpt2.infer.serve import check_bind
+    from dsgpt2.listen import check_bind
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
