@@ -59,6 +59,13 @@ def file_source(
         p.is_dir() and (fmt == "auto" or (fmt in READERS and READERS[fmt].directory))
     ):
         raise IngestError(f"input file {str(p)!r} not found")
+    if p.is_file():
+        try:
+            with open(p, "rb"):
+                pass
+        except OSError as exc:
+            why = f"input file {str(p)!r} cannot be read ({exc.strerror}); nothing was stored"
+            raise IngestError(why) from None
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
     options = options if options is not None else ReadOptions(**read)

@@ -602,3 +602,35 @@ def test_a_source_another_machine_holds_is_refused_until_its_heartbeat_is_stale(
     with pytest.raises(CorpusError, match="another dsgpt2 ingest took over writing it into 'b'"):
         ingest(conn, "b", [file_source(g)], batch_size=10)
     assert not read_meta(conn, ["b"])["b"]["sources"][file_source(g).key]["complete"]
+
+
+def _without_root_overrides() -> list[str] | None:
+    """A command prefix under which chmod 000 denies this user (root's overrides dropped), or None."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    caps = "-dac_override,-dac_read_search,-fowner"
+    return [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", "--"] if setpriv else None
+
+
+def test_an_input_this_user_may_not_read_is_one_line_and_stores_nothing(tmp_path: Path) -> None:
+    """It was told as a file damaged after record 0, and left an empty collection behind."""
+    prefix = _without_root_overrides()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: no file is unreadable")
+    unreadable = tmp_path / "unread.jsonl"
+    unreadable.write_text('{"text": "a b c"}\n')
+    unreadable.chmod(0)
+    tmp_path.chmod(0o777)
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{tmp_path / 'db'}",
+                       MONGO_CONNECTION_DB="d", COLLECTIONS=["b"])  # fmt: skip
+    argv = [*prefix, sys.executable, "-m", "dsgpt2", "ingest", "--config", str(cfg), str(unreadable)]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"dsgpt2: error: input file '{unreadable}' cannot be read (Permission denied); nothing was stored"
+    )
+    assert not (tmp_path / "db").exists()
