@@ -94,8 +94,11 @@ def read_run_file(path: Path) -> dict[str, Any]:
             at = f" at line {where.line + 1}" if where is not None else ""
             problem = getattr(exc, "problem", None) or type(exc).__name__
             raise ConfigError(f"{FLAG} {path}: not valid YAML{at} ({problem})") from None
-    if data is None:
-        data = {}
+    if data is None or data == {}:
+        # Said here: else the command's own required flags (its --config among them) go missing.
+        raise ConfigError(
+            f"{FLAG} {path}: the experiment file is empty; write the flags it sets as `name: value` lines"
+        )
     if not isinstance(data, dict):
         raise ConfigError(
             f"{FLAG} {path}: expected a mapping of flag names to values, got {type(data).__name__}"

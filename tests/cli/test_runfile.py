@@ -102,6 +102,10 @@ def test_a_bad_key_or_value_is_one_line_naming_it(
 def test_a_missing_or_second_experiment_file_is_refused(tmp_path: Path) -> None:
     result = run_cli("info", "--config", str(tmp_path / "nope.toml"))
     assert result.returncode == 2 and result.stderr.strip().endswith("nope.toml: file not found")
+    for empty in ("empty.yaml", "empty.toml"):  # not "--config is required" of the command's own
+        (tmp_path / empty).write_text("\n")
+        result = run_cli("info", "--config", str(tmp_path / empty))
+        assert result.returncode == 2 and f"{empty}: the experiment file is empty" in result.stderr
     with pytest.raises(Exception, match="one experiment file at a time"):
         find_run_file(["--config", "a.yaml", "--config", "b.toml"])
 
