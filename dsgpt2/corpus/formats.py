@@ -79,8 +79,9 @@ def file_source(
         binary = sniff_binary(p)
         if binary:
             binaries = "|".join(name for name, reader in READERS.items() if not reader.text)
+            expected = "text" if fmt == "text" else f"{fmt} text"
             raise IngestError(
-                f"{p.name} is {binary}, not {fmt} text; nothing was stored. Parquet, Arrow and `datasets` "
+                f"{p.name} is {binary}, not {expected}; nothing was stored. Parquet, Arrow and `datasets` "
                 f"inputs are read by their own readers (--format {binaries}); convert other "
                 "binary files to text first"
             )

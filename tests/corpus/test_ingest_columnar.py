@@ -316,7 +316,7 @@ def test_a_binary_file_is_read_by_its_reader_or_refused_never_stored_as_text(
         conn = Connection(make_config(["a"], **db_for(store)))
         assert [d["filt_text"] for d in _docs(conn)] == _expected(30)
         forced = run_cli("ingest", "--config", str(cfg), "--format", "text", str(path))
-        assert forced.returncode == 2 and "is a Parquet file, not text text" in forced.stderr
+        assert forced.returncode == 2 and "is a Parquet file, not text; nothing was stored" in forced.stderr
         return
     path.write_bytes(data + b"\n" * 10)
     result = run_cli("ingest", "--config", str(cfg), str(path))
