@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +90,16 @@ def sse(response: httpx.Response) -> list[Any]:
         else:
             assert line == "", line
     return events
+
+
+@contextmanager
+def stalled_body(url: str, path: str) -> Iterator[socket.socket]:
+    """A client that sends ``path`` the head of a POST and a fragment of its body, then waits."""
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+            + b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
+        )
+        time.sleep(0.3)
+        yield s

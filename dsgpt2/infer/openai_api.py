@@ -112,10 +112,10 @@ def check_model(body: dict[str, Any], served: str, aliases: Sequence[str] = ()) 
 
 
 def sampling(
-    body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams, max_tokens: int
+    body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams, max_tokens: int, prompts: int
 ) -> SamplingParams:
-    """The sampling settings of an OpenAI request (its defaults where it names none; ``max_tokens``
-    where it sets no length)."""
+    """The sampling settings of an OpenAI request of ``prompts`` prompts (its defaults where it names
+    none; ``max_tokens`` where it sets no length)."""
     values: dict[str, Any] = {}
     asked = body.get("max_completion_tokens", body.get("max_tokens"))
     names = {
@@ -147,6 +147,10 @@ def sampling(
         for api, ours in names.items():
             message = message.replace(ours, api)
         raise RequestError(message, _param_of(message, names)) from None
+    try:
+        limits.check_sequences(prompts, params.num_samples, "n")
+    except ConfigError as exc:
+        raise RequestError(str(exc), "n" if prompts == 1 else "prompt") from None
     return params
 
 
@@ -196,13 +200,7 @@ def _completion(body: dict[str, Any], limits: ServeLimits, defaults: SamplingPar
         raise RequestError("prompt must be a string or a non-empty list of strings", "prompt")
     for p in prompts:
         _check_text(p, limits, "prompt")
-    params = sampling(body, limits, defaults, DEFAULT_MAX_TOKENS)
-    if len(prompts) * params.num_samples > limits.max_sequences:
-        raise RequestError(
-            f"{len(prompts)} prompts times n {params.num_samples} is more sequences than this server decodes "
-            f"for one request ({limits.max_sequences}); send fewer prompts or a smaller n",
-            "prompt",
-        )
+    params = sampling(body, limits, defaults, DEFAULT_MAX_TOKENS, len(prompts))
     return ApiRequest(prompts, [], params, stop_sequences(body), *_stream(body))
 
 
@@ -238,7 +236,7 @@ def _chat(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -
     if system:
         first = next(t for t in turns if t["speaker"] == "user")
         first["text"] = "\n\n".join([*system, first["text"]])
-    params = sampling(body, limits, defaults, defaults.max_new_tokens)
+    params = sampling(body, limits, defaults, defaults.max_new_tokens, 1)
     return ApiRequest([], turns, params, stop_sequences(body), *_stream(body))
 
 

@@ -81,13 +81,9 @@ def parse_request(
     try:
         params = SamplingParams.from_mapping(values, defaults)
         limits.check_length(params.max_new_tokens)
+        limits.check_sequences(1, params.num_samples)
     except ConfigError as exc:
         raise RequestError(str(exc)) from None
-    if params.num_samples > limits.max_sequences:
-        raise RequestError(
-            f"num_samples {params.num_samples} is more than this server decodes for one request "
-            f"({limits.max_sequences})"
-        )
     return prompt, params
 
 

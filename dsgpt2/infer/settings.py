@@ -144,6 +144,21 @@ class ServeLimits(Checked):
         if asked > self.max_new_tokens:
             raise ConfigError(f"{name} {asked} is more than this server allows ({self.max_new_tokens})")
 
+    def check_sequences(self, prompts: int, samples: int, name: str = "num_samples") -> None:
+        """A request's sequences (``prompts`` times ``samples``, the latter spelt ``name``) within
+        what this server decodes for one request.
+
+        Raises:
+            ConfigError: more than ``max_sequences``.
+        """
+        if prompts * samples <= self.max_sequences:
+            return
+        asked = f"{name} {samples}" if prompts == 1 else f"{prompts} prompts times {name} {samples}"
+        raise ConfigError(
+            f"{asked} is more sequences than this server decodes for one request "
+            f"({self.max_sequences}); ask for fewer"
+        )
+
 
 EVAL_SPLITS = ("val", "train", "all")
 

@@ -23,7 +23,7 @@ from dsgpt2.errors import RequestError
 from dsgpt2.infer.generate import SamplingParams
 from dsgpt2.infer.serve import ServeLimits, parse_request
 from pace import deadline
-from serving import LOGS, MODELS, pretrained_model, sse, start_server
+from serving import LOGS, MODELS, pretrained_model, sse, stalled_body, start_server
 
 
 @pytest.fixture(scope="module")
@@ -143,13 +143,8 @@ def test_a_top_p_below_float32s_range_keeps_the_likeliest_token_and_spoils_no_ot
 def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
     log = LOGS[server]
     before = log.stat().st_size
-    port = int(server.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(
-            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 1000\r\n\r\n{"prompt": "half a bo'
-        )
-        time.sleep(0.3)
+    with stalled_body(server, "/generate"):
+        pass
     end_by = time.monotonic() + deadline(10)
     while "disconnected" not in log.read_text()[before:] and time.monotonic() < end_by:
         time.sleep(0.1)
@@ -178,8 +173,6 @@ def test_parse_request_applies_limits_and_defaults() -> None:
 
 
 def test_busy_port_or_foreign_address_is_one_line(tmp_path: Path) -> None:
-    import socket
-
     from dsgpt2.errors import ConfigError
     from dsgpt2.listen import check_bind
 
@@ -356,6 +349,29 @@ def test_api_defaults_and_field_mapping() -> None:
     assert len(sixteen.prompts) * sixteen.params.num_samples == limits.max_sequences == 16
 
 
+def test_max_sequences_bounds_every_route() -> None:
+    """--max_sequences lowered below the largest n: /generate, /v1/completions and
+    /v1/chat/completions each refuse a request asking for more, and take one asking for as many."""
+    from dsgpt2.infer.openai_api import api_request
+
+    limits, defaults = ServeLimits(max_sequences=2), SamplingParams()
+    chat = [{"role": "user", "content": "hi"}]
+    assert api_request({"messages": chat, "n": 2}, True, "m", limits, defaults).params.num_samples == 2
+    refused = r"^n 3 is more sequences than this server decodes for one request \(2\)"
+    with pytest.raises(RequestError, match=refused) as caught:
+        api_request({"messages": chat, "n": 3}, True, "m", limits, defaults)
+    assert caught.value.param == "n"
+    with pytest.raises(RequestError) as caught:
+        api_request({"prompt": "a", "n": 3}, False, "m", limits, defaults)
+    assert caught.value.param == "n"
+    with pytest.raises(RequestError, match=r"^3 prompts times n 1 is more sequences") as caught:
+        api_request({"prompt": ["a"] * 3}, False, "m", limits, defaults)
+    assert caught.value.param == "prompt"
+    assert parse_request({"prompt": "a", "num_samples": 2}, "prompt", limits, defaults)[1].num_samples == 2
+    with pytest.raises(RequestError, match=r"^num_samples 3 is more sequences"):
+        parse_request({"prompt": "a", "num_samples": 3}, "prompt", limits, defaults)
+
+
 @pytest.fixture(scope="module")
 def quiet_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
     """A server of its own: no other test's request ends while its log is read."""
@@ -407,13 +423,7 @@ def test_sigterm_gives_the_requests_in_flight_the_grace_then_ends_0(tmp_path: Pa
     it, and the server still ends 0 (start_server checks the exit code and the line)."""
     gen = iter(start_server(tmp_path, pretrained, "--shutdown_grace", "1"))
     url = next(gen)
-    port = int(url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port)) as stalled:
-        stalled.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b'Content-Length: 100\r\n\r\n{"prompt"'
-        )
-        time.sleep(0.3)
+    with stalled_body(url, "/v1/completions"):
         started = time.monotonic()
         next(gen, None)  # SIGTERM, then the exit code and the line checked
         assert time.monotonic() - started < deadline(15)
