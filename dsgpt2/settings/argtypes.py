@@ -34,7 +34,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         # Kept for error(): a flag the command does not have is looked up among the flags of the
         # subcommand these arguments reach.
         self._argv = list(sys.argv[1:] if args is None else args)
+        if self._intermixed() and not getattr(self, "_intermixing", False):
+            # `db status --json local://DIR`: positionals after an option are still the command's
+            # (argparse otherwise takes a command's positionals only in one run). Before 3.13 the
+            # intermixed parse calls back here: the flag keeps that call plain.
+            self._intermixing = True
+            try:
+                return super().parse_known_intermixed_args(args, namespace)
+            finally:
+                self._intermixing = False
         return super().parse_known_args(args, namespace)
+
+    def _intermixed(self) -> bool:
+        """More than one positional and none that takes the rest (a subcommand, a remainder)."""
+        positionals = [a for a in self._actions if not a.option_strings]
+        whole = (argparse.PARSER, argparse.REMAINDER)
+        return len(positionals) > 1 and not any(a.nargs in whole for a in positionals)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         hint, help_of = self._did_you_mean(message)

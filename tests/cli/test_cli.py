@@ -267,6 +267,18 @@ def test_settings_come_from_their_dataclass_through_the_flags() -> None:
     assert from_namespace(DownloadSettings, down) == DownloadSettings(shards=3, overwrite=True)
 
 
+def test_a_commands_positionals_may_follow_its_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """`db status --json local://DIR` is `db status local://DIR --json`, as a user expects."""
+    parse = build_parser().parse_args
+    for argv in (["db", "status", "--json", "local://d"], ["db", "--json", "status", "local://d"],
+                 ["db", "status", "local://d", "--json"]):  # fmt: skip
+        args = parse(argv)
+        assert (args.action, args.database, args.json) == ("status", "local://d", True), argv
+    with pytest.raises(SystemExit) as ended:
+        parse(["db", "status", "--json", "local://d", "extra"])
+    assert ended.value.code == 2 and "unrecognized arguments: extra" in capsys.readouterr().err
+
+
 def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) -> None:
     ev = ["evaluate", "--model", str(tmp_path / "no-model"), "--config", str(cfg)]
     down = ["vocab", "download", "--config", str(cfg), "--out", str(tmp_path / "shards")]
