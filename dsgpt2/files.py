@@ -86,6 +86,10 @@ def unwritable_dir(path: str | os.PathLike[str]) -> str | None:
     left behind and nothing is made that the work would not make.
     """
     path = Path(path)
+    try:
+        str(path).encode()
+    except UnicodeEncodeError:  # bytes the file system's encoding could not decode
+        return "the path is not UTF-8 text (the tokenizer and the JSON files record it so)"
     there = path
     while not os.path.lexists(there) and there.parent != there:
         there = there.parent

@@ -22,6 +22,7 @@ from dsgpt2.corpus import columnar  # noqa: F401  parquet, arrow, dataset
 # isort: on
 from dsgpt2.corpus.columnar import sniff_binary
 from dsgpt2.corpus.records import READERS, ReadOptions, Source, source_key
+from dsgpt2.documents import utf8_encodable
 from dsgpt2.errors import IngestError
 
 # --format's choices: "auto" (the format told by the file's name and first bytes), then every reader.
@@ -66,6 +67,11 @@ def file_source(
         except OSError as exc:
             why = f"input file {str(p)!r} cannot be read ({exc.strerror}); nothing was stored"
             raise IngestError(why) from None
+    if not utf8_encodable(str(p.resolve())):
+        raise IngestError(
+            f"input file {str(p)!r}: its path is not UTF-8 text (the ingest record keeps it); "
+            "rename it; nothing was stored"
+        )
     if fmt not in FORMATS:
         raise IngestError(f"unknown --format {fmt!r}; choose one of {', '.join(FORMATS)}")
     options = options if options is not None else ReadOptions(**read)

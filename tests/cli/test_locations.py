@@ -29,6 +29,18 @@ def test_a_directory_that_cannot_be_written_is_found_without_leaving_anything(tm
         ConfigError, match=r"^--out .*/file/out: .* is a file, not a directory; give a directory"
     ):
         check_writable_dir(tmp_path / "file" / "out", "--out")
+    # A name of bytes that are not UTF-8 (os.fsdecode's surrogates): the tokenizer could not save there.
+    assert "the path is not UTF-8 text" in (unwritable_dir(tmp_path / "model\udcff") or "")
+
+
+def test_an_output_path_that_is_not_utf8_is_one_line_before_the_export(tmp_path: Path) -> None:
+    out = tmp_path / "model\udcff"
+    exported = run_cli("export", "--ckpt_dir", str(BEFORE_STORES / "ckpt"), "--vocab_dir",
+                       str(BEFORE_STORES / "tok"), "--out", str(out))  # fmt: skip
+    assert exported.returncode == 2 and "Traceback" not in exported.stderr, exported.stderr[-2000:]
+    line = exported.stderr.strip().splitlines()[-1]
+    assert line.startswith("dsgpt2: error: --out ") and "the path is not UTF-8 text" in line, line
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.fixture

@@ -616,6 +616,16 @@ def _without_root_overrides() -> list[str] | None:
     return [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", "--"] if setpriv else None
 
 
+def test_an_input_whose_name_is_not_utf8_is_refused_before_reading(tmp_path: Path) -> None:
+    """The ingest record keeps the input's path: a name of undecodable bytes is refused, not a traceback."""
+    from dsgpt2.corpus.formats import file_source
+
+    named = tmp_path / "caf\udce9.jsonl"  # latin-1 bytes, as os.fsdecode gives them
+    named.write_text('{"text": "a b c"}\n')
+    with pytest.raises(IngestError, match=r"its path is not UTF-8 text .*rename it; nothing was stored"):
+        file_source(named, "auto")
+
+
 def test_an_input_this_user_may_not_read_is_one_line_and_stores_nothing(tmp_path: Path) -> None:
     """It was told as a file damaged after record 0, and left an empty collection behind."""
     prefix = _without_root_overrides()
