@@ -56,6 +56,8 @@ from dsgpt2.infer.settings import ServeLimits
 from dsgpt2.listen import check_bind
 
 log = logging.getLogger(__name__)
+# The access log's status for a request whose client went away before its answer (nginx's 499).
+CLIENT_LEFT = 499
 
 
 def parse_request(
@@ -234,7 +236,8 @@ class Service:
             return self.slots.busy(api)
         try:
             if not await _collect(request, self.engine.stream(decodes)):
-                return _error("client disconnected", 400, api)
+                request.state.client_left = True
+                return _error("client disconnected", CLIENT_LEFT, api)
         except GenerationFailed as exc:
             return _error(str(exc), 500, api)
         finally:
@@ -344,11 +347,12 @@ class AccessLog:
                 else:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            decodes = scope.get("state", {}).get("decodes") or []
-            tokens = sum(len(sample.ids) for d in decodes for sample in d.samples)
+            state = scope.get("state", {})
+            tokens = sum(len(sample.ids) for d in state.get("decodes") or [] for sample in d.samples)
+            left = ", the client left first" if state.get("client_left") else ""
             # No answer started: the server failed it.
-            log.info("%s %s %d, %d tokens, %.0f ms", scope["method"], scope["path"], status or 500, tokens,
-                     1000 * (time.monotonic() - started))  # fmt: skip
+            log.info("%s %s %d, %d tokens, %.0f ms%s", scope["method"], scope["path"], status or 500, tokens,
+                     1000 * (time.monotonic() - started), left)  # fmt: skip
 
 
 class BearerAuth:
@@ -391,8 +395,7 @@ async def _collect(request: Request, deltas: AsyncIterator[Any]) -> bool:
             if done:
                 task.result()
                 return True
-            if await request.is_disconnected():
-                log.info("client left before its answer; generation cancelled")
+            if await request.is_disconnected():  # the access log says so; nobody is left to answer
                 return False
     finally:
         if not task.done():
@@ -407,12 +410,21 @@ class EventStream(StreamingResponse):
 
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.ended = False
+        super().__init__(self._to_the_end(events), media_type="text/event-stream", headers=headers)
         self.on_close = on_close
+
+    async def _to_the_end(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        async with contextlib.aclosing(events):  # type: ignore[type-var]
+            async for event in events:
+                yield event
+        self.ended = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+            if not self.ended:  # the client went away mid-stream
+                scope.setdefault("state", {})["client_left"] = True
         finally:
             self.on_close()
 
@@ -456,7 +468,7 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
         # Nobody is left to answer; the other requests go on.
         peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
         log.warning("%s disconnected after %d bytes of its request body; request dropped", peer, size)
-        return JSONResponse({"error": "client disconnected"}, status_code=400)
+        return JSONResponse({"error": "client disconnected"}, status_code=CLIENT_LEFT)
     try:
         # JSON between systems is UTF-8 (RFC 8259): no guessing of UTF-16 from the first bytes.
         body = json.loads(b"".join(chunks).decode("utf-8-sig") or "null")

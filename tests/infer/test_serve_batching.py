@@ -5,6 +5,7 @@ check for every route."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -184,6 +185,63 @@ def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_st
         )
     )
     assert closed == [True] and started == []
+    assert scope["state"] == {"client_left": True}  # for the access log
+
+    async def stays() -> dict:
+        await asyncio.sleep(30)
+        return {}
+
+    async def sent(message: dict) -> None:
+        pass
+
+    answered: dict = {"type": "http", "asgi": {"spec_version": "2.3"}}
+    asyncio.run(asyncio.wait_for(EventStream(events(), lambda: None)(answered, stays, sent), deadline(10)))
+    assert "state" not in answered and started == [True]
+
+
+def test_a_client_that_leaves_is_a_499_or_a_cut_stream_in_the_access_log(
+    pretrained: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client gone while its answer decodes: the access log's line says so (a 499 when no answer
+    had started, the 200 of a stream cut short), not a 400 nor a stream that looks answered."""
+    import asyncio
+    import json
+    import logging
+
+    app, gate = gated_app(pretrained, ServeLimits())
+    logging.getLogger("dsgpt2").addHandler(caplog.handler)
+
+    def request(body: dict) -> list[dict]:
+        raw = json.dumps(body).encode()
+        received: list[dict] = []
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "headers": [(b"content-type", b"application/json")],
+                 "asgi": {"spec_version": "2.3"}, "http_version": "1.1", "scheme": "http",
+                 "server": ("t", 80), "client": ("c", 1), "root_path": ""}  # fmt: skip
+        messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+        async def receive() -> dict:  # the body, then the client is gone
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        async def send(message: dict) -> None:
+            received.append(message)
+
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), deadline(20)))
+        return received
+
+    try:
+        with caplog.at_level(logging.INFO, logger="dsgpt2"), opened(gate):
+            request({"prompt": "a", "max_tokens": 4})
+            request({"prompt": "a", "max_tokens": 4, "stream": True})
+    finally:
+        logging.getLogger("dsgpt2").removeHandler(caplog.handler)
+    # Once each, whether the logger also reaches the root's capture (main() may have stopped that).
+    records = dict.fromkeys(caplog.records)
+    lines = [r.getMessage() for r in records if r.getMessage().startswith("POST")]
+    shown = [re.sub(r"\d+ tokens, \d+ ms", "N tokens, N ms", line) for line in lines]
+    assert shown == [
+        f"POST /v1/completions {status}, N tokens, N ms, the client left first" for status in (499, 200)
+    ]
 
 
 def test_every_route_checks_a_request_against_the_context_one_way(pretrained: Path) -> None:
