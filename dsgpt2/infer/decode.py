@@ -28,6 +28,9 @@ import torch
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.settings import SamplingParams
 
+# The smallest temperature decoding divides by: any smaller one samples as this one does.
+MIN_SCALE = 1e-6
+
 
 @dataclass
 class Sample:
@@ -271,7 +274,9 @@ class Decoder:
             return chosen
         index = torch.tensor(sampled, device=logits.device)
         temperature = torch.tensor([params[i].temperature for i in sampled], device=logits.device)
-        scaled = logits[index] / temperature[:, None]
+        # In float32 and by MIN_SCALE at least: a tiny temperature neither overflows half-precision
+        # logits nor float32's (1e-45 samples as 1e-6 does: the likeliest token, but for exact ties).
+        scaled = logits[index].float() / temperature.clamp_min(MIN_SCALE)[:, None]
         vocab = scaled.shape[1]
         top_k = [min(params[i].top_k, vocab) or vocab for i in sampled]  # 0: no limit
         top_p = torch.tensor([params[i].top_p for i in sampled], device=logits.device)[:, None]

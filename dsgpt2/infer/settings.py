@@ -23,7 +23,6 @@ from dsgpt2.settings.options import (
 )
 
 MAX_SAMPLES = 16
-MIN_TEMPERATURE = 0.01
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
 
 
@@ -44,12 +43,10 @@ class SamplingParams(Checked):
     # Checked on construction only (plain int and float flags), from flags as from a request body, the
     # message naming the setting as a request spells it (``temperature must be ...``).
     max_new_tokens: int = option(64, "tokens to generate at most", type=int, check=Range(int, 1))
-    # Below 0.01 the scaled logits overflow: such a temperature is greedy in all but name.
+    # Any temperature above 0 samples, however small (as the OpenAI API takes it): decoding scales
+    # by at least MIN_SCALE (decode.py), where a smaller one would overflow the logits.
     temperature: float = option(
-        0.8,
-        "0: greedy; higher: more random",
-        type=float,
-        check=Range(float, MIN_TEMPERATURE, 100.0, or_zero=True),
+        0.8, "0: greedy; higher: more random", type=float, check=Range(float, 0.0, 100.0)
     )
     top_k: int = option(50, "sample among the k likeliest tokens; 0: all", type=int, check=NON_NEGATIVE_INT)
     top_p: float = option(

@@ -313,7 +313,7 @@ def test_generate_cli(models: dict[str, Path], tmp_path: Path) -> None:
 
 def test_generate_bad_input_is_one_line(models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     model = ("generate", "--model", str(models["lm"]))
-    assert "temperature must be 0 or a number" in _error_line(capsys, *model, "--temperature", "-1", "x")
+    assert "temperature must be a number in [0.0" in _error_line(capsys, *model, "--temperature", "-1", "x")
     assert "num_samples > 1" in _error_line(capsys, *model, "--temperature", "0", "--num_samples", "2", "x")
     assert "context of 64 tokens" in _error_line(capsys, *model, "--max_new_tokens", "64", "x")
     assert "PROMPT" in _error_line(capsys, *model)
