@@ -26,6 +26,7 @@ import logging
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import asdict
 from pathlib import PurePath
@@ -196,6 +197,9 @@ class Service:
             query = parse_qsl(request.scope["query_string"].decode("latin-1"), errors="strict")
         except UnicodeDecodeError:
             return _error("the query string holds bytes that are not UTF-8", 400, api=False)
+        repeated = sorted(k for k, n in Counter(k for k, _ in query).items() if n > 1)
+        if repeated:  # which one was meant is not ours to guess
+            return _error(f"{', '.join(repeated)} given more than once in the query", 400, api=False)
         return await self.generate(request, "sentence", dict(query))
 
     async def post_generate(self, request: Request) -> JSONResponse:

@@ -78,6 +78,7 @@ def test_both_endpoints_answer(server: str) -> None:
         ("post", {"prompt": "hi", "max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
         ("post", {"prompt": "hi", "stream": True}, "unknown setting 'stream'"),
         ("get", {}, "'sentence' is required"),
+        ("get", [("sentence", "a"), ("sentence", "b")], "sentence given more than once in the query"),
         ("post", {"prompt": 42}, "'prompt' is required and must be a string"),
     ],
 )
