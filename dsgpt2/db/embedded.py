@@ -93,6 +93,9 @@ class ServerState:
     # The process's start time (/proc's clock ticks since boot): a pid names the server only while it
     # names the process that started then. None where /proc does not tell, or in an older server.json.
     started: int | None = None
+    # The data directory it serves (its real path): a server.json copied with the data to another
+    # directory names that directory's server, not this one's. None in an older server.json.
+    directory: str | None = None
 
     def record(self) -> str:
         """The server.json that names this server."""
@@ -341,10 +344,12 @@ def locked(directory: Path) -> Iterator[None]:
 def _read_state(directory: Path) -> ServerState | None:
     try:
         data = json.loads((directory / "server.json").read_text(encoding="utf-8"))
-        started = data.get("started")
+        started, served = data.get("started"), data.get("directory")
+        if served is not None and os.path.realpath(served) != os.path.realpath(directory):
+            return None  # copied here with the data: the server of the directory it came from
         return ServerState(
             pid=int(data["pid"]), port=int(data["port"]), host=str(data.get("host", "127.0.0.1")),
-            started=None if started is None else int(started),
+            started=None if started is None else int(started), directory=served,
         )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -410,7 +415,7 @@ def _start(directory: Path) -> ServerState:
     # The port of the last server if it is free, so that clients of a restarted server find it again.
     port = previous.port if previous is not None and _port_free(previous.port) else 0
     state = _launch(directory, command, port, auth=True)
-    state = replace(state, started=start_time(state.pid))
+    state = replace(state, started=start_time(state.pid), directory=os.path.realpath(directory))
     atomic_write_text(directory / "server.json", state.record())
     return state
 

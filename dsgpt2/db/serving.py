@@ -60,7 +60,9 @@ def serve(
         embedded.provision(directory, command, {user: password} if user and password else None)
         # This process becomes the server: its pid is the server's, and loopback reaches any address.
         local = "127.0.0.1" if host in WILDCARDS or host.startswith("127.") else host
-        serving = embedded.ServerState(os.getpid(), port, local, embedded.start_time(os.getpid()))
+        serving = embedded.ServerState(
+            os.getpid(), port, local, embedded.start_time(os.getpid()), os.path.realpath(directory)
+        )
         atomic_write_text(directory / "server.json", serving.record())
     args = embedded.server_args(directory, command, host, port, auth=True)
     named = advertise or (socket.gethostname() if host in WILDCARDS else host)

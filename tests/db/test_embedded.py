@@ -110,6 +110,34 @@ def test_a_killed_server_is_started_again_with_everything_committed(local: Any) 
     assert "running" in status.stdout
 
 
+def test_a_database_copied_while_its_server_ran_starts_a_server_of_its_own(
+    local: Any, tmp_path: Path
+) -> None:
+    """`cp -a` of a running database copies its server.json, which names the original's server: the
+    copy's commands must read and write the copy, and stopping the copy must leave the original running."""
+    import shutil
+
+    cfg, directory = local
+    assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "100").returncode == 0
+    embedded.stop(directory)
+    copy = tmp_path / "copy"
+    shutil.copytree(directory, copy)
+    original = Connection(load_config(cfg))
+    original.db["stdlib"].delete_many({"idx": {"$gte": 50}})  # the original's server runs again
+    shutil.copy(directory / "server.json", copy / "server.json")  # as a copy taken now would hold it
+    copied = write_config(tmp_path / "copy.json", MONGO_CONNECTION_STRING=f"local://{copy}",
+                          MONGO_CONNECTION_DB="corpus", COLLECTIONS=["stdlib"])  # fmt: skip
+    try:
+        assert Connection(load_config(copied)).db["stdlib"].count_documents({}) == 100
+        state, theirs = embedded.running(copy), embedded.running(directory)
+        assert state is not None and theirs is not None and state.pid != theirs.pid
+        assert run_cli("db", "stop", f"local://{copy}").returncode == 0
+        assert embedded.running(directory) == theirs
+        assert original.db["stdlib"].count_documents({}) == 50
+    finally:
+        embedded.stop(copy)
+
+
 @pytest.mark.slow
 def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local: Any, tmp_path: Path) -> None:
     """SIGKILL of the embedded server mid-ingest: the ingest starts it again on the same data and port,
