@@ -58,3 +58,33 @@ class CheckpointOptions(Checked):
 
         if split_location(self.ckpt_dir, CHECKPOINTS) is None:
             check_writable_dir(self.ckpt_dir, "--ckpt_dir")
+            _check_not_another_artifact(self.ckpt_dir)
+
+    def check_workspace(self, workspace: Path) -> None:
+        """The run's workspace is no checkpoint's directory (its files would overwrite the checkpoint's).
+
+        Raises:
+            ConfigError: ``workspace`` is a checkpoint or inside one.
+        """
+        from dsgpt2.checkpoints.format import COMPLETE
+
+        for there in (workspace, *workspace.parents):
+            if (there / COMPLETE).is_file():
+                raise ConfigError(
+                    f"--workspace {workspace} is {'inside ' if there != workspace else ''}the checkpoint "
+                    f"{there}: its logs and config.yaml would overwrite the checkpoint's; give a directory "
+                    "of its own, such as runs/workspace"
+                )
+
+
+def _check_not_another_artifact(ckpt_dir: Path) -> None:
+    """A checkpoint directory that holds an exported model or a tokenizer is refused: an export there
+    (``--overwrite``) or a tokenizer written again would replace the checkpoints with it."""
+    from dsgpt2.checkpoints.weights import RUN_INFO
+
+    for name, what in ((RUN_INFO, "an exported model"), ("tokenizer.json", "a tokenizer")):
+        if (ckpt_dir / name).is_file():
+            raise ConfigError(
+                f"--ckpt_dir {ckpt_dir} holds {what} ({name}), not checkpoints; give a directory of "
+                "its own, such as runs/ckpt"
+            )

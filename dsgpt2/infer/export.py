@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import local_tokenizer
 
 log = logging.getLogger(__name__)
+FILES = "files"  # the record's list of the export's files: anything else in the directory is not its
 
 
 def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overwrite: bool) -> None:
@@ -58,6 +60,12 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
             f"--out {out} holds files that are not a dsgpt2 export; give an empty or new directory"
         )
     there = export_run(out)
+    others = _not_the_exports(out, there)
+    if others:  # the export replaces the whole directory: they would go with it
+        raise ConfigError(
+            f"--out {out} holds an export and other files ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}); give an empty or new directory"
+        )
     same = there.get("checkpoint") == run["checkpoint"] and there.get("step") == run["step"]
     if same and (there.get("fingerprint") or {}).get("tokenizer") == run["fingerprint"]["tokenizer"]:
         return  # the same export again
@@ -66,6 +74,18 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
             f"--out {out} holds another export ({there.get('checkpoint')}, step {there.get('step')}); "
             "pass --overwrite to replace it, or give another --out"
         )
+
+
+def _not_the_exports(out: Path, there: dict[str, Any]) -> list[str]:
+    """What ``out`` holds beside the export whose record is ``there``: the names its record does not
+    list (an export without the list: directories and checkpoint files)."""
+    from dsgpt2.checkpoints.format import COMPLETE, LATEST
+
+    names = sorted(os.listdir(out))
+    listed = there.get(FILES)
+    if isinstance(listed, list):
+        return [n for n in names if n not in listed and n != RUN_INFO]
+    return [n for n in names if (out / n).is_dir() or n in (LATEST, COMPLETE)]
 
 
 def _check_vocab(vocab: Path, config: Any) -> None:
@@ -127,6 +147,7 @@ def export(
     with staged_dir(out, check=lambda: check_out(out, ckpt_dir, vocab, run, overwrite)) as staging:
         _write(model, config, vocab, staging)
         run[SHIPPED_TOKENIZER] = tokenizer_digest(staging)
+        run[FILES] = sorted([*os.listdir(staging), RUN_INFO])
         atomic_write_text(staging / RUN_INFO, json.dumps(run, indent=1) + "\n")
     return {
         "tag": tag,

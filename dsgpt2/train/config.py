@@ -414,6 +414,7 @@ class TrainConfig(Freezable):
         self.model.check_files()
         self.run.check_files()
         self.ckpt.check_files()
+        self.ckpt.check_workspace(self.run.workspace)
         if self.data.data_mode == "cached" and not (self.cache_dir / "cache.json").is_file():
             check_writable_dir(self.cache_dir, "--cache_dir")  # the run builds it: refused now, not later
         # DeepSpeed's parser adds --deepspeed_config, as an optional flag: it is required here.

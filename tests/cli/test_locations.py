@@ -89,6 +89,16 @@ def test_a_training_whose_checkpoints_or_workspace_cannot_be_written_stops_befor
     cached = run_cli("train", *flags, *places, "--data_mode", "cached", "--cache_dir", str(blocked / "cache"))
     _one_line(cached, "--cache_dir")
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ws").exists()
+    # Another artifact's directory as --ckpt_dir (an export or a tokenizer: an export --overwrite or a
+    # tokenizer written again there would take the checkpoints with it); a checkpoint as --workspace.
+    tok, tag = BEFORE_STORES / "tok", BEFORE_STORES / "ckpt" / "global_step8"
+    for flag, place, said in (("--ckpt_dir", tok, "holds a tokenizer (tokenizer.json), not checkpoints"),
+                              ("--workspace", tag, f"is the checkpoint {tag}: its logs and config.yaml"),
+                              ("--workspace", tag / "w", f"is inside the checkpoint {tag}")):  # fmt: skip
+        others = dict(zip(places[::2], places[1::2], strict=True))
+        refused = run_cli("train", *flags, *[x for kv in {**others, flag: str(place)}.items() for x in kv])
+        assert refused.returncode == 2 and said in refused.stderr.strip().splitlines()[-1], refused.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ws").exists()
     # A stored run is no model to start from: the refusal says how to bring one here.
     stored = run_cli("train", *flags, "--init_from", "gridfs:run1", "--ckpt_dir", str(tmp_path / "ckpt"))
     assert stored.returncode == 2 and "dsgpt2 export --ckpt_dir gridfs:run1" in stored.stderr, stored.stderr

@@ -151,6 +151,20 @@ def test_export_refuses_to_replace_another_export_unless_told(
     assert main(["export", "--ckpt_dir", ckpt, "--out", str(out), "--overwrite"]) == 0
     assert json.loads((out / "dsgpt2_run.json").read_text())["step"] == 4
     assert _leftovers(tmp_path) == []
+    # An export replaces its whole directory: anything else there (a run's checkpoints saved into it)
+    # is refused, --overwrite or not, and kept.
+    (out / "global_step9").mkdir()
+    (out / "latest").write_text("global_step9")
+    line = _fails(capsys, "export", "--ckpt_dir", ckpt, "--out", str(out), "--ckpt_id", "global_step2",
+                  "--overwrite")  # fmt: skip
+    assert "holds an export and other files (global_step9, latest)" in line, line
+    record = json.loads((out / "dsgpt2_run.json").read_text())
+    del record["files"]  # an export made before the record listed its files
+    (out / "dsgpt2_run.json").write_text(json.dumps(record))
+    line = _fails(capsys, "export", "--ckpt_dir", ckpt, "--out", str(out), "--ckpt_id", "global_step2",
+                  "--overwrite")  # fmt: skip
+    assert "holds an export and other files (global_step9, latest)" in line, line
+    assert (out / "latest").read_text() == "global_step9" and (out / "global_step9").is_dir()
 
 
 def test_writers_refuse_a_directory_of_other_files_even_when_told_to_overwrite(
