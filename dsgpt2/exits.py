@@ -26,7 +26,26 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         where = f" {exc.filename}" if exc.filename else ""
         print(f"{prog}: error: cannot use{where}: {exc.strerror}; check its owner and mode", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        if not out_of_memory(exc):
+            raise
+        # The machine's limit, not a bug: what was asked, and the knobs that ask less.
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"{prog}: error: out of memory ({said[:300]}); ask for less: a shorter --context_length, a "
+            "smaller micro-batch or model, fewer sequences at once",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed (host or device), as torch and Python say it."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)

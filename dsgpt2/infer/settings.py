@@ -17,6 +17,7 @@ from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
+    SEED,
     Checked,
     Range,
     option,
@@ -181,7 +182,7 @@ class EvalRequest(Checked):
     task: str | None = option(None, "lm or conversation (default: the run's)", choices=["lm", "conversation"])
     reply_speakers: str | None = option(None, "conversation task: speakers scored (default: the run's)")
     tr_ratio: float | None = option(None, "split ratio (default: the run's)", check=RATIO)
-    seed: int | None = option(None, "split seed (default: the run's)", flag="split_seed")
+    seed: int | None = option(None, "split seed (default: the run's)", flag="split_seed", check=SEED)
     context: int | None = option(
         None, "tokens per block (default: the run's)", check=POSITIVE_INT, flag="context_length"
     )

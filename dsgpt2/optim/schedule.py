@@ -25,7 +25,7 @@ from typing import Any
 
 from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import (
-    ABOVE_ZERO,
+    LEARNING_RATE,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     POSITIVE_NUMBER,
@@ -55,7 +55,7 @@ class ScheduleOptions(Checked):
         None,
         "peak learning rate (default: the DeepSpeed config's optimizer lr)",
         type=float,
-        check=ABOVE_ZERO,
+        check=LEARNING_RATE,
     )
     warmup_iters: int | None = option(
         None,

@@ -31,6 +31,7 @@ from dsgpt2.settings.options import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     RATIO,
+    SEED,
     STEPS_OR_SHARE,
     Checked,
     Freezable,
@@ -123,7 +124,7 @@ class DataOptions(Checked):
         f"model's, else {DEFAULT_VOCAB_DIR})",
     )
     tr_ratio: float = option(DEFAULT_TR_RATIO, "share of documents that train", check=RATIO)
-    seed: int = option(DEFAULT_SEED, "seed of init, split and data order")
+    seed: int = option(DEFAULT_SEED, "seed of init, split and data order", check=SEED)
     data_mode: str = option(
         "streaming",
         "streaming: read MongoDB on the fly; cached: memory-mapped token files",

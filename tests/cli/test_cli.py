@@ -289,6 +289,9 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) ->
         ([*down, "--fraction", "0.5", "--count", "3"], ["--fraction or --count"]),
         ([*down, "--fraction", "0"], ["--fraction must be in (0, 1]"]),
         ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
+        ([*ev, "--split_seed", "-3"], ["--split_seed", "between 0 and 4294967295"]),
+        (["train", "--config_train", str(cfg), "--seed", "-1"], ["--seed", "between 0 and 4294967295"]),
+        (["train", "--config_train", str(cfg), "--lr", "1e308"], ["--lr must be a number in (0, 1000.0]"]),
         (
             ["serve", "--model", "m", "--max_tokens_limit", "8", "--max_new_tokens", "9"],
             ["--max_tokens_limit"],
@@ -391,3 +394,33 @@ def test_a_path_this_user_may_not_use_is_one_line(tmp_path: Path) -> None:
         f"dsgpt2: error: cannot use {tmp_path / 'db' / 'server.lock'}: Permission denied; "
         "check its owner and mode\n"
     )
+
+
+def test_an_allocation_that_fails_is_one_line_and_any_other_error_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --context_length the host cannot hold failed in torch's allocator with a traceback: the
+    machine's limit is one line naming what to lower, exit 1; a bug still shows its traceback."""
+    from dsgpt2.exits import run_command
+
+    def asks(exc: BaseException) -> Any:
+        def command() -> int:
+            raise exc
+
+        return command
+
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                       "you tried to allocate 999998000001 bytes.")  # fmt: skip
+    import torch
+
+    for exc in (
+        cpu,
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+        MemoryError(),
+    ):
+        assert run_command("dsgpt2", asks(exc)) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("dsgpt2: error: out of memory (") and "--context_length" in err, err
+        assert len(err.strip().splitlines()) == 1
+    with pytest.raises(RuntimeError, match="a bug"):
+        run_command("dsgpt2", asks(RuntimeError("a bug")))
