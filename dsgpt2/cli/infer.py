@@ -288,7 +288,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         while True:
             if interactive:
                 print(f"{s.user}> ", end="", flush=True)
-            line = sys.stdin.readline()
+            # Undecodable bytes kept as surrogates whatever the locale: run_chat says so for the line.
+            line = sys.stdin.buffer.readline().decode("utf-8", "surrogateescape")
             if not line:
                 return
             yield line

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from dsgpt2.data.conversation import prompt_ids, speaker_ids
+from dsgpt2.documents import utf8_encodable
 from dsgpt2.errors import ConfigError
 from dsgpt2.infer.generate import Generator, SamplingParams
 
@@ -98,6 +99,12 @@ def run_chat(
             write("(conversation reset)\n")
         elif line.startswith("/"):
             write(f"(unknown command {line.split()[0]}; {HELP})\n")
+        elif not utf8_encodable(line):  # bytes stdin could not decode
+            if not interactive:
+                raise ConfigError(
+                    f"the input holds a line that is not UTF-8 text: {line[:40]!r}; save it as UTF-8"
+                )
+            write("(that line is not UTF-8 text; type it again)\n")
         else:
             write(f"{session.bot}: ")
             session.reply(line, on_text=write)

@@ -376,6 +376,29 @@ def test_chat_through_a_pipe(models: dict[str, Path]) -> None:
     assert len(lines) == 4, lines
     assert lines[0].startswith("bot: ") and lines[1].startswith("bot: ") and lines[3].startswith("bot: ")
     assert lines[2] == "(conversation reset)"
+    # A line of bytes that are not UTF-8 (a pipe from a latin-1 file): one line and exit 2 once the
+    # lines before it are answered, not a traceback from the tokenizer.
+    out = subprocess.run(
+        [sys.executable, "-m", "dsgpt2", "chat", "--model", str(models["chat"]), "--max_new_tokens", "4"],
+        input=b"Hello\ncaf\xe9 au lait\n", capture_output=True, timeout=deadline(120), cwd=ROOT,
+    )  # fmt: skip
+    err = out.stderr.decode()
+    assert out.returncode == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("dsgpt2: error: the input holds a line that is not UTF-8")
+    assert out.stdout.decode().startswith("bot: ")
+
+
+def test_an_interactive_chat_asks_again_for_a_line_that_is_not_utf8() -> None:
+    from types import SimpleNamespace
+
+    from dsgpt2.infer.chat import run_chat
+
+    replies: list[str] = []
+    session = SimpleNamespace(generator=SimpleNamespace(loaded=SimpleNamespace(name="m")), bot="bot",
+                              reply=lambda text, on_text: replies.append(text))  # fmt: skip
+    said: list[str] = []
+    run_chat(session, ["caf\udce9\n", "café\n", "/quit\n"], True, said.append)  # type: ignore[arg-type]
+    assert "(that line is not UTF-8 text; type it again)\n" in said and replies == ["café"]
 
 
 def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) -> None:
