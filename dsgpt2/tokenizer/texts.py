@@ -375,7 +375,9 @@ def shard_texts(
     _check_download(directory)
     skipped = SkipTally() if skipped is None else skipped
     for path in files:
-        with open(path, encoding="utf-8") as f:
+        # Bytes that are not UTF-8 (shards written by another tool) come through as surrogates, and
+        # the line is skipped as invalid text, as one from the database is.
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for line in f:
                 try:
                     text = json.loads(line)["text"]

@@ -324,3 +324,16 @@ def test_pipeline_scripts_end_to_end(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
     assert len(list((tmp_path / "corpus").glob("shard-*.jsonl"))) == 2
     assert len(_load(tmp_path / "tok")) == 800
+
+
+def test_shards_of_another_tool_with_bytes_that_are_not_utf8_skip_those_lines(tmp_path: Path) -> None:
+    """Shards without a download's manifest (written by hand or another tool): a line holding bytes
+    that are not UTF-8 is skipped and counted, as a bad document from the database is, not a traceback."""
+    from dsgpt2.documents import SkipTally
+
+    (tmp_path / "shard-00000.jsonl").write_bytes(
+        b'{"text": "first"}\n{"text": "caf\xe9"}\n\xff\xfe{"text": "x"}\n{"text": "last"}\n'
+    )
+    skipped = SkipTally()
+    assert list(shard_texts(tmp_path, skipped=skipped)) == ["first", "last"]
+    assert dict(skipped) == {"invalid_unicode": 1, "bad_json": 1}
