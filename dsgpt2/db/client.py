@@ -17,6 +17,7 @@ import shutil
 import threading
 import time
 import urllib.parse
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -291,6 +292,19 @@ def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[Non
         ) from None
 
 
+
+def _unknown_options(uri: str) -> str:
+    """The options of ``uri`` pymongo does not know, each with the known one it is closest to."""
+    from pymongo.common import URI_OPTIONS_VALIDATOR_MAP, VALIDATORS
+
+    known = {k.lower(): k for k in (*URI_OPTIONS_VALIDATOR_MAP, *VALIDATORS)}
+    names = [k for k, _ in urllib.parse.parse_qsl(urllib.parse.urlsplit(uri).query) if k.lower() not in known]
+    said = []
+    for name in names or ["?"]:
+        close = difflib.get_close_matches(name.lower(), list(known), n=1)
+        said.append(f"{name!r}" + (f" (did you mean {known[close[0]]}?)" if close else ""))
+    return f"unknown option {', '.join(said)}; pymongo would ignore it"
+
 class Connection:
     """A lazily made client for the current process, and the database to use.
 
@@ -436,18 +450,22 @@ class Connection:
             self._port = urllib.parse.urlsplit(uri).port
             self._errors_seen = embedded.errors_seen()
         try:
-            return pymongo.MongoClient(
-                uri,
-                serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
-                connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
-                socketTimeoutMS=None if patient else self.config.socket_timeout_ms,
-                appname="dsgpt2",
-                connect=False,
-            )
-        except (ConfigurationError, ValueError) as exc:  # ValueError: a port that is not a number
+            with warnings.catch_warnings():
+                # pymongo ignores an option it does not know with a warning: a misspelt one
+                # (readPreferance) would go unnoticed; it is refused like any other bad option.
+                warnings.filterwarnings("error", message="Unknown option", category=UserWarning)
+                return pymongo.MongoClient(
+                    uri,
+                    serverSelectionTimeoutMS=self.config.server_selection_timeout_ms,
+                    connectTimeoutMS=min(self.config.server_selection_timeout_ms, 20000),
+                    socketTimeoutMS=None if patient else self.config.socket_timeout_ms,
+                    appname="dsgpt2",
+                    connect=False,
+                )
+        except (ConfigurationError, ValueError, UserWarning) as exc:  # ValueError: a port not a number
+            why = _unknown_options(uri) if isinstance(exc, UserWarning) else first_line(exc)
             raise ConfigError(
-                f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: "
-                f"{self.config.scrub(first_line(exc))}"
+                f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: {self.config.scrub(why)}"
             ) from None
 
     def ping(self) -> None:

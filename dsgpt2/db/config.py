@@ -60,7 +60,10 @@ READ_PREFERENCES = ("primary", "primaryPreferred", "secondary", "secondaryPrefer
 _REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
 
 _USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
-_SECRET_OPTIONS = re.compile(r"(?i)((?:password|tlsCertificateKeyFilePassword|secret)[^=&]*=)([^&]*)")
+# authMechanismProperties may carry AWS_SESSION_TOKEN:...: its whole value is kept back.
+_SECRET_OPTIONS = re.compile(
+    r"(?i)((?:password|tlsCertificateKeyFilePassword|secret|authMechanismProperties)[^=&]*=)([^&]*)"
+)
 
 
 def collection_name_problem(name: object) -> str | None:

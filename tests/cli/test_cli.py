@@ -348,6 +348,11 @@ def test_bad_ports_garbage_files_and_huge_numbers_are_one_line(tmp_path: Path) -
         result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
         _one_line_error(result, "invalid MONGO_CONNECTION_STRING", "alice:***@dbhost")
         assert "S3cretPW" not in result.stdout + result.stderr
+    # An option pymongo does not know (it would ignore it with a warning): refused, the meant one named.
+    uri = "mongodb://alice:S3cretPW@dbhost/?readPreferance=secondary"
+    result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
+    _one_line_error(result, "unknown option 'readPreferance' (did you mean readpreference?)")
+    assert "S3cretPW" not in result.stdout + result.stderr and "UserWarning" not in result.stderr
     garbage = tmp_path / "garbage.json"
     garbage.write_bytes(bytes(range(128, 256)) * 4)
     from dsgpt2.errors import ConfigError

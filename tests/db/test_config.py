@@ -93,6 +93,10 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         ("mongodb://user@h/db", "mongodb://user@h/db"),
         ("mongodb://h/?authSource=a&password=zz&x=1", "mongodb://h/?authSource=a&password=***&x=1"),
         ("local://runs/db", "local://runs/db"),
+        (
+            "mongodb://u@h/?authMechanism=MONGODB-AWS&authMechanismProperties=AWS_SESSION_TOKEN:tok9&w=1",
+            "mongodb://u@h/?authMechanism=MONGODB-AWS&authMechanismProperties=***&w=1",
+        ),
     ],
 )
 def test_redact_uri(uri: str, redacted: str) -> None:
