@@ -292,7 +292,6 @@ def database_errors(config: MongoConfig, what: str, advice: str) -> Iterator[Non
         ) from None
 
 
-
 def _unknown_options(uri: str) -> str:
     """The options of ``uri`` pymongo does not know, each with the known one it is closest to."""
     from pymongo.common import URI_OPTIONS_VALIDATOR_MAP, VALIDATORS
@@ -304,6 +303,7 @@ def _unknown_options(uri: str) -> str:
         close = difflib.get_close_matches(name.lower(), list(known), n=1)
         said.append(f"{name!r}" + (f" (did you mean {known[close[0]]}?)" if close else ""))
     return f"unknown option {', '.join(said)}; pymongo would ignore it"
+
 
 class Connection:
     """A lazily made client for the current process, and the database to use.
