@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -144,11 +145,17 @@ class Curation(Step):
         for item in s.threshold:
             name, sep, value = item.partition("=")
             try:
-                overrides[name.strip()] = float(value)
+                number = float(value)
             except ValueError:
                 sep = ""
             if not sep:
                 raise usage_error("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
+            if not math.isfinite(number) or number < 0:  # NaN compares false: it would pass everything
+                raise usage_error(
+                    "curate",
+                    f"--threshold {item!r}: give a finite number at least 0 (to drop a rule set: --rules)",
+                )
+            overrides[name.strip()] = number
         return cls(list(s.rules), resolve_thresholds(overrides))
 
     def __post_init__(self) -> None:
