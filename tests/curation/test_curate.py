@@ -80,7 +80,7 @@ def test_curate_judges_planted_documents_and_rejudges_under_other_thresholds(tmp
 @pytest.mark.parametrize("value", ["nan", "-5", "inf"])
 def test_a_threshold_that_is_no_bound_is_refused(value: str) -> None:
     """NaN compares false, so min_words=nan passed every document while the run said gopher was judged."""
-    from dsgpt2.curation.curate import Curation, CurateSettings
+    from dsgpt2.curation.curate import CurateSettings, Curation
     from dsgpt2.errors import ConfigError
 
     with pytest.raises(
