@@ -113,7 +113,7 @@ def collection_names(given: Sequence[str] | None, config: Any, command: str) -> 
 
     names = list(given or config.collections)
     for name in names:
-        problem = collection_name_problem(name)
+        problem = collection_name_problem(name) or config.records_problem(name)
         if problem:
             raise usage(command, f"--collection {name!r} is not a collection name: {problem}")
     return names

@@ -128,7 +128,7 @@ class DropSettings:
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
-    from dsgpt2.db.client import EVAL_RESULTS, connect, require_collections
+    from dsgpt2.db.client import connect, require_collections
     from dsgpt2.db.idx import largest_idx
     from dsgpt2.db.meta import drop_collection, read_meta
 
@@ -137,8 +137,9 @@ def cmd_drop(args: argparse.Namespace) -> int:
     conn = connect(config, create=False)
     names = list(dict.fromkeys(s.collection))
     for name in names:
-        if name in (config.meta_collection, EVAL_RESULTS) or name.endswith((".files", ".chunks")):
-            raise usage("drop", f"--collection {name}: the toolkit's own records, not a corpus collection")
+        problem = config.records_problem(name)
+        if problem:
+            raise usage("drop", f"--collection {name}: {problem}")
     require_collections(conn, names)
     meta = read_meta(conn, names)
     held = []
@@ -164,7 +165,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     settings = from_namespace(IndexSettings, args)
     config = load_connection(settings.config)
     name, field = settings.collection, settings.field
-    problem = collection_name_problem(name)
+    problem = collection_name_problem(name) or config.records_problem(name)
     if problem:
         raise usage("index", f"--collection {name!r} is not a collection name: {problem}")
     report = index_collection(connect(config), name, field, settings.batch_size, not settings.no_progress)
@@ -191,7 +192,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         raise usage("ingest", "--limit goes with --sample")
     config = load_connection(s.config)
     collection = config.collections[0] if s.collection is None else s.collection
-    problem = collection_name_problem(collection)
+    problem = collection_name_problem(collection) or config.records_problem(collection)
     if problem:
         raise usage("ingest", f"--collection {collection!r} is not a collection name: {problem}")
     sources = [builtin_source(s.sample, s.limit)] if s.sample else []

@@ -30,7 +30,7 @@ from pymongo.errors import (
 )
 
 from dsgpt2.db import embedded
-from dsgpt2.db.config import ENV_URI, MongoConfig
+from dsgpt2.db.config import ENV_URI, EVAL_RESULTS, MongoConfig
 from dsgpt2.db.filters import check_filter_languages, conjoin, filter_refusal
 from dsgpt2.errors import ConfigError, CorpusError, DiskFullError, MongoUnavailableError, ServerLostError
 from dsgpt2.progress import interval_seconds
@@ -512,11 +512,6 @@ def read_preference(config: MongoConfig) -> Any:
     if mode is rp.Primary:
         return rp.Primary()
     return mode(tag_sets=[dict(t) for t in config.read_preference_tags] or None)
-
-
-# The collection evaluation results are recorded in, beside the corpus (:func:`dsgpt2.db.meta.record_eval`):
-# one of the toolkit's own collections, which :func:`require_collections` does not name as corpus.
-EVAL_RESULTS = "eval_results"
 
 
 def existing_collections(conn: Connection) -> list[str]:

@@ -27,6 +27,10 @@ from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Ran
 ENV_URI = "MONGO_CONNECTION_STRING"
 SCHEMES = ("mongodb://", "mongodb+srv://", "local://")
 REDACTED = "***"
+# The collection evaluation results are recorded in, beside the corpus (:func:`dsgpt2.db.meta.record_eval`):
+# one of the toolkit's own collections, which :func:`dsgpt2.db.client.require_collections` does not name
+# as corpus.
+EVAL_RESULTS = "eval_results"
 
 # JSON key → (dataclass field, expected type(s), description for errors and docs).
 _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
@@ -220,6 +224,13 @@ class MongoConfig(Checked):
     def is_local(self) -> bool:
         """Whether this is the embedded database (``local://DIR``) that dsgpt2 starts itself."""
         return self.uri.startswith("local://")
+
+    def records_problem(self, name: str) -> str | None:
+        """Why ``name`` is no corpus collection but the toolkit's own records (the meta collection,
+        evaluation records, stored files), or None."""
+        if name in (self.meta_collection, EVAL_RESULTS) or name.endswith((".files", ".chunks")):
+            return "the toolkit's own records, not a corpus collection"
+        return None
 
     def scrub(self, text: str) -> str:
         """Remove every secret of this config from ``text`` (an error message, a log line)."""

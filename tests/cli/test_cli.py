@@ -78,6 +78,12 @@ def test_bad_cli_input_is_one_line_and_exit_2(tmp_path: Path, cfg: Path) -> None
         (["ingest", "--config", str(cfg)], ["FILE", "--sample"]),
         (["ingest", "--config", str(cfg), str(tmp_path / "missing.txt")], ["missing.txt", "not found"]),
         (["ingest", "--config", str(cfg), "--limit", "5", str(txt)], ["--limit", "--sample"]),
+        # The toolkit's own records are no corpus: not written into, not marked.
+        (
+            ["ingest", "--config", str(cfg), "--collection", "meta_info", str(txt)],
+            ["the toolkit's own records"],
+        ),
+        (["curate", "--config", str(cfg), "--collection", "meta_info"], ["'meta_info'", "the toolkit's own"]),
         (["validate"], ["--config"]),
         (["nonsense"], ["invalid choice"]),
     ]
