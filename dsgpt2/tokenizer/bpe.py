@@ -106,6 +106,12 @@ class VocabSettings(Checked):
                 raise ConfigError(f"--speakers: {s!r} is not a name of letters, digits and underscores")
         if len(set(self.speakers)) != len(self.speakers):
             raise ConfigError(f"--speakers names a speaker twice: {list(self.speakers)}")
+        taken = [s for s in self.speakers if speaker_token(s) in (EOT, PAD)]
+        if taken:  # one token for two roles: the recorded ids would name the wrong one
+            raise ConfigError(
+                f"--speakers: {taken[0]!r} is the token {speaker_token(taken[0])}, the tokenizer's own "
+                "end-of-text or padding; name the speaker otherwise"
+            )
 
     @property
     def specials(self) -> list[str]:

@@ -275,6 +275,10 @@ def test_settings_are_validated() -> None:
         VocabSettings(speakers=("user", "bad name"))
     with pytest.raises(ConfigError, match="--reserved"):
         VocabSettings(reserved=-1)
+    # A speaker whose token is end-of-text or padding: the ids recorded for it would be the other's.
+    for speakers in (("endoftext",), ("pad", "bot")):
+        with pytest.raises(ConfigError, match=r"--speakers: .* the tokenizer's own end-of-text or padding"):
+            VocabSettings(speakers=speakers)
 
 
 def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
