@@ -6,6 +6,7 @@ before any model is built; restoring it into the engine; saving (into the run's 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
@@ -166,6 +167,7 @@ class Checkpointer:
         # First, and whatever --ignore_fingerprint says: weights of another shape cannot be loaded.
         self._check_model(saved, named)
         self._check_optimizer(saved, named)
+        _check_init(saved.get("args") or {}, self.settings.args, named)
         self._check_fingerprint(saved["fingerprint"], named)
         self._check_data(saved, named)
         ranks = len(saved["data"]["ranks"])
@@ -384,6 +386,20 @@ def check_saved_data(
         if now < mark and not any(p.startswith(name) for p in problems):
             problems.append(f"{name} holds {now} documents, fewer than the {mark} trained on")
     return problems
+
+
+def _check_init(theirs: dict[str, Any], ours: dict[str, Any], where: Path) -> None:
+    """A resume continues the checkpoint's weights: an --init_from other than the one the run
+    started from would be ignored, and is refused (the same one, the command typed again, is not)."""
+    asked, started = ours.get("init_from"), theirs.get("init_from")
+    if not asked or (started and os.path.realpath(str(asked)) == os.path.realpath(str(started))):
+        return
+    origin = f"--init_from {started}" if started else "its own initialisation"
+    raise CheckpointError(
+        f"--init_from {asked}: this run resumes {where}, which started from {origin}, and continues its "
+        f"weights; leave --init_from out to resume it, or give another --ckpt_dir (and no --load_dir) to "
+        f"start a new run from {asked}"
+    )
 
 
 def _model_flags(args: dict[str, Any], differ: dict[str, tuple[Any, Any]]) -> str:

@@ -517,3 +517,16 @@ def test_conversation_finetuning_stops_early_on_the_reply_loss_and_keeps_its_bes
     best = run_cli("export", "--ckpt_dir", str(ckpt), "--ckpt_id", "best", "--out", str(base / "chat_best"))
     assert best.returncode == 0 and "global_step4" in best.stdout, best.stderr
     assert load_model(base / "chat_best").run["step"] == 4
+    # Its checkpoint resumed with another --init_from: refused, not a resume that ignores it.
+    other = base / "chat_best"
+    again = run_python(
+        [str(ROOT / "ds_trainer.py"), "--deepspeed_config", str(base / "ds.json"), "--config_train",
+         str(models["chat_config"]), "--context_length", "64", "--tr_ratio", "0.9", "--chunk_docs", "200",
+         "--num_workers", "1", "--seed", "3", "--wandb", "off", "--task", "conversation",
+         "--train_iters", "200",
+         "--init_from", str(other), "--load_dir", str(ckpt), "--ckpt_dir", str(base / "chat_other"),
+         "--workspace", str(base / "chat_other_ws")],
+        cwd=ROOT,
+    )  # fmt: skip
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert f"--init_from {other}: this run resumes {ckpt}" in again.stderr, again.stderr[-3000:]
