@@ -19,12 +19,14 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import ConfigError, first_line
+from dsgpt2.files import file_sha256
 from dsgpt2.model.gpt2 import causal_lm_loss
 from dsgpt2.tokenizer.stored import stored_tokenizer
 
 log = logging.getLogger(__name__)
 
 RUN_INFO = "dsgpt2_run.json"  # what an export keeps of its training run
+WEIGHT_DIGESTS = "weights"  # its record of each weights file: size and SHA-256, checked as it loads
 # In RUN_INFO: the hash of the tokenizer.json the export ships (transformers writes it anew, so it is
 # not the run's file byte for byte).
 SHIPPED_TOKENIZER = "tokenizer_digest"
@@ -86,11 +88,15 @@ def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
     from transformers import GPT2Config
 
     name = "config.json"
+    recorded = export_run(path).get(WEIGHT_DIGESTS) or {}
     try:
         config = GPT2Config.from_pretrained(str(path))
         weights: dict[str, Any] = {}
         for f in sorted(path.glob("*.safetensors")):
             name = f.name
+            if name in recorded and file_sha256(f) != recorded[name]:
+                # Bytes changed in place keep the format valid: the weights would load, and give NaN.
+                raise ValueError("its size or SHA-256 differs from the export's record")
             weights.update(load_file(str(f)))
     except Exception as exc:  # transformers', huggingface_hub's and safetensors' own errors of a bad file
         raise damaged_export(path, name, exc) from exc

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, GenerationFailed
 from dsgpt2.infer.settings import SamplingParams
 
 # The smallest temperature decoding divides by: any smaller one samples as this one does.
@@ -260,6 +260,11 @@ class Decoder:
         self, logits: torch.Tensor, rows: list[tuple[DecodeRequest, Sample]], seen: torch.Tensor
     ) -> torch.Tensor:
         logits = logits[:, : self.tokenizer.get_vocab_size()]  # rows past the vocabulary: never
+        if not bool(torch.isfinite(logits).all()):  # greedy would pick token 0, sampling would fail
+            raise GenerationFailed(
+                "the model's next-token scores are not finite (NaN or infinity): its weights are damaged "
+                "or its training diverged; export it again from a checkpoint whose loss was finite"
+            )
         seen = seen[:, : logits.shape[1]]
         params = [r.params for r, _ in rows]
         penalty = torch.tensor([p.repetition_penalty for p in params], device=logits.device)[:, None]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterable
@@ -168,6 +169,12 @@ def evaluate(
     bytes_of = None if ids is None else torch.tensor(ids, dtype=torch.int64, device=device)
     metrics = evaluate_batches(model, batches, request.max_batches, progress, stats, doc_mask_eot=eot,
                                bytes_of=bytes_of)  # fmt: skip
+    if not math.isfinite(metrics.loss):  # a figure no one should record or compare
+        raise ConfigError(
+            f"the model's loss is not finite ({metrics.loss}) on {metrics.tokens:,} tokens: its "
+            "weights are damaged or its training diverged; export it again from a checkpoint whose loss was "
+            "finite"
+        )
     metrics.documents = stats.get("documents", 0)
     metrics.skipped = stats.get("skipped", {})
     return {

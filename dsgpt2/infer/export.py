@@ -19,6 +19,7 @@ from dsgpt2.checkpoints.format import resolve
 from dsgpt2.checkpoints.weights import (
     RUN_INFO,
     SHIPPED_TOKENIZER,
+    WEIGHT_DIGESTS,
     build_with_weights,
     check_tokenizer,
     checkpoint_state,
@@ -26,7 +27,7 @@ from dsgpt2.checkpoints.weights import (
     run_info,
 )
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, check_writable_dir, is_occupied, staged_dir
+from dsgpt2.files import atomic_write_text, check_writable_dir, file_sha256, is_occupied, staged_dir
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import local_tokenizer
 
@@ -148,6 +149,7 @@ def export(
         _write(model, config, vocab, staging)
         run[SHIPPED_TOKENIZER] = tokenizer_digest(staging)
         run[FILES] = sorted([*os.listdir(staging), RUN_INFO])
+        run[WEIGHT_DIGESTS] = {f.name: file_sha256(f) for f in sorted(staging.glob("*.safetensors"))}
         atomic_write_text(staging / RUN_INFO, json.dumps(run, indent=1) + "\n")
     return {
         "tag": tag,

@@ -258,6 +258,55 @@ def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
                          "(`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
 
 
+def test_weights_changed_in_place_or_not_finite_are_refused_not_used(
+    models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Bytes overwritten inside model.safetensors keep its format: the weights loaded, generate printed
+    nothing (greedy) or failed in sampling, evaluate reported loss nan, exit 0. An export records its
+    weights' SHA-256; weights that are NaN all the same (exported elsewhere) are said, not used."""
+    from safetensors.torch import load_file, save_file
+
+    from dsgpt2.cli.main import main
+
+    model = tmp_path / "model"
+    shutil.copytree(models["lm"], model)
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64
+    weights.write_bytes(bytes(data))
+    line = _error_line(capsys, "generate", "--model", str(model), "def")
+    assert "model.safetensors cannot be read (its size or SHA-256 differs from the export's record)" in line
+    # No record to check against: the scores are found not finite before a token is picked.
+    (model / "dsgpt2_run.json").unlink()
+    tensors = load_file(str(models["lm"] / "model.safetensors"))
+    tensors = {k: torch.full_like(v, float("nan")) if "wte" in k else v for k, v in tensors.items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    for temperature in ("0", "1"):
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    str(model),
+                    "--temperature",
+                    temperature,
+                    "--max_new_tokens",
+                    "4",
+                    "x",
+                ]
+            )
+            == 1
+        )
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == ["dsgpt2: error: the model's next-token scores are not finite (NaN or infinity): its "
+                       "weights are damaged or its training diverged; export it again from a checkpoint "
+                       "whose loss was finite"], err  # fmt: skip
+    (model / "dsgpt2_run.json").write_text((models["lm"] / "dsgpt2_run.json").read_text().replace(
+        '"weights"', '"weights_not"'))  # fmt: skip
+    line = _error_line(capsys, "evaluate", "--model", str(model), "--config", str(models["lm_config"]))
+    assert "the model's loss is not finite (nan)" in line, line
+
+
 def test_generation_is_deterministic_per_seed_and_bounded(models: dict[str, Path]) -> None:
     gen = Generator(load_model(models["lm"]))
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=5)
