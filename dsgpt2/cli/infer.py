@@ -236,6 +236,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(s.prompts)
     if s.prompts_file:
         path = s.prompts_file
+        if path.is_dir():
+            raise usage(
+                "generate", f"--prompts_file {path} is a directory; give a file with one prompt per line"
+            )
         if not path.is_file():
             raise usage("generate", f"--prompts_file {path}: file not found")
         try:
@@ -243,6 +247,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         except (OSError, UnicodeDecodeError) as exc:
             raise usage("generate", f"--prompts_file {path}: cannot read it as UTF-8 text ({exc})") from None
         prompts += [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise usage("generate", f"--prompts_file {path} holds no prompt (every line is blank)")
     if not prompts:
         raise usage("generate", "give PROMPT arguments or --prompts_file")
     params = from_namespace(SamplingParams, args)

@@ -162,6 +162,8 @@ def read_texts(path: Path) -> tuple[str, list[str]]:
             the file's layout: one line naming the file (and the line).
     """
     known = "; ".join(LAYOUTS.values())
+    if path.is_dir():
+        raise ConfigError(f"--against {path} is a directory; give the evaluation set's file")
     if not path.is_file():
         raise ConfigError(f"--against {path}: file not found")
     layout: str | None = None

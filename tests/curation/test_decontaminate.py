@@ -93,6 +93,10 @@ def test_every_layout_is_read(tmp_path: Path) -> None:
     assert read_texts(text) == ("text", ["one two", "three"])
     (s,) = load_sets([hs, text], ["both", "both"], 13)
     assert (s.name, s.items, len(s.grams), s.short) == ("both", 3, len(gold.split()) - 12, 2)
+    from dsgpt2.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--against .* is a directory; give the evaluation set's file"):
+        read_texts(tmp_path)
 
 
 @pytest.mark.slow
