@@ -174,7 +174,8 @@ def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
         if tag is None:
             what = "no checkpoint to resume from" if fresh else "no checkpoint"
             raise CheckpointError(f"{what} in {load_dir} (no `latest` file, no intact checkpoint){fresh}")
-        log.warning("%s has no `latest` file; resuming from its newest intact checkpoint, %s", load_dir, tag)
+        # Read for a resume, an export or a model alike: "reading", not "resuming".
+        log.warning("%s has no `latest` file; reading its newest intact checkpoint, %s", load_dir, tag)
         return tag
     tag = latest.read_bytes().decode("utf-8", "replace").strip()
     if not tag or not _TAG.match(tag):

@@ -62,6 +62,11 @@ def dataset_files(path: Path) -> list[Path]:
             f"directory, e.g. {path / str(splits[0] if splits else 'train')}"
         )
     state = path / "state.json"
+    if path.is_file():
+        raise IngestError(
+            f"{path} is a file, and --format dataset reads a directory written by Dataset.save_to_disk; "
+            "leave --format out to read the file by its name"
+        )
     if not state.is_file():
         raise IngestError(
             f"{path} is a directory but not a `datasets` save_to_disk directory (no state.json); "

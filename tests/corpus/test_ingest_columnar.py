@@ -274,6 +274,7 @@ def test_bad_columnar_input_is_one_line(tmp_path: Path) -> None:
     cases.append(([str(truncated)], "cut.parquet: not a readable parquet input"))
     (tmp_path / "notes").mkdir()
     cases.append(([str(tmp_path / "notes")], "not a `datasets` save_to_disk directory"))
+    cases.append((["--format", "dataset", str(path)], "x.parquet is a file, and --format dataset"))
     for extra, message in cases:
         result = run_cli("ingest", "--config", str(cfg), *extra)
         assert result.returncode == 2, (extra, result.stderr)
