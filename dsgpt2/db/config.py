@@ -386,9 +386,14 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(p)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+        hint = ""
+        if p.suffix.lower() in (".yaml", ".yml", ".toml"):
+            hint = (
+                f"; a connection config is a JSON file (as configs/sample.json), and {p.name} looks like an "
+                "experiment file: give that to `dsgpt2 train --config` itself"
+            )
+        where = f"line {exc.lineno} column {exc.colno}"
+        raise ConfigError(f"config file {str(p)!r} is not valid JSON: {exc.msg} at {where}{hint}") from None
     return replace(config_from_dict(data, env=env, source=str(p)), source=str(p))
 
 

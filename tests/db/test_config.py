@@ -79,6 +79,12 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
     bad.write_text('{"MONGO_CONNECTION_DB": "x",\n  "COLLECTIONS": [}')
     with pytest.raises(ConfigError, match=r"not valid JSON.*line 2"):
         load_config(bad)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train_iters: 30\n")
+    with pytest.raises(
+        ConfigError, match=r"recipe.yaml looks like an experiment file: give that to `dsgpt2 tr"
+    ):
+        load_config(recipe)
     arr = tmp_path / "arr.json"
     arr.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="JSON object"):
