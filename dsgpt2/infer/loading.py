@@ -51,7 +51,7 @@ def load_model(
     tokenizer_dir = local_tokenizer(vocab_dir or recorded, db_config, copy)
     name = run.get("checkpoint") or str(path)
     # The tokenizer pinned by hash: another one would read other ids than the model learned.
-    check_tokenizer(tokenizer_dir, run, str(path) if tokenizer_dir == path else name)
+    check_tokenizer(tokenizer_dir, run, str(path))  # named as given: an export ships its tokenizer there
     from dsgpt2.tokenizer.bpe import load_tokenizer
 
     if load_tokenizer(tokenizer_dir).get_vocab_size() > config.vocab_size:

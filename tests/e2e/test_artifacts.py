@@ -134,6 +134,9 @@ def test_an_export_holds_its_own_tokenizer_by_hash(
     ):
         line = _fails(capsys, *argv)
         assert shipped in line and tokenizer_digest(out) in line and str(out) in line, line
+    # Another tokenizer given with --vocab_dir: the message says where the right one ships (the export).
+    line = _fails(capsys, "generate", "--model", str(out), "--vocab_dir", str(other), "hello")
+    assert f"shipped in {out}" in line, line
 
 
 def test_export_refuses_to_replace_another_export_unless_told(
