@@ -80,6 +80,16 @@ def is_occupied(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
+def unlisted(directory: Path, listed: object, record: str, marks: tuple[str, ...] = ()) -> list[str]:
+    """What ``directory`` holds beside the artifact whose record (the file ``record``) lists its files as
+    ``listed``: the names it does not list; a record without the list (an older one): the directory's
+    subdirectories and the files named ``marks`` (another artifact's, a checkpoint's ``latest``)."""
+    names = sorted(os.listdir(directory))
+    if isinstance(listed, list):
+        return [n for n in names if n not in listed and n != record]
+    return [n for n in names if (directory / n).is_dir() or n in marks]
+
+
 def unwritable_dir(path: str | os.PathLike[str]) -> str | None:
     """Why files cannot be written in a directory at ``path`` (made if it is not there), or None when they
     can: found by making and removing an empty directory in its nearest existing ancestor, so nothing is

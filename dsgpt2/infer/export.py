@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.checkpoints.format import resolve
+from dsgpt2.checkpoints.format import COMPLETE, LATEST, resolve
 from dsgpt2.checkpoints.weights import (
     RUN_INFO,
     SHIPPED_TOKENIZER,
@@ -27,7 +27,7 @@ from dsgpt2.checkpoints.weights import (
     run_info,
 )
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, check_writable_dir, file_sha256, is_occupied, staged_dir
+from dsgpt2.files import atomic_write_text, check_writable_dir, file_sha256, is_occupied, staged_dir, unlisted
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import local_tokenizer
 
@@ -61,7 +61,7 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
             f"--out {out} holds files that are not a dsgpt2 export; give an empty or new directory"
         )
     there = export_run(out)
-    others = _not_the_exports(out, there)
+    others = unlisted(out, there.get(FILES), RUN_INFO, (LATEST, COMPLETE))
     if others:  # the export replaces the whole directory: they would go with it
         raise ConfigError(
             f"--out {out} holds an export and other files ({', '.join(others[:3])}"
@@ -75,18 +75,6 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
             f"--out {out} holds another export ({there.get('checkpoint')}, step {there.get('step')}); "
             "pass --overwrite to replace it, or give another --out"
         )
-
-
-def _not_the_exports(out: Path, there: dict[str, Any]) -> list[str]:
-    """What ``out`` holds beside the export whose record is ``there``: the names its record does not
-    list (an export without the list: directories and checkpoint files)."""
-    from dsgpt2.checkpoints.format import COMPLETE, LATEST
-
-    names = sorted(os.listdir(out))
-    listed = there.get(FILES)
-    if isinstance(listed, list):
-        return [n for n in names if n not in listed and n != RUN_INFO]
-    return [n for n in names if (out / n).is_dir() or n in (LATEST, COMPLETE)]
 
 
 def _check_vocab(vocab: Path, config: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError, first_line
-from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir
+from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir, unlisted
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import POSITIVE_INT, Checked, Range, option
 from dsgpt2.tokenizer.texts import TextStream
@@ -34,6 +34,7 @@ EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 DEFAULT_SPEAKERS = ("user", "bot")
 VOCAB_META = "dsgpt2_vocab.json"
+FILES = "files"  # the record's list of the tokenizer's files: anything else in its directory is not its
 MAX_VOCAB = 1 << 20
 _SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -179,12 +180,26 @@ def check_vocab_out(out: Path, overwrite: bool) -> None:
         return
     if not out.is_dir() or not (out / "tokenizer.json").is_file():
         raise ConfigError(f"--out {out} holds files that are not a tokenizer; give an empty or new directory")
+    others = unlisted(out, _recorded_files(out), VOCAB_META, ("latest", "dsgpt2_run.json"))
+    if others:  # the tokenizer replaces the whole directory: they would go with it
+        raise ConfigError(
+            f"--out {out} holds a tokenizer and other files ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}); give an empty or new directory"
+        )
     if not overwrite:
         raise ConfigError(
             f"--out {out} holds a tokenizer (hash {tokenizer_digest(out)}), which runs and "
             "exports may have trained with and are checked against; pass --overwrite to replace it, or "
             "give another --out"
         )
+
+
+def _recorded_files(out: Path) -> object:
+    """The file names a tokenizer's record lists (None where it lists none, or cannot be read)."""
+    try:
+        return json.loads((out / VOCAB_META).read_text()).get(FILES)
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def train_vocab(
@@ -241,6 +256,7 @@ def train_vocab(
     }
     with staged_dir(out, check=lambda: check_vocab_out(out, overwrite)) as staging:
         _save(bpe, settings, staging)
+        meta[FILES] = sorted([*os.listdir(staging), VOCAB_META])
         atomic_write_text(staging / VOCAB_META, json.dumps(meta, indent=1) + "\n")
     return report
 

@@ -114,6 +114,29 @@ def test_a_tokenizer_rewritten_under_a_run_is_refused_by_every_command_that_load
         shutil.copytree(original, tok)
 
 
+def test_a_tokenizer_directory_holding_more_than_a_tokenizer_is_not_replaced(
+    run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vocab train --overwrite replaces its whole directory: a run's checkpoints saved beside the
+    tokenizer would go with it, so it refuses, by the record's list of files or, in an older record
+    without one, by the directories there."""
+    tok = tmp_path / "tok"
+    shutil.copytree(run["tok"], tok)
+    (tok / "global_step2").mkdir()
+    (tok / "latest").write_text("global_step2")
+    argv = ["vocab", "train", "--from_mongo", "--config", str(run["config"]), "--out", str(tok),
+            "--vocab_size", "300", "--no_progress", "--overwrite"]  # fmt: skip
+    record = json.loads((tok / "dsgpt2_vocab.json").read_text())
+    assert "tokenizer.json" in record["files"]
+    line = _fails(capsys, *argv)
+    assert "holds a tokenizer and other files (global_step2, latest)" in line, line
+    del record["files"]
+    (tok / "dsgpt2_vocab.json").write_text(json.dumps(record))
+    line = _fails(capsys, *argv)
+    assert "holds a tokenizer and other files (global_step2, latest)" in line, line
+    assert (tok / "latest").read_text() == "global_step2"
+
+
 def test_an_export_holds_its_own_tokenizer_by_hash(
     run: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
