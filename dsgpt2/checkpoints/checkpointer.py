@@ -394,6 +394,13 @@ def _check_init(theirs: dict[str, Any], ours: dict[str, Any], where: Path) -> No
     asked, started = ours.get("init_from"), theirs.get("init_from")
     if not asked or (started and os.path.realpath(str(asked)) == os.path.realpath(str(started))):
         return
+    if started and not os.path.isabs(str(started)):
+        # Recorded as typed, relative to where the run started, which may not be here: said, not refused.
+        log.warning(
+            "--init_from %s: %s started from --init_from %s (from the directory it ran in); the resume "
+            "continues its weights and reads no --init_from", asked, where, started,
+        )  # fmt: skip
+        return
     origin = f"--init_from {started}" if started else "its own initialisation"
     raise CheckpointError(
         f"--init_from {asked}: this run resumes {where}, which started from {origin}, and continues its "

@@ -96,7 +96,9 @@ def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
             name = f.name
             if name in recorded and file_sha256(f) != recorded[name]:
                 # Bytes changed in place keep the format valid: the weights would load, and give NaN.
-                raise ValueError("its size or SHA-256 differs from the export's record")
+                raise ValueError(
+                    "its size or SHA-256 differs from the export's record, damaged or written by another tool"
+                )
             weights.update(load_file(str(f)))
     except Exception as exc:  # transformers', huggingface_hub's and safetensors' own errors of a bad file
         raise damaged_export(path, name, exc) from exc

@@ -150,10 +150,12 @@ class Curation(Step):
                 sep = ""
             if not sep:
                 raise usage_error("curate", f"--threshold {item!r}: give NAME=NUMBER, e.g. min_words=30")
-            if not math.isfinite(number) or number < 0:  # NaN compares false: it would pass everything
+            if (
+                math.isnan(number) or number < 0
+            ):  # NaN compares false: it would pass everything; inf: no bound
                 raise usage_error(
                     "curate",
-                    f"--threshold {item!r}: give a finite number at least 0 (to drop a rule set: --rules)",
+                    f"--threshold {item!r}: give a number at least 0 (inf: no bound)",
                 )
             overrides[name.strip()] = number
         return cls(list(s.rules), resolve_thresholds(overrides))

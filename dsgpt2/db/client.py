@@ -13,6 +13,7 @@ import difflib
 import logging
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -30,7 +31,7 @@ from pymongo.errors import (
 )
 
 from dsgpt2.db import embedded
-from dsgpt2.db.config import ENV_URI, EVAL_RESULTS, MongoConfig
+from dsgpt2.db.config import ENV_URI, EVAL_RESULTS, MongoConfig, uri_shape
 from dsgpt2.db.filters import check_filter_languages, conjoin, filter_refusal
 from dsgpt2.errors import ConfigError, CorpusError, DiskFullError, MongoUnavailableError, ServerLostError
 from dsgpt2.progress import interval_seconds
@@ -297,7 +298,9 @@ def _unknown_options(uri: str) -> str:
     from pymongo.common import URI_OPTIONS_VALIDATOR_MAP, VALIDATORS
 
     known = {k.lower(): k for k in (*URI_OPTIONS_VALIDATOR_MAP, *VALIDATORS)}
-    names = [k for k, _ in urllib.parse.parse_qsl(urllib.parse.urlsplit(uri).query) if k.lower() not in known]
+    query = urllib.parse.urlsplit(uri).query
+    pairs = [p.partition("=")[0] for p in re.split(r"[&;]", query) if p]  # pymongo takes either separator
+    names = [urllib.parse.unquote(k) for k in pairs if urllib.parse.unquote(k).lower() not in known]
     said = []
     for name in names or ["?"]:
         close = difflib.get_close_matches(name.lower(), list(known), n=1)
@@ -463,9 +466,10 @@ class Connection:
                     connect=False,
                 )
         except (ConfigurationError, ValueError, UserWarning) as exc:  # ValueError: a port not a number
+            # Options named, never shown with their values: a misspelt secret option is not known to be one.
             why = _unknown_options(uri) if isinstance(exc, UserWarning) else first_line(exc)
             raise ConfigError(
-                f"invalid MONGO_CONNECTION_STRING {self.config.display_uri!r}: {self.config.scrub(why)}"
+                f"invalid MONGO_CONNECTION_STRING {uri_shape(self.config.uri)!r}: {self.config.scrub(why)}"
             ) from None
 
     def ping(self) -> None:

@@ -405,6 +405,13 @@ def redact_uri(uri: str) -> str:
     return _SECRET_OPTIONS.sub(lambda m: m[1] + REDACTED, out)
 
 
+def uri_shape(uri: str) -> str:
+    """The connection string with its password and every option's value replaced by ``***``: what an
+    error about the string itself shows (a misspelt secret option is not known to be a secret)."""
+    head, sep, query = redact_uri(uri).partition("?")
+    return head + sep + re.sub(r"=[^&;]*", "=" + REDACTED, query)
+
+
 def uri_hosts(uri: str) -> str:
     """The host list of a connection string: ``mongodb://u:p@h1,h2/db`` → ``h1,h2``."""
     if uri.startswith("local://"):

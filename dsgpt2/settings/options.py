@@ -138,7 +138,7 @@ POSITIVE_NUMBER = Range(float, 0, low_open=True, name="a positive number")
 ABOVE_ZERO = Range(float, 0, low_open=True)  # a float that must be positive (a rate)
 RATIO = Range(float, 0, 1, low_open=True, short="in (0, 1]")  # a share
 STEPS_OR_SHARE = StepsOrShare(float, 0, name="0, a whole number of steps or a share in (0, 1)")
-SEED = Range(int, 0, 2**32 - 1)  # a seed every generator takes (numpy's legacy ones stop at 2**32)
+SEED = Range(int, 0, 2**63 - 1)  # a seed every generator takes, and a record in the database (int64) holds
 LEARNING_RATE = Range(float, 0, 1e3, low_open=True)  # above it, the updates overflow the weights
 PORT = Range(int, 0, 65535)  # a TCP port; 0: any free one
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,26 @@ def test_a_garbled_marker_neither_counts_nor_crashes_the_pruning(tmp_path: Path)
     ]
     marker = json.loads((tmp_path / "global_step4" / COMPLETE).read_text())
     assert marker["files"]["mp_rank_00_model_states.pt"]["size"] == 4
+
+
+def test_a_resume_refuses_another_init_from_and_takes_the_one_it_started_from(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from dsgpt2.checkpoints.checkpointer import _check_init
+    from dsgpt2.errors import CheckpointError
+
+    where = tmp_path / "ckpt" / "global_step4"
+    model = str(tmp_path / "model")
+    _check_init({"init_from": model}, {"init_from": model}, where)  # the command typed again
+    _check_init({"init_from": model}, {}, where)  # a resume without the flag
+    for theirs in ({}, {"init_from": str(tmp_path / "other")}):
+        with pytest.raises(CheckpointError, match=rf"--init_from {model}: this run resumes .*global_step4"):
+            _check_init(theirs, {"init_from": model}, where)
+    # Recorded relative to where the run started (maybe not here): said, not refused.
+    logging.getLogger("dsgpt2").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.WARNING, logger="dsgpt2"):
+            _check_init({"init_from": "runs/model"}, {"init_from": model}, where)
+    finally:
+        logging.getLogger("dsgpt2").removeHandler(caplog.handler)
+    assert any("reads no --init_from" in r.getMessage() for r in caplog.records), caplog.records

@@ -295,8 +295,11 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) ->
         ([*down, "--fraction", "0.5", "--count", "3"], ["--fraction or --count"]),
         ([*down, "--fraction", "0"], ["--fraction must be in (0, 1]"]),
         ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
-        ([*ev, "--split_seed", "-3"], ["--split_seed", "between 0 and 4294967295"]),
-        (["train", "--config_train", str(cfg), "--seed", "-1"], ["--seed", "between 0 and 4294967295"]),
+        ([*ev, "--split_seed", "-3"], ["--split_seed", "between 0 and 9223372036854775807"]),
+        (
+            ["train", "--config_train", str(cfg), "--seed", "-1"],
+            ["--seed", "between 0 and 9223372036854775807"],
+        ),
         (["train", "--config_train", str(cfg), "--lr", "1e308"], ["--lr must be a number in (0, 1000.0]"]),
         (
             ["serve", "--model", "m", "--max_tokens_limit", "8", "--max_new_tokens", "9"],
@@ -355,10 +358,21 @@ def test_bad_ports_garbage_files_and_huge_numbers_are_one_line(tmp_path: Path) -
         _one_line_error(result, "invalid MONGO_CONNECTION_STRING", "alice:***@dbhost")
         assert "S3cretPW" not in result.stdout + result.stderr
     # An option pymongo does not know (it would ignore it with a warning): refused, the meant one named.
-    uri = "mongodb://alice:S3cretPW@dbhost/?readPreferance=secondary"
+    # No value is shown: a misspelt secret option is not known to be one.
+    uri = "mongodb://alice:S3cretPW@dbhost/?w=1;readPreferance=secondary&tlsCertificateKeyFilePasword=V4lue"
     result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
-    _one_line_error(result, "unknown option 'readPreferance' (did you mean readpreference?)")
-    assert "S3cretPW" not in result.stdout + result.stderr and "UserWarning" not in result.stderr
+    _one_line_error(
+        result, "mongodb://alice:***@dbhost/?w=***;readPreferance=***&tlsCertificateKeyFilePasword=***"
+    )
+    uri = uri.replace(";", "&")
+    result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
+    meant = "(did you mean tlscertificatekeyfilepassword?)"
+    _one_line_error(
+        result,
+        f"option 'readPreferance' (did you mean readpreference?), 'tlsCertificateKeyFilePasword' {meant}",
+    )
+    out = result.stdout + result.stderr
+    assert "S3cretPW" not in out and "V4lue" not in out and "UserWarning" not in out
     garbage = tmp_path / "garbage.json"
     garbage.write_bytes(bytes(range(128, 256)) * 4)
     from dsgpt2.errors import ConfigError

@@ -77,20 +77,19 @@ def test_curate_judges_planted_documents_and_rejudges_under_other_thresholds(tmp
     assert bad.returncode == 2 and "give NAME=NUMBER" in bad.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("value", ["nan", "-5", "inf"])
+@pytest.mark.parametrize("value", ["nan", "-5", "-inf"])
 def test_a_threshold_that_is_no_bound_is_refused(value: str) -> None:
     """NaN compares false, so min_words=nan passed every document while the run said gopher was judged."""
     from dsgpt2.curation.curate import CurateSettings, Curation
     from dsgpt2.errors import ConfigError
 
     with pytest.raises(
-        ConfigError, match=rf"--threshold 'min_words={value}': give a finite number at least 0"
+        ConfigError, match=rf"--threshold 'min_words={value}': give a number at least 0 \(inf: no bound\)"
     ):
         Curation.build({CurateSettings: CurateSettings(threshold=(f"min_words={value}",))})
-    assert (
-        Curation.build({CurateSettings: CurateSettings(threshold=("min_words=0",))}).thresholds["min_words"]
-        == 0
-    )
+    # inf is no bound (max_words=inf turns that one bound off), and 0 a bound.
+    built = Curation.build({CurateSettings: CurateSettings(threshold=("min_words=0", "max_words=inf"))})
+    assert (built.thresholds["min_words"], built.thresholds["max_words"]) == (0, float("inf"))
 
 
 class Crash(Exception):

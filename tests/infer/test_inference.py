@@ -275,7 +275,7 @@ def test_weights_changed_in_place_or_not_finite_are_refused_not_used(
     data[len(data) // 2 : len(data) // 2 + 64] = b"\xff" * 64
     weights.write_bytes(bytes(data))
     line = _error_line(capsys, "generate", "--model", str(model), "def")
-    assert "model.safetensors cannot be read (its size or SHA-256 differs from the export's record)" in line
+    assert "model.safetensors cannot be read (its size or SHA-256 differs from the export's record, " in line
     # No record to check against: the scores are found not finite before a token is picked.
     (model / "dsgpt2_run.json").unlink()
     tensors = load_file(str(models["lm"] / "model.safetensors"))
