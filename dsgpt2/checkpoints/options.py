@@ -80,8 +80,11 @@ class CheckpointOptions(Checked):
 def _check_not_another_artifact(ckpt_dir: Path) -> None:
     """A checkpoint directory that holds an exported model or a tokenizer is refused: an export there
     (``--overwrite``) or a tokenizer written again would replace the checkpoints with it."""
+    from dsgpt2.checkpoints.format import LATEST
     from dsgpt2.checkpoints.weights import RUN_INFO
 
+    if (ckpt_dir / LATEST).exists():  # a run's already (made so before this check): it resumes
+        return
     for name, what in ((RUN_INFO, "an exported model"), ("tokenizer.json", "a tokenizer")):
         if (ckpt_dir / name).is_file():
             raise ConfigError(
