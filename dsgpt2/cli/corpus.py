@@ -10,6 +10,7 @@ from typing import Any
 
 from dsgpt2.cli.common import (
     Command,
+    collection_names,
     config_option,
     load_connection,
     no_progress_option,
@@ -227,8 +228,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     settings = from_namespace(ValidateSettings, args)
     config = load_connection(settings.config)
+    names = collection_names(settings.collection, config, "validate")  # the toolkit's own: refused
     conn = connect(config, create=False)
-    names = list(settings.collection or config.collections)
     require_collections(conn, names)
     if settings.fix:
         for name in names:

@@ -316,7 +316,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if length > limits.max_new_tokens:
         raise usage("serve", f"--max_new_tokens {length} is above --max_tokens_limit")
     params = from_namespace(SamplingParams, args, max_new_tokens=length)
+    if s.api_key is not None and not s.api_key.strip():  # `--api_key "$KEY"`, $KEY unset: not an open server
+        raise usage("serve", "--api_key is empty; give a key, or leave the flag out to serve without one")
     api_key = s.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and API_KEY_ENV in os.environ:  # set empty: as unset (an env file's way), but said
+        log.warning("$%s is set but empty: serving without an API key", API_KEY_ENV)
     check_bind(s.host, s.port)  # a busy port said now, not after the model has loaded
     started = time.monotonic()
     log.info("loading the model %s (the server answers once it is loaded)", source.model)

@@ -184,7 +184,7 @@ class EvalRequest(Checked):
     tr_ratio: float | None = option(None, "split ratio (default: the run's)", check=RATIO)
     seed: int | None = option(None, "split seed (default: the run's)", flag="split_seed", check=SEED)
     context: int | None = option(
-        None, "tokens per block (default: the run's)", check=POSITIVE_INT, flag="context_length"
+        None, "tokens per block (default: the run's)", check=Range(int, 2), flag="context_length"
     )
     batch_size: int = option(8, "blocks per forward pass", check=POSITIVE_INT)
     max_batches: int | None = option(None, "stop after this many batches (default: all)", check=POSITIVE_INT)

@@ -65,8 +65,9 @@ class ModelOptions(Checked):
     model_select: str = option("112m", "model size preset", choices=list(PRESETS))
     model_config: Path | None = option(None, "a GPT-2 config JSON instead of a preset")
     loss_type: str = option("lm_loss", "training objective", choices=["lm_loss"])
+    # At least 2: a block of one token holds no next token to learn (the loss was 0 at every step).
     context_length: int | None = option(
-        None, "tokens per block (default: the preset's)", check=Range(int, 1, MAX_CONTEXT)
+        None, "tokens per block (default: the preset's)", check=Range(int, 2, MAX_CONTEXT)
     )
     init_from: Path | None = option(
         None,

@@ -84,6 +84,7 @@ def test_bad_cli_input_is_one_line_and_exit_2(tmp_path: Path, cfg: Path) -> None
             ["the toolkit's own records"],
         ),
         (["curate", "--config", str(cfg), "--collection", "meta_info"], ["'meta_info'", "the toolkit's own"]),
+        (["validate", "--config", str(cfg), "--fix", "--collection", "meta_info"], ["the toolkit's own"]),
         (["validate"], ["--config"]),
         (["nonsense"], ["invalid choice"]),
     ]
@@ -296,6 +297,8 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) ->
         ([*down, "--fraction", "0"], ["--fraction must be in (0, 1]"]),
         ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
         ([*ev, "--split_seed", "-3"], ["--split_seed", "between 0 and 9223372036854775807"]),
+        (["serve", "--model", "m", "--api_key", ""], ["--api_key is empty; give a key"]),
+        (["train", "--config_train", str(cfg), "--context_length", "1"], ["--context_length", "between 2 and"]),
         (
             ["train", "--config_train", str(cfg), "--seed", "-1"],
             ["--seed", "between 0 and 9223372036854775807"],
