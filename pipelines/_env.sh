@@ -13,3 +13,16 @@ if ! command -v dsgpt2 >/dev/null 2>&1; then
   echo "$(basename "$0"): no dsgpt2 command: run \`make venv\` in $project_root (or pip install .)" >&2
   exit 2
 fi
+
+# `--help` (or -h) among a script's arguments: its header comment (usage and settings), then true.
+# A script that runs one dsgpt2 command passes the flag on instead, after this.
+script_help() {
+  local arg
+  for arg in "$@"; do
+    if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+      sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p;}' "$0"
+      return 0
+    fi
+  done
+  return 1
+}

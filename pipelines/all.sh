@@ -24,6 +24,13 @@
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+if script_help "$@"; then
+  exit 0
+fi
+if [[ $# -gt 0 ]]; then
+  echo "all.sh: takes no arguments (settings are environment variables; see --help), got: $*" >&2
+  exit 2
+fi
 
 CONFIG="${CONFIG:-configs/sample.json}"
 RUN_DIR="${RUN_DIR:-runs/pipeline}"

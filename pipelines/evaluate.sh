@@ -17,6 +17,10 @@
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+if script_help "$@"; then
+  echo
+  exec dsgpt2 evaluate --help  # the flags it passes on; no evaluation, no sample written
+fi
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 MODEL_DIR="${MODEL_DIR:-runs/model}"

@@ -141,6 +141,27 @@ def test_pipeline_scripts_find_the_project_venv_in_a_fresh_shell() -> None:
     assert result.stdout.startswith("usage: dsgpt2 vocab train")
 
 
+def test_help_of_a_pipeline_that_runs_several_commands_runs_none(tmp_path: Path) -> None:
+    """`all.sh --help` started the whole pipeline; `evaluate.sh --help` evaluated nothing but still
+    generated a sample over runs/eval/sample.txt. Each prints its usage and settings and writes nothing."""
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        script = str(ROOT / "pipelines" / argv[0])
+        return subprocess.run(["bash", script, *argv[1:]], cwd=tmp_path, env=_fresh_shell(),
+                              capture_output=True, text=True, timeout=deadline(120))  # fmt: skip
+
+    shown = run("all.sh", "--help")
+    assert shown.returncode == 0 and "Usage: [VAR=value ...] bash pipelines/all.sh" in shown.stdout, (
+        shown.stderr
+    )
+    assert "TRAIN_ITERS" in shown.stdout and "== ingest" not in shown.stdout + shown.stderr
+    refused = run("all.sh", "--train_iters", "5")
+    assert refused.returncode == 2 and "all.sh: takes no arguments" in refused.stderr
+    shown = run("evaluate.sh", "-h")
+    assert shown.returncode == 0 and "SAMPLE_OUT" in shown.stdout and "usage: dsgpt2 evaluate" in shown.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
     system = shutil.which("python3", path="/usr/bin:/bin")
     env = _fresh_shell()
