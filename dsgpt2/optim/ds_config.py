@@ -76,7 +76,7 @@ def check_sections(cfg: dict[str, Any], p: Path) -> None:
     if "type" in block and (not isinstance(kind, str) or not _known_optimizer(kind)):
         raise ConfigError(
             f"{FLAG} {p}: optimizer type {kind!r} is not one DeepSpeed has; use AdamW (or leave the "
-            "optimizer section out and choose one with --optimizer)"
+            "optimizer section out and train with --optimizer muon)"
         )
     params = block.get("params") or {}
     if not isinstance(params, dict):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dsgpt2.errors import ConfigError
 from dsgpt2.model.gpt2 import param_groups
 from dsgpt2.registry import Registry
 
@@ -101,6 +102,13 @@ class AdamW(RunOptimizer):
     def build(self, model: Any, ds: EngineConfig) -> dict[str, Any]:
         from dsgpt2.optim.ds_config import zero_stage
 
+        if not (ds.config.get("optimizer") or {}).get("type"):  # DeepSpeed would build no optimizer
+            raise ConfigError(
+                "--optimizer adamw trains with the DeepSpeed config's optimizer section, and "
+                "--deepspeed_config has none: add one, as configs/ds_config_cpu.json's "
+                '("optimizer": {"type": "AdamW", "params": {"lr": 0.001, "betas": [0.9, 0.999], '
+                '"weight_decay": 0.1}}), or train with --optimizer muon'
+            )
         p = ds.optimizer_params
         decay = float(p.get("weight_decay", 0.0))
         clip = float(ds.config.get("gradient_clipping") or 0.0)

@@ -591,9 +591,22 @@ def test_an_adamw_run_logs_its_optimizer_and_whether_it_clips(caplog: pytest.Log
     from dsgpt2.optim.optimizer import AdamW
 
     params = {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+    section = {"optimizer": {"type": "AdamW", "params": params}}
     with caplog.at_level("INFO", logger="dsgpt2"):
-        AdamW(OptimizerOptions()).build(tiny_model(), EngineConfig({"gradient_clipping": 1.0}, params, None))
-        AdamW(OptimizerOptions()).build(tiny_model(), EngineConfig({}, params, None))
+        AdamW(OptimizerOptions()).build(
+            tiny_model(), EngineConfig({"gradient_clipping": 1.0, **section}, params, None)
+        )
+        AdamW(OptimizerOptions()).build(tiny_model(), EngineConfig(section, params, None))
+    # No optimizer section (only --lr's params): DeepSpeed would build none, and the first step failed in
+    # an IndexError; refused in one line before the engine.
+    from dsgpt2.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match="--optimizer adamw trains with the DeepSpeed config's optimizer section"
+    ):
+        AdamW(OptimizerOptions()).build(
+            tiny_model(), EngineConfig({"optimizer": {"params": params}}, params, None)
+        )
     clipped, unclipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("optimizer:")]
     assert clipped == (
         "optimizer: AdamW (lr 0.003, betas 0.9, 0.95, eps 1e-08, weight decay 0.1 on the matrices and "
