@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment, shm_op_path
 from dsgpt2.data.sources import DataSpec
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.model.gpt2 import (
     PRESETS,
     build_model,
@@ -153,7 +154,7 @@ def build_engine(
         scheduler = lambda optimizer: ScheduledLR(optimizer, lr_schedule)  # noqa: E731
     optimizer = settings.optim.chosen()
     given = optimizer.build(model, ds)
-    with _quiet_scheduler_start():
+    with _quiet_scheduler_start(), _config_refusals():
         engine, _, _, _ = deepspeed.initialize(model=model, config=ds.config, lr_scheduler=scheduler, **given)
     clip = trainer_clips(engine) if optimizer.trainer_clips else 0.0
     if clip:
@@ -221,6 +222,27 @@ def trainer_clips(engine: Any) -> float:
     if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         return 0.0
     return float(engine.gradient_clipping() or 0.0)
+
+
+@contextlib.contextmanager
+def _config_refusals() -> Iterator[None]:
+    """The DeepSpeed config's optimizer or scheduler refusing its ``params`` (an unknown key, a value
+    out of range): one line naming the section, not DeepSpeed's traceback. Anything else is raised."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = " ".join(f"{f.filename}:{f.name}" for f in frames)
+        section = "scheduler" if "lr_schedules.py" in where or "_scheduler_from_config" in where else None
+        if section is None and "_configure_basic_optimizer" in where:
+            section = "optimizer"
+        keyword = isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc)
+        if section is None or not (keyword or isinstance(exc, ValueError)):
+            raise
+        raise ConfigError(
+            f"--deepspeed_config: its {section} refused its params ({first_line(exc)}); see DeepSpeed's "
+            f"documentation of the {section} type, or leave the section's params to dsgpt2's flags"
+        ) from None
 
 
 def _seed_all(seed: int) -> None:

@@ -260,3 +260,31 @@ def test_a_recipe_names_a_deepspeed_config_holding_nothing_it_replaces(recipe: P
     assert ds["optimizer"]["params"]["lr"] == keys["lr"]  # the one rate, said twice alike
     device = "cuda" if "torch_autocast" in ds else "cpu"
     assert build_ds_config(path, world_size=2, train_iters=100, device=device).config["train_batch_size"] > 0
+
+
+def test_a_deepspeed_optimizer_or_scheduler_refusing_its_params_is_one_line() -> None:
+    """An unknown key in the config's scheduler or optimizer params, or a value DeepSpeed's scheduler
+    refuses: DeepSpeed's constructor raised a TypeError or ValueError traceback; any other error is
+    still raised as it is."""
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.train.engine import _config_refusals
+
+    def _scheduler_from_config() -> None:
+        raise TypeError("WarmupDecayLR.__init__() got an unexpected keyword argument 'bogus'")
+
+    def _configure_basic_optimizer() -> None:
+        raise TypeError("AdamW.__init__() got an unexpected keyword argument 'bogus'")
+
+    for raising, section in (
+        (_scheduler_from_config, "scheduler"),
+        (_configure_basic_optimizer, "optimizer"),
+    ):
+        with (
+            pytest.raises(
+                ConfigError, match=rf"^--deepspeed_config: its {section} refused its params \(.*'bogus'\)"
+            ),
+            _config_refusals(),
+        ):
+            raising()
+    with pytest.raises(TypeError, match="a bug"), _config_refusals():
+        raise TypeError("a bug")
