@@ -345,9 +345,13 @@ class BlockStream:
 
     def _empty(self, s: int) -> CorpusError:
         names = [self.schedule.table.names[c] for c in self.schedule.streams[s]]
+        # The documents read and set aside say why, where that is the cause (turns not found under
+        # --task conversation, say): as `evaluate` says it.
+        skipped = ", ".join(f"{reason} {n}" for reason, n in sorted(self.skipped.items()))
+        why = f"; documents skipped: {skipped} (a conversation task on text documents?)" if skipped else ""
         return CorpusError(
             f"rank {self.rank} has no training block of {', '.join(names)} in a whole epoch: the "
-            "split is empty (too few documents, or --tr_ratio leaves none for training)"
+            f"split is empty (too few documents, or --tr_ratio leaves none for training){why}"
         )
 
 

@@ -172,3 +172,20 @@ def test_tokens_in_spans_of_documents_end_to_end_are_tokens_per_block() -> None:
     n = -(-int(ends[-1]) // 16)
     spans = np.stack([ends - lengths, ends], axis=1)
     assert np.array_equal(tokens_in_spans(spans, groups, 16, n, 3), tokens_per_block(lengths, groups, 16, 3))
+
+
+def test_an_empty_training_split_says_which_documents_were_set_aside() -> None:
+    """`--task conversation` on a text corpus: every document set aside (no turns), and the refusal
+    blamed only --tr_ratio."""
+    from types import SimpleNamespace
+
+    from dsgpt2.data.loader import BlockStream
+
+    stream = object.__new__(BlockStream)
+    stream.schedule = SimpleNamespace(table=SimpleNamespace(names=["chats"]), streams=[[0]])
+    stream.rank, stream.skipped = 0, {"no_field": 12}
+    said = str(stream._empty(0))
+    assert said.startswith("rank 0 has no training block of chats in a whole epoch: the split is empty")
+    assert said.endswith("; documents skipped: no_field 12 (a conversation task on text documents?)")
+    stream.skipped = {}
+    assert "skipped" not in str(stream._empty(0))
