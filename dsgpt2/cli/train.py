@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsgpt2.cli.common import Command, Flags, config_option, no_progress_option, verbose_option
+from dsgpt2.errors import CorpusError
 from dsgpt2.files import check_writable_dir
 from dsgpt2.settings.options import (
     MISSING,
@@ -114,6 +115,12 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     state = f"{added} chunk(s) tokenized, {meta['chunks']} in all" if added else "already up to date"
     tokens = meta["tokens"]
     print(f"{data.cache_dir}: {state}; tokens: {tokens['train']} train, {tokens['val']} validation")
+    if not tokens.get("train"):  # a run would find nothing to train on: said now, not at its first step
+        task = " (--task conversation on documents without turns?)" if model.task == "conversation" else ""
+        raise CorpusError(
+            f"{data.cache_dir}: no training tokens: the split is empty (too few documents, or --tr_ratio "
+            f"leaves none for training){task}"
+        )
     return 0
 
 

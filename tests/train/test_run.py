@@ -102,6 +102,14 @@ def test_tokenize_ahead_then_cached_training_reuses_it(corpus: dict[str, Path], 
     result = train(corpus, tmp_path, "--train_iters", "2", "--data_mode", "cached", "--cache_dir", str(cache))
     assert "up to date, reused" in result.stderr
     assert (cache / "tokens.bin").stat().st_mtime_ns == stamp
+    # A cache with nothing to train on (a conversation task on text documents): said, exit 2.
+    empty = run_cli("tokenize", *flags[:5], str(tmp_path / "chats"), *flags[6:], "--task", "conversation",
+                    "--no_progress")  # fmt: skip
+    assert empty.returncode == 2, empty.stderr
+    assert (
+        "no training tokens" in empty.stderr
+        and "--task conversation on documents without turns?" in empty.stderr
+    )
 
 
 def test_wandb_offline_gets_no_password(tmp_path: Path) -> None:
