@@ -397,6 +397,11 @@ class TrainConfig(Freezable):
         own = s.lr_schedule not in (None, "deepspeed")
         if own and s.warmup_iters:
             check_warmup(s.warmup_iters, self.run.train_iters)
+        if self.run.early_stopping and self.data.tr_ratio >= 1:  # it would watch nothing, and stop never
+            raise ConfigError(
+                "--early_stopping watches the validation split, and --tr_ratio 1 leaves none: lower "
+                "--tr_ratio (0.95, say), or leave --early_stopping out"
+            )
         own_rates = OPTIMIZERS[self.optim.optimizer].own_rates if self.optim.optimizer else None
         if own_rates and s.lr_schedule == "deepspeed":
             raise ConfigError(

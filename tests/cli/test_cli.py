@@ -298,6 +298,10 @@ def test_bad_settings_are_one_line_naming_the_flag(tmp_path: Path, cfg: Path) ->
         ([*down, "--seed", "-2"], ["--seed", "at least 0"]),
         ([*ev, "--split_seed", "-3"], ["--split_seed", "between 0 and 9223372036854775807"]),
         (["serve", "--model", "m", "--api_key", ""], ["--api_key is empty; give a key"]),
+        (
+            ["train", "--config_train", str(cfg), "--early_stopping", "--tr_ratio", "1"],
+            ["and --tr_ratio 1 leaves none"],
+        ),
         (["train", "--config_train", str(cfg), "--context_length", "1"], ["between 2 and"]),
         (
             ["train", "--config_train", str(cfg), "--seed", "-1"],
