@@ -43,7 +43,7 @@ args=(--deepspeed_config "$DS_CONFIG" --config_train "$CONFIG" --vocab_dir "$TOK
   --ckpt_dir "$CKPT_DIR" --workspace "$WORKSPACE" --data_mode "$DATA_MODE")
 
 if [[ "$LAUNCHER" == "python" ]]; then
-  exec python ds_trainer.py "${args[@]}" "$@"
+  exec python "$project_root/ds_trainer.py" "${args[@]}" "$@"
 fi
 # The deepspeed launcher through `dsgpt2 launch`: Ctrl-C or SIGTERM to this script's group ends it as a
 # single process ends (every rank saves, exit 0) instead of the launcher's own 130/143 mid-save.
@@ -54,4 +54,4 @@ fi
 if [[ -n "$NUM_GPUS" ]]; then
   launcher+=(--num_gpus "$NUM_GPUS")
 fi
-exec "${launcher[@]}" ds_trainer.py "${args[@]}" "$@"
+exec "${launcher[@]}" "$project_root/ds_trainer.py" "${args[@]}" "$@"

@@ -160,6 +160,13 @@ def test_help_of_a_pipeline_that_runs_several_commands_runs_none(tmp_path: Path)
     shown = run("evaluate.sh", "-h")
     assert shown.returncode == 0 and "SAMPLE_OUT" in shown.stdout and "usage: dsgpt2 evaluate" in shown.stdout
     assert list(tmp_path.iterdir()) == []
+    # Run from another directory, train_model.sh still finds ds_trainer.py (it reaches the trainer's check).
+    env = {**_fresh_shell(), "CONFIG": str(tmp_path / "none.json"), "LAUNCHER": "python"}
+    elsewhere = subprocess.run(
+        ["bash", str(ROOT / "pipelines" / "train_model.sh")], cwd=tmp_path, capture_output=True, text=True,
+        env=env, timeout=deadline(120),
+    )  # fmt: skip
+    assert elsewhere.returncode == 2 and "none.json: file not found" in elsewhere.stderr, elsewhere.stderr
 
 
 def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
