@@ -25,7 +25,7 @@ from typing import Any
 from dsgpt2.documents import text_problem, utf8_encodable
 from dsgpt2.errors import ConfigError, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
-from dsgpt2.infer.settings import SamplingParams, ServeLimits
+from dsgpt2.infer.settings import SamplingParams, ServeLimits, as_json
 
 # OpenAI's defaults for the sampling fields it shares with SamplingParams.
 DEFAULT_MAX_TOKENS = 16  # the completions API's; a chat reply defaults to the server's length
@@ -130,7 +130,7 @@ def sampling(
         given["max_tokens"] = asked
     for key, value in given.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise RequestError(f"{key} must be a number, got {value!r}", key)
+            raise RequestError(f"{key} must be a number, got {as_json(value)}", key)
         values[names[key]] = value
     values.setdefault("max_new_tokens", max_tokens)
     values.setdefault("temperature", 1.0)

@@ -368,7 +368,9 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            sent = [v for k, v in scope["headers"] if k == b"authorization"]
+            # One header, never the last of several (which one a proxy checked is not ours to guess).
+            scheme, _, given = (sent[0] if len(sent) == 1 else b"").partition(b" ")
             # The scheme's case is free (RFC 9110); the key is compared in constant time.
             matches = hmac.compare_digest(given.strip(), self.expected)
             if scheme.lower() != b"bearer" or not matches:

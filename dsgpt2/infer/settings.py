@@ -6,6 +6,7 @@ Kept free of torch so that the command line parses (and answers ``--help``) with
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -93,15 +94,24 @@ class SamplingParams(Checked):
         return cls(**{**{f.name: getattr(base, f.name) for f in fields(cls)}, **out})
 
 
+def as_json(value: Any) -> str:
+    """``value`` as a request's JSON spells it (``true``, not Python's ``True``), cut to 80 characters."""
+    try:
+        shown = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def _coerce(name: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+        raise ConfigError(f"{name} must be a number, got {as_json(value)}")
     if kind is int:
         if isinstance(value, int):
             return value
         if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
             return int(value)
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise ConfigError(f"{name} must be an integer, got {as_json(value)}")
     if isinstance(value, int | float):
         return float(value)
     if isinstance(value, str) and len(value) < 64:
@@ -109,7 +119,7 @@ def _coerce(name: str, value: Any, kind: type) -> Any:
             return float(value)
         except ValueError:
             pass
-    raise ConfigError(f"{name} must be a number, got {value!r}")
+    raise ConfigError(f"{name} must be a number, got {as_json(value)}")
 
 
 @dataclass(frozen=True)

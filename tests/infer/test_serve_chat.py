@@ -82,6 +82,9 @@ def test_the_api_key_guards_everything_but_health(chat_server: str) -> None:
     for header in (f"Basic {KEY}", KEY, f"Bearer {KEY}x", f"Bearer{KEY}"):
         r = httpx.get(f"{chat_server}/v1/models", headers={"Authorization": header}, timeout=deadline(10))
         assert r.status_code == 401, header
+    # Two Authorization headers (the right key last): not the last one's, whichever a proxy checked.
+    twice = httpx.Headers([("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {KEY}")])
+    assert httpx.get(f"{chat_server}/v1/models", headers=twice, timeout=deadline(10)).status_code == 401
     assert KEY not in LOGS[chat_server].read_text()
 
 
