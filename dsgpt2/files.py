@@ -80,6 +80,10 @@ def is_occupied(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
+# The key under which an artifact's record (an export's, a tokenizer's) lists the files it wrote.
+RECORDED_FILES = "files"
+
+
 def unlisted(directory: Path, listed: object, record: str, marks: tuple[str, ...] = ()) -> list[str]:
     """What ``directory`` holds beside the artifact whose record (the file ``record``) lists its files as
     ``listed``: the names it does not list; a record without the list (an older one): the directory's

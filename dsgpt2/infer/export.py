@@ -27,12 +27,19 @@ from dsgpt2.checkpoints.weights import (
     run_info,
 )
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import atomic_write_text, check_writable_dir, file_sha256, is_occupied, staged_dir, unlisted
+from dsgpt2.files import (
+    RECORDED_FILES,
+    atomic_write_text,
+    check_writable_dir,
+    file_sha256,
+    is_occupied,
+    staged_dir,
+    unlisted,
+)
 from dsgpt2.tokenizer.bpe import tokenizer_digest
 from dsgpt2.tokenizer.stored import local_tokenizer
 
 log = logging.getLogger(__name__)
-FILES = "files"  # the record's list of the export's files: anything else in the directory is not its
 
 
 def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overwrite: bool) -> None:
@@ -61,7 +68,7 @@ def check_out(out: Path, ckpt_dir: Path, vocab: Path, run: dict[str, Any], overw
             f"--out {out} holds files that are not a dsgpt2 export; give an empty or new directory"
         )
     there = export_run(out)
-    others = unlisted(out, there.get(FILES), RUN_INFO, (LATEST, COMPLETE))
+    others = unlisted(out, there.get(RECORDED_FILES), RUN_INFO, (LATEST, COMPLETE))
     if others:  # the export replaces the whole directory: they would go with it
         raise ConfigError(
             f"--out {out} holds an export and other files ({', '.join(others[:3])}"
@@ -136,7 +143,7 @@ def export(
     with staged_dir(out, check=lambda: check_out(out, ckpt_dir, vocab, run, overwrite)) as staging:
         _write(model, config, vocab, staging)
         run[SHIPPED_TOKENIZER] = tokenizer_digest(staging)
-        run[FILES] = sorted([*os.listdir(staging), RUN_INFO])
+        run[RECORDED_FILES] = sorted([*os.listdir(staging), RUN_INFO])
         run[WEIGHT_DIGESTS] = {f.name: file_sha256(f) for f in sorted(staging.glob("*.safetensors"))}
         atomic_write_text(staging / RUN_INFO, json.dumps(run, indent=1) + "\n")
     return {

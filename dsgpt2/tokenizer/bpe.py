@@ -24,7 +24,15 @@ from typing import Any
 
 from dsgpt2.documents import SkipTally
 from dsgpt2.errors import ConfigError, first_line
-from dsgpt2.files import atomic_write_text, check_writable_dir, file_digest, is_occupied, staged_dir, unlisted
+from dsgpt2.files import (
+    RECORDED_FILES,
+    atomic_write_text,
+    check_writable_dir,
+    file_digest,
+    is_occupied,
+    staged_dir,
+    unlisted,
+)
 from dsgpt2.settings.argtypes import comma_list
 from dsgpt2.settings.options import POSITIVE_INT, Checked, Range, option
 from dsgpt2.tokenizer.texts import TextStream
@@ -34,7 +42,6 @@ EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 DEFAULT_SPEAKERS = ("user", "bot")
 VOCAB_META = "dsgpt2_vocab.json"
-FILES = "files"  # the record's list of the tokenizer's files: anything else in its directory is not its
 MAX_VOCAB = 1 << 20
 _SPEAKER_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 
@@ -197,7 +204,7 @@ def check_vocab_out(out: Path, overwrite: bool) -> None:
 def _recorded_files(out: Path) -> object:
     """The file names a tokenizer's record lists (None where it lists none, or cannot be read)."""
     try:
-        return json.loads((out / VOCAB_META).read_text()).get(FILES)
+        return json.loads((out / VOCAB_META).read_text()).get(RECORDED_FILES)
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -256,7 +263,7 @@ def train_vocab(
     }
     with staged_dir(out, check=lambda: check_vocab_out(out, overwrite)) as staging:
         _save(bpe, settings, staging)
-        meta[FILES] = sorted([*os.listdir(staging), VOCAB_META])
+        meta[RECORDED_FILES] = sorted([*os.listdir(staging), VOCAB_META])
         atomic_write_text(staging / VOCAB_META, json.dumps(meta, indent=1) + "\n")
     return report
 
