@@ -23,7 +23,7 @@ from dsgpt2.cli.common import (
     verbose_option,
 )
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
-from dsgpt2.settings.options import NON_NEGATIVE_INT, PORT, Checked, from_namespace, option
+from dsgpt2.settings.options import NON_NEGATIVE_INT, PORT, POSITIVE_INT, Checked, from_namespace, option
 from dsgpt2.train.config import RunOptions
 
 log = logging.getLogger("dsgpt2")
@@ -145,6 +145,10 @@ class ServeSettings(Checked):
     api_key: str | None = option(
         None, f"bearer token required of every request but /health (default: ${API_KEY_ENV}, else none)"
     )
+    read_timeout: int = option(
+        30, "seconds a client has to send a request whole (its head and body) from its first byte; then 408",
+        check=POSITIVE_INT,
+    )  # fmt: skip
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -326,7 +330,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     log.info("loading the model %s (the server answers once it is loaded)", source.model)
     app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
     log.info("model loaded in %.1f s", time.monotonic() - started)
-    serve(app, s.host, s.port, authenticated=api_key is not None, grace=s.shutdown_grace)
+    serve(app, s.host, s.port, authenticated=api_key is not None, grace=s.shutdown_grace,
+          read_timeout=s.read_timeout)  # fmt: skip
     return 0
 
 
@@ -393,6 +398,8 @@ CHAT = Command(
 )
 
 
+SERVE_LIMITS = ["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch", "max_sequences",
+                "max_body_bytes"]  # fmt: skip
 SERVE = Command(
     "serve",
     help="serve generation over HTTP: the OpenAI API (/v1/...) and GET/POST /generate",
@@ -408,9 +415,9 @@ SERVE = Command(
         Flags(ServeSettings, only=["host", "port"]),
         Flags(
             ServeLimits,
-            only=["max_prompt_chars", "max_new_tokens", "max_concurrent", "max_batch", "max_sequences"],
+            only=SERVE_LIMITS,
         ),
-        Flags(ServeSettings, only=["api_key", "shutdown_grace"]),
+        Flags(ServeSettings, only=["api_key", "shutdown_grace", "read_timeout"]),
         # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
         Flags(SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None}, group="sampling"),
     ),

@@ -53,13 +53,19 @@ class ChatSession:
     def reset(self) -> None:
         self.history = []
 
-    def prompt(self, turns: list[dict[str, str]]) -> list[int]:
-        """The prompt for the bot's next turn: the latest turns that leave room for a reply."""
+    def prompt(self, turns: list[dict[str, str]], system: str = "") -> list[int]:
+        """The prompt for the bot's next turn: the latest turns that leave room for a reply, ``system``
+        (instructions) before the first user turn kept, however many older ones are dropped."""
         budget = self.generator.context - self.params.max_new_tokens
         encoded = [self.generator.encode(t["text"]) for t in turns]
         start = 0
         while True:
-            ids = prompt_ids(turns[start:], encoded[start:], self.speakers, self.bot)
+            kept, kept_ids = list(turns[start:]), list(encoded[start:])
+            first = next((i for i, t in enumerate(kept) if t["speaker"] == self.user), None)
+            if system and first is not None:
+                kept[first] = {**kept[first], "text": f"{system}\n\n{kept[first]['text']}"}
+                kept_ids[first] = self.generator.encode(kept[first]["text"])
+            ids = prompt_ids(kept, kept_ids, self.speakers, self.bot)
             if len(ids) <= budget or start == len(turns) - 1:
                 self.last_dropped_turns = start
                 # A single turn longer than the context keeps its end.

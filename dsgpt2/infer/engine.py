@@ -15,7 +15,7 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from dsgpt2.errors import GenerationFailed
 from dsgpt2.infer.decode import Decoder, DecodeRequest, Delta
@@ -31,6 +31,7 @@ class Batcher:
         self.max_batch = max_batch
         self._waiting: deque[DecodeRequest] = deque()
         self._wake = threading.Condition()
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dsgpt2-decode", daemon=True)
         self._thread.start()
 
@@ -39,6 +40,14 @@ class Batcher:
             self._waiting.append(request)
             self._wake.notify()
 
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop decoding once the step under way ends (the server is stopping; the requests still in
+        flight were cut off), and wait for it: an interpreter ending under a thread inside torch aborts."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
     def rows(self) -> int:
         """Rows decoding now."""
         return len(self.decoder)
@@ -46,8 +55,10 @@ class Batcher:
     def _admit(self) -> list[DecodeRequest]:
         """Waiting requests whose rows fit next to the running ones (blocks while idle)."""
         with self._wake:
-            while not self._waiting and not len(self.decoder):
+            while not self._waiting and not len(self.decoder) and not self._closed:
                 self._wake.wait()
+            if self._closed:
+                return []
             batch: list[DecodeRequest] = []
             rows = len(self.decoder)
             while self._waiting:
@@ -65,6 +76,8 @@ class Batcher:
     def _loop(self) -> None:
         while True:
             batch = self._admit()
+            if self._closed:
+                return
             try:
                 self.decoder.add(batch)
                 self.decoder.step()
@@ -72,10 +85,7 @@ class Batcher:
                 log.exception("decoding failed; failing the requests of this batch")
                 for request in {*self.decoder.fail_all(), *batch}:
                     if request.on_delta:
-                        try:
-                            request.on_delta(Delta(-1, "", "error"))
-                        except Exception:  # its reader is gone (a closed event loop): nobody to tell
-                            request.cancelled.set()
+                        request.on_delta(Delta(-1, "", "error"))
 
     async def stream(self, requests: Sequence[DecodeRequest]) -> AsyncGenerator[tuple[int, Delta]]:
         """Submit ``requests``; yield (request number, delta) until all their samples finish.
@@ -88,7 +98,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         for i, request in enumerate(requests):
-            request.on_delta = lambda d, i=i: loop.call_soon_threadsafe(queue.put_nowait, (i, d))
+            request.on_delta = _deliver(loop, queue, i, request)
         remaining = sum(r.params.num_samples for r in requests)
         try:
             for request in requests:
@@ -104,3 +114,19 @@ class Batcher:
             if remaining:
                 for request in requests:
                     request.cancelled.set()
+
+
+def _deliver(
+    loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Delta]], i: int, request: DecodeRequest
+) -> Callable[[Delta], None]:
+    """What the engine's thread calls with each of request ``i``'s deltas: handed to its reader's event
+    loop; that loop closed (the server stopped with the request still decoding), the request is
+    cancelled, there being nobody left to read it."""
+
+    def deliver(delta: Delta) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (i, delta))
+        except RuntimeError:
+            request.cancelled.set()
+
+    return deliver

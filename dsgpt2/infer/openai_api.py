@@ -79,6 +79,7 @@ class ApiRequest:
     stop: list[str]
     stream: bool
     stream_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    system: str = ""  # chat: the system (and developer) messages' text, kept whatever turns are dropped
 
 
 def check_keys(body: dict[str, Any], allowed: set[str]) -> None:
@@ -233,11 +234,8 @@ def _chat(body: dict[str, Any], limits: ServeLimits, defaults: SamplingParams) -
             )
     if not turns or turns[-1]["speaker"] != "user":
         raise RequestError("the last message must be the user's", "messages")
-    if system:
-        first = next(t for t in turns if t["speaker"] == "user")
-        first["text"] = "\n\n".join([*system, first["text"]])
     params = sampling(body, limits, defaults, defaults.max_new_tokens, 1)
-    return ApiRequest([], turns, params, stop_sequences(body), *_stream(body))
+    return ApiRequest([], turns, params, stop_sequences(body), *_stream(body), "\n\n".join(system))
 
 
 def _check_text(text: str, limits: ServeLimits, param: str) -> None:

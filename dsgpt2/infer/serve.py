@@ -5,7 +5,7 @@ Endpoints:
   sampling settings as query parameters;
 - ``POST /generate`` with a JSON body ``{"prompt": ..., "max_new_tokens": ...}``;
 - ``GET /health``: the model and the limits;
-- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``: the OpenAI API
+- ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``: the OpenAI API
   (:mod:`dsgpt2.infer.openai_api`), streamed as server-sent events on ``stream: true``.
 
 Every generation goes through one :class:`~dsgpt2.infer.engine.Batcher`: concurrent requests are
@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 from collections import Counter
@@ -34,6 +35,7 @@ from typing import Any
 from urllib.parse import parse_qsl
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -42,6 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
+from dsgpt2.infer.connections import TIMED_OUT, deadlined
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
@@ -49,6 +52,7 @@ from dsgpt2.infer.openai_api import (
     ApiAnswer,
     ApiRequest,
     api_request,
+    check_model,
     models_body,
     new_id,
     now,
@@ -59,6 +63,8 @@ from dsgpt2.listen import check_bind
 log = logging.getLogger(__name__)
 # The access log's status for a request whose client went away before its answer (nginx's 499).
 CLIENT_LEFT = 499
+# The last event of every stream.
+DONE = "data: [DONE]\n\n"
 
 
 def parse_request(
@@ -133,7 +139,7 @@ def make_app(
     service = Service(generator, limits, defaults, api_key is not None, name)
     middleware = [Middleware(AccessLog)]
     middleware += [Middleware(BearerAuth, api_key=api_key)] if api_key else []
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/generate", service.get_generate, methods=["GET"]),
             Route("/generate", service.post_generate, methods=["POST"]),
@@ -141,9 +147,29 @@ def make_app(
             Route("/v1/completions", service.completions, methods=["POST"]),
             Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
             Route("/v1/models", service.models, methods=["GET"]),
+            Route("/v1/models/{model:path}", service.model, methods=["GET"]),
         ],
         middleware=middleware,
+        exception_handlers={HTTPException: _routing_error},
+        lifespan=service.lifespan,
     )
+    app.state.service = service
+    return app
+
+
+async def _routing_error(request: Request, exc: Exception) -> Response:
+    """No such route, or not with this method: said in JSON as every other refusal is (the API's error
+    object under /v1/), not in Starlette's plain text."""
+    assert isinstance(exc, HTTPException)
+    path, status = request.url.path, exc.status_code
+    kind = "not_found_error" if status == 404 else ""
+    if status == 404:
+        message = f"no route {request.method} {path}; see GET /health and GET /v1/models"
+    elif status == 405:
+        message = f"{path} does not take {request.method}; it takes {(exc.headers or {}).get('Allow', '')}"
+    else:
+        message = f"{request.method} {path}: {exc.detail}"
+    return _error(message, status, path.startswith("/v1/"), kind=kind, headers=exc.headers)
 
 
 class Service:
@@ -169,6 +195,11 @@ class Service:
         self.aliases = [a for a in dict.fromkeys(others) if a != self.served]
         self.created = now()
         self.auth = auth
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        self.engine.close()  # the server has stopped: the decoding thread with it
 
     async def generate(self, request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
         generator = self.generator
@@ -257,6 +288,15 @@ class Service:
     async def models(self, request: Request) -> JSONResponse:
         return JSONResponse(models_body(self.served, self.created, self.aliases))
 
+    async def model(self, request: Request) -> JSONResponse:
+        wanted = request.path_params["model"]
+        try:
+            check_model({"model": wanted}, self.served, self.aliases)
+        except RequestError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        entries = models_body(self.served, self.created, self.aliases)["data"]
+        return JSONResponse(next(e for e in entries if e["id"] == wanted))
+
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse(
             {
@@ -310,7 +350,7 @@ def _chat_decodes(generator: Generator, api: ApiRequest, served: str) -> list[De
             else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
         )
         raise RequestError(f"{served} {why}; use /v1/completions", "messages") from None
-    ids = fit_prompt(generator, session.prompt(api.turns), api.params, "max_tokens")
+    ids = fit_prompt(generator, session.prompt(api.turns, api.system), api.params, "max_tokens")
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
 
@@ -331,25 +371,33 @@ class AccessLog:
             return
         started = time.monotonic()
         status = None
+        events = False  # the answer is a stream of server-sent events
 
         async def sending(message: Any) -> None:
-            nonlocal status
+            nonlocal status, events
             if message["type"] == "http.response.start":
                 status = message["status"]
+                events = (b"content-type", b"text/event-stream") in [
+                    (k.lower(), v.partition(b";")[0]) for k, v in message.get("headers", ())
+                ]
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            log.warning("%s %s cut off by the shutdown (--shutdown_grace)", scope["method"], scope["path"])
+            log.warning("%s %s cut off by the shutdown (its grace over, or a second Ctrl-C)", scope["method"],
+                        scope["path"])  # fmt: skip
             with contextlib.suppress(Exception):
                 if status is None:
-                    closing = {"Connection": "close"}
-                    await JSONResponse({"error": "the server is shutting down"}, 503, closing)(
-                        scope, receive, sending
-                    )
+                    api, closing = scope["path"].startswith("/v1/"), {"Connection": "close"}
+                    answer = _error("the server is shutting down", 503, api, headers=closing)
+                    await answer(scope, receive, sending)
                 else:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    # A stream says it was cut short (an error event, then its end), as a failed generation
+                    # does, rather than stopping mid-answer with nothing said.
+                    cut = RequestError("the server shut down before the answer was complete", status=503)
+                    end = _event(cut.body()) + DONE if events else ""
+                    await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
         finally:
             state = scope.get("state", {})
             tokens = sum(len(sample.ids) for d in state.get("decodes") or [] for sample in d.samples)
@@ -448,7 +496,7 @@ async def _sse(
                 yield _event(answer.usage_chunk())
         except GenerationFailed as exc:
             yield _event(RequestError(str(exc), status=500).body())
-    yield "data: [DONE]\n\n"
+    yield DONE
 
 
 def _event(data: dict[str, Any]) -> str:
@@ -468,30 +516,56 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                return JSONResponse({"error": f"request body over {max_bytes} bytes"}, status_code=413)
+                return JSONResponse({"error": f"request body over {max_bytes} bytes (--max_body_bytes)"}, 413)
             chunks.append(chunk)
     except ClientDisconnect:
+        if request.scope.get("state", {}).get(TIMED_OUT):  # closed by --read_timeout, and said so
+            return JSONResponse({"error": "the request body was not sent in time"}, status_code=408)
         # Nobody is left to answer; the other requests go on.
         peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
         log.warning("%s disconnected after %d bytes of its request body; request dropped", peer, size)
         return JSONResponse({"error": "client disconnected"}, status_code=CLIENT_LEFT)
     try:
         # JSON between systems is UTF-8 (RFC 8259): no guessing of UTF-16 from the first bytes.
-        body = json.loads(b"".join(chunks).decode("utf-8-sig") or "null")
+        body = json.loads(b"".join(chunks).decode("utf-8-sig") or "null", object_pairs_hook=_one_of_each)
     except UnicodeDecodeError:
         return JSONResponse({"error": "the body is not UTF-8 text"}, status_code=400)
     except json.JSONDecodeError as exc:
         return JSONResponse({"error": f"the body is not valid JSON ({exc})"}, status_code=400)
     except RecursionError:
         return JSONResponse({"error": "the body's JSON is nested too deeply"}, status_code=400)
+    except RequestError as exc:  # a key given twice
+        return JSONResponse({"error": str(exc)}, status_code=400)
+    except ValueError:  # an integer past Python's limit on the digits it converts
+        digits = sys.get_int_max_str_digits()
+        return JSONResponse({"error": f"the body's JSON holds a number of over {digits} digits"}, 400)
     if not isinstance(body, dict):
         return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
     return body
 
 
-def serve(app: Starlette, host: str, port: int, authenticated: bool = False, grace: int = 30) -> None:
+def _one_of_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are each given once: which of two values was meant is not ours to guess."""
+    body = dict(pairs)
+    if len(body) < len(pairs):
+        repeated = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+        keys = ", ".join(map(repr, repeated))
+        raise RequestError(f"the body's JSON has {keys} more than once in one object")
+    return body
+
+
+def serve(
+    app: Starlette,
+    host: str,
+    port: int,
+    *,
+    authenticated: bool = False,
+    grace: int = 30,
+    read_timeout: float = 30,
+) -> None:
     """Serve ``app`` until interrupted (Ctrl-C or SIGTERM: the requests in flight get ``grace``
-    seconds to finish, then are cut off), and return."""
+    seconds to finish, then are cut off), and return; a request not sent whole within ``read_timeout``
+    seconds of its start is answered 408 (:mod:`dsgpt2.infer.connections`)."""
     import uvicorn
 
     check_bind(host, port)
@@ -503,8 +577,9 @@ def serve(app: Starlette, host: str, port: int, authenticated: bool = False, gra
         )
     with _sigterm_returns():
         uvicorn.run(
-            app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=grace
-        )
+            app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=grace,
+            http=deadlined(read_timeout),
+        )  # fmt: skip
 
 
 @contextlib.contextmanager

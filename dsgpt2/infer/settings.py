@@ -141,7 +141,17 @@ class ServeLimits(Checked):
         "sequences one request may ask for (its prompts times n); more get a 400",
         check=POSITIVE_INT,
     )
-    max_body_bytes: int = option(64_000, "largest request body", check=POSITIVE_INT)
+    max_body_bytes: int | None = option(
+        None,
+        "largest request body in bytes; larger get 413 (default: room for --max_sequences prompts of "
+        "--max_prompt_chars characters, at 6 bytes a character as JSON escapes them, and 64,000 more)",
+        check=POSITIVE_INT,
+    )
+
+    def convert(self) -> None:
+        if self.max_body_bytes is None:
+            room = 6 * self.max_prompt_chars * self.max_sequences + 64_000
+            object.__setattr__(self, "max_body_bytes", room)
 
     def check_length(self, asked: int, name: str = "max_new_tokens") -> None:
         """A request's length within what this server allows (``name``: as the request spells it).

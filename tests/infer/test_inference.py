@@ -477,6 +477,9 @@ def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) 
     assert session.last_prompt_tokens <= gen.context - 16
     assert session.last_dropped_turns > 0
     assert len(session.history) == 14
+    # Instructions (the API's system messages) stay before the first user turn kept, whatever is dropped.
+    kept = gen.tokenizer.decode(session.prompt([*session.history, turn[0]], "Answer in one word."))
+    assert session.last_dropped_turns > 0 and "Answer in one word.\n\n" in kept, kept
 
 
 def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterat
     yield from start_server(
         tmp_path_factory.mktemp("serve"), pretrained,
         "--max_prompt_chars", "200", "--max_tokens_limit", "32", "--max_new_tokens", "8",
+        "--read_timeout", "2",
     )  # fmt: skip
 
 
@@ -111,10 +112,10 @@ def test_malformed_bodies_get_400(server: str) -> None:
     assert r.status_code == 400 and "not UTF-8" in r.json()["error"], r.text
     r = httpx.post(f"{server}/generate", content=b'{"prompt": "a\\ud800b"}', timeout=deadline(10))
     assert r.status_code == 400 and "invalid text" in r.json()["error"]
-    r = httpx.post(
-        f"{server}/generate", content=b'{"prompt": "' + b"a" * 70_000 + b'"}', timeout=deadline(10)
-    )
-    assert r.status_code == 413
+    limit = httpx.get(f"{server}/health", timeout=deadline(5)).json()["limits"]["max_body_bytes"]
+    assert limit == 6 * 200 * 16 + 64_000  # room for 16 prompts of --max_prompt_chars 200
+    r = httpx.post(f"{server}/generate", content=b'{"prompt": "' + b"a" * limit + b'"}', timeout=deadline(10))
+    assert r.status_code == 413 and r.json()["error"] == f"request body over {limit} bytes (--max_body_bytes)"
     assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
 
 
@@ -146,6 +147,78 @@ def test_a_top_p_below_float32s_range_keeps_the_likeliest_token_and_spoils_no_ot
         assert cold.status_code == 200, cold.text
         texts = [c["text"] for c in cold.json()["completions"]]
         assert texts == [greedy.json()["generated"]] * 2, (temperature, texts)
+
+
+def test_json_the_parser_cannot_take_whole_is_a_400_not_a_500(server: str) -> None:
+    """A number past Python's 4,300 digits (a ValueError of its own) and a key given twice (which one
+    was meant?): refused like any other bad body, on both kinds of route."""
+    huge = b'{"prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    for path in ("/v1/completions", "/generate"):
+        r = httpx.post(f"{server}{path}", content=huge, timeout=deadline(10))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        message = error["message"] if path.startswith("/v1/") else error
+        assert message == "the body's JSON holds a number of over 4300 digits"
+    r = httpx.post(
+        f"{server}/v1/completions", content=b'{"prompt": "x", "n": 1, "n": 2}', timeout=deadline(10)
+    )
+    assert r.status_code == 400 and "'n' more than once" in r.json()["error"]["message"], r.text
+    assert "Traceback" not in LOGS[server].read_text()
+
+
+def test_no_such_route_or_method_is_json_and_a_model_can_be_retrieved(server: str) -> None:
+    r = httpx.post(f"{server}/v1/embeddings", json={}, timeout=deadline(10))
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", r.text
+    assert r.json()["error"]["message"].startswith("no route POST /v1/embeddings")
+    r = httpx.get(f"{server}/v1/completions", timeout=deadline(10))
+    assert r.status_code == 405 and r.headers["allow"] == "POST", r.text
+    assert r.json()["error"]["message"] == "/v1/completions does not take GET; it takes POST"
+    r = httpx.get(f"{server}/nowhere", timeout=deadline(10))
+    assert r.status_code == 404 and r.json() == {
+        "error": "no route GET /nowhere; see GET /health and GET /v1/models"
+    }
+    # GET /v1/models/{id}, the client's models.retrieve: the served name (a path: slashes and all).
+    served = httpx.get(f"{server}/v1/models", timeout=deadline(10)).json()["data"][0]["id"]
+    r = httpx.get(f"{server}/v1/models/{served}", timeout=deadline(10))
+    assert r.status_code == 200 and r.json()["id"] == served and r.json()["object"] == "model", r.text
+    r = httpx.get(f"{server}/v1/models/gpt-4", timeout=deadline(10))
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_a_request_not_sent_whole_in_time_gets_408_and_its_connection_closed(server: str) -> None:
+    """--read_timeout 2: a head sent by halves is answered 408; a connection that sends nothing is closed
+    without a word; a body cut short is closed, logged 408 (not "the client left"); the server serves on."""
+    port = int(server.rsplit(":", 1)[1])
+    log = LOGS[server]
+    before = log.stat().st_size
+    started = time.monotonic()
+    with (
+        socket.create_connection(("127.0.0.1", port)) as head,
+        socket.create_connection(("127.0.0.1", port)) as silent,
+        stalled_body(server, "/v1/completions") as body,
+    ):
+        head.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        for s in (head, silent, body):
+            s.settimeout(deadline(20))
+        answer = head.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408 Request Timeout\r\n"), answer
+        message = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert message == "the request was not sent whole within 2 s of its start"
+        assert silent.recv(4096) == b"" and body.recv(4096) == b""
+    assert 1.5 < time.monotonic() - started < deadline(15)
+    end_by = time.monotonic() + deadline(10)
+    while "POST /v1/completions 408" not in log.read_text()[before:] and time.monotonic() < end_by:
+        time.sleep(0.1)
+    added = log.read_text()[before:]
+    assert added.count("sent no whole request in 2 s; connection closed (408)") == 2, added
+    assert "POST /v1/completions 408" in added and "disconnected" not in added, added
+    assert httpx.get(f"{server}/health", timeout=deadline(5)).status_code == 200
+
+
+def test_the_body_limit_makes_room_for_the_prompts_a_request_may_send() -> None:
+    assert ServeLimits(max_prompt_chars=200, max_sequences=16).max_body_bytes == 6 * 200 * 16 + 64_000
+    assert ServeLimits(max_prompt_chars=100_000).max_body_bytes > 6 * 100_000 * 16
+    assert ServeLimits(max_body_bytes=5000).max_body_bytes == 5000
 
 
 def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
@@ -325,7 +398,8 @@ def test_api_defaults_and_field_mapping() -> None:
     )  # fmt: skip
     assert (asked.params.max_new_tokens, asked.params.num_samples, asked.params.seed) == (7, 3, 9)
     assert asked.stop == ["x"] and asked.stream and asked.stream_usage
-    assert asked.turns == [{"speaker": "user", "text": "Be brief.\n\nhi"}]
+    # The system text is kept apart: before the first user turn kept, however many are dropped.
+    assert asked.turns == [{"speaker": "user", "text": "hi"}] and asked.system == "Be brief."
     for body, param in (
         ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "a", "n": 2, "temperature": 0}, "n"),

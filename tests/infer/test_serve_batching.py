@@ -161,6 +161,33 @@ def test_a_decoding_error_is_a_500_and_the_server_goes_on(pretrained: Path) -> N
         wait_for(client, running=0, batch_rows=0)
 
 
+def test_the_decoding_thread_ends_with_the_server_and_a_closed_loop_cancels_its_request(
+    pretrained: Path,
+) -> None:
+    """Once the server has stopped (its event loop closed), a delta for a request still decoding cancels
+    that request rather than failing the batch with a traceback; and the decoding thread ends with the
+    app (an interpreter that ends under a thread inside torch can abort)."""
+    import asyncio
+
+    from starlette.testclient import TestClient
+
+    from dsgpt2.infer.decode import DecodeRequest, Delta
+    from dsgpt2.infer.engine import _deliver
+    from dsgpt2.infer.generate import Generator, SamplingParams
+    from dsgpt2.infer.loading import load_model
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    request = DecodeRequest([1, 2], SamplingParams())
+    _deliver(loop, asyncio.Queue(), 0, request)(Delta(0, "a", None))
+    assert request.cancelled.is_set()
+    app = make_app(Generator(load_model(pretrained)), ServeLimits())
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
+        assert app.state.service.engine._thread.is_alive()
+    assert not app.state.service.engine._thread.is_alive()
+
+
 def test_an_event_stream_frees_its_slot_even_when_the_client_leaves_before_it_starts() -> None:
     import asyncio
 

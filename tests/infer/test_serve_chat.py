@@ -5,6 +5,7 @@ when their client leaves."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from conftest import tiny_export
 from pace import deadline
-from serving import LOGS, start_server
+from serving import LOGS, MODELS, start_server
 
 KEY = "sk-test-0123456789"
 
@@ -32,6 +33,7 @@ def test_official_client_completions_chat_and_streaming(chat_server: str) -> Non
 
     client = openai.OpenAI(base_url=f"{chat_server}/v1", api_key=KEY, max_retries=0, timeout=deadline(60))
     served = client.models.list().data[0].id
+    assert client.models.retrieve(served).id == served
     done = client.completions.create(model=served, prompt="The", max_tokens=5, seed=1)
     assert done.choices[0].finish_reason in ("stop", "length") and done.usage.completion_tokens <= 5
     messages = [
@@ -102,6 +104,45 @@ def test_long_requests_run_to_their_length(chat_server: str) -> None:
     )
     assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 8
     assert r.json()["usage"]["completion_tokens"] == 8 * 1000
+
+
+def test_a_stream_cut_by_the_shutdown_says_so_and_a_waiting_request_gets_the_apis_503(
+    chat_server: str, tmp_path: Path
+) -> None:
+    """--shutdown_grace 0: a stream under way ends with an error event, then [DONE] (its client can tell
+    it from a whole answer); a request waiting for room in the batch gets a 503 in the API's format."""
+    flags = ("--max_tokens_limit", "1000", "--max_batch", "8", "--shutdown_grace", "0")
+    server = iter(start_server(tmp_path, MODELS[chat_server], *flags))
+    url = next(server)
+    events: list[str] = []
+    waiting: list[httpx.Response] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**LONG, "stream": True},
+                          timeout=deadline(120)) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: ") :])
+                    streaming.set()
+
+    def whole() -> None:  # its row waits: the stream's 8 fill --max_batch
+        waiting.append(httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=deadline(120)))
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=whole)]
+    threads[0].start()
+    assert streaming.wait(deadline(60))
+    threads[1].start()
+    time.sleep(0.5)
+    next(server, None)  # SIGTERM; exit 0 and the line checked
+    for t in threads:
+        t.join(deadline(30))
+    assert events[-1] == "[DONE]" and len(events) < 8 * 1000, events[-3:]
+    assert json.loads(events[-2])["error"]["message"] == "the server shut down before the answer was complete"
+    (answer,) = waiting
+    assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
+    text = LOGS[url].read_text()
+    assert "Traceback" not in text and "Event loop is closed" not in text, text[-3000:]
 
 
 def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
