@@ -34,3 +34,15 @@ def check_bind(host: str, port: int) -> None:
                 f"--host {host} --port {port}: cannot listen there ({exc.strerror}); use an address of "
                 "this machine (127.0.0.1 by default) and a port above 1023"
             ) from None
+
+
+def port_free(port: int) -> bool:
+    """Whether a server could listen on ``port`` of 127.0.0.1: bound as it binds (SO_REUSEADDR), so that the
+    connections of a server just killed, in TIME_WAIT, do not keep its successor off its port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -171,12 +171,20 @@ def _status(directory: Path) -> dict[str, Any]:
             "rss_bytes": processes.rss_bytes(state.pid),
             "since": _since(directory),
         }
+    else:
+        info["stray_pids"] = embedded.strays(directory)
     return info
 
 
 def _status_line(info: dict[str, Any]) -> str:
     disk = f"{info['disk_bytes'] / 1e6:.1f} MB on disk"
     if not info["running"]:
+        if info.get("stray_pids"):
+            pids = ", ".join(map(str, info["stray_pids"]))
+            return (
+                f"{info['database']}: not running ({disk}), but a server no server.json names (pid {pids}) "
+                "holds its data; the next command that needs it stops that one first, as dsgpt2 db stop does"
+            )
         return f"{info['database']}: not running ({disk}); the next command that needs it starts it"
     rss = f", {info['rss_bytes'] / 1e6:.0f} MB resident" if info["rss_bytes"] else ""
     up = f"pid {info['pid']}, {info['address']}, up {info['since']}{rss}, {disk}"

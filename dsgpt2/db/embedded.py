@@ -28,7 +28,6 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -38,8 +37,10 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from dsgpt2.db import procfs
 from dsgpt2.errors import ConfigError, MongoUnavailableError
 from dsgpt2.files import atomic_write_text, parses_as_toml
+from dsgpt2.listen import port_free
 from dsgpt2.settings.environment import env_seconds
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def working(directory: Path) -> bool:
     state = _read_state(directory)
     if state is None or not is_server(state.pid, directory, state.started):
         return False
-    stat = _stat(state.pid)
+    stat = procfs.stat(state.pid)
     return stat is not None and stat[0] not in "TtZX"
 
 
@@ -213,8 +214,11 @@ def stop(directory: Path, timeout_s: float = STOP_TIMEOUT_S) -> ServerState | No
             if state is None:  # unreadable: no port to keep
                 with contextlib.suppress(FileNotFoundError):
                     (directory / "server.json").unlink()
-            return None
-        _terminate(state.pid, timeout_s)
+            stray = strays(directory)
+            for pid in stray:
+                procfs.terminate(pid, timeout_s)
+            return ServerState(pid=stray[0], port=0) if stray else None
+        procfs.terminate(state.pid, timeout_s)
         # server.json is kept, naming the stopped pid: the next server takes its port again where it is
         # free, so that the clients of this one (a training's loader workers) find it where they retry.
         return state
@@ -366,7 +370,7 @@ def is_server(pid: int, directory: Path, started: int | None = None) -> bool:
         return False
     except PermissionError:
         pass
-    stat = _stat(pid)
+    stat = procfs.stat(pid)
     if stat is None:  # no /proc here
         return True
     if stat[0] in "ZX":
@@ -380,19 +384,28 @@ def is_server(pid: int, directory: Path, started: int | None = None) -> bool:
     return str(directory / "data").encode() in cmdline
 
 
-def _stat(pid: int) -> list[str] | None:
-    """The fields of /proc/PID/stat after the command's name (state first, start time at [19])."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+def served_data(words: list[bytes]) -> Path | None:
+    """The data directory that a command line (its words) serves where it is this toolkit's server (its
+    executable or the shim, with --storage-path); None for any other."""
+    ours = any(os.path.basename(w) in (EXECUTABLE.encode(), SHIM.name.encode()) for w in words)
+    if not ours or b"--storage-path" not in words[:-1]:
         return None
-    return fields if len(fields) > 19 else None
+    return Path(os.fsdecode(words[words.index(b"--storage-path") + 1]))
 
 
-def start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` in /proc's clock ticks since boot, None where /proc does not tell."""
-    stat = _stat(pid)
-    return None if stat is None else int(stat[19])
+def strays(directory: Path) -> list[int]:
+    """This user's servers on ``directory``'s data that its server.json does not name: left by a command
+    stopped while it made the database (its first server, without a login, on a port nothing records)
+    or by a server.json damaged. No client finds them, and they hold the data's files."""
+    named = _read_state(directory)
+    data = os.path.realpath(directory / "data")
+    return [
+        pid
+        for pid, words in procfs.own_processes()
+        if (served := served_data(words)) is not None
+        and os.path.realpath(served) == data
+        and (named is None or pid != named.pid)
+    ]
 
 
 def _secret(directory: Path) -> str:
@@ -409,15 +422,42 @@ def _secret(directory: Path) -> str:
 def _start(directory: Path) -> ServerState:
     """Start a server on ``directory`` (the lock held); its user is made on the first start."""
     command = server_command()
+    _check_metadata(directory)
+    for pid in strays(directory):
+        why = "a command stopped while it made the database, or server.json damaged"
+        log.warning("%s%s: a server (pid %d) that no server.json names held its data (%s): stopped",
+                    PREFIX, directory, pid, why)  # fmt: skip
+        procfs.terminate(pid, STOP_TIMEOUT_S)
     previous = _read_state(directory)
     if not (directory / "secret").exists():
         provision(directory, command)
     # The port of the last server if it is free, so that clients of a restarted server find it again.
-    port = previous.port if previous is not None and _port_free(previous.port) else 0
+    port = previous.port if previous is not None and port_free(previous.port) else 0
     state = _launch(directory, command, port, auth=True)
-    state = replace(state, started=start_time(state.pid), directory=os.path.realpath(directory))
+    state = replace(state, started=procfs.start_time(state.pid), directory=os.path.realpath(directory))
     atomic_write_text(directory / "server.json", state.record())
     return state
+
+
+# The engine's own files, without which it takes the data's tables for strays: it sets them aside and
+# begins an empty database over them.
+ENGINE_FILES = ("WiredTiger", "WiredTiger.turtle", "WiredTiger.wt")
+
+
+def _check_metadata(directory: Path) -> None:
+    """A database's data, where it holds tables, has the engine's own files.
+
+    Raises:
+        ConfigError: one is missing.
+    """
+    data = directory / "data"
+    missing = [name for name in ENGINE_FILES if not (data / name).exists()]
+    if missing and any(data.glob("*.wt")):
+        raise ConfigError(
+            f"{PREFIX}{directory}: its data holds tables but not {', '.join(missing)} (the engine's own "
+            "record of them): started so, the engine would set them aside and begin an empty database; "
+            f"put the file back in {data} (from a backup, or the copy the database came from)"
+        )
 
 
 def provision(directory: Path, command: list[str], users: dict[str, str] | None = None) -> None:
@@ -447,7 +487,7 @@ def provision(directory: Path, command: list[str], users: dict[str, str] | None 
         finally:
             client.close()
     finally:
-        _terminate(state.pid, STOP_TIMEOUT_S)
+        procfs.terminate(state.pid, STOP_TIMEOUT_S)
     if USER not in wanted:
         return
     path = directory / "secret"
@@ -483,14 +523,14 @@ def _launch(directory: Path, command: list[str], port: int, auth: bool) -> Serve
         listening = _listening_port(log_path, start)
         if listening is not None:
             return ServerState(pid=pid, port=listening)
-        if not _alive(pid):
+        if not procfs.alive(pid):
             if port != 0 and "in use" in _log_tail(log_path, start):
                 return _launch(directory, command, 0, auth)  # the old port was taken meanwhile
             raise ConfigError(
                 f"{PREFIX}{directory}: the database server did not start: {_log_tail(log_path, start)}"
             )
         time.sleep(0.05)
-    _terminate(pid, 5)
+    procfs.terminate(pid, 5)
     raise ConfigError(
         f"{PREFIX}{directory}: the database server did not listen within {START_TIMEOUT_S:.0f} s; "
         f"see {log_path}"
@@ -558,41 +598,3 @@ def _log_tail(log_path: Path, start: int) -> str:
         if "Error" in line or "error" in line:
             return line[-300:]
     return lines[-1][-300:] if lines else "no output"
-
-
-def _port_free(port: int) -> bool:
-    """Whether the server could listen on ``port``: bound as it binds (SO_REUSEADDR), so that the
-    connections of a server just killed, in TIME_WAIT, do not keep its successor off its port."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _terminate(pid: int, timeout_s: float) -> None:
-    """SIGTERM (the server closes WiredTiger cleanly), SIGKILL if it is still there after ``timeout_s``."""
-    for sig, wait in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                return
-            time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:  # our own child: reap it
-            return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = _stat(pid)  # a zombie has let go of everything
-    return stat is None or stat[0] != "Z"

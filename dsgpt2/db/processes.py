@@ -7,34 +7,19 @@ import contextlib
 import os
 from pathlib import Path
 
-from dsgpt2.db import embedded
+from dsgpt2.db import embedded, procfs
 
 
 def servers() -> list[Path]:
     """The database directories whose servers this user runs now, read from /proc (none elsewhere)."""
     found: set[Path] = set()
-    proc = Path("/proc")
-    for entry in proc.iterdir() if proc.is_dir() else []:
-        if not entry.name.isdigit():
+    for pid, words in procfs.own_processes():
+        data = embedded.served_data(words)
+        if data is None:
             continue
-        try:
-            if entry.stat().st_uid != os.getuid():
-                continue
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ours = any(
-            os.path.basename(a) in (embedded.EXECUTABLE.encode(), embedded.SHIM.name.encode()) for a in args
-        )
-        if not ours or b"--storage-path" not in args[:-1]:
-            continue
-        data = Path(os.fsdecode(args[args.index(b"--storage-path") + 1]))
         database = data.parent
-        if (
-            data.name == "data"
-            and (database / embedded.MARKER).exists()
-            and embedded.is_server(int(entry.name), database)
-        ):
+        ours = data.name == "data" and (database / embedded.MARKER).exists()
+        if ours and embedded.is_server(pid, database):
             found.add(database)
     return sorted(found)
 

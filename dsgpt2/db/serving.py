@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from dsgpt2.db import embedded
+from dsgpt2.db import embedded, procfs
 from dsgpt2.errors import ConfigError
 from dsgpt2.files import atomic_write_text
 from dsgpt2.listen import check_bind
@@ -61,7 +61,7 @@ def serve(
         # This process becomes the server: its pid is the server's, and loopback reaches any address.
         local = "127.0.0.1" if host in WILDCARDS or host.startswith("127.") else host
         serving = embedded.ServerState(
-            os.getpid(), port, local, embedded.start_time(os.getpid()), os.path.realpath(directory)
+            os.getpid(), port, local, procfs.start_time(os.getpid()), os.path.realpath(directory)
         )
         atomic_write_text(directory / "server.json", serving.record())
     args = embedded.server_args(directory, command, host, port, auth=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli, write_config
-from dsgpt2.db import embedded
+from dsgpt2.db import embedded, procfs
 from pace import deadline, wait_for
 
 
@@ -118,7 +118,7 @@ def test_serve_refuses_a_user_without_a_password_and_its_flags_elsewhere(tmp_pat
 
 def test_a_server_is_its_pid_and_start_time_not_a_reused_pid(tmp_path: Path) -> None:
     here = os.getpid()
-    started = embedded.start_time(here)
+    started = procfs.start_time(here)
     assert started is not None and started > 0
     assert embedded.is_server(here, tmp_path, started)
     # The pid now names another process (a reused pid): one started at another time.
@@ -158,7 +158,7 @@ def test_a_command_waits_for_a_served_database_still_opening_its_data(tmp_path: 
     # exec into the server: the server file names it by its pid and start time, as that command writes it.
     with subprocess.Popen([sys.executable, "-c", opening, str(port)]) as server:
         try:
-            state = embedded.ServerState(server.pid, port, started=embedded.start_time(server.pid))
+            state = embedded.ServerState(server.pid, port, started=procfs.start_time(server.pid))
             (directory / "server.json").write_text(state.record())
             uri = embedded.ensure(directory)
             assert f"@127.0.0.1:{port}/" in uri
