@@ -20,6 +20,11 @@ class ConfigError(DsGpt2Error):
     """A configuration file, flag or environment variable is invalid."""
 
 
+class NoRoomError(DsGpt2Error):
+    """The disk filled while a file or directory was written: nothing half-written is kept where it goes
+    (free space, re-run)."""
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """What a library's exception says, for one line of ours: its first line, and the second where the
     first only introduces it ("Validation error for field 'n_embd':"); its type where it says nothing."""

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from dsgpt2.errors import DsGpt2Error, NoRoomError
+
 log = logging.getLogger(__name__)
+# Less free space than this where a write failed: a full disk (a library's error need not say so:
+# torch.save's is "unexpected pos").
+FULL_DISK_BYTES = 32 * 2**20
 
 
 @contextlib.contextmanager
@@ -31,6 +38,7 @@ def atomic_writer(
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # as open() makes a file, not mkstemp's 0600
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
             f.flush()
@@ -63,6 +71,39 @@ def open_records(path: Path) -> IO[str]:
                     "next line", path)  # fmt: skip
         f.write("\n")
     return f
+
+
+def umask() -> int:
+    """This process's umask: read where /proc tells it (setting it to read it is not thread-safe)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def out_of_room(where: Path, exc: BaseException) -> str | None:
+    """Why writing under ``where`` failed where its disk is full (``exc``, or an exception it came from,
+    is ENOSPC or EDQUOT, or less than FULL_DISK_BYTES are left there), in words; None otherwise."""
+    said, seen = False, [exc]
+    while len(seen) < 10 and not said:
+        e = seen[-1]
+        said = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+            words in str(e) for words in ("No space left on device", "os error 28", "Disk quota exceeded")
+        )
+        if (e.__cause__ or e.__context__) is None:
+            break
+        seen.append(e.__cause__ or e.__context__)  # type: ignore[arg-type]
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    try:
+        free = shutil.disk_usage(existing).free if existing is not None else None
+    except OSError:
+        free = None
+    if not said and (free is None or free >= FULL_DISK_BYTES):
+        return None
+    return f"the disk holding {where} is full" + ("" if free is None else f" ({free / 2**20:.0f} MB free)")
 
 
 def parses_as_toml(path: Path) -> bool:
@@ -147,7 +188,6 @@ _STAGING = ".staging-"
 
 def _clear_stale_staging(out: Path) -> None:
     """Remove what writers killed mid-write left beside ``out`` (their process is gone)."""
-    import shutil
 
     for path in out.parent.glob(f".{out.name}{_STAGING}*"):
         pid = path.name[len(f".{out.name}{_STAGING}") :].split("-")[0]
@@ -182,12 +222,11 @@ def staged_dir(out: Path, check: Callable[[], None] | None = None) -> Iterator[P
     Raises:
         whatever ``check`` raises; the staging directory is then removed and ``out`` left alone.
     """
-    import shutil
-
     out.parent.mkdir(parents=True, exist_ok=True)
     with _directory_lock(out.parent):
         _clear_stale_staging(out)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}{_STAGING}{os.getpid()}-", dir=out.parent))
+    os.chmod(staging, 0o777 & ~umask())  # as mkdir makes a directory, not mkdtemp's 0700
     try:
         yield staging
         with _directory_lock(out.parent):
@@ -200,6 +239,14 @@ def staged_dir(out: Path, check: Callable[[], None] | None = None) -> Iterator[P
             os.replace(staging, out)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+    except Exception as exc:
+        room = None if isinstance(exc, DsGpt2Error) else out_of_room(out.parent, exc)  # before the rmtree
+        shutil.rmtree(staging, ignore_errors=True)
+        if room is None:
+            raise
+        raise NoRoomError(
+            f"{out}: not written, {room}; what was there is kept: free space there, or name another place"
+        ) from None
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

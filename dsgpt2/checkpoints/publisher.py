@@ -43,7 +43,8 @@ from dsgpt2.checkpoints.format import (
     tag_for,
 )
 from dsgpt2.collective import barrier, gather, on_each_node, on_rank0, raise_shared
-from dsgpt2.errors import CheckpointError, ConfigError, DsGpt2Error
+from dsgpt2.errors import CheckpointError, ConfigError, DsGpt2Error, NoRoomError
+from dsgpt2.files import out_of_room
 from dsgpt2.stores.base import Store, split_location, where
 
 log = logging.getLogger("dsgpt2.checkpoints.checkpointer")
@@ -122,7 +123,12 @@ class Publisher:
                 self.published = tag
             return tag
         writes = ds_checkpoint.QueuedWrites.install(engine) if self.background else None
-        ds_checkpoint.write(engine, self.store.local, tag, client_state, files)
+        try:
+            ds_checkpoint.write(engine, self.store.local, tag, client_state, files)
+        except Exception as exc:
+            if (full := self._no_room(tag, exc)) is None:
+                raise
+            raise full from None
         if self.background:
             self._pending = tag
             wait = writes.wait if writes is not None else (lambda: None)
@@ -137,7 +143,9 @@ class Publisher:
             try:
                 self._publish(tag, merged_marker(step, time.time(), [file_digests(self.store.local / tag)]))
             except OSError as exc:  # the disk: every rank stops with it, none waits out --dist_timeout
-                raise CheckpointError(f"saving {where(self.store, tag)} failed: {exc}") from None
+                raise self._no_room(tag, exc) or CheckpointError(
+                    f"saving {where(self.store, tag)} failed: {exc}"
+                ) from None
 
         on_rank0(publish)
         return tag
@@ -188,13 +196,30 @@ class Publisher:
                 self._publish(tag, merged_marker(step, time.time(), self._manifests(tag)))
         except DsGpt2Error as exc:
             self._error = (type(exc).__name__, str(exc))
-        except Exception as exc:  # a bug, or the disk: its traceback in the log, and every rank stops
-            log.exception("saving %s failed", where(store, tag))
-            self._error = ("CheckpointError", f"saving {where(store, tag)} failed: {exc}")
+        except Exception as exc:  # a bug, or the disk: every rank stops
+            if (full := self._no_room(tag, exc)) is not None:
+                self._error = (type(full).__name__, str(full))
+            else:  # its traceback in the log
+                log.exception("saving %s failed", where(store, tag))
+                self._error = ("CheckpointError", f"saving {where(store, tag)} failed: {exc}")
         if self._error is not None and self.rank != 0:
             # Rank 0 waits for this rank's manifest: told at once that none is coming, and why.
             with contextlib.suppress(Exception):
                 store.write(self._manifest(tag, self.rank), json.dumps({_FAILED: self._error[1]}))
+
+    def _no_room(self, tag: str, exc: BaseException) -> NoRoomError | None:
+        """The error to raise where saving ``tag`` failed on a full disk; None where the disk is not full."""
+        room = out_of_room(self.store.local, exc)
+        if room is None:
+            return None
+        shutil.rmtree(self.store.local / tag, ignore_errors=True)  # the attempt, never marked whole
+        kept = "no checkpoint of this run is whole yet"
+        if self.published:
+            kept = f"the last whole checkpoint, {where(self.store, self.published)}, is kept"
+        return NoRoomError(
+            f"saving {where(self.store, tag)} failed: {room}; {kept}: free space there (or keep fewer with "
+            "--keep_last) and run the same command to resume"
+        )
 
     @staticmethod
     def _manifest(tag: str, rank: int) -> str:
