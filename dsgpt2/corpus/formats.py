@@ -103,4 +103,6 @@ def file_source(
         read_from=reader.records if kind.seekable else None,
         locate=lambda _: reader.where(),
         flag=f"--{kind.option} {value}" if kind.option and kind.names_text else "",
+        origin=f"file:{p.resolve()}",
+        stamp={"size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns} if p.is_file() else {},
     )

@@ -103,18 +103,30 @@ def ingest(
             ensure_index(conn, collection, HASH, f"indexing {collection}")
             opened = [step.opened(conn, collection) for step in steps]
             reports = []
-            for source in sources:
-                with _held(conn, collection, source) as lease:
-                    report = _write_source(conn, collection, source, batch_size, strict, progress=progress,
-                                           steps=opened, skips=skips, lease=lease)  # fmt: skip
-                    reports.append(report)
-            top = largest_idx(conn, collection, f"reading {collection}: last idx")
-            if made and top is None and not read_meta(conn, [collection]).get(collection, {}).get("sources"):
-                drop_collection(conn, collection)  # made by this run, and no ingest stores in it
+            try:
+                for source in sources:
+                    with _held(conn, collection, source) as lease:
+                        report = _write_source(
+                            conn, collection, source, batch_size, strict, progress=progress, steps=opened,
+                            skips=skips, lease=lease,
+                        )  # fmt: skip
+                        reports.append(report)
+            except IngestError:  # an input refused (nothing of it stored): no collection left for it
+                _drop_if_unused(conn, collection, made)
+                raise
+            top = _drop_if_unused(conn, collection, made)
     finally:
         skips.close()
     count = 0 if top is None else top + 1
     return IngestReport(collection, reports, count, time.monotonic() - started)
+
+
+def _drop_if_unused(conn: Connection, collection: str, made: bool) -> int | None:
+    """Drop ``collection`` where this run made it and no ingest stores in it; its last idx."""
+    top = largest_idx(conn, collection, f"reading {collection}: last idx")
+    if made and top is None and not read_meta(conn, [collection]).get(collection, {}).get("sources"):
+        drop_collection(conn, collection)
+    return top
 
 
 @contextlib.contextmanager
@@ -140,7 +152,9 @@ def _write_source(
     lease: Lease,
 ) -> SourceReport:
     report = SourceReport(source.label, decoding=source.decoding)
-    state = read_meta(conn, [collection]).get(collection, {}).get("sources", {}).get(source.key)
+    sources = read_meta(conn, [collection]).get(collection, {}).get("sources", {})
+    state = sources.get(source.key)
+    _check_input(source, state, sources, collection)
     top = largest_idx(conn, collection, f"reading {collection}: last idx")
     next_idx = 0 if top is None else top + 1
     if state and state.get("complete"):
@@ -207,7 +221,10 @@ def _write_source(
         next_idx = _flush(conn, collection, source, report, batch=batch, records=max(pos + 1, start),
                           next_idx=next_idx, steps=steps, lease=lease, places=places,
                           skips=skips)  # fmt: skip
-        if damage is None and _forgotten(source, report, missing, skips, lease, begun=start > 0):
+        admitted_by_steps = {step.skip_reason for step in steps if step.skip_reason}
+        unusable = sum(n for reason, n in report.skipped.items() if reason not in admitted_by_steps)
+        if damage is None and _forgotten(source, report, missing, skips, lease, begun=start > 0,
+                                         unusable=unusable):  # fmt: skip
             return report
         skips.end_source(source)
         if damage is not None:
@@ -224,17 +241,26 @@ def _write_source(
 
 
 def _forgotten(
-    source: Source, report: SourceReport, missing: MissingField, skips: SkipLog, lease: Lease, *, begun: bool
+    source: Source,
+    report: SourceReport,
+    missing: MissingField,
+    skips: SkipLog,
+    lease: Lease,
+    *,
+    begun: bool,
+    unusable: int = 0,
 ) -> bool:
     """Forget a source that stored nothing, as if never given, so that a run with the right input or
     field starts clean: an empty input (True: the command says so), or one whose records all lack the
-    field (refused). False: the source stored something.
+    field or are all unusable (``unusable`` of them: bad JSON, no text; refused). False: the source
+    stored something, or its records were all left out by a step (duplicates of stored ones).
 
     Raises:
-        IngestError: no record has the text field.
+        IngestError: no record has the text field, or none is usable.
     """
     unfielded = missing.records and not missing.with_field and not report.inserted
-    if not unfielded and (report.read or begun):
+    none_usable = bool(report.read) and not begun and not report.inserted and unusable == report.read
+    if not unfielded and not none_usable and (report.read or begun):
         return False
     skips.end_source(source, quiet=True)
     _forget(lease, source)
@@ -243,7 +269,51 @@ def _forgotten(
             f"{source.label}: none of its {missing.records} record(s) has the field named by "
             f"{source.flag}; nothing was stored; {missing.advice(source)}"
         )
+    if none_usable:
+        why = ", ".join(f"{reason}: {n}" for reason, n in sorted(report.skipped.items()))
+        raise IngestError(
+            f"{source.label}: none of its {report.read} record(s) is usable ({why}); nothing was stored; "
+            "fix the input (its format: --format), or see which records and why with --report"
+        )
     return True
+
+
+def _check_input(
+    source: Source, state: dict[str, Any] | None, sources: dict[str, Any], collection: str
+) -> None:
+    """Refuse to ingest what would land twice or mixed: a file that changed size since it was ingested
+    (its documents there are the old file's; a resume would mix the two), or a built-in sample already in
+    the collection under another --limit or version (their documents are the same); a file read before
+    with other options is said in a warning (another text field makes other documents).
+
+    Raises:
+        IngestError: naming the two and the ways on.
+    """
+    ways = (
+        "ingest it into a fresh collection (--collection NEW), or drop this one first (dsgpt2 drop "
+        f"--collection {collection})"
+    )
+    was, now = (state or {}).get("stamp") or {}, source.stamp
+    if was and now and was.get("size") != now.get("size"):
+        raise IngestError(
+            f"{source.label}: the file changed since it was ingested into {collection!r} "
+            f"({was.get('size'):,} bytes then, {now['size']:,} now): the documents there are the old "
+            f"file's; {ways}"
+        )
+    if was and now and was.get("mtime_ns") != now.get("mtime_ns") and (state or {}).get("complete"):
+        log.warning("%s: modified since it was ingested into %s (the same size): its documents there are "
+                    "as it was then; if its text changed, %s", source.label, collection, ways)  # fmt: skip
+    same = [s for k, s in sources.items() if k != source.key and s.get("origin") == source.origin]
+    if (state or {}).get("label") or not source.origin or not same:  # read before (or nothing to compare)
+        return
+    earlier = same[0].get("label")
+    if source.origin.startswith("sample:"):
+        raise IngestError(
+            f"{source.label}: {collection!r} already holds {earlier}; ingesting this too would store the "
+            f"documents they share twice: {ways}"
+        )
+    log.warning("%s: %r already holds this file as %s: the texts the two readings share are stored "
+                "twice (dsgpt2 dedup --exact finds them)", source.label, collection, earlier)  # fmt: skip
 
 
 def _check_read_alike(source: Source, state: dict[str, Any], collection: str) -> None:
@@ -355,6 +425,8 @@ def _record(
     }
     if source.decoding is not None:
         state["encoding"] = source.decoding.encoding
+    if source.origin:
+        state |= {"origin": source.origin, "stamp": source.stamp}
     fields = {f"sources.{source.key}.{k}": v for k, v in state.items()}
     _held_update(lease, source, {
         "$set": {"cleaner_version": CLEANER_VERSION, **fields, "updated_at": time.time()},

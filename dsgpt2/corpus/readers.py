@@ -123,9 +123,10 @@ def builtin_source(name: str = "stdlib", limit: int | None = None) -> Source:
             label,
             "conversation",
             lambda: (normalize_conversation(c) for c in stdlib_conversations(limit)),
+            origin=f"sample:{name}",
         )
     return Source(source_key("sample", version, str(limit)), label, "text",
-                  lambda: (Text(d) for d in stdlib_documents(limit)))  # fmt: skip
+                  lambda: (Text(d) for d in stdlib_documents(limit)), origin=f"sample:{name}")  # fmt: skip
 
 
 def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:

@@ -162,6 +162,10 @@ class Source:
     # "row_group", "row"}, or {"record"} for the built-in samples.
     locate: Callable[[int], dict[str, Any]] = field(default=_by_record_number, repr=False, compare=False)
     flag: str = ""  # the option that names the text field, with its value ("--field body")
+    # What is read, whatever the options it is read with ("file:/abs/path", "sample:stdlib"), and, for a
+    # file, its size and modification time: a source ingested again is checked against both.
+    origin: str = ""
+    stamp: dict[str, int] = field(default_factory=dict, compare=False)
 
 
 @dataclass

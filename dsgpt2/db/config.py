@@ -23,6 +23,7 @@ from typing import Any
 from dsgpt2.documents import TEXT
 from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Range, option
+from dsgpt2.settings.shipped import shipped_if_absent
 
 ENV_URI = "MONGO_CONNECTION_STRING"
 SCHEMES = ("mongodb://", "mongodb+srv://", "local://")
@@ -376,7 +377,7 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
     Raises:
         ConfigError: the file is missing, not JSON, or not a valid config.
     """
-    p = Path(path)
+    p = shipped_if_absent(Path(path))
     try:
         raw = p.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -35,8 +35,11 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
     try:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:
+        from dsgpt2.settings.shipped import shipped_names
+
+        shipped = ", ".join(n for n in shipped_names() if n.startswith("ds_"))
         raise ConfigError(
-            f"{FLAG} {p}: file not found; the shipped ones are configs/ds_config*.json"
+            f"{FLAG} {p}: file not found; the shipped ones (by name, from anywhere): {shipped}"
         ) from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{FLAG} {p}: not valid JSON: {exc.msg} at line {exc.lineno}") from None

@@ -28,6 +28,7 @@ from typing import Any
 from dsgpt2.errors import ConfigError
 from dsgpt2.log import process_rank
 from dsgpt2.settings.options import action_of, is_switch, settable_actions, subcommands, takes_many
+from dsgpt2.settings.shipped import shipped_if_absent
 
 log = logging.getLogger(__name__)
 
@@ -322,6 +323,7 @@ def parse_args(
     _FROM_FILE.clear()
     try:
         rest, path = find_run_file(argv)
+        path = None if path is None else shipped_if_absent(path)
         if aliases and "config" in aliases:
             rest = [f"--{aliases['config']}" if t == FLAG else t for t in rest]
             rest = [t.replace(FLAG + "=", f"--{aliases['config']}=", 1) if t.startswith(FLAG + "=") else t

@@ -41,6 +41,7 @@ from dsgpt2.settings.options import (
     from_namespace,
     option,
 )
+from dsgpt2.settings.shipped import shipped_path
 
 if TYPE_CHECKING:
     from dsgpt2.data.sources import DataSpec
@@ -169,7 +170,7 @@ class DataOptions(Checked):
     )
 
     def convert(self) -> None:
-        self.config_train, self.vocab_dir = as_path(self.config_train), as_path(self.vocab_dir)
+        self.config_train, self.vocab_dir = shipped_path(self.config_train), as_path(self.vocab_dir)
         self.cache_dir = as_path(self.cache_dir)
 
     def check_files(self) -> None:
@@ -327,7 +328,7 @@ class EngineOptions(Checked):
     )
 
     def convert(self) -> None:
-        self.deepspeed_config = as_path(self.deepspeed_config)
+        self.deepspeed_config = shipped_path(self.deepspeed_config)
 
 
 def data_spec(

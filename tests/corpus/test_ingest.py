@@ -365,7 +365,8 @@ def test_a_field_no_record_has_exits_2_naming_the_fields_the_records_have(tmp_pa
     assert "the fields id, title, text" in line and "e.g. --field text" in line
     conn = Connection(make_config(["news"], **db_for(store)))
     assert conn.db["news"].count_documents({}) == 0
-    assert not read_meta(conn, ["news"])["news"].get("sources")  # no unfinished ingest left behind
+    # No unfinished ingest left behind, nor the collection this run made for it.
+    assert "news" not in read_meta(conn, ["news"]) and "news" not in conn.db.list_collection_names()
     # The field it names works, from a clean start.
     again = run_cli("ingest", "--config", str(cfg), "--field", "text", "--no_progress", str(f))
     assert again.returncode == 0, again.stderr

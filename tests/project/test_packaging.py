@@ -63,18 +63,36 @@ def test_the_wheel_carries_the_configs_and_finds_them_from_anywhere(tmp_path: Pa
     elsewhere.mkdir()
     code = (
         "import json, dsgpt2, dsgpt2.settings.shipped as s\n"
+        "from pathlib import Path\n"
         "paths = [s.shipped_config(n) for n in s.shipped_names()]\n"
-        "print(json.dumps([dsgpt2.__file__, [str(p) for p in paths if json.loads(p.read_text())]]))"
+        "typed = ('configs/recipes/demo.yaml', 'ds_config_cpu.json', 'configs/nothing.json')\n"
+        "named = [str(s.shipped_if_absent(Path(n))) for n in typed]\n"
+        "print(json.dumps([dsgpt2.__file__, [str(p) for p in paths if json.loads(p.read_text())], named]))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=elsewhere,
         env={**os.environ, "PYTHONPATH": str(target)}, timeout=deadline(120),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    where, paths = json.loads(result.stdout)
+    where, paths, named = json.loads(result.stdout)
     assert where.startswith(str(target))
+    # The README's paths, typed where there is no checkout: the shipped files; another name stays as typed.
+    assert named[0] == str(Path(where).parent / "configs" / "recipes" / "demo.yaml")
+    assert named[1] == str(Path(where).parent / "configs" / "ds_config_cpu.json")
+    assert named[2] == "configs/nothing.json"
     assert sorted(Path(p).name for p in paths) == shipped
     assert all(p.startswith(str(target)) for p in paths)
+
+
+def test_the_readmes_config_paths_read_the_shipped_files_where_there_is_no_checkout(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    info = run_cli("info", "--config", "configs/sample.json", cwd=tmp_path)
+    assert "configs/sample.json is not here: the shipped sample.json is read" in info.stderr, info.stderr
+    # The sample config's local://runs/db, relative to where the command runs: no database there yet.
+    assert info.returncode == 2 and f"local://{tmp_path}/runs/db: no database there" in info.stderr
+    typo = run_cli("info", "--config", "configs/sampel.json", cwd=tmp_path)
+    assert typo.returncode == 2 and "config file 'configs/sampel.json' not found" in typo.stderr
 
 
 def test_the_package_metadata_states_every_licence_its_files_carry() -> None:
