@@ -14,6 +14,10 @@
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+if script_help "$@"; then
+  echo
+  exec dsgpt2 vocab download --help  # the flags it passes on; nothing downloaded
+fi
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 VOCAB_CORPUS="${VOCAB_CORPUS:-runs/vocab_corpus}"

@@ -23,6 +23,10 @@
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+if script_help "$@"; then
+  echo
+  exec python "$project_root/ds_trainer.py" --help  # the flags it passes on; no launcher started
+fi
 
 CONFIG="${CONFIG:-configs/mongo.json}"
 TOKENIZER="${TOKENIZER:-runs/tokenizer}"

@@ -15,6 +15,10 @@
 set -euo pipefail
 # shellcheck source=pipelines/_env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+if script_help "$@"; then
+  echo
+  exec dsgpt2 vocab train --help  # the flags it passes on; nothing trained
+fi
 
 VOCAB_CORPUS="${VOCAB_CORPUS:-runs/vocab_corpus}"
 TOKENIZER="${TOKENIZER:-runs/tokenizer}"

@@ -138,7 +138,8 @@ def test_pipeline_scripts_find_the_project_venv_in_a_fresh_shell() -> None:
         capture_output=True, text=True, timeout=deadline(120),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("usage: dsgpt2 vocab train")
+    assert result.stdout.startswith("train_vocab.sh: train the byte-level BPE tokenizer.")
+    assert "VOCAB_SIZE" in result.stdout and "usage: dsgpt2 vocab train" in result.stdout
 
 
 def test_help_of_a_pipeline_that_runs_several_commands_runs_none(tmp_path: Path) -> None:
@@ -159,6 +160,12 @@ def test_help_of_a_pipeline_that_runs_several_commands_runs_none(tmp_path: Path)
     assert refused.returncode == 2 and "all.sh: takes no arguments" in refused.stderr
     shown = run("evaluate.sh", "-h")
     assert shown.returncode == 0 and "SAMPLE_OUT" in shown.stdout and "usage: dsgpt2 evaluate" in shown.stdout
+    # Every script: its settings, then the flags it passes on; train_model.sh starts no launcher.
+    for script, setting, usage in (("download_vocab.sh", "FRACTION", "usage: dsgpt2 vocab download"),
+                                   ("train_model.sh", "NUM_GPUS", "usage: ds_trainer.py")):  # fmt: skip
+        shown = run(script, "--help")
+        assert shown.returncode == 0 and setting in shown.stdout and usage in shown.stdout, shown.stderr
+        assert "launch" not in shown.stderr, shown.stderr
     assert list(tmp_path.iterdir()) == []
     # Run from another directory, train_model.sh still finds ds_trainer.py (it reaches the trainer's check).
     env = {**_fresh_shell(), "CONFIG": str(tmp_path / "none.json"), "LAUNCHER": "python"}
