@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dsgpt2.errors import DsGpt2Error, PeerLostError
+from dsgpt2.errors import ConfigError, DsGpt2Error, PeerLostError
 
 
 def broadcast(values: list[Any]) -> None:
@@ -119,6 +119,42 @@ class Rounds:
             outcomes = gather(("done", outcome))
             if all(o != self._WORKING for o in outcomes):
                 return [o[1] for o in outcomes]
+
+
+def every_group_times_out_after(seconds: int) -> None:
+    """Make ``seconds`` the timeout of every process group made from now on without one of its own: the
+    groups DeepSpeed makes for ZeRO 1-3 (its data-parallel group) would otherwise take torch's default,
+    30 minutes, and a rank frozen under them would hold the others that long, not --dist_timeout."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    # Read by new_group() at each call: gloo's, and NCCL's where torch has NCCL.
+    c10d.default_pg_timeout = timedelta(seconds=seconds)
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
+
+
+def same_on_every_rank(settings: dict[str, Any], deepspeed: dict[str, Any]) -> None:
+    """Refuse a run whose ranks were started with different settings (by flag name) or DeepSpeed configs
+    (by section): the nodes' commands differ, and the ranks would train apart or wait for one another
+    until --dist_timeout. Every rank raises the same error.
+
+    Raises:
+        ConfigError: naming the first setting that differs and the ranks on each side.
+    """
+    mine = {**{f"--{k}": v for k, v in settings.items()}, **{f"the DeepSpeed config's {k!r}": v
+                                                           for k, v in deepspeed.items()}}  # fmt: skip
+    every = gather(mine)
+    for name in sorted({name for ranks in every for name in ranks}):
+        values = [ranks.get(name) for ranks in every]
+        if any(v != values[0] for v in values):
+            apart = [r for r, v in enumerate(values) if v != values[0]]
+            raise ConfigError(
+                f"the ranks were started with different settings: {name} is {values[0]!r} on rank 0 and "
+                f"{values[apart[0]]!r} on rank(s) {', '.join(map(str, apart))}; start every node with the "
+                "same command and files"
+            )
 
 
 # What gloo (and NCCL) say when a peer's process or node is gone, and when one stops answering.

@@ -67,6 +67,8 @@ class CheckpointSettings:
     args: dict[str, Any]  # every option by flag name (TrainConfig.to_dict())
     resolved: str  # the resolved configuration, saved beside each checkpoint (config.yaml)
     vocab_stored: str | None = None  # the tokenizer's gridfs:NAME, where vocab_dir is this node's copy
+    # The DeepSpeed config's ZeRO stage: a checkpoint saved under another is refused (None: not checked).
+    zero_stage: int | None = None
 
 
 def resumed_options(c: CheckpointOptions, store: Store) -> dict[str, Any] | None:
@@ -170,6 +172,7 @@ class Checkpointer:
         _check_init(saved.get("args") or {}, self.settings.args, named)
         self._check_fingerprint(saved["fingerprint"], named)
         self._check_data(saved, named)
+        self._check_zero_stage(load_dir, tag, named)
         ranks = len(saved["data"]["ranks"])
         if ranks == self.world:
             return load_dir, tag, saved["data"]
@@ -188,6 +191,20 @@ class Checkpointer:
             # The optimizer state is cut per rank: loaded from its universal form, made once.
             tag = universal.ensure_universal(load_dir, tag)
         return load_dir, tag, saved["data"]
+
+    def _check_zero_stage(self, load_dir: Path, tag: str, where: Path) -> None:
+        """Refuse a checkpoint saved under another ZeRO stage: its optimizer state is laid out for that one
+        (ZeRO 0 in the model's file, 1 and 2 in per-rank shards of flat groups, 3 partitioned further)."""
+        ours = self.settings.zero_stage
+        theirs = universal.saved_zero_stage(load_dir, tag) if is_partitioned(load_dir, tag) else 0
+        if ours is None or theirs == ours:
+            return
+        ds = self.settings.args.get("deepspeed_config")
+        raise CheckpointError(
+            f"{where} was saved under ZeRO stage {theirs}, and this run's DeepSpeed config ({ds}) has stage "
+            f"{ours}: its optimizer state is laid out for stage {theirs}; resume it with a config of stage "
+            f"{theirs}, or start this one in another --ckpt_dir (--init_from {where} takes its weights)"
+        )
 
     def _check_model(self, saved: dict[str, Any], where: Path) -> None:
         """Refuse a checkpoint of another model shape: each setting that differs with both values, and

@@ -169,6 +169,10 @@ def muon_unfit(ds_config: dict[str, Any]) -> str | None:
     """Why Muon cannot train under ``ds_config``; None where it can."""
     if zero_stage(ds_config) == 3:
         return "ZeRO stage 3 shards each matrix across the ranks, and Muon orthogonalises whole ones"
+    zero = ds_config.get("zero_optimization") or {}
+    offload = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if str(offload).lower() != "none" or zero.get("cpu_offload"):
+        return "its ZeRO offloads the optimizer (offload_optimizer), and DeepSpeed offloads only its own"
     kind = str((ds_config.get("optimizer") or {}).get("type", "AdamW"))
     if kind.lower() not in ("adamw", "adam"):
         return f"its optimizer is {kind}, and Muon takes its AdamW settings from an AdamW one"

@@ -496,6 +496,12 @@ class TrainConfig(Freezable):
                 out[k] = str(v) if isinstance(v, Path) else v
         return out
 
+    def shared(self) -> dict[str, object]:
+        """What every rank of a run must be started with alike: each option by flag name but the paths
+        (one node may name a file otherwise than another) and the launcher's --local_rank."""
+        return {k: v for part in self.parts() for k, v in vars(part).items()
+                if not k.startswith("_") and k != "local_rank" and not isinstance(v, Path)}  # fmt: skip
+
     def resolved(self) -> str:
         """Every option as an experiment file (YAML) that runs this configuration again:
         ``ds_trainer.py --config THIS`` (the launcher's --local_rank left out)."""

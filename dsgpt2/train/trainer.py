@@ -29,11 +29,13 @@ from dsgpt2.checkpoints.format import CHECKPOINTS, UNIVERSAL, tag_for
 from dsgpt2.checkpoints.publisher import stage
 from dsgpt2.collective import (
     all_sum,
+    every_group_times_out_after,
     gather,
     leave_process_group,
     on_rank0,
     peer_lost,
     release_shared_buffer,
+    same_on_every_rank,
 )
 from dsgpt2.data.dealing import ReadState
 from dsgpt2.data.loader import BlockStream
@@ -159,10 +161,12 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
         announce_cpu_op_build()
     quiet_cached_op_load()
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
+    every_group_times_out_after(cfg.engine.dist_timeout)
     deepspeed.init_distributed(
         dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
     )
     release_shared_buffer(device)
+    same_on_every_rank(cfg.shared(), ds.config)
     conn.ping()
     named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
     publisher = stage(cfg.ckpt, store, rank=rank, world=world, wait_s=cfg.engine.dist_timeout)
@@ -179,7 +183,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
     ckpt_settings = CheckpointSettings(
         cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=vocab_dir, args=args,
-        resolved=resolved, vocab_stored=vocab_stored,
+        resolved=resolved, vocab_stored=vocab_stored, zero_stage=zero_stage(ds.config),
     )  # fmt: skip
     checkpointer = Checkpointer(ckpt_settings, conn, fingerprint=fp, world=world, marks=marks, model=model,
                                 publisher=publisher)  # fmt: skip

@@ -364,3 +364,25 @@ def test_a_zero_2_run_resumes_on_another_number_of_ranks_from_its_universal_form
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
     assert "zero_pp_rank_0_mp_rank_00_optim_states.pt is truncated or grown" in last, last
+
+
+def test_nodes_started_with_different_settings_are_refused_in_one_line(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Node 1 typed another --train_iters: every rank would train to its own schedule (or, another
+    context, ZeRO stage, wait on the others until --dist_timeout). Refused at the start on every rank,
+    naming the setting and the ranks; each node may name its own paths (--cache_dir)."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    small = dict(corpus, config=cfg)
+    common = ("--chunk_docs", "10", "--num_workers", "1", "--dist_timeout", "60")
+    per_node = [["--train_iters", "30", "--cache_dir", str(tmp_path / "a")],
+                ["--train_iters", "40", "--cache_dir", str(tmp_path / "b")]]  # fmt: skip
+    started = time.monotonic()
+    nodes = launch_nodes(small, tmp_path / "run", per_node, *common, expect=(2, 2))
+    assert max(end for _, end in nodes) - started < deadline(120)  # at the start, not after a timeout
+    said = ("the ranks were started with different settings: --train_iters is 30 on rank 0 and 40 on "
+            "rank(s) 1, 2; start every node with the same command and files")  # fmt: skip
+    for out, _ in nodes:
+        assert said in out and "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "run" / "ckpt" / "latest").exists()

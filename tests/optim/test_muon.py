@@ -249,7 +249,13 @@ def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpo
     cfg.settle(None, None, adamw_decay)
     assert cfg.optim.muon_weight_decay == 0.1 and cfg.to_dict()["muon_weight_decay"] == 0.1
     assert new.to_dict()["optimizer"] == "muon" and MUON_LR == 0.02 and MUON_MOMENTUM == 0.95
-    # Where Muon cannot train (ZeRO 3), a new run takes AdamW, and says why.
+    # Where Muon cannot train (ZeRO 3, an offloaded optimizer: DeepSpeed offloads only its own), a new
+    # run takes AdamW, and says why.
+    from dsgpt2.optim.muon import muon_unfit
+
+    offload = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert "offloads the optimizer" in str(muon_unfit(offload))
+    assert muon_unfit({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none"}}}) is None
     cfg = TrainConfig(DataOptions(None))
     said = cfg.settle(None, "ZeRO stage 3 shards each matrix")
     assert cfg.optim.optimizer == "adamw" and cfg.schedule.lr_schedule == "deepspeed"

@@ -23,9 +23,18 @@ from dsgpt2.errors import PeerLostError
 from dsgpt2.collective import Rounds, peer_lost
 
 rank, timeout, work, fault = int(os.environ["RANK"]), float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if fault == "freezes-in-a-group":  # as the trainer starts: the timeout of the groups made later too
+    from dsgpt2.collective import every_group_times_out_after
+    every_group_times_out_after(int(timeout))
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
 rounds = Rounds(every=timeout / 4)
 try:
+    if fault == "freezes-in-a-group":  # a group of its own, as DeepSpeed's for ZeRO 1-3
+        group = dist.new_group([0, 1])
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        import torch
+        dist.all_reduce(torch.ones(4), group=group)
     if rank == 1:
         start = time.monotonic()
         while time.monotonic() - start < work:
@@ -77,6 +86,9 @@ def test_a_long_single_rank_work_outlasts_the_timeout_without_ending_the_run() -
     [
         ("dies", "rank 0 of 2 stops at step 3: a rank or node of the run died (its connection from"),
         ("freezes", "stops at step 3: another rank or node stopped answering for --dist_timeout 3 s"),
+        # Under a group made after the start (DeepSpeed's, at ZeRO 1-3): torch's own 30 minutes without
+        # the trainer's default.
+        ("freezes-in-a-group", "another rank or node stopped answering for --dist_timeout 3 s"),
     ],
 )
 def test_a_peer_that_dies_or_freezes_mid_work_ends_the_other_in_bounded_time(fault: str, said: str) -> None:

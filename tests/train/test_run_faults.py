@@ -146,6 +146,14 @@ def test_a_nonfinite_loss_trains_the_same_model_recomputed_or_guarded(
         for x, y in zip(a["losses"], b["losses"], strict=True):
             assert abs(x - y) <= 1e-5, (step, x, y)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * max(1.0, a["grad_norm"]), step
+    # Resumed under the other stage: the optimizer state is laid out for the stage it was saved under.
+    for saved, other in ((0, 1), (1, 0)):
+        moved = train(dict(corpus, ds=tmp_path / f"zero{other}" / "ds.json"), tmp_path / f"zero{saved}",
+                      "--train_iters", "4", "--optimizer", "adamw", check=False)  # fmt: skip
+        assert moved.returncode == 2 and "Traceback" not in moved.stderr, moved.stderr[-3000:]
+        line = moved.stderr.strip().splitlines()[-1]
+        assert f"zero{saved}/ckpt/global_step3 was saved under ZeRO stage {saved}, and this run's" in line
+        assert f"has stage {other}" in line and "--init_from" in line, line
 
 
 @pytest.mark.parametrize("fault", ["--no_gradient", "--detached_loss"])
