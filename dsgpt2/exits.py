@@ -43,6 +43,16 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
         return 130
 
 
+def ignore_late_interrupts() -> None:
+    """The command has ended, its line said: a Ctrl-C while the interpreter closes down (pymongo's
+    threads joined at exit) would print a traceback under a finished command, and change nothing."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` is an allocation that failed (host or device), as torch and Python say it."""
     if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dsgpt2 import __version__
 from dsgpt2.cli import corpus, curation, db, demo, infer, train, vocab
 from dsgpt2.cli.common import Command, section_names
-from dsgpt2.exits import run_command
+from dsgpt2.exits import ignore_late_interrupts, run_command
 from dsgpt2.heap import start_up
 from dsgpt2.log import setup_logging
 from dsgpt2.progress import interval_seconds
@@ -117,6 +117,7 @@ def build_parser() -> OneLineErrorParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dsgpt2`` command; user errors print one line and return their exit code."""
+    program = argv is None  # the process's own command (not a call from Python)
     argv = _local_rank_last(list(sys.argv[1:] if argv is None else argv))
     own = {c.name: c.own_parser for c in COMMANDS if c.own_parser is not None}
     if argv[:1] and argv[0] in own:
@@ -130,7 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             interval_seconds()  # a bad DSGPT2_PROGRESS_SECONDS is refused before any work
         return func(args)
 
-    return run_command("dsgpt2", command)
+    try:
+        return run_command("dsgpt2", command)
+    finally:
+        if program:
+            ignore_late_interrupts()
 
 
 def _local_rank_last(argv: list[str]) -> list[str]:

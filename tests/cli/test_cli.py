@@ -14,6 +14,7 @@ from conftest import ROOT, run_cli, store_config, write_config
 from dsgpt2.cli.main import build_parser, main
 from dsgpt2.settings.options import listed_flags, make_optional, subcommands
 from dsgpt2.train.config import trainer_parser as train_parser
+from pace import deadline
 
 
 def _commands(parser=None, prefix=()) -> list[tuple[str, ...]]:
@@ -456,3 +457,23 @@ def test_an_allocation_that_fails_is_one_line_and_any_other_error_a_traceback(
         assert len(err.strip().splitlines()) == 1
     with pytest.raises(RuntimeError, match="a bug"):
         run_command("dsgpt2", asks(RuntimeError("a bug")))
+
+
+def test_a_ctrl_c_once_the_command_has_ended_changes_nothing_and_prints_no_traceback() -> None:
+    """Run as the process's command, dsgpt2 ignores a Ctrl-C once its command has ended (the interpreter
+    then joins pymongo's threads at exit); called from Python with arguments, it leaves SIGINT alone."""
+    code = (
+        "import signal, sys\n"
+        "from dsgpt2.cli.main import main\n"
+        "main(['db', 'status', '--json'])\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+        "sys.argv = ['dsgpt2', 'db', 'status', '--json']\n"
+        "main()\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                            timeout=deadline(120))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "True" and result.stdout.splitlines()[-3] == "True", (
+        result.stdout
+    )
