@@ -153,7 +153,9 @@ def unwritable_dir(path: str | os.PathLike[str]) -> str | None:
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dsgpt2-probe-", dir=there))
     except OSError as exc:
-        return f"nothing can be written in {there} ({exc.strerror})"
+        # It is there: "no such file" says the file system (/proc, /sys) takes no new entries.
+        why = "its file system takes no new files" if exc.errno == errno.ENOENT else exc.strerror
+        return f"nothing can be written in {there} ({why})"
     return None
 
 
