@@ -191,7 +191,9 @@ def param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def count_parameters(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())
+    """The model's parameters, whole: ZeRO 3 leaves each rank an empty tensor and the whole size in
+    ``ds_numel``."""
+    return sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
 
 
 def flops_per_token(cfg: Any, context: int) -> float:

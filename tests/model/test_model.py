@@ -193,3 +193,17 @@ def test_torch_autocast_is_a_precision_and_names_its_dtype(tmp_path: Path) -> No
         build_ds_config(_write(tmp_path, {**base, "torch_autocast": {"enabled": True}}), 1, 10, "cuda")
     with pytest.raises(ConfigError, match="both enabled"):
         build_ds_config(_write(tmp_path, {**bf16, "bf16": {"enabled": True}}), 1, 10, "cuda")
+
+
+def test_parameters_are_counted_whole_under_zero_3() -> None:
+    """ZeRO 3 leaves each rank an empty tensor per parameter, its whole size in ``ds_numel``."""
+    import torch
+
+    from dsgpt2.model.gpt2 import count_parameters
+
+    layer = torch.nn.Linear(4, 3)
+    assert count_parameters(layer) == 15
+    for p in layer.parameters():
+        p.ds_numel = p.numel()  # type: ignore[attr-defined]
+        p.data = torch.empty(0)
+    assert count_parameters(layer) == 15
