@@ -197,12 +197,20 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
     from transformers import GPT2LMHeadModel
 
     model = causal_lm_loss(GPT2LMHeadModel(config))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # The output projection is the input embedding (tied): a checkpoint may store it once.
-    if set(missing) - {"lm_head.weight"} or unexpected:
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as exc:  # a tensor of another shape than the config's
+        shapes = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
         raise ConfigError(
-            f"{where} does not match its model config: missing {missing}, unexpected {unexpected}"
-        )
+            f"{where} does not match its model config: {len(shapes)} weight(s) of another shape "
+            f"({'; '.join(shapes[:2])[:300]}{', ...' if len(shapes) > 2 else ''})"
+        ) from None
+    # The output projection is the input embedding (tied): a checkpoint may store it once.
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        said = [f"{len(names)} {kind} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+                for kind, names in (("missing", missing), ("unexpected", unexpected)) if names]  # fmt: skip
+        raise ConfigError(f"{where} does not match its model config: weights {' and '.join(said)}")
     model.tie_weights()
     return model
 

@@ -258,6 +258,21 @@ def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
                          "(`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
 
 
+@pytest.mark.parametrize(("change", "said"), [
+    ({"n_layer": 2}, "does not match its model config: weights 12 missing (transformer.h.1.ln_1.weight, "),
+    ({"n_embd": 128}, "does not match its model config: 16 weight(s) of another shape (size mismatch for"),
+], ids=["a layer more", "wider"])  # fmt: skip
+def test_a_config_edited_away_from_its_weights_is_one_short_line(
+    plain_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, said: str
+) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(plain_export, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, **change}))
+    line = _error_line(capsys, "generate", "--model", str(model), "def")
+    assert said in line and len(line) < 500, line
+
+
 def test_weights_changed_in_place_or_not_finite_are_refused_not_used(
     models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
