@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 # Less free space than this where a write failed: a full disk (a library's error need not say so:
 # torch.save's is "unexpected pos").
 FULL_DISK_BYTES = 32 * 2**20
+# What the writers of checkpoints and exports say when a write failed without naming why (torch.save's
+# zip writer, its C++ streams; safetensors').
+_WRITE_FAILED = ("unexpected pos", "iostream error", "PytorchStreamWriter failed", "I/O error")
 
 
 @contextlib.contextmanager
@@ -85,14 +88,18 @@ def umask() -> int:
 
 
 def out_of_room(where: Path, exc: BaseException) -> str | None:
-    """Why writing under ``where`` failed where its disk is full (``exc``, or an exception it came from,
-    is ENOSPC or EDQUOT, or less than FULL_DISK_BYTES are left there), in words; None otherwise."""
-    said, seen = False, [exc]
+    """Why writing under ``where`` failed where its disk is full, in words: ``exc`` (or an exception it
+    came from) is ENOSPC or EDQUOT, or is a write that failed (an OSError, torch's and safetensors'
+    writers' errors) with less than FULL_DISK_BYTES left there. None otherwise: any other error keeps
+    its own message, however full the disk."""
+    said = a_write = False
+    seen = [exc]
     while len(seen) < 10 and not said:
         e = seen[-1]
         said = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
             words in str(e) for words in ("No space left on device", "os error 28", "Disk quota exceeded")
         )
+        a_write = a_write or isinstance(e, OSError) or any(words in str(e) for words in _WRITE_FAILED)
         if (e.__cause__ or e.__context__) is None:
             break
         seen.append(e.__cause__ or e.__context__)  # type: ignore[arg-type]
@@ -101,7 +108,7 @@ def out_of_room(where: Path, exc: BaseException) -> str | None:
         free = shutil.disk_usage(existing).free if existing is not None else None
     except OSError:
         free = None
-    if not said and (free is None or free >= FULL_DISK_BYTES):
+    if not said and (not a_write or free is None or free >= FULL_DISK_BYTES):
         return None
     return f"the disk holding {where} is full" + ("" if free is None else f" ({free / 2**20:.0f} MB free)")
 

@@ -17,6 +17,7 @@ import torch
 from dsgpt2.checkpoints import ds_checkpoint, universal
 from dsgpt2.checkpoints.copies import resumable_tag
 from dsgpt2.checkpoints.format import (
+    UNIVERSAL,
     CheckpointError,
     has_checkpoints,
     is_partitioned,
@@ -196,8 +197,11 @@ class Checkpointer:
         """Refuse a checkpoint saved under another ZeRO stage: its optimizer state is laid out for that one
         (ZeRO 0 in the model's file, 1 and 2 in per-rank shards of flat groups, 3 partitioned further)."""
         ours = self.settings.zero_stage
+        if ours is None or tag.endswith(UNIVERSAL):  # a universal form: DeepSpeed's loader judges it
+            return
         theirs = universal.saved_zero_stage(load_dir, tag) if is_partitioned(load_dir, tag) else 0
-        if ours is None or theirs == ours:
+        # Shards that do not say their stage (DeepSpeed's bf16 optimizer writes none): not judged here.
+        if theirs == ours or (theirs == 0 and is_partitioned(load_dir, tag)):
             return
         ds = self.settings.args.get("deepspeed_config")
         raise CheckpointError(

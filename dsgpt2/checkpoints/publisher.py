@@ -212,7 +212,12 @@ class Publisher:
         room = out_of_room(self.store.local, exc)
         if room is None:
             return None
-        shutil.rmtree(self.store.local / tag, ignore_errors=True)  # the attempt, never marked whole
+        attempt = self.store.local / tag
+        if read_marker(self.store.local, tag) is None and attempt.is_dir():  # never marked whole
+            for name in own_files(attempt, self.rank):  # this rank's: the others' are theirs to give back
+                (attempt / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the last rank out takes the directory
+                attempt.rmdir()
         kept = "no checkpoint of this run is whole yet"
         if self.published:
             kept = f"the last whole checkpoint, {where(self.store, self.published)}, is kept"

@@ -58,10 +58,14 @@ class DeadlinedH11Protocol(H11Protocol):
         """Armed while a request is being read; not between requests (the keep-alive timeout's) nor while
         one is being answered."""
         reading = self.conn.their_state in READING and not self.transport.is_closing()
-        if not reading or self.timeout_keep_alive_task is not None:
+        if not reading or self.timeout_keep_alive_task is not None or self._answering():
             self._disarm()
         elif self._deadline is None:
             self._deadline = self.loop.call_later(self.read_timeout, self._too_slow)
+
+    def _answering(self) -> bool:
+        """Whether the request's answer has begun and not ended (its handler need not read the body)."""
+        return self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -70,9 +74,12 @@ class DeadlinedH11Protocol(H11Protocol):
 
     def _too_slow(self) -> None:
         self._deadline = None
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self.flow.read_paused:  # paused: the server is not reading it
             return
         peer = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+        if self.conn.their_state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_started:
+            self.transport.close()  # answered already (401, 413) and the body still coming: no 408 to say
+            return
         started = self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
         if self.conn.their_state is h11.IDLE and started:
             self.transport.write(_timed_out(self.read_timeout))

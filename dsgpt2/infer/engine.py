@@ -32,6 +32,14 @@ class Batcher:
         self._waiting: deque[DecodeRequest] = deque()
         self._wake = threading.Condition()
         self._closed = False
+        self._thread = threading.Thread()
+        self.start()
+
+    def start(self) -> None:
+        """Decode in a thread of its own, unless one runs (an app served again after a close)."""
+        if self._thread.is_alive():
+            return
+        self._closed = False
         self._thread = threading.Thread(target=self._loop, name="dsgpt2-decode", daemon=True)
         self._thread.start()
 

@@ -198,6 +198,7 @@ class Service:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine.start()
         yield
         self.engine.close()  # the server has stopped: the decoding thread with it
 

@@ -31,15 +31,19 @@ def shipped_config_named(path: str | Path) -> Path:
 
 def shipped_if_absent(path: Path) -> Path:
     """``path``; where no file is there and it names a shipped config as a checkout spells it
-    (``configs/recipes/demo.yaml``) or by its name (``ds_config_cpu.json``), the shipped one, said in a
-    line: an install has no ``configs/`` of its own, and the README's commands name it."""
+    (``configs/recipes/demo.yaml``, where the working directory has no ``configs/`` at all) or by its
+    name (``ds_config_cpu.json``), the shipped one, said in a warning: an install has no ``configs/`` of
+    its own, and the README's commands name it. A ``configs/`` that lacks the file keeps the typo's error."""
     if path.is_absolute() or path.exists() or not path.parts:
         return path
-    name = Path(*path.parts[1:]) if path.parts[0] == "configs" and len(path.parts) > 1 else path
+    checkout = path.parts[0] == "configs" and len(path.parts) > 1
+    if checkout and Path("configs").exists():
+        return path
+    name = Path(*path.parts[1:]) if checkout else path
     shipped = Path(str(resources.files("dsgpt2") / "configs" / name.as_posix()))
     if not shipped.is_file():
         return path
-    log.info("%s is not here: the shipped %s is read (%s)", path, name.as_posix(), shipped)
+    log.warning("%s is not in %s: the copy shipped with dsgpt2 is read (%s)", path, Path.cwd(), shipped)
     return shipped
 
 

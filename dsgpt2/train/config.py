@@ -498,9 +498,11 @@ class TrainConfig(Freezable):
 
     def shared(self) -> dict[str, object]:
         """What every rank of a run must be started with alike: each option by flag name but the paths
-        (one node may name a file otherwise than another) and the launcher's --local_rank."""
+        (one node may name a file otherwise than another) and a node's own (the launcher's --local_rank,
+        loader workers sized to its cores, its GPUs' peak for MFU, wandb's mode)."""
+        own = {"local_rank", "num_workers", "peak_tflops", "wandb"}
         return {k: v for part in self.parts() for k, v in vars(part).items()
-                if not k.startswith("_") and k != "local_rank" and not isinstance(v, Path)}  # fmt: skip
+                if not k.startswith("_") and k not in own and not isinstance(v, Path)}  # fmt: skip
 
     def resolved(self) -> str:
         """Every option as an experiment file (YAML) that runs this configuration again:

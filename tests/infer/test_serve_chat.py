@@ -133,7 +133,10 @@ def test_a_stream_cut_by_the_shutdown_says_so_and_a_waiting_request_gets_the_api
     threads[0].start()
     assert streaming.wait(deadline(60))
     threads[1].start()
-    time.sleep(0.5)
+    end_by = time.monotonic() + deadline(30)  # until the server holds both requests
+    while httpx.get(f"{url}/health", timeout=deadline(5)).json()["running"] < 2:
+        assert time.monotonic() < end_by and threads[1].is_alive() and not waiting
+        time.sleep(0.05)
     next(server, None)  # SIGTERM; exit 0 and the line checked
     for t in threads:
         t.join(deadline(30))

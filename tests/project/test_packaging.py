@@ -88,11 +88,16 @@ def test_the_readmes_config_paths_read_the_shipped_files_where_there_is_no_check
     from conftest import run_cli
 
     info = run_cli("info", "--config", "configs/sample.json", cwd=tmp_path)
-    assert "configs/sample.json is not here: the shipped sample.json is read" in info.stderr, info.stderr
+    said = f"configs/sample.json is not in {tmp_path}: the copy shipped with dsgpt2 is read"
+    assert said in info.stderr, info.stderr
     # The sample config's local://runs/db, relative to where the command runs: no database there yet.
     assert info.returncode == 2 and f"local://{tmp_path}/runs/db: no database there" in info.stderr
     typo = run_cli("info", "--config", "configs/sampel.json", cwd=tmp_path)
     assert typo.returncode == 2 and "config file 'configs/sampel.json' not found" in typo.stderr
+    # A configs/ of one's own without the file: a wrong name there, not the shipped file's place.
+    (tmp_path / "own" / "configs").mkdir(parents=True)
+    own = run_cli("info", "--config", "configs/sample.json", cwd=tmp_path / "own")
+    assert own.returncode == 2 and "config file 'configs/sample.json' not found" in own.stderr
 
 
 def test_the_package_metadata_states_every_licence_its_files_carry() -> None:

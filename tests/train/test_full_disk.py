@@ -38,6 +38,8 @@ def test_a_write_failing_on_a_full_disk_is_told_from_any_other(tmp_path: Path, m
         out_of_room(tmp_path / "not" / "made", opaque)
         == f"the disk holding {tmp_path}/not/made is full (1 MB free)"
     )
+    # Any other error keeps its own message, however full the disk: a bug is not a full disk.
+    assert out_of_room(tmp_path, KeyError("step")) is None
     assert FULL_DISK_BYTES > 2**20
 
 
