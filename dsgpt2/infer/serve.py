@@ -232,7 +232,12 @@ class Service:
         repeated = sorted(k for k, n in Counter(k for k, _ in query).items() if n > 1)
         if repeated:  # which one was meant is not ours to guess
             return _error(f"{', '.join(repeated)} given more than once in the query", 400, api=False)
-        return await self.generate(request, "sentence", dict(query))
+        values = dict(query)
+        if "prompt" in values:  # POST's name for it, typed in a query: taken, unless both are there
+            if "sentence" in values:
+                return _error("give the text as sentence or as prompt, not both", 400, api=False)
+            values["sentence"] = values.pop("prompt")
+        return await self.generate(request, "sentence", values)
 
     async def post_generate(self, request: Request) -> JSONResponse:
         body = await _read_body(request, self.limits.max_body_bytes)

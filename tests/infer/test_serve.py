@@ -48,6 +48,10 @@ def test_both_endpoints_answer(server: str) -> None:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["prompt"] == "Return the" and isinstance(body["generated"], str)
+    # The query may name the text as POST's body does.
+    named = httpx.get(f"{server}/generate", params={"prompt": "Return the", "max_new_tokens": "5"},
+                      timeout=deadline(30))  # fmt: skip
+    assert named.status_code == 200 and named.json()["prompt"] == "Return the", named.text
     assert body["completions"][0]["tokens"] <= 5
     post = {"prompt": "Return the", "max_new_tokens": 6, "seed": 4, "temperature": 0.9}
     a = httpx.post(f"{server}/generate", json=post, timeout=deadline(30))
@@ -80,6 +84,7 @@ def test_both_endpoints_answer(server: str) -> None:
         ("post", {"prompt": "hi", "stream": True}, "unknown setting 'stream'"),
         ("get", {}, "'sentence' is required"),
         ("get", [("sentence", "a"), ("sentence", "b")], "sentence given more than once in the query"),
+        ("get", {"sentence": "a", "prompt": "b"}, "give the text as sentence or as prompt, not both"),
         ("post", {"prompt": 42}, "'prompt' is required and must be a string"),
     ],
 )
