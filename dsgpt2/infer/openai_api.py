@@ -20,12 +20,15 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsgpt2.documents import text_problem, utf8_encodable
 from dsgpt2.errors import ConfigError, RequestError
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.settings import SamplingParams, ServeLimits, as_json
+
+if TYPE_CHECKING:
+    from dsgpt2.infer.generate import Generator
 
 # OpenAI's defaults for the sampling fields it shares with SamplingParams.
 DEFAULT_MAX_TOKENS = 16  # the completions API's; a chat reply defaults to the server's length
@@ -341,3 +344,51 @@ class ApiAnswer:
         """The last chunk under ``stream_options.include_usage``: no choices, the usage."""
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [], "usage": self.usage()}
+
+
+def fit_prompt(
+    generator: Generator, ids: list[int], params: SamplingParams, length: str = "max_new_tokens"
+) -> list[int]:
+    """The tokens a request decodes from (the prompt's last ones, leaving room for the tokens asked):
+    every route's one check of a request against the model's context.
+
+    Raises:
+        RequestError: the length asked (``length``: as the request spells it) leaves no room.
+    """
+    try:
+        return generator.decoder.fit(ids, params)
+    except ConfigError:
+        raise RequestError(
+            f"{length} {params.max_new_tokens} does not fit the model's context of {generator.context} "
+            f"tokens; ask for fewer than {generator.context}",
+            length,
+        ) from None
+
+
+def completion_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
+    """A completion request's decodes: one per prompt, each fitted to the context."""
+    fitted = [fit_prompt(generator, generator.encode(p), api.params, "max_tokens") for p in api.prompts]
+    return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
+
+
+def chat_decodes(generator: Generator, api: ApiRequest, served: str) -> list[DecodeRequest]:
+    """A chat request's decode: the conversation formatted as in finetuning, fitted to the context.
+
+    Raises:
+        RequestError: the model was not finetuned on conversations (served as ``served``).
+    """
+    from dsgpt2.infer.chat import ChatSession
+
+    try:
+        session = ChatSession(generator, api.params)
+    except ConfigError:
+        task = generator.loaded.run.get("task")
+        why = (
+            f"was trained on text (task {task}), not finetuned on conversations"
+            if task not in (None, "conversation")
+            else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
+        )
+        raise RequestError(f"{served} {why}; use /v1/completions", "messages") from None
+    ids = fit_prompt(generator, session.prompt(api.turns, api.system), api.params, "max_tokens")
+    stop_ids = list(session.speakers.values())
+    return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]

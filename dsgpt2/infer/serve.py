@@ -50,9 +50,11 @@ from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
 from dsgpt2.infer.openai_api import (
     ApiAnswer,
-    ApiRequest,
     api_request,
+    chat_decodes,
     check_model,
+    completion_decodes,
+    fit_prompt,
     models_body,
     new_id,
     now,
@@ -253,9 +255,9 @@ class Service:
         try:
             api = api_request(body, chat, self.served, self.limits, self.defaults, aliases=self.aliases)
             if chat:
-                decodes = _chat_decodes(generator, api, self.served)
+                decodes = chat_decodes(generator, api, self.served)
             else:
-                decodes = _completion_decodes(generator, api)
+                decodes = completion_decodes(generator, api)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
@@ -317,48 +319,6 @@ class Service:
                 "auth": self.auth,
             }
         )
-
-
-def fit_prompt(
-    generator: Generator, ids: list[int], params: SamplingParams, length: str = "max_new_tokens"
-) -> list[int]:
-    """The tokens a request decodes from (the prompt's last ones, leaving room for the tokens asked):
-    every route's one check of a request against the model's context.
-
-    Raises:
-        RequestError: the length asked (``length``: as the request spells it) leaves no room.
-    """
-    try:
-        return generator.decoder.fit(ids, params)
-    except ConfigError:
-        raise RequestError(
-            f"{length} {params.max_new_tokens} does not fit the model's context of {generator.context} "
-            f"tokens; ask for fewer than {generator.context}",
-            length,
-        ) from None
-
-
-def _completion_decodes(generator: Generator, api: ApiRequest) -> list[DecodeRequest]:
-    fitted = [fit_prompt(generator, generator.encode(p), api.params, "max_tokens") for p in api.prompts]
-    return [DecodeRequest(ids, api.params, stop_texts=api.stop) for ids in fitted]
-
-
-def _chat_decodes(generator: Generator, api: ApiRequest, served: str) -> list[DecodeRequest]:
-    from dsgpt2.infer.chat import ChatSession
-
-    try:
-        session = ChatSession(generator, api.params)
-    except ConfigError:
-        task = generator.loaded.run.get("task")
-        why = (
-            f"was trained on text (task {task}), not finetuned on conversations"
-            if task not in (None, "conversation")
-            else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
-        )
-        raise RequestError(f"{served} {why}; use /v1/completions", "messages") from None
-    ids = fit_prompt(generator, session.prompt(api.turns, api.system), api.params, "max_tokens")
-    stop_ids = list(session.speakers.values())
-    return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]
 
 
 class AccessLog:
