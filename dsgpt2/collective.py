@@ -121,6 +121,15 @@ class Rounds:
                 return [o[1] for o in outcomes]
 
 
+def free_port() -> int:
+    """A port of 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def every_group_times_out_after(seconds: int) -> None:
     """Make ``seconds`` the timeout of every process group made from now on without one of its own: the
     groups DeepSpeed makes for ZeRO 1-3 (its data-parallel group) would otherwise take torch's default,

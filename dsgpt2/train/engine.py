@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import traceback
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 from dsgpt2.accelerator import prepare_deepspeed_environment, shm_op_path
+from dsgpt2.collective import every_group_times_out_after, free_port
 from dsgpt2.data.sources import DataSpec
 from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.model.gpt2 import (
@@ -299,3 +301,24 @@ def first_step_compiles(optimizer: str | None, compiled: bool) -> str | None:
     own = OPTIMIZERS[optimizer].compiles if optimizer and compiled else None
     what = ["the model (--compile)"] * compiled + [own] * bool(own)
     return " and ".join(what) or None
+
+
+def start_process_group(backend: str, seconds: int, own_port: bool) -> None:
+    """DeepSpeed's process group, it and every group made after it timing out after ``seconds``. Where
+    this process chose its MASTER_PORT itself (``own_port``: one process, no launcher), a port another
+    process took in the meantime is chosen again rather than failing the run."""
+    from datetime import timedelta
+
+    import deepspeed
+
+    every_group_times_out_after(seconds)
+    for attempt in range(3):
+        try:
+            deepspeed.init_distributed(
+                dist_backend=backend, verbose=False, timeout=timedelta(seconds=seconds)
+            )
+            return
+        except RuntimeError as exc:  # torch's DistNetworkError
+            if not own_port or "EADDRINUSE" not in str(exc) or attempt == 2:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())

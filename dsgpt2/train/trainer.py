@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,7 +27,7 @@ from dsgpt2.checkpoints.format import CHECKPOINTS, UNIVERSAL, tag_for
 from dsgpt2.checkpoints.publisher import stage
 from dsgpt2.collective import (
     all_sum,
-    every_group_times_out_after,
+    free_port,
     gather,
     leave_process_group,
     on_rank0,
@@ -66,6 +64,7 @@ from dsgpt2.train.engine import (
     init_weights,
     model_config_for,
     run_context,
+    start_process_group,
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
 from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
@@ -77,16 +76,17 @@ from dsgpt2.train.validator import Validator
 log = logging.getLogger("dsgpt2.train.trainer")
 
 
-def ensure_distributed_env() -> None:
-    """Set what ``torch.distributed`` needs for a single process started without a launcher."""
+def ensure_distributed_env() -> bool:
+    """Set what ``torch.distributed`` needs for a single process started without a launcher; whether
+    this process chose its MASTER_PORT (another may take it before the group listens: chosen again)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return
+        return False
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    if "MASTER_PORT" in os.environ:
+        return False
+    os.environ["MASTER_PORT"] = str(free_port())
+    return True
 
 
 def _param_checksum(engine: Any) -> float:
@@ -139,7 +139,7 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     cfg.freeze()  # resolved: what the run records below is what it uses
     # As given: a checkpoint or tokenizer location in the database is recorded as one, not as a node's copy.
     args, resolved = cfg.to_dict(), cfg.resolved()
-    ensure_distributed_env()
+    own_port = ensure_distributed_env()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(rank=rank)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -154,17 +154,13 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     check_attention(cfg.compute.attn_implementation, device, ds.config)
     decided += [*ds.notes, *batch_and_average(cfg, ds, world)]
     prepare_deepspeed_environment()
-    import deepspeed
 
     # First: the barriers and broadcasts below need the process group.
     if rank == 0:
         announce_cpu_op_build()
     quiet_cached_op_load()
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
-    every_group_times_out_after(cfg.engine.dist_timeout)
-    deepspeed.init_distributed(
-        dist_backend=backend, verbose=False, timeout=timedelta(seconds=cfg.engine.dist_timeout)
-    )
+    start_process_group(backend, cfg.engine.dist_timeout, own_port)
     release_shared_buffer(device)
     same_on_every_rank(cfg.shared(), ds.config)
     conn.ping()

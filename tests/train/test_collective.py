@@ -123,3 +123,33 @@ def test_a_rank_unlinks_its_deepspeed_shm_buffer_only_where_all_ranks_share_the_
         assert not release_shared_buffer()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_a_port_taken_before_a_lone_process_listens_is_chosen_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process without a launcher picks its own MASTER_PORT; another process may take it before the
+    group listens (EADDRINUSE): another port is chosen. A port the launcher gave is not this one's to
+    change: the error stands."""
+    import deepspeed
+
+    from dsgpt2.train.engine import start_process_group
+
+    calls: list[str] = []
+
+    def init(**kw: object) -> None:
+        calls.append(os.environ["MASTER_PORT"])
+        if len(calls) == 1:
+            raise RuntimeError("The server socket has failed to listen ... code: -98, name: EADDRINUSE")
+
+    monkeypatch.setattr(deepspeed, "init_distributed", init)
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):  # given back as they were
+        monkeypatch.setattr(c10d, name, getattr(c10d, name, None), raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1")
+    start_process_group("gloo", 30, own_port=True)
+    assert len(calls) == 2 and calls[0] == "1" and calls[1] != "1"
+    calls.clear()
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(RuntimeError, match="EADDRINUSE"):
+        start_process_group("gloo", 30, own_port=False)
+    assert calls == ["1"]
