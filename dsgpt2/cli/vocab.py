@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import tempfile
 from dataclasses import asdict, dataclass
@@ -125,8 +126,14 @@ def cmd_vocab_train(args: argparse.Namespace) -> int:
         skipped = SkipTally()
         texts = shard_texts(source.input, skipped=skipped)
         origin = f"shards in {source.input}"
-    with tempfile.TemporaryDirectory(prefix="dsgpt2-vocab-") as scratch:
-        out = source.out if stored is None else Path(scratch) / "tokenizer"
+    # A scratch directory only for a tokenizer kept in the database (one killed run would leave it behind).
+    scratch = (
+        tempfile.TemporaryDirectory(prefix="dsgpt2-vocab-")
+        if stored is not None
+        else contextlib.nullcontext("")
+    )
+    with scratch as where:
+        out = source.out if stored is None else Path(where) / "tokenizer"
         report = train_vocab(
             texts,
             out,
