@@ -11,7 +11,6 @@ batching's alone.
 
 from __future__ import annotations
 
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from bench.bench_generate import make_export
 from bench.common import Metric
+from dsgpt2.collective import free_port
 
 CLIENTS = 8
 REQUESTS = 4  # per client
@@ -28,16 +28,10 @@ TOKENS = 64
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(model: Path, max_batch: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dsgpt2", "serve", "--model", str(model), "--port", str(port),
          "--max_batch", str(max_batch), "--max_concurrent", str(2 * CLIENTS),

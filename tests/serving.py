@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from conftest import ROOT, tiny_export
+from dsgpt2.collective import free_port
 from pace import deadline
 from wire_server import tied
 
@@ -30,13 +31,6 @@ def pretrained_model(tmp_path_factory: pytest.TempPathFactory, sample_texts: lis
     if key not in _PRETRAINED:
         _PRETRAINED[key] = tiny_export(tmp_path_factory.mktemp("pretrained"), sample_texts[:400], speakers=())
     return _PRETRAINED[key]
-
-
-def free_port() -> int:
-    """A port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LOGS: dict[str, Path] = {}  # server URL → its log file

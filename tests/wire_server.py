@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsgpt2.collective import free_port
 from dsgpt2.db import embedded
 from pace import deadline
 
@@ -42,12 +43,6 @@ def unavailable_reason() -> str | None:
     except Exception as exc:
         return f"no wire-protocol test server: {exc}"
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_listening(proc: subprocess.Popen[Any], log_path: Path, start: int, base_s: float = 60.0) -> int:

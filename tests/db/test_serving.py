@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,16 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, run_cli, write_config
+from dsgpt2.collective import free_port
 from dsgpt2.db import embedded, procfs
 from pace import deadline, wait_for
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
 def test_serve_runs_the_server_in_the_foreground_with_the_deployments_user(tmp_path: Path) -> None:
     import pymongo
 
-    directory, port, password = tmp_path / "db", _free_port(), "s3cret-of-the-stack"
+    directory, port, password = tmp_path / "db", free_port(), "s3cret-of-the-stack"
     env = {**os.environ, "MONGO_PASSWORD": password}
     argv = [sys.executable, "-m", "dsgpt2", "db", "serve", f"local://{directory}", "--host", "0.0.0.0",
             "--port", str(port), "--user", "trainer", "--advertise", "db.example"]  # fmt: skip
@@ -69,7 +63,7 @@ def test_serve_runs_the_server_in_the_foreground_with_the_deployments_user(tmp_p
             assert embedded.running(directory).pid == proc.pid  # type: ignore[union-attr]
             assert cfg.exists()
             # A second server on the same directory: refused in one line, naming the one that runs.
-            twice = run_cli("db", "serve", f"local://{directory}", "--port", str(_free_port()))
+            twice = run_cli("db", "serve", f"local://{directory}", "--port", str(free_port()))
             assert twice.returncode == 2 and len(twice.stderr.strip().splitlines()) == 1, twice.stderr
             assert f"a server already runs on it (pid {proc.pid}, port {port})" in twice.stderr
             # Another directory on the port it holds: one line before anything starts, not a traceback.
@@ -146,7 +140,7 @@ def test_a_command_waits_for_a_served_database_still_opening_its_data(tmp_path: 
     made = "import sys\nfrom pathlib import Path\nfrom dsgpt2.db import embedded\nd = Path(sys.argv[1])\n"
     made += "embedded.ensure(d)\nembedded.stop(d)\n"
     subprocess.run([sys.executable, "-c", made, str(directory)], check=True, timeout=deadline(60))
-    port = _free_port()
+    port = free_port()
     opening = (
         "import socket, sys, time\n"
         "time.sleep(1.5)\n"
