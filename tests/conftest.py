@@ -241,6 +241,23 @@ def built_once(
         return where, True
 
 
+@pytest.fixture
+def local_db(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A config naming ``local://`` on a directory of ``tmp_path``, and that directory; every server on it
+    stopped afterwards, a stray that no server.json names included."""
+    from dsgpt2.db import embedded, procfs
+
+    directory = tmp_path / "db"
+    cfg = write_config(
+        tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}", MONGO_CONNECTION_DB="corpus",
+        COLLECTIONS=["stdlib"],
+    )  # fmt: skip
+    yield cfg, directory
+    embedded.stop(directory)
+    for pid in embedded.strays(directory):
+        procfs.terminate(pid, 10)
+
+
 def seed(conn: Connection, name: str, texts: list[Any], meta: bool = True, index: bool = True) -> None:
     """Put ``texts`` into collection ``name`` as idx 0..n-1, with meta count and unique index."""
     coll = conn.db[name]

@@ -21,25 +21,13 @@ from dsgpt2.errors import ConfigError
 from pace import alive, deadline, wait_for
 
 
-@pytest.fixture
-def local(tmp_path: Path) -> Any:
-    """A config naming ``local://`` on a directory of ``tmp_path``; its server stopped afterwards."""
-    directory = tmp_path / "db"
-    cfg = write_config(
-        tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}", MONGO_CONNECTION_DB="corpus",
-        COLLECTIONS=["stdlib"],
-    )  # fmt: skip
-    yield cfg, directory
-    embedded.stop(directory)
-
-
 def _pid(directory: Path) -> int:
     return int(json.loads((directory / "server.json").read_text())["pid"])
 
 
 @pytest.mark.slow
-def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(local: Any) -> None:
-    cfg, directory = local
+def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(local_db: Any) -> None:
+    cfg, directory = local_db
     done = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "300", "--no_progress")
     assert done.returncode == 0, done.stderr
     pid = _pid(directory)
@@ -94,8 +82,8 @@ def test_the_first_command_starts_a_server_later_ones_share_it_and_stop_ends_it(
     assert restarted is not None and restarted.pid != pid and restarted.port == state.port
 
 
-def test_a_killed_server_is_started_again_with_everything_committed(local: Any) -> None:
-    cfg, directory = local
+def test_a_killed_server_is_started_again_with_everything_committed(local_db: Any) -> None:
+    cfg, directory = local_db
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "200").returncode == 0
     pid = _pid(directory)
     os.kill(pid, signal.SIGKILL)
@@ -111,13 +99,13 @@ def test_a_killed_server_is_started_again_with_everything_committed(local: Any) 
 
 
 def test_a_database_copied_while_its_server_ran_starts_a_server_of_its_own(
-    local: Any, tmp_path: Path
+    local_db: Any, tmp_path: Path
 ) -> None:
     """`cp -a` of a running database copies its server.json, which names the original's server: the
     copy's commands must read and write the copy, and stopping the copy must leave the original running."""
     import shutil
 
-    cfg, directory = local
+    cfg, directory = local_db
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "100").returncode == 0
     embedded.stop(directory)
     copy = tmp_path / "copy"
@@ -139,10 +127,10 @@ def test_a_database_copied_while_its_server_ran_starts_a_server_of_its_own(
 
 
 @pytest.mark.slow
-def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local: Any, tmp_path: Path) -> None:
+def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local_db: Any, tmp_path: Path) -> None:
     """SIGKILL of the embedded server mid-ingest: the ingest starts it again on the same data and port,
     says so in one line, and ends with every record once (no retries exhausted, no topology dump)."""
-    cfg, directory = local
+    cfg, directory = local_db
     first = run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "10", "--no_progress")
     assert first.returncode == 0, first.stderr
     conn = Connection(load_config(cfg))
@@ -174,8 +162,8 @@ def test_a_server_killed_under_a_running_ingest_is_started_again_by_it(local: An
     conn.close()
 
 
-def test_processes_starting_at_once_share_one_server(local: Any) -> None:
-    cfg, _ = local
+def test_processes_starting_at_once_share_one_server(local_db: Any) -> None:
+    cfg, _ = local_db
     code = (
         "import sys; from dsgpt2.db.config import load_config;"
         "from dsgpt2.db.client import Connection;"
@@ -307,8 +295,8 @@ def test_db_refuses_what_is_not_an_embedded_database(tmp_path: Path) -> None:
         assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
-def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local: Any) -> None:
-    cfg, directory = local
+def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local_db: Any) -> None:
+    cfg, directory = local_db
     directory.mkdir()
     # A starter killed while holding the lock leaves the file (the kernel released the lock itself), and a
     # server file naming a dead process.
@@ -328,9 +316,9 @@ def test_a_stale_lock_and_server_file_from_a_killed_starter_are_handled(local: A
 
 
 @pytest.mark.slow
-def test_two_ingests_into_one_collection_at_once_both_land(local: Any, tmp_path: Path) -> None:
+def test_two_ingests_into_one_collection_at_once_both_land(local_db: Any, tmp_path: Path) -> None:
     """Two writers on one database: every record of both files once, idx contiguous, the count whole."""
-    cfg, _ = local
+    cfg, _ = local_db
     files = []
     for name in ("x", "y"):
         path = tmp_path / f"{name}.jsonl"
@@ -360,10 +348,10 @@ def test_two_ingests_into_one_collection_at_once_both_land(local: Any, tmp_path:
     assert info["documents"] == 5000
 
 
-def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
+def test_rewriting_every_document_keeps_no_history(local_db: Any) -> None:
     """Passes that rewrite every document, as the curation passes do: WiredTiger keeps no older version
     (its history file stays empty; it held every one while a thread of the server kept a snapshot)."""
-    cfg, directory = local
+    cfg, directory = local_db
     conn = Connection(load_config(cfg))
     web = conn.db["web"]
     web.insert_many([{"idx": i, "filt_text": f"document {i} " + "word " * 300} for i in range(2000)])
@@ -379,12 +367,12 @@ def test_rewriting_every_document_keeps_no_history(local: Any) -> None:
 
 
 @pytest.mark.slow
-def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes_on(local: Any) -> None:
+def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes_on(local_db: Any) -> None:
     """Documents rewritten longer, as the passes' marks do: their old space stays in the files until
     ``dsgpt2 db compact``, which shrinks them while another client writes; nothing is lost."""
     import threading
 
-    cfg, directory = local
+    cfg, directory = local_db
     conn = Connection(load_config(cfg))
     web = conn.db["web"]
     web.insert_many([{"idx": i, "filt_text": f"document {i} " + "word " * 300} for i in range(3000)])
@@ -429,9 +417,9 @@ def test_compact_gives_back_the_space_of_rewritten_documents_while_a_writer_goes
 
 @pytest.mark.slow
 def test_a_server_without_a_client_stops_itself_and_the_next_command_starts_it(
-    local: Any, monkeypatch: Any
+    local_db: Any, monkeypatch: Any
 ) -> None:
-    cfg, directory = local
+    cfg, directory = local_db
     monkeypatch.setenv(embedded.ENV_IDLE_STOP, "2")
     conn = Connection(load_config(cfg))
     conn.db["stdlib"].insert_one({"idx": 0, "filt_text": "kept"})
@@ -496,7 +484,7 @@ def test_an_ingest_that_fills_the_disk_is_one_line_and_resumes_once_there_is_roo
 
 
 def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(
-    local: Any, monkeypatch: Any
+    local_db: Any, monkeypatch: Any
 ) -> None:
     """The same without a small disk to fill: the disk reports 1 MB free when a write fails."""
     import shutil
@@ -507,7 +495,7 @@ def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(
     from dsgpt2.db import client
     from dsgpt2.errors import DiskFullError
 
-    cfg, directory = local
+    cfg, directory = local_db
     config = load_config(cfg)
     Connection(config).db["web"].insert_one({"idx": 0, "filt_text": "kept"})
     usage = namedtuple("usage", "total used free")
@@ -524,7 +512,7 @@ def test_a_write_refused_on_a_full_disk_names_the_directory_and_the_room_needed(
 
 @pytest.mark.slow
 def test_db_stop_under_a_running_training_warns_and_its_loader_starts_the_server_again(
-    local: Any, tmp_path: Path
+    local_db: Any, tmp_path: Path
 ) -> None:
     """`dsgpt2 db stop` while a training streams from the server: the stop names the training's processes
     as connected clients; the loader's next retry starts the server again on the same data and port,
@@ -533,7 +521,7 @@ def test_db_stop_under_a_running_training_warns_and_its_loader_starts_the_server
     from dsgpt2.tokenizer.texts import mongo_texts
     from dsgpt2.train.metrics import read_metrics
 
-    cfg, directory = local
+    cfg, directory = local_db
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "300").returncode == 0
     texts, reader = mongo_texts(load_config(cfg))
     train_vocab(texts, tmp_path / "tok", VocabSettings(vocab_size=320), "test", progress=False)

@@ -10,25 +10,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from conftest import run_cli, write_config
+from conftest import run_cli
 from dsgpt2.db import embedded, procfs
 from pace import alive, deadline, wait_for
-
-
-@pytest.fixture
-def local(tmp_path: Path) -> Any:
-    """A config naming ``local://`` on a directory of ``tmp_path``; every server on it stopped afterwards."""
-    directory = tmp_path / "db"
-    cfg = write_config(
-        tmp_path / "c.json", MONGO_CONNECTION_STRING=f"local://{directory}", MONGO_CONNECTION_DB="corpus",
-        COLLECTIONS=["stdlib"],
-    )  # fmt: skip
-    yield cfg, directory
-    embedded.stop(directory)
-    for pid in embedded.strays(directory):
-        procfs.terminate(pid, 10)
 
 
 def _servers_on(directory: Path) -> list[int]:
@@ -37,11 +21,11 @@ def _servers_on(directory: Path) -> list[int]:
 
 
 def test_the_first_server_of_a_command_stopped_while_it_made_the_database_is_found_and_stopped(
-    local: Any,
+    local_db: Any,
 ) -> None:
     """A first command killed while its login-less server made the database's user leaves that server
     running on a port nothing records, holding the data: status names it, the next command stops it."""
-    cfg, directory = local
+    cfg, directory = local_db
     embedded.check_directory(directory)
     stray = embedded._launch(directory, embedded.server_command(), 0, auth=False)  # as provision starts it
     assert not (directory / "server.json").exists() and not (directory / "secret").exists()
@@ -57,8 +41,10 @@ def test_the_first_server_of_a_command_stopped_while_it_made_the_database_is_fou
     assert _servers_on(directory) == [json.loads((directory / "server.json").read_text())["pid"]]
 
 
-def test_a_server_whose_server_json_was_damaged_is_stopped_by_db_stop_or_the_next_command(local: Any) -> None:
-    cfg, directory = local
+def test_a_server_whose_server_json_was_damaged_is_stopped_by_db_stop_or_the_next_command(
+    local_db: Any,
+) -> None:
+    cfg, directory = local_db
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "20").returncode == 0
     first = json.loads((directory / "server.json").read_text())["pid"]
     (directory / "server.json").write_text("garbage")
@@ -76,8 +62,8 @@ def test_a_server_whose_server_json_was_damaged_is_stopped_by_db_stop_or_the_nex
     assert _servers_on(directory) == []
 
 
-def test_data_without_the_engines_own_record_is_refused_and_left_as_it_is(local: Any) -> None:
-    cfg, directory = local
+def test_data_without_the_engines_own_record_is_refused_and_left_as_it_is(local_db: Any) -> None:
+    cfg, directory = local_db
     assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "20").returncode == 0
     assert run_cli("db", "stop", str(directory)).returncode == 0
     (directory / "data" / "WiredTiger.turtle").unlink()
