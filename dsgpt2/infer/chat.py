@@ -55,22 +55,48 @@ class ChatSession:
 
     def prompt(self, turns: list[dict[str, str]], system: str = "") -> list[int]:
         """The prompt for the bot's next turn: the latest turns that leave room for a reply, ``system``
-        (instructions) before the first user turn kept, however many older ones are dropped."""
+        (instructions) before the first user turn kept, however many older ones are dropped. One turn
+        alone too long keeps its text's end, after its speaker token and the system text. Linear in the
+        conversation: each text is tokenized once, in one call.
+
+        Raises:
+            ConfigError: the system text alone leaves no room for the turn and the reply.
+        """
         budget = self.generator.context - self.params.max_new_tokens
-        encoded = [self.generator.encode(t["text"]) for t in turns]
+        texts = [t["text"] for t in turns] + ([f"{system}\n\n"] if system else [])
+        encoded = [e.ids for e in self.generator.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        system_ids = encoded.pop() if system else []
+        # The first user turn from each turn on (where the system text goes), and each turn's length.
+        first_user: list[int | None] = [None] * (len(turns) + 1)
+        for i in range(len(turns) - 1, -1, -1):
+            first_user[i] = i if turns[i]["speaker"] == self.user else first_user[i + 1]
+        length = 1 + sum(1 + len(ids) for ids in encoded)  # every turn, then the bot's speaker token
         start = 0
-        while True:
-            kept, kept_ids = list(turns[start:]), list(encoded[start:])
-            first = next((i for i, t in enumerate(kept) if t["speaker"] == self.user), None)
-            if system and first is not None:
-                kept[first] = {**kept[first], "text": f"{system}\n\n{kept[first]['text']}"}
-                kept_ids[first] = self.generator.encode(kept[first]["text"])
-            ids = prompt_ids(kept, kept_ids, self.speakers, self.bot)
-            if len(ids) <= budget or start == len(turns) - 1:
-                self.last_dropped_turns = start
-                # A single turn longer than the context keeps its end.
-                return ids[-budget:]
+        while start < len(turns) - 1:
+            if length + (len(system_ids) if first_user[start] is not None else 0) <= budget:
+                break
+            length -= 1 + len(encoded[start])
             start += 1
+        self.last_dropped_turns = start
+        kept, kept_ids = turns[start:], encoded[start:]
+        at = first_user[start] if turns else None
+        if at is not None and system_ids:
+            kept_ids[at - start] = system_ids + kept_ids[at - start]
+        ids = prompt_ids(kept, kept_ids, self.speakers, self.bot)
+        over = len(ids) - budget
+        if over <= 0:
+            return ids
+        # One turn left, too long: its text's end, after its speaker token and any system text.
+        head = 1 + (len(system_ids) if at is not None else 0)  # the speaker token and the system text
+        if head > 1 and head + 1 >= budget:
+            raise ConfigError(
+                f"the system text takes {len(system_ids)} tokens: with max_tokens "
+                f"{self.params.max_new_tokens} it leaves no room in the model's context of "
+                f"{self.generator.context} tokens for the conversation"
+            )
+        if head + 1 >= budget:  # not even one token of text fits: the end of it all
+            return ids[-budget:] if budget > 0 else ids
+        return [*ids[:head], *ids[head + over :]]
 
     def reply(self, text: str, on_text: Callable[[str], None] | None = None) -> str:
         """Add the user's ``text``, generate the bot's answer, add it too, and return it;

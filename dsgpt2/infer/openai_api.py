@@ -389,6 +389,10 @@ def chat_decodes(generator: Generator, api: ApiRequest, served: str) -> list[Dec
             else "has no <|user|> and <|bot|> speaker tokens: it was not finetuned on conversations"
         )
         raise RequestError(f"{served} {why}; use /v1/completions", "messages") from None
-    ids = fit_prompt(generator, session.prompt(api.turns, api.system), api.params, "max_tokens")
+    fit_prompt(generator, [], api.params, "max_tokens")  # max_tokens leaves room: checked first
+    try:
+        ids = fit_prompt(generator, session.prompt(api.turns, api.system), api.params, "max_tokens")
+    except ConfigError as exc:  # the system text alone fills the context
+        raise RequestError(str(exc), "messages") from None
     stop_ids = list(session.speakers.values())
     return [DecodeRequest(ids, api.params, stop_ids, api.stop, strip=True)]

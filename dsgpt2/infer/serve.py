@@ -201,8 +201,13 @@ class Service:
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.engine.start()
-        yield
-        self.engine.close()  # the server has stopped: the decoding thread with it
+        try:
+            # A second Ctrl-C: uvicorn leaves without the lifespan's shutdown, and the loop's end cancels
+            # it here; the decoding thread is stopped all the same, and no traceback said for it.
+            with contextlib.suppress(asyncio.CancelledError):
+                yield
+        finally:
+            self.engine.close()  # the server has stopped: the decoding thread with it
 
     async def generate(self, request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
         generator = self.generator
@@ -254,10 +259,12 @@ class Service:
         generator = self.generator
         try:
             api = api_request(body, chat, self.served, self.limits, self.defaults, aliases=self.aliases)
+            # Tokenizing a long conversation is the server's work per request: off the event loop, which
+            # keeps answering the others meanwhile.
             if chat:
-                decodes = chat_decodes(generator, api, self.served)
+                decodes = await asyncio.to_thread(chat_decodes, generator, api, self.served)
             else:
-                decodes = completion_decodes(generator, api)
+                decodes = await asyncio.to_thread(completion_decodes, generator, api)
         except RequestError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         answer = ApiAnswer(new_id("chatcmpl" if chat else "cmpl"), self.served, chat, decodes)
@@ -352,7 +359,7 @@ class AccessLog:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
             log.warning("%s %s cut off by the shutdown (its grace over, or a second Ctrl-C)", scope["method"],
-                        scope["path"])  # fmt: skip
+                        _loggable(scope["path"]))  # fmt: skip
             with contextlib.suppress(Exception):
                 if status is None:
                     api, closing = scope["path"].startswith("/v1/"), {"Connection": "close"}
@@ -369,8 +376,14 @@ class AccessLog:
             tokens = sum(len(sample.ids) for d in state.get("decodes") or [] for sample in d.samples)
             left = ", the client left first" if state.get("client_left") else ""
             # No answer started: the server failed it.
-            log.info("%s %s %d, %d tokens, %.0f ms%s", scope["method"], scope["path"], status or 500, tokens,
-                     1000 * (time.monotonic() - started), left)  # fmt: skip
+            log.info("%s %s %d, %d tokens, %.0f ms%s", scope["method"], _loggable(scope["path"]), status or 500,
+                     tokens, 1000 * (time.monotonic() - started), left)  # fmt: skip
+
+
+def _loggable(path: str) -> str:
+    """The client's path as a log line can hold it: its control characters (a decoded ``%0a``, ``%1b``)
+    escaped, so that no request writes a line of its own into the log or colours the terminal."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in path)
 
 
 class BearerAuth:

@@ -497,6 +497,59 @@ def test_chat_session_keeps_history_within_the_context(models: dict[str, Path]) 
     assert session.last_dropped_turns > 0 and "Answer in one word.\n\n" in kept, kept
 
 
+class _CountingTokenizer:
+    """A tokenizer that counts the texts it is given (the rest passed through)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer, self.calls, self.texts = tokenizer, 0, 0
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.calls, self.texts = self.calls + 1, self.texts + len(texts)
+        return self.tokenizer.encode_batch(texts, **kwargs)
+
+    def encode(self, text: str, **kwargs: Any) -> Any:
+        self.calls, self.texts = self.calls + 1, self.texts + 1
+        return self.tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
+
+
+def test_a_long_conversation_is_fitted_with_each_text_tokenized_once(models: dict[str, Path]) -> None:
+    from dsgpt2.infer.chat import ChatSession
+
+    gen = Generator(load_model(models["chat"]))
+    session = ChatSession(gen, SamplingParams(max_new_tokens=16, seed=1))
+    gen.tokenizer = counting = _CountingTokenizer(gen.tokenizer)
+    turns = [{"speaker": ("user", "bot")[i % 2], "text": f"turn {i} of many"} for i in range(3001)]
+    ids = session.prompt(turns, "Answer in one word.")
+    # Once per text (3,001 turns and the system text), not once per turn dropped: a request of
+    # thousands of turns would otherwise hold the server for minutes.
+    assert (counting.calls, counting.texts) == (1, 3002)
+    text = counting.decode(ids)
+    assert len(ids) <= gen.context - 16 and session.last_dropped_turns > 2900
+    assert "Answer in one word." in text and text.rstrip().endswith("turn 3000 of many"), text
+
+
+def test_one_turn_too_long_keeps_its_speaker_the_system_text_and_its_end(models: dict[str, Path]) -> None:
+    from dsgpt2.data.conversation import speaker_ids
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.infer.chat import ChatSession
+
+    gen = Generator(load_model(models["chat"]))
+    session = ChatSession(gen, SamplingParams(max_new_tokens=16, seed=1))
+    speakers = speaker_ids(gen.tokenizer)
+    system = "Answer in one word."
+    question = " ".join(f"word{i}" for i in range(gen.context * 2)) + " the question?"
+    ids = session.prompt([{"speaker": "user", "text": question}], system)
+    assert len(ids) == gen.context - 16
+    assert ids[0] == speakers["user"] and ids[-1] == speakers["bot"]
+    assert gen.tokenizer.decode(ids, skip_special_tokens=True).startswith(system + "\n\n")
+    assert gen.tokenizer.decode(ids[-12:-1]).endswith("the question?")
+    with pytest.raises(ConfigError, match=r"the system text takes .* no room"):
+        session.prompt([{"speaker": "user", "text": "hi"}], "instructions " * gen.context)
+
+
 def test_conversation_finetune_needs_speaker_tokens(models: dict[str, Path], tmp_path: Path) -> None:
     from dsgpt2.data.sources import make_spec
     from dsgpt2.errors import CorpusError

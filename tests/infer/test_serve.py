@@ -505,6 +505,25 @@ def test_each_request_is_one_access_log_line_and_loading_is_said(quiet_server: s
     assert "secret" not in log.read_text()[before:]  # the prompt is not logged
 
 
+def test_a_path_cannot_write_a_line_of_its_own_into_the_log(quiet_server: str) -> None:
+    """The access log shows the decoded path: a ``%0a`` in it would start a forged line, a ``%1b`` colour
+    the operator's terminal. Control characters are escaped."""
+    log = LOGS[quiet_server]
+    before = log.stat().st_size
+    forged = "INFO dsgpt2.infer.serve: POST /v1/completions 200, 99 tokens, 1 ms"
+    r = httpx.get(f"{quiet_server}/v1/models/x%0a{forged.replace(' ', '%20')}%0d%1b[31mRED%00",
+                  timeout=deadline(10))  # fmt: skip
+    assert r.status_code == 404
+    end_by = time.monotonic() + deadline(10)
+    while "GET /v1/models/x" not in log.read_text()[before:] and time.monotonic() < end_by:
+        time.sleep(0.1)
+    written = log.read_text()[before:]
+    line = next(line for line in written.splitlines() if "GET /v1/models/x" in line)
+    assert "x\\n" + forged in line and "\\r\\x1b[31mRED\\x00 404" in line, line
+    assert all("GET /v1/models/x" in line for line in written.splitlines() if forged in line)
+    assert "\x1b" not in written and "\x00" not in written and "\r" not in written
+
+
 def test_sigterm_gives_the_requests_in_flight_the_grace_then_ends_0(tmp_path: Path, pretrained: Path) -> None:
     """A client stalled mid-body held the shutdown for as long as it stayed: --shutdown_grace bounds
     it, and the server still ends 0 (start_server checks the exit code and the line)."""

@@ -5,6 +5,9 @@ when their client leaves."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import tiny_export
+from conftest import ROOT, tiny_export
+from dsgpt2.collective import free_port
 from pace import deadline
 from serving import LOGS, MODELS, start_server
 
@@ -146,6 +150,45 @@ def test_a_stream_cut_by_the_shutdown_says_so_and_a_waiting_request_gets_the_api
     assert answer.status_code == 503 and answer.json()["error"]["message"] == "the server is shutting down"
     text = LOGS[url].read_text()
     assert "Traceback" not in text and "Event loop is closed" not in text, text[-3000:]
+
+
+def test_a_second_ctrl_c_cuts_the_requests_off_without_a_traceback(chat_server: str, tmp_path: Path) -> None:
+    """Ctrl-C waits --shutdown_grace for the requests in flight; a second one cuts them off at once. Each
+    still gets its answer's end (a stream: an error event, then [DONE]), the decoding thread is stopped,
+    and the log holds no traceback (uvicorn's cancelled lifespan once printed one)."""
+    port = free_port()
+    out = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsgpt2", "serve", "--model", str(MODELS[chat_server]), "--port", str(port),
+         "--max_tokens_limit", "1000", "--shutdown_grace", "60"],
+        cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end_by = time.monotonic() + deadline(90)
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < end_by, out.name
+                time.sleep(0.3)
+        body = {**LONG, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=deadline(60)) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            events = [line[len("data: ") :] for line in lines if line.startswith("data: ")]
+        assert proc.wait(timeout=deadline(30)) == 0
+    finally:
+        proc.kill()
+        out.close()
+    assert events[-1] == "[DONE]", events[-3:]
+    assert json.loads(events[-2])["error"]["message"] == "the server shut down before the answer was complete"
+    text = (tmp_path / "server.log").read_text()
+    assert "cut off by the shutdown" in text and "Traceback" not in text, text[-3000:]
 
 
 def test_a_client_leaving_mid_stream_stops_its_generation(chat_server: str) -> None:
