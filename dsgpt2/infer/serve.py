@@ -376,8 +376,9 @@ class AccessLog:
             tokens = sum(len(sample.ids) for d in state.get("decodes") or [] for sample in d.samples)
             left = ", the client left first" if state.get("client_left") else ""
             # No answer started: the server failed it.
-            log.info("%s %s %d, %d tokens, %.0f ms%s", scope["method"], _loggable(scope["path"]), status or 500,
-                     tokens, 1000 * (time.monotonic() - started), left)  # fmt: skip
+            path = _loggable(scope["path"])
+            log.info("%s %s %d, %d tokens, %.0f ms%s", scope["method"], path, status or 500, tokens,
+                     1000 * (time.monotonic() - started), left)  # fmt: skip
 
 
 def _loggable(path: str) -> str:
