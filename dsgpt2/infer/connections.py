@@ -4,10 +4,10 @@ uvicorn closes a connection idle between two requests (its keep-alive timeout), 
 that opened and sent nothing, or sends its head or body a byte at a time: each holds a socket (and the
 body's request, a handler) until the process runs out of them, whatever the API key, which is only read
 once the head is whole. Here a request must be read whole (head and body) within ``read_timeout`` seconds
-of its first byte (of the connection, for the first one); a client that has not is answered 408 when its
-head was not whole (nothing, when it had sent nothing) and its connection closed. A body cut off this way
-ends its request as a client gone mid-body does, in one log line. The time a request then takes to be
-answered (decoding) is not bounded here: that is the request's own business.
+of its first byte (of the connection, for the first one); a client that has not is answered 408 (nothing,
+when it had sent nothing) and its connection closed; a body cut off this way is logged as the request's
+408, once. The time a request then takes to be answered (decoding) is not bounded here: that is the
+request's own business.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from http import HTTPStatus
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 READING = (h11.IDLE, h11.SEND_BODY)
 # A request's state key: its body was cut off by the deadline (not by its client leaving).
 TIMED_OUT = "read_timed_out"
+# A request's state key: its body was not valid HTTP framing (a bad chunk), and answered 400.
+MALFORMED = "malformed_body"
 
 
 def deadlined(read_timeout: float) -> type[H11Protocol]:
@@ -80,22 +83,43 @@ class DeadlinedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.SEND_BODY and self.cycle is not None and self.cycle.response_started:
             self.transport.close()  # answered already (401, 413) and the body still coming: no 408 to say
             return
-        started = self.conn.their_state is h11.SEND_BODY or bool(self.conn.trailing_data[0])
-        if self.conn.their_state is h11.IDLE and started:
-            self.transport.write(_timed_out(self.read_timeout))
-        elif self.conn.their_state is h11.SEND_BODY:  # its handler, reading the body, says 408 too
+        in_body = self.conn.their_state is h11.SEND_BODY
+        started = in_body or bool(self.conn.trailing_data[0])
+        if started:
+            message = f"the request was not sent whole within {self.read_timeout:g} s of its start"
+            self.transport.write(_refusal(408, message, self._api(in_body)))
+        if in_body:  # its handler, reading the body, logs the 408 (its own answer goes nowhere)
             self.scope.setdefault("state", {})[TIMED_OUT] = True
         if started:
             log.warning("%s sent no whole request in %g s; connection closed (408)", peer, self.read_timeout)
         self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP/1.1 (its head, its chunked body, its Content-Length): a 400 in JSON
+        as every other error here (uvicorn's is plain text), its connection closed."""
+        in_body = self.cycle is not None and not self.cycle.response_complete
+        if in_body:  # its handler, reading the body, logs the 400
+            self.scope.setdefault("state", {})[MALFORMED] = True
+        if not (in_body and self.cycle.response_started):
+            message = "the request is not valid HTTP/1.1 (its request line, headers or body framing)"
+            self.transport.write(_refusal(400, message, self._api(in_body)))
+        self.transport.close()
 
-def _timed_out(seconds: float) -> bytes:
-    """A 408 in OpenAI's error format (the path, in the head not read whole, is unknown)."""
-    message = f"the request was not sent whole within {seconds:g} s of its start"
-    body = json.dumps(RequestError(message, status=408).body()).encode()
+    def _unsupported_upgrade_warning(self) -> None:
+        """A request to upgrade the connection (a WebSocket) is answered as plain HTTP: the client's
+        business, not advice to the operator to install a WebSocket library."""
+
+    def _api(self, path_known: bool) -> bool:
+        """Whether an error goes in OpenAI's format: on its routes, and where the path is not known."""
+        return not path_known or self.scope["path"].startswith("/v1/")
+
+
+def _refusal(status: int, message: str, api: bool) -> bytes:
+    """An error answer written straight to the connection, closing it: in OpenAI's format (``api``), or
+    /generate's."""
+    body = json.dumps(RequestError(message, status=status).body() if api else {"error": message}).encode()
     head = (
-        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-        f"content-length: {len(body)}\r\n\r\n"
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body

@@ -50,7 +50,7 @@ AT_DEFAULT: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (0, 0.0, None),
     "frequency_penalty": (0, 0.0, None),
     "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (False, None),
     "best_of": (None, 1),
@@ -91,7 +91,10 @@ def check_keys(body: dict[str, Any], allowed: set[str]) -> None:
         if key in allowed:
             continue
         if key in AT_DEFAULT:
-            if value not in AT_DEFAULT[key]:
+            # Of the default's type too: completions' logprobs 0 asks for the sampled tokens' (0 == False).
+            if not any(value == d and type(value) is type(d) for d in AT_DEFAULT[key]):
+                if key == "max_completion_tokens":  # a chat field, sent to /v1/completions
+                    raise RequestError(f"{key} is the chat API's name; /v1/completions takes max_tokens", key)
                 raise RequestError(f"{key} is not supported by this server (only its default)", key)
             continue
         raise RequestError(f"unknown field {key!r}; this server reads {', '.join(sorted(allowed))}", key)

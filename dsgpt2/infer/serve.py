@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
-from dsgpt2.infer.connections import TIMED_OUT, deadlined
+from dsgpt2.infer.connections import MALFORMED, TIMED_OUT, deadlined
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
@@ -491,6 +491,13 @@ def _as_api_error(response: JSONResponse) -> JSONResponse:
 
 
 async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONResponse:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        return JSONResponse({"error": f"a body in Content-Encoding {encoding} is not read here; send JSON "
+                                      "uncompressed"}, 415)  # fmt: skip
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:  # said before a byte of it is read (or 100-continue)
+        return JSONResponse({"error": f"request body over {max_bytes} bytes (--max_body_bytes)"}, 413)
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -501,6 +508,8 @@ async def _read_body(request: Request, max_bytes: int) -> dict[str, Any] | JSONR
     except ClientDisconnect:
         if request.scope.get("state", {}).get(TIMED_OUT):  # closed by --read_timeout, and said so
             return JSONResponse({"error": "the request body was not sent in time"}, status_code=408)
+        if request.scope.get("state", {}).get(MALFORMED):  # its framing broken, and said so
+            return JSONResponse({"error": "the request body is not valid HTTP/1.1"}, status_code=400)
         # Nobody is left to answer; the other requests go on.
         peer = f"{request.client.host}:{request.client.port}" if request.client else "a client"
         log.warning("%s disconnected after %d bytes of its request body; request dropped", peer, size)
