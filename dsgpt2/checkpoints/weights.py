@@ -196,7 +196,11 @@ def build_with_weights(config: Any, weights: dict[str, Any], where: str) -> Any:
     """
     from transformers import GPT2LMHeadModel
 
-    model = causal_lm_loss(GPT2LMHeadModel(config))
+    try:
+        model = causal_lm_loss(GPT2LMHeadModel(config))
+    except (ValueError, TypeError, ArithmeticError) as exc:  # n_head 0 or not dividing n_embd, say
+        reason = " ".join(str(exc).split())[:200]
+        raise ConfigError(f"{where}: its model config does not make a GPT-2 ({reason})") from None
     try:
         missing, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:  # a tensor of another shape than the config's

@@ -34,6 +34,7 @@ from dsgpt2.files import (
     file_sha256,
     is_occupied,
     staged_dir,
+    umask,
     unlisted,
 )
 from dsgpt2.tokenizer.bpe import tokenizer_digest
@@ -170,3 +171,9 @@ def _write(model: Any, config: Any, vocab: Path, out: Path) -> None:
     for name in ("vocab.json", "merges.txt", "dsgpt2_vocab.json"):
         if (vocab / name).exists():
             shutil.copyfile(vocab / name, out / name)
+    # transformers writes the weights through a private temporary file (0600): readable, as the other
+    # files are, by whoever serves the model (a container's user, a group).
+    mode = 0o666 & ~umask()
+    for written in out.iterdir():
+        if written.is_file():
+            written.chmod(mode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -261,7 +262,9 @@ def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
 @pytest.mark.parametrize(("change", "said"), [
     ({"n_layer": 2}, "does not match its model config: weights 12 missing (transformer.h.1.ln_1.weight, "),
     ({"n_embd": 128}, "does not match its model config: 16 weight(s) of another shape (size mismatch for"),
-], ids=["a layer more", "wider"])  # fmt: skip
+    ({"n_head": 3}, "its model config does not make a GPT-2 (`embed_dim` must be divisible by num_heads"),
+    ({"n_head": 0}, "its model config does not make a GPT-2 ("),
+], ids=["a layer more", "wider", "heads not dividing the width", "no head"])  # fmt: skip
 def test_a_config_edited_away_from_its_weights_is_one_short_line(
     plain_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, said: str
 ) -> None:
@@ -271,6 +274,15 @@ def test_a_config_edited_away_from_its_weights_is_one_short_line(
     (model / "config.json").write_text(json.dumps({**config, **change}))
     line = _error_line(capsys, "generate", "--model", str(model), "def")
     assert said in line and len(line) < 500, line
+
+
+def test_an_exports_files_are_readable_as_open_makes_them(models: dict[str, Path]) -> None:
+    """transformers writes the weights through a private temporary file: an export served by another
+    user (a container's) could read every file but model.safetensors."""
+    mask = os.umask(0)
+    os.umask(mask)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in models["lm"].iterdir() if f.is_file()}
+    assert modes["model.safetensors"] == 0o666 & ~mask and set(modes.values()) == {0o666 & ~mask}, modes
 
 
 def test_weights_changed_in_place_or_not_finite_are_refused_not_used(
