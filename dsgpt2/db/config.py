@@ -71,10 +71,21 @@ _SECRET_OPTIONS = re.compile(
 )
 
 
+def _is_text(name: str) -> bool:
+    """Whether ``name`` can be sent to the server (UTF-8): not an argument's undecodable bytes."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def collection_name_problem(name: object) -> str | None:
     """Why MongoDB would refuse ``name`` as a collection name, or None."""
     if not isinstance(name, str) or not name:
         return "it must be a non-empty string"
+    if not _is_text(name):
+        return "it is not UTF-8 text (bytes the shell could not decode, or a lone surrogate)"
     if "$" in name or "\x00" in name:
         return "it may not contain '$' or NUL"
     if name.startswith("system."):
@@ -90,6 +101,8 @@ def db_name_problem(name: object) -> str | None:
     """Why MongoDB would refuse ``name`` as a database name, or None."""
     if not isinstance(name, str) or not name:
         return "it must be a non-empty string"
+    if not _is_text(name):
+        return "it is not UTF-8 text (bytes the shell could not decode, or a lone surrogate)"
     bad = sorted(set(name) & set('/\\. "$*<>:|?\x00'))
     if bad:
         return f"it may not contain {' '.join(repr(c) for c in bad)}"
@@ -339,6 +352,10 @@ def config_from_dict(
     values: dict[str, Any] = {}
     for key, value in data.items():
         name, types, _ = _KEYS[key]
+        if not _is_text(json.dumps(value, ensure_ascii=False, default=str)):  # a "\udcff" escape, say
+            raise ConfigError(
+                f"{source}: {key} holds text that is not UTF-8 (a lone surrogate such as \\udcff)"
+            )
         # bool is an int in Python; a JSON true is no timeout.
         if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
             expected = " or ".join(t.__name__ for t in types)

@@ -155,3 +155,33 @@ CONNECTION_CONFIGS = sorted(
 def test_every_shipped_connection_config_loads(path: Path) -> None:
     cfg = load_config(path, env={})
     assert cfg.collections
+
+
+@pytest.mark.parametrize("key", ["COLLECTIONS", "MONGO_CONNECTION_DB", "FILTER", "META_COLLECTION"])
+def test_text_that_is_not_utf8_in_a_config_is_one_line(key: str) -> None:
+    """A JSON ``\\udcff`` escape is a lone surrogate, which no BSON can carry: the driver's traceback
+    (UnicodeEncodeError) at the first command, where one line names the key."""
+    data: dict = {"MONGO_CONNECTION_STRING": "mongodb://127.0.0.1:1", "MONGO_CONNECTION_DB": "c",
+                  "COLLECTIONS": ["a"]}  # fmt: skip
+    data[key] = {"FILTER": {"x\udcff": 1}, "COLLECTIONS": ["a\udcffb"]}.get(key, "a\udcffb")
+    with pytest.raises(ConfigError, match=f"c.json: {key} holds text that is not UTF-8"):
+        config_from_dict(data, env={}, source="c.json")
+
+
+def test_a_collection_named_by_bytes_the_shell_could_not_decode_is_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from pace import deadline
+
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:1",
+                       MONGO_CONNECTION_DB="c", COLLECTIONS=["a"])  # fmt: skip
+    (tmp_path / "f.txt").write_text("hello\n")
+    for command in (["ingest", str(tmp_path / "f.txt")], ["validate"], ["dedup", "--exact"]):
+        argv = [sys.executable, "-m", "dsgpt2", *command, "--config", str(cfg), "--collection"]
+        out = subprocess.run([os.fsencode(a) for a in argv] + [b"x\xff\xfey"], capture_output=True,
+                             cwd=ROOT, timeout=deadline(120))  # fmt: skip
+        err = out.stderr.decode("utf-8", "replace")
+        assert out.returncode == 2 and "Traceback" not in err, err[-2000:]
+        assert "is not a collection name: it is not UTF-8 text" in err.strip().splitlines()[-1], err
