@@ -64,7 +64,8 @@ _FILTER_REFUSED = ("$where", "$function", "$accumulator")
 READ_PREFERENCES = ("primary", "primaryPreferred", "secondary", "secondaryPreferred", "nearest")
 _REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
 
-_USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
+# The scheme may be missing (a mistyped string): its password is kept back all the same.
+_USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)?(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
 # authMechanismProperties may carry AWS_SESSION_TOKEN:...: its whole value is kept back.
 _SECRET_OPTIONS = re.compile(
     r"(?i)((?:password|tlsCertificateKeyFilePassword|secret|authMechanismProperties)[^=&]*=)([^&]*)"
@@ -381,6 +382,8 @@ def config_from_dict(
     try:
         return MongoConfig(**values)
     except ConfigError as exc:
+        if override and str(exc).startswith("MONGO_CONNECTION_STRING"):  # not the file's: the environment's
+            source = f"{source}, with {ENV_URI} from the environment"
         raise ConfigError(f"{source}: {exc}") from None
 
 
@@ -418,7 +421,7 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
 def redact_uri(uri: str) -> str:
     """``mongodb://user:pw@host/?password=x`` → ``mongodb://user:***@host/?password=***``."""
     out = _USERINFO.sub(
-        lambda m: f"{m['scheme']}{m['user']}:{REDACTED}@" if m["pw"] is not None else m[0], uri
+        lambda m: f"{m['scheme'] or ''}{m['user']}:{REDACTED}@" if m["pw"] is not None else m[0], uri
     )
     return _SECRET_OPTIONS.sub(lambda m: m[1] + REDACTED, out)
 

@@ -99,6 +99,8 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
         ("mongodb://user@h/db", "mongodb://user@h/db"),
         ("mongodb://h/?authSource=a&password=zz&x=1", "mongodb://h/?authSource=a&password=***&x=1"),
         ("local://runs/db", "local://runs/db"),
+        ("alice:s3cret@h/db", "alice:***@h/db"),  # the scheme left out
+        ("local:///srv/a@b", "local:///srv/a@b"),
         (
             "mongodb://u@h/?authMechanism=MONGODB-AWS&authMechanismProperties=AWS_SESSION_TOKEN:tok9&w=1",
             "mongodb://u@h/?authMechanism=MONGODB-AWS&authMechanismProperties=***&w=1",
@@ -185,3 +187,15 @@ def test_a_collection_named_by_bytes_the_shell_could_not_decode_is_one_line(tmp_
         err = out.stderr.decode("utf-8", "replace")
         assert out.returncode == 2 and "Traceback" not in err, err[-2000:]
         assert "is not a collection name: it is not UTF-8 text" in err.strip().splitlines()[-1], err
+
+
+def test_a_connection_string_without_its_scheme_keeps_its_password_back_and_names_its_source() -> None:
+    data = {"MONGO_CONNECTION_STRING": "alice:s3cret@h", "MONGO_CONNECTION_DB": "c", "COLLECTIONS": ["a"]}
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(data, env={}, source="c.json")
+    assert "s3cret" not in str(caught.value) and "'alice:***@h'" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict({**data, "MONGO_CONNECTION_STRING": "mongodb://h"},
+                         env={"MONGO_CONNECTION_STRING": "bob:pw9@h"}, source="c.json")  # fmt: skip
+    said = str(caught.value)
+    assert "pw9" not in said and said.startswith("c.json, with MONGO_CONNECTION_STRING from the environment:")
