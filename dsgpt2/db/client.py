@@ -454,8 +454,9 @@ class Connection:
             self._errors_seen = embedded.errors_seen()
         try:
             with warnings.catch_warnings():
-                # pymongo ignores an option it does not know with a warning: a misspelt one
-                # (readPreferance) would go unnoticed; it is refused like any other bad option.
+                # pymongo ignores an option it does not know (readPreferance), or a value it cannot use
+                # (authMechanism=BOGUS), with a warning: each is refused like any other bad option.
+                warnings.filterwarnings("error", category=UserWarning, module=r"pymongo\.")
                 warnings.filterwarnings("error", message="Unknown option", category=UserWarning)
                 return pymongo.MongoClient(
                     uri,
@@ -465,9 +466,11 @@ class Connection:
                     appname="dsgpt2",
                     connect=False,
                 )
-        except (ConfigurationError, ValueError, UserWarning) as exc:  # ValueError: a port not a number
+        # ValueError: a port not a number; OSError: a tlsCAFile or tlsCertificateKeyFile not readable.
+        except (ConfigurationError, ValueError, UserWarning, OSError) as exc:
             # Options named, never shown with their values: a misspelt secret option is not known to be one.
-            why = _unknown_options(uri) if isinstance(exc, UserWarning) else first_line(exc)
+            unknown = isinstance(exc, UserWarning) and str(exc).startswith("Unknown option")
+            why = _unknown_options(uri) if unknown else first_line(exc)
             raise ConfigError(
                 f"invalid MONGO_CONNECTION_STRING {uri_shape(self.config.uri)!r}: {self.config.scrub(why)}"
             ) from None

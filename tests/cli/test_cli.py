@@ -381,6 +381,16 @@ def test_bad_ports_garbage_files_and_huge_numbers_are_one_line(tmp_path: Path) -
     )
     out = result.stdout + result.stderr
     assert "S3cretPW" not in out and "V4lue" not in out and "UserWarning" not in out
+    # A value pymongo cannot use (it would drop it with a warning), a CA file that is not there.
+    for option, said in (
+        ("authMechanism=BOGUS", "authmechanism must be in"),
+        ("serverSelectionTimeoutMS=abc", "must be an integer or float"),
+        ("tls=true&tlsCAFile=/no/such/ca.pem", "tlscafile file is not readable"),
+    ):
+        uri = f"mongodb://alice:S3cretPW@dbhost/?{option}"
+        result = run_cli("info", "--config", str(cfg), env={"MONGO_CONNECTION_STRING": uri})
+        _one_line_error(result, "invalid MONGO_CONNECTION_STRING 'mongodb://alice:***@dbhost/?", said)
+        assert "S3cretPW" not in result.stdout + result.stderr and "Warning" not in result.stderr
     garbage = tmp_path / "garbage.json"
     garbage.write_bytes(bytes(range(128, 256)) * 4)
     from dsgpt2.errors import ConfigError
