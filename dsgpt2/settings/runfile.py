@@ -126,7 +126,7 @@ def settings_for(
             return out
         if not isinstance(table, dict):
             where = ".".join(command[: i + 1])
-            raise ConfigError(f"{FLAG} {path}: [{where}] must be a table of flags, got {table!r}")
+            raise ConfigError(f"{FLAG} {path}: [{where}] must be a table of flags, got {_shown(table)}")
     out.update(own(table))
     return out
 
@@ -162,8 +162,13 @@ def apply_run_file(
                 f"{FLAG} {path}: unknown key {key!r}; {hint}the keys are the flags of "
                 f"`{parser.prog} --help`: {', '.join(known)}"
             )
-        if value is None:
-            continue
+        if (
+            value is None
+        ):  # `model_select:` with nothing after it, `~`: not "the default", which it silently was
+            raise ConfigError(
+                f"{FLAG} {path}: key {key!r} has no value (null); give it one, or leave the key out for the "
+                "default"
+            )
         converted = _convert(action, key, value, path)
         applied.setdefault(action.dest, (key, action.default))
         if is_switch(action):
@@ -231,7 +236,7 @@ def drop_unserved(
 
 def _convert(action: argparse.Action, key: str, value: Any, path: Path) -> Any:
     def wrong(expected: str) -> ConfigError:
-        return ConfigError(f"{FLAG} {path}: key {key!r} must be {expected}, got {value!r}")
+        return ConfigError(f"{FLAG} {path}: key {key!r} must be {expected}, got {_shown(value)}")
 
     if is_switch(action):
         if not isinstance(value, bool):
@@ -346,3 +351,13 @@ def parse_args(
             if process_rank() == 0:  # before logging is set up: the ranks of a launch all parse
                 log.warning(note)
     return args
+
+
+def _shown(value: Any) -> str:
+    """``value`` as an error line shows it, bounded: YAML aliases can nest a few lines into a value whose
+    full repr would take gigabytes (and the time to build it)."""
+    import reprlib
+
+    shown = reprlib.Repr()  # its settings as attributes: Python 3.10 and 3.11 take no arguments
+    shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring, shown.maxother = 3, 4, 4, 60, 60
+    return shown.repr(value)

@@ -381,3 +381,33 @@ def test_the_fast_recipe_is_the_demos_in_a_workspace_of_its_own(monkeypatch: pyt
         None,
     )
     assert fast.run.workspace != demo.run.workspace and fast.ckpt.ckpt_dir != demo.ckpt.ckpt_dir
+
+
+def test_a_null_value_is_refused_not_taken_for_the_default(
+    tmp_path: Path, files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`model_select:` left empty had started the 112m model (the default) on a CPU for hours."""
+    for empty in ("model_select:\n", "ckpt_dir: ~\n", "model_select: null\n"):
+        text = yaml_run(tmp_path, files).read_text().replace("model_select: tiny\n", "")
+        run = write(tmp_path / "run.yaml", text + empty)
+        with pytest.raises(SystemExit) as caught:
+            parse(["--config", str(run)])
+        key = empty.split(":")[0]
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and f"key '{key}' has no value (null); give it one, or leave" in err, (
+            err
+        )
+
+
+def test_a_value_built_by_yaml_aliases_is_shown_bounded(
+    tmp_path: Path, files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nine levels of aliases are 9**9 leaves: the error once built their whole repr (gigabytes)."""
+    levels = "abcdefghi"
+    lines = ["&a [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"&{n} [{', '.join(['*' + levels[i - 1]] * 9)}]" for i, n in enumerate(levels) if i]
+    text = yaml_run(tmp_path, files).read_text() + f"model_config: [{', '.join(lines)}]\n"
+    with pytest.raises(SystemExit):
+        parse(["--config", str(write(tmp_path / "run.yaml", text))])
+    err = capsys.readouterr().err
+    assert "key 'model_config' must be a single value, got [['x', " in err and len(err) < 600, err[:600]
