@@ -21,6 +21,9 @@ FULL_DISK_BYTES = 32 * 2**20
 # What the writers of checkpoints and exports say when a write failed without naming why (torch.save's
 # zip writer, its C++ streams; safetensors').
 _WRITE_FAILED = ("unexpected pos", "iostream error", "PytorchStreamWriter failed", "I/O error")
+# Less free space than this where a command is about to write its output (a report, a plot, a run's
+# records): a full disk, refused before the work rather than found after it.
+ROOM_TO_START = 2**20
 
 
 @contextlib.contextmanager
@@ -51,6 +54,31 @@ def atomic_writer(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def output_writer(
+    path: str | os.PathLike[str], mode: str = "w", prefix: str | None = None
+) -> Iterator[IO[Any]]:
+    """:func:`atomic_writer` for a command's output (a report, a plot): its directory made, and a disk
+    that fills while it is written told in one line.
+
+    Raises:
+        NoRoomError: the disk filled; no temporary file is left and what was at ``path`` is kept.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_writer(path, mode, prefix) as f:
+            yield f
+    except Exception as exc:
+        room = None if isinstance(exc, DsGpt2Error) else out_of_room(path.parent, exc)
+        if room is None:
+            raise
+        raise NoRoomError(
+            f"{path}: not written, {room}; what was there is kept: free space there (or name another place) "
+            "and re-run"
+        ) from None
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
@@ -111,6 +139,30 @@ def out_of_room(where: Path, exc: BaseException) -> str | None:
     if not said and (not a_write or free is None or free >= FULL_DISK_BYTES):
         return None
     return f"the disk holding {where} is full" + ("" if free is None else f" ({free / 2**20:.0f} MB free)")
+
+
+def no_room(where: Path, needed: int = ROOM_TO_START) -> str | None:
+    """Why the disk holding ``where`` (made or not) has no room for a command's output, in words: less
+    than ``needed`` bytes free. None where it has room, or its disk does not say."""
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    try:
+        free = shutil.disk_usage(existing).free if existing is not None else needed
+    except OSError:
+        return None
+    return None if free >= needed else f"the disk holding {where} is full ({free / 2**20:.0f} MB free)"
+
+
+def check_room(path: str | os.PathLike[str], flag: str) -> None:
+    """Refuse, before the work, an output whose disk is full (:func:`no_room`).
+
+    Raises:
+        NoRoomError: naming ``flag`` and the disk.
+    """
+    room = no_room(Path(path))
+    if room is not None:
+        raise NoRoomError(
+            f"{flag} {path}: {room}; nothing was done: free space there (or name another place) and re-run"
+        )
 
 
 def parses_as_toml(path: Path) -> bool:

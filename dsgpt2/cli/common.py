@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import DsGpt2Error
@@ -125,15 +127,26 @@ def usage(command: str, message: str) -> DsGpt2Error:
     return usage_error(command, message)
 
 
-def check_writable(path: Any, flag: str) -> None:
-    """Fail before the work when its output cannot be written."""
+def check_writable(path: Path, flag: str, inputs: Mapping[str, Any] | None = None) -> None:
+    """Fail before the work when its output cannot be written, its disk is full, or it is one of the
+    command's ``inputs`` (by flag: a file, or a directory it would land in). Nothing is made there: the
+    writer makes the file whole or not at all (:func:`dsgpt2.files.output_writer`)."""
     from dsgpt2.errors import ConfigError
+    from dsgpt2.files import check_room, unwritable_dir
 
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give a file name such as {path / 'report.json'}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot write there ({exc.strerror})") from None
+    for name, given in (inputs or {}).items():
+        where = None if given is None else Path(given)
+        if where is None or not path.exists() or not where.exists():
+            continue
+        if os.path.samefile(path, where):
+            raise ConfigError(f"{flag} {path} is the file given as {name}: writing it would replace that; "
+                              "name another file")  # fmt: skip
+        if where.is_dir() and path.resolve().is_relative_to(where.resolve()):
+            raise ConfigError(f"{flag} {path} is a file of {name} {where}: writing it would replace that; "
+                              "name a file elsewhere")  # fmt: skip
+    problem = unwritable_dir(path.parent)
+    if problem is not None:
+        raise ConfigError(f"{flag} {path}: {problem}; name a file where one can be written")
+    check_room(path, flag)

@@ -6,10 +6,12 @@ import argparse
 import json
 import logging
 from dataclasses import dataclass, make_dataclass
+from pathlib import Path
 from typing import Any
 
 from dsgpt2.cli.common import (
     Command,
+    check_writable,
     collection_names,
     config_option,
     load_connection,
@@ -191,6 +193,9 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         raise usage("ingest", "give input FILEs or --sample stdlib")
     if s.limit and not s.sample:
         raise usage("ingest", "--limit goes with --sample")
+    if s.report is not None:  # before any document is stored: a re-run could not write the report then
+        inputs = {"--config": s.config, **{f"input {path}": path for path in s.inputs}}
+        check_writable(Path(s.report), "--report", inputs)
     config = load_connection(s.config)
     collection = config.collections[0] if s.collection is None else s.collection
     problem = collection_name_problem(collection) or config.records_problem(collection)

@@ -82,10 +82,10 @@ def _curation_report(config_path: str, given: dict[type, Any], passes: PassSetti
     settings: CurateSettings = given[CurateSettings]
     if settings.action != "report":
         return None
+    plot = Path(settings.plot)
+    check_writable(plot, "--plot", {"--config": config_path})
     config = load_connection(config_path)
     names = collection_names(passes.collection, config, "curate")
-    plot = Path(settings.plot)
-    check_writable(plot, "--plot")
     parts = curation_report.summarize(connect(config, create=False), names, settings.examples)
     curation_report.plot(parts, plot)
     if settings.json:

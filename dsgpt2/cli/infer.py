@@ -183,6 +183,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     request = from_namespace(EvalRequest, args)
     # --hellaswag and --hellaswag_limit are the trainer's flags, read here as a run reads them.
     trainer = from_namespace(RunOptions, args)
+    if output.report is not None:  # before any work; the default path is known once the model is
+        inputs = {"--config": output.config, "--model": source.model, "--hellaswag": trainer.hellaswag}
+        check_writable(output.report, "--report", inputs)
     examples = None
     if trainer.hellaswag:
         from dsgpt2.model.hellaswag import read_examples
@@ -194,7 +197,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     loaded = source.load(output.config)
     split = "hellaswag" if examples else request.split
     path = output.report or default_report_path(loaded.name, split)
-    check_writable(path, "--report")
+    if output.report is None:
+        check_writable(path, "--report")
     if examples:
         from dsgpt2.infer.evaluate import hellaswag_report
 

@@ -6,16 +6,20 @@ Kept apart from the writer so that what a run reports can change without touchin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TextIO
 
 from dsgpt2.corpus.records import DecodeTally, Source, located
 from dsgpt2.documents import SkipTally
-from dsgpt2.errors import IngestError
+from dsgpt2.errors import DsGpt2Error, IngestError, NoRoomError
+from dsgpt2.files import out_of_room, umask
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +44,27 @@ class SourceReport:
 class SkipLog:
     """Where each skipped record is: every one in the ``--report`` file (one JSON object a line: the
     file and line, or the file, row group and row; and the reason), the first few of a source in the
-    log when the source ends."""
+    log when the source ends.
+
+    The file is written beside its place and put there by :meth:`close`, whatever ended the run (what it
+    read is told): a report that cannot be written is no file at all, and one there before is kept."""
 
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = None if path is None else str(path)
         self.file: TextIO | None = None
         self.first: list[str] = []
         self.count = 0
+        self._tmp = ""
         if self.path is not None:
             try:
-                self.file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
+                directory = os.path.dirname(self.path) or "."
+                os.makedirs(directory, exist_ok=True)
+                fd, self._tmp = tempfile.mkstemp(prefix=f".{os.path.basename(self.path)}.", suffix=".tmp",
+                                                 dir=directory)  # fmt: skip
+                os.fchmod(fd, 0o666 & ~umask())  # as open() makes a file, not mkstemp's 0600
+                self.file = open(fd, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
             except OSError as exc:
-                raise IngestError(
-                    f"cannot write --report {self.path!r}: {exc.strerror or exc}; give a writable path"
-                ) from None
+                raise self._unwritten(exc) from None
 
     def add(self, source: Source, where: dict[str, Any], reason: str) -> None:
         self.count += 1
@@ -61,7 +72,10 @@ class SkipLog:
             self.first.append(f"{located(where)} ({reason})")
         if self.file is not None:
             entry = where if "file" in where else {"source": source.label, **where}
-            self.file.write(json.dumps({**entry, "reason": reason}) + "\n")
+            try:
+                self.file.write(json.dumps({**entry, "reason": reason}) + "\n")
+            except OSError as exc:
+                raise self._unwritten(exc) from None
 
     def end_source(self, source: Source, quiet: bool = False) -> None:
         """Log the first skipped records of ``source`` (not when ``quiet``: an error says more)."""
@@ -74,8 +88,36 @@ class SkipLog:
         self.first, self.count = [], 0
 
     def close(self) -> None:
-        if self.file is not None:
+        """The report in its place, whole."""
+        if self.file is None or self.path is None:
+            return
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
             self.file.close()
+            os.replace(self._tmp, self.path)
+        except OSError as exc:
+            raise self._unwritten(exc) from None
+        self.file = None
+
+    def _unwritten(self, exc: OSError) -> DsGpt2Error:
+        """What the command says where the report could not be written; its temporary file removed."""
+        if self.file is not None:
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self.file = None
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+        path = Path(self.path or "")
+        room = out_of_room(path.parent, exc)
+        if room is None:
+            return IngestError(
+                f"cannot write --report {self.path!r}: {exc.strerror or exc}; give a writable path"
+            )
+        return NoRoomError(
+            f"--report {path}: not written, {room}; the documents stored before it are kept: free space "
+            "there and re-run the same command (it resumes, and its report lists the records it reads)"
+        )
 
 
 class MissingField:

@@ -17,7 +17,7 @@ from dsgpt2.db.client import Connection, require_collections
 from dsgpt2.db.meta import read_meta
 from dsgpt2.db.summaries import aggregate_summary, first_in_order
 from dsgpt2.documents import IDX, TURNS, document_text
-from dsgpt2.files import atomic_writer
+from dsgpt2.files import output_writer
 
 
 def checked(meta: dict[str, Any], reason: Reason) -> bool:
@@ -144,8 +144,9 @@ def plot(parts: Sequence[CollectionSummary], out: Path) -> Path:
     ax.legend(loc="lower right")
     ax.set_title("what each curation pass marks")
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_writer(out, "wb", prefix=".plot-") as f:
-        fig.savefig(f, format="png", dpi=100)
-    plt.close(fig)
+    try:
+        with output_writer(out, "wb", prefix=".plot-") as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out

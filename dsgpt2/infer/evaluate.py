@@ -30,6 +30,7 @@ from dsgpt2.data.sources import DataSpec, StreamingChunks, fingerprint, make_spe
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import output_writer
 from dsgpt2.infer.loading import LoadedModel
 from dsgpt2.infer.settings import EvalRequest
 from dsgpt2.model.gpt2 import batch_nll, bits_per_byte, perplexity
@@ -221,8 +222,9 @@ def default_report_path(model_name: str, split: str) -> Path:
 
 
 def write_report(report: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    """The report at ``path``, whole or not at all (a full disk: NoRoomError)."""
+    with output_writer(path) as f:
+        f.write(json.dumps(report, indent=2) + "\n")
 
 
 def report_lines(report: dict[str, Any]) -> list[str]:

@@ -35,8 +35,8 @@ from dsgpt2.db.client import require_collections
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
-from dsgpt2.errors import ConfigError, first_line
-from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir
+from dsgpt2.errors import ConfigError, DsGpt2Error, NoRoomError, first_line
+from dsgpt2.files import atomic_write_text, atomic_writer, check_room, check_writable_dir, out_of_room
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.ranges import even_ranges
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, option
@@ -113,7 +113,8 @@ class DownloadReport:
         ]
 
 
-# What a download directory holds: shards, their manifest, the lock, a killed worker's temporary shard.
+# What a download directory holds: shards, their manifest, a killed worker's temporary shard (and the lock
+# file older versions made).
 _SHARD_FILE = re.compile(rf"shard-\d+\.jsonl|\.shard-.*|\.lock|{re.escape(MANIFEST)}")
 
 
@@ -160,12 +161,13 @@ def download(
         "shards": [list(r) for r in ranges],
     }
     if out.is_dir():
-        _check_foreign(out, _read_manifest(out))  # before the lock file goes there
+        _check_foreign(out, _read_manifest(out))  # before the lock is taken
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--out {out}: cannot make the shard directory there ({exc.strerror})") from None
-    with _exclusive(out):
+    with _exclusive(out), _told_full(out, made):
         # Nobody else writes here (we hold the lock): a temporary shard is a worker killed mid-write.
         for stale in out.glob(".shard-*"):
             stale.unlink(missing_ok=True)
@@ -200,14 +202,15 @@ def download(
         bar = progress_display("vocab download", "doc", total=total, enabled=progress)
         bar.update(sum(stop - start for k, (start, stop) in enumerate(ranges) if str(k) in manifest["done"]))
         try:
-            for k, stats in _run(pending, workers):
-                manifest["done"][str(k)] = stats
-                _write_json(out / MANIFEST, manifest)
-                report.written += 1
-                report.documents += stats["documents"]
-                report.bytes += stats["bytes"]
-                report.skipped.update(stats["skipped"])
-                bar.update(ranges[k][1] - ranges[k][0])
+            with contextlib.closing(_run(pending, workers)) as results:  # the pool ends with it
+                for k, stats in results:
+                    manifest["done"][str(k)] = stats
+                    _write_json(out / MANIFEST, manifest)
+                    report.written += 1
+                    report.documents += stats["documents"]
+                    report.bytes += stats["bytes"]
+                    report.skipped.update(stats["skipped"])
+                    bar.update(ranges[k][1] - ranges[k][0])
         finally:
             bar.close()
         report.seconds = time.monotonic() - started
@@ -226,8 +229,35 @@ def _check_foreign(out: Path, manifest: dict[str, Any] | None) -> None:
 
 def _check_out_dir(out: Path) -> None:
     """Refuse, before any query, an ``--out`` that cannot hold the shards (a file, under one, or where
-    nothing can be written)."""
+    nothing can be written, or its disk is full)."""
     check_writable_dir(out, "--out")
+    check_room(out, "--out")
+
+
+@contextlib.contextmanager
+def _told_full(out: Path, made: bool) -> Iterator[None]:
+    """A disk that fills during the download told in one line: the shards whole so far are kept (the
+    manifest lists them), the temporary ones of the workers stopped are removed, and a directory this run
+    made and filled with nothing goes too.
+
+    Raises:
+        NoRoomError: the disk filled.
+    """
+    try:
+        yield
+    except Exception as exc:
+        room = None if isinstance(exc, DsGpt2Error) else out_of_room(out, exc)
+        if room is None:
+            raise
+        for stale in out.glob(".shard-*"):  # the workers were stopped mid-write
+            stale.unlink(missing_ok=True)
+        done = len((_read_manifest(out) or {}).get("done", {}))
+        if made and not any(out.iterdir()):
+            out.rmdir()
+        raise NoRoomError(
+            f"--out {out}: the download stopped, {room}; {done} whole shard(s) kept: free space there and "
+            "re-run the same command to resume"
+        ) from None
 
 
 def _run(tasks: list[tuple[Any, ...]], workers: int) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -282,18 +312,19 @@ def shard_intact(path: Path, done: dict[str, Any]) -> bool:
 
 @contextlib.contextmanager
 def _exclusive(out: Path) -> Iterator[None]:
-    """Hold the download lock of ``out``: one download at a time writes a shard directory."""
+    """Hold the download lock of ``out``, the directory itself (no file to leave behind): one download at
+    a time writes a shard directory."""
     import fcntl
 
-    with open(out / ".lock", "a+b") as lock:
+    fd = os.open(out, os.O_RDONLY)
+    try:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ConfigError(f"another `vocab download` is writing to {out}; wait for it to end") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _load_manifest(out: Path) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from dsgpt2.data.order import ORDERS
 from dsgpt2.data.packing import PACKINGS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import check_writable_dir
+from dsgpt2.files import check_room, check_writable_dir
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
 from dsgpt2.optim.optimizers import OPTIMIZERS, OptimizerOptions
 from dsgpt2.optim.schedule import ScheduleOptions, check_warmup
@@ -256,8 +256,10 @@ class RunOptions(Checked):
 
         Raises:
             ConfigError: naming the flag (and the line).
+            NoRoomError: the workspace's disk is full.
         """
         check_writable_dir(self.workspace, "--workspace")
+        check_room(self.workspace, "--workspace")
         if self.hellaswag is not None:
             from dsgpt2.model.hellaswag import read_examples
 

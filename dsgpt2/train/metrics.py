@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -10,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.files import open_records
+from dsgpt2.errors import NoRoomError
+from dsgpt2.files import open_records, out_of_room, output_writer
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class MetricsLog:
     ) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        self._made = not self.path.exists()
         self._f = open_records(self.path)  # open for the whole run; a torn last line, one readers skip
         self._wandb: Any = None
         if wandb_mode != "off":
@@ -75,14 +78,33 @@ class MetricsLog:
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": round(time.time(), 3), **record}
-        self._f.write(json.dumps(record) + "\n")
-        self._f.flush()
+        try:
+            self._f.write(json.dumps(record) + "\n")
+            self._f.flush()
+        except OSError as exc:
+            raise self._unwritten(exc) from None
         if self._wandb is not None:
             numbers = {
                 k: v for k, v in record.items() if isinstance(v, int | float) and k not in ("time", "step")
             }
             if numbers:
                 self._wandb.log(numbers, step=record.get("step"))
+
+    def _unwritten(self, exc: OSError) -> Exception:
+        """What the run says where a record could not be written: a full disk in one line (a file this
+        run made and wrote nothing to removed); any other error as it is."""
+        room = out_of_room(self.path.parent, exc)
+        if room is None:
+            return exc
+        with contextlib.suppress(OSError):
+            self._f.close()
+        with contextlib.suppress(OSError):
+            if self._made and self.path.stat().st_size == 0:
+                self.path.unlink()
+        return NoRoomError(
+            f"{self.path}: a record could not be written, {room}; the checkpoints saved are kept: free space "
+            "there and run the same command to resume"
+        )
 
     def close(self) -> None:
         self._f.close()
@@ -154,6 +176,9 @@ def plot_losses(metrics_path: Path, out: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        with output_writer(out, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return out

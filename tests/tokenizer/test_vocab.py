@@ -341,3 +341,44 @@ def test_shards_of_another_tool_with_bytes_that_are_not_utf8_skip_those_lines(tm
     skipped = SkipTally()
     assert list(shard_texts(tmp_path, skipped=skipped)) == ["first", "last"]
     assert dict(skipped) == {"invalid_unicode": 1, "bad_json": 1}
+
+
+def test_a_download_that_fills_the_disk_is_one_error_and_resumes_once_there_is_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills under a shard: one NoRoomError naming --out; the whole shards and the manifest
+    kept, no temporary shard (a stopped worker's) and no lock file left; a directory the run made and
+    put nothing in is gone; once there is room the same download resumes."""
+    import errno
+
+    from dsgpt2.errors import NoRoomError
+
+    conn = _sample_conn(limit=300)
+    real = vocab_mod._download_shard
+
+    def fills_at(k: int):
+        def shard(task):
+            if task[2] == k:
+                Path(task[7]).with_name(".shard-stopped.tmp").write_text("{")  # a worker stopped mid-write
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(task)
+
+        return shard
+
+    out = tmp_path / "new" / "shards"
+    monkeypatch.setattr(vocab_mod, "_download_shard", fills_at(0))
+    with pytest.raises(NoRoomError) as full:
+        download(conn.config, out, workers=1, shards=3, chunk=100, progress=False)
+    assert str(full.value).startswith(f"--out {out}: the download stopped, the disk holding {out} is full")
+    assert not out.exists()
+    monkeypatch.setattr(vocab_mod, "_download_shard", fills_at(2))
+    with pytest.raises(NoRoomError, match=r"2 whole shard\(s\) kept: free space there and re-run"):
+        download(conn.config, out, workers=1, shards=3, chunk=100, progress=False)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "manifest.json",
+        "shard-00000.jsonl",
+        "shard-00001.jsonl",
+    ]
+    monkeypatch.setattr(vocab_mod, "_download_shard", real)
+    again = download(conn.config, out, workers=1, shards=3, chunk=100, progress=False)
+    assert (again.already_done, again.written, again.documents) == (2, 1, 300)
