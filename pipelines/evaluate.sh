@@ -32,6 +32,16 @@ MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-48}"
 SEED="${SEED:-0}"
 SAMPLE_OUT="${SAMPLE_OUT:-runs/eval/sample.txt}"
 
+# The sample's settings checked before the evaluation, not found wrong after it.
+if ! [[ "$MAX_NEW_TOKENS" =~ ^[0-9]+$ && "$MAX_NEW_TOKENS" -ge 1 ]]; then
+  echo "evaluate.sh: MAX_NEW_TOKENS must be a whole number of at least 1, got '$MAX_NEW_TOKENS'" >&2
+  exit 2
+fi
+if ! [[ "$SEED" =~ ^[0-9]+$ ]]; then
+  echo "evaluate.sh: SEED must be a whole number of at least 0, got '$SEED'" >&2
+  exit 2
+fi
+
 args=(evaluate --model "$MODEL_DIR" --config "$CONFIG" --split "$SPLIT" --report "$REPORT")
 if [[ -n "$MAX_BATCHES" ]]; then
   args+=(--max_batches "$MAX_BATCHES")
@@ -39,5 +49,10 @@ fi
 dsgpt2 "${args[@]}" "$@"
 
 mkdir -p "$(dirname "$SAMPLE_OUT")"
+# Written beside its place and moved there whole: a failed generation leaves the sample before it.
+sample="$(mktemp "$(dirname "$SAMPLE_OUT")/.sample.XXXXXX")"
+trap 'rm -f "$sample"' EXIT
 dsgpt2 generate --model "$MODEL_DIR" --max_new_tokens "$MAX_NEW_TOKENS" --seed "$SEED" "$PROMPT" \
-  | tee "$SAMPLE_OUT"
+  | tee "$sample"
+chmod "$(printf '%o' $((0666 & ~$(umask))))" "$sample"
+mv "$sample" "$SAMPLE_OUT"

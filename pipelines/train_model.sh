@@ -46,6 +46,10 @@ args=(--deepspeed_config "$DS_CONFIG" --config_train "$CONFIG" --vocab_dir "$TOK
   --model_select "$MODEL" --train_iters "$TRAIN_ITERS" --tr_ratio "$TR_RATIO" --seed "$SEED"
   --ckpt_dir "$CKPT_DIR" --workspace "$WORKSPACE" --data_mode "$DATA_MODE")
 
+if [[ "$LAUNCHER" != "deepspeed" && "$LAUNCHER" != "python" ]]; then
+  echo "train_model.sh: LAUNCHER must be deepspeed or python, got '$LAUNCHER'" >&2
+  exit 2
+fi
 if [[ "$LAUNCHER" == "python" ]]; then
   exec python "$project_root/ds_trainer.py" "${args[@]}" "$@"
 fi

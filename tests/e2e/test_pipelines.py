@@ -176,6 +176,24 @@ def test_help_of_a_pipeline_that_runs_several_commands_runs_none(tmp_path: Path)
     assert elsewhere.returncode == 2 and "none.json: file not found" in elsewhere.stderr, elsewhere.stderr
 
 
+def test_a_pipeline_setting_mistyped_is_refused_before_any_work(tmp_path: Path) -> None:
+    """LAUNCHER=pyhton ran the deepspeed launcher; SEED=-1 was found wrong after the whole evaluation, by
+    a generation that had already emptied the sample of the run before."""
+    env = {**_fresh_shell(), "LAUNCHER": "pyhton"}
+    typo = subprocess.run(["bash", str(ROOT / "pipelines" / "train_model.sh")], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=deadline(120))  # fmt: skip
+    assert typo.returncode == 2 and "LAUNCHER must be deepspeed or python, got 'pyhton'" in typo.stderr
+    sample = tmp_path / "sample.txt"
+    sample.write_text("the sample of the run before\n")
+    for setting, said in (("SEED", "SEED must be a whole number"), ("MAX_NEW_TOKENS", "MAX_NEW_TOKENS must")):
+        env = {**_fresh_shell(), setting: "-1", "SAMPLE_OUT": str(sample), "MODEL_DIR": str(tmp_path / "m")}
+        refused = subprocess.run(["bash", str(ROOT / "pipelines" / "evaluate.sh")], cwd=tmp_path,
+                                 capture_output=True, text=True, env=env, timeout=deadline(120))  # fmt: skip
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+        assert "dsgpt2" not in refused.stderr  # nothing run
+    assert sample.read_text() == "the sample of the run before\n"
+
+
 def test_ds_trainer_runs_from_a_python_without_the_toolkit() -> None:
     system = shutil.which("python3", path="/usr/bin:/bin")
     env = _fresh_shell()
