@@ -12,10 +12,17 @@ chunks, filed under the documents they hold (collection, lo, hi), so when the co
 new chunks are tokenized and appended. Another tokenizer, collection list or data setting rebuilds
 the cache. ``cache.json``, written last, says how many chunks are complete: a crash while appending
 leaves the cache as it was before.
+
+``cache.json`` also records, per file, the size and SHA-256 of what the cache holds of it (a prefix:
+past it lie only a killed append's leftovers, cut off by the next build). The builder checks them
+before it reuses a cache, once per directory and launch (the digest reads every byte: at about
+1.5 GB/s, seconds for GBs against hours of training); a damaged cache is built again. A reader
+(:class:`CachedChunks`, on every rank) checks the sizes only, and refuses a cache that fails them.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,7 +48,7 @@ from dsgpt2.data.sources import (
 from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.config import MongoConfig
-from dsgpt2.errors import ConfigError
+from dsgpt2.errors import ConfigError, first_line
 from dsgpt2.files import atomic_write_text, atomic_writer, check_writable_dir, is_occupied
 from dsgpt2.progress import progress as progress_display
 
@@ -53,6 +60,12 @@ _FORMER = ("train.bin", "val.bin", "train.loss.bin", "val.loss.bin", "train.offs
 
 
 _FILES = frozenset({"cache.json", "chunks.npy", "offsets.bin", "tokens.bin", "loss.bin", *_FORMER})
+_KEYS = ("fingerprint", "dtype", "chunks", "tokens")  # what every complete cache.json holds
+_BLOCK = 1 << 24  # bytes hashed at a time, a builder's tick between them
+# Per file, the hash this process last computed or wrote of what the cache holds of it, with the file's
+# (inode, size, mtime) then: a file unchanged since is not read again (``--follow`` prepares the cache at
+# each growth, and a build's check is followed by its append).
+_HASHED: dict[Path, tuple[tuple[int, int, int, int], Any]] = {}
 
 
 def check_cache_dir(cache_dir: Path, fp: dict[str, Any], overwrite: bool) -> None:
@@ -89,13 +102,110 @@ def _meta(cache_dir: Path) -> dict[str, Any] | None:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         meta = None
-    if not isinstance(meta, dict):
+    if not isinstance(meta, dict) or (meta.get("format") == FORMAT and any(k not in meta for k in _KEYS)):
         # Written whole or not at all (atomically): damaged since, it stands for no complete chunk.
         if path not in _DAMAGED:
             _DAMAGED.add(path)
             log.warning("%s is damaged: the cache is built again from its first chunk", path)
         return None
     return meta if meta.get("format") == FORMAT else None
+
+
+def _stamp(path: Path, size: int) -> tuple[int, int, int, int]:
+    st = path.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, size
+
+
+def _hash_prefix(path: Path, size: int, tick: Callable[[], None] | None = None) -> Any:
+    """The SHA-256 (a ``hashlib`` object, to go on with) of the first ``size`` bytes of ``path``;
+    not read again while the file is as this process last hashed or wrote it. SHA-256, as the other
+    artifacts' digests: in the standard library, as fast as a disk reads, what ``sha256sum`` prints."""
+    stamp = _stamp(path, size)
+    known = _HASHED.get(path)
+    if known is not None and known[0] == stamp:
+        return known[1].copy()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        left = size
+        while left > 0 and (block := f.read(min(left, _BLOCK))):
+            h.update(block)
+            left -= len(block)
+            if tick is not None:
+                tick()
+    _HASHED[path] = (stamp, h.copy())
+    return h
+
+
+def _held(cache_dir: Path, meta: dict[str, Any]) -> tuple[np.ndarray, dict[str, int]]:
+    """The complete chunks' rows, and the bytes the cache holds of each data file: as ``cache.json``
+    records them, or, in one written before it recorded them, as its chunks and offsets say.
+
+    Raises:
+        ValueError: chunks.npy or offsets.bin is unreadable or short (the message names it).
+    """
+    k = int(meta["chunks"])
+    try:
+        rows = np.load(cache_dir / "chunks.npy").reshape(-1, 3)
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"chunks.npy cannot be read ({first_line(exc)})") from None
+    if len(rows) < k:
+        raise ValueError(f"chunks.npy holds {len(rows)} chunks, fewer than the {k} of cache.json")
+    rows = rows[:k].astype(np.int64)
+    if "files" in meta:
+        return rows, {n: int(r["size"]) for n, r in meta["files"].items() if n != "chunks.npy"}
+    docs = int((rows[:, 2] - rows[:, 1]).sum())
+    sizes = {"offsets.bin": (docs + 1) * 8}
+    path = cache_dir / "offsets.bin"
+    if not path.is_file() or path.stat().st_size < sizes["offsets.bin"]:
+        raise ValueError(f"offsets.bin is missing or shorter than the {sizes['offsets.bin']} bytes expected")
+    tokens = int(np.memmap(path, dtype=np.int64, mode="r", shape=(docs + 1,))[docs])
+    sizes["tokens.bin"] = tokens * np.dtype(meta["dtype"]).itemsize
+    if meta["fingerprint"].get("task") == "conversation":
+        sizes["loss.bin"] = tokens
+    return rows, sizes
+
+
+def _fault(
+    cache_dir: Path, meta: dict[str, Any], tick: Callable[[], None] | None = None, *, digests: bool = True
+) -> str | None:
+    """What is wrong with the files of the complete cache ``meta`` describes, or None: a file missing or
+    shorter than what the cache holds of it, or (``digests``) whose content is not what was written.
+    A cache.json without sizes and digests (an earlier dsgpt2's) is checked against its own offsets."""
+    try:
+        rows, sizes = _held(cache_dir, meta)
+    except ValueError as exc:
+        return str(exc)
+    for name, size in sizes.items():
+        path = cache_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size < size:  # longer is a killed append's leftovers
+            return f"{name} holds {path.stat().st_size} bytes, fewer than the {size} of cache.json"
+    recorded = meta.get("files") if digests else None
+    for name, record in (recorded or {}).items():
+        if name == "chunks.npy":
+            digest = hashlib.sha256(rows.tobytes()).hexdigest()
+        else:
+            digest = _hash_prefix(cache_dir / name, int(record["size"]), tick).hexdigest()
+        if digest != record["sha256"]:
+            return f"{name} is not what was written (its SHA-256 differs from cache.json's)"
+    return None
+
+
+def _reusable(
+    cache_dir: Path, fp: dict[str, Any], tick: Callable[[], None] | None = None
+) -> dict[str, Any] | None:
+    """The meta of the complete cache of ``fp`` in ``cache_dir``, its files as it records them; else None.
+    A damaged one is said in one line and its cache.json removed: it is built again from its first chunk."""
+    meta = _meta(cache_dir)
+    if meta is None or meta["fingerprint"] != fp:
+        return None
+    fault = _fault(cache_dir, meta, tick)
+    if fault is None:
+        return meta
+    log.warning("token cache %s is damaged: %s; it is built again from its first chunk", cache_dir, fault)
+    (cache_dir / "cache.json").unlink(missing_ok=True)
+    return None
 
 
 class CachedChunks(ChunkSource):
@@ -106,6 +216,7 @@ class CachedChunks(ChunkSource):
         streams: the collections read as one pool (default: all of them).
 
     Raises:
+        ConfigError: no complete cache in ``cache_dir``, or one whose files are missing or cut short.
         KeyError: (on access) a document of a chunk the cache does not hold.
     """
 
@@ -119,7 +230,13 @@ class CachedChunks(ChunkSource):
     ) -> None:
         self.cache_dir = cache_dir
         self.split = split
-        meta = _meta(cache_dir) or {}
+        meta = _meta(cache_dir)
+        fault = "it holds no complete token cache" if meta is None else _fault(cache_dir, meta, digests=False)
+        if meta is None or fault is not None:
+            raise ConfigError(
+                f"--cache_dir {cache_dir}: {fault}; build it again with `dsgpt2 tokenize` (the run's data "
+                "flags), or delete the directory for the run to build it"
+            )
         fp = meta["fingerprint"]
         # The files hold each document's tokens; how they are packed is the reading run's.
         self.spec = replace(spec_of(fp), packing=packing)
@@ -216,12 +333,13 @@ def build_cache(
     progress: bool = True,
 ) -> dict[str, int]:
     """Tokenize every document of ``source``'s table into ``cache_dir``: the chunks it already holds
-    under the same fingerprint are kept, the others appended. Return the tokens per split.
+    under the same fingerprint are kept (its files checked first: a damaged cache is built again),
+    the others appended; each file's size and digest recorded. Return the tokens per split.
     ``tick``: called after each chunk (a training run's other ranks wait meanwhile); ``progress``:
     False for no progress at all."""
     cache_dir.mkdir(parents=True, exist_ok=True)
-    meta = _meta(cache_dir)
-    if meta is None or meta["fingerprint"] != fp:
+    meta = _reusable(cache_dir, fp, tick)
+    if meta is None:
         (cache_dir / "cache.json").unlink(missing_ok=True)
         for name in _FORMER:
             (cache_dir / name).unlink(missing_ok=True)
@@ -232,8 +350,12 @@ def build_cache(
     rows = np.load(cache_dir / "chunks.npy")[:k].reshape(-1, 3) if k else np.empty((0, 3), dtype=np.int64)
     have = {tuple(r) for r in rows.tolist()}
     todo = [c for c in range(table.n_chunks) if table.locate(c) not in have]
-    if k and not todo:
+    if k and not todo and "files" in meta:
         return dict(meta["tokens"])  # up to date: the files are left untouched
+    if k and "files" not in meta:
+        log.info(
+            "token cache %s: its files' sizes and digests recorded (an earlier dsgpt2 wrote it)", cache_dir
+        )
     done = int((rows[:, 2] - rows[:, 1]).sum())  # documents the complete chunks hold
     end = int(np.memmap(cache_dir / "offsets.bin", dtype=np.int64, mode="r")[done]) if k else 0
     totals = {"train": 0, "val": 0, **meta["tokens"]}
@@ -244,19 +366,28 @@ def build_cache(
     handles = {}
     for name, dt, role, keep in files:
         path = cache_dir / name
+        # The hash goes on from what the cache holds (checked above) over what is appended.
+        h = _hash_prefix(path, keep * dt.itemsize, tick) if k else hashlib.sha256()
         f = open(path, "r+b" if path.exists() and k else "wb")  # noqa: SIM115
         f.truncate(keep * dt.itemsize if k else 0)  # a crash's leftovers
         f.seek(0, 2)
-        handles[role] = (f, dt)
+        handles[role] = (f, dt, h)
+
+    def put(role: str, values: np.ndarray) -> None:
+        f, dt, h = handles[role]
+        data = values.astype(dt).tobytes()
+        f.write(data)
+        h.update(data)
+
     if not k:
-        handles["offsets"][0].write(np.zeros(1, dtype=np.int64).tobytes())
+        put("offsets", np.zeros(1, dtype=np.int64))
     try:
         loader = start_loader(_DocumentTokens(source), todo, workers) if todo else iter(())
         for item in loader:
-            handles["tokens"][0].write(item.flat.astype(dtype).tobytes())
+            put("tokens", item.flat)
             if "loss" in handles and item.loss is not None:
-                handles["loss"][0].write(item.loss.astype(np.bool_).tobytes())
-            handles["offsets"][0].write((end + np.cumsum(item.lengths)).astype(np.int64).tobytes())
+                put("loss", item.loss)
+            put("offsets", end + np.cumsum(item.lengths))
             end += int(item.lengths.sum())
             _count(totals, item.lengths, table.locate(item.chunk), source.spec, fp["collections"])
             bar.update(1)
@@ -264,13 +395,19 @@ def build_cache(
                 tick()
     finally:
         bar.close()
-        for f, _ in handles.values():
+        for f, _, _ in handles.values():
             f.flush()
             os.fsync(f.fileno())
             f.close()
     added = np.array([table.locate(c) for c in todo], dtype=np.int64).reshape(-1, 3)
-    _save(cache_dir / "chunks.npy", np.concatenate([rows, added]))
-    meta = {**meta, "chunks": k + len(todo), "tokens": totals}
+    rows = np.concatenate([rows, added]).astype(np.int64)
+    _save(cache_dir / "chunks.npy", rows)
+    record = {"chunks.npy": {"size": rows.nbytes, "sha256": hashlib.sha256(rows.tobytes()).hexdigest()}}
+    for name, _, role, _ in files:
+        size, h = (cache_dir / name).stat().st_size, handles[role][2]
+        _HASHED[cache_dir / name] = (_stamp(cache_dir / name, size), h.copy())
+        record[name] = {"size": size, "sha256": h.hexdigest()}
+    meta = {**meta, "chunks": len(rows), "tokens": totals, "files": record}
     atomic_write_text(cache_dir / "cache.json", json.dumps(meta, indent=1) + "\n")
     return totals
 
@@ -318,7 +455,7 @@ def prepare_cache(
         check_cache_dir(cache_dir, fp, overwrite or force)
     if force:
         (cache_dir / "cache.json").unlink(missing_ok=True)
-    before = (_meta(cache_dir) or {}).get("chunks", 0) if cache_fingerprint(cache_dir) == fp else 0
+    before = int((_reusable(cache_dir, fp, tick) or {}).get("chunks", 0))
     source = StreamingChunks(config, table, tokenizer_dir, spec, "all")
     build_cache(source, cache_dir, fp, load_vocab_size(tokenizer_dir), workers=workers, tick=tick,
                 progress=progress)  # fmt: skip

@@ -24,6 +24,7 @@ from dsgpt2.data.split import split_mask
 from dsgpt2.data.table import ChunkTable
 from dsgpt2.db.client import Connection
 from dsgpt2.db.wrapper import MongoWrapper
+from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from pace import deadline, wait_for
@@ -582,7 +583,7 @@ def test_a_cache_of_packed_blocks_is_rebuilt_as_tokens_per_document(
     fp = fingerprint(conn.config, tokenizer, spec)
     (tmp_path / "train.bin").write_bytes(b"\0" * 64)
     (tmp_path / "cache.json").write_text(json.dumps({"fingerprint": fp, "dtype": "uint16", "chunks": 15}))
-    with pytest.raises(KeyError):
+    with pytest.raises(ConfigError, match="holds no complete token cache"):
         CachedChunks(tmp_path, "train", everything.table)
     totals = build_cache(everything, tmp_path, fp, 400, workers=0)
     assert not (tmp_path / "train.bin").exists() and totals["train"] > 0
