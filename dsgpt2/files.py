@@ -152,13 +152,13 @@ def no_room(where: Path, needed: int = ROOM_TO_START) -> str | None:
     return None if free >= needed else f"the disk holding {where} is full ({free / 2**20:.0f} MB free)"
 
 
-def check_room(path: str | os.PathLike[str], flag: str) -> None:
-    """Refuse, before the work, an output whose disk is full (:func:`no_room`).
+def check_room(path: str | os.PathLike[str], flag: str, needed: int = ROOM_TO_START) -> None:
+    """Refuse, before the work, an output whose disk is full (:func:`no_room`: ``needed`` bytes).
 
     Raises:
         NoRoomError: naming ``flag`` and the disk.
     """
-    room = no_room(Path(path))
+    room = no_room(Path(path), needed)
     if room is not None:
         raise NoRoomError(
             f"{flag} {path}: {room}; nothing was done: free space there (or name another place) and re-run"

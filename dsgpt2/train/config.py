@@ -259,7 +259,8 @@ class RunOptions(Checked):
             NoRoomError: the workspace's disk is full.
         """
         check_writable_dir(self.workspace, "--workspace")
-        check_room(self.workspace, "--workspace")
+        # Its files are small (a config, a line a step); the checkpoints' disk is checked as they are saved.
+        check_room(self.workspace, "--workspace", needed=2**16)
         if self.hellaswag is not None:
             from dsgpt2.model.hellaswag import read_examples
 
