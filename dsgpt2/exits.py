@@ -37,6 +37,18 @@ def run_command(prog: str, command: Callable[[], int]) -> int:
             file=sys.stderr,
         )
         return 1
+    except Exception as exc:
+        if not server_internal_error(exc):
+            raise
+        # The server's own failure, not the command's: on the embedded server, its files damaged.
+        print(
+            f"{prog}: error: the database server failed a command with an internal error "
+            f"({(getattr(exc, 'details', None) or {}).get('errmsg', 'InternalError')}); "
+            "its data may be damaged: a local:// database's server.log (in its directory) names what it "
+            "could not read; restore that directory from a copy, or ingest again into a new one",
+            file=sys.stderr,
+        )
+        return 2
     except KeyboardInterrupt:
         # Before training started (or a second Ctrl-C): nothing to save yet, or asked not to.
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -59,3 +71,9 @@ def out_of_memory(exc: BaseException) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
+def server_internal_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the server's InternalError (code 1): what the embedded server answers a read of
+    a table file it cannot use (truncated, a byte changed)."""
+    return type(exc).__name__ == "OperationFailure" and getattr(exc, "code", None) == 1

@@ -73,3 +73,19 @@ def test_data_without_the_engines_own_record_is_refused_and_left_as_it_is(local_
     assert "its data holds tables but not WiredTiger.turtle" in info.stderr
     assert "begin an empty database" in info.stderr and "Traceback" not in info.stderr
     assert sorted(p.name for p in (directory / "data").iterdir()) == before  # nothing set aside
+
+
+def test_a_damaged_table_file_is_one_line_naming_the_servers_log(local_db: Any) -> None:
+    """A table file cut short (a copy interrupted, a disk's fault): the server answers every read of it
+    with InternalError, which had ended each command in the driver's traceback."""
+    cfg, directory = local_db
+    assert run_cli("ingest", "--config", str(cfg), "--sample", "stdlib", "--limit", "20").returncode == 0
+    assert run_cli("db", "stop", str(directory)).returncode == 0
+    table = directory / "data" / "secantus_collections.wt"
+    with open(table, "r+b") as f:
+        f.truncate(table.stat().st_size // 2)
+    for command in (("info",), ("validate",)):
+        result = run_cli(*command, "--config", str(cfg))
+        assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+        assert "the database server failed a command with an internal error" in result.stderr
+        assert "server.log" in result.stderr and "Traceback" not in result.stderr
