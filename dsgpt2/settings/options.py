@@ -173,6 +173,14 @@ def as_path(value: str | Path | None) -> Path | None:
     return None if value is None else Path(value)
 
 
+def a_path(text: str) -> Path:
+    """A path flag's value: an empty one (a script's unset ``$DIR``) is refused, not taken for the working
+    directory, where a run would write over files of the user's."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file or directory ('.' for this one)")
+    return Path(text)
+
+
 # ---------------------------------------------------------------- fields
 
 
@@ -333,6 +341,8 @@ def _add_field(
             kind = typing.get_args(kind)[0]
         check = meta.get("check")
         kwargs["type"] = meta.get("type") or (check.convert if check is not None else kind)
+        if kwargs["type"] is Path:
+            kwargs["type"] = a_path
         if meta.get("choices"):
             kwargs["choices"] = list(meta["choices"])
         if meta.get("metavar"):

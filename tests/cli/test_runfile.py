@@ -410,4 +410,18 @@ def test_a_value_built_by_yaml_aliases_is_shown_bounded(
     with pytest.raises(SystemExit):
         parse(["--config", str(write(tmp_path / "run.yaml", text))])
     err = capsys.readouterr().err
-    assert "key 'model_config' must be a single value, got [['x', " in err and len(err) < 600, err[:600]
+    assert "key 'model_config' must be a single value, got [['x', " in err and len(err) < 1000, err[:1000]
+
+
+def test_an_empty_path_is_refused_not_taken_for_the_working_directory(
+    tmp_path: Path, files: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--workspace ''` (a script's unset variable) wrote config.yaml, metrics.jsonl and loss.png over the
+    files of the directory the user stood in."""
+    run = yaml_run(tmp_path, files)
+    empty = write(tmp_path / "e.yaml", run.read_text() + "ckpt_dir: ''\n")
+    for argv in (["--config", str(run), "--workspace", ""], ["--config", str(empty)]):
+        with pytest.raises(SystemExit) as caught:
+            parse(argv)
+        err = capsys.readouterr().err
+        assert caught.value.code == 2 and "an empty path; name a file or directory ('.' for this one)" in err
