@@ -398,7 +398,8 @@ def shard_texts(
     """The texts of every shard in ``directory``, in shard order, one line at a time.
 
     Raises:
-        ConfigError: the directory holds no shard.
+        ConfigError: the directory holds no shard, the shards of an unfinished download, or one that is not
+            what its download wrote (size and SHA-256 in the manifest), before any text is read.
     """
     files = sorted(directory.glob("shard-*.jsonl"))
     if not files:
@@ -423,7 +424,12 @@ def shard_texts(
 
 
 def _check_download(directory: Path) -> None:
-    """Refuse shards of an unfinished download, or ones cut short since (sizes in the manifest)."""
+    """Refuse shards of an unfinished download, or ones cut short, damaged or edited since (the sizes and
+    SHA-256 the manifest records).
+
+    Every shard is hashed here, before the first text goes to the trainer (a second sequential read, about
+    as cheap as hashing the lines as they are parsed): a damaged shard is refused at once, not after the
+    trainer has counted the words of the shards before it."""
     rerun = "re-run `dsgpt2 vocab download` with the same options to finish it"
     try:
         manifest = _load_manifest(directory)
@@ -442,6 +448,12 @@ def _check_download(directory: Path) -> None:
         size = path.stat().st_size if path.exists() else None
         if size != entry.get("file_bytes", size):
             raise ConfigError(f"{path} is missing or not the size the download wrote; {rerun}")
+        if "sha256" in entry and not shard_intact(path, entry):
+            raise ConfigError(
+                f"{path} is not the shard the download wrote (damaged or edited since: its SHA-256 is not "
+                f"the one in {MANIFEST}); re-run `dsgpt2 vocab download` with the same options and "
+                f"--out {directory}: it writes that shard again"
+            )
 
 
 def mongo_texts(

@@ -196,6 +196,34 @@ def test_download_is_resumable_and_complete(tmp_path: Path, monkeypatch: pytest.
     assert shard.read_text() == (straight / shard.name).read_text()
 
 
+def test_training_refuses_a_shard_damaged_at_the_same_size(tmp_path: Path) -> None:
+    """NUL bytes over part of a shard, its size unchanged (a bad block, a torn copy): `vocab train` refuses
+    it before the first text, in one line naming the shard and the download that writes it again, and no
+    tokenizer is written; the download, re-run, rewrites that shard and training then goes through."""
+    conn = _sample_conn(limit=600)
+    shards, tok = tmp_path / "shards", tmp_path / "tok"
+    download(conn.config, shards, workers=1, shards=2, chunk=100, progress=False)
+    shard = shards / "shard-00001.jsonl"
+    whole = shard.read_bytes()
+    with open(shard, "r+b") as f:
+        f.seek(len(whole) // 2)
+        f.write(b"\0" * 2000)
+    assert shard.stat().st_size == len(whole)
+    with pytest.raises(ConfigError, match=r"shard-00001\.jsonl is not the shard the download wrote"):
+        next(shard_texts(shards))
+    train = ("vocab", "train", "--input", str(shards), "--out", str(tok), "--vocab_size", "300")
+    refused = run_cli(*train, "--no_progress")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stderr
+    assert len(refused.stderr.splitlines()) == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{shard} is not the shard the download wrote (damaged or edited since" in refused.stderr
+    assert f"re-run `dsgpt2 vocab download` with the same options and --out {shards}" in refused.stderr
+    assert os.listdir(tmp_path) == ["shards"]  # no tokenizer, no staging directory beside it
+    redo = download(conn.config, shards, workers=1, shards=2, chunk=100, progress=False)
+    assert (redo.already_done, redo.written) == (1, 1) and shard.read_bytes() == whole
+    trained = run_cli(*train, "--no_progress")
+    assert trained.returncode == 0 and "600 documents" in trained.stdout, trained.stderr
+
+
 def test_training_refuses_an_unfinished_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     conn = _sample_conn(limit=300)
     real = vocab_mod._download_shard
