@@ -21,6 +21,7 @@ from dsgpt2.checkpoints.format import (
     CheckpointError,
     has_checkpoints,
     is_partitioned,
+    not_a_run_directory,
     peek_tag,
     read_client_state,
     resolve,
@@ -155,6 +156,9 @@ class Checkpointer:
                 )
             load_dir = self.store.local
         if load_dir is None:
+            foreign = None if self.store.staged else not_a_run_directory(self.store.local)
+            if foreign is not None:
+                raise CheckpointError(foreign)
             return None
         # Where nothing usable is there, only the trainer can start afresh instead: its advice.
         fresh = "start fresh with another --ckpt_dir"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,29 @@ def _broken(problem: str, ckpt_dir: Path, bad: str | None = None, fresh: str = "
 def has_checkpoints(ckpt_dir: Path) -> bool:
     """Whether ``ckpt_dir`` holds a ``latest`` file or any complete checkpoint."""
     return (ckpt_dir / LATEST).exists() or bool(complete_tags(ckpt_dir))
+
+
+def not_a_run_directory(ckpt_dir: Path) -> str | None:
+    """Why a new run may not save its checkpoints into ``ckpt_dir`` (one that holds no checkpoint): it is
+    one checkpoint (a tag's directory), or it holds files no run wrote (a folder of the user's); None when
+    it is absent, empty or holds only what a run writes (tags, pointers, DeepSpeed's zero_to_fp32.py)."""
+    if not ckpt_dir.is_dir():
+        return None
+    names = os.listdir(ckpt_dir)
+    if COMPLETE in names or any(n.endswith("_model_states.pt") for n in names):
+        return (
+            f"--ckpt_dir {ckpt_dir} is one checkpoint (a tag of {ckpt_dir.parent}), not a run's directory of "
+            f"them: give {ckpt_dir.parent} to resume that run, or a new directory for a new one"
+        )
+    ours = (LATEST, BEST, "zero_to_fp32.py")
+    theirs = sorted(n for n in names if n not in ours and not n.startswith(("global_step", ".")))
+    if theirs:
+        shown = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+        return (
+            f"--ckpt_dir {ckpt_dir} holds files that are not checkpoints ({shown}): a run would save among "
+            "them; give an empty or new directory"
+        )
+    return None
 
 
 def peek_tag(load_dir: Path, ckpt_id: str | None) -> str | None:
