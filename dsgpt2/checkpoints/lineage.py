@@ -417,6 +417,7 @@ def _check_exist(
 
     conn = Connection(mongo)
     try:
+        conn.ping()  # a server that does not answer: one line now, not a read's retries
         for doc, c, idx in past:
             name = table.names[c]
             bounds = idx_bounds(conn, name)
@@ -467,6 +468,7 @@ def _check_prefix(mongo: MongoConfig, record: dict[str, Any]) -> None:
 
     conn = Connection(mongo)
     try:
+        conn.ping()  # a server that does not answer: one line now, not a read's retries
         problems = prefix_problems(conn, record, read_marks(conn))
     finally:
         conn.close()

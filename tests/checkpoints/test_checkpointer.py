@@ -93,7 +93,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> Iterator[Any]:
 
 
 def settings(tmp_path: Path, train_iters: int = 10, **ckpt: Any) -> CheckpointSettings:
-    options = CheckpointOptions(ckpt_dir=tmp_path / "ckpt", **ckpt)
+    options = CheckpointOptions(**{"ckpt_dir": tmp_path / "ckpt", **ckpt})
     args = {"train_iters": train_iters, "model_select": "tiny", "ckpt_dir": str(options.ckpt_dir)}
     resolved = f"# The resolved configuration.\ntrain_iters: {train_iters}\n"
     return CheckpointSettings(options, train_iters, tmp_path / "tok", args, resolved)
@@ -305,3 +305,24 @@ def test_an_older_checkpoint_resumed_never_adopts_the_later_ones_of_another_run(
     assert weight("global_step4") == 0.25 and (ckpt / LATEST).read_text() == "global_step4"
     # Resumed from its own latest, that run continues itself.
     assert checkpointer(settings(tmp_path, train_iters=10), corpus).find() is not None
+
+
+def test_a_fresh_run_refuses_a_directory_that_is_a_checkpoint_or_the_users(tmp_path: Path, corpus) -> None:
+    """`--ckpt_dir run/ckpt/global_step5` saved a run inside a finished checkpoint (global_step5/
+    global_step5 and a latest beside its files); `--ckpt_dir txt` saved among the user's files."""
+    first = checkpointer(settings(tmp_path, train_iters=6), corpus)
+    first.find()
+    save(first, corpus, 2, FakeEngine(weight=0.5))
+    inside = tmp_path / "ckpt" / "global_step2"
+    before = sorted(p.name for p in inside.iterdir())
+    with pytest.raises(CheckpointError, match=r"global_step2 is one checkpoint \(a tag of .*ckpt\), not a"):
+        checkpointer(settings(tmp_path, train_iters=6, ckpt_dir=inside), corpus).find()
+    assert sorted(p.name for p in inside.iterdir()) == before
+    users = tmp_path / "txt"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"holds files that are not checkpoints \(notes.txt\)"):
+        checkpointer(settings(tmp_path, train_iters=6, ckpt_dir=users), corpus).find()
+    # Empty, or a run's own (a crash before its first whole checkpoint): a fresh start, as before.
+    (tmp_path / "empty").mkdir()
+    assert checkpointer(settings(tmp_path, train_iters=6, ckpt_dir=tmp_path / "empty"), corpus).find() is None

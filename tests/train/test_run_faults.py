@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, check_lineage
+from conftest import ROOT, check_lineage, run_cli, write_config
 from dsgpt2.train.metrics import read_metrics
 from forks import python_that_forks
 from pace import deadline
@@ -100,6 +100,16 @@ def test_nonfinite_loss_is_skipped_then_aborts(corpus: dict[str, Path], tmp_path
     assert "non-finite losses skipped: 1" in result.stdout
     # The skipped micro-batch was read, never trained on: not in the document's steps.
     check_lineage(tmp_path / "once" / "ckpt", tmp_path / "once" / "ws", corpus["config"], {"stdlib": 2000})
+    # The corpus's server not answering: one line at once, as every command says it (not a read's retries).
+    same = json.loads(corpus["config"].read_text())  # the run's data, on a server that is not there
+    same.update(MONGO_CONNECTION_STRING="mongodb://u:s3cret@127.0.0.1:1", SERVER_SELECTION_TIMEOUT_MS=500)
+    gone = write_config(tmp_path / "gone.json", **same)
+    started = time.monotonic()
+    answer = run_cli("lineage", "--ckpt_dir", str(tmp_path / "once" / "ckpt"), "--doc", "stdlib:1",
+                     "--config", str(gone))  # fmt: skip
+    assert answer.returncode != 0 and answer.stderr.count("\n") == 1, answer.stderr
+    assert "127.0.0.1:1" in answer.stderr and "s3cret" not in answer.stderr
+    assert time.monotonic() - started < 30
 
     bad = train(
         corpus,
