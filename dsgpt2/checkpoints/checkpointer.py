@@ -5,8 +5,6 @@ before any model is built; restoring it into the engine; saving (into the run's 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -26,7 +24,6 @@ from dsgpt2.checkpoints.format import (
     not_a_run_directory,
     peek_tag,
     read_client_state,
-    read_marker,
     resolve,
 )
 from dsgpt2.checkpoints.options import RESOLVED, CheckpointOptions
@@ -40,10 +37,6 @@ from dsgpt2.stores.base import Store, where
 
 log = logging.getLogger(__name__)
 
-
-# The options that say where a run's checkpoints are, which one it resumes and where it logs: not how it
-# trains, so not part of its trajectory (trajectory()).
-_PLACES = ("ckpt_dir", "load_dir", "ckpt_id", "no_resume", "rewind", "ignore_fingerprint", "workspace")
 
 # The settings that give a GPT-2 its shape, as a user calls them.
 MODEL_SHAPE = {"n_layer": "layers", "n_embd": "width", "n_head": "heads", "n_inner": "inner width",
@@ -166,7 +159,6 @@ class Checkpointer:
             foreign = None if self.store.staged else not_a_run_directory(self.store.local)
             if foreign is not None:
                 raise CheckpointError(foreign)
-            _follow(self.publisher, trajectory(self.settings.args, self.world, None, 0, grown=False))
             return None
         # Where nothing usable is there, only the trainer can start afresh instead: its advice.
         fresh = "start fresh with another --ckpt_dir"
@@ -186,12 +178,6 @@ class Checkpointer:
         self._check_fingerprint(saved["fingerprint"], named)
         self._check_data(saved, named)
         self._check_zero_stage(load_dir, tag, named)
-        grown = tuple(ChunkTable.from_dict(saved["data"]["table"]).marks) != tuple(self.marks)
-        ours = trajectory(
-            self.settings.args, self.world, read_marker(load_dir, tag) or {}, saved["step"], grown=grown
-        )
-        _check_later(self.publisher, self.settings.ckpt.rewind, (load_dir, tag, saved["step"]), ours, named)
-        _follow(self.publisher, ours)
         ranks = len(saved["data"]["ranks"])
         if ranks == self.world:
             return load_dir, tag, saved["data"]
@@ -400,66 +386,6 @@ class Checkpointer:
         """Name ``tag`` (saved) the run's best checkpoint."""
         assert self.publisher is not None
         self.publisher.mark_best(tag)
-
-
-def _follow(publisher: Publisher | None, ours: dict[str, str]) -> None:
-    """Every checkpoint this run saves records its trajectory."""
-    if publisher is not None:
-        publisher.trajectory = ours
-
-
-def _check_later(
-    publisher: Publisher | None,
-    rewind: bool,
-    resumed: tuple[Path, str, int],
-    ours: dict[str, str],
-    where: Path,
-) -> None:
-    """Checkpoints after the resumed one (``resumed``: where it is, its tag and step) in ``--ckpt_dir`` that
-    this run would not save as they are (of another trajectory: resumed from an older checkpoint, or with
-    other options) are refused, or with ``rewind`` deleted: a save at their step keeps a checkpoint already
-    there, and `latest` would name another run's weights than the ones this run trained."""
-    if publisher is None:
-        return
-    load_dir, tag, step = resumed
-    store = publisher.store
-    later = sorted(
-        (m.get("step", 0), t) for t, m in store.tags().items()
-        if not t.endswith(UNIVERSAL) and m.get("step", 0) > step and m.get("trajectory") != ours["trajectory"]
-    )  # fmt: skip
-    if not later:
-        return
-    tags = [t for _, t in later]
-    if rewind:
-        publisher.rewind(tag if load_dir == store.local else None, tags, str(where))
-        return
-    elsewhere = "another --ckpt_dir" if store.staged else f"another --ckpt_dir (--load_dir {load_dir})"
-    raise CheckpointError(
-        f"{where} is older than {', '.join(tags)} in {store.location}, saved by another run from it "
-        "(resumed from an older checkpoint, or with other options), which this run would not continue: "
-        f"pass --rewind to delete them and train on from {tag}, or resume it into {elsewhere}"
-    )
-
-
-def trajectory(
-    args: dict[str, Any], world: int, resumed: dict[str, Any] | None, step: int, *, grown: bool
-) -> dict[str, str]:
-    """What a run's checkpoints record of the road their weights took (``trajectory``) and of the options
-    it trains with (``recipe``: every option but where checkpoints are and which one is resumed, and the
-    number of ranks). A resume from a checkpoint (its marker ``resumed``, at ``step``) with its recipe and
-    no documents taken in since (``grown``) goes on along its trajectory: it saves what that run saved at
-    the same steps. Any other resume, or one from a checkpoint that records none, starts a new one."""
-    kept = {k: v for k, v in sorted(args.items()) if k not in _PLACES}
-    recipe = json.dumps({"args": kept, "world": world}, sort_keys=True, default=str)
-    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
-    if resumed is None:
-        origin = "fresh"
-    elif resumed.get("trajectory") and resumed.get("recipe") == digest and not grown:
-        return {"trajectory": str(resumed["trajectory"]), "recipe": digest}
-    else:
-        origin = f"{resumed.get('trajectory', 'unrecorded')}@{step}"
-    road = hashlib.sha256(f"{origin}:{digest}".encode()).hexdigest()[:16]
-    return {"trajectory": road, "recipe": digest}
 
 
 def check_saved_data(

@@ -29,11 +29,6 @@ class CheckpointOptions(Checked):
     ignore_fingerprint: bool = option(
         False, "resume although the corpus or tokenizer changed since the checkpoint"
     )
-    rewind: bool = option(
-        False,
-        "resume an older checkpoint (--ckpt_id) although --ckpt_dir holds later ones of another run "
-        "from it: those are deleted, and this run saves those steps anew",
-    )
 
     def convert(self) -> None:
         self.ckpt_dir, self.load_dir = Path(self.ckpt_dir), as_path(self.load_dir)

@@ -88,8 +88,6 @@ class Publisher:
         self.rank, self.world, self.wait_s = rank, world, wait_s
         self.background = store.staged if background is None else background
         self.published: str | None = None  # the latest as this run last saw it
-        # What each marker records of the run that saved it (its trajectory: Checkpointer.find, rank 0).
-        self.trajectory: dict[str, str] = {}
         self._thread: threading.Thread | None = None
         self._error: tuple[str, str] | None = None
         # A save marked best while it is being kept: `best` is pointed at it once it is whole.
@@ -143,8 +141,7 @@ class Publisher:
 
         def publish() -> None:
             try:
-                files = [file_digests(self.store.local / tag)]
-                self._publish(tag, {**merged_marker(step, time.time(), files), **self.trajectory})
+                self._publish(tag, merged_marker(step, time.time(), [file_digests(self.store.local / tag)]))
             except OSError as exc:  # the disk: every rank stops with it, none waits out --dist_timeout
                 raise self._no_room(tag, exc) or CheckpointError(
                     f"saving {where(self.store, tag)} failed: {exc}"
@@ -180,25 +177,6 @@ class Publisher:
 
         return bool(on_rank0(held))
 
-    def rewind(self, resumed: str | None, later: list[str], named: str) -> None:
-        """Delete ``later``, checkpoints of another run after the one this run resumes (``named``; its tag
-        ``resumed`` where this store holds it), before this run saves (rank 0). ``latest`` is first moved
-        off them, onto ``resumed`` (else the newest other whole checkpoint): a run killed meanwhile resumes
-        from a whole checkpoint."""
-        store = self.store
-        whole = store.tags()
-        if _pointer(store, LATEST) in later:
-            others = sorted((m.get("step", 0), t) for t, m in whole.items()
-                            if t not in later and not t.endswith(UNIVERSAL))  # fmt: skip
-            target = resumed if resumed in whole else (others[-1][1] if others else None)
-            if target is not None:  # else `latest` names a deleted tag: a resume refuses it in one line
-                store.write(LATEST, target)
-        for tag in later:
-            store.delete(tag)
-            store.delete(tag + UNIVERSAL)
-            log.warning("--rewind: deleted %s, saved by another run from %s", where(store, tag), named)
-        self.published = _pointer(store, LATEST)
-
     def mark_best(self, tag: str) -> None:
         """Point ``best`` at ``tag`` once it is whole (rank 0): now, or by the save still being kept,
         without waiting for it."""
@@ -215,9 +193,7 @@ class Publisher:
             mine = store.put(tag, own_files(store.local / tag, self.rank))
             store.write(self._manifest(tag, self.rank), json.dumps(mine))
             if self.rank == 0:
-                self._publish(
-                    tag, {**merged_marker(step, time.time(), self._manifests(tag)), **self.trajectory}
-                )
+                self._publish(tag, merged_marker(step, time.time(), self._manifests(tag)))
         except DsGpt2Error as exc:
             self._error = (type(exc).__name__, str(exc))
         except Exception as exc:  # a bug, or the disk: every rank stops

@@ -271,42 +271,6 @@ def test_a_restore_brings_back_the_state_weights_and_random_streams(tmp_path: Pa
     assert any("--train_iters 20 where the checkpoint's run had 10" in w for w in warnings())
 
 
-def test_an_older_checkpoint_resumed_never_adopts_the_later_ones_of_another_run(
-    tmp_path: Path, corpus
-) -> None:
-    run = checkpointer(settings(tmp_path, train_iters=6), corpus)
-    run.find()
-    for step in (2, 4, 6):
-        save(run, corpus, step, FakeEngine(weight=0.5))
-    ckpt = tmp_path / "ckpt"
-
-    def weight(tag: str) -> float:
-        blob = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", weights_only=False)
-        return float(blob["module"]["weight"][0, 0])
-
-    # The same options from global_step2: the same run again, whose saves at 4 and 6 are those there.
-    again = checkpointer(settings(tmp_path, train_iters=6, ckpt_id="global_step2"), corpus)
-    assert again.find() is not None
-    save(again, corpus, 4, FakeEngine(weight=0.25))
-    assert weight("global_step4") == 0.5 and (ckpt / LATEST).read_text() == "global_step4"
-    # Another schedule from global_step2: global_step4 and 6 are not its steps; refused, nothing touched.
-    longer = settings(tmp_path, train_iters=10, ckpt_id="global_step2")
-    with pytest.raises(
-        CheckpointError, match=r"global_step2 is older than global_step4, global_step6 .* --rewind"
-    ):
-        checkpointer(longer, corpus).find()
-    assert complete_tags(ckpt) == ["global_step2", "global_step4", "global_step6"]
-    assert (ckpt / LATEST).read_text() == "global_step4"
-    # --rewind: they go, `latest` first back on global_step2, and the run saves its own steps.
-    rewound = checkpointer(settings(tmp_path, train_iters=10, ckpt_id="global_step2", rewind=True), corpus)
-    assert rewound.find() is not None
-    assert complete_tags(ckpt) == ["global_step2"] and (ckpt / LATEST).read_text() == "global_step2"
-    save(rewound, corpus, 4, FakeEngine(weight=0.25))
-    assert weight("global_step4") == 0.25 and (ckpt / LATEST).read_text() == "global_step4"
-    # Resumed from its own latest, that run continues itself.
-    assert checkpointer(settings(tmp_path, train_iters=10), corpus).find() is not None
-
-
 def test_a_fresh_run_refuses_a_directory_that_is_a_checkpoint_or_the_users(tmp_path: Path, corpus) -> None:
     """`--ckpt_dir run/ckpt/global_step5` saved a run inside a finished checkpoint (global_step5/
     global_step5 and a latest beside its files); `--ckpt_dir txt` saved among the user's files."""
