@@ -107,6 +107,14 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
     context = request.context or run.get("context") or loaded.context
     if context > loaded.context:
         raise ConfigError(f"--context_length {context}: the model has {loaded.context} positions")
+    if not run and request.split != "all" and (request.tr_ratio is None or request.seed is None):
+        # A model exported elsewhere, or an export without its dsgpt2_run.json: whose split is unknown.
+        log.warning(
+            "%s records no training run (no dsgpt2_run.json): its %s split is cut by --tr_ratio %s "
+            "--seed %s, which may not be the run's; give the run's to evaluate on its held-out documents",
+            loaded.name, request.split, request.tr_ratio or DEFAULT_TR_RATIO,
+            DEFAULT_SEED if request.seed is None else request.seed,
+        )  # fmt: skip
     return make_spec(
         loaded.tokenizer_dir,
         context=context,

@@ -70,9 +70,15 @@ DONE = "data: [DONE]\n\n"
 
 
 def parse_request(
-    values: dict[str, Any], prompt_key: str, limits: ServeLimits, defaults: SamplingParams
+    values: dict[str, Any],
+    prompt_key: str,
+    limits: ServeLimits,
+    defaults: SamplingParams,
+    *,
+    query: bool = False,
 ) -> tuple[str, SamplingParams]:
-    """The prompt and sampling settings of a request.
+    """The prompt and sampling settings of a request (``query``: a query string's, where every value is
+    text; a JSON body's numbers are numbers).
 
     Raises:
         RequestError: a missing or oversized prompt, an unknown setting, a bad value, or more
@@ -89,6 +95,9 @@ def parse_request(
             f"{prompt_key!r} is {len(prompt)} characters long; this server accepts at most "
             f"{limits.max_prompt_chars}"
         )
+    quoted = next((k for k, v in values.items() if isinstance(v, str)), None)
+    if quoted is not None and not query:
+        raise RequestError(f"{quoted} must be a number, not text: {json.dumps(values[quoted])[:80]}")
     try:
         params = SamplingParams.from_mapping(values, defaults)
         limits.check_length(params.max_new_tokens)
@@ -212,7 +221,8 @@ class Service:
     async def generate(self, request: Request, prompt_key: str, values: dict[str, Any]) -> JSONResponse:
         generator = self.generator
         try:
-            prompt, params = parse_request(values, prompt_key, self.limits, self.defaults)
+            query = prompt_key == "sentence"
+            prompt, params = parse_request(values, prompt_key, self.limits, self.defaults, query=query)
             decode = DecodeRequest(fit_prompt(generator, generator.encode(prompt), params), params)
         except RequestError as exc:
             return _error(str(exc), 400, api=False)
@@ -233,7 +243,9 @@ class Service:
     async def get_generate(self, request: Request) -> JSONResponse:
         try:
             # Starlette decodes the query leniently; undecodable bytes are refused as in a body.
-            query = parse_qsl(request.scope["query_string"].decode("latin-1"), errors="strict")
+            # Blank values kept: `sentence=` is an empty prompt (as in a body), `max_new_tokens=` a 400.
+            query = parse_qsl(request.scope["query_string"].decode("latin-1"), keep_blank_values=True,
+                              errors="strict")  # fmt: skip
         except UnicodeDecodeError:
             return _error("the query string holds bytes that are not UTF-8", 400, api=False)
         repeated = sorted(k for k, n in Counter(k for k, _ in query).items() if n > 1)

@@ -89,7 +89,7 @@ def read_run_file(path: Path) -> dict[str, Any]:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_unique_keys_loader())  # a SafeLoader: no Python tags
         except yaml.YAMLError as exc:
             where = getattr(exc, "problem_mark", None)
             at = f" at line {where.line + 1}" if where is not None else ""
@@ -361,3 +361,26 @@ def _shown(value: Any) -> str:
     shown = reprlib.Repr()  # its settings as attributes: Python 3.10 and 3.11 take no arguments
     shown.maxlevel, shown.maxlist, shown.maxdict, shown.maxstring, shown.maxother = 3, 4, 4, 60, 60
     return shown.repr(value)
+
+
+def _unique_keys_loader() -> Any:
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last silently;
+    TOML and the connection config's JSON refuse it): which of the two was meant is not ours to guess."""
+    import yaml
+
+    class UniqueKeys(yaml.SafeLoader):
+        pass
+
+    def mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return UniqueKeys

@@ -85,6 +85,7 @@ def test_toml_and_tables_per_command(tmp_path: Path, files: dict[str, Path]) -> 
         ("train: 5\n", "[train] must be a table of flags"),
         ("- a\n- b\n", "expected a mapping of flag names to values, got list"),
         ("a: b: c\n", "not valid YAML at line 2"),
+        ("train_iters: 3\nlr: 1e-3\ntrain_iters: 5\n", "at line 4 (key 'train_iters' given twice"),
     ],
 )
 def test_a_bad_key_or_value_is_one_line_naming_it(

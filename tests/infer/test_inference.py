@@ -670,3 +670,18 @@ def test_conversation_finetuning_stops_early_on_the_reply_loss_and_keeps_its_bes
     )  # fmt: skip
     assert again.returncode == 2, again.stderr[-3000:]
     assert f"--init_from {other}: this run resumes {ckpt}" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_model_without_its_run_record_is_evaluated_with_a_warning_on_its_split(
+    plain_export: Path, models: dict[str, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An export whose dsgpt2_run.json is gone (or a model from elsewhere) cannot say which documents were
+    held out: the default split was used without a word."""
+    with caplog.at_level("WARNING", logger="dsgpt2.infer.evaluate"):
+        eval_spec(load_model(plain_export), EvalRequest())
+    assert "records no training run (no dsgpt2_run.json): its val split is cut by --tr_ratio" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsgpt2.infer.evaluate"):
+        eval_spec(load_model(models["lm"]), EvalRequest())  # the run's own split: nothing to say
+        eval_spec(load_model(plain_export), EvalRequest(tr_ratio=0.9, seed=3))
+    assert "records no training run" not in caplog.text

@@ -41,6 +41,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterat
     )  # fmt: skip
 
 
+def test_an_empty_sentence_in_the_query_is_an_empty_prompt_as_in_a_body(server: str) -> None:
+    asked = httpx.get(f"{server}/generate?sentence=&max_new_tokens=2", timeout=deadline(30))
+    posted = httpx.post(f"{server}/generate", json={"prompt": "", "max_new_tokens": 2}, timeout=deadline(30))
+    for r in (asked, posted):
+        assert r.status_code == 200 and r.json()["prompt"] == "", r.text
+
+
 def test_both_endpoints_answer(server: str) -> None:
     r = httpx.get(
         f"{server}/generate", params={"sentence": "Return the", "max_new_tokens": "5"}, timeout=deadline(30)
@@ -86,6 +93,8 @@ def test_both_endpoints_answer(server: str) -> None:
         ("get", [("sentence", "a"), ("sentence", "b")], "sentence given more than once in the query"),
         ("get", {"sentence": "a", "prompt": "b"}, "give the text as sentence or as prompt, not both"),
         ("post", {"prompt": 42}, "'prompt' is required and must be a string"),
+        ("post", {"prompt": "hi", "max_new_tokens": "3"}, "max_new_tokens must be a number, not text"),
+        ("get", {"sentence": "hi", "max_new_tokens": ""}, "max_new_tokens must be an integer"),
     ],
 )
 def test_bad_requests_get_400_and_the_server_keeps_serving(
@@ -317,8 +326,10 @@ def test_defaults_bind_to_localhost() -> None:
 def test_parse_request_applies_limits_and_defaults() -> None:
     limits = ServeLimits(max_prompt_chars=10, max_new_tokens=8)
     defaults = SamplingParams(max_new_tokens=4, temperature=0.5)
-    prompt, params = parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults)
+    prompt, params = parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults, query=True)
     assert prompt == "hi" and params.top_k == 3 and params.temperature == 0.5 and params.max_new_tokens == 4
+    with pytest.raises(RequestError, match=r'^top_k must be a number, not text: "3"$'):  # a body's text
+        parse_request({"prompt": "hi", "top_k": "3"}, "prompt", limits, defaults)
     with pytest.raises(RequestError, match="at most 10"):
         parse_request({"prompt": "x" * 11}, "prompt", limits, defaults)
     with pytest.raises(RequestError, match=r"^seed must be a number, got true$"):  # JSON's spelling
