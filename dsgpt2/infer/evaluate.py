@@ -111,7 +111,7 @@ def eval_spec(loaded: LoadedModel, request: EvalRequest) -> DataSpec:
         # A model exported elsewhere, or an export without its dsgpt2_run.json: whose split is unknown.
         log.warning(
             "%s records no training run (no dsgpt2_run.json): its %s split is cut by --tr_ratio %s "
-            "--seed %s, which may not be the run's; give the run's to evaluate on its held-out documents",
+            "--split_seed %s, which may not be the run's; give the run's to evaluate on its held-out ones",
             loaded.name, request.split, request.tr_ratio or DEFAULT_TR_RATIO,
             DEFAULT_SEED if request.seed is None else request.seed,
         )  # fmt: skip
