@@ -131,25 +131,30 @@ def out_of_room(where: Path, exc: BaseException) -> str | None:
         if (e.__cause__ or e.__context__) is None:
             break
         seen.append(e.__cause__ or e.__context__)  # type: ignore[arg-type]
-    existing = next((p for p in (where, *where.parents) if p.exists()), None)
-    try:
-        free = shutil.disk_usage(existing).free if existing is not None else None
-    except OSError:
-        free = None
+    free = _free_bytes(where)
     if not said and (not a_write or free is None or free >= FULL_DISK_BYTES):
         return None
     return f"the disk holding {where} is full" + ("" if free is None else f" ({free / 2**20:.0f} MB free)")
 
 
+def _free_bytes(where: Path) -> int | None:
+    """The free bytes of the disk that holds ``where`` (made or not); None where it does not say."""
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    try:
+        return shutil.disk_usage(existing).free if existing is not None else None
+    except OSError:
+        return None
+
+
 def no_room(where: Path, needed: int = ROOM_TO_START) -> str | None:
     """Why the disk holding ``where`` (made or not) has no room for a command's output, in words: less
     than ``needed`` bytes free. None where it has room, or its disk does not say."""
-    existing = next((p for p in (where, *where.parents) if p.exists()), None)
-    try:
-        free = shutil.disk_usage(existing).free if existing is not None else needed
-    except OSError:
-        return None
-    return None if free >= needed else f"the disk holding {where} is full ({free / 2**20:.0f} MB free)"
+    free = _free_bytes(where)
+    return (
+        None
+        if free is None or free >= needed
+        else f"the disk holding {where} is full ({free / 2**20:.0f} MB free)"
+    )
 
 
 def check_room(path: str | os.PathLike[str], flag: str, needed: int = ROOM_TO_START) -> None:

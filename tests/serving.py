@@ -52,18 +52,11 @@ def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -
     url = f"http://127.0.0.1:{port}"
     LOGS[url] = base / "server.log"
     MODELS[url] = cwd / model
-    end_by = time.monotonic() + deadline(90)
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > end_by:
-            proc.kill()
-            log.close()
-            pytest.fail(f"server did not start: {(base / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.3)
+    try:
+        wait_serving(url, proc, base / "server.log")
+    except BaseException:
+        log.close()
+        raise
     yield url
     proc.terminate()
     proc.wait(timeout=deadline(30))
@@ -72,6 +65,22 @@ def start_server(base: Path, model: Path | str, *flags: str, cwd: Path = ROOT) -
     assert f"Uvicorn running on {url}" in text
     # SIGTERM (docker stop, systemd) ends the server as Ctrl-C does: shut down, exit 0.
     assert proc.returncode == 0 and "stopped by SIGTERM" in text, (proc.returncode, text[-2000:])
+
+
+def wait_serving(url: str, proc: subprocess.Popen, log_path: Path) -> None:
+    """Until the server ``proc`` at ``url`` answers /health; killed, and the test failed with its log's end,
+    where it exits or does not answer within 90 s."""
+    end_by = time.monotonic() + deadline(90)
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end_by:
+            proc.kill()
+            pytest.fail(f"server did not start: {log_path.read_text()[-3000:]}")
+        time.sleep(0.3)
 
 
 def sse(response: httpx.Response) -> list[Any]:

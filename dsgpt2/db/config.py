@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from dsgpt2.documents import TEXT
+from dsgpt2.documents import TEXT, utf8_encodable
 from dsgpt2.errors import ConfigError
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Range, option
 from dsgpt2.settings.shipped import shipped_if_absent
@@ -72,20 +72,11 @@ _SECRET_OPTIONS = re.compile(
 )
 
 
-def _is_text(name: str) -> bool:
-    """Whether ``name`` can be sent to the server (UTF-8): not an argument's undecodable bytes."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def collection_name_problem(name: object) -> str | None:
     """Why MongoDB would refuse ``name`` as a collection name, or None."""
     if not isinstance(name, str) or not name:
         return "it must be a non-empty string"
-    if not _is_text(name):
+    if not utf8_encodable(name):
         return "it is not UTF-8 text (bytes the shell could not decode, or a lone surrogate)"
     if "$" in name or "\x00" in name:
         return "it may not contain '$' or NUL"
@@ -102,7 +93,7 @@ def db_name_problem(name: object) -> str | None:
     """Why MongoDB would refuse ``name`` as a database name, or None."""
     if not isinstance(name, str) or not name:
         return "it must be a non-empty string"
-    if not _is_text(name):
+    if not utf8_encodable(name):
         return "it is not UTF-8 text (bytes the shell could not decode, or a lone surrogate)"
     bad = sorted(set(name) & set('/\\. "$*<>:|?\x00'))
     if bad:
@@ -353,7 +344,7 @@ def config_from_dict(
     values: dict[str, Any] = {}
     for key, value in data.items():
         name, types, _ = _KEYS[key]
-        if not _is_text(json.dumps(value, ensure_ascii=False, default=str)):  # a "\udcff" escape, say
+        if not utf8_encodable(json.dumps(value, ensure_ascii=False, default=str)):  # a "\udcff" escape, say
             raise ConfigError(
                 f"{source}: {key} holds text that is not UTF-8 (a lone surrogate such as \\udcff)"
             )

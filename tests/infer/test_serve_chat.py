@@ -19,7 +19,7 @@ import pytest
 from conftest import ROOT, tiny_export
 from dsgpt2.collective import free_port
 from pace import deadline
-from serving import LOGS, MODELS, start_server
+from serving import LOGS, MODELS, start_server, wait_serving
 
 KEY = "sk-test-0123456789"
 
@@ -165,14 +165,7 @@ def test_a_second_ctrl_c_cuts_the_requests_off_without_a_traceback(chat_server: 
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        end_by = time.monotonic() + deadline(90)
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=deadline(2)).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert proc.poll() is None and time.monotonic() < end_by, out.name
-                time.sleep(0.3)
+        wait_serving(url, proc, tmp_path / "server.log")
         body = {**LONG, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=deadline(60)) as r:
             lines = r.iter_lines()
