@@ -94,11 +94,15 @@ class Publisher:
         self._lock = threading.Lock()
         self._pending: str | None = None
         self._best: str | None = None
+        # A resume from an earlier checkpoint than `latest`: the later ones, of the run it left (rank 0).
+        self._left: set[str] = set()
 
     def fetch(self, found: tuple[Path, str, dict[str, Any]] | None) -> None:
         """After the checkpoint to resume was found: a universal form rank 0 converted it to is kept for
         the other nodes and brought by them (the checkpoint itself every node has)."""
         self.published = on_rank0(lambda: _pointer(self.store, LATEST))
+        if self.rank == 0:
+            self._left = self._left_behind(found)
         if found is None or not found[1].endswith(UNIVERSAL) or not self.store.staged:
             return
         tag, store = found[1], self.store
@@ -107,6 +111,27 @@ class Publisher:
             store.complete(tag, {**(read_marker(store.local, tag) or {}), "files": files})
         barrier()
         on_each_node(lambda: (pull_index(store), pull(store, tag)))
+
+    def _left_behind(self, found: tuple[Path, str, dict[str, Any]] | None) -> set[str]:
+        """The checkpoints past the one this run resumes where it is not the one ``latest`` names (a
+        rewind: ``--ckpt_id`` an earlier one, ``best``, another ``--load_dir``): they hold another run's
+        steps, so each is replaced when this run gets to its step and none counts for ``--keep_last``.
+        Past a plain resume, a whole one (saved just before a stop, ``latest`` not moved yet) is kept."""
+        if found is None:
+            return set()
+        tag = found[1].removesuffix(UNIVERSAL)
+        if found[0] == self.store.local and tag == self.published:
+            return set()
+        later = sorted((t for t in self.store.tags() if _step(t) > _step(tag) and _CHECKPOINT.fullmatch(t)),
+                       key=_step)  # fmt: skip
+        if later:
+            log.warning(
+                "resuming %s, not the latest checkpoint (%s): the later %s of the run it left %s replaced "
+                "as this run reaches %s step; `latest` moves at this run's first save",
+                where(self.store, tag), self.published or "none", ", ".join(later),
+                "is" if len(later) == 1 else "are", "its" if len(later) == 1 else "their",
+            )  # fmt: skip
+        return set(later)
 
     def save(self, engine: Any, step: int, client_state: dict[str, Any], files: dict[str, str]) -> str:
         """Save ``engine`` at ``step`` (``files``: text files beside its states, covered by the marker);
@@ -168,11 +193,18 @@ class Publisher:
         what an attempt that died left of it is deleted first."""
 
         def held() -> bool:
-            if tag in self.store.tags() and (self.store.staged or damage(self.store.local, tag) is None):
+            left = tag in self._left
+            if left:
+                self._left.discard(tag)
+                log.info("replacing %s, a step of the run this one rewound", where(self.store, tag))
+                if _pointer(self.store, BEST) == tag:
+                    self.store.write(BEST, "")  # the run it left found it best, not this one
+            elif tag in self.store.tags() and (self.store.staged or damage(self.store.local, tag) is None):
                 return True
-            self.store.delete(tag)
-            if self.store.staged:  # this node's copy of the attempt too
-                shutil.rmtree(self.store.local / tag, ignore_errors=True)
+            for name in (tag, tag + UNIVERSAL):  # a universal form goes with its own
+                self.store.delete(name)
+                if self.store.staged:  # this node's copy of the attempt too
+                    shutil.rmtree(self.store.local / name, ignore_errors=True)
             return False
 
         return bool(on_rank0(held))
@@ -281,9 +313,8 @@ class Publisher:
         """Drop what ``--keep_last`` leaves behind, and the saves before this one that never finished (one
         after it, left by a run that died past its resume point, is replaced when the run gets there)."""
         store = self.store
-        ours = {
-            t: m for t, m in store.tags().items() if not t.endswith(UNIVERSAL)
-        }  # a form goes with its own
+        # A form goes with its own; the run a rewind left is not this one.
+        ours = {t: m for t, m in store.tags().items() if not t.endswith(UNIVERSAL) and t not in self._left}
         tags = sorted(ours, key=lambda t: ours[t].get("step", 0))
         best = _pointer(store, BEST)
         old = tags[: -self.keep_last] if self.keep_last > 0 else []

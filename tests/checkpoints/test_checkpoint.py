@@ -115,6 +115,51 @@ def test_a_complete_checkpoint_is_never_written_again(tmp_path: Path) -> None:
     ).stat().st_mtime_ns == before
 
 
+def test_a_rewound_resume_replaces_the_later_checkpoints_of_the_run_it_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in (2, 4, 6):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    (tmp_path / "best").write_text("global_step4")
+    (tmp_path / "global_step4.universal").mkdir()  # a form made of the step the rewind leaves
+
+    def resumed(tag: str, keep_last: int) -> Publisher:
+        publisher = Publisher(DirectoryStore(tmp_path, CHECKPOINTS), keep_last, rank=0, world=1, wait_s=5)
+        publisher.fetch((tmp_path, tag, {}))
+        return publisher
+
+    logging.getLogger("dsgpt2").addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="dsgpt2"):
+            rewound = resumed("global_step2", keep_last=1)
+            # Another run's step 4 and 6 (another --train_iters, another learning rate): never adopted.
+            assert rewound.save(FakeEngine(), 4, {}, {}) == "global_step4"
+    finally:
+        logging.getLogger("dsgpt2").removeHandler(caplog.handler)
+    assert (
+        "resuming " in caplog.text
+        and "the later global_step4, global_step6 of the run it left" in caplog.text
+    )
+    assert "replacing " in caplog.text and "global_step4, a step of the run this one rewound" in caplog.text
+    assert _states(tmp_path, 4).stat().st_mtime_ns > _states(tmp_path, 6).stat().st_mtime_ns
+    assert (tmp_path / "latest").read_text() == "global_step4" and resolve(tmp_path, None) == "global_step4"
+    assert not (tmp_path / "global_step4.universal").exists() and (tmp_path / "best").read_text() == ""
+    # --keep_last counts this run's checkpoints: step 6, of the run it left, neither counts nor is lost
+    # until this run gets there.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step4", "global_step6"]
+    before = _states(tmp_path, 6).stat().st_mtime_ns
+    assert rewound.save(FakeEngine(), 6, {}, {}) == "global_step6"
+    assert _states(tmp_path, 6).stat().st_mtime_ns > before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step6"]
+    # A plain resume (from the checkpoint `latest` names) keeps a later whole one: the same run's.
+    checkpoint.save(FakeEngine(), tmp_path, 8, {}, keep_last=0)
+    (tmp_path / "latest").write_text("global_step6")
+    before = _states(tmp_path, 8).stat().st_mtime_ns
+    assert resumed("global_step6", keep_last=0).save(FakeEngine(die=True), 8, {}, {}) == "global_step8"
+    assert _states(tmp_path, 8).stat().st_mtime_ns == before
+    assert (tmp_path / "latest").read_text() == "global_step8"
+
+
 @pytest.mark.parametrize(
     ("damage", "needle"),
     [
