@@ -78,6 +78,21 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
     return sorted(steps, key=lambda t: steps[t])
 
 
+_SEAL = "marker_sha256"  # a marker's digest of the rest of itself: a damaged marker is told from its files
+
+
+def sealed(marker: dict[str, Any]) -> dict[str, Any]:
+    """``marker`` with the SHA-256 of the rest of it, which :func:`damage` checks before its listing."""
+    return {**{k: v for k, v in marker.items() if k != _SEAL}, _SEAL: _seal_of(marker)}
+
+
+def _seal_of(marker: dict[str, Any]) -> str:
+    import hashlib
+
+    rest = {k: v for k, v in marker.items() if k != _SEAL}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 def file_digests(directory: Path) -> dict[str, dict[str, Any]]:
     """Size and SHA-256 of every file of a checkpoint directory (the marker excepted), by relative path."""
     return digests(directory, skip=COMPLETE)
@@ -88,6 +103,11 @@ def damage(ckpt_dir: Path, tag: str) -> str | None:
     marker = read_marker(ckpt_dir, tag)
     if marker is None:
         return f"{ckpt_dir / tag} is missing or incomplete"
+    if _SEAL in marker and marker[_SEAL] != _seal_of(marker):  # markers written before the seal have none
+        return (
+            f"{ckpt_dir / tag / COMPLETE} is damaged (its SHA-256 differs from the one saved in it), so the "
+            "checkpoint's files cannot be checked against it"
+        )
     for name, want in (marker.get("files") or {}).items():
         path = ckpt_dir / tag / name
         if not path.is_file():

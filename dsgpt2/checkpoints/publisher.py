@@ -40,6 +40,7 @@ from dsgpt2.checkpoints.format import (
     damage,
     file_digests,
     read_marker,
+    sealed,
     tag_for,
 )
 from dsgpt2.collective import barrier, gather, on_each_node, on_rank0, raise_shared
@@ -59,7 +60,7 @@ def merged_marker(step: int, at: float, manifests: list[dict[str, dict[str, Any]
     files: dict[str, dict[str, Any]] = {}
     for listing in manifests:
         files.update(listing)
-    return {"step": step, "time": at, "files": dict(sorted(files.items()))}
+    return sealed({"step": step, "time": at, "files": dict(sorted(files.items()))})
 
 
 class Publisher:
@@ -108,7 +109,7 @@ class Publisher:
         tag, store = found[1], self.store
         if self.rank == 0 and tag not in store.tags():
             files = store.put(tag, own_files(store.local / tag, 0))
-            store.complete(tag, {**(read_marker(store.local, tag) or {}), "files": files})
+            store.complete(tag, sealed({**(read_marker(store.local, tag) or {}), "files": files}))
         barrier()
         on_each_node(lambda: (pull_index(store), pull(store, tag)))
 

@@ -33,6 +33,7 @@ from dsgpt2.checkpoints.format import (
     file_digests,
     model_states_file,
     read_marker,
+    sealed,
 )
 from dsgpt2.errors import CheckpointError
 from dsgpt2.files import atomic_write_text
@@ -86,7 +87,7 @@ def ensure_universal(ckpt_dir: Path, tag: str) -> str:
     try:
         convert(ckpt_dir / tag, tmp)
         step = (read_marker(ckpt_dir, tag) or {}).get("step")
-        marker = {"step": step, "from": tag, "time": time.time(), "files": file_digests(tmp)}
+        marker = sealed({"step": step, "from": tag, "time": time.time(), "files": file_digests(tmp)})
         atomic_write_text(tmp / COMPLETE, json.dumps(marker, indent=1) + "\n")
         shutil.rmtree(ckpt_dir / out, ignore_errors=True)
         tmp.rename(ckpt_dir / out)

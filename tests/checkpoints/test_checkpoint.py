@@ -189,6 +189,26 @@ def test_damaged_files_are_found_before_loading(tmp_path: Path, damage: str, nee
     assert resolve(tmp_path, "global_step4") == "global_step4"
 
 
+def test_a_damaged_marker_is_blamed_not_the_files_it_lists(tmp_path: Path) -> None:
+    for step in (4, 8):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    marker = tmp_path / "global_step8" / COMPLETE
+    text = marker.read_text()
+    digest = json.loads(text)["files"]["mp_rank_00_model_states.pt"]["sha256"]
+    flipped = digest[:10] + ("0" if digest[10] != "0" else "1") + digest[11:]
+    for damaged in (text.replace(digest, flipped), text.replace('"size": 4', '"size": 5')):
+        marker.write_text(damaged)
+        with pytest.raises(CheckpointError) as err:
+            resolve(tmp_path, None)
+        assert f"{marker} is damaged" in str(err.value) and "mp_rank_00" not in str(err.value)
+        assert "--ckpt_id global_step4" in str(err.value)
+    # A marker written before markers carried their own digest is checked as it was.
+    old = json.loads(text)
+    del old["marker_sha256"]
+    marker.write_text(json.dumps(old))
+    assert resolve(tmp_path, None) == "global_step8"
+
+
 def test_latest_deleted_or_garbled(tmp_path: Path) -> None:
     import logging
 
