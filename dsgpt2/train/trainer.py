@@ -67,6 +67,7 @@ from dsgpt2.train.engine import (
     start_process_group,
 )
 from dsgpt2.train.feed import Feed, FeedSettings, corpus_marks
+from dsgpt2.train.fits import check_fits, placement
 from dsgpt2.train.learning import check_learns, grad_norm, no_gradient
 from dsgpt2.train.microloop import MicroLoop
 from dsgpt2.train.runlog import RunLog, summary_lines
@@ -171,12 +172,14 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     init = init_weights(cfg.model, vocab_size, vocab_dir)
     context = run_context(cfg.model) if init is None else init_context(cfg.model, init[0])
     spec = cfg.data_spec(context, vocab_dir)
+    model_config = model_config_for(cfg.model, vocab_size, spec, init)
+    check_fits(model_config, context, placement(ds, device, world, cfg.compute.attn_implementation))
     feed_settings = FeedSettings(
         cfg.data, vocab_dir, cache_dir=cfg.cache_dir, ckpt_dir=named, dist_timeout=cfg.engine.dist_timeout
     )
     feed = Feed(feed_settings, mongo, conn, spec, rank=rank, world=world)
     fp = {**fingerprint(mongo, vocab_dir, spec), "mixture": bool(feed.stages)}
-    model = model_config_for(cfg.model, vocab_size, spec, init).to_dict()
+    model = model_config.to_dict()
     ckpt_settings = CheckpointSettings(
         cfg.ckpt, train_iters=cfg.run.train_iters, vocab_dir=vocab_dir, args=args,
         resolved=resolved, vocab_stored=vocab_stored, zero_stage=zero_stage(ds.config),

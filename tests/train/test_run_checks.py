@@ -1,5 +1,5 @@
 """What ds_trainer.py refuses before it trains, in one line: bad flags, a bad DeepSpeed config, a
-malformed HellaSwag file, fewer HellaSwag examples than ranks."""
+malformed HellaSwag file, fewer HellaSwag examples than ranks, a model too large for the machine."""
 
 from __future__ import annotations
 
@@ -103,3 +103,16 @@ def test_fewer_hellaswag_examples_than_ranks_is_refused_before_training(
             doc_mask_eot=None,
             context=64,
         )
+
+
+def test_a_model_too_large_for_the_machine_is_refused_before_it_is_built(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A position table of 2^40 rows: the run used to start, then end in out of memory (exit 1)."""
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps({"n_layer": 2, "n_embd": 64, "n_head": 2, "n_positions": 2**40}))
+    result = train(corpus, tmp_path, "--model_config", str(model), check=False)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert "the model cannot fit this machine" in line and "n_positions in --model_config" in line
+    assert "Traceback" not in result.stderr and not (tmp_path / "ckpt").exists()
