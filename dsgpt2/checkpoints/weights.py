@@ -102,6 +102,7 @@ def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
             weights.update(load_file(str(f)))
     except Exception as exc:  # transformers', huggingface_hub's and safetensors' own errors of a bad file
         raise damaged_export(path, name, exc) from exc
+    check_generation_config(path)
     return config, weights
 
 
@@ -110,6 +111,67 @@ def damaged_export(path: Path, name: str, exc: BaseException) -> ConfigError:
         f"model {path}: {name} cannot be read ({first_line(exc)}): the export is damaged; export it again "
         "from its checkpoint (`dsgpt2 export --ckpt_dir DIR --out DIR`)"
     )
+
+
+GENERATION_CONFIG = "generation_config.json"
+# The kinds of value transformers' GenerationConfig takes for its keys (any other key it keeps as it is).
+_WHOLE = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "num_beams", "num_beam_groups",
+          "top_k", "no_repeat_ngram_size", "num_return_sequences")  # fmt: skip
+_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "forced_bos_token_id",
+           "forced_eos_token_id")  # fmt: skip
+_NUMBERS = ("temperature", "top_p", "typical_p", "min_p", "repetition_penalty", "length_penalty",
+            "diversity_penalty", "epsilon_cutoff", "eta_cutoff")  # fmt: skip
+_FLAGS = ("do_sample", "use_cache", "output_scores", "output_attentions", "output_hidden_states",
+          "return_dict_in_generate", "renormalize_logits", "remove_invalid_values")  # fmt: skip
+
+
+def check_generation_config(path: Path) -> None:
+    """Refuse an export whose generation_config.json is not one: dsgpt2 reads its token ids from
+    config.json, but transformers loads this file with the model, and of a junk one keeps nothing (not
+    JSON, a value of the wrong type) or fails (not an object).
+
+    Raises:
+        ConfigError: naming the file, what is wrong with it and the way out.
+    """
+    file = path / GENERATION_CONFIG
+    if not file.is_file():
+        return
+    try:
+        data = json.loads(file.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problem = f"not valid JSON: {first_line(exc)}"
+    else:
+        problem = _generation_problem(data)
+    if problem:
+        raise ConfigError(
+            f"model {path}: {GENERATION_CONFIG} cannot be read ({problem}); delete it (the model's "
+            "config.json holds its token ids) or export the model again (`dsgpt2 export --ckpt_dir DIR "
+            "--out DIR`)"
+        )
+
+
+def _generation_problem(data: Any) -> str | None:
+    """What is wrong with a generation config's JSON ``data``; None where nothing is."""
+    if not isinstance(data, dict):
+        kind = {list: "an array", str: "a string", bool: "true or false"}.get(type(data), "a number")
+        return f'{"null" if data is None else kind}, not a JSON object such as {{"eos_token_id": 0}}'
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for key, value in data.items():
+        if value is None:
+            continue
+        shown = repr(value)[:80]  # a value of megabytes is not a line
+        if key in _WHOLE and not whole(value):
+            return f"{key} is {shown}, not a whole number"
+        if key in _TOKENS and not (whole(value) or (isinstance(value, list) and all(map(whole, value)))):
+            return f"{key} is {shown}, not a token id or a list of them"
+        if key in _NUMBERS and (isinstance(value, bool) or not isinstance(value, int | float)):
+            return f"{key} is {shown}, not a number"
+        if key in _FLAGS and not isinstance(value, bool):
+            return f"{key} is {shown}, not true or false"
+    return None
 
 
 def run_info(client: dict[str, Any], where: Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, built_once, db_for, run_cli, tiny_export, write_config
+from conftest import ROOT, built_once, db_for, run_cli, seed, tiny_export, write_config
 from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.data.loader import iter_eval_batches
@@ -257,6 +257,40 @@ def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
     assert f"model {model}: {name} cannot be read (" in line and said in line, line
     assert line.endswith("the export is damaged; export it again from its checkpoint "
                          "(`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("nope{", "not valid JSON: Expecting value"),
+        ("[1, 2]", 'an array, not a JSON object such as {"eos_token_id": 0}'),
+        ('{"max_length": "x"}', "max_length is 'x', not a whole number"),
+        ('{"eos_token_id": [0, "end"]}', "eos_token_id is [0, 'end'], not a token id or a list of them"),
+        ('{"do_sample": "yes"}', "do_sample is 'yes', not true or false"),
+    ],
+    ids=["not JSON", "a list", "a length of text", "a token of text", "a flag of text"],
+)
+@pytest.mark.parametrize("command", ["generate", "chat", "evaluate"])
+def test_a_junk_generation_config_is_one_line_naming_it_and_the_way_out(
+    plain_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, text: str, said: str
+) -> None:
+    """dsgpt2 never read an export's generation_config.json: junk there was ignored (exit 0), while
+    transformers loads the model without its settings, or fails on a list with a traceback."""
+    model = tmp_path / "model"
+    shutil.copytree(plain_export, model)
+    (model / "generation_config.json").write_text(text)
+    db = write_config(tmp_path / "c.json", **db_for(tmp_path / "db"), COLLECTIONS=["a"])
+    if command == "evaluate":  # it checks its corpus before the model
+        seed(Connection(load_config(db)), "a", ["def f(): pass"])
+    extra = {
+        "generate": ["def"],
+        "chat": [],
+        "evaluate": ["--config", str(db)],
+    }
+    line = _error_line(capsys, command, "--model", str(model), *extra[command])
+    assert f"model {model}: generation_config.json cannot be read ({said}" in line, line
+    assert line.endswith("; delete it (the model's config.json holds its token ids) or export the model "
+                         "again (`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
 
 
 @pytest.mark.parametrize(("change", "said"), [
