@@ -251,14 +251,16 @@ class RunOptions(Checked):
         self.hellaswag = as_path(self.hellaswag)
 
     def check_files(self) -> None:
-        """The workspace can be written, and the HellaSwag file reads as one: a bad file stops the run
-        before it starts.
+        """The workspace and wandb's directory can be written, and the HellaSwag file reads as one: a bad
+        file stops the run before it starts.
 
         Raises:
             ConfigError: naming the flag (and the line).
             NoRoomError: the workspace's disk is full.
         """
         check_writable_dir(self.workspace, "--workspace")
+        if self.wandb != "off" and self.wandb_dir is not None:  # wandb's own failure there only warns
+            check_writable_dir(self.wandb_dir, "--wandb_dir")
         # Its files are small (a config, a line a step); the checkpoints' disk is checked as they are saved.
         check_room(self.workspace, "--workspace", needed=2**16)
         if self.hellaswag is not None:

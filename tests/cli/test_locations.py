@@ -105,6 +105,33 @@ def test_a_training_whose_checkpoints_or_workspace_cannot_be_written_stops_befor
     assert stored.returncode == 2 and "dsgpt2 export --ckpt_dir gridfs:run1" in stored.stderr, stored.stderr
 
 
+def test_a_wandb_directory_that_cannot_be_written_stops_the_training_before_it_starts(
+    blocked: Path, tmp_path: Path
+) -> None:
+    """wandb's own failure there only warned, and the run trained on without the logging it was asked for;
+    with --wandb off the directory is not used, and not checked."""
+    cfg = write_config(tmp_path / "c.json", MONGO_CONNECTION_STRING="mongodb://127.0.0.1:9",
+                       MONGO_CONNECTION_DB="d", COLLECTIONS=["a"])  # fmt: skip
+    flags = ["--config_train", str(cfg), "--vocab_dir", str(BEFORE_STORES / "tok"), "--deepspeed_config",
+             str(ROOT / "configs" / "ds_config_cpu.json"), "--model_select", "tiny", "--ckpt_dir",
+             str(tmp_path / "ckpt"), "--workspace", str(tmp_path / "ws")]  # fmt: skip
+    _one_line(
+        run_cli("train", *flags, "--wandb", "offline", "--wandb_dir", str(blocked / "wandb")), "--wandb_dir"
+    )
+    if Path("/proc").is_dir():
+        proc = run_cli("train", *flags, "--wandb_dir", "/proc/dsgpt2-wandb")  # the default mode: offline
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines()[-1] == (
+            "dsgpt2 train: error: --wandb_dir /proc/dsgpt2-wandb: nothing can be written in /proc (its file "
+            "system takes no new files); give a directory that can be written"
+        )
+    # The check after it says the directory passed.
+    off = run_cli("train", *flags, "--wandb", "off", "--wandb_dir", str(blocked / "wandb"), "--hellaswag",
+                  str(tmp_path / "h.jsonl"))  # fmt: skip
+    assert off.returncode == 2 and "--hellaswag" in off.stderr and "--wandb_dir" not in off.stderr, off.stderr
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "ws").exists()
+
+
 def test_a_stored_model_without_a_connection_names_the_commands_own_flag() -> None:
     for command in (["generate", "--model", "gridfs:run1", "hello"], ["chat", "--model", "gridfs:run1"]):
         done = run_cli(*command)
