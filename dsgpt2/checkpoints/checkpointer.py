@@ -377,9 +377,9 @@ class Checkpointer:
 
     def last_whole(self) -> str | None:
         """The run's last whole checkpoint, as a user names it; None before the first."""
-        from dsgpt2.checkpoints.format import complete_tags
+        from dsgpt2.checkpoints.format import by_saving
 
-        tags = complete_tags(self.store.local)
+        tags = by_saving(self.store.local)
         return self.where(tags[-1]) if tags else None
 
     def mark_best(self, tag: str) -> None:

@@ -11,7 +11,7 @@ import re
 import shutil
 from pathlib import Path
 
-from dsgpt2.checkpoints.format import BEST, CHECKPOINTS, COMPLETE, LATEST, UNIVERSAL, peek_tag
+from dsgpt2.checkpoints.format import BEST, CHECKPOINTS, COMPLETE, LATEST, UNIVERSAL, peek_tag, saved_at
 from dsgpt2.errors import CheckpointError, ConfigError
 from dsgpt2.files import file_digests
 from dsgpt2.stores.base import STORES, Store, offered, open_store, split_location, where
@@ -93,7 +93,9 @@ def pull_resumable(store: Store, ckpt_id: str | None) -> None:
         pull(store, tag)
     except CheckpointError as exc:
         kept = store.tags()
-        others = sorted((t for t in kept if t != tag), key=lambda t: kept[t].get("step", -1))
+        others = sorted(
+            (t for t in kept if t != tag and not t.endswith(UNIVERSAL)), key=lambda t: saved_at(kept[t])
+        )
         advice = f"; resume another with --ckpt_id {others[-1]}" if others else ""
         raise CheckpointError(f"{exc}{advice}") from None
 
@@ -119,7 +121,7 @@ def resumable_tag(store: Store, ckpt_id: str | None) -> str | None:
     named = (store.read(tag) or "").strip()
     kept = {t: m for t, m in store.tags().items() if not t.endswith(UNIVERSAL)}
     if named not in kept and ckpt_id is None and kept:
-        return max(kept, key=lambda t: kept[t].get("step", -1))
+        return max(kept, key=lambda t: saved_at(kept[t]))
     return named or None
 
 
@@ -164,9 +166,9 @@ def readable(
 def last_whole_in(location: str | Path) -> str | None:
     """The newest whole checkpoint of the directory ``location``, as a user names it; None where there is
     none, or where the location keeps copies (not read without its connection)."""
-    from dsgpt2.checkpoints.format import complete_tags
+    from dsgpt2.checkpoints.format import by_saving
 
     if split_location(location, CHECKPOINTS) is not None:
         return None
-    tags = complete_tags(Path(location))
+    tags = by_saving(Path(location))
     return f"{location}/{tags[-1]}" if tags else None

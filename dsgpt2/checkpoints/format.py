@@ -121,9 +121,23 @@ def damage(ckpt_dir: Path, tag: str) -> str | None:
     return None
 
 
+def saved_at(marker: dict[str, Any]) -> tuple[float, int]:
+    """A checkpoint's place in the order it was saved in, from its marker: the step only orders what a
+    run saved in one line; past a rewind (a resume from an earlier checkpoint) a later step may be older."""
+    when = marker.get("time")
+    step = marker.get("step")
+    return (float(when) if isinstance(when, (int, float)) else 0.0, step if isinstance(step, int) else -1)
+
+
+def by_saving(ckpt_dir: Path) -> list[str]:
+    """The complete checkpoints in ``ckpt_dir`` in the order they were saved, the newest last."""
+    markers = {tag: read_marker(ckpt_dir, tag) or {} for tag in complete_tags(ckpt_dir)}
+    return sorted(markers, key=lambda t: saved_at(markers[t]))
+
+
 def newest_intact(ckpt_dir: Path, exclude: str | None = None) -> str | None:
-    """The newest complete checkpoint whose files match their marker."""
-    for tag in reversed(complete_tags(ckpt_dir)):
+    """The newest complete checkpoint (the last saved) whose files match their marker."""
+    for tag in reversed(by_saving(ckpt_dir)):
         if tag != exclude and damage(ckpt_dir, tag) is None:
             return tag
     return None
@@ -179,7 +193,7 @@ def peek_tag(load_dir: Path, ckpt_id: str | None) -> str | None:
         tag = ""
     if _TAG.match(tag) and is_complete(load_dir, tag):
         return tag
-    tags = complete_tags(load_dir)
+    tags = by_saving(load_dir)
     return tags[-1] if tags else None
 
 

@@ -101,9 +101,14 @@ class Publisher:
     def fetch(self, found: tuple[Path, str, dict[str, Any]] | None) -> None:
         """After the checkpoint to resume was found: a universal form rank 0 converted it to is kept for
         the other nodes and brought by them (the checkpoint itself every node has)."""
-        self.published = on_rank0(lambda: _pointer(self.store, LATEST))
+
+        def read() -> tuple[str | None, set[str]]:
+            published = _pointer(self.store, LATEST)
+            return published, self._left_behind(found, published)
+
+        self.published, left = on_rank0(read)
         if self.rank == 0:
-            self._left = self._left_behind(found)
+            self._left = set(left)
         if found is None or not found[1].endswith(UNIVERSAL) or not self.store.staged:
             return
         tag, store = found[1], self.store
@@ -113,24 +118,32 @@ class Publisher:
         barrier()
         on_each_node(lambda: (pull_index(store), pull(store, tag)))
 
-    def _left_behind(self, found: tuple[Path, str, dict[str, Any]] | None) -> set[str]:
-        """The checkpoints past the one this run resumes where it is not the one ``latest`` names (a
-        rewind: ``--ckpt_id`` an earlier one, ``best``, another ``--load_dir``): they hold another run's
-        steps, so each is replaced when this run gets to its step and none counts for ``--keep_last``.
-        Past a plain resume, a whole one (saved just before a stop, ``latest`` not moved yet) is kept."""
+    def _left_behind(self, found: tuple[Path, str, dict[str, Any]] | None, published: str | None) -> set[str]:
+        """The checkpoints of a run this one rewound: past the one it resumes, saved by another run. Each
+        is replaced when this run gets to its step, and none counts for ``--keep_last``.
+
+        Resumed from another checkpoint than the one ``latest`` names (``--ckpt_id`` an earlier one,
+        ``best``, another ``--load_dir``), every later one is; resumed from ``latest``, the later ones saved
+        before it (left by a rewind earlier in this run's life). A later one saved after it is this run's
+        own, whole just before a stop that left ``latest`` unmoved, and is kept."""
         if found is None:
             return set()
         tag = found[1].removesuffix(UNIVERSAL)
-        if found[0] == self.store.local and tag == self.published:
-            return set()
-        later = sorted((t for t in self.store.tags() if _step(t) > _step(tag) and _CHECKPOINT.fullmatch(t)),
-                       key=_step)  # fmt: skip
+        marker = read_marker(found[0], tag) or read_marker(found[0], found[1]) or {}
+        start, at = marker.get("step", _step(tag)), marker.get("time")
+        rewound = found[0] != self.store.local or tag != published
+        kept = self.store.tags()
+        later = sorted(
+            (t for t, m in kept.items() if _CHECKPOINT.fullmatch(t) and m.get("step", -1) > start
+             and (rewound or _saved_before(m, at))),
+            key=lambda t: kept[t].get("step", -1),
+        )  # fmt: skip
         if later:
             log.warning(
-                "resuming %s, not the latest checkpoint (%s): the later %s of the run it left %s replaced "
-                "as this run reaches %s step; `latest` moves at this run's first save",
-                where(self.store, tag), self.published or "none", ", ".join(later),
-                "is" if len(later) == 1 else "are", "its" if len(later) == 1 else "their",
+                "resuming %s: the later %s, of a run that went on from an earlier step, %s replaced as "
+                "this run reaches %s step and %s not count for --keep_last",
+                where(self.store, tag), ", ".join(later), *(("is", "its", "does") if len(later) == 1 else
+                                                           ("are", "their", "do")),
             )  # fmt: skip
         return set(later)
 
@@ -194,21 +207,21 @@ class Publisher:
         what an attempt that died left of it is deleted first."""
 
         def held() -> bool:
-            left = tag in self._left
-            if left:
+            if tag in self._left:
                 self._left.discard(tag)
                 log.info("replacing %s, a step of the run this one rewound", where(self.store, tag))
-                if _pointer(self.store, BEST) == tag:
-                    self.store.write(BEST, "")  # the run it left found it best, not this one
             elif tag in self.store.tags() and (self.store.staged or damage(self.store.local, tag) is None):
                 return True
             for name in (tag, tag + UNIVERSAL):  # a universal form goes with its own
                 self.store.delete(name)
-                if self.store.staged:  # this node's copy of the attempt too
-                    shutil.rmtree(self.store.local / name, ignore_errors=True)
             return False
 
-        return bool(on_rank0(held))
+        if on_rank0(held):
+            return True
+        if self.store.staged:  # every node's copy of it (another node's holds its marker, pulled before)
+            on_each_node(lambda: [shutil.rmtree(self.store.local / n, ignore_errors=True)
+                                  for n in (tag, tag + UNIVERSAL)])  # fmt: skip
+        return False
 
     def mark_best(self, tag: str) -> None:
         """Point ``best`` at ``tag`` once it is whole (rank 0): now, or by the save still being kept,
@@ -318,6 +331,9 @@ class Publisher:
         ours = {t: m for t, m in store.tags().items() if not t.endswith(UNIVERSAL) and t not in self._left}
         tags = sorted(ours, key=lambda t: ours[t].get("step", 0))
         best = _pointer(store, BEST)
+        if best in self._left:  # the rewound run's finding, not this one's
+            store.write(BEST, "")
+            best = None
         old = tags[: -self.keep_last] if self.keep_last > 0 else []
         # Only a checkpoint's own folder: the location may hold others (a tokenizer, a nested run's).
         died = [t for t in store.started() if _CHECKPOINT.fullmatch(t) and _step(t) < _step(saved)]
@@ -332,6 +348,13 @@ class Publisher:
 def _step(tag: str) -> int:
     found = _CHECKPOINT.fullmatch(tag.split(".")[0])
     return int(found.group(1)) if found else -1
+
+
+def _saved_before(marker: dict[str, Any], at: Any) -> bool:
+    """Whether the checkpoint of ``marker`` was marked whole before the time ``at`` (False where either
+    time is unknown)."""
+    when = marker.get("time")
+    return isinstance(when, (int, float)) and isinstance(at, (int, float)) and when < at
 
 
 def _pointer(store: Store, name: str) -> str | None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -118,9 +119,9 @@ def test_a_complete_checkpoint_is_never_written_again(tmp_path: Path) -> None:
 def test_a_rewound_resume_replaces_the_later_checkpoints_of_the_run_it_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    for step in (2, 4, 6):
+    for step in (2, 4, 6, 8):
         checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
-    (tmp_path / "best").write_text("global_step4")
+    (tmp_path / "best").write_text("global_step8")
     (tmp_path / "global_step4.universal").mkdir()  # a form made of the step the rewind leaves
 
     def resumed(tag: str, keep_last: int) -> Publisher:
@@ -128,36 +129,60 @@ def test_a_rewound_resume_replaces_the_later_checkpoints_of_the_run_it_left(
         publisher.fetch((tmp_path, tag, {}))
         return publisher
 
+    def tags() -> list[str]:
+        return sorted(
+            (p.name for p in tmp_path.iterdir() if p.is_dir() and "." not in p.name),
+            key=lambda t: int(t[11:]),
+        )
+
     logging.getLogger("dsgpt2").addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger="dsgpt2"):
-            rewound = resumed("global_step2", keep_last=1)
-            # Another run's step 4 and 6 (another --train_iters, another learning rate): never adopted.
+            rewound = resumed("global_step2", keep_last=2)
+            assert "the later global_step4, global_step6, global_step8, of a run that went on" in caplog.text
+            # --keep_last counts this run's checkpoints only: the other run's neither count nor are lost.
+            rewound.save(FakeEngine(), 3, {}, {})
+            assert tags() == ["global_step2", "global_step3", "global_step4", "global_step6", "global_step8"]
+            assert (tmp_path / "best").read_text() == ""  # the other run's finding, not this one's
+            # Another run's step 4 (another --train_iters, another learning rate): never adopted.
             assert rewound.save(FakeEngine(), 4, {}, {}) == "global_step4"
     finally:
         logging.getLogger("dsgpt2").removeHandler(caplog.handler)
-    assert (
-        "resuming " in caplog.text
-        and "the later global_step4, global_step6 of the run it left" in caplog.text
-    )
     assert "replacing " in caplog.text and "global_step4, a step of the run this one rewound" in caplog.text
-    assert _states(tmp_path, 4).stat().st_mtime_ns > _states(tmp_path, 6).stat().st_mtime_ns
+    assert _states(tmp_path, 4).stat().st_mtime_ns > _states(tmp_path, 8).stat().st_mtime_ns
     assert (tmp_path / "latest").read_text() == "global_step4" and resolve(tmp_path, None) == "global_step4"
-    assert not (tmp_path / "global_step4.universal").exists() and (tmp_path / "best").read_text() == ""
-    # --keep_last counts this run's checkpoints: step 6, of the run it left, neither counts nor is lost
-    # until this run gets there.
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step4", "global_step6"]
+    assert not (tmp_path / "global_step4.universal").exists()
+    assert tags() == ["global_step3", "global_step4", "global_step6", "global_step8"]
+    # Stopped, then resumed from `latest`: the other run's later steps are still told apart (saved before
+    # the checkpoint resumed), and replaced in turn.
+    caplog.clear()
+    again = resumed("global_step4", keep_last=2)
+    assert "the later global_step6, global_step8, of a run" in caplog.text
+    again.save(FakeEngine(), 5, {}, {})
+    assert tags() == ["global_step4", "global_step5", "global_step6", "global_step8"]
     before = _states(tmp_path, 6).stat().st_mtime_ns
-    assert rewound.save(FakeEngine(), 6, {}, {}) == "global_step6"
+    assert again.save(FakeEngine(), 6, {}, {}) == "global_step6"
     assert _states(tmp_path, 6).stat().st_mtime_ns > before
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["global_step6"]
-    # A plain resume (from the checkpoint `latest` names) keeps a later whole one: the same run's.
-    checkpoint.save(FakeEngine(), tmp_path, 8, {}, keep_last=0)
+    assert tags() == ["global_step5", "global_step6", "global_step8"]
+    # Without `latest`, the newest intact checkpoint is the last saved, not the other run's higher step.
+    (tmp_path / "latest").unlink()
+    assert resolve(tmp_path, None) == "global_step6"
     (tmp_path / "latest").write_text("global_step6")
-    before = _states(tmp_path, 8).stat().st_mtime_ns
-    assert resumed("global_step6", keep_last=0).save(FakeEngine(die=True), 8, {}, {}) == "global_step8"
-    assert _states(tmp_path, 8).stat().st_mtime_ns == before
-    assert (tmp_path / "latest").read_text() == "global_step8"
+    # A plain resume keeps a later whole one saved after the checkpoint it resumes: its own, whole just
+    # before a stop that left `latest` unmoved.
+    checkpoint.save(FakeEngine(), tmp_path, 10, {}, keep_last=0)
+    (tmp_path / "latest").write_text("global_step6")
+    before = _states(tmp_path, 10).stat().st_mtime_ns
+    assert resumed("global_step6", keep_last=0).save(FakeEngine(die=True), 10, {}, {}) == "global_step10"
+    assert _states(tmp_path, 10).stat().st_mtime_ns == before
+    assert (tmp_path / "latest").read_text() == "global_step10"
+    # A checkpoint resumed under another name: its step is its marker's, not a number in its name.
+    shutil.copytree(tmp_path / "global_step5", tmp_path / "before_the_change")
+    assert resumed("before_the_change", keep_last=0)._left == {
+        "global_step6",
+        "global_step8",
+        "global_step10",
+    }
 
 
 @pytest.mark.parametrize(
