@@ -7,6 +7,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -178,6 +179,57 @@ def parses_as_toml(path: Path) -> bool:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return False
     return True
+
+
+# What a path is, by the type its metadata gives, where a regular file or a directory was wanted.
+_KINDS = (
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _kind(path: str | os.PathLike[str]) -> str | None:
+    """What ``path`` is in words ("a named pipe"); None where nothing is there. Only its metadata is read:
+    opening a named pipe would wait for a writer.
+
+    Raises:
+        OSError: its metadata cannot be read (a directory on the way that cannot be searched).
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+
+
+def not_a_file(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a file, in words ("file not found", "a named pipe, not a regular
+    file"); None where it is a regular file (a link to one included)."""
+    try:
+        kind = _kind(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if kind is None:
+        return "file not found"
+    if kind == "a directory":
+        return "a directory, not a file"
+    return None if kind == "a file" else f"{kind}, not a regular file"
+
+
+def not_a_directory(path: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` cannot be read as a directory, in words ("directory not found", "a file, not a
+    directory"); None where it is one."""
+    try:
+        kind = _kind(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if kind is None:
+        return "directory not found"
+    return None if kind == "a directory" else f"{kind}, not a directory"
 
 
 def is_occupied(path: Path) -> bool:

@@ -22,6 +22,7 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.files import not_a_file
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
 from dsgpt2.settings.options import NON_NEGATIVE_INT, PORT, POSITIVE_INT, Checked, from_namespace, option
 from dsgpt2.train.config import RunOptions
@@ -244,12 +245,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = list(s.prompts)
     if s.prompts_file:
         path = s.prompts_file
-        if path.is_dir():
-            raise usage(
-                "generate", f"--prompts_file {path} is a directory; give a file with one prompt per line"
-            )
-        if not path.is_file():
-            raise usage("generate", f"--prompts_file {path}: file not found")
+        why = not_a_file(path)
+        if why is not None:
+            raise usage("generate", f"--prompts_file {path}: {why}; give a file with one prompt per line")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

@@ -24,6 +24,7 @@ from dsgpt2.corpus.columnar import sniff_binary
 from dsgpt2.corpus.records import READERS, ReadOptions, Source, source_key
 from dsgpt2.documents import utf8_encodable
 from dsgpt2.errors import IngestError
+from dsgpt2.files import not_a_file
 
 # --format's choices: "auto" (the format told by the file's name and first bytes), then every reader.
 FORMATS = READERS.choices("auto")
@@ -56,10 +57,10 @@ def file_source(
             are invalid.
     """
     p = Path(path)
-    if not p.is_file() and not (
-        p.is_dir() and (fmt == "auto" or (fmt in READERS and READERS[fmt].directory))
-    ):
-        raise IngestError(f"input file {str(p)!r} not found")
+    why = not_a_file(p)
+    a_directory = fmt == "auto" or (fmt in READERS and READERS[fmt].directory)
+    if why is not None and not (a_directory and p.is_dir()):
+        raise IngestError(f"input file {str(p)!r}: {why}")
     if p.is_file():
         try:
             with open(p, "rb"):

@@ -32,6 +32,7 @@ from dsgpt2.db.meta import write_meta
 from dsgpt2.db.summaries import aggregate_summary, read_windows
 from dsgpt2.documents import CHECKED, CONTAMINATED, TURNS, document_text
 from dsgpt2.errors import ConfigError, usage_error
+from dsgpt2.files import not_a_file
 from dsgpt2.settings.options import Checked, Range, option
 
 META = "decontaminate"  # meta_info: {SET: {key, ngram, files, items, at}} after each complete run
@@ -162,10 +163,9 @@ def read_texts(path: Path) -> tuple[str, list[str]]:
             the file's layout: one line naming the file (and the line).
     """
     known = "; ".join(LAYOUTS.values())
-    if path.is_dir():
-        raise ConfigError(f"--against {path} is a directory; give the evaluation set's file")
-    if not path.is_file():
-        raise ConfigError(f"--against {path}: file not found")
+    why = not_a_file(path)
+    if why is not None:
+        raise ConfigError(f"--against {path}: {why}; give the evaluation set's file")
     layout: str | None = None
     texts: list[str] = []
     try:

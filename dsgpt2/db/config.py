@@ -22,6 +22,7 @@ from typing import Any
 
 from dsgpt2.documents import TEXT, utf8_encodable
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import not_a_file
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, Checked, Range, option
 from dsgpt2.settings.shipped import shipped_if_absent
 
@@ -389,6 +390,9 @@ def load_config(path: str | os.PathLike[str], env: Mapping[str, str] | None = No
         ConfigError: the file is missing, not JSON, or not a valid config.
     """
     p = shipped_if_absent(Path(path))
+    why = not_a_file(p) if p.exists() else None  # a named pipe would wait for a writer
+    if why is not None:
+        raise ConfigError(f"config file {str(p)!r}: {why}; pass a JSON file")
     try:
         raw = p.read_text(encoding="utf-8")
     except FileNotFoundError:

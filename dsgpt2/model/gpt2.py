@@ -14,6 +14,7 @@ from typing import Any
 
 from dsgpt2.data.packing import IGNORE
 from dsgpt2.errors import ConfigError, first_line
+from dsgpt2.files import not_a_file
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,12 @@ def read_model_config(path: Path) -> dict[str, Any]:
     """The settings of a GPT-2 config JSON (``--model_config``), checked.
 
     Raises:
-        ConfigError: unreadable, not a JSON object, a key GPT2Config does not know, a value of the wrong
-            type or a size a GPT-2 cannot have.
+        ConfigError: not a file (missing, a directory, a named pipe), unreadable, not a JSON object, a key
+            GPT2Config does not know, a value of the wrong type or a size a GPT-2 cannot have.
     """
+    why = not_a_file(path)
+    if why is not None:
+        raise ConfigError(f"--model_config {path}: {why}")
     from transformers import GPT2Config
 
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import not_a_file
 
 ENDINGS = 4
 
@@ -32,8 +33,8 @@ class Example:
 def read_examples(path: Path, limit: int | None = None) -> list[Example]:
     """The examples of a HellaSwag JSONL file; a malformed file is one line naming the line."""
     path = Path(path)
-    if not path.is_file():
-        why = "a directory, not a file" if path.is_dir() else "file not found"
+    why = not_a_file(path)
+    if why is not None:
         raise ConfigError(f"--hellaswag {path}: {why}")
     try:
         return _read(path, limit)

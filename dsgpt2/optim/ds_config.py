@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import not_a_file
 from dsgpt2.optim.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,9 @@ def read_ds_config(path: str | Path) -> dict[str, Any]:
         ConfigError: missing or malformed file.
     """
     p = Path(path)
+    why = not_a_file(p) if p.exists() else None  # a named pipe would wait for a writer
+    if why is not None:
+        raise ConfigError(f"{FLAG} {p}: {why}")
     try:
         cfg = json.loads(p.read_text())
     except FileNotFoundError:

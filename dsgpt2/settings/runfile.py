@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dsgpt2.errors import ConfigError
+from dsgpt2.files import not_a_file
 from dsgpt2.log import process_rank
 from dsgpt2.settings.options import action_of, is_switch, settable_actions, subcommands, takes_many
 from dsgpt2.settings.shipped import shipped_if_absent
@@ -70,8 +71,9 @@ def find_run_file(argv: Sequence[str]) -> tuple[list[str], Path | None]:
 
 def read_run_file(path: Path) -> dict[str, Any]:
     """The file's mapping; a missing, unreadable or malformed file is one line."""
-    if not path.is_file():
-        raise ConfigError(f"{FLAG} {path}: file not found")
+    why = not_a_file(path)
+    if why is not None:
+        raise ConfigError(f"{FLAG} {path}: {why}")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -36,7 +36,14 @@ from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
 from dsgpt2.errors import ConfigError, DsGpt2Error, NoRoomError, first_line
-from dsgpt2.files import atomic_write_text, atomic_writer, check_room, check_writable_dir, out_of_room
+from dsgpt2.files import (
+    atomic_write_text,
+    atomic_writer,
+    check_room,
+    check_writable_dir,
+    not_a_directory,
+    out_of_room,
+)
 from dsgpt2.progress import progress as progress_display
 from dsgpt2.ranges import even_ranges
 from dsgpt2.settings.options import NON_NEGATIVE_INT, POSITIVE_INT, RATIO, Checked, option
@@ -398,9 +405,13 @@ def shard_texts(
     """The texts of every shard in ``directory``, in shard order, one line at a time.
 
     Raises:
-        ConfigError: the directory holds no shard, the shards of an unfinished download, or one that is not
-            what its download wrote (size and SHA-256 in the manifest), before any text is read.
+        ConfigError: ``directory`` is not one (a file, a named pipe) or holds no shard, the shards of an
+            unfinished download, or one that is not what its download wrote (size and SHA-256 in the
+            manifest), before any text is read.
     """
+    why = not_a_directory(directory) if directory.exists() else None
+    if why is not None:
+        raise ConfigError(f"{directory}: {why}; give the shard directory `dsgpt2 vocab download` wrote")
     files = sorted(directory.glob("shard-*.jsonl"))
     if not files:
         raise ConfigError(f"no shard-*.jsonl files in {directory}; run `dsgpt2 vocab download` first")

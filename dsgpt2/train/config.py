@@ -21,7 +21,7 @@ from dsgpt2.data.order import ORDERS
 from dsgpt2.data.packing import PACKINGS
 from dsgpt2.data.split import DEFAULT_CHUNK_DOCS, DEFAULT_SEED, DEFAULT_TR_RATIO
 from dsgpt2.errors import ConfigError
-from dsgpt2.files import check_room, check_writable_dir
+from dsgpt2.files import check_room, check_writable_dir, not_a_file
 from dsgpt2.model.gpt2 import DEFAULT_LOSS_CHUNK, PRESETS, read_model_config
 from dsgpt2.optim.optimizers import OPTIMIZERS, OptimizerOptions
 from dsgpt2.optim.schedule import ScheduleOptions, check_warmup
@@ -95,8 +95,6 @@ class ModelOptions(Checked):
             ConfigError: naming the flag.
         """
         if self.model_config is not None:
-            if not self.model_config.is_file():
-                raise ConfigError(f"--model_config {self.model_config}: file not found")
             read_model_config(self.model_config)
         if self.init_from is not None and not self.init_from.exists():
             from dsgpt2.checkpoints.format import CHECKPOINTS
@@ -180,8 +178,9 @@ class DataOptions(Checked):
         Raises:
             ConfigError: naming the flag.
         """
-        if self.config_train is not None and not self.config_train.is_file():
-            raise ConfigError(f"--config_train {self.config_train}: file not found")
+        why = None if self.config_train is None else not_a_file(self.config_train)
+        if why is not None:
+            raise ConfigError(f"--config_train {self.config_train}: {why}")
         from dsgpt2.tokenizer.stored import stored_tokenizer
 
         if self.vocab_dir is None or stored_tokenizer(self.vocab_dir) is not None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -244,6 +245,44 @@ def test_vocab_download_into_a_file_is_one_line(tmp_path: Path, cfg: Path) -> No
         (line,) = result.stderr.strip().splitlines()
         assert f"{txt} is a file" in line
     assert txt.read_text() == "one\ntwo\n"
+
+
+def test_a_named_pipe_given_as_a_file_is_said_to_be_one_and_never_opened(tmp_path: Path, cfg: Path) -> None:
+    """A named pipe (or a device) where a file is read was "not found", or waited forever for a writer
+    (the connection config, the DeepSpeed config): opened, a pipe waits for one."""
+    fifo, recipe = tmp_path / "pipe.json", tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+    os.mkfifo(recipe)
+    pipe = "a named pipe, not a regular file"
+    for args, said in (
+        (["ingest", "--config", str(cfg), str(fifo)], f"input file '{fifo}': {pipe}"),
+        (
+            ["ingest", "--config", str(cfg), "/dev/null"],
+            "'/dev/null': a character device, not a regular file",
+        ),
+        (["info", "--config", str(fifo)], f"config file '{fifo}': {pipe}"),
+        (["train", "--config", str(recipe)], f"--config {recipe}: {pipe}"),
+        (["train", "--config_train", str(fifo)], f"--config_train {fifo}: {pipe}"),
+        (
+            ["train", "--config_train", str(cfg), "--model_config", str(fifo)],
+            f"--model_config {fifo}: {pipe}",
+        ),
+        (
+            ["vocab", "train", "--input", str(fifo), "--out", str(tmp_path / "v")],
+            "a named pipe, not a directory",
+        ),
+        (
+            ["generate", "--model", str(tmp_path), "--prompts_file", str(fifo)],
+            f"--prompts_file {fifo}: {pipe}",
+        ),
+        (["decontaminate", "--config", str(cfg), "--against", str(fifo)], f"--against {fifo}: {pipe}"),
+    ):
+        _one_line_error(run_cli(*args), said)
+    from dsgpt2.errors import ConfigError
+    from dsgpt2.optim.ds_config import read_ds_config
+
+    with pytest.raises(ConfigError, match=f"--deepspeed_config .*pipe.json: {pipe}"):
+        read_ds_config(fifo)
 
 
 def test_the_command_line_starts_without_torch() -> None:

@@ -95,7 +95,7 @@ def test_every_layout_is_read(tmp_path: Path) -> None:
     assert (s.name, s.items, len(s.grams), s.short) == ("both", 3, len(gold.split()) - 12, 2)
     from dsgpt2.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"--against .* is a directory; give the evaluation set's file"):
+    with pytest.raises(ConfigError, match=r"--against .*: a directory, not a file; give the evaluation"):
         read_texts(tmp_path)
 
 

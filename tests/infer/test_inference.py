@@ -441,11 +441,11 @@ def test_generate_unreadable_prompts_file(
     blank = tmp_path / "blank.txt"
     blank.write_text("\n  \n")
     for given, said in (
-        (tmp_path, "is a directory; give a file"),
-        (blank, "holds no prompt (every line is blank)"),
+        (tmp_path, ": a directory, not a file; give a file"),
+        (blank, " holds no prompt (every line is blank)"),
     ):
         line = _error_line(capsys, "generate", "--model", str(models["lm"]), "--prompts_file", str(given))
-        assert f"--prompts_file {given} {said}" in line, line
+        assert f"--prompts_file {given}{said}" in line, line
 
 
 def test_finetuning_lowers_the_reply_loss(models: dict[str, Path]) -> None:
