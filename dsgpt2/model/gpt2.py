@@ -109,6 +109,9 @@ def read_model_config(path: Path) -> dict[str, Any]:
     """
     why = not_a_file(path)
     if why is not None:
+        inside = Path(path) / "config.json"
+        if inside.is_file():  # an exported model's directory, or a Hugging Face one
+            why = f"{why}; its model config is --model_config {inside}"
         raise ConfigError(f"--model_config {path}: {why}")
     from transformers import GPT2Config
 

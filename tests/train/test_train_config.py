@@ -106,6 +106,22 @@ def test_files_are_checked_as_the_run_is_built_not_as_the_config_is_made(
         cfg.check_files()
 
 
+def test_a_directory_as_model_config_is_said_to_be_one_and_its_config_json_named(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = TrainConfig(DataOptions(files["mongo"]), ModelOptions(model_config=model))
+    with pytest.raises(ConfigError, match=r"--model_config .*model: a directory, not a file$"):
+        cfg.check_files()
+    (model / "config.json").write_text('{"n_layer": 2}')
+    with pytest.raises(
+        ConfigError,
+        match=r"model: a directory, not a file; its model config is --model_config .*config\.json$",
+    ):
+        cfg.check_files()
+
+
 def test_vocab_dir_default_is_checked(files: dict[str, Path], tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     cfg = TrainConfig(data=DataOptions(config_train=files["mongo"]))
