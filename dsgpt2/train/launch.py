@@ -38,6 +38,8 @@ a launch over ssh (pdsh) gets the signal as DeepSpeed handles it.
 # Passed on as they came; SIGHUP (the terminal closed) too, which ends a single process at once.
 PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 NODE_LAUNCHER = "deepspeed.launcher.launch"
+# DeepSpeed's runner, its refusals of its arguments made one line.
+RUNNER = "dsgpt2.train.launch_runner"
 
 
 def main(argv: Sequence[str]) -> int:
@@ -57,7 +59,7 @@ def main(argv: Sequence[str]) -> int:
     group: dict[str, Any] = (
         {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     )
-    runner = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", *argv], **group)
+    runner = subprocess.Popen([sys.executable, "-u", "-m", RUNNER, *argv], **group)
     passer = SignalPasser(runner.pid)
     while runner.poll() is None:
         passer.pass_on(received)

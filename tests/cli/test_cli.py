@@ -285,6 +285,16 @@ def test_a_named_pipe_given_as_a_file_is_said_to_be_one_and_never_opened(tmp_pat
         read_ds_config(fifo)
 
 
+def test_a_flag_the_launcher_does_not_have_is_one_line_naming_it() -> None:
+    """DeepSpeed's runner answered with its whole usage (forty lines)."""
+    result = run_cli("launch", "--bogus", "--num_gpuz", "2", "ds_trainer.py")
+    _one_line_error(
+        result,
+        "dsgpt2 launch: error: unrecognized arguments: --bogus --num_gpuz; did you mean --num_gpus?",
+        "deepspeed --help",
+    )
+
+
 def test_the_command_line_starts_without_torch() -> None:
     """`dsgpt2 info`, `--help` and the argument errors answer in a fraction of a second."""
     code = "import sys, dsgpt2.cli.main as c; c.build_parser(); print('torch' in sys.modules)"
