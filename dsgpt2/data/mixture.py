@@ -11,6 +11,7 @@ document is read twice or skipped because of a change.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,8 +36,8 @@ def parse_mixture(text: str, names: Sequence[str]) -> list[Stage]:
     at step 0). A collection left out of a stage gets weight 0.
 
     Raises:
-        ConfigError: malformed text, an unknown collection, a negative weight, all weights 0,
-            steps out of order.
+        ConfigError: malformed text, an unknown collection, a negative or infinite (or NaN) weight, all
+            weights 0, steps out of order.
     """
     hint = 'write --mixture "NAME=W,NAME=W" or "NAME=W,...; STEP: NAME=W,..."'
     stages: list[Stage] = []
@@ -51,6 +52,10 @@ def parse_mixture(text: str, names: Sequence[str]) -> list[Stage]:
         unknown = sorted(set(given) - set(names))
         if unknown:
             raise ConfigError(f"--mixture: {', '.join(unknown)} not in COLLECTIONS ({', '.join(names)})")
+        # float() reads "inf", "nan" and "1e400" (inf) too.
+        infinite = [f"{n.strip()}={w.strip()}" for n, w in pairs if not math.isfinite(given[n.strip()])]
+        if infinite:
+            raise ConfigError(f"--mixture {part!r}: {infinite[0]} is not a finite weight; give numbers >= 0")
         weights = [given.get(n, 0.0) for n in names]
         if step < 0 or min(weights) < 0 or not sum(weights) > 0:
             raise ConfigError(f"--mixture {part!r}: need a step >= 0 and weights >= 0, not all 0")

@@ -12,6 +12,7 @@ connection string, so that a password never has to be written into a file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import urllib.parse
@@ -180,11 +181,14 @@ class MongoConfig(Checked):
                 f"META_COLLECTION {self.meta_collection!r} is also listed in COLLECTIONS; "
                 "give the meta collection its own name"
             )
+        infinite = [w for w in self.weights if not math.isfinite(w)]  # JSON's Infinity and NaN
         if self.weights and (
-            len(self.weights) != len(names) or min(self.weights) < 0 or not sum(self.weights) > 0
+            len(self.weights) != len(names) or infinite or min(self.weights) < 0 or not sum(self.weights) > 0
         ):
+            said = f"{infinite[0]} is not a finite number; " if infinite else ""
             raise ConfigError(
-                f"COLLECTIONS weights {list(self.weights)}: need one weight >= 0 per collection, not all 0"
+                f"COLLECTIONS weights {list(self.weights)}: {said}need one weight >= 0 per collection, "
+                "not all 0"
             )
         if self.read_preference not in READ_PREFERENCES:
             raise ConfigError(

@@ -49,6 +49,9 @@ def test_unknown_key_lists_valid_keys() -> None:
         ({"COLLECTIONS": ["bad$name"]}, "COLLECTIONS holds 'bad\\$name', not a collection name"),
         ({"COLLECTIONS": ["system.users"]}, "MongoDB's own"),
         ({"COLLECTIONS": ["x" * 201]}, "longer than 200 bytes"),
+        # JSON's Infinity and NaN, which Python's reader takes.
+        ({"COLLECTIONS": [{"name": "a", "weight": float("inf")}]}, r"weights \[inf\]: inf is not a finite"),
+        ({"COLLECTIONS": [{"name": "a", "weight": float("nan")}]}, r"weights \[nan\]: nan is not a finite"),
         ({"MONGO_CONNECTION_DB": ""}, "database name"),
         ({"MONGO_CONNECTION_DB": "my db"}, "may not contain ' '"),
         ({"MONGO_CONNECTION_DB": "a.b"}, "may not contain '.'"),

@@ -5,6 +5,7 @@ mixture weights with stages."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from dsgpt2.corpus.ingest import ingest
 from dsgpt2.corpus.readers import builtin_source
 from dsgpt2.db.client import Connection
 from dsgpt2.db.config import load_config
+from dsgpt2.errors import ConfigError
 from dsgpt2.tokenizer.bpe import VocabSettings, train_vocab
 from dsgpt2.tokenizer.texts import mongo_texts
 from dsgpt2.train.metrics import read_metrics
@@ -239,6 +241,19 @@ def test_mixture_flag_errors_are_one_line(corpus: dict[str, Path], tmp_path: Pat
     cfg = own_store(corpus, tmp_path)
     out = train(corpus, cfg, tmp_path, "--mixture", "a=0.5,news=0.5", code=2)
     assert "--mixture: news not in COLLECTIONS (a, b)" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_mixture_weights_that_are_not_finite_are_refused_naming_them() -> None:
+    from dsgpt2.data.mixture import parse_mixture
+
+    for text, said in (
+        ("a=inf,b=1", "'a=inf,b=1': a=inf is not a finite weight"),
+        ("a=1,b=nan", "'a=1,b=nan': b=nan is not a finite weight"),
+        ("a=1e400,b=1", "'a=1e400,b=1': a=1e400 is not a finite weight"),  # read as inf
+        ("a=1,b=1; 5: a=-inf", "'5: a=-inf': a=-inf is not a finite weight"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(f"--mixture {said}")):
+            parse_mixture(text, ["a", "b"])
 
 
 def test_shares_track_weights_over_long_windows() -> None:
