@@ -138,9 +138,11 @@ class Curation(Step):
     def build(cls, settings: Mapping[type, Any]) -> Curation:
         s: CurateSettings = settings[CurateSettings]
         unknown = [r for r in s.rules if r not in RULES]
+        known = ", ".join(RULES)
         if unknown:
-            known = ", ".join(RULES)
             raise usage_error("curate", f"--rules: unknown rule set {unknown[0]!r}; known: {known}")
+        if not s.rules:  # `--rules ''`: nothing would be judged, and the run would say it judged
+            raise usage_error("curate", f"--rules names no rule set; give one or more of {known}")
         overrides = {}
         for item in s.threshold:
             name, sep, value = item.partition("=")

@@ -92,6 +92,15 @@ def test_a_threshold_that_is_no_bound_is_refused(value: str) -> None:
     assert (built.thresholds["min_words"], built.thresholds["max_words"]) == (0, float("inf"))
 
 
+@pytest.mark.parametrize("rules", ["", ",", " , "])
+def test_rules_that_name_no_rule_set_are_refused_in_one_line(tmp_path: Path, rules: str) -> None:
+    """`--rules ''` judged nothing while the run said it curated."""
+    result = run_cli("curate", "--config", str(store_config(tmp_path)[0]), "--rules", rules)
+    assert result.returncode == 2, result.stdout
+    (line,) = result.stderr.strip().splitlines()
+    assert "--rules names no rule set; give one or more of gopher, repetition, c4" in line, line
+
+
 class Crash(Exception):
     pass
 
