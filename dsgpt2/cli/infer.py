@@ -22,6 +22,7 @@ from dsgpt2.cli.common import (
     usage,
     verbose_option,
 )
+from dsgpt2.errors import ConfigError
 from dsgpt2.files import not_a_file
 from dsgpt2.infer.settings import EvalRequest, SamplingParams, ServeLimits
 from dsgpt2.settings.options import NON_NEGATIVE_INT, PORT, POSITIVE_INT, Checked, from_namespace, option
@@ -125,11 +126,15 @@ class GenerateSettings:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChatSettings:
+class ChatSettings(Checked):
     """``dsgpt2 chat``: who speaks."""
 
     user: str = option("user", "the user's speaker name")
     bot: str = option("bot", "the model's speaker name")
+
+    def check(self) -> None:
+        if self.user == self.bot:  # the user's turns would read as the model's own
+            raise ConfigError(f"--user and --bot are both {self.user!r}; give the two speakers two names")
 
 
 @dataclass(frozen=True, kw_only=True)

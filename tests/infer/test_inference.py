@@ -506,6 +506,13 @@ def test_chat_through_a_pipe(models: dict[str, Path]) -> None:
     assert out.stdout.decode().startswith("bot: ")
 
 
+def test_a_chat_whose_user_and_bot_share_a_name_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _error_line(capsys, "chat", "--model", str(tmp_path / "none"), "--user", "bot", "--bot", "bot")
+    assert line == "dsgpt2: error: --user and --bot are both 'bot'; give the two speakers two names"
+
+
 def test_an_interactive_chat_asks_again_for_a_line_that_is_not_utf8() -> None:
     from types import SimpleNamespace
 
