@@ -25,6 +25,9 @@ from dsgpt2.settings.options import (
 )
 
 MAX_SAMPLES = 16
+# The least --max_body_bytes: room for a short request with its sampling fields (a few hundred bytes);
+# below it every request would get 413.
+MIN_BODY_BYTES = 1024
 _INTEGER = re.compile(r"[+-]?[0-9]{1,19}")
 
 
@@ -143,9 +146,10 @@ class ServeLimits(Checked):
     )
     max_body_bytes: int | None = option(
         None,
-        "largest request body in bytes; larger get 413 (default: room for --max_sequences prompts of "
-        "--max_prompt_chars characters, at 6 bytes a character as JSON escapes them, and 64,000 more)",
-        check=POSITIVE_INT,
+        f"largest request body in bytes, at least {MIN_BODY_BYTES:,}; larger get 413 (default: room for "
+        "--max_sequences prompts of --max_prompt_chars characters, at 6 bytes a character as JSON escapes "
+        "them, and 64,000 more)",
+        check=Range(int, MIN_BODY_BYTES),
     )
 
     def convert(self) -> None:

@@ -302,6 +302,23 @@ def test_the_body_limit_makes_room_for_the_prompts_a_request_may_send() -> None:
     assert ServeLimits(max_body_bytes=5000).max_body_bytes == 5000
 
 
+def test_a_body_limit_too_small_for_any_request_is_refused_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--max_body_bytes 1` was taken: every request then got 413."""
+    from dsgpt2.cli.main import main
+    from dsgpt2.errors import ConfigError
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--model", "m", "--max_body_bytes", "1"])
+    assert exited.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--max_body_bytes: must be an integer at least 1024, got '1'" in line, line
+    with pytest.raises(ConfigError, match="--max_body_bytes must be an integer at least 1024, got 1023"):
+        ServeLimits(max_body_bytes=1023)
+    assert ServeLimits(max_body_bytes=1024).max_body_bytes == 1024
+
+
 def test_a_client_gone_mid_body_is_one_log_line(server: str) -> None:
     log = LOGS[server]
     before = log.stat().st_size
