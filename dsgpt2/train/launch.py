@@ -71,7 +71,43 @@ def main(argv: Sequence[str]) -> int:
     while passer.group_signalled and _group_alive(runner.pid) and time.monotonic() < deadline:
         _reap_orphans()
         time.sleep(0.1)
-    return 128 - code if code < 0 else code
+    if code < 0:
+        return 128 - code
+    killed = killing_signal(code)
+    if killed is not None:
+        if not received:  # not the stop this command was sent
+            sys.stderr.write(f"dsgpt2 launch: error: {killed_rank(killed)}\n")
+        return 128 + killed
+    return code
+
+
+def killing_signal(code: int) -> int | None:
+    """The signal that killed a rank, from the launcher's exit code: DeepSpeed's node launcher exits with
+    its dead rank's return code, -N for a rank killed by signal N, which the process status makes 256 - N
+    (247 for SIGKILL). None for any other code."""
+    signum = 256 - code
+    return signum if signum in _DEADLY else None
+
+
+# What kills a rank without its own exit: the kernel (SIGKILL, memory; SIGSEGV, SIGBUS), an abort, a kill.
+_DEADLY = {
+    int(s)
+    for s in (signal.SIGKILL, signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGFPE, signal.SIGILL,
+              signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+}  # fmt: skip
+
+
+def killed_rank(signum: int) -> str:
+    """The line for a launch whose rank was killed by ``signum``."""
+    name = signal.Signals(signum).name
+    why = ""
+    if signum == signal.SIGKILL:
+        why = (" (the kernel's out-of-memory killer sends it when memory runs out: `dmesg` or "
+               "`journalctl -k` says so; lower the micro-batch or --num_workers)")  # fmt: skip
+    elif signum in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT):
+        why = " (a crash inside a native library; the rank's output above shows where)"
+    return (f"a rank was killed by {name}{why}; the others were stopped; the same command resumes from "
+            "the last whole checkpoint")  # fmt: skip
 
 
 class SignalPasser:

@@ -295,6 +295,26 @@ def test_a_flag_the_launcher_does_not_have_is_one_line_naming_it() -> None:
     )
 
 
+def test_a_rank_killed_by_a_signal_is_named_and_the_launch_exits_as_a_shell_reports_it(
+    tmp_path: Path,
+) -> None:
+    """DeepSpeed's launchers exit 247 (-9 as a status) for a rank the kernel killed, and say no more."""
+    from dsgpt2.collective import free_port
+
+    script = tmp_path / "dies.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    result = run_cli("launch", "--num_gpus", "2", "--master_port", str(free_port()), str(script))
+    assert result.returncode == 137, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("dsgpt2 launch: error:")]
+    assert len(errors) == 1 and "a rank was killed by SIGKILL (the kernel's out-of-memory killer" in errors[0]
+    assert "the same command resumes from the last whole checkpoint" in errors[0]
+
+
 def test_the_command_line_starts_without_torch() -> None:
     """`dsgpt2 info`, `--help` and the argument errors answer in a fraction of a second."""
     code = "import sys, dsgpt2.cli.main as c; c.build_parser(); print('torch' in sys.modules)"
