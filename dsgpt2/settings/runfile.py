@@ -40,6 +40,9 @@ FLAG = "--config"
 # The flags (without their dashes) whose value came from the experiment file this process read, not
 # from the command line: an error quoting one names the file (:func:`name_file_values`).
 _FROM_FILE: dict[str, Path] = {}
+# The flags (without dashes) the user typed under another name this parser reads them by: the trainer's
+# ``--config FILE.json`` is its ``--config_train``; an error quoting one says it as typed.
+_TYPED_AS: dict[str, str] = {}
 
 
 def is_run_file(value: str) -> bool:
@@ -194,6 +197,8 @@ def apply_run_file(
 def name_file_values(message: str) -> str:
     """``message`` with the experiment file named after it where it quotes a flag whose value the file
     set (``--warmup_iters 40: must be below --train_iters 30`` from a recipe the user did not write)."""
+    for flag, typed in _TYPED_AS.items():
+        message = re.sub(rf"--{re.escape(flag)}(?![\w-])", f"--{typed}", message)
     quoted = [flag for flag in _FROM_FILE if re.search(rf"--{re.escape(flag)}(?![\w-])", message)]
     if not quoted:
         return message
@@ -328,10 +333,13 @@ def parse_args(
     applied: dict[str, tuple[str, Any]] = {}
     target: argparse.ArgumentParser = parser
     _FROM_FILE.clear()
+    _TYPED_AS.clear()
     try:
         rest, path = find_run_file(argv)
         path = None if path is None else shipped_if_absent(path)
         if aliases and "config" in aliases:
+            if any(t == FLAG or t.startswith(FLAG + "=") for t in rest):
+                _TYPED_AS[aliases["config"]] = "config"
             rest = [f"--{aliases['config']}" if t == FLAG else t for t in rest]
             rest = [t.replace(FLAG + "=", f"--{aliases['config']}=", 1) if t.startswith(FLAG + "=") else t
                     for t in rest]  # fmt: skip

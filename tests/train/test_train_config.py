@@ -326,3 +326,15 @@ def test_compile_is_on_where_cuda_is_unless_turned_off(files: dict[str, Path]) -
     assert parse(argv(files, "--no-compile")).compute.compile is False
     assert compiles(None, "cuda") and not compiles(None, "cpu")
     assert not compiles(False, "cuda") and compiles(True, "cpu")
+
+
+def test_an_error_about_the_connection_config_names_the_flag_as_typed(tmp_path: Path) -> None:
+    """`train --config FILE.json` is the trainer's --config_train: its error says --config, as typed."""
+    from conftest import run_cli
+
+    missing = tmp_path / "nope.json"
+    for flag in ("--config", "--config_train"):
+        result = run_cli("train", flag, str(missing))
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line == f"dsgpt2 train: error: {flag} {missing}: file not found", line
