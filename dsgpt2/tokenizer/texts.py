@@ -412,6 +412,8 @@ def shard_texts(
     why = not_a_directory(directory) if directory.exists() else None
     if why is not None:
         raise ConfigError(f"{directory}: {why}; give the shard directory `dsgpt2 vocab download` wrote")
+    if not directory.exists():
+        raise ConfigError(f"{directory}: not found; give the shard directory `dsgpt2 vocab download` wrote")
     files = sorted(directory.glob("shard-*.jsonl"))
     if not files:
         raise ConfigError(f"no shard-*.jsonl files in {directory}; run `dsgpt2 vocab download` first")

@@ -324,8 +324,11 @@ def test_cli_from_mongo_and_errors(tmp_path: Path) -> None:
     meta = json.loads((tmp_path / "tok" / "dsgpt2_vocab.json").read_text())
     assert meta["special_tokens"] == {EOT: 0, PAD: 1, "<|user|>": 2, "<|bot|>": 3}
     bad = run_cli("vocab", "train", "--input", str(tmp_path / "nothing"), "--out", str(tmp_path / "t2"))
+    assert bad.returncode == 2 and f"{tmp_path / 'nothing'}: not found" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and bad.stdout == ""
+    (tmp_path / "empty").mkdir()
+    bad = run_cli("vocab", "train", "--input", str(tmp_path / "empty"), "--out", str(tmp_path / "t2"))
     assert bad.returncode == 2 and "no shard-*.jsonl files" in bad.stderr and "Traceback" not in bad.stderr
-    assert bad.stdout == ""
     bad = run_cli("vocab", "train", "--from_mongo", "--out", str(tmp_path / "t3"))
     assert bad.returncode == 2 and "--from_mongo needs --config" in bad.stderr
     bad = run_cli(
