@@ -155,6 +155,20 @@ class ServeSettings(Checked):
         30, "seconds a client has to send a request whole (its head and body) from its first byte; then 408",
         check=POSITIVE_INT,
     )  # fmt: skip
+    allow_origin: tuple[str, ...] = option(
+        (),
+        "a web page's origin whose scripts may call the server from a browser (CORS), e.g. "
+        "http://localhost:3000, or * for any (repeatable; default: none)",
+        repeat=True,
+        metavar="ORIGIN",
+    )
+
+    def check(self) -> None:
+        from dsgpt2.infer.connections import origin_problem
+
+        for origin in self.allow_origin:
+            if (problem := origin_problem(origin)) is not None:
+                raise ConfigError(f"--allow_origin {problem}")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -335,7 +349,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bind(s.host, s.port)  # a busy port said now, not after the model has loaded
     started = time.monotonic()
     log.info("loading the model %s (the server answers once it is loaded)", source.model)
-    app = make_app(Generator(source.load()), limits, params, api_key, name=source.model)
+    app = make_app(
+        Generator(source.load()), limits, params, api_key, name=source.model, origins=s.allow_origin
+    )
     log.info("model loaded in %.1f s", time.monotonic() - started)
     serve(app, s.host, s.port, authenticated=api_key is not None, grace=s.shutdown_grace,
           read_timeout=s.read_timeout)  # fmt: skip
@@ -424,7 +440,7 @@ SERVE = Command(
             ServeLimits,
             only=SERVE_LIMITS,
         ),
-        Flags(ServeSettings, only=["api_key", "shutdown_grace", "read_timeout"]),
+        Flags(ServeSettings, only=["api_key", "shutdown_grace", "read_timeout", "allow_origin"]),
         # Serving: the default request's length follows --max_tokens_limit (at most 64) unless given.
         Flags(SamplingParams, only=SAMPLING, defaults={"max_new_tokens": None}, group="sampling"),
     ),

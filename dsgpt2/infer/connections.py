@@ -15,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+from collections.abc import Sequence
 from http import HTTPStatus
+from typing import Any
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -23,6 +26,36 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from dsgpt2.errors import RequestError
 
 log = logging.getLogger(__name__)
+
+# What a browser sends as a page's Origin: scheme://host[:port], no path.
+_ORIGIN = re.compile(r"https?://[^/\s?#]+")
+
+
+def origin_problem(origin: str) -> str | None:
+    """Why ``origin`` (an ``--allow_origin``) is not one a browser sends; None where it is, or ``*``."""
+    if origin == "*" or _ORIGIN.fullmatch(origin):
+        return None
+    return f"{origin!r} is not an origin: give scheme://host[:port] as a browser sends it (no path), or *"
+
+
+def cross_origin(origins: Sequence[str]) -> list[Any]:
+    """The middleware that lets pages of ``origins`` call the server from a browser (CORS: the preflight
+    answered before authentication, which it never carries); none for no origin."""
+    if not origins:
+        return []
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
+
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
+    ]
+
 
 # The states of the client's side in which its request is still being read.
 READING = (h11.IDLE, h11.SEND_BODY)

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import PurePath
 from typing import Any
@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
-from dsgpt2.infer.connections import MALFORMED, TIMED_OUT, deadlined
+from dsgpt2.infer.connections import MALFORMED, TIMED_OUT, cross_origin, deadlined
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
@@ -143,12 +143,15 @@ def make_app(
     defaults: SamplingParams | None = None,
     api_key: str | None = None,
     name: str | None = None,
+    *,
+    origins: Sequence[str] = (),
 ) -> Starlette:
     """The HTTP application around ``generator``; ``api_key``: the bearer token every request but
     ``/health`` must carry (none: no authentication); ``name``: the model's name in the API (default:
-    where it was loaded from), the checkpoint it came from being an alias."""
+    where it was loaded from), the checkpoint it came from being an alias; ``origins``: the web pages
+    whose scripts may call it (CORS)."""
     service = Service(generator, limits, defaults, api_key is not None, name)
-    middleware = [Middleware(AccessLog)]
+    middleware = [Middleware(AccessLog), *cross_origin(origins)]
     middleware += [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     app = Starlette(
         routes=[

@@ -464,6 +464,59 @@ def test_the_model_is_named_as_given_and_its_checkpoint_is_an_alias(named_server
     assert health["model"] == given and health["aliases"] == [checkpoint]
 
 
+PAGE = "http://localhost:3000"
+
+
+@pytest.fixture(scope="module")
+def cors_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    """A server with an API key that a page of PAGE may call from a browser."""
+    yield from start_server(
+        tmp_path_factory.mktemp("cors"), pretrained, "--api_key", "k", "--allow_origin", PAGE
+    )
+
+
+def test_a_page_of_an_allowed_origin_may_call_the_server_from_a_browser(
+    cors_server: str, server: str
+) -> None:
+    """CORS: a browser's preflight (OPTIONS, which never carries the key) is answered before authentication;
+    answers to the page, a 401 too, say the page may read them; another origin, or a server without
+    --allow_origin, gets no such header (the browser then hides the answer from the page)."""
+    asks = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    url, body = f"{cors_server}/v1/completions", {"prompt": "a", "max_tokens": 2}
+    r = httpx.options(url, headers={"Origin": PAGE, **asks}, timeout=deadline(10))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE, r.text
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.post(
+        url, json=body, headers={"Origin": PAGE, "Authorization": "Bearer k"}, timeout=deadline(60)
+    )
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE, r.text
+    r = httpx.post(url, json=body, headers={"Origin": PAGE}, timeout=deadline(10))
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == PAGE
+    r = httpx.options(url, headers={"Origin": "http://elsewhere.example", **asks}, timeout=deadline(10))
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(f"{server}/v1/completions", headers={"Origin": PAGE, **asks}, timeout=deadline(10))
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+
+
+def test_an_allowed_origin_is_one_a_browser_sends() -> None:
+    from conftest import run_cli
+    from dsgpt2.cli.infer import ServeSettings
+    from dsgpt2.errors import ConfigError
+
+    result = run_cli("serve", "--model", "m", "--allow_origin", "localhost:3000")
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "--allow_origin 'localhost:3000' is not an origin: give scheme://host[:port]" in line, line
+    for origin in ("http://localhost:3000/", "http://a.example/app", ""):
+        with pytest.raises(ConfigError, match=f"--allow_origin {origin!r} is not an origin"):
+            ServeSettings(allow_origin=(origin,))
+    assert ServeSettings(allow_origin=("*", "https://a.example:8443")).allow_origin[0] == "*"
+
+
 def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> None:
     body = {"prompt": "Return the", "max_tokens": 12, "temperature": 0.9, "n": 2, "seed": 11, "stop": "\n\n"}
     whole = httpx.post(f"{server}/v1/completions", json=body, timeout=deadline(60)).json()
