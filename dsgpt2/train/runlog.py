@@ -19,7 +19,8 @@ import torch
 
 from dsgpt2.checkpoints.options import RESOLVED
 from dsgpt2.documents import SkipTally
-from dsgpt2.files import atomic_write_text, open_records
+from dsgpt2.errors import NoRoomError
+from dsgpt2.files import atomic_write_text, open_records, out_of_room
 from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.progress import on_terminal
 from dsgpt2.train.config import RunOptions
@@ -94,8 +95,18 @@ class RunLog:
         if self.bar is not None:
             self.bar.update(1)
         if self.blocks is not None:
-            self.blocks.write(json.dumps({"step": step, "block_ids": ids}) + "\n")
-            self.blocks.flush()
+            try:
+                self.blocks.write(json.dumps({"step": step, "block_ids": ids}) + "\n")
+                self.blocks.flush()
+            except OSError as exc:
+                room = out_of_room(self.run.workspace, exc)
+                if room is None:
+                    raise
+                path = self.run.workspace / f"block_ids_rank{self.rank}.jsonl"
+                raise NoRoomError(
+                    f"{path}: step {step}'s block ids could not be written, {room}; the "
+                    "checkpoints saved are kept: free space there and run the same command to resume"
+                ) from None
 
     def log_train(
         self,

@@ -198,6 +198,27 @@ def test_a_run_record_that_does_not_fit_is_one_error_and_leaves_no_empty_metrics
     assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_block_ids_that_do_not_fit_are_one_error(tmp_path: Path) -> None:
+    from dsgpt2.train.config import RunOptions
+    from dsgpt2.train.runlog import RunLog
+
+    run = RunOptions(workspace=tmp_path / "ws", log_block_ids=True, wandb="off")
+    records = RunLog(
+        run, {}, resolved="", rank=1, world=2, flops_per_token=1.0, peak_flops=None, start=(0, 0)
+    )
+    with records.open():
+        records.stepped(1, [[0, 1]])
+        records.blocks.close()
+        records.blocks = _FullFile()
+        with pytest.raises(NoRoomError) as full:
+            records.stepped(2, [[2, 3]])
+    assert str(full.value).startswith(
+        f"{run.workspace / 'block_ids_rank1.jsonl'}: step 2's block ids could not"
+    )
+    assert "free space there and run the same command to resume" in str(full.value)
+    assert (run.workspace / "block_ids_rank1.jsonl").read_text() == '{"step": 1, "block_ids": [[0, 1]]}\n'
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return training_corpus(tmp_path_factory)
