@@ -29,6 +29,24 @@ log = logging.getLogger(__name__)
 
 # What a browser sends as a page's Origin: scheme://host[:port], no path.
 _ORIGIN = re.compile(r"https?://[^/\s?#]+")
+# A request target in absolute form: its scheme and authority, before its path.
+_ABSOLUTE = re.compile(r"https?://[^/]*", re.IGNORECASE)
+
+
+class AbsoluteForm:
+    """A request whose target is in absolute form (``GET http://host:port/path``, as a client sends it to
+    a proxy; an HTTP/1.1 server must take it, RFC 9112 3.2.2) routed by its path, as the origin form."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (found := _ABSOLUTE.match(scope["path"])):
+            path = scope["path"][found.end() :] or "/"
+            raw = scope.get("raw_path") or b""
+            raw = raw[len(found.group()) :] if raw.lower().startswith(found.group().lower().encode()) else raw
+            scope = {**scope, "path": path, "raw_path": raw or b"/"}
+        await self.app(scope, receive, send)
 
 
 def origin_problem(origin: str) -> str | None:

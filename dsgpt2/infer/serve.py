@@ -44,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsgpt2.documents import text_problem
 from dsgpt2.errors import ConfigError, GenerationFailed, RequestError
-from dsgpt2.infer.connections import MALFORMED, TIMED_OUT, cross_origin, deadlined
+from dsgpt2.infer.connections import MALFORMED, TIMED_OUT, AbsoluteForm, cross_origin, deadlined
 from dsgpt2.infer.decode import DecodeRequest, Delta
 from dsgpt2.infer.engine import Batcher
 from dsgpt2.infer.generate import Completion, Generator, SamplingParams
@@ -151,7 +151,7 @@ def make_app(
     where it was loaded from), the checkpoint it came from being an alias; ``origins``: the web pages
     whose scripts may call it (CORS)."""
     service = Service(generator, limits, defaults, api_key is not None, name)
-    middleware = [Middleware(AccessLog), *cross_origin(origins)]
+    middleware = [Middleware(AbsoluteForm), Middleware(AccessLog), *cross_origin(origins)]
     middleware += [Middleware(BearerAuth, api_key=api_key)] if api_key else []
     app = Starlette(
         routes=[

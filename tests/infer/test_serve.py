@@ -164,6 +164,23 @@ def _exchange(server: str, raw: bytes) -> bytes:
     return answer
 
 
+def test_a_request_target_in_absolute_form_is_routed_by_its_path(server: str) -> None:
+    """`GET http://host:port/health` (a client that talks to proxies) was a 404."""
+    port = server.rsplit(":", 1)[1]
+    for target in (
+        f"http://127.0.0.1:{port}/health",
+        f"HTTP://127.0.0.1:{port}/generate?sentence=a&max_new_tokens=2",
+    ):
+        raw = f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n\r\n".encode()
+        answer = _exchange(server, raw)
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1]), answer
+    answer = _exchange(
+        server, f"GET http://127.0.0.1:{port} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+    )
+    assert answer.startswith(b"HTTP/1.1 404 "), answer  # the root, which serves nothing
+
+
 def test_a_request_that_is_not_http_gets_a_json_400_and_an_upgrade_is_plain_http(server: str) -> None:
     log = LOGS[server]
     before = log.stat().st_size
