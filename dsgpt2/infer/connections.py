@@ -69,7 +69,9 @@ def cross_origin(origins: Sequence[str]) -> list[Any]:
             CORSMiddleware,
             allow_origins=list(origins),
             allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"],
+            # Any header the page's client sends: the openai JavaScript client adds its X-Stainless-*
+            # ones, and a preflight that named one not listed was refused, the page's call with it.
+            allow_headers=["*"],
             max_age=600,
         )
     ]

@@ -519,6 +519,17 @@ def test_a_page_of_an_allowed_origin_may_call_the_server_from_a_browser(
     assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
 
 
+def test_a_preflight_for_the_headers_the_openai_javascript_client_sends_is_answered(cors_server: str) -> None:
+    """The openai JavaScript client adds its X-Stainless-* headers to every call: a preflight naming them
+    was a 400 (Disallowed CORS headers), and the page's every call with it failed."""
+    sent = "authorization, content-type, x-stainless-lang, x-stainless-os, x-stainless-retry-count"
+    asks = {"Origin": PAGE, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": sent}
+    r = httpx.options(f"{cors_server}/v1/chat/completions", headers=asks, timeout=deadline(10))
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE, r.text
+    allowed = {h.strip() for h in r.headers["access-control-allow-headers"].lower().split(",")}
+    assert {h.strip() for h in sent.split(",")} <= allowed, allowed
+
+
 def test_an_allowed_origin_is_one_a_browser_sends() -> None:
     from conftest import run_cli
     from dsgpt2.cli.infer import ServeSettings
