@@ -85,13 +85,22 @@ TIMED_OUT = "read_timed_out"
 MALFORMED = "malformed_body"
 
 
-def deadlined(read_timeout: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, each request to be read whole within ``read_timeout`` seconds."""
-    return type("DeadlinedH11Protocol", (DeadlinedH11Protocol,), {"read_timeout": read_timeout})
+def deadlined(read_timeout: float, max_head_bytes: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, each request to be read whole within ``read_timeout`` seconds, its line and
+    headers in at most ``max_head_bytes``."""
+    attributes = {"read_timeout": read_timeout, "max_head_bytes": max_head_bytes}
+    return type("DeadlinedH11Protocol", (DeadlinedH11Protocol,), attributes)
 
 
 class DeadlinedH11Protocol(H11Protocol):
     read_timeout: float = 30.0
+    max_head_bytes: int = 16 * 1024  # h11's own
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # h11 bounds what it buffers of a head not yet whole (16 KiB by default): a long prompt in a GET's
+        # query, arriving in network-sized pieces, went past it where the same bytes read at once did not.
+        self.conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head_bytes)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
@@ -149,11 +158,16 @@ class DeadlinedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         """A request that is not HTTP/1.1 (its head, its chunked body, its Content-Length): a 400 in JSON
-        as every other error here (uvicorn's is plain text), its connection closed."""
+        as every other error here (uvicorn's is plain text), its connection closed; a head longer than
+        h11 buffers, a 431 that says so."""
         in_body = self.cycle is not None and not self.cycle.response_complete
         if in_body:  # its handler, reading the body, logs the 400
             self.scope.setdefault("state", {})[MALFORMED] = True
-        if not (in_body and self.cycle.response_started):
+        if len(self.conn.trailing_data[0]) > self.max_head_bytes:
+            message = (f"the request line and headers are over {self.max_head_bytes:,} bytes; send a long "
+                       "prompt in a POST body")  # fmt: skip
+            self.transport.write(_refusal(431, message, self._api(in_body)))
+        elif not (in_body and self.cycle.response_started):
             message = "the request is not valid HTTP/1.1 (its request line, headers or body framing)"
             self.transport.write(_refusal(400, message, self._api(in_body)))
         self.transport.close()

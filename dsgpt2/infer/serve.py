@@ -582,7 +582,7 @@ def serve(
     with _sigterm_returns():
         uvicorn.run(
             app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=grace,
-            http=deadlined(read_timeout),
+            http=deadlined(read_timeout, app.state.service.limits.max_head_bytes),
         )  # fmt: skip
 
 

@@ -157,6 +157,13 @@ class ServeLimits(Checked):
             room = 6 * self.max_prompt_chars * self.max_sequences + 64_000
             object.__setattr__(self, "max_body_bytes", room)
 
+    @property
+    def max_head_bytes(self) -> int:
+        """The longest request line and headers read: room for a query that carries a prompt of
+        ``max_prompt_chars`` characters (``GET /generate?sentence=``), percent-encoded at 12 bytes a
+        character (4 UTF-8 bytes of 3 each), and 16 KiB more (h11's own bound) for the rest."""
+        return 12 * self.max_prompt_chars + 16 * 1024
+
     def check_length(self, asked: int, name: str = "max_new_tokens") -> None:
         """A request's length within what this server allows (``name``: as the request spells it).
 

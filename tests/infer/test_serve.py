@@ -530,6 +530,35 @@ def test_a_preflight_for_the_headers_the_openai_javascript_client_sends_is_answe
     assert {h.strip() for h in sent.split(",")} <= allowed, allowed
 
 
+def test_a_long_prompt_in_a_query_that_arrives_in_pieces_is_read_and_a_longer_head_is_a_431(
+    cors_server: str,
+) -> None:
+    """A GET /generate whose query carries a prompt within --max_prompt_chars (4,000 here) was a 400 "not
+    valid HTTP/1.1" once its head, past h11's 16 KiB, arrived in pieces as over a network; read at once,
+    the same bytes were answered. A head longer than any such query is a 431 saying so."""
+    port = int(cors_server.rsplit(":", 1)[1])
+    query = "max_new_tokens=1&sentence=" + "%E2%82%AC" * 2000  # 2,000 characters, 18,000 bytes
+    head = (
+        f"GET /generate?{query} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\nConnection: close\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.settimeout(deadline(30))
+        s.sendall(head.encode()[:17_000])
+        time.sleep(0.3)  # h11 has read the first piece, not yet whole
+        s.sendall(head.encode()[17_000:])
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["prompt"] == "\u20ac" * 2000
+    # One byte over: all of it read when h11 gives up, so that the close sends no reset over the answer.
+    start = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Long: "
+    answer = _exchange(cors_server, start + b"a" * (64_384 + 1 - len(start)))
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:300]
+    message = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert "the request line and headers are over 64,384 bytes; send a long prompt in a POST body" in message
+
+
 def test_an_allowed_origin_is_one_a_browser_sends() -> None:
     from conftest import run_cli
     from dsgpt2.cli.infer import ServeSettings
