@@ -15,6 +15,7 @@ requests with a 400 that points at ``/v1/completions``.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import uuid
@@ -286,6 +287,21 @@ def models_body(served: str, created: int, aliases: Sequence[str] = ()) -> dict[
             *({"id": a, **head, "alias_of": served} for a in aliases),
         ],
     }
+
+
+# What Python's str.splitlines ends a line at beside CR and LF, that JSON leaves as they are: a reader
+# of server-sent events that splits lines so (httpx's iter_lines, and the clients built on it) would cut
+# an event holding one in two, and read neither.
+_LINE_BREAKS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def sse_event(data: dict[str, Any]) -> str:
+    """One server-sent event of ``data`` as JSON, on one line for every reader of them: the characters a
+    line splitter may take for a line's end (in the text generated, the model's name) escaped."""
+    line = json.dumps(data, ensure_ascii=False)
+    for char, escaped in _LINE_BREAKS.items():
+        line = line.replace(char, escaped)
+    return f"data: {line}\n\n"
 
 
 def now() -> int:

@@ -58,6 +58,7 @@ from dsgpt2.infer.openai_api import (
     models_body,
     new_id,
     now,
+    sse_event,
 )
 from dsgpt2.infer.settings import ServeLimits
 from dsgpt2.listen import check_bind
@@ -384,7 +385,7 @@ class AccessLog:
                     # A stream says it was cut short (an error event, then its end), as a failed generation
                     # does, rather than stopping mid-answer with nothing said.
                     cut = RequestError("the server shut down before the answer was complete", status=503)
-                    end = _event(cut.body()) + DONE if events else ""
+                    end = sse_event(cut.body()) + DONE if events else ""
                     await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
         finally:
             state = scope.get("state", {})
@@ -486,16 +487,12 @@ async def _sse(
     async with contextlib.aclosing(deltas):
         try:
             async for i, delta in deltas:
-                yield _event(answer.chunk(i, delta))
+                yield sse_event(answer.chunk(i, delta))
             if with_usage:
-                yield _event(answer.usage_chunk())
+                yield sse_event(answer.usage_chunk())
         except GenerationFailed as exc:
-            yield _event(RequestError(str(exc), status=500).body())
+            yield sse_event(RequestError(str(exc), status=500).body())
     yield DONE
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def _as_api_error(response: JSONResponse) -> JSONResponse:

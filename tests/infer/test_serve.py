@@ -593,6 +593,31 @@ def test_streamed_completions_are_the_unstreamed_ones_in_pieces(server: str) -> 
         assert all(m["finish_reason"] is None for m in mine[:-1])
 
 
+@pytest.fixture(scope="module")
+def line_break_server(tmp_path_factory: pytest.TempPathFactory, pretrained: Path) -> Iterator[str]:
+    """The model served under a name holding the characters Python's str.splitlines ends a line at
+    beside CR and LF (as generated text may hold them): the name is in every event of a stream."""
+    base = tmp_path_factory.mktemp("line_break")
+    (base / "a\u2028b\u2029c\x85d").symlink_to(pretrained, target_is_directory=True)
+    yield from start_server(base, "a\u2028b\u2029c\x85d", cwd=base)
+
+
+def test_every_event_of_a_stream_is_one_line_to_a_reader_that_splits_lines_as_python_does(
+    line_break_server: str,
+) -> None:
+    """JSON leaves U+2028, U+2029 and U+0085 as they are; httpx's iter_lines (and the clients built on it)
+    ends a line at each, and read an event holding one as two lines of broken JSON."""
+    name = "a\u2028b\u2029c\x85d"
+    body = {"prompt": "def", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{line_break_server}/v1/completions", json=body, timeout=deadline(60)) as r:
+        events = sse(r)
+    assert events[-1] == "[DONE]" and all(e["model"] == name for e in events[:-1]), events
+    r = httpx.post(
+        f"{line_break_server}/v1/completions", json={"prompt": "def", "max_tokens": 3}, timeout=deadline(60)
+    )
+    assert r.status_code == 200 and r.json()["model"] == name, r.text
+
+
 def test_api_defaults_and_field_mapping() -> None:
     from dsgpt2.infer.openai_api import api_request
 
