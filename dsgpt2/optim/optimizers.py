@@ -88,7 +88,7 @@ class OptimizerOptions(MuonOptions, OptimizerChoice):
                     value = cls.resumed(key, saved)
                     setattr(self, key, value)
                     if value is not None:
-                        taken.append(f"--{key} {value}")
+                        taken.append(typed(key, value))
         return taken
 
     def settle(self, unfit: str | None, ds_config: dict[str, Any] | None = None) -> list[str]:
@@ -103,6 +103,13 @@ class OptimizerOptions(MuonOptions, OptimizerChoice):
         self.chosen().settle(ds_config or {})
         self.check_own_flags()
         return said
+
+
+def typed(key: str, value: object) -> str:
+    """An option as the command line takes it: a switch as ``--key`` or ``--no_key``, else ``--key value``."""
+    if isinstance(value, bool):
+        return f"--{key}" if value else f"--no_{key}"
+    return f"--{key} {value}"
 
 
 def check_optimizer(options: OptimizerOptions, ds_config: dict[str, Any]) -> None:

@@ -222,6 +222,21 @@ def test_bad_optimizer_options_are_one_line(options: dict, said: str) -> None:
     assert said in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_resumes_switches_are_said_as_the_command_line_types_them() -> None:
+    """The settings a resume takes from its checkpoint are named as flags one could type: a switch off is
+    ``--no_muon_cautious``, not ``--muon_cautious False`` (a flag that takes no value)."""
+    from dsgpt2.train.config import DataOptions
+
+    cfg = TrainConfig(DataOptions(None), optim=OptimizerOptions(optimizer="muon", muon_soap=False))
+    saved = {"optimizer": "muon", "lr_schedule": "wsd", "muon_weight_decay": 0.1, "muon_cautious": False,
+             "muon_normuon": True, "muon_soap": True}  # fmt: skip
+    (said,) = [line for line in cfg.settle(saved) if "continues with it" in line]
+    flags = ("--muon_weight_decay 0.1", "--no_muon_cautious", "--muon_normuon")
+    assert all(f"{flag}, " in said for flag in flags), said
+    assert "False" not in said and "True" not in said and "muon_soap" not in said  # typed: not taken
+    assert (cfg.optim.muon_cautious, cfg.optim.muon_normuon, cfg.optim.muon_soap) == (False, True, False)
+
+
 def test_a_new_run_trains_with_muon_under_wsd_and_a_resumed_one_with_its_checkpoints_optimizer() -> None:
     from dsgpt2.train.config import DataOptions
 
