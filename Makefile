@@ -7,9 +7,11 @@ PIP := $(PY) -m pip
 # The exact version of every package that make, CI and the Docker image install (pip constraints, the
 # transitive ones included). pyproject.toml keeps ranges for installs into other environments.
 LOCK := requirements.lock
-# The CPU build; an unpinned torch would pull a multi-GB CUDA build. GPU users name their own build
-# (TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126'); the lock less its
-# torch line constrains everything else.
+# From pip's indexes: PyPI's Linux wheel is the CUDA build (2.6 GB of wheels with its nvidia-* packages),
+# unless pip's configuration finds a CPU build first; on a machine without a GPU,
+# TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu' names the CPU build. GPU users
+# name their own build (TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126'); the
+# lock less its torch line constrains everything else.
 TORCH_SPEC ?= torch==2.13.0
 LOCKED_TORCH := $(shell sed -n 's/^torch==//p' $(LOCK))
 STAMP := $(VENV)/.installed

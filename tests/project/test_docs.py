@@ -241,3 +241,18 @@ def test_files_the_docs_name_in_the_repository_exist(page: Path) -> None:
 
 def test_the_docs_name_files() -> None:
     assert sum(len(named_paths(page)) for page in PAGES) >= 20
+
+
+def test_the_install_docs_say_how_to_take_torchs_cpu_build() -> None:
+    """PyPI's Linux torch is the CUDA build (gigabytes of nvidia-* wheels): the README and Getting started
+    name the CPU build's index for a machine without a GPU, for `make` and for a pip install of one's own,
+    and that install brings the embedded database the tour runs on."""
+    locked = re.search(r"(?m)^torch==(\S+)$", (ROOT / "requirements.lock").read_text(encoding="utf-8"))
+    assert locked is not None
+    cpu = f"torch=={locked[1]} --index-url https://download.pytorch.org/whl/cpu"
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    start = " ".join((DOCS / "getting-started.md").read_text(encoding="utf-8").split())
+    for text in (readme, start):
+        assert f"make demo TORCH_SPEC='{cpu}'" in text
+        assert "installs the CPU build of PyTorch" not in text
+    assert f"pip install {cpu}" in start and "pip install -c requirements.lock '.[local]'" in start
