@@ -17,6 +17,7 @@ from types import ModuleType
 
 import pytest
 from doc_checks import (
+    blocks,
     check_dsgpt2_command,
     check_inline_options,
     check_pipeline_command,
@@ -26,6 +27,7 @@ from doc_checks import (
     missing_paths,
     named_paths,
     pipeline_commands,
+    split,
     trainer_commands,
 )
 
@@ -256,3 +258,32 @@ def test_the_install_docs_say_how_to_take_torchs_cpu_build() -> None:
         assert f"make demo TORCH_SPEC='{cpu}'" in text
         assert "installs the CPU build of PyTorch" not in text
     assert f"pip install {cpu}" in start and "pip install -c requirements.lock '.[local]'" in start
+
+
+def test_the_serving_page_runs_in_order_after_the_tour() -> None:
+    """Every model a command of the serving page reads (``--init_from``, ``--model``, an export's
+    ``--ckpt_dir``) is one the tour or an earlier command of the page writes, and its chat requests go to a
+    server of a conversation model (a text model answers them with a 400)."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "recipes" / "demo.yaml").read_text(encoding="utf-8"))
+    written, conversation, served = {recipe["ckpt_dir"]}, set(), None
+    for command in blocks(DOCS / "serving.md"):
+        words = split(command)[1]
+        flags = dict(zip(words, [*words[1:], ""], strict=True))
+        for read in ("--init_from", "--model", "--ckpt_dir"):
+            if read in flags and (read != "--ckpt_dir" or words[:2] == ["dsgpt2", "export"]):
+                assert flags[read] in written, (read, command)
+        if words[:2] == ["dsgpt2", "export"]:
+            written.add(flags["--out"])
+            if flags["--ckpt_dir"] in conversation:
+                conversation.add(flags["--out"])
+        elif "ds_trainer.py" in words:
+            written.add(flags["--ckpt_dir"])
+            if flags.get("--task") == "conversation":
+                conversation.add(flags["--ckpt_dir"])
+        elif words[:2] == ["dsgpt2", "serve"]:
+            served = flags["--model"]
+        if "/v1/chat/completions" in command:
+            assert served in conversation, command
+    assert served is not None
