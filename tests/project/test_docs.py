@@ -260,6 +260,12 @@ def test_the_install_docs_say_how_to_take_torchs_cpu_build() -> None:
     assert f"pip install {cpu}" in start and "pip install -c requirements.lock '.[local]'" in start
 
 
+def _flags(command: str) -> dict[str, str]:
+    """Each word of a command line by the word before it: a flag's value (a switch: the next flag)."""
+    words = split(command)[1]
+    return dict(zip(words, [*words[1:], ""], strict=True))
+
+
 def test_the_serving_page_runs_in_order_after_the_tour() -> None:
     """Every model a command of the serving page reads (``--init_from``, ``--model``, an export's
     ``--ckpt_dir``) is one the tour or an earlier command of the page writes, and its chat requests go to a
@@ -270,7 +276,7 @@ def test_the_serving_page_runs_in_order_after_the_tour() -> None:
     written, conversation, served = {recipe["ckpt_dir"]}, set(), None
     for command in blocks(DOCS / "serving.md"):
         words = split(command)[1]
-        flags = dict(zip(words, [*words[1:], ""], strict=True))
+        flags = _flags(command)
         for read in ("--init_from", "--model", "--ckpt_dir"):
             if read in flags and (read != "--ckpt_dir" or words[:2] == ["dsgpt2", "export"]):
                 assert flags[read] in written, (read, command)
@@ -287,3 +293,25 @@ def test_the_serving_page_runs_in_order_after_the_tour() -> None:
         if "/v1/chat/completions" in command:
             assert served in conversation, command
     assert served is not None
+
+
+def test_the_demo_recipes_runs_beside_the_tours_train_in_folders_of_their_own() -> None:
+    """After the tour the demo recipe's --ckpt_dir holds its run of Muon: a command of the docs that runs
+    the recipe with another optimizer (refused there: a resume keeps its optimizer) or fewer steps than the
+    tour's (nothing left to train) names a --ckpt_dir of its own."""
+    import yaml
+
+    recipe = yaml.safe_load((ROOT / "configs" / "recipes" / "demo.yaml").read_text(encoding="utf-8"))
+    tour = [c for c in trainer_commands(ROOT / "README.md") if "configs/recipes/demo.yaml" in c]
+    steps = int(_flags(tour[0])["--train_iters"])
+    checked = 0
+    for page in [ROOT / "README.md", *PAGES]:
+        for command in trainer_commands(page) + [c for c in inline(page) if c.startswith("dsgpt2 train ")]:
+            flags = _flags(command)
+            if flags.get("--config") != "configs/recipes/demo.yaml":
+                continue
+            other = flags.get("--optimizer", recipe["optimizer"]) != recipe["optimizer"]
+            if other or int(flags.get("--train_iters", recipe["train_iters"])) < steps:
+                checked += 1
+                assert flags.get("--ckpt_dir", recipe["ckpt_dir"]) != recipe["ckpt_dir"], (page.name, command)
+    assert checked >= 2
