@@ -144,16 +144,29 @@ def every_group_times_out_after(seconds: int) -> None:
         c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
 
 
-def same_on_every_rank(settings: dict[str, Any], deepspeed: dict[str, Any]) -> None:
-    """Refuse a run whose ranks were started with different settings (by flag name) or DeepSpeed configs
-    (by section): the nodes' commands differ, and the ranks would train apart or wait for one another
-    until --dist_timeout. Every rank raises the same error.
+def same_on_every_rank(
+    settings: dict[str, Any], deepspeed: dict[str, Any], *, corpus: dict[str, Any], tokenizer: str
+) -> None:
+    """Refuse a run whose ranks were started with different settings (by flag name), DeepSpeed configs (by
+    section), corpora (the connection config's keys that decide what is read) or tokenizers: the nodes'
+    commands or files differ, and the ranks would train apart (each on its own documents and token ids)
+    or wait for one another until --dist_timeout. Every rank raises the same error.
+
+    Args:
+        settings: the run's options by flag name (without the paths, which may differ between nodes).
+        deepspeed: the DeepSpeed config, by section.
+        corpus: the connection config's keys that decide what is read (MongoConfig.corpus_keys).
+        tokenizer: the hash of the tokenizer this rank reads.
 
     Raises:
         ConfigError: naming the first setting that differs and the ranks on each side.
     """
-    mine = {**{f"--{k}": v for k, v in settings.items()}, **{f"the DeepSpeed config's {k!r}": v
-                                                           for k, v in deepspeed.items()}}  # fmt: skip
+    mine = {
+        **{f"--{k}": v for k, v in settings.items()},
+        **{f"the DeepSpeed config's {k!r}": v for k, v in deepspeed.items()},
+        **{f"the connection config's {k}": v for k, v in corpus.items()},
+        "the tokenizer (the SHA-256 of --vocab_dir's tokenizer.json)": tokenizer,
+    }
     every = gather(mine)
     for name in sorted({name for ranks in every for name in ranks}):
         values = [ranks.get(name) for ranks in every]

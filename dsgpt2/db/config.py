@@ -65,6 +65,10 @@ _KEYS: dict[str, tuple[str, tuple[type, ...], str]] = {
 _FILTER_REFUSED = ("$where", "$function", "$accumulator")
 READ_PREFERENCES = ("primary", "primaryPreferred", "secondary", "secondaryPreferred", "nearest")
 _REQUIRED = ("MONGO_CONNECTION_DB", "COLLECTIONS")
+# The keys that decide which documents a run reads and how it reads them: alike on every node of a run. The
+# others say where a node finds the database and how patiently it asks, which may differ between nodes.
+_CORPUS_KEYS = ("MONGO_CONNECTION_DB", "COLLECTIONS", "TEXT_FIELD", "META_COLLECTION", "MAX_TEXT_CHARS",
+                "STRICT", "FILTER")  # fmt: skip
 
 # The scheme may be missing (a mistyped string): its password is kept back all the same.
 _USERINFO = re.compile(r"^(?P<scheme>[a-z+]+://)?(?P<user>[^:@/]*)(?::(?P<pw>[^@/]*))?@")
@@ -259,6 +263,11 @@ class MongoConfig(Checked):
         values["read_preference_tags"] = list(self.read_preference_tags)
         values["filter"] = self.filter_query or {}
         return {key: values[name] for key, (name, _, _) in _KEYS.items()}
+
+    def corpus_keys(self) -> dict[str, Any]:
+        """The keys (as the file spells them) that decide what a run reads, not where a node reaches it."""
+        values = self.to_dict()
+        return {key: values[key] for key in _CORPUS_KEYS}
 
     def with_collections(self, collections: list[str] | tuple[str, ...]) -> MongoConfig:
         """A copy of this config that reads only ``collections``."""

@@ -50,7 +50,7 @@ from dsgpt2.model.hellaswag import accuracies
 from dsgpt2.optim.ds_config import build_ds_config, check_attention, read_ds_config, zero_stage
 from dsgpt2.optim.optimizers import DEFAULT, OPTIMIZERS, check_optimizer
 from dsgpt2.stores.base import open_store
-from dsgpt2.tokenizer.bpe import load_tokenizer
+from dsgpt2.tokenizer.bpe import load_tokenizer, tokenizer_digest
 from dsgpt2.tokenizer.stored import fetch_tokenizer, stored_tokenizer
 from dsgpt2.train.average import TailAverage, check_average
 from dsgpt2.train.config import TrainConfig, parse
@@ -163,7 +163,9 @@ def build(cfg: TrainConfig, mongo: MongoConfig | None = None, hooks: Hooks = Hoo
     backend = cfg.engine.distributed_backend or ("nccl" if device == "cuda" else "gloo")
     start_process_group(backend, cfg.engine.dist_timeout, own_port)
     release_shared_buffer(device)
-    same_on_every_rank(cfg.shared(), ds.config)
+    same_on_every_rank(
+        cfg.shared(), ds.config, corpus=mongo.corpus_keys(), tokenizer=tokenizer_digest(vocab_dir)
+    )
     conn.ping()
     named = cfg.ckpt.ckpt_dir  # the run's checkpoints, as the user named them
     publisher = stage(cfg.ckpt, store, rank=rank, world=world, wait_s=cfg.engine.dist_timeout)

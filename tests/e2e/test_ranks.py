@@ -371,9 +371,14 @@ def test_nodes_started_with_different_settings_are_refused_in_one_line(
 ) -> None:
     """Node 1 typed another --train_iters: every rank would train to its own schedule (or, another
     context, ZeRO stage, wait on the others until --dist_timeout). Refused at the start on every rank,
-    naming the setting and the ranks; each node may name its own paths (--cache_dir)."""
+    naming the setting and the ranks; each node may name its own paths (--cache_dir). A node whose
+    connection config names another collection (or whose --vocab_dir holds another tokenizer) would train
+    on other documents (other token ids) beside the rest, exit 0: refused the same way."""
     cfg, _ = store_config(tmp_path, ["small"])
     ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(cfg.read_text()), "COLLECTIONS": ["other"]}))
+    ingest(Connection(load_config(other)), "other", [builtin_source("stdlib", 150)])
     small = dict(corpus, config=cfg)
     common = ("--chunk_docs", "10", "--num_workers", "1", "--dist_timeout", "60")
     per_node = [["--train_iters", "30", "--cache_dir", str(tmp_path / "a")],
@@ -386,3 +391,14 @@ def test_nodes_started_with_different_settings_are_refused_in_one_line(
     for out, _ in nodes:
         assert said in out and "Traceback" not in out, out[-3000:]
     assert not (tmp_path / "run" / "ckpt" / "latest").exists()
+
+    per_node = [[], ["--config_train", str(other)]]
+    nodes = launch_nodes(small, tmp_path / "corpus", per_node, *common, "--train_iters", "30", expect=(2, 2))
+    said = ("the ranks were started with different settings: the connection config's COLLECTIONS is "
+            "['small'] on rank 0 and ['other'] on rank(s) 1, 2; start every node with the same command and "
+            "files")  # fmt: skip
+    for out, _ in nodes:
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert errors and all(said in e for e in errors), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    assert not (tmp_path / "corpus" / "ckpt" / "latest").exists()

@@ -153,3 +153,47 @@ def test_a_port_taken_before_a_lone_process_listens_is_chosen_again(monkeypatch:
     with pytest.raises(RuntimeError, match="EADDRINUSE"):
         start_process_group("gloo", 30, own_port=False)
     assert calls == ["1"]
+
+
+def test_ranks_reading_other_documents_or_token_ids_are_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Paths may differ between nodes, what they hold may not: a node whose connection config names other
+    collections or a FILTER, or whose --vocab_dir holds another tokenizer, would train on other documents
+    or token ids beside the others. Where a node reaches the database (its address, its patience) is its
+    own."""
+    from dsgpt2 import collective
+    from dsgpt2.db.config import MongoConfig
+    from dsgpt2.errors import ConfigError
+
+    def ranks(rank0: tuple[MongoConfig, str], rank1: tuple[MongoConfig, str]) -> None:
+        """Rank 0 started with ``rank0`` (connection config, tokenizer hash), ranks 1 and 2 with ``rank1``."""
+        told: list[dict] = []
+        monkeypatch.setattr(collective, "gather", lambda value: told.append(value) or [value])
+        for config, tokenizer in (rank1, rank0):
+            collective.same_on_every_rank({"seed": 7}, {"zero_optimization": {"stage": 0}},
+                                          corpus=config.corpus_keys(), tokenizer=tokenizer)  # fmt: skip
+        monkeypatch.setattr(collective, "gather", lambda value: [value, told[0], told[0]])
+        config, tokenizer = rank0
+        collective.same_on_every_rank({"seed": 7}, {"zero_optimization": {"stage": 0}},
+                                      corpus=config.corpus_keys(), tokenizer=tokenizer)  # fmt: skip
+
+    news = MongoConfig(uri="mongodb://u:pw@node0:27017", db="corpus", collections=("news",))
+    reached_otherwise = MongoConfig(uri="mongodb://u:pw@10.0.0.9:27017", db="corpus", collections=("news",),
+                                    retries=9, read_preference="secondaryPreferred")  # fmt: skip
+    ranks((news, "abc"), (reached_otherwise, "abc"))
+    wiki = MongoConfig(uri=news.uri, db="corpus", collections=("wiki",))
+    english = MongoConfig(uri=news.uri, db="corpus", collections=("news",), filter='{"lang": "en"}')
+    for rank1, said in [
+        ((wiki, "abc"), "the connection config's COLLECTIONS is ['news'] on rank 0 and ['wiki'] on rank(s) "
+                        "1, 2"),
+        ((english, "abc"), "the connection config's FILTER is {} on rank 0 and {'lang': 'en'} on rank(s) "
+                           "1, 2"),
+        ((news, "def"), "the tokenizer (the SHA-256 of --vocab_dir's tokenizer.json) is 'abc' on rank 0 and "
+                        "'def' on rank(s) 1, 2"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as refused:
+            ranks((news, "abc"), rank1)
+        line = str(refused.value)
+        assert line.startswith("the ranks were started with different settings: ") and said in line, line
+        assert "pw" not in line and "\n" not in line
