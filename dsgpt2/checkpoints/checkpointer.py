@@ -299,14 +299,7 @@ class Checkpointer:
         named = (
             self.where(tag) if self.publisher is not None and load_dir == self.store.local else load_dir / tag
         )
-        log.info(
-            "resumed from %s at step %d (epoch %d, chunk %d, block %d)",
-            named,
-            state.step,
-            position.epoch,
-            position.chunk,
-            position.block,
-        )
+        log.info("resumed from %s at step %d (%s)", named, state.step, position.describe())
         self._warn_schedule_change(engine, lr_schedule, saved, state.step)
         return state
 

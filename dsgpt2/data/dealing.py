@@ -81,6 +81,15 @@ class Position:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def describe(self) -> str:
+        """Where reading goes on, as the log says it: after a resume on another number of ranks, first
+        the chunks the saving ranks left unread, then the epoch the position names."""
+        at = f"epoch {self.epoch}, chunk {self.chunk}, block {self.block}"
+        if not self.queue:
+            return at
+        epochs = ", ".join(str(e) for e in sorted({e for e, _, _ in self.queue}))
+        return f"first {len(self.queue)} chunk(s) of epoch {epochs} left unread, then {at}"
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Position:
         queue = [(int(e), int(c), int(s)) for e, c, s in data.get("queue", [])]

@@ -498,6 +498,12 @@ def test_redeal_leaves_every_block_to_exactly_one_new_rank() -> None:
     assert set(left) | read(two, 2) == every
     assert set(left).isdisjoint(read(two, 2))
     assert all(p.epoch == 2 and p.chunk == 0 for p in three)
+    # The resume's log line says the leftovers come first: not "epoch 2", as if epochs 0 and 1 were done.
+    said = three[0].describe()
+    assert said.startswith(f"first {len(three[0].queue)} chunk(s) of epoch 0, 1 left unread, then epoch 2"), (
+        said
+    )
+    assert Position(3, 4, 5).describe() == "epoch 3, chunk 4, block 5"
     # Redealt again before the queues are done: still each block once.
     part = [Position(2, 0, 0, p.queue[1:]) for p in three]  # each new rank read its first item
     first = {(e, c, b) for p in three for e, c, skip in p.queue[:1] for b in range(skip, blocks(c))}
