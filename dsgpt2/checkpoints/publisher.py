@@ -26,6 +26,7 @@ import re
 import shutil
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -384,5 +385,42 @@ def stage(ckpt: Any, store: Store, *, rank: int, world: int, wait_s: float) -> P
             "location only where it saves, and saves only where it resumes from one: leave out --load_dir "
             "(--ckpt_id picks a checkpoint of --ckpt_dir), or name the stored location as --ckpt_dir"
         )
+    if not store.staged and world > 1:
+        check_shared(store.local, rank)
     on_each_node(lambda: pull_resumable(store, ckpt.ckpt_id))
     return Publisher(store, ckpt.keep_last, rank=rank, world=world, wait_s=wait_s)
+
+
+def check_shared(directory: Path, rank: int) -> None:
+    """Refuse a checkpoint directory that the ranks do not share (each node naming its own disk): rank 0
+    would mark a checkpoint whole with the files it sees, its own, while the other nodes' shards lie on
+    their disks, and no node could resume it. Found out as the token cache's sharing is: rank 0 leaves a
+    file named for this call there and every rank looks it up by name (every rank: a collective).
+
+    Raises:
+        ConfigError: naming the ranks that do not see rank 0's file, and the two ways out.
+    """
+    probe = directory / f".ranks-{on_rank0(lambda: uuid.uuid4().hex)}"
+    made = False
+    if rank == 0:
+        try:
+            made = not directory.exists()
+            directory.mkdir(parents=True, exist_ok=True)
+            probe.touch()
+        except OSError:
+            made = False  # an unwritable --ckpt_dir is said where the run first writes there
+    barrier()  # the file is there before any rank looks
+    seen = gather(probe.exists())
+    if rank == 0:
+        probe.unlink(missing_ok=True)
+        if made:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+    blind = [str(r) for r, s in enumerate(seen) if not s]
+    if seen[0] and blind:
+        raise ConfigError(
+            f"--ckpt_dir {directory} is not shared by every node: rank(s) {', '.join(blind)} do not see the "
+            "files rank 0 writes there, and a checkpoint is whole only where every rank's files are; name a "
+            "directory every node sees (a shared file system), or keep the checkpoints in the database "
+            "(--ckpt_dir gridfs:RUN)"
+        )

@@ -26,6 +26,7 @@ from dsgpt2.train.metrics import read_metrics
 from forks import python_that_forks
 from pace import deadline
 from training import (
+    at_stage,
     deepspeed_command,
     launch,
     launch_and_stop,
@@ -402,3 +403,29 @@ def test_nodes_started_with_different_settings_are_refused_in_one_line(
         assert errors and all(said in e for e in errors), out[-3000:]
         assert "Traceback" not in out, out[-3000:]
     assert not (tmp_path / "corpus" / "ckpt" / "latest").exists()
+
+
+def test_nodes_that_each_name_their_own_checkpoint_directory_are_refused_in_one_line(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Each node's --ckpt_dir on its own disk: rank 0 would mark every checkpoint whole with the files it
+    sees (its own) while the other ranks' ZeRO shards lie on the other disk, and no node could resume.
+    Refused at the start on every rank, before a step or a file of a checkpoint."""
+    cfg, _ = store_config(tmp_path, ["small"])
+    ingest(Connection(load_config(cfg)), "small", [builtin_source("stdlib", 150)])
+    small = at_stage(dict(corpus, config=cfg), tmp_path, 1)
+    disks = [tmp_path / "node0-disk" / "ckpt", tmp_path / "node1-disk" / "ckpt"]
+    common = ("--chunk_docs", "10", "--num_workers", "1", "--dist_timeout", "60", "--train_iters", "4")
+    nodes = launch_nodes(small, tmp_path / "run", [["--ckpt_dir", str(d)] for d in disks], *common,
+                         expect=(2, 2))  # fmt: skip
+    for (out, _), disk in zip(nodes, disks, strict=True):  # each node names its own
+        said = (
+            f"--ckpt_dir {disk} is not shared by every node: rank(s) 1, 2 do not see the files rank 0 writes"
+        )
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert errors and all(said in e and "gridfs:RUN" in e for e in errors), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    assert not disks[0].exists() and not list(disks[1].rglob("*.pt"))
+    assert not (tmp_path / "run" / "ws" / "metrics.jsonl").exists() or not [
+        r for r in read_metrics(tmp_path / "run" / "ws" / "metrics.jsonl") if r["event"] == "train"
+    ]
