@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dsgpt2.train.launch_runner import LAUNCH_PID
+
 log = logging.getLogger(__name__)
 
 USAGE = """\
@@ -59,7 +61,9 @@ def main(argv: Sequence[str]) -> int:
     group: dict[str, Any] = (
         {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     )
-    runner = subprocess.Popen([sys.executable, "-u", "-m", RUNNER, *argv], **group)
+    # The runner ends its group if this process is killed (SIGKILL, which passes nothing on).
+    env = {**os.environ, LAUNCH_PID: str(os.getpid())}
+    runner = subprocess.Popen([sys.executable, "-u", "-m", RUNNER, *argv], env=env, **group)
     passer = SignalPasser(runner.pid)
     while runner.poll() is None:
         passer.pass_on(received)

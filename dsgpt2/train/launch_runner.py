@@ -1,17 +1,26 @@
 """The ``deepspeed`` runner as ``dsgpt2 launch`` starts it (``python -m dsgpt2.train.launch_runner ARGS``):
 DeepSpeed's own, except that arguments its parser refuses (a flag it does not have, a value of the wrong
-kind) are one line naming them and exit code 2, where the runner prints its whole usage."""
+kind) are one line naming them and exit code 2, where the runner prints its whole usage, and that it ends
+with ``dsgpt2 launch``: that command killed (SIGKILL, which it cannot pass on), the runner's process group
+(the node launcher, the ranks, their DataLoader workers) is killed too, as a killed single process is gone
+with its workers, rather than training on unwatched beside the same command run again."""
 
 from __future__ import annotations
 
 import contextlib
 import difflib
 import io
+import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
 UNRECOGNIZED = "unrecognized arguments: "
+# The pid of the `dsgpt2 launch` that started this runner, in the runner's environment only.
+LAUNCH_PID = "DSGPT2_LAUNCH_PID"
+# What the kernel sends the runner when that command dies (PR_SET_PDEATHSIG); the ranks never get it.
+ORPHANED = signal.SIGUSR1
 
 
 def refusal(said: str) -> str:
@@ -35,6 +44,7 @@ def refusal(said: str) -> str:
 
 def main(argv: Sequence[str]) -> int:
     """Check ``argv`` with the runner's parser, then run the runner; its exit code."""
+    die_with_launch(os.environ.pop(LAUNCH_PID, None))
     from dsgpt2.accelerator import prepare_deepspeed_environment
 
     prepare_deepspeed_environment()
@@ -51,6 +61,23 @@ def main(argv: Sequence[str]) -> int:
         return 2
     runner.main(list(argv))
     return 0
+
+
+def die_with_launch(launch_pid: str | None) -> None:
+    """Have the kernel signal this runner when ``dsgpt2 launch`` (``launch_pid``) dies, even by SIGKILL
+    (Linux), and then kill the runner's process group, which ``dsgpt2 launch`` made for it alone. A runner
+    that leads no group of its own (run by a wrapper that forks it elsewhere) kills nothing."""
+    if launch_pid is None or not sys.platform.startswith("linux") or os.getpgrp() != os.getpid():
+        return
+    import ctypes
+
+    signal.signal(ORPHANED, lambda signum, frame: os.killpg(os.getpgrp(), signal.SIGKILL))
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, ORPHANED)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(launch_pid):  # it died before the request: nothing would send the signal
+        os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

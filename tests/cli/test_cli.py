@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -313,6 +314,40 @@ def test_a_rank_killed_by_a_signal_is_named_and_the_launch_exits_as_a_shell_repo
     errors = [line for line in result.stderr.splitlines() if line.startswith("dsgpt2 launch: error:")]
     assert len(errors) == 1 and "a rank was killed by SIGKILL (the kernel's out-of-memory killer" in errors[0]
     assert "the same command resumes from the last whole checkpoint" in errors[0]
+
+
+def test_a_launch_killed_by_sigkill_takes_its_ranks_with_it(tmp_path: Path) -> None:
+    """The runner is in a process group of its own: the ranks trained on, unwatched, after the command
+    was killed, and the same command run again met them (their port, their checkpoints)."""
+    import psutil
+
+    from dsgpt2.collective import free_port
+    from pace import wait_for
+
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, pathlib, sys, time\n"
+        "pathlib.Path(sys.argv[-1], 'rank' + os.environ['RANK']).write_text(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    argv = ["launch", "--num_gpus", "2", "--master_port", str(free_port()), str(script), str(tmp_path)]
+    launch = subprocess.Popen([sys.executable, "-m", "dsgpt2", *argv], cwd=ROOT, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    tree: list[psutil.Process] = []
+    try:
+        files = [tmp_path / "rank0", tmp_path / "rank1"]
+        wait_for(lambda: all(f.exists() and f.read_text() for f in files), 60, "both ranks", launch)
+        tree = psutil.Process(launch.pid).children(recursive=True)
+        assert {int(f.read_text()) for f in files} <= {p.pid for p in tree}
+        launch.kill()
+        launch.wait()
+        _, alive = psutil.wait_procs(tree, timeout=deadline(10))
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:
+        for p in [*tree, psutil.Process(launch.pid)] if launch.poll() is None else tree:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        launch.wait()
 
 
 def test_the_command_line_starts_without_torch() -> None:
