@@ -49,7 +49,8 @@ class DiskFullError(MongoUnavailableError):
 
 
 class ServerLostError(MongoUnavailableError):
-    """The server stopped answering while a long command ran: what was done is kept (re-run to resume)."""
+    """The server stopped answering while a command ran, or kept failing past the retries: what was done is
+    kept (re-run to resume)."""
 
     exit_code = 3
 

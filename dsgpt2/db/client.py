@@ -160,7 +160,8 @@ def with_retries(
     """Run the read ``fn``, retrying transient errors with exponential backoff.
 
     Raises:
-        MongoUnavailableError: still failing after ``config.retries`` retries.
+        ServerLostError: still failing after ``config.retries`` retries (exit 3: what was done is kept,
+            the same command resumes once the server answers).
     """
     attempt = 0
     while True:
@@ -168,7 +169,7 @@ def with_retries(
             return fn()
         except TRANSIENT_ERRORS as exc:
             if attempt >= config.retries:
-                raise MongoUnavailableError(
+                raise ServerLostError(
                     f"{what} failed {attempt + 1} times on MongoDB at {config.hosts}: "
                     f"{config.scrub(first_line(exc))}; check the server and the network, "
                     f"or raise RETRIES in the config"
@@ -195,8 +196,8 @@ def patiently(conn: Connection, fn: Callable[[Any], T], what: str) -> T:
     Transient errors are retried as any read is.
 
     Raises:
-        ServerLostError: the server stopped answering (what was done is kept; re-run to resume).
-        MongoUnavailableError: transient errors past the retries.
+        ServerLostError: the server stopped answering, or transient errors past the retries (what was
+            done is kept; re-run to resume).
     """
     beat = min(5.0, max(0.2, conn.config.server_selection_timeout_ms / 2000))
     # A server at work on a big command may be slow to answer a ping (the embedded one serves every

@@ -23,7 +23,7 @@ from dsgpt2.db.client import (
     with_retries,
 )
 from dsgpt2.db.filters import conjoin
-from dsgpt2.errors import CorpusError, MongoUnavailableError
+from dsgpt2.errors import CorpusError, MongoUnavailableError, ServerLostError
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,8 @@ def insert_batch(
 
     Raises:
         CorpusError: a write refused for another reason.
-        MongoUnavailableError: the server failed mid-batch, past the retries.
+        ServerLostError: the server failed mid-batch, past the retries (exit 3; re-run to resume).
+        MongoUnavailableError: the server refused the batch.
     """
     attempt = 0
     unsure = False  # after a transient error: which of ``docs`` landed is not known yet
@@ -223,7 +224,7 @@ def insert_batch(
             ) from None
         except TRANSIENT_ERRORS as exc:
             if attempt >= conn.config.retries:
-                raise MongoUnavailableError(
+                raise ServerLostError(
                     f"insert into {coll.name!r} failed {attempt + 1} times on MongoDB at "
                     f"{conn.config.hosts}: {conn.config.scrub(first_line(exc))}; "
                     "re-run the same command to resume"

@@ -67,7 +67,7 @@ def test_ingest_past_its_retries_ends_with_one_line_and_resumes_exactly(corpus: 
     cfg.write_text(json.dumps({**data, "RETRIES": 2, "RETRY_BACKOFF_S": 0.01}))
     fail_point(uri, {"skip": 4}, failCommands=["insert"], errorCode=11600)
     failed = _ingest(cfg, lines)
-    assert failed.returncode == 2, failed.stderr
+    assert failed.returncode == 3, failed.stderr  # the server's fault, not the input's: resumable
     last = failed.stderr.strip().splitlines()[-1]
     assert (
         "failed 3 times" in last
@@ -112,6 +112,37 @@ def test_vocab_download_goes_on_through_transient_errors(corpus: Any, tmp_path: 
         json.loads(line) for p in sorted(out.glob("shard-*.jsonl")) for line in p.read_text().splitlines()
     ]
     assert sorted(r["idx"] for r in exported) == list(range(N))  # every document once
+
+
+@pytest.mark.parametrize(
+    "args", [("dedup", "--exact", "--batch_size", "100"), ("vocab", "download", "--chunk", "100")], ids=str
+)
+def test_a_pass_or_download_past_its_retries_ends_with_exit_3_and_resumes(
+    corpus: Any, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """Past its retries a command ends as training does when the server goes: one line, exit 3 (the
+    server's fault, the work done kept), not 2, which says the input was wrong; run again, it ends as a
+    straight run."""
+    cfg, lines, uri = corpus
+    assert _ingest(cfg, lines).returncode == 0
+    data = json.loads(cfg.read_text())
+    cfg.write_text(json.dumps({**data, "RETRIES": 1, "RETRY_BACKOFF_S": 0.01}))
+    out = ("--out", str(tmp_path / "shards")) if args[0] == "vocab" else ()
+    command = (*args, "--config", str(cfg), *out, "--no_progress")
+    fail_point(uri, {"skip": 1}, failCommands=["find", "aggregate", "update"], errorCode=11600)
+    failed = run_cli(*command)
+    assert failed.returncode == 3, failed.stderr
+    last = failed.stderr.strip().splitlines()[-1]
+    assert "failed 2 times" in last and "Traceback" not in failed.stderr, failed.stderr
+    fail_point(uri, "off")
+    again = run_cli(*command)
+    assert again.returncode == 0, again.stderr
+    if out:
+        shards = sorted((tmp_path / "shards").glob("shard-*.jsonl"))
+        idx = sorted(json.loads(r)["idx"] for p in shards for r in p.read_text().splitlines())
+        assert idx == list(range(N))
+    else:
+        assert sum("dup_of" in d for d in _docs(cfg)) == N // 10
 
 
 def test_an_evaluation_record_is_written_once_through_transient_errors(
