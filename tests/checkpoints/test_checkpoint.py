@@ -156,7 +156,12 @@ def test_a_rewound_resume_replaces_the_later_checkpoints_of_the_run_it_left(
     # Stopped, then resumed from `latest`: the other run's later steps are still told apart (saved before
     # the checkpoint resumed), and replaced in turn.
     caplog.clear()
-    again = resumed("global_step4", keep_last=2)
+    logging.getLogger("dsgpt2").addHandler(caplog.handler)  # whatever an earlier test left on the logger
+    try:
+        with caplog.at_level(logging.INFO, logger="dsgpt2"):
+            again = resumed("global_step4", keep_last=2)
+    finally:
+        logging.getLogger("dsgpt2").removeHandler(caplog.handler)
     assert "the later global_step6, global_step8, of a run" in caplog.text
     again.save(FakeEngine(), 5, {}, {})
     assert tags() == ["global_step4", "global_step5", "global_step6", "global_step8"]
