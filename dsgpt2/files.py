@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import logging
 import os
 import shutil
@@ -43,7 +44,10 @@ def atomic_writer(
             after a killed writer.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # By default the temporary file's name carries this process's id: one a killed writer left (a
+    # SIGKILL between the write and the rename) is removed by the next write of ``path``.
+    own = f".{path.name}.{os.getpid()}."
+    fd, tmp = tempfile.mkstemp(prefix=prefix or own, suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~umask())  # as open() makes a file, not mkstemp's 0600
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
@@ -55,6 +59,19 @@ def atomic_writer(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    if prefix is None:
+        _clear_left_writes(path)
+
+
+def _clear_left_writes(path: Path) -> None:
+    """The temporary files of ``path`` (``.NAME.PID.XXXXXXXX.tmp``) whose writer no longer runs."""
+    head = f".{path.name}."
+    with contextlib.suppress(OSError):
+        for tmp in path.parent.glob(f"{glob.escape(head)}*.tmp"):
+            pid, *rest = tmp.name[len(head) : -len(".tmp")].split(".")
+            writer = int(pid) if pid.isdigit() and len(rest) == 1 else os.getpid()
+            if writer != os.getpid() and not process_alive(writer):
+                tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

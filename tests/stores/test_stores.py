@@ -58,3 +58,36 @@ def test_a_directory_keeps_tags_whole_once_marked(tmp_path: Path) -> None:
         store.delete("global_step4") == 0 and not (store.local / "global_step4").exists()
     )  # its marker only
     assert json.loads(json.dumps(store.tags())) == {}
+
+
+def test_a_latest_left_half_written_by_a_killed_writer_is_cleared_by_the_next_write(tmp_path: Path) -> None:
+    """A writer SIGKILLed between writing ``latest``'s temporary file and its rename leaves that file
+    behind; the next write of ``latest`` removes it, and leaves a living writer's alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dsgpt2.files import atomic_writer
+
+    store = open_store(tmp_path / "ckpt", CHECKPOINTS)
+    store.write("latest", "global_step2")
+    pid = os.fork()
+    if pid == 0:  # the killed writer
+        with atomic_writer(store.local / "latest") as f:
+            f.write("global_st")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    living = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        kept = store.local / f".latest.{living.pid}.abcdefgh.tmp"  # a writer still at work
+        kept.write_text("global_step6")
+        left = [p.name for p in store.local.glob(".latest.*.tmp")]
+        assert len(left) == 2 and f".latest.{pid}." in " ".join(left)
+        store.write("latest", "global_step4")
+        assert store.read("latest") == "global_step4"
+        assert [p.name for p in store.local.glob(".latest.*.tmp")] == [kept.name]
+    finally:
+        living.kill()
+        living.wait()
