@@ -160,8 +160,7 @@ def with_retries(
     """Run the read ``fn``, retrying transient errors with exponential backoff.
 
     Raises:
-        ServerLostError: still failing after ``config.retries`` retries (exit 3: what was done is kept,
-            the same command resumes once the server answers).
+        ServerLostError: still failing after ``config.retries`` retries (exit 3: re-run to resume).
     """
     attempt = 0
     while True:
