@@ -249,6 +249,25 @@ def not_a_directory(path: str | os.PathLike[str]) -> str | None:
     return None if kind == "a directory" else f"{kind}, not a directory"
 
 
+def read_regular(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of the regular file ``path``. A named pipe, a device or a directory there raises OSError
+    (IsADirectoryError for a directory) rather than being read: it is opened without waiting for a writer
+    and its type checked before a byte is read.
+
+    Raises:
+        OSError: nothing there, not a regular file, or unreadable.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not a file", str(path))
+        if not stat.S_ISREG(mode):
+            kind = next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
+            raise OSError(errno.EINVAL, f"{kind}, not a regular file", str(path))
+        return f.read()
+
+
 def is_occupied(path: Path) -> bool:
     """Whether ``path`` is a file or a directory holding anything."""
     return path.is_file() or (path.is_dir() and any(path.iterdir()))

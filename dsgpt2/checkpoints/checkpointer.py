@@ -17,12 +17,14 @@ import torch
 from dsgpt2.checkpoints import ds_checkpoint, universal
 from dsgpt2.checkpoints.copies import resumable_tag
 from dsgpt2.checkpoints.format import (
+    BEST,
     UNIVERSAL,
     CheckpointError,
     has_checkpoints,
     is_partitioned,
     not_a_run_directory,
     peek_tag,
+    pointer_problem,
     read_client_state,
     resolve,
 )
@@ -147,6 +149,10 @@ class Checkpointer:
                 another number of ranks, or a fresh start that would overwrite checkpoints.
         """
         c = self.settings.ckpt
+        # Refused before a step is trained: the run could not mark its best checkpoint over it.
+        odd = None if self.store.staged else pointer_problem(self.store.local, BEST)
+        if odd is not None:
+            raise CheckpointError(odd)
         load_dir = self._load_dir()
         if load_dir is None and has_checkpoints(self.store.local):
             if c.no_resume:

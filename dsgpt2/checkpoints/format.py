@@ -21,6 +21,7 @@ import torch
 
 from dsgpt2.errors import CheckpointError, first_line
 from dsgpt2.files import file_digests as digests
+from dsgpt2.files import not_a_file, read_regular
 from dsgpt2.stores.base import Artifact
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def tag_for(step: int) -> str:
 def read_marker(ckpt_dir: Path, tag: str) -> dict[str, Any] | None:
     """The complete marker of ``tag``, or None when it is absent or unreadable (not complete)."""
     try:
-        marker = json.loads((ckpt_dir / tag / COMPLETE).read_bytes())
+        marker = json.loads(read_regular(ckpt_dir / tag / COMPLETE))  # a named pipe is not waited on
     except (OSError, ValueError):
         return None
     if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
@@ -188,7 +189,7 @@ def peek_tag(load_dir: Path, ckpt_id: str | None) -> str | None:
     if ckpt_id:
         return ckpt_id
     try:
-        tag = (load_dir / LATEST).read_text().strip()
+        tag = read_regular(load_dir / LATEST).decode().strip()
     except (OSError, UnicodeDecodeError):
         tag = ""
     if _TAG.match(tag) and is_complete(load_dir, tag):
@@ -210,6 +211,9 @@ def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
             or damaged checkpoint (the message names the newest intact one).
     """
     if ckpt_id == BEST:
+        odd = pointer_problem(load_dir, BEST)
+        if odd is not None:
+            raise CheckpointError(f"--ckpt_id best: {odd}")
         ckpt_id = best_tag(load_dir)
         if ckpt_id is None:
             present = complete_tags(load_dir) or "none"
@@ -227,6 +231,9 @@ def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
         _check_intact(load_dir, ckpt_id, fresh)
         return ckpt_id
     latest = load_dir / LATEST
+    odd = pointer_problem(load_dir, LATEST)
+    if odd is not None:
+        raise _broken(odd, load_dir, fresh=fresh)
     if not latest.is_file():
         tag = newest_intact(load_dir)
         if tag is None:
@@ -235,7 +242,7 @@ def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
         # Read for a resume, an export or a model alike: "reading", not "resuming".
         log.warning("%s has no `latest` file; reading its newest intact checkpoint, %s", load_dir, tag)
         return tag
-    tag = latest.read_bytes().decode("utf-8", "replace").strip()
+    tag = read_regular(latest).decode("utf-8", "replace").strip()
     if not tag or not _TAG.match(tag):
         raise _broken(f"{latest} is empty or corrupt ({tag[:40]!r})", load_dir, fresh=fresh)
     if not is_complete(load_dir, tag):
@@ -246,10 +253,22 @@ def resolve(load_dir: Path, ckpt_id: str | None, fresh: str = "") -> str:
     return tag
 
 
+def pointer_problem(ckpt_dir: Path, name: str) -> str | None:
+    """Why the pointer ``name`` (``latest``, ``best``) of ``ckpt_dir`` cannot be read or replaced: something
+    other than a file is there (a directory, a named pipe); None where it is a file or absent."""
+    path = ckpt_dir / name
+    if not path.exists():
+        return None
+    why = not_a_file(path)
+    if why is None:
+        return None
+    return f"{path}: {why}; a run keeps `{name}` there as a file naming a checkpoint: move it away"
+
+
 def best_tag(ckpt_dir: Path) -> str | None:
     """The tag the ``best`` file names, or None when there is none (or it is garbled)."""
     try:
-        tag = (ckpt_dir / BEST).read_bytes().decode("utf-8", "replace").strip()
+        tag = read_regular(ckpt_dir / BEST).decode("utf-8", "replace").strip()
     except OSError:
         return None
     return tag if _TAG.match(tag) else None

@@ -231,7 +231,12 @@ class Publisher:
             if self._pending == tag:
                 self._best = tag
                 return
-        self.store.write(BEST, tag)
+        try:
+            self.store.write(BEST, tag)
+        except OSError as exc:  # the disk, as a save's
+            raise self._no_room(tag, exc) or CheckpointError(
+                f"marking {where(self.store, tag)} best failed: {exc}"
+            ) from None
 
     def _keep(self, tag: str, step: int, written: Callable[[], None]) -> None:
         store = self.store

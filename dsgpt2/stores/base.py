@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 from dsgpt2.errors import CheckpointError, ConfigError
-from dsgpt2.files import atomic_write_text, file_sha256, reader_cache
+from dsgpt2.files import atomic_write_text, file_sha256, read_regular, reader_cache
 from dsgpt2.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class Artifact:
     def read_marker(self, path: Path) -> dict[str, Any] | None:
         """The marker at ``path``; None where it is absent or unreadable (the tag is not whole)."""
         try:
-            marker = json.loads(path.read_bytes())
+            marker = json.loads(read_regular(path))  # a named pipe is not waited on
         except (OSError, ValueError):
             return None
         return marker if isinstance(marker, dict) and marker.get(self.holds) is not None else None
@@ -234,7 +234,7 @@ class DirectoryStore:
 
     def read(self, name: str) -> str | None:
         try:
-            return (self.local / name).read_bytes().decode("utf-8", "replace")
+            return read_regular(self.local / name).decode("utf-8", "replace")
         except OSError:
             return None
 

@@ -300,3 +300,41 @@ def test_a_resume_refuses_another_init_from_and_takes_the_one_it_started_from(
     finally:
         logging.getLogger("dsgpt2").removeHandler(caplog.handler)
     assert any("reads no --init_from" in r.getMessage() for r in caplog.records), caplog.records
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["pipe", "folder"])
+def test_a_pipe_or_folder_in_place_of_latest_best_or_a_marker_is_said_not_waited_on(
+    tmp_path: Path, kind: str
+) -> None:
+    """Opened, a named pipe waits for a writer: a `latest`, `best` or marker that is one hung every reader
+    of the run. A folder there was taken for no `latest`, and the run failed to save over it once trained."""
+    import os
+
+    from dsgpt2.checkpoints.format import best_tag, peek_tag, pointer_problem
+
+    for step in (4, 8):
+        checkpoint.save(FakeEngine(), tmp_path, step, {}, keep_last=0)
+    (tmp_path / "best").write_text("global_step8")
+
+    def odd(path: Path) -> None:
+        path.unlink()
+        os.mkfifo(path) if kind == "pipe" else path.mkdir()
+
+    said = "a named pipe, not a regular file" if kind == "pipe" else "a directory, not a file"
+    odd(tmp_path / "best")
+    assert best_tag(tmp_path) is None
+    assert pointer_problem(tmp_path, "best") == (
+        f"{tmp_path / 'best'}: {said}; a run keeps `best` there as a file naming a checkpoint: move it away"
+    )
+    with pytest.raises(CheckpointError, match=rf"--ckpt_id best: .*best: {said}"):
+        resolve(tmp_path, "best")
+    odd(tmp_path / "latest")
+    assert peek_tag(tmp_path, None) == "global_step8"
+    with pytest.raises(CheckpointError, match=rf"latest: {said};.*--ckpt_id global_step8"):
+        resolve(tmp_path, None)
+    odd(tmp_path / "global_step8" / COMPLETE)  # that checkpoint is no longer whole
+    with pytest.raises(CheckpointError, match="--ckpt_id global_step4"):
+        resolve(tmp_path, None)
+    assert DirectoryStore(tmp_path, CHECKPOINTS).read("latest") is None
+    assert list(DirectoryStore(tmp_path, CHECKPOINTS).tags()) == ["global_step4"]

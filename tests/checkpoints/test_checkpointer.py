@@ -290,3 +290,15 @@ def test_a_fresh_run_refuses_a_directory_that_is_a_checkpoint_or_the_users(tmp_p
     # Empty, or a run's own (a crash before its first whole checkpoint): a fresh start, as before.
     (tmp_path / "empty").mkdir()
     assert checkpointer(settings(tmp_path, train_iters=6, ckpt_dir=tmp_path / "empty"), corpus).find() is None
+
+
+def test_a_folder_where_best_is_kept_is_refused_before_a_step_not_at_the_save(tmp_path: Path, corpus) -> None:
+    """The run resumed, trained, then failed with a traceback when it marked its best checkpoint over the
+    folder."""
+    ck = checkpointer(settings(tmp_path), corpus)
+    save(ck, corpus, 2)
+    (tmp_path / "ckpt" / "best").mkdir()
+    with pytest.raises(CheckpointError, match=r"ckpt/best: a directory, not a file; .*move it away"):
+        checkpointer(settings(tmp_path), corpus).find()
+    with pytest.raises(CheckpointError, match=r"marking .*global_step2 best failed: .*Is a directory"):
+        ck.mark_best("global_step2")
