@@ -19,7 +19,7 @@ import torch
 from dsgpt2.accelerator import prepare_deepspeed_environment
 from dsgpt2.checkpoints import format as checkpoint
 from dsgpt2.errors import ConfigError, first_line
-from dsgpt2.files import file_sha256
+from dsgpt2.files import file_sha256, not_a_file
 from dsgpt2.model.gpt2 import causal_lm_loss
 from dsgpt2.tokenizer.stored import stored_tokenizer
 
@@ -67,8 +67,11 @@ def export_run(path: Path) -> dict[str, Any]:
     Raises:
         ConfigError: the record is damaged.
     """
-    if not (path / RUN_INFO).is_file():
+    if not (path / RUN_INFO).exists():
         return {}
+    why = not_a_file(path / RUN_INFO)  # a folder or a named pipe there is no record, not an absent one
+    if why is not None:
+        raise damaged_export(path, RUN_INFO, ValueError(why))
     try:
         run = json.loads((path / RUN_INFO).read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -94,6 +97,9 @@ def read_export(path: Path) -> tuple[Any, dict[str, Any]]:
         weights: dict[str, Any] = {}
         for f in sorted(path.glob("*.safetensors")):
             name = f.name
+            why = not_a_file(f)  # a named pipe would wait for a writer
+            if why is not None:
+                raise ValueError(why)
             if name in recorded and file_sha256(f) != recorded[name]:
                 # Bytes changed in place keep the format valid: the weights would load, and give NaN.
                 raise ValueError(

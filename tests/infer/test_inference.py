@@ -259,6 +259,29 @@ def test_a_damaged_export_is_one_line_naming_its_file_and_the_way_out(
                          "(`dsgpt2 export --ckpt_dir DIR --out DIR`)"), line  # fmt: skip
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("name", "kind", "said"),
+    [
+        ("model.safetensors", "pipe", "a named pipe, not a regular file"),
+        ("dsgpt2_run.json", "pipe", "a named pipe, not a regular file"),
+        ("dsgpt2_run.json", "folder", "a directory, not a file"),
+    ],
+    ids=["weights a pipe", "run record a pipe", "run record a folder"],
+)
+def test_a_pipe_or_folder_in_an_export_is_one_line_not_a_wait_nor_no_record(
+    plain_export: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, kind: str, said: str
+) -> None:
+    """Weights that are a named pipe waited forever for a writer; a run record that is not a file was
+    taken for none, and the weights were loaded unchecked."""
+    model = tmp_path / "model"
+    shutil.copytree(plain_export, model)
+    (model / name).unlink(missing_ok=True)  # this export's record is written by dsgpt2's export only
+    os.mkfifo(model / name) if kind == "pipe" else (model / name).mkdir()
+    line = _error_line(capsys, "generate", "--model", str(model), "def")
+    assert f"model {model}: {name} cannot be read ({said}): the export is damaged;" in line, line
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [
