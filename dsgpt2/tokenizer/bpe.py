@@ -30,6 +30,7 @@ from dsgpt2.files import (
     check_writable_dir,
     file_digest,
     is_occupied,
+    read_regular,
     staged_dir,
     unlisted,
 )
@@ -204,7 +205,7 @@ def check_vocab_out(out: Path, overwrite: bool) -> None:
 def _recorded_files(out: Path) -> object:
     """The file names a tokenizer's record lists (None where it lists none, or cannot be read)."""
     try:
-        return json.loads((out / VOCAB_META).read_text()).get(RECORDED_FILES)
+        return json.loads(read_regular(out / VOCAB_META)).get(RECORDED_FILES)
     except (OSError, ValueError, AttributeError):
         return None
 

@@ -23,9 +23,9 @@ from typing import Any
 from dsgpt2.db.client import Connection, connect
 from dsgpt2.db.config import MongoConfig, load_config
 from dsgpt2.errors import CheckpointError, ConfigError
-from dsgpt2.files import file_sha256, reader_cache
+from dsgpt2.files import file_sha256, not_a_file, reader_cache
 from dsgpt2.stores.base import STORES, Artifact, Store, offered, split_location
-from dsgpt2.tokenizer.bpe import tokenizer_digest
+from dsgpt2.tokenizer.bpe import load_tokenizer, tokenizer_digest
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,11 @@ class StoredTokenizer:
         """
         if not (directory / "tokenizer.json").is_file():
             raise ConfigError(f"{directory}: no tokenizer.json; train one first (dsgpt2 vocab train)")
+        load_tokenizer(directory)  # one that cannot be read is not stored for runs to fail on
+        for path in sorted(directory.iterdir()):  # a named pipe would be waited on when copied
+            why = None if path.name.startswith(".") or path.is_dir() else not_a_file(path)
+            if why is not None:
+                raise ConfigError(f"{path}: {why}; a tokenizer directory holds files only")
         digest = tokenizer_digest(directory)
         if self.holds(digest):
             return digest  # the same tokenizer: nothing to replace

@@ -48,6 +48,28 @@ def test_a_pushed_tokenizer_comes_back_whole_and_a_second_fetch_keeps_the_files_
     assert fetch_tokenizer(corpus["tok"], conn, tmp_path) == corpus["tok"]  # a directory is itself
 
 
+@pytest.mark.timeout(60)
+def test_a_tokenizer_that_cannot_be_read_or_holds_a_pipe_is_not_pushed(
+    corpus: dict[str, Path], conn: Connection, tmp_path: Path
+) -> None:
+    """A tokenizer.json cut short was stored (exit 0) for runs to fail on; a named pipe in the directory
+    ended the push in a traceback from its copy."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(corpus["tok"], tok)
+    whole = (tok / "tokenizer.json").read_bytes()
+    (tok / "tokenizer.json").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ConfigError, match=rf"tokenizer {tok}: tokenizer.json cannot be read \("):
+        StoredTokenizer(conn, "cut").push(tok)
+    (tok / "tokenizer.json").write_bytes(whole)
+    (tok / "tokenizer_config.json").unlink()
+    os.mkfifo(tok / "tokenizer_config.json")
+    with pytest.raises(ConfigError, match=r"tokenizer_config.json: a named pipe, not a regular file; a tok"):
+        StoredTokenizer(conn, "pipe").push(tok)
+    assert StoredTokenizer(conn, "cut").marker() is None and StoredTokenizer(conn, "pipe").marker() is None
+
+
 def test_an_upload_that_died_before_its_marker_stores_no_tokenizer(
     corpus: dict[str, Path], conn: Connection, tmp_path: Path
 ) -> None:
