@@ -258,13 +258,17 @@ def read_regular(path: str | os.PathLike[str]) -> bytes:
         OSError: nothing there, not a regular file, or unreadable.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
+    try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
             raise IsADirectoryError(errno.EISDIR, "a directory, not a file", str(path))
         if not stat.S_ISREG(mode):
             kind = next((kind for test, kind in _KINDS if test(mode)), "not a regular file")
             raise OSError(errno.EINVAL, f"{kind}, not a regular file", str(path))
+    except OSError:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
         return f.read()
 
 

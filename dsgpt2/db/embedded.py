@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from dsgpt2.db import procfs
-from dsgpt2.errors import ConfigError, MongoUnavailableError
-from dsgpt2.files import atomic_write_text, parses_as_toml
+from dsgpt2.errors import ConfigError, MongoUnavailableError, first_line
+from dsgpt2.files import atomic_write_text, parses_as_toml, read_regular
 from dsgpt2.listen import port_free
 from dsgpt2.settings.environment import env_seconds
 
@@ -290,7 +290,7 @@ def check_directory(directory: Path) -> None:
     marker = directory / MARKER
     if marker.exists():
         try:
-            engine = json.loads(marker.read_text(encoding="utf-8")).get("engine")
+            engine = json.loads(read_regular(marker)).get("engine")  # a named pipe: not waited on
         except (OSError, ValueError, AttributeError):
             raise ConfigError(
                 f"{where}: {MARKER} is damaged (not the JSON {PREFIX} writes); if the directory holds its "
@@ -347,7 +347,7 @@ def locked(directory: Path) -> Iterator[None]:
 
 def _read_state(directory: Path) -> ServerState | None:
     try:
-        data = json.loads((directory / "server.json").read_text(encoding="utf-8"))
+        data = json.loads(read_regular(directory / "server.json"))  # a named pipe: not waited on
         started, served = data.get("started"), data.get("directory")
         if served is not None and os.path.realpath(served) != os.path.realpath(directory):
             return None  # copied here with the data: the server of the directory it came from
@@ -355,7 +355,7 @@ def _read_state(directory: Path) -> ServerState | None:
             pid=int(data["pid"]), port=int(data["port"]), host=str(data.get("host", "127.0.0.1")),
             started=None if started is None else int(started), directory=served,
         )  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # damaged: no server it names
         return None
 
 
@@ -409,13 +409,13 @@ def strays(directory: Path) -> list[int]:
 
 
 def _secret(directory: Path) -> str:
-    path = directory / "secret"
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+    try:  # a folder or a named pipe there is said to be one, not read (nor waited on)
+        return read_regular(directory / "secret").decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:  # stopped, a server without it makes a new password
+        why = "is missing" if isinstance(exc, FileNotFoundError) else f"cannot be read ({first_line(exc)})"
         raise MongoUnavailableError(
-            f"{PREFIX}{directory}: its password file is missing; stop the server (dsgpt2 db stop) "
-            "and run the command again"
+            f"{PREFIX}{directory}: its password file {why}; stop the server (dsgpt2 db stop), "
+            f"{'' if why == 'is missing' else 'move it away, '}and run the command again"
         ) from None
 
 

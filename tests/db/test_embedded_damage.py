@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import run_cli
 from dsgpt2.db import embedded, procfs
 from pace import alive, deadline, wait_for
@@ -89,3 +91,40 @@ def test_a_damaged_table_file_is_one_line_naming_the_servers_log(local_db: Any) 
         assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr[-3000:]
         assert "the database server failed a command with an internal error" in result.stderr
         assert "server.log" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_pipe_folder_or_junk_among_the_servers_own_files_is_said_not_waited_on(tmp_path: Path) -> None:
+    """A named pipe as server.json, secret or the directory's marker hung every command on the database;
+    a server.json of another shape, a folder or non-UTF-8 bytes as secret ended in a traceback."""
+    import os
+
+    from dsgpt2.errors import ConfigError, MongoUnavailableError
+
+    directory = tmp_path / "db"
+    directory.mkdir()
+    (directory / "server.json").write_text("[1, 2]")
+    assert embedded._read_state(directory) is None
+    (directory / "server.json").unlink()
+    os.mkfifo(directory / "server.json")
+    assert embedded._read_state(directory) is None
+    damages = ((b"\xff\xfe", "cannot be read ('utf-8' codec"), ("pipe", "a named pipe, not a regular"),
+               ("folder", "a directory, not a file"))  # fmt: skip
+    for damage, said in damages:
+        secret = directory / "secret"
+        if secret.is_dir():
+            secret.rmdir()
+        else:
+            secret.unlink(missing_ok=True)
+        if damage == "pipe":
+            os.mkfifo(secret)
+        elif damage == "folder":
+            secret.mkdir()
+        else:
+            secret.write_bytes(damage)
+        with pytest.raises(MongoUnavailableError, match=r"its password file ") as err:
+            embedded._secret(directory)
+        assert said in str(err.value) and "move it away, and run the command again" in str(err.value)
+    os.mkfifo(directory / embedded.MARKER)
+    with pytest.raises(ConfigError, match=rf"{embedded.MARKER} is damaged"):
+        embedded.check_directory(directory)
