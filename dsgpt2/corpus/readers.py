@@ -142,11 +142,44 @@ def open_text(path: Path, tally: DecodeTally | None = None) -> TextIO:
         encoding = "utf-8-sig"
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
+    if gz:
+        check_gzip(path)
     try:
         raw = gzip.open(path, "rb") if gz else open(path, "rb")  # noqa: SIM115
     except OSError as exc:
         raise IngestError(f"cannot read {str(path)!r}: {exc}") from None
     return io.TextIOWrapper(raw, encoding=encoding, errors=tally.errors(), newline="")
+
+
+_GZIP_WHOLE: set[tuple[str, int, int]] = set()  # (path, size, mtime) of the gzip files found whole
+
+
+def check_gzip(path: Path) -> None:
+    """Refuse a gzip file whose stream is damaged, read through before any of its text is used: gzip
+    checks its CRC and length only at the end of a member, so the text of a damaged one may be garbled
+    anywhere before the error (a byte flipped mid-file gave documents of scrambled text). A file only cut
+    short is let through: the text before the cut is the file's own.
+
+    Raises:
+        IngestError: naming the file and the damage.
+    """
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key in _GZIP_WHOLE:
+        return
+    try:
+        with gzip.open(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except EOFError:
+        pass  # cut short: read as far as it goes, and said where
+    except (OSError, zlib.error) as exc:
+        raise IngestError(
+            f"{path}: the gzip file is damaged ({type(exc).__name__}: {exc}); gzip finds it only at the "
+            "file's end, so its text may be garbled anywhere before: nothing of it is ingested; restore the "
+            "file and re-run the same command"
+        ) from None
+    _GZIP_WHOLE.add(key)
 
 
 # What reading a damaged file raises: a truncated gzip (EOFError), a bad CRC or header

@@ -319,15 +319,38 @@ def _gzip_lines(path: Path, n: int) -> bytes:
     return path.read_bytes()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "crc"])
-def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path, damage: str) -> None:
+@pytest.mark.parametrize("damage", ["crc", "flipped"])
+def test_a_gzip_damaged_inside_is_refused_before_any_of_its_text_is_stored(
+    tmp_path: Path, damage: str
+) -> None:
+    """gzip finds damage only at a member's end (its CRC): text read before that may be garbled anywhere
+    (a byte flipped mid-file stored documents of scrambled text). Refused whole, in one line, exit 2."""
+    f = tmp_path / "lines.txt.gz"
+    good = _gzip_lines(f, 5000)
+    if damage == "crc":
+        f.write_bytes(good[:-8] + bytes(b ^ 0xFF for b in good[-8:-4]) + good[-4:])  # the CRC32 trailer
+    else:
+        middle = len(good) // 2
+        f.write_bytes(good[:middle] + bytes(b ^ 0x5A for b in good[middle : middle + 4]) + good[middle + 4 :])
+    clean = tmp_path / "clean.txt"
+    clean.write_text("a clean document\n")
+    cfg, store = store_config(tmp_path)
+    from conftest import run_cli
+
+    args = ["ingest", "--config", str(cfg), "--no_progress", str(clean), str(f)]
+    for _ in range(2):  # the same line again, nothing stored twice
+        done = run_cli(*args)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert "lines.txt.gz: the gzip file is damaged" in line and "nothing of it is ingested" in line, line
+        assert _texts(Connection(make_config(["a"], **db_for(store)))) == ["a clean document"]
+
+
+def test_a_truncated_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path) -> None:
     n = 5000
     f = tmp_path / "lines.txt.gz"
     good = _gzip_lines(f, n)
-    if damage == "truncated":
-        f.write_bytes(good[: len(good) // 2])
-    else:
-        f.write_bytes(good[:-8] + bytes(b ^ 0xFF for b in good[-8:-4]) + good[-4:])  # the CRC32 trailer
+    f.write_bytes(good[: len(good) // 2])
     cfg, store = store_config(tmp_path)
     args = ["ingest", "--config", str(cfg), "--batch_size", "300", "--no_progress", str(f)]
     from conftest import run_cli
@@ -342,7 +365,7 @@ def test_damaged_gzip_keeps_what_precedes_and_stops_with_one_line(tmp_path: Path
     expected = [f"line {i} " for i in range(read)]
     texts = _texts(conn)
     assert [t[: len(e)] for t, e in zip(texts, expected, strict=True)] == expected
-    assert read == (n if damage == "crc" else len(texts)) and 0 < len(texts) <= n
+    assert read == len(texts) and 0 < len(texts) < n
     # Re-run on the same damaged file: the same line, nothing inserted twice.
     again = run_cli(*args)
     assert again.returncode == 2 and again.stderr.strip().splitlines()[-1] == line
