@@ -328,3 +328,33 @@ def test_the_demo_recipes_runs_beside_the_tours_train_in_folders_of_their_own() 
                 assert flags.get("--workspace", recipe["workspace"]) != recipe["workspace"], where
                 assert owners.setdefault(flags["--ckpt_dir"], command) == command, where
     assert len(owners) >= 6
+
+
+def test_the_docs_write_tokenizers_and_exports_where_the_tour_and_their_page_wrote_none() -> None:
+    """`vocab train`, `vocab push` and `export` refuse an --out that holds a tokenizer or another
+    checkpoint's export (without --overwrite): a page's command writes none where the tour, or an earlier
+    command of its page, wrote one (the tour's runs/tokenizer is the one its runs trained with)."""
+    tour = [c for c in blocks(ROOT / "README.md") if c.startswith("dsgpt2 ")]
+    writers = (["dsgpt2", "vocab", "train"], ["dsgpt2", "vocab", "push"])
+
+    def out(command: str) -> str | None:
+        env, words = split(command)
+        if "--overwrite" in words:
+            return None
+        if words[:3] in writers or words[:2] == ["dsgpt2", "export"]:
+            return _flags(command)["--out"]
+        if words[-1:] == ["pipelines/train_vocab.sh"]:
+            return env.get("TOKENIZER", "runs/tokenizer")
+        return None
+
+    toured = {o for c in tour if (o := out(c))}
+    checked = 0
+    for page in PAGES:
+        written = set(toured)
+        for command in blocks(page):
+            if command in tour or (there := out(command)) is None:
+                continue
+            checked += 1
+            assert there not in written, (page.name, command)
+            written.add(there)
+    assert checked >= 10
