@@ -59,6 +59,8 @@ class DedupReport(Report):
     examples: list[tuple[str, str]] = field(default_factory=list)  # (copy, kept)
 
     def lines(self) -> list[str]:
+        if self.deferred:
+            return [f"{c.name}: {c.hashed} hashed by this run" for c in self.collections]
         out = [duplicates_line(c, c.hashed, "hashed", "exact duplicate(s)", DUP_OF) for c in self.collections]
         out.append(f"{self.groups} text(s) held more than once ({self.seconds:.1f}s)")
         out.extend(f"e.g. {copy} repeats {kept}" for copy, kept in self.examples)
@@ -154,6 +156,7 @@ class Hashing(Step):
         """Group the hashes and mark every copy but the first (see module doc); with ``split.parts`` >
         1 only this machine's part was hashed: one run without parts then marks."""
         if split.parts > 1:
+            report.deferred = True
             return
         marked, unmarked = {n: 0 for n in names}, {n: 0 for n in names}
         writer = _Marker(conn, names, marked, unmarked)

@@ -156,6 +156,7 @@ class Signing(Step):
         """Bucket, confirm, cluster and mark (see module doc); with ``split.parts`` > 1 only this
         machine's part was signed: one run without parts then marks."""
         if split.parts > 1:
+            report.deferred = True
             return
         params = self.params
         for name in names:  # what ``ingest --dedup`` asks of the corpus
@@ -240,6 +241,8 @@ class NearReport(Report):
         p = self.params
         out = [f"near duplicates at Jaccard >= {p.threshold} of word {p.ngram}-grams "
                f"({p.num_perm} permutations, {p.bands} bands of {p.rows} rows)"]  # fmt: skip
+        if self.deferred:
+            return out + [f"{c.name}: {c.signed} signed by this run" for c in self.collections]
         out += [
             duplicates_line(c, c.signed, "signed", "near duplicate(s)", NEAR_OF) for c in self.collections
         ]

@@ -110,6 +110,9 @@ class Report:
 
     collections: list[Any]
     seconds: float = field(default=0.0, kw_only=True)
+    # A run over part of the idx ranges (--part R/M) of a step that marks once every part is done: it
+    # counts no marks, so its report says only what it did.
+    deferred: bool = field(default=False, kw_only=True)
 
     def lines(self) -> list[str]:
         """The report as printed."""

@@ -93,6 +93,30 @@ def test_a_killed_pass_ends_as_a_straight_one(monkeypatch: pytest.MonkeyPatch, w
     assert conn.db["articles"].count_documents({"text_hash": {"$type": "string"}}) == 400
 
 
+def test_a_part_run_reports_what_it_hashed_and_signed_not_marks_it_has_not_counted() -> None:
+    """`dedup --exact --near --part 1/2` hashes and signs its share; the marking (and the counting of
+    duplicates) waits for the run without --part, so its report says no "0 duplicate(s)" it never
+    counted, nor the FILTER that would keep them out."""
+    from dsgpt2.curation import neardup
+    from dsgpt2.curation.minhash import LshParams
+    from dsgpt2.curation.steps import Split
+
+    conn = Connection(make_config(["articles"], TEXT_FIELD="body"))
+    texts = planted(7, 100, 30)
+    conn.db["articles"].insert_many([{"_id": ObjectId(), "idx": i, "body": t} for i, t in enumerate(texts)])
+    part = Split(part=0, parts=2)
+    exact = run_pass(conn, ["articles"], dedup.Hashing(), split=part)
+    near = run_pass(conn, ["articles"], neardup.Signing(LshParams(threshold=0.8)), split=part)
+    assert exact.lines() == ["articles: 50 hashed by this run"]
+    assert near.lines()[1:] == ["articles: 50 signed by this run"]
+    assert marks(conn, ["articles"]) == {}
+    whole = run_pass(conn, ["articles"], dedup.Hashing())
+    assert whole.lines()[0].startswith(
+        f"articles: 100 documents, 50 hashed by this run; {len(reference({'a': texts}))} "
+    )
+    assert any('"FILTER"' in line for line in whole.lines())
+
+
 def test_ingest_dedup_skips_and_counts_texts_the_corpus_holds(tmp_path: Path) -> None:
     news = planted(4, 100, 60)
     cfg, store = ingest_files(tmp_path, {"news": news})
