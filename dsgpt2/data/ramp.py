@@ -93,6 +93,7 @@ def check_ramp(steps: int, grad_accum: int, deepspeed_config: object) -> BatchRa
         raise ConfigError(
             f"--batch_ramp {steps}: the ramp rises to the DeepSpeed config's gradient_accumulation_steps, "
             f"which is {grad_accum} in {deepspeed_config}; use a config that accumulates 2 or more "
-            "micro-batches a step (the full batch), or leave --batch_ramp out"
+            "micro-batches a step (the full batch), or --batch_ramp 0 for none (a resumed run takes its "
+            "checkpoint's ramp unless told)"
         )
     return BatchRamp(grad_accum, steps)

@@ -67,5 +67,8 @@ def test_no_ramp_is_the_plain_accumulation() -> None:
 def test_a_ramp_needs_a_config_that_accumulates() -> None:
     with pytest.raises(ConfigError, match=r"--batch_ramp 200: .* which is 1 in ds\.json; use a config"):
         check_ramp(200, 1, "ds.json")
+    # A resume takes its checkpoint's ramp where none is typed: "leave --batch_ramp out" would not do.
+    with pytest.raises(ConfigError, match=r"or --batch_ramp 0 for none \(a resumed run takes its checkpoint"):
+        check_ramp(600, 1, "ds.json")
     assert check_ramp(0, 1, "ds.json") == BatchRamp(1)
     assert check_ramp(200, 2, "ds.json").accum(199) == 1
