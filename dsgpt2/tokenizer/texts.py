@@ -35,7 +35,15 @@ from dsgpt2.db.client import require_collections
 from dsgpt2.db.config import MongoConfig
 from dsgpt2.db.wrapper import MongoWrapper, require_nonempty
 from dsgpt2.documents import SkipTally, text_problem, utf8_length
-from dsgpt2.errors import ConfigError, DsGpt2Error, NoRoomError, first_line
+from dsgpt2.errors import (
+    ConfigError,
+    DiskFullError,
+    DsGpt2Error,
+    MongoUnavailableError,
+    NoRoomError,
+    ServerLostError,
+    first_line,
+)
 from dsgpt2.files import (
     atomic_write_text,
     atomic_writer,
@@ -218,6 +226,13 @@ def download(
                     report.bytes += stats["bytes"]
                     report.skipped.update(stats["skipped"])
                     bar.update(ranges[k][1] - ranges[k][0])
+        except MongoUnavailableError as exc:
+            if isinstance(exc, (ServerLostError, DiskFullError)):
+                raise
+            # The server answered when the download began: lost on the way (exit 3), not misnamed.
+            raise ServerLostError(
+                f"{exc}; {len(manifest['done'])} whole shard(s) kept: re-run the same command to resume"
+            ) from None
         finally:
             bar.close()
         report.seconds = time.monotonic() - started

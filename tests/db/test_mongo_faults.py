@@ -235,8 +235,8 @@ def test_ingest_killed_by_a_server_loss_lands_every_record_once_on_rerun(
     watcher.close()
     up.kill()
     out, err = proc.communicate(timeout=deadline(60))
-    assert proc.returncode == 2, err[-3000:]
-    last = one_clear_line(subprocess.CompletedProcess([], 2, out, err), f"127.0.0.1:{up.port}")
+    assert proc.returncode == 3, err[-3000:]
+    last = one_clear_line(subprocess.CompletedProcess([], 3, out, err), f"127.0.0.1:{up.port}")
     assert "re-run the same command to resume" in last
 
     up.start()
@@ -275,8 +275,8 @@ def test_vocab_download_killed_by_a_server_loss_finishes_exactly_once(up: WireSe
         wait_for(one_shard_done, 60, "the first shard", proc)
         up.kill()
         stdout, stderr = proc.communicate(timeout=deadline(60))
-        assert proc.returncode == 2, stderr[-3000:]
-        one_clear_line(subprocess.CompletedProcess([], 2, stdout, stderr), f"127.0.0.1:{proxy.port}")
+        assert proc.returncode == 3, stderr[-3000:]
+        one_clear_line(subprocess.CompletedProcess([], 3, stdout, stderr), f"127.0.0.1:{proxy.port}")
         done_before = json.loads((out / "manifest.json").read_text())["done"]
         assert 1 <= len(done_before) < 6
         assert not list(out.glob(".shard-*"))

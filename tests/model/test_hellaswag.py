@@ -106,8 +106,8 @@ def readme_block(containing: str) -> str:
 
 @pytest.mark.slow
 def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample_texts: list[str]) -> None:
-    """The docs' lm-eval commands, run as written in a directory holding `runs/model` (an export)
-    and `hellaswag_val.jsonl`: EleutherAI's `lm_eval --model hf` loads the export and runs the local
+    """The docs' lm-eval commands, run as written in a directory holding the export they name (the
+    tour's) and `hellaswag_val.jsonl`: EleutherAI's `lm_eval --model hf` loads the export and runs the local
     task offline. Its acc, the ending of least summed loss, is the acc `dsgpt2 evaluate --hellaswag`
     reports on the same file."""
     import os
@@ -115,13 +115,17 @@ def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample
     import subprocess
     import sys
 
+    block = readme_block("lm_eval --model hf")
+    named = re.search(r"pretrained=([^,\s]+)", block)
+    assert named, block
+    exported = tmp_path / named.group(1)
     model_dir = tiny_export(tmp_path / "built", sample_texts[:300], context=128)
-    shutil.copytree(model_dir, tmp_path / "runs" / "model")
+    shutil.copytree(model_dir, exported)
     data = tmp_path / "hellaswag_val.jsonl"
     data.write_text("".join(json.dumps(e) + "\n" for e in examples(sample_texts[300:], 24)))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
-    harness = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_block("lm_eval --model hf")],
+    harness = subprocess.run(["bash", "-euo", "pipefail", "-c", block],
                              cwd=tmp_path, capture_output=True, text=True, env=env,
                              timeout=deadline(300))  # fmt: skip
     assert harness.returncode == 0, (harness.stdout + harness.stderr)[-3000:]
@@ -130,7 +134,7 @@ def test_lm_eval_scores_an_export_as_dsgpt2_evaluate_does(tmp_path: Path, sample
 
     cfg, _ = store_config(tmp_path)
     report = tmp_path / "report.json"
-    ours = run_cli("evaluate", "--model", str(tmp_path / "runs" / "model"), "--config", str(cfg),
+    ours = run_cli("evaluate", "--model", str(exported), "--config", str(cfg),
                    "--hellaswag", str(data), "--report", str(report), "--no_record")  # fmt: skip
     assert ours.returncode == 0, ours.stderr
     metrics = json.loads(report.read_text())["metrics"]
