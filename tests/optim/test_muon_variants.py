@@ -300,7 +300,7 @@ def test_the_three_train_the_same_model_at_each_zero_stage_and_resume_mid_warmup
         resumed = train(
             staged, run, "--train_iters", "6", "--save_interval", "3"
         )  # the options from the checkpoint
-        for taken in ("--muon_ns polar_express,", "--muon_cautious True,", "--muon_momentum_warmup 4"):
+        for taken in ("--muon_ns polar_express,", "--muon_cautious,", "--muon_momentum_warmup 4"):
             assert taken in resumed.stderr, resumed.stderr[-3000:]
         assert "this run's, not the checkpoint's" not in resumed.stderr
         b = steps(run)
