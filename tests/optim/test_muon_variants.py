@@ -329,7 +329,7 @@ def test_normuon_and_soap_train_at_zero_0_resume_exactly_and_are_refused_at_zero
     crashed = train(staged, tmp_path / "b", *variant, *RUN, check=False, faults=("--exit_after", "5"))
     assert crashed.returncode == 17
     resumed = train(staged, tmp_path / "b", "--train_iters", "6", "--save_interval", "3")
-    assert f"--muon_{flag} True" in resumed.stderr
+    assert f"--muon_{flag}," in resumed.stderr
     a, b = steps(tmp_path / "a"), steps(tmp_path / "b")
     assert a[6]["loss"] < a[1]["loss"] - 0.3
     for step in range(1, 7):
